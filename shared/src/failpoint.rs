@@ -1,0 +1,99 @@
+//! Named crash points, compiled into every build and armed only by the environment
+//! (design README "Decisions": failpoints).
+//!
+//! `MBX_FAILPOINTS` is a comma-separated list of `name[=action][@n]`:
+//! - `pause` (default): print `FAILPOINT <name> reached` on stderr and block this thread for
+//!   good, so a test can SIGKILL the real process exactly at that boundary;
+//! - `abort`: print the same line and abort the process at once;
+//! - `@n`: act only on the n-th time the point is reached (1-based; default 1).
+//!
+//! Names used across the code base (spec §5 crash windows): relay `push:before-commit`,
+//! `push:after-commit`, `pull:before-response`, `ack:before-commit`, `ack:after-commit`; sender
+//! `push:before-send`, `push:after-response`; receiver `receive:after-deliver`,
+//! `ack:before-send`, `ack:after-response`.
+//!
+//! With the variable unset, [`hit`] is a single relaxed load of an empty list.
+
+use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+/// Environment variable that arms failpoints.
+pub const FAILPOINTS_ENV: &str = "MBX_FAILPOINTS";
+
+/// What an armed failpoint does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Announce on stderr and block forever (the test kills the process).
+    Pause,
+    /// Announce on stderr and abort the process.
+    Abort,
+}
+
+#[derive(Debug)]
+struct Armed {
+    name: String,
+    action: Action,
+    nth: u64,
+    seen: AtomicU64,
+}
+
+fn registry() -> &'static Vec<Armed> {
+    static ARMED: OnceLock<Vec<Armed>> = OnceLock::new();
+    ARMED.get_or_init(|| parse(&std::env::var(FAILPOINTS_ENV).unwrap_or_default()))
+}
+
+fn parse(spec: &str) -> Vec<Armed> {
+    spec.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|entry| {
+            let (rest, nth) = match entry.rsplit_once('@') {
+                Some((r, n)) => (r, n.parse::<u64>().unwrap_or(1).max(1)),
+                None => (entry, 1),
+            };
+            let (name, action) = match rest.split_once('=') {
+                Some((n, "abort")) => (n, Action::Abort),
+                Some((n, _)) => (n, Action::Pause),
+                None => (rest, Action::Pause),
+            };
+            Armed { name: name.to_string(), action, nth, seen: AtomicU64::new(0) }
+        })
+        .collect()
+}
+
+/// The crash point `name` is reached. Does nothing unless `MBX_FAILPOINTS` arms it.
+pub fn hit(name: &str) {
+    for armed in registry() {
+        if armed.name == name && armed.seen.fetch_add(1, Ordering::SeqCst) + 1 == armed.nth {
+            let mut err = std::io::stderr().lock();
+            let _ = writeln!(err, "FAILPOINT {name} reached");
+            let _ = err.flush();
+            match armed.action {
+                Action::Abort => std::process::abort(),
+                Action::Pause => loop {
+                    std::thread::sleep(std::time::Duration::from_secs(3600));
+                },
+            }
+        }
+    }
+}
+
+/// The armed points as `(name, action, nth)`, for a start-up log line.
+pub fn armed() -> Vec<(String, Action, u64)> {
+    registry().iter().map(|a| (a.name.clone(), a.action, a.nth)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_actions_and_counts() {
+        let v = parse("push:after-commit, ack:before-send=abort@3,,x=pause");
+        assert_eq!(v.len(), 3);
+        assert_eq!((v[0].name.as_str(), v[0].action, v[0].nth), ("push:after-commit", Action::Pause, 1));
+        assert_eq!((v[1].name.as_str(), v[1].action, v[1].nth), ("ack:before-send", Action::Abort, 3));
+        assert_eq!(v[2].action, Action::Pause);
+    }
+}
