@@ -4,7 +4,9 @@
 //! Decoding is lenient only where 0.5.x peers are known to be lenient (missing padding); any other
 //! malformed text is refused with [`B64Error`]. Nothing here panics on any input.
 
-use base64::engine::general_purpose::{GeneralPurpose, GeneralPurposeConfig, STANDARD, URL_SAFE_NO_PAD};
+use base64::engine::general_purpose::{
+    GeneralPurpose, GeneralPurposeConfig, STANDARD, URL_SAFE_NO_PAD,
+};
 use base64::engine::DecodePaddingMode;
 use base64::{alphabet, Engine};
 
@@ -39,7 +41,9 @@ pub fn is_wire_b64(text: &str) -> bool {
     let body = text.trim_end_matches('=');
     text.len() - body.len() <= 2
         && !body.is_empty()
-        && body.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'+' || b == b'/')
+        && body
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'+' || b == b'/')
 }
 
 #[cfg(test)]

@@ -19,7 +19,9 @@ use crate::limits::{self, utf16_len};
 use crate::seal::Enc;
 
 /// Envelope kinds (`wire.md` §2.3).
-pub const KINDS: [&str; 7] = ["message", "request", "reply", "status", "decision", "alert", "task"];
+pub const KINDS: [&str; 7] = [
+    "message", "request", "reply", "status", "decision", "alert", "task",
+];
 
 /// Body metadata parsed at send time; signed data for receivers.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -129,7 +131,7 @@ pub struct Draft {
 /// A draft that cannot become an envelope. Messages are 0.5.x's `buildEnvelope` texts.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BuildError {
-    /// Empty or blank subject.
+    /// Empty subject, or one of JavaScript whitespace only.
     #[error("subject is required")]
     SubjectRequired,
     /// Body over 256 KiB.
@@ -144,12 +146,17 @@ pub enum BuildError {
 }
 
 fn is_control(c: char) -> bool {
-    matches!(c, '\u{0}'..='\u{1f}' | '\u{7f}' | '\u{85}' | '\u{2028}' | '\u{2029}')
+    matches!(
+        c,
+        '\u{0}'..='\u{1f}' | '\u{7f}' | '\u{85}' | '\u{2028}' | '\u{2029}'
+    )
 }
 
 /// 0.5.x `oneLine`: control characters become spaces.
 pub fn one_line(s: &str) -> String {
-    s.chars().map(|c| if is_control(c) { ' ' } else { c }).collect()
+    s.chars()
+        .map(|c| if is_control(c) { ' ' } else { c })
+        .collect()
 }
 
 /// Cuts `s` to at most `max` UTF-16 code units without splitting a surrogate pair
@@ -170,7 +177,8 @@ pub fn truncate_utf16(s: &str, max: usize) -> String {
 /// Builds an unsigned, unsealed envelope (0.5.x `buildEnvelope`). `id` is a fresh ULID and
 /// `now_ms` the send time. Errors: [`BuildError`].
 pub fn build(d: &Draft, id: String, now_ms: i64) -> Result<Envelope, BuildError> {
-    if d.subject.trim().is_empty() {
+    // JavaScript `trim()` whitespace (U+FEFF counts, U+0085 does not), as 0.5.x's check.
+    if d.subject.chars().all(js_space) {
         return Err(BuildError::SubjectRequired);
     }
     if d.body.len() > limits::MAX_BODY {
@@ -244,7 +252,9 @@ pub fn signed_string(envelope: &Value) -> Result<String, CanonicalError> {
 /// Verifies the host signature of a received envelope against `host_key`: `sig.alg` is
 /// ed25519, `sig.key` is the key's fingerprint and `sig.value` verifies. Never panics.
 pub fn verify(envelope: &Value, host_key: &PublicKey) -> bool {
-    let Some(sig) = envelope.get("sig") else { return false };
+    let Some(sig) = envelope.get("sig") else {
+        return false;
+    };
     let (Some("ed25519"), Some(fp), Some(value)) = (
         sig.get("alg").and_then(Value::as_str),
         sig.get("key").and_then(Value::as_str),
@@ -299,7 +309,8 @@ fn check_enc(enc: &Value) -> Option<String> {
 
 fn ts_parses(ts: &str) -> bool {
     crate::time::parse_iso_ms(ts).is_some()
-        || ::time::OffsetDateTime::parse(ts, &::time::format_description::well_known::Rfc3339).is_ok()
+        || ::time::OffsetDateTime::parse(ts, &::time::format_description::well_known::Rfc3339)
+            .is_ok()
 }
 
 /// Structural validation of anything claiming to be an envelope (0.5.x `checkShape`), in 0.5.x's
@@ -310,7 +321,9 @@ pub fn check_shape(e: &Value) -> Result<(), String> {
 
 fn check_shape_inner(e: &Value) -> Option<String> {
     use crate::limits::*;
-    let Some(_) = e.as_object() else { return Some("not an object".into()) };
+    let Some(_) = e.as_object() else {
+        return Some("not an object".into());
+    };
     if e.get("v").and_then(Value::as_f64) != Some(3.0) {
         return Some("unsupported version".into());
     }
@@ -335,13 +348,23 @@ fn check_shape_inner(e: &Value) -> Option<String> {
     if !str_field(e, "kind").is_some_and(|k| KINDS.contains(&k)) {
         return Some("bad kind".into());
     }
-    let Some(enc) = e.get("enc") else { return Some("bad enc".into()) };
-    let Some(body) = str_field(e, "body") else { return Some("bad body".into()) };
-    let max_body = if enc.is_null() { MAX_BODY } else { MAX_SEALED_BODY };
+    let Some(enc) = e.get("enc") else {
+        return Some("bad enc".into());
+    };
+    let Some(body) = str_field(e, "body") else {
+        return Some("bad body".into());
+    };
+    let max_body = if enc.is_null() {
+        MAX_BODY
+    } else {
+        MAX_SEALED_BODY
+    };
     if body.len() > max_body {
         return Some(format!("body over {max_body} bytes"));
     }
-    let Some(subject) = str_field(e, "subject") else { return Some("bad subject".into()) };
+    let Some(subject) = str_field(e, "subject") else {
+        return Some("bad subject".into());
+    };
     if utf16_len(subject) > MAX_SUBJECT {
         return Some(format!("subject over {MAX_SUBJECT} characters"));
     }
@@ -351,7 +374,7 @@ fn check_shape_inner(e: &Value) -> Option<String> {
     if !str_field(e, "ts").is_some_and(ts_parses) {
         return Some("bad ts".into());
     }
-    if !str_field(e, "thread").is_some_and(|t| utf16_len(t) <= MAX_FIELD) {
+    if str_field(e, "thread").is_none_or(|t| utf16_len(t) > MAX_FIELD) {
         return Some("bad thread".into());
     }
     match e.get("reply_to") {
@@ -362,9 +385,13 @@ fn check_shape_inner(e: &Value) -> Option<String> {
     if !e.get("needs_reply").is_some_and(Value::is_boolean) {
         return Some("bad needs_reply".into());
     }
-    let Some(refs) = string_array(e.get("refs")) else { return Some("bad refs".into()) };
+    let Some(refs) = string_array(e.get("refs")) else {
+        return Some("bad refs".into());
+    };
     if refs.len() > MAX_REFS || refs.iter().any(|r| utf16_len(r) > MAX_REF) {
-        return Some(format!("more than {MAX_REFS} refs or a ref over {MAX_REF} characters"));
+        return Some(format!(
+            "more than {MAX_REFS} refs or a ref over {MAX_REF} characters"
+        ));
     }
     if !enc.is_null() {
         if let Some(bad) = check_enc(enc) {
@@ -397,8 +424,12 @@ fn check_authority(a: Option<&Value>) -> Option<String> {
     let ok = grant.is_some_and(|g| g.get("v").and_then(Value::as_f64) == Some(2.0))
         && a.get("session_sig").is_some_and(Value::is_string)
         && !a.contains_key("owner_fp");
-    let Some(g) = grant.filter(|_| ok) else { return Some("bad grant authority".into()) };
-    for field in ["id", "iss", "sub", "agent", "host", "iat", "exp", "nonce", "sig"] {
+    let Some(g) = grant.filter(|_| ok) else {
+        return Some("bad grant authority".into());
+    };
+    for field in [
+        "id", "iss", "sub", "agent", "host", "iat", "exp", "nonce", "sig",
+    ] {
         if !g.get(field).is_some_and(Value::is_string) {
             return Some(format!("bad grant.{field}"));
         }
@@ -410,7 +441,9 @@ fn check_authority(a: Option<&Value>) -> Option<String> {
 }
 
 fn check_meta(m: Option<&Value>) -> Option<String> {
-    let Some(m) = m.and_then(Value::as_object) else { return Some("bad meta".into()) };
+    let Some(m) = m.and_then(Value::as_object) else {
+        return Some("bad meta".into());
+    };
     for field in ["mentions", "directives", "tags", "task_refs"] {
         if string_array(m.get(field)).is_none() {
             return Some(format!("bad meta.{field}"));
@@ -422,7 +455,9 @@ fn check_meta(m: Option<&Value>) -> Option<String> {
         }
     }
     if let Some(h) = m.get("hop") {
-        let ok = h.as_f64().is_some_and(|f| f.fract() == 0.0 && (0.0..=limits::MAX_RELAY_DEPTH as f64).contains(&f));
+        let ok = h.as_f64().is_some_and(|f| {
+            f.fract() == 0.0 && (0.0..=limits::MAX_RELAY_DEPTH as f64).contains(&f)
+        });
         if !ok {
             return Some("bad hop".into());
         }
@@ -433,18 +468,23 @@ fn check_meta(m: Option<&Value>) -> Option<String> {
         }
     }
     if let Some(p) = m.get("project") {
-        if !p.as_str().is_some_and(|p| utf16_len(p) <= limits::MAX_PROJECT) {
+        if p.as_str()
+            .is_none_or(|p| utf16_len(p) > limits::MAX_PROJECT)
+        {
             return Some("bad project".into());
         }
     }
     if let Some(p) = m.get("project_key") {
-        if !p.as_str().is_some_and(|p| utf16_len(p) <= limits::MAX_PROJECT) {
+        if p.as_str()
+            .is_none_or(|p| utf16_len(p) > limits::MAX_PROJECT)
+        {
             return Some("bad project key".into());
         }
     }
     if let Some(l) = m.get("local_names") {
-        let ok = string_array(Some(l))
-            .is_some_and(|names| names.len() <= limits::MAX_LOCAL_NAMES && names.iter().all(|n| limits::is_name(n)));
+        let ok = string_array(Some(l)).is_some_and(|names| {
+            names.len() <= limits::MAX_LOCAL_NAMES && names.iter().all(|n| limits::is_name(n))
+        });
         if !ok {
             return Some("bad local names".into());
         }
@@ -458,8 +498,14 @@ fn check_meta(m: Option<&Value>) -> Option<String> {
 fn js_space(c: char) -> bool {
     matches!(
         c,
-        '\t' | '\n' | '\u{b}' | '\u{c}' | '\r' | ' ' | '\u{a0}' | '\u{1680}' | '\u{2000}'..='\u{200a}'
-            | '\u{2028}' | '\u{2029}' | '\u{202f}' | '\u{205f}' | '\u{3000}' | '\u{feff}'
+        '\t' | '\n' | '\u{b}' | '\u{c}' | '\r' | ' ' | '\u{a0}' | '\u{1680}' | '\u{2000}'
+            ..='\u{200a}'
+                | '\u{2028}'
+                | '\u{2029}'
+                | '\u{202f}'
+                | '\u{205f}'
+                | '\u{3000}'
+                | '\u{feff}'
     )
 }
 
@@ -469,7 +515,10 @@ fn js_word(c: char) -> bool {
 
 fn uniq(items: Vec<String>) -> Vec<String> {
     let mut seen = std::collections::HashSet::new();
-    items.into_iter().filter(|s| seen.insert(s.clone())).collect()
+    items
+        .into_iter()
+        .filter(|s| seen.insert(s.clone()))
+        .collect()
 }
 
 /// Scans `body` left to right like a global RegExp: `at` tries a match at char index `i` (with
@@ -490,7 +539,11 @@ fn scan(chars: &[char], at: impl Fn(&[char], usize) -> Option<(String, usize)>) 
 }
 
 fn take_while(chars: &[char], from: usize, max: usize, ok: impl Fn(char) -> bool) -> usize {
-    chars[from.min(chars.len())..].iter().take(max).take_while(|c| ok(**c)).count()
+    chars[from.min(chars.len())..]
+        .iter()
+        .take(max)
+        .take_while(|c| ok(**c))
+        .count()
 }
 
 /// Parses mentions, directives, tags and task refs from a body (0.5.x `parseMeta`).
@@ -574,7 +627,10 @@ pub fn parse_meta(body: &str) -> Meta {
         Some((c[i..end].iter().collect(), end))
     });
     Meta {
-        mentions: uniq(mentions).into_iter().map(|s| s.to_lowercase()).collect(),
+        mentions: uniq(mentions)
+            .into_iter()
+            .map(|s| s.to_lowercase())
+            .collect(),
         directives: uniq(directives),
         tags: uniq(tags).into_iter().map(|s| s.to_lowercase()).collect(),
         task_refs: uniq(task_refs),
@@ -583,12 +639,16 @@ pub fn parse_meta(body: &str) -> Meta {
 }
 
 #[cfg(test)]
+mod limits_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn meta_parsing_matches_js_regexes() {
-        let m = parse_meta("Hi @Bob, cc (@ann@work) /approve /decisions #Launch T789 T1234567 xT12 @a");
+        let m =
+            parse_meta("Hi @Bob, cc (@ann@work) /approve /decisions #Launch T789 T1234567 xT12 @a");
         assert_eq!(m.mentions, vec!["bob", "ann@work"]);
         assert_eq!(m.directives, vec!["approve"]);
         assert_eq!(m.tags, vec!["launch"]);

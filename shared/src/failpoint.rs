@@ -57,7 +57,12 @@ fn parse(spec: &str) -> Vec<Armed> {
                 Some((n, _)) => (n, Action::Pause),
                 None => (rest, Action::Pause),
             };
-            Armed { name: name.to_string(), action, nth, seen: AtomicU64::new(0) }
+            Armed {
+                name: name.to_string(),
+                action,
+                nth,
+                seen: AtomicU64::new(0),
+            }
         })
         .collect()
 }
@@ -81,7 +86,10 @@ pub fn hit(name: &str) {
 
 /// The armed points as `(name, action, nth)`, for a start-up log line.
 pub fn armed() -> Vec<(String, Action, u64)> {
-    registry().iter().map(|a| (a.name.clone(), a.action, a.nth)).collect()
+    registry()
+        .iter()
+        .map(|a| (a.name.clone(), a.action, a.nth))
+        .collect()
 }
 
 #[cfg(test)]
@@ -92,8 +100,14 @@ mod tests {
     fn parses_actions_and_counts() {
         let v = parse("push:after-commit, ack:before-send=abort@3,,x=pause");
         assert_eq!(v.len(), 3);
-        assert_eq!((v[0].name.as_str(), v[0].action, v[0].nth), ("push:after-commit", Action::Pause, 1));
-        assert_eq!((v[1].name.as_str(), v[1].action, v[1].nth), ("ack:before-send", Action::Abort, 3));
+        assert_eq!(
+            (v[0].name.as_str(), v[0].action, v[0].nth),
+            ("push:after-commit", Action::Pause, 1)
+        );
+        assert_eq!(
+            (v[1].name.as_str(), v[1].action, v[1].nth),
+            ("ack:before-send", Action::Abort, 3)
+        );
         assert_eq!(v[2].action, Action::Pause);
     }
 }

@@ -95,11 +95,23 @@ pub fn relay_signed_string(method: &str, signed_path: &str, ts: &str, raw_body: 
 
 /// Signs a relay hop. `target` is the normalised request target (path + query); `v2` adds
 /// `x-mbx-key` and signs the query.
-pub fn sign_relay_hop(key: &HostKey, host: &str, method: &str, target: &str, ts_ms: i64, raw_body: &str) -> RelayHopHeaders {
+pub fn sign_relay_hop(
+    key: &HostKey,
+    host: &str,
+    method: &str,
+    target: &str,
+    ts_ms: i64,
+    raw_body: &str,
+) -> RelayHopHeaders {
     let ts = ts_ms.to_string();
     let v2 = target.starts_with("/v2/");
     let s = relay_signed_string(method, relay_signed_path(target), &ts, raw_body);
-    RelayHopHeaders { host: host.into(), key: v2.then(|| key.public().to_b64()), ts, sig: key.sign(s.as_bytes()) }
+    RelayHopHeaders {
+        host: host.into(),
+        key: v2.then(|| key.public().to_b64()),
+        ts,
+        sig: key.sign(s.as_bytes()),
+    }
 }
 
 /// Parses a relay hop `ts`: plain decimal digits only (stricter than 0.5.x's `Number()`).
@@ -112,7 +124,15 @@ pub fn parse_relay_ts(ts: &str) -> Result<i64, HopError> {
 
 /// Verifies a relay hop for the normalised `target` at time `now_ms`. Order: timestamp form,
 /// window, signature. Errors: [`HopError`] (all HTTP 401).
-pub fn verify_relay_hop(key: &PublicKey, method: &str, target: &str, ts: &str, raw_body: &str, sig: &str, now_ms: i64) -> Result<(), HopError> {
+pub fn verify_relay_hop(
+    key: &PublicKey,
+    method: &str,
+    target: &str,
+    ts: &str,
+    raw_body: &str,
+    sig: &str,
+    now_ms: i64,
+) -> Result<(), HopError> {
     let t = parse_relay_ts(ts)?;
     if (now_ms - t).abs() > RELAY_HOP_WINDOW_MS {
         return Err(HopError::Stale);
@@ -145,14 +165,35 @@ pub fn lan_signed_string(method: &str, target: &str, ts: &str, body: &[u8]) -> S
 }
 
 /// Signs a LAN hop at `now_ms`.
-pub fn sign_lan_hop(key: &HostKey, host: &str, port: u16, method: &str, target: &str, now_ms: i64, body: &[u8]) -> LanHopHeaders {
+pub fn sign_lan_hop(
+    key: &HostKey,
+    host: &str,
+    port: u16,
+    method: &str,
+    target: &str,
+    now_ms: i64,
+    body: &[u8],
+) -> LanHopHeaders {
     let ts = crate::time::iso_ms(now_ms);
     let sig = key.sign(lan_signed_string(method, target, &ts, body).as_bytes());
-    LanHopHeaders { host: host.into(), ts, sig, port }
+    LanHopHeaders {
+        host: host.into(),
+        ts,
+        sig,
+        port,
+    }
 }
 
 /// Verifies a LAN hop against the peer's pinned key. Errors: [`HopError`].
-pub fn verify_lan_hop(key: &PublicKey, method: &str, target: &str, ts: &str, body: &[u8], sig: &str, now_ms: i64) -> Result<(), HopError> {
+pub fn verify_lan_hop(
+    key: &PublicKey,
+    method: &str,
+    target: &str,
+    ts: &str,
+    body: &[u8],
+    sig: &str,
+    now_ms: i64,
+) -> Result<(), HopError> {
     let t = crate::time::parse_iso_ms(ts).ok_or(HopError::Stale)?;
     if (now_ms - t).abs() > LAN_HOP_WINDOW_MS {
         return Err(HopError::Stale);
@@ -226,20 +267,96 @@ mod tests {
     #[test]
     fn normalizes_targets() {
         assert_eq!(normalize_target("/v2/relay/items?"), "/v2/relay/items");
-        assert_eq!(normalize_target("/v2/a/../relay/./items?after=1"), "/v2/relay/items?after=1");
+        assert_eq!(
+            normalize_target("/v2/a/../relay/./items?after=1"),
+            "/v2/relay/items?after=1"
+        );
         assert_eq!(normalize_target("/v2/é"), "/v2/%C3%A9");
     }
 
     #[test]
     fn relay_hop_checks() {
         let k = HostKey::generate();
-        let h = sign_relay_hop(&k, "laptop", "GET", "/v2/relay/items?after=1", 1_000_000, "");
+        let h = sign_relay_hop(
+            &k,
+            "laptop",
+            "GET",
+            "/v2/relay/items?after=1",
+            1_000_000,
+            "",
+        );
         let p = k.public();
-        assert_eq!(verify_relay_hop(&p, "GET", "/v2/relay/items?after=1", &h.ts, "", &h.sig, 1_000_000), Ok(()));
-        assert_eq!(verify_relay_hop(&p, "GET", "/v2/relay/items?after=2", &h.ts, "", &h.sig, 1_000_000), Err(HopError::BadSignature));
-        assert_eq!(verify_relay_hop(&p, "GET", "/v2/relay/items?after=1", &h.ts, "x", &h.sig, 1_000_000), Err(HopError::BadSignature));
-        assert_eq!(verify_relay_hop(&p, "GET", "/v2/relay/items?after=1", "1e6", "", &h.sig, 1_000_000), Err(HopError::BadTimestamp));
-        assert_eq!(verify_relay_hop(&p, "GET", "/v2/relay/items?after=1", &h.ts, "", &h.sig, 1_300_001), Err(HopError::Stale));
-        assert_eq!(verify_relay_hop(&p, "GET", "/v2/relay/items?after=1", &h.ts, "", &h.sig, 1_300_000), Ok(()));
+        assert_eq!(
+            verify_relay_hop(
+                &p,
+                "GET",
+                "/v2/relay/items?after=1",
+                &h.ts,
+                "",
+                &h.sig,
+                1_000_000
+            ),
+            Ok(())
+        );
+        assert_eq!(
+            verify_relay_hop(
+                &p,
+                "GET",
+                "/v2/relay/items?after=2",
+                &h.ts,
+                "",
+                &h.sig,
+                1_000_000
+            ),
+            Err(HopError::BadSignature)
+        );
+        assert_eq!(
+            verify_relay_hop(
+                &p,
+                "GET",
+                "/v2/relay/items?after=1",
+                &h.ts,
+                "x",
+                &h.sig,
+                1_000_000
+            ),
+            Err(HopError::BadSignature)
+        );
+        assert_eq!(
+            verify_relay_hop(
+                &p,
+                "GET",
+                "/v2/relay/items?after=1",
+                "1e6",
+                "",
+                &h.sig,
+                1_000_000
+            ),
+            Err(HopError::BadTimestamp)
+        );
+        assert_eq!(
+            verify_relay_hop(
+                &p,
+                "GET",
+                "/v2/relay/items?after=1",
+                &h.ts,
+                "",
+                &h.sig,
+                1_300_001
+            ),
+            Err(HopError::Stale)
+        );
+        assert_eq!(
+            verify_relay_hop(
+                &p,
+                "GET",
+                "/v2/relay/items?after=1",
+                &h.ts,
+                "",
+                &h.sig,
+                1_300_000
+            ),
+            Ok(())
+        );
     }
 }

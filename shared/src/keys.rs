@@ -107,7 +107,9 @@ impl HostKey {
 
     /// From standard base64 of the 32-byte seed. Errors: [`KeyError`] (never echoing the text).
     pub fn from_seed_b64(text: &str) -> Result<Self, KeyError> {
-        Ok(HostKey(ed25519_dalek::SigningKey::from_bytes(&decode32(text)?)))
+        Ok(HostKey(ed25519_dalek::SigningKey::from_bytes(&decode32(
+            text,
+        )?)))
     }
 
     /// The seed as standard base64: a secret, for key files and `relay keygen` only.
@@ -127,7 +129,10 @@ impl HostKey {
 
     /// The key file form (`{publicKey, privateKey}`).
     pub fn to_key_file(&self) -> KeyFile {
-        KeyFile { public_key: self.public().to_b64(), private_key: self.seed_b64_secret() }
+        KeyFile {
+            public_key: self.public().to_b64(),
+            private_key: self.seed_b64_secret(),
+        }
     }
 
     /// Loads a key file, checking that its public key belongs to its private key.
@@ -142,7 +147,11 @@ impl HostKey {
 
 impl std::fmt::Debug for HostKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "HostKey(public: {}, private: <redacted>)", self.public().to_b64())
+        write!(
+            f,
+            "HostKey(public: {}, private: <redacted>)",
+            self.public().to_b64()
+        )
     }
 }
 
@@ -197,7 +206,10 @@ impl EncKey {
     }
     /// The key file form (`{publicKey, privateKey}`).
     pub fn to_key_file(&self) -> KeyFile {
-        KeyFile { public_key: self.public().to_b64(), private_key: self.private_b64_secret() }
+        KeyFile {
+            public_key: self.public().to_b64(),
+            private_key: self.private_b64_secret(),
+        }
     }
     /// Loads a key file, checking that its public key belongs to its private key.
     pub fn from_key_file(file: &KeyFile) -> Result<Self, KeyError> {
@@ -211,7 +223,11 @@ impl EncKey {
 
 impl std::fmt::Debug for EncKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "EncKey(public: {}, private: <redacted>)", self.public().to_b64())
+        write!(
+            f,
+            "EncKey(public: {}, private: <redacted>)",
+            self.public().to_b64()
+        )
     }
 }
 
@@ -244,7 +260,11 @@ impl KeyFile {
 
 impl std::fmt::Debug for KeyFile {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "KeyFile(public: {}, private: <redacted>)", self.public_key)
+        write!(
+            f,
+            "KeyFile(public: {}, private: <redacted>)",
+            self.public_key
+        )
     }
 }
 
@@ -270,13 +290,22 @@ mod tests {
         let f = KeyFile::parse(&k.to_key_file().to_text()).unwrap();
         assert_eq!(HostKey::from_key_file(&f).unwrap().public(), k.public());
         let other = HostKey::generate();
-        let bad = KeyFile { public_key: other.public().to_b64(), private_key: f.private_key };
-        assert_eq!(HostKey::from_key_file(&bad).unwrap_err(), KeyError::Mismatch);
+        let bad = KeyFile {
+            public_key: other.public().to_b64(),
+            private_key: f.private_key,
+        };
+        assert_eq!(
+            HostKey::from_key_file(&bad).unwrap_err(),
+            KeyError::Mismatch
+        );
     }
 
     #[test]
     fn bad_public_keys_are_refused() {
-        assert_eq!(PublicKey::from_b64("YWI=").unwrap_err(), KeyError::Length(2));
+        assert_eq!(
+            PublicKey::from_b64("YWI=").unwrap_err(),
+            KeyError::Length(2)
+        );
         assert_eq!(PublicKey::from_b64("!!").unwrap_err(), KeyError::Encoding);
     }
 }

@@ -65,7 +65,9 @@ pub fn is_name(name: &str) -> bool {
     let b = name.as_bytes();
     (2..=MAX_NAME).contains(&b.len())
         && (b[0].is_ascii_lowercase() || b[0].is_ascii_digit())
-        && b[1..].iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && b[1..]
+            .iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
 }
 
 /// Length in UTF-16 code units (JavaScript `String#length`).

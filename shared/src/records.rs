@@ -10,6 +10,7 @@ use serde_json::{json, Value};
 
 use crate::canonical::{self, CanonicalError};
 use crate::keys::{HostKey, PublicKey};
+use crate::limits::utf16_len;
 
 /// One target line of an accept statement.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -77,8 +78,17 @@ pub enum AcceptError {
 /// Verifies a received accept (`accept`, `sig` as JSON) for one outbox row: signed by the
 /// pinned `relay_key`, type and relay key right, sender and item id match, and a target line
 /// for `target_pubkey` with `wire_hash` and a safe-integer seq. Returns the statement.
-pub fn verify_accept(accept: &Value, sig: &str, relay_key: &PublicKey, sender_pubkey: &str, item_id: &str, target_pubkey: &str, wire_hash: &str) -> Result<AcceptStatement, AcceptError> {
-    let st: AcceptStatement = serde_json::from_value(accept.clone()).map_err(|_| AcceptError::Malformed)?;
+pub fn verify_accept(
+    accept: &Value,
+    sig: &str,
+    relay_key: &PublicKey,
+    sender_pubkey: &str,
+    item_id: &str,
+    target_pubkey: &str,
+    wire_hash: &str,
+) -> Result<AcceptStatement, AcceptError> {
+    let st: AcceptStatement =
+        serde_json::from_value(accept.clone()).map_err(|_| AcceptError::Malformed)?;
     if st.v != 1 || st.kind != "relay-accept" {
         return Err(AcceptError::Malformed);
     }
@@ -89,10 +99,11 @@ pub fn verify_accept(accept: &Value, sig: &str, relay_key: &PublicKey, sender_pu
     if st.sender_pubkey != sender_pubkey || st.item_id != item_id {
         return Err(AcceptError::WrongItem);
     }
-    let ok = st
-        .targets
-        .iter()
-        .any(|t| t.host_pubkey == target_pubkey && t.wire_hash == wire_hash && (1..=MAX_SAFE_INT).contains(&t.seq));
+    let ok = st.targets.iter().any(|t| {
+        t.host_pubkey == target_pubkey
+            && t.wire_hash == wire_hash
+            && (1..=MAX_SAFE_INT).contains(&t.seq)
+    });
     if !ok {
         return Err(AcceptError::WrongTarget);
     }
@@ -154,26 +165,54 @@ impl EncAd {
     }
 }
 
+/// Longest `host` (UTF-16 units) and `iat`/`exp` texts an enc-key ad may carry (0.5.x `checkEncAd`).
+const ENC_AD_MAX_HOST: usize = 255;
+const ENC_AD_MAX_TIME: usize = 40;
+
 /// Verifies a received v2 ad against the expected host key at `now_ms`. Refusal reasons are
-/// 0.5.x's exact strings (`wire.md` §2.8): `unsigned`, `malformed`, `wrong peer`,
-/// `bad signature`, `not yet valid`, `expired`, `lifetime over the maximum`.
-pub fn verify_enc_ad(ad: &Value, sig: Option<&str>, expected_host_pubkey: &str, now_ms: i64) -> Result<EncAd, &'static str> {
-    let Some(sig) = sig.filter(|s| !s.is_empty()) else { return Err("unsigned") };
-    let parsed: EncAd = serde_json::from_value(ad.clone()).map_err(|_| "malformed")?;
-    let (Some(iat), Some(exp)) = (crate::time::parse_iso_ms(&parsed.iat), crate::time::parse_iso_ms(&parsed.exp)) else {
-        return Err("malformed");
+/// 0.5.x's exact strings, checked in 0.5.x's order (`wire.md` §2.8): `unsigned`; `malformed`
+/// (shape: v, type, string fields, `enc_pub` a padded 44-character base64 key of 32 bytes, host
+/// ≤255, iat/exp ≤40 characters); `wrong peer`; `bad signature` (over canonical(ad) as received,
+/// so an added field breaks it); `malformed` again for an `iat`/`exp` that is not an ISO ms time;
+/// `not yet valid` (iat more than 5 min ahead); `expired` (exp ≤ now); `lifetime over the
+/// maximum` (exp − iat > 90 d). Stricter than 0.5.x only in the time form (`Date#toISOString`
+/// exactly, which is what every 0.5.x publisher writes).
+pub fn verify_enc_ad(
+    ad: &Value,
+    sig: Option<&str>,
+    expected_host_pubkey: &str,
+    now_ms: i64,
+) -> Result<EncAd, &'static str> {
+    let Some(sig) = sig.filter(|s| !s.is_empty()) else {
+        return Err("unsigned");
     };
-    if parsed.v != 2 || parsed.kind != "enc-ad" || crate::keys::EncPublicKey::from_b64(&parsed.enc_pub).is_err() {
+    let parsed: EncAd = serde_json::from_value(ad.clone()).map_err(|_| "malformed")?;
+    let enc_pub_ok =
+        parsed.enc_pub.len() == 44 && crate::keys::EncPublicKey::from_b64(&parsed.enc_pub).is_ok();
+    if parsed.v != 2
+        || parsed.kind != "enc-ad"
+        || !enc_pub_ok
+        || utf16_len(&parsed.host) > ENC_AD_MAX_HOST
+        || utf16_len(&parsed.iat) > ENC_AD_MAX_TIME
+        || utf16_len(&parsed.exp) > ENC_AD_MAX_TIME
+    {
         return Err("malformed");
     }
     if parsed.host_pubkey != expected_host_pubkey {
         return Err("wrong peer");
     }
-    let key = PublicKey::from_b64(&parsed.host_pubkey).map_err(|_| "malformed")?;
     let signed = canonical::to_string(ad).map_err(|_| "malformed")?;
-    if !key.verify(signed.as_bytes(), sig) {
+    // A key that does not parse verifies nothing (0.5.x's verify returns false).
+    if !PublicKey::from_b64(&parsed.host_pubkey).is_ok_and(|key| key.verify(signed.as_bytes(), sig))
+    {
         return Err("bad signature");
     }
+    let (Some(iat), Some(exp)) = (
+        crate::time::parse_iso_ms(&parsed.iat),
+        crate::time::parse_iso_ms(&parsed.exp),
+    ) else {
+        return Err("malformed");
+    };
     if iat > now_ms + FUTURE_SKEW_MS {
         return Err("not yet valid");
     }
@@ -251,7 +290,7 @@ pub struct Receipt {
     /// Always `"receipt"`.
     #[serde(rename = "type")]
     pub kind: String,
-    /// Message id (10..40 chars).
+    /// Message id (10..40 UTF-16 units).
     pub msg: String,
     /// `name@host` of the recipient.
     pub recipient: String,
@@ -259,10 +298,10 @@ pub struct Receipt {
     pub state: String,
     /// ISO ms, `Z` form.
     pub at: String,
-    /// Optional note (≤500).
+    /// Optional note (≤500 UTF-16 units).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
-    /// Optional "did" (acked only, ≤200).
+    /// Optional "did" (acked only, ≤200 UTF-16 units).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub did: Option<String>,
     /// Positive integer: the recipient host's receipt_outbox seq.
@@ -287,11 +326,13 @@ fn receipt_host_ok(host: &str) -> bool {
     !b.is_empty()
         && b.len() <= 63
         && b[0].is_ascii_alphanumeric()
-        && b.iter().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b'-'))
+        && b.iter()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b'-'))
 }
 
 /// Parses receipt wire bytes `{rec, sig}` strictly (extra keys refused) and checks the record's
-/// shape and its signature by `signer`. Errors: a short reason (`bad receipt`, `bad signature`).
+/// shape and its signature by `signer`. Lengths count UTF-16 code units, as 0.5.x's schema does.
+/// Errors: a short reason (`bad receipt`, `bad signature`).
 pub fn parse_receipt_wire(wire: &[u8], signer: &PublicKey) -> Result<Receipt, &'static str> {
     let v = canonical::parse(wire).map_err(|_| "bad receipt")?;
     let obj = v.as_object().ok_or("bad receipt")?;
@@ -299,19 +340,29 @@ pub fn parse_receipt_wire(wire: &[u8], signer: &PublicKey) -> Result<Receipt, &'
         return Err("bad receipt");
     }
     let rec_v = obj.get("rec").ok_or("bad receipt")?;
-    let sig = obj.get("sig").and_then(Value::as_str).filter(|s| s.len() <= 200).ok_or("bad receipt")?;
+    let sig = obj
+        .get("sig")
+        .and_then(Value::as_str)
+        .filter(|s| s.len() <= 200)
+        .ok_or("bad receipt")?;
     let rec: Receipt = serde_json::from_value(rec_v.clone()).map_err(|_| "bad receipt")?;
     let (name, host) = rec.recipient.split_once('@').ok_or("bad receipt")?;
     let ok = rec.v == 1
         && rec.kind == "receipt"
-        && (10..=40).contains(&rec.msg.len())
-        && rec.recipient.len() <= 104
+        && (10..=40).contains(&utf16_len(&rec.msg))
+        && utf16_len(&rec.recipient) <= 104
         && (name == "owner" || crate::limits::is_name(name))
         && receipt_host_ok(host)
         && RECEIPT_STATES.contains(&rec.state.as_str())
         && crate::time::parse_iso_ms(&rec.at).is_some()
-        && rec.note.as_ref().is_none_or(|n| !n.is_empty() && n.chars().count() <= 500)
-        && rec.did.as_ref().is_none_or(|d| rec.state == "acked" && d.chars().count() <= 200)
+        && rec
+            .note
+            .as_ref()
+            .is_none_or(|n| !n.is_empty() && utf16_len(n) <= 500)
+        && rec
+            .did
+            .as_ref()
+            .is_none_or(|d| rec.state == "acked" && utf16_len(d) <= 200)
         && rec.seq >= 1;
     if !ok {
         return Err("bad receipt");

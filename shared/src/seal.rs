@@ -59,15 +59,31 @@ fn derive_key(shared: &[u8; 32], epk: &[u8; 32], envelope_id: &str) -> [u8; 32] 
 }
 
 /// Seals with explicit ephemeral key and nonce (deterministic; used by the golden vectors).
-pub fn seal_with(body: &str, recipient: &EncPublicKey, envelope_id: &str, ephemeral: &EncKey, nonce: &[u8; 24]) -> Enc {
+pub fn seal_with(
+    body: &str,
+    recipient: &EncPublicKey,
+    envelope_id: &str,
+    ephemeral: &EncKey,
+    nonce: &[u8; 24],
+) -> Enc {
     let eph = x25519_dalek::StaticSecret::from(ephemeral.0);
     let epk = x25519_dalek::PublicKey::from(&eph).to_bytes();
-    let shared = eph.diffie_hellman(&x25519_dalek::PublicKey::from(recipient.0)).to_bytes();
+    let shared = eph
+        .diffie_hellman(&x25519_dalek::PublicKey::from(recipient.0))
+        .to_bytes();
     let key = derive_key(&shared, &epk, envelope_id);
     let cipher = XChaCha20Poly1305::new((&key).into());
     // Encryption of an in-memory buffer with a valid key and nonce cannot fail.
-    let ct = cipher.encrypt(XNonce::from_slice(nonce), body.as_bytes()).unwrap_or_default();
-    Enc { v: 1, alg: ENC_ALG.into(), epk: b64::encode(&epk), nonce: b64::encode(nonce), body: b64::encode(&ct) }
+    let ct = cipher
+        .encrypt(XNonce::from_slice(nonce), body.as_bytes())
+        .unwrap_or_default();
+    Enc {
+        v: 1,
+        alg: ENC_ALG.into(),
+        epk: b64::encode(&epk),
+        nonce: b64::encode(nonce),
+        body: b64::encode(&ct),
+    }
 }
 
 /// Seals `body` for one recipient host with a fresh ephemeral key and nonce.
@@ -102,7 +118,12 @@ pub fn open(enc: &Enc, key: &EncKey, envelope_id: &str) -> Result<String, OpenEr
 
 /// 0.5.x `sealEnvelope`: seals the plain body for one recipient host, sets both `enc.body` and
 /// the top-level `body` to the ciphertext, then host-signs. The input stays untouched.
-pub fn seal_envelope(plain: &Envelope, recipient: &EncPublicKey, host: &str, key: &HostKey) -> Result<Envelope, crate::canonical::CanonicalError> {
+pub fn seal_envelope(
+    plain: &Envelope,
+    recipient: &EncPublicKey,
+    host: &str,
+    key: &HostKey,
+) -> Result<Envelope, crate::canonical::CanonicalError> {
     let enc = seal(&plain.body, recipient, &plain.id);
     let mut sealed = plain.clone();
     sealed.body = enc.body.clone();
@@ -119,10 +140,25 @@ mod tests {
     fn round_trip_and_wrong_key() {
         let k = EncKey::generate();
         let enc = seal("héllo 🔒", &k.public(), "01KDVDNA3VG2MH8KWSQRCWJZ0S");
-        assert_eq!(open(&enc, &k, "01KDVDNA3VG2MH8KWSQRCWJZ0S").unwrap(), "héllo 🔒");
-        assert_eq!(open(&enc, &k, "01KDVDNA3VG2MH8KWSQRCWJZ0T"), Err(OpenError::Undecryptable));
-        assert_eq!(open(&enc, &EncKey::generate(), "01KDVDNA3VG2MH8KWSQRCWJZ0S"), Err(OpenError::Undecryptable));
-        let low = Enc { epk: b64::encode(&[0u8; 32]), ..enc };
-        assert_eq!(open(&low, &k, "01KDVDNA3VG2MH8KWSQRCWJZ0S"), Err(OpenError::LowOrder));
+        assert_eq!(
+            open(&enc, &k, "01KDVDNA3VG2MH8KWSQRCWJZ0S").unwrap(),
+            "héllo 🔒"
+        );
+        assert_eq!(
+            open(&enc, &k, "01KDVDNA3VG2MH8KWSQRCWJZ0T"),
+            Err(OpenError::Undecryptable)
+        );
+        assert_eq!(
+            open(&enc, &EncKey::generate(), "01KDVDNA3VG2MH8KWSQRCWJZ0S"),
+            Err(OpenError::Undecryptable)
+        );
+        let low = Enc {
+            epk: b64::encode(&[0u8; 32]),
+            ..enc
+        };
+        assert_eq!(
+            open(&low, &k, "01KDVDNA3VG2MH8KWSQRCWJZ0S"),
+            Err(OpenError::LowOrder)
+        );
     }
 }

@@ -53,7 +53,8 @@ pub fn parse_iso_ms(text: &str) -> Option<i64> {
     let year = num(0..4)? as i32;
     let month = ::time::Month::try_from(num(5..7)? as u8).ok()?;
     let date = ::time::Date::from_calendar_date(year, month, num(8..10)? as u8).ok()?;
-    let tod = ::time::Time::from_hms(num(11..13)? as u8, num(14..16)? as u8, num(17..19)? as u8).ok()?;
+    let tod =
+        ::time::Time::from_hms(num(11..13)? as u8, num(14..16)? as u8, num(17..19)? as u8).ok()?;
     let millis = num(20..23)? as i64;
     let secs = date.with_time(tod).assume_utc().unix_timestamp();
     Some(secs * 1000 + millis)
@@ -67,7 +68,10 @@ mod tests {
     fn round_trip() {
         assert_eq!(iso_ms(1_767_225_600_123), "2026-01-01T00:00:00.123Z");
         assert_eq!(iso_ms(0), "1970-01-01T00:00:00.000Z");
-        assert_eq!(parse_iso_ms("2026-01-01T00:00:00.123Z"), Some(1_767_225_600_123));
+        assert_eq!(
+            parse_iso_ms("2026-01-01T00:00:00.123Z"),
+            Some(1_767_225_600_123)
+        );
         assert_eq!(parse_iso_ms("2026-02-30T00:00:00.123Z"), None);
         assert_eq!(parse_iso_ms("2026-01-01T00:00:00Z"), None);
         assert_eq!(parse_iso_ms("2026-01-01T00:00:00.123+00:00"), None);

@@ -1,0 +1,75 @@
+//! `POST /v1/ack`: an agent acks messages in its mailbox (a mailbox ack, never a transport ack).
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::Json;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::mailbox::{messages, MailboxError};
+
+use super::{idempotent, ApiError, SharedState};
+
+/// Body of `POST /v1/ack`.
+#[derive(Debug, Deserialize, Serialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AckRequest {
+    /// The acking agent.
+    #[serde(rename = "as")]
+    pub as_agent: String,
+    /// Message ids, 1..=50.
+    pub ids: Vec<String>,
+    /// Optional note, ≤500 characters.
+    #[serde(default)]
+    pub note: Option<String>,
+}
+
+/// Answer of `POST /v1/ack`.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct AckAnswer {
+    /// How many deliveries moved to `acked` (already-acked ones are not counted).
+    pub acked: u64,
+}
+
+/// Acks messages for an agent; all or nothing (an unknown id changes nothing, 404).
+#[utoipa::path(post, path = "/v1/ack", request_body = AckRequest,
+    params(("Idempotency-Key" = Option<String>, Header, description = "replay protection, ≤200 chars")),
+    responses((status = 200, body = AckAnswer), (status = 404, body = super::ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn post(
+    State(state): State<SharedState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let req: AckRequest = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::Invalid(format!("bad ack request: {e}")))?;
+    if req.ids.is_empty() || req.ids.len() > 50 {
+        return Err(ApiError::Invalid("ids must hold 1..=50 message ids".into()));
+    }
+    if req.note.as_ref().is_some_and(|n| n.chars().count() > 500) {
+        return Err(ApiError::Invalid("note over 500 characters".into()));
+    }
+    let now = state.clock.now_ms();
+    idempotent(
+        &state,
+        &headers,
+        "ack",
+        &body,
+        StatusCode::OK,
+        move |tx| match messages::ack(
+            tx,
+            &req.as_agent,
+            &req.ids,
+            req.note.as_deref().filter(|n| !n.is_empty()),
+            now,
+        ) {
+            Ok(n) => Ok(Ok(
+                serde_json::to_value(AckAnswer { acked: n }).unwrap_or(Value::Null)
+            )),
+            Err(MailboxError::NotFound(m)) => Ok(Err(ApiError::Missing(m))),
+            Err(e) => Err(e),
+        },
+    )
+    .await
+}

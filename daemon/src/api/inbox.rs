@@ -1,0 +1,46 @@
+//! `GET /v1/inbox`: an agent's inbox in bounded pages.
+
+use axum::extract::{Query, State};
+use axum::Json;
+use serde::Deserialize;
+
+use crate::mailbox::messages::{self, InboxPage};
+
+use super::{ApiError, SharedState};
+
+/// Query of `GET /v1/inbox`.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+pub struct InboxQuery {
+    /// The agent whose inbox to list.
+    #[serde(rename = "as")]
+    pub as_agent: String,
+    /// Opaque cursor from the previous page's `next_cursor`.
+    pub cursor: Option<String>,
+    /// Page size, 1..=200 (default 50); pages are also bounded to 256 KiB.
+    pub limit: Option<u32>,
+    /// Include acked messages.
+    #[serde(default)]
+    pub all: bool,
+}
+
+/// Lists an agent's messages, oldest first, without bodies.
+#[utoipa::path(get, path = "/v1/inbox", params(InboxQuery),
+    responses((status = 200, body = InboxPage), (status = 400, body = super::ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn get(
+    State(state): State<SharedState>,
+    Query(q): Query<InboxQuery>,
+) -> Result<Json<InboxPage>, ApiError> {
+    let limit = q.limit.unwrap_or(messages::DEFAULT_INBOX_LIMIT);
+    if !(1..=messages::MAX_INBOX_LIMIT).contains(&limit) {
+        return Err(ApiError::Invalid(format!(
+            "limit must be 1..={}",
+            messages::MAX_INBOX_LIMIT
+        )));
+    }
+    let page = state
+        .mailbox
+        .run(move |c| messages::inbox(c, &q.as_agent, q.cursor.as_deref(), limit, q.all))
+        .await?;
+    Ok(Json(page))
+}

@@ -1,0 +1,78 @@
+//! `POST /v1/messages` (send) and `GET /v1/messages/{id}` (read).
+
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::mailbox::{messages, MailboxError};
+use crate::node::send::{self, SendError, SendOutcome, SendRequest};
+
+use super::{idempotent, ApiError, SharedState};
+
+/// Sends a message from an agent of this host. Local recipients get it at once; each remote
+/// host gets one outbox row, sealed and pushed by the relay loop. Replays with the same
+/// `Idempotency-Key` and body return the first answer; another body is 409.
+#[utoipa::path(post, path = "/v1/messages", request_body = SendRequest,
+    params(("Idempotency-Key" = Option<String>, Header, description = "replay protection, ≤200 chars")),
+    responses((status = 201, body = SendOutcome), (status = 400, body = super::ErrorBody), (status = 409, body = super::ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn post(
+    State(state): State<SharedState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let req: SendRequest = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::Invalid(format!("bad send request: {e}")))?;
+    let st = state.clone();
+    let answer = idempotent(
+        &state,
+        &headers,
+        "send",
+        &body,
+        StatusCode::CREATED,
+        move |tx| {
+            let id = st
+                .ids
+                .lock()
+                .map_err(|_| MailboxError::Task)?
+                .next(st.clock.now_ms());
+            match send::send(tx, &st.ident, &req, id, st.clock.now_ms()) {
+                Ok(outcome) => Ok(Ok(serde_json::to_value(outcome).unwrap_or(Value::Null))),
+                Err(SendError::Store(e)) => Err(e),
+                Err(SendError::Invalid(m)) => Ok(Err(ApiError::Invalid(m))),
+                Err(e @ SendError::UnknownHost(_)) => Ok(Err(ApiError::UnknownHost(e.to_string()))),
+            }
+        },
+    )
+    .await?;
+    state.wake.notify_one();
+    Ok(answer)
+}
+
+/// Query of `GET /v1/messages/{id}`.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+pub struct ReadQuery {
+    /// The reading agent.
+    #[serde(rename = "as")]
+    pub as_agent: String,
+}
+
+/// Reads one message as an agent (marks the agent's copy read). The sender may read its own copy.
+#[utoipa::path(get, path = "/v1/messages/{id}", params(("id" = String, Path), ReadQuery),
+    responses((status = 200, body = messages::Message), (status = 404, body = super::ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn get(
+    State(state): State<SharedState>,
+    Path(id): Path<String>,
+    Query(q): Query<ReadQuery>,
+) -> Result<Json<messages::Message>, ApiError> {
+    let (host, now) = (state.ident.host.to_string(), state.clock.now_ms());
+    let msg = state
+        .mailbox
+        .run(move |c| messages::read(c, &q.as_agent, &host, &id, now))
+        .await?;
+    Ok(Json(msg))
+}

@@ -1,0 +1,333 @@
+//! The local HTTP API for agents on this machine (design README "Local API for agents").
+//!
+//! This module owns the router, bearer-token authentication and the one mapping from domain
+//! errors to HTTP answers ([`ApiError`]: a status plus `{"error": <human text>, "code":
+//! <stable machine code>}`). Each resource lives in its own file (`health`, …) and only turns a
+//! request into a call on the daemon's state and the result into JSON.
+//!
+//! Every route except `GET /v1/health` requires `Authorization: Bearer <token>` with the token
+//! from `api.token` ([`crate::token`]); unknown paths answer 404 only to an authenticated
+//! caller (401 otherwise), so the API's shape is not probed without the token.
+//!
+//! It must never log tokens, keys or message bodies, and never bind a listener itself: callers
+//! pass one to [`serve`] (tests bind port 0).
+
+pub mod ack;
+pub mod health;
+pub mod inbox;
+pub mod messages;
+pub mod openapi;
+
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Serialize;
+
+use agentmbx_protocol::clock::SharedClock;
+use agentmbx_protocol::ulid;
+
+use crate::host_name::HostName;
+use crate::identity::Identity;
+use crate::mailbox::{idempotency, Mailbox, MailboxError};
+use crate::token::ApiToken;
+
+/// What every handler can reach.
+#[derive(Debug)]
+pub struct AppState {
+    /// This host's name.
+    pub host: HostName,
+    /// The bearer token callers must present.
+    pub token: ApiToken,
+    /// The daemon's version, reported by `/v1/health`.
+    pub version: &'static str,
+    /// The one clock (shifted by `MBX_CLOCK_OFFSET_MS` in drills); every time read goes here.
+    pub clock: SharedClock,
+    /// This host's identity (signs what agents send).
+    pub ident: Arc<Identity>,
+    /// The host store.
+    pub mailbox: Mailbox,
+    /// Woken when a send queued outbox rows, so the transport does not wait for its tick.
+    pub wake: Arc<tokio::sync::Notify>,
+    /// Envelope id generator (monotonic ULIDs).
+    pub ids: Mutex<ulid::Generator>,
+}
+
+/// Shared handle to [`AppState`].
+pub type SharedState = Arc<AppState>;
+
+/// A failed request, as the API reports it. The one place that chooses status and `code`.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// No `Authorization: Bearer` header, or the wrong token. 401 `UNAUTHORIZED`.
+    #[error("missing or bad bearer token")]
+    Unauthorized,
+    /// No such route or resource. 404 `NOT_FOUND`.
+    #[error("not found")]
+    NotFound,
+    /// The path exists but not with this method. 405 `METHOD_NOT_ALLOWED`.
+    #[error("method not allowed")]
+    MethodNotAllowed,
+    /// The request is invalid (the message says why). 400 `BAD_REQUEST`.
+    #[error("{0}")]
+    Invalid(String),
+    /// A recipient host is not a known peer. 400 `UNKNOWN_HOST`.
+    #[error("{0}")]
+    UnknownHost(String),
+    /// The named resource does not exist. 404 `NOT_FOUND`.
+    #[error("{0}")]
+    Missing(String),
+    /// The request conflicts with stored state (e.g. an Idempotency-Key reused with another
+    /// body). 409 `CONFLICT`.
+    #[error("{0}")]
+    Conflict(String),
+    /// A fault on our side. 500 `INTERNAL`; the detail is logged, never sent.
+    #[error("internal error")]
+    Internal(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl From<MailboxError> for ApiError {
+    fn from(e: MailboxError) -> Self {
+        match e {
+            MailboxError::NotFound(m) => ApiError::Missing(m),
+            MailboxError::Conflict(m) => ApiError::Conflict(m),
+            MailboxError::Invalid(m) => ApiError::Invalid(m),
+            other => ApiError::Internal(Box::new(other)),
+        }
+    }
+}
+
+impl ApiError {
+    /// HTTP status for this error.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::NotFound => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::Invalid(_) | ApiError::UnknownHost(_) => StatusCode::BAD_REQUEST,
+            ApiError::Missing(_) => StatusCode::NOT_FOUND,
+            ApiError::Conflict(_) => StatusCode::CONFLICT,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// Stable machine code for this error (part of the API contract).
+    pub fn code(&self) -> &'static str {
+        match self {
+            ApiError::Unauthorized => "UNAUTHORIZED",
+            ApiError::NotFound => "NOT_FOUND",
+            ApiError::MethodNotAllowed => "METHOD_NOT_ALLOWED",
+            ApiError::Invalid(_) => "BAD_REQUEST",
+            ApiError::UnknownHost(_) => "UNKNOWN_HOST",
+            ApiError::Missing(_) => "NOT_FOUND",
+            ApiError::Conflict(_) => "CONFLICT",
+            ApiError::Internal(_) => "INTERNAL",
+        }
+    }
+}
+
+/// JSON body of every error answer.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct ErrorBody {
+    /// Human-readable text.
+    pub error: String,
+    /// Stable machine code.
+    pub code: &'static str,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        if let ApiError::Internal(source) = &self {
+            tracing::error!(error = %source, "local API request failed");
+        }
+        let body = ErrorBody {
+            error: self.to_string(),
+            code: self.code(),
+        };
+        let mut response = (self.status(), Json(body)).into_response();
+        if matches!(self, ApiError::Unauthorized) {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+}
+
+/// The API's routes: `/v1/health` open, everything else behind the bearer token.
+pub fn router(state: SharedState) -> Router {
+    let open = Router::new()
+        .route("/v1/health", get(health::get))
+        .method_not_allowed_fallback(method_not_allowed);
+    // Authenticated resources are added here, before the 405 fallback (which applies only to
+    // routes present when it is set).
+    let authed = Router::new()
+        .route("/v1/messages", post(messages::post))
+        .route("/v1/messages/{id}", get(messages::get))
+        .route("/v1/inbox", get(inbox::get))
+        .route("/v1/ack", post(ack::post))
+        .method_not_allowed_fallback(method_not_allowed)
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(state.clone(), require_token));
+    open.merge(authed).with_state(state)
+}
+
+/// Serves the API on `listener` until `shutdown` completes, then stops accepting and lets
+/// requests in flight finish. Logs `local API listening on <addr>` (the bound address) once
+/// before accepting. Errors: the listener's address cannot be read, or the server fails.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: SharedState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let addr = listener.local_addr()?;
+    tracing::info!("local API listening on {addr}");
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await?;
+    tracing::info!("local API stopped");
+    Ok(())
+}
+
+/// Longest accepted `Idempotency-Key` (characters).
+pub const MAX_IDEMPOTENCY_KEY: usize = 200;
+
+/// Runs a mutating call `f` in one immediate transaction with idempotency: with an
+/// `Idempotency-Key` header, a replay with the same body returns the first answer (status and
+/// body) and the same key with another body is 409; the answer is recorded in the same
+/// transaction as the effect. `f` returns `Ok(Ok(json))` to commit, `Ok(Err(api_error))` to roll
+/// back with that answer, `Err(_)` on a storage fault.
+pub(crate) async fn idempotent<F>(
+    state: &SharedState,
+    headers: &axum::http::HeaderMap,
+    scope: &'static str,
+    body: &[u8],
+    ok_status: StatusCode,
+    f: F,
+) -> Result<(StatusCode, Json<serde_json::Value>), ApiError>
+where
+    F: FnOnce(
+            &rusqlite::Transaction<'_>,
+        ) -> Result<Result<serde_json::Value, ApiError>, MailboxError>
+        + Send
+        + 'static,
+{
+    let key = match headers.get("idempotency-key") {
+        None => None,
+        Some(v) => {
+            let k = v
+                .to_str()
+                .ok()
+                .filter(|k| !k.is_empty() && k.chars().count() <= MAX_IDEMPOTENCY_KEY);
+            Some(k.ok_or_else(|| ApiError::Invalid(format!("Idempotency-Key must be 1..={MAX_IDEMPOTENCY_KEY} visible ASCII characters")))?.to_string())
+        }
+    };
+    let hash = agentmbx_protocol::hash::sha256_hex(body);
+    let now = state.clock.now_ms();
+    let outcome = state
+        .mailbox
+        .run(move |c| {
+            let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+            if let Some(k) = &key {
+                if let Some(stored) = idempotency::lookup(&tx, scope, k, &hash)? {
+                    return Ok(Ok((stored.status, stored.response)));
+                }
+            }
+            match f(&tx)? {
+                Ok(value) => {
+                    let text = value.to_string();
+                    if let Some(k) = &key {
+                        idempotency::record(&tx, scope, k, &hash, ok_status.as_u16(), &text, now)?;
+                    }
+                    tx.commit()?;
+                    Ok(Ok((ok_status.as_u16(), text)))
+                }
+                Err(e) => Ok(Err(e)),
+            }
+        })
+        .await??;
+    let (status, text) = outcome;
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
+    let value = serde_json::from_str(&text).unwrap_or(serde_json::Value::Null);
+    Ok((status, Json(value)))
+}
+
+async fn not_found() -> ApiError {
+    ApiError::NotFound
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::MethodNotAllowed
+}
+
+/// Middleware: lets the request through only with the right bearer token.
+async fn require_token(
+    State(state): State<SharedState>,
+    request: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
+    let presented = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|value| bearer_credentials(value.as_bytes()));
+    match presented {
+        Some(token) if state.token.matches(token) => Ok(next.run(request).await),
+        _ => {
+            tracing::debug!(path = %request.uri().path(), "refused request without a valid bearer token");
+            Err(ApiError::Unauthorized)
+        }
+    }
+}
+
+/// The credentials of an `Authorization: Bearer <credentials>` header value (scheme matched
+/// case-insensitively, RFC 7235 §2.1), or `None` for any other scheme or an empty value.
+fn bearer_credentials(value: &[u8]) -> Option<&[u8]> {
+    let space = value.iter().position(|b| *b == b' ')?;
+    let (scheme, rest) = value.split_at(space);
+    if !scheme.eq_ignore_ascii_case(b"bearer") {
+        return None;
+    }
+    let credentials = rest.trim_ascii();
+    (!credentials.is_empty()).then_some(credentials)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bearer_header_parsing() {
+        assert_eq!(bearer_credentials(b"Bearer abc"), Some(&b"abc"[..]));
+        assert_eq!(bearer_credentials(b"bearer   abc "), Some(&b"abc"[..]));
+        assert_eq!(bearer_credentials(b"Basic abc"), None);
+        assert_eq!(bearer_credentials(b"Bearer "), None);
+        assert_eq!(bearer_credentials(b"Bearerabc"), None);
+    }
+
+    #[test]
+    fn error_codes_are_stable() {
+        assert_eq!(
+            (
+                ApiError::Unauthorized.status().as_u16(),
+                ApiError::Unauthorized.code()
+            ),
+            (401, "UNAUTHORIZED")
+        );
+        assert_eq!(
+            (
+                ApiError::NotFound.status().as_u16(),
+                ApiError::NotFound.code()
+            ),
+            (404, "NOT_FOUND")
+        );
+        assert_eq!(
+            ApiError::Unauthorized.to_string(),
+            "missing or bad bearer token"
+        );
+    }
+}

@@ -1,0 +1,36 @@
+//! The local API's OpenAPI document, generated from the handlers' annotations (utoipa). The
+//! committed copy `daemon/openapi.json` is the contract; a test fails when it drifts.
+
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::{Modify, OpenApi};
+
+use super::{ack, inbox, messages};
+
+/// The OpenAPI description of the local API.
+#[derive(Debug, OpenApi)]
+#[openapi(
+    info(title = "agentmbx local API", description = "Loopback API for agents on this host: send, inbox, read, ack. Bearer token from api.token; errors are {error, code}."),
+    paths(messages::post, messages::get, inbox::get, ack::post),
+    modifiers(&BearerAuth)
+)]
+pub struct ApiDoc;
+
+#[derive(Debug)]
+struct BearerAuth;
+
+impl Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+    }
+}
+
+/// The document as pretty JSON (what `agentmbx openapi` prints and `daemon/openapi.json` holds).
+pub fn document() -> String {
+    let mut doc = ApiDoc::openapi();
+    doc.info.version = crate::VERSION.to_string();
+    doc.to_pretty_json().unwrap_or_default() + "\n"
+}

@@ -1,0 +1,158 @@
+//! `agentmbx daemon [--api-port N] [--api-bind ADDR]`: run the host daemon in the foreground.
+//!
+//! Start-up order: clock offset and failpoints (logged), home, config (defaults → file →
+//! environment → these flags), identity (created on a fresh home, as `init` with the machine's
+//! host name, so `agentmbx daemon` alone works on a new machine), API token, signal handlers,
+//! then bind and serve until SIGTERM or SIGINT.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use agentmbx::api::{self, AppState};
+use agentmbx::config::Config;
+use agentmbx::identity;
+use agentmbx::mailbox::Mailbox;
+use agentmbx::paths::Paths;
+use agentmbx::token::ApiToken;
+use agentmbx::transport::relay_client;
+use agentmbx_protocol::clock::{SharedClock, SystemClock};
+use agentmbx_protocol::{failpoint, ulid};
+use anyhow::Context;
+use clap::Args;
+
+/// Flags of `daemon`; each overrides the config file and the environment.
+#[derive(Debug, Args)]
+pub struct DaemonArgs {
+    /// Local API port (overrides api_port and MBX_API_PORT; 0 picks a free port)
+    #[arg(long, value_name = "N")]
+    pub api_port: Option<u16>,
+    /// Local API bind address (overrides api_bind and MBX_API_BIND)
+    #[arg(long, value_name = "ADDR")]
+    pub api_bind: Option<IpAddr>,
+}
+
+/// Prepares the host and serves the local API until a shutdown signal.
+pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
+    let clock = SystemClock::from_env()?;
+    if clock.offset_ms() != 0 {
+        tracing::warn!(
+            offset_ms = clock.offset_ms(),
+            "clock shifted by MBX_CLOCK_OFFSET_MS (tests and drills only)"
+        );
+    }
+    for (name, action, nth) in failpoint::armed() {
+        tracing::warn!(failpoint = %name, action = ?action, nth, "failpoint armed");
+    }
+
+    let paths = Paths::from_env()?;
+    let mut config = Config::load(&paths)?;
+    if let Some(port) = args.api_port {
+        config.api_port = port;
+    }
+    if let Some(bind) = args.api_bind {
+        config.api_bind = bind;
+    }
+    if !identity::is_initialized(&paths) {
+        tracing::info!(home = %paths.home().display(), "no host identity yet: initializing this host");
+        let created = identity::init(&paths, config.host.as_ref())?;
+        config.host = Some(created.host);
+    }
+    let identity = identity::load(&paths, &config)?;
+    let token = ApiToken::load_or_create(&paths.api_token())?;
+    if !config.api_bind.is_loopback() {
+        tracing::warn!(bind = %config.api_bind, "the local API is bound to a non-loopback address; it is meant for agents on this machine");
+    }
+    tracing::info!(
+        host = %identity.host,
+        fingerprint = %identity.host_key.public().fingerprint(),
+        home = %paths.home().display(),
+        version = agentmbx::VERSION,
+        "starting agentmbx daemon"
+    );
+
+    let mailbox = Mailbox::open(&paths.mailbox_db()).context("cannot open mailbox.db")?;
+    let clock: SharedClock = Arc::new(clock);
+    let ident = Arc::new(identity);
+    let wake = Arc::new(tokio::sync::Notify::new());
+    let state = Arc::new(AppState {
+        host: ident.host.clone(),
+        token,
+        version: agentmbx::VERSION,
+        clock: clock.clone(),
+        ident: ident.clone(),
+        mailbox: mailbox.clone(),
+        wake: wake.clone(),
+        ids: std::sync::Mutex::new(ulid::Generator::new()),
+    });
+    let addr = config.api_addr();
+    let relay = config.relay.clone();
+    let pull_interval = std::time::Duration::from_millis(config.relay_pull_interval_ms);
+    let addr_file = paths.api_addr_file();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(async move {
+        // Handlers are installed before the API announces itself, so a signal sent as soon as
+        // the "listening" line appears already shuts down gracefully.
+        let shutdown = shutdown_signal().context("cannot install signal handlers")?;
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot bind the local API on {addr}"))?;
+        let bound = listener.local_addr().context("cannot read the local API address")?;
+        agentmbx::fsutil::replace(&addr_file, format!("{bound}\n").as_bytes(), agentmbx::fsutil::PRIVATE_MODE)
+            .with_context(|| format!("cannot write {}", addr_file.display()))?;
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let relay_task = match relay {
+            Some(r) => match relay_client::pin::resolve_key(&r.url, r.key.as_deref(), &mailbox).await {
+                Ok(key) => {
+                    tracing::info!(relay = %r.url, relay_fingerprint = %key.fingerprint(), "relay transport on");
+                    let client = relay_client::RelayClient::new(&r.url, key, ident.clone(), mailbox.clone(), clock.clone())?;
+                    Some(tokio::spawn(relay_client::run(client, pull_interval, wake.clone(), stop_rx)))
+                }
+                Err(e) => {
+                    tracing::error!(relay = %r.url, error = %e, "relay transport off");
+                    None
+                }
+            },
+            None => {
+                tracing::info!("no relay configured (agentmbx relay set <url>): relay transport off");
+                None
+            }
+        };
+        let served = api::serve(listener, state, shutdown).await.context("local API failed");
+        let _ = stop_tx.send(true);
+        if let Some(task) = relay_task {
+            let _ = task.await;
+        }
+        let _ = std::fs::remove_file(&addr_file);
+        served
+    })?;
+    tracing::info!("daemon stopped");
+    Ok(())
+}
+
+/// A future that completes on SIGTERM or SIGINT (Ctrl-C elsewhere). The handlers are
+/// registered when this function returns, not when the future is first polled.
+fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()> + Send + 'static> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        Ok(async move {
+            let name = tokio::select! {
+                _ = term.recv() => "SIGTERM",
+                _ = int.recv() => "SIGINT",
+            };
+            tracing::info!("{name} received: shutting down");
+        })
+    }
+    #[cfg(not(unix))]
+    {
+        Ok(async move {
+            let _ = tokio::signal::ctrl_c().await;
+            tracing::info!("Ctrl-C received: shutting down");
+        })
+    }
+}

@@ -1,0 +1,268 @@
+//! The command line: argument definitions (clap derive), dispatch, and the process edge —
+//! exit codes and the error line (`wire.md` §5).
+//!
+//! One file per command group, each thin: parse flags, call the library (`agentmbx::…`), print.
+//! Exit codes: 0 success, 1 other failure, 2 usage, 3 not found. Errors go to stderr as one line
+//! `agentmbx: <msg>`, usage errors followed by `(see: agentmbx <cmd> --help)`.
+//!
+//! This is the only place (with `main.rs`) that uses `anyhow`, prints to stdout, or decides the
+//! process's exit code. It must never put secrets in output or errors.
+
+pub mod daemon;
+pub mod init;
+pub mod mail;
+pub mod man;
+pub mod peers;
+pub mod relay;
+pub mod whoami;
+
+use std::process::ExitCode;
+
+use agentmbx::host_name::HostNameError;
+use agentmbx::identity::IdentityError;
+use clap::{CommandFactory, Parser, Subcommand};
+
+/// Exit code for a failure that is not one of the others.
+pub const EXIT_FAILURE: u8 = 1;
+/// Exit code for bad arguments.
+pub const EXIT_USAGE: u8 = 2;
+/// Exit code when the thing asked for does not exist (e.g. the host is not initialized).
+pub const EXIT_NOT_FOUND: u8 = 3;
+
+/// Shown after `agentmbx --help` and in `agentmbx(1)`: the environment and the exit codes.
+const ENVIRONMENT_HELP: &str = "\
+Environment (each overrides the matching config.toml setting):
+  MBX_HOME: home directory (default: the platform data directory)
+  MBX_API_PORT, MBX_API_BIND: local API port and address (api_port, api_bind)
+  MBX_LAN_PORT: LAN delivery port (lan_port)
+  MBX_RELAY_URL: relay base URL ([relay] url)
+  MBX_RELAY_PULL_INTERVAL_MS: pause between relay pulls in ms (relay_pull_interval_ms)
+  MBX_LOG: log filter (default: info for daemon and relay, warn otherwise)
+  MBX_CLOCK_OFFSET_MS, MBX_FAILPOINTS: for tests and drills only
+
+Exit status: 0 success, 1 failure, 2 usage error, 3 not found (e.g. host not initialized).";
+
+/// AgentMBX: a signed, end-to-end-sealed mailbox for AI agents.
+#[derive(Debug, Parser)]
+#[command(
+    name = "agentmbx",
+    version,
+    about = "Signed, end-to-end-sealed mailbox for AI agents",
+    long_about = "Signed, end-to-end-sealed mailbox for AI agents.\n\n\
+        Agents on this machine send mail through the local daemon (`agentmbx daemon`), which \
+        signs every envelope with this host's key and seals every body for the receiving host. \
+        Files live in MBX_HOME (default: the platform data directory).",
+    after_long_help = ENVIRONMENT_HELP,
+    propagate_version = true
+)]
+pub struct Cli {
+    /// The command to run.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Top-level commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Create this host's identity (name, host key, enc key) in MBX_HOME
+    Init(init::InitArgs),
+    /// Print this host's name, public key and fingerprint
+    Whoami(whoami::WhoamiArgs),
+    /// Run the host daemon in the foreground (initializes a fresh host first)
+    Daemon(daemon::DaemonArgs),
+    /// Run a relay, or operate one
+    #[command(subcommand)]
+    Relay(relay::RelayCommand),
+    /// List peer hosts, or pin one by its host key
+    Peers(peers::PeersArgs),
+    /// Send a message from an agent on this host (through the running daemon)
+    Send(mail::SendArgs),
+    /// List an agent's messages
+    Inbox(mail::InboxArgs),
+    /// Show one message (marks it read for the agent)
+    Read(mail::ReadArgs),
+    /// Acknowledge messages in an agent's mailbox
+    Ack(mail::AckArgs),
+    /// Write the man pages into a directory (for packagers)
+    #[command(hide = true)]
+    Man(man::ManArgs),
+    /// Print the local API's OpenAPI document
+    #[command(hide = true)]
+    Openapi,
+}
+
+/// A usage error found after parsing (exit code 2).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct UsageError(pub String);
+
+/// The thing asked for does not exist (exit code 3).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct NotFoundError(pub String);
+
+/// The full command definition, as `--help` and the man pages show it.
+pub fn command() -> clap::Command {
+    Cli::command()
+}
+
+impl Cli {
+    /// The log level when `MBX_LOG` is unset: `info` for the long-running servers, `warn` for
+    /// one-shot commands, whose results go to stdout.
+    pub fn default_log_level(&self) -> &'static str {
+        match self.command {
+            Command::Daemon(_) | Command::Relay(_) => "info",
+            _ => "warn",
+        }
+    }
+}
+
+/// Parses the process arguments, runs the command, and turns the outcome into an exit code,
+/// printing the error line on failure. `init_logging` runs after parsing succeeded, with the
+/// command's default level.
+pub fn main(init_logging: impl FnOnce(&'static str)) -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return clap_failure(e),
+    };
+    init_logging(cli.default_log_level());
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            let code = exit_code(&err);
+            let mut line = format!("agentmbx: {}", render(&err));
+            if code == EXIT_USAGE {
+                line.push_str(&format!(" (see: {} --help)", command_path()));
+            }
+            eprintln!("{line}");
+            ExitCode::from(code)
+        }
+    }
+}
+
+/// Runs one parsed command.
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Init(args) => init::run(args),
+        Command::Whoami(args) => whoami::run(args),
+        Command::Daemon(args) => daemon::run(args),
+        Command::Relay(cmd) => relay::run(cmd),
+        Command::Peers(args) => peers::run(args),
+        Command::Send(args) => mail::send(args),
+        Command::Inbox(args) => mail::inbox(args),
+        Command::Read(args) => mail::read(args),
+        Command::Ack(args) => mail::ack(args),
+        Command::Man(args) => man::run(args),
+        Command::Openapi => {
+            print!("{}", agentmbx::api::openapi::document());
+            Ok(())
+        }
+    }
+}
+
+/// The exit code for an error (`wire.md` §5), from the first cause in its chain that has one.
+pub fn exit_code(err: &anyhow::Error) -> u8 {
+    for cause in err.chain() {
+        if cause.is::<UsageError>() || cause.is::<HostNameError>() {
+            return EXIT_USAGE;
+        }
+        if cause.is::<NotFoundError>() {
+            return EXIT_NOT_FOUND;
+        }
+        if let Some(IdentityError::NotInitialized { .. }) = cause.downcast_ref::<IdentityError>() {
+            return EXIT_NOT_FOUND;
+        }
+    }
+    EXIT_FAILURE
+}
+
+/// The error chain on one line, `outer: inner`, skipping a cause whose text the line already
+/// holds (library errors often name their source in their own message).
+pub fn render(err: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in err.chain() {
+        let text = cause.to_string();
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
+}
+
+/// Prints a clap parse failure: help and version as clap does (exit 0), anything else as the
+/// error line with exit code 2.
+fn clap_failure(e: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    match e.kind() {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+            let _ = e.print();
+            ExitCode::SUCCESS
+        }
+        ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            let _ = e.print();
+            ExitCode::from(EXIT_USAGE)
+        }
+        _ => {
+            let rendered = e.render().to_string();
+            let first = rendered.lines().next().unwrap_or("invalid arguments");
+            let message = first.strip_prefix("error: ").unwrap_or(first);
+            eprintln!("agentmbx: {message} (see: {} --help)", command_path());
+            ExitCode::from(EXIT_USAGE)
+        }
+    }
+}
+
+/// `agentmbx <sub> <sub>…` as far as the process arguments name known subcommands.
+fn command_path() -> String {
+    let mut cmd = command();
+    let mut path = String::from("agentmbx");
+    for arg in std::env::args().skip(1) {
+        if arg.starts_with('-') {
+            continue;
+        }
+        match cmd.find_subcommand(&arg) {
+            Some(sub) => {
+                path.push(' ');
+                path.push_str(sub.get_name());
+                let sub = sub.clone();
+                cmd = sub;
+            }
+            None => break,
+        }
+    }
+    path
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        command().debug_assert();
+    }
+
+    #[test]
+    fn render_skips_repeated_causes() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "gone");
+        let err = anyhow::Error::new(io)
+            .context("reading x: gone")
+            .context("starting");
+        assert_eq!(render(&err), "starting: reading x: gone");
+    }
+
+    #[test]
+    fn exit_codes() {
+        let e = anyhow::Error::new(IdentityError::NotInitialized { path: "h".into() });
+        assert_eq!(exit_code(&e), EXIT_NOT_FOUND);
+        assert_eq!(
+            exit_code(&anyhow::Error::new(UsageError("x".into()))),
+            EXIT_USAGE
+        );
+        assert_eq!(exit_code(&anyhow::anyhow!("other")), EXIT_FAILURE);
+    }
+}

@@ -1,0 +1,146 @@
+//! `agentmbx relay …`: the relay server and its operator commands (the work is done by the
+//! `agentmbx-relay` crate), and `relay set`, which points this host at a relay and pins its key
+//! (`wire.md` §5 "Relay", spec §1).
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+
+use agentmbx::config::{self, RelayConfig};
+use agentmbx::paths::Paths;
+use agentmbx::transport::relay_client::pin;
+
+use super::UsageError;
+
+/// Subcommands of `relay`.
+#[derive(Debug, Subcommand)]
+pub enum RelayCommand {
+    /// Run a relay: stores sealed items until their target host pulls and acknowledges them
+    Serve(ServeArgs),
+    /// Create a relay signing key and print it as MBX_RELAY_KEY=<seed> (a deploy secret)
+    Keygen,
+    /// Use the relay at URL for this host and pin its key (restart the daemon afterwards)
+    Set(SetArgs),
+}
+
+/// Flags of `relay serve`.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// IP address to listen on
+    #[arg(long, value_name = "ADDR", default_value = "0.0.0.0")]
+    pub bind: IpAddr,
+    /// TCP port to listen on (0 picks a free port; the bound address is logged)
+    #[arg(long, value_name = "N", env = "PORT", default_value_t = 7374)]
+    pub port: u16,
+    /// Directory of the relay's state (relay.db, relay.key, relay.lock, optional relay.toml)
+    #[arg(long, value_name = "DIR", env = "MBX_RELAY_DIR")]
+    pub store_dir: Option<PathBuf>,
+}
+
+/// Flags of `relay set`.
+#[derive(Debug, Args)]
+pub struct SetArgs {
+    /// Relay base URL, e.g. https://relay.example.org or http://127.0.0.1:7374
+    pub url: String,
+    /// Expected relay key: its fingerprint (16 hex digits, dashes optional) or the base64 key.
+    /// Without it the key the relay presents now is pinned (trust on first use).
+    #[arg(long, value_name = "FINGERPRINT")]
+    pub key: Option<String>,
+    /// Print the result as JSON: {url, relay_pubkey, fingerprint, epoch}
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs a relay subcommand.
+pub fn run(cmd: RelayCommand) -> anyhow::Result<()> {
+    match cmd {
+        RelayCommand::Serve(args) => serve(args),
+        RelayCommand::Keygen => {
+            let (line, fingerprint) = agentmbx_relay::run::keygen();
+            println!("{line}");
+            eprintln!("relay key fingerprint: {fingerprint} (hosts pin it with `agentmbx relay set <url> --key {fingerprint}`)");
+            Ok(())
+        }
+        RelayCommand::Set(args) => set(args),
+    }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
+}
+
+fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let store_dir = args
+        .store_dir
+        .ok_or_else(|| UsageError("relay serve needs --store-dir DIR (or MBX_RELAY_DIR)".into()))?;
+    let opts = agentmbx_relay::run::ServeOptions {
+        bind: Some(args.bind),
+        port: Some(args.port),
+        store_dir,
+    };
+    runtime()?.block_on(agentmbx_relay::run::serve(opts))?;
+    Ok(())
+}
+
+fn set(args: SetArgs) -> anyhow::Result<()> {
+    let url = args.url.trim_end_matches('/').to_string();
+    if !(url.starts_with("http://") || url.starts_with("https://")) {
+        return Err(UsageError(format!(
+            "relay URL must start with http:// or https://, got {url:?}"
+        ))
+        .into());
+    }
+    let expected = match &args.key {
+        Some(k) => Some(pin::parse_pin(k).ok_or_else(|| {
+            UsageError(format!(
+                "--key {k:?} is neither a 16-hex-digit fingerprint nor a base64 key"
+            ))
+        })?),
+        None => None,
+    };
+    let info = runtime()?
+        .block_on(pin::fetch_info(&url))
+        .with_context(|| format!("cannot reach the relay at {url}"))?;
+    let served = agentmbx_protocol::keys::PublicKey::from_b64(&info.relay_pubkey)
+        .context("the relay presents an invalid key")?;
+    if let Some(pin) = &expected {
+        if !pin.matches(&served) {
+            anyhow::bail!(
+                "relay key mismatch: expected {}, the relay at {url} presents {}; config.toml unchanged",
+                args.key.as_deref().unwrap_or_default(),
+                served.fingerprint()
+            );
+        }
+    }
+    let paths = Paths::from_env()?;
+    paths.ensure_home()?;
+    config::set_relay(
+        &paths,
+        Some(&RelayConfig {
+            url: url.clone(),
+            key: Some(served.to_b64()),
+        }),
+    )?;
+    if args.json {
+        let out = serde_json::json!({"url": url, "relay_pubkey": served.to_b64(), "fingerprint": served.fingerprint(), "epoch": info.epoch});
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!("relay: {url}");
+        println!(
+            "relay key fingerprint: {} ({})",
+            served.fingerprint(),
+            if expected.is_some() {
+                "matches --key"
+            } else {
+                "pinned on first use"
+            }
+        );
+        println!("restart the daemon to use it");
+    }
+    Ok(())
+}

@@ -1,0 +1,494 @@
+//! The host configuration: `config.toml` in the home directory, layered
+//! defaults → file → environment (design README "Files, configuration and keys").
+//!
+//! This module owns the settings' names, defaults, validation and the environment variables
+//! that override them. Every setting has a default (a named function below), so a missing file
+//! is a valid configuration; an unknown key anywhere in the file is refused with an error that
+//! names it, never ignored. Command-line flags, where a command has them, override the result
+//! (applied by the command, after [`Config::load`]).
+//!
+//! It must never write the file except to record the host name at `init`
+//! ([`record_host`]), and never hold or print secrets: the file carries none (keys live in
+//! their own 0600 files, [`crate::identity`]).
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::fsutil;
+use crate::host_name::HostName;
+use crate::paths::Paths;
+
+/// Overrides [`Config::api_port`].
+pub const API_PORT_ENV: &str = "MBX_API_PORT";
+/// Overrides [`Config::api_bind`].
+pub const API_BIND_ENV: &str = "MBX_API_BIND";
+/// Overrides [`Config::lan_port`].
+pub const LAN_PORT_ENV: &str = "MBX_LAN_PORT";
+/// Overrides the relay URL ([`RelayConfig::url`]); a pinned key from the file is kept only when
+/// the URL is the same.
+pub const RELAY_URL_ENV: &str = "MBX_RELAY_URL";
+/// Overrides [`Config::relay_pull_interval_ms`].
+pub const RELAY_PULL_INTERVAL_ENV: &str = "MBX_RELAY_PULL_INTERVAL_MS";
+
+/// Shortest relay pull interval accepted (ms): below it an idle host would hammer its relay.
+pub const MIN_RELAY_PULL_INTERVAL_MS: u64 = 100;
+/// Longest relay pull interval accepted (ms, one hour): beyond it relayed mail looks lost.
+pub const MAX_RELAY_PULL_INTERVAL_MS: u64 = 3_600_000;
+
+/// Default local API port (loopback HTTP for agents).
+pub fn default_api_port() -> u16 {
+    7375
+}
+
+/// Default local API bind address: loopback only (design README "Local API").
+pub fn default_api_bind() -> IpAddr {
+    IpAddr::V4(Ipv4Addr::LOCALHOST)
+}
+
+/// Default LAN port for host-to-host delivery (`wire.md` §5 `init --port 7373`; not served yet).
+pub fn default_lan_port() -> u16 {
+    7373
+}
+
+/// Default relay pull interval in ms (design README: 2 s until live push exists).
+pub fn default_relay_pull_interval_ms() -> u64 {
+    2000
+}
+
+/// The host configuration after layering. Field docs give the TOML key, unit and default.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// `host`: this host's name ([`HostName`] rule). Absent until `init` records it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<HostName>,
+    /// `api_port`: TCP port of the local API (default 7375; 0 picks a free port).
+    #[serde(default = "default_api_port")]
+    pub api_port: u16,
+    /// `api_bind`: IP address the local API binds (default 127.0.0.1).
+    #[serde(default = "default_api_bind")]
+    pub api_bind: IpAddr,
+    /// `lan_port`: TCP port for LAN delivery between paired hosts (default 7373; unused yet).
+    #[serde(default = "default_lan_port")]
+    pub lan_port: u16,
+    /// `[relay]`: the relay this host pushes to and pulls from, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub relay: Option<RelayConfig>,
+    /// `relay_pull_interval_ms`: pause between relay pulls when idle, in ms (default 2000,
+    /// accepted [`MIN_RELAY_PULL_INTERVAL_MS`]..=[`MAX_RELAY_PULL_INTERVAL_MS`]).
+    #[serde(default = "default_relay_pull_interval_ms")]
+    pub relay_pull_interval_ms: u64,
+    /// `key_store`: where private keys are kept, chosen at `init` and never switched silently.
+    #[serde(default)]
+    pub key_store: KeyStore,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            host: None,
+            api_port: default_api_port(),
+            api_bind: default_api_bind(),
+            lan_port: default_lan_port(),
+            relay: None,
+            relay_pull_interval_ms: default_relay_pull_interval_ms(),
+            key_store: KeyStore::default(),
+        }
+    }
+}
+
+/// `[relay]` table.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RelayConfig {
+    /// `url`: base URL of the relay, `http://` or `https://`.
+    pub url: String,
+    /// `key`: the relay's pinned Ed25519 public key, standard base64 (44 characters). When
+    /// absent the key is learned on first contact (`wire.md` §3.5).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+}
+
+/// Where the host's private keys are stored.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KeyStore {
+    /// 0600 files `host.key` and `enc.key` in the home directory.
+    #[default]
+    File,
+}
+
+/// The configuration could not be read, parsed, validated or written.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file exists but could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML, has an unknown key, or a value of the wrong type.
+    #[error("{path}{}: {message}", line.map(|l| format!(" line {l}")).unwrap_or_default())]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// 1-based line of the fault, when known.
+        line: Option<usize>,
+        /// What is wrong, naming the key (e.g. "unknown key `foo`, expected one of …").
+        message: String,
+    },
+    /// An overriding environment variable has a value that cannot be used.
+    #[error("environment variable {var}: {message}")]
+    Env {
+        /// The variable's name.
+        var: &'static str,
+        /// What is wrong with its value.
+        message: String,
+    },
+    /// A setting has a value outside what it accepts (after layering).
+    #[error("config setting `{key}`: {message}")]
+    Invalid {
+        /// The TOML key (dotted for tables, e.g. `relay.url`).
+        key: &'static str,
+        /// What is wrong.
+        message: String,
+    },
+    /// `init` was asked for another name than the one the file already records.
+    #[error("{path} already names this host {existing:?}; run init with --host {existing} or edit the file")]
+    HostConflict {
+        /// The file.
+        path: PathBuf,
+        /// The name in the file.
+        existing: HostName,
+    },
+    /// The file could not be written.
+    #[error("cannot write {path}: {source}")]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Config {
+    /// Loads `config.toml` from `paths` (defaults when the file is missing), then applies the
+    /// process environment, then validates. Errors: [`ConfigError`].
+    pub fn load(paths: &Paths) -> Result<Config, ConfigError> {
+        Self::load_with_env(paths, |var| std::env::var(var).ok())
+    }
+
+    /// As [`Config::load`] with an explicit environment lookup (tests).
+    pub fn load_with_env(
+        paths: &Paths,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Config, ConfigError> {
+        let mut config = Self::read_file(&paths.config_file())?.unwrap_or_default();
+        config.apply_env(env)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Reads and parses the file alone (no environment). `Ok(None)` when it does not exist.
+    pub fn read_file(path: &Path) -> Result<Option<Config>, ConfigError> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => Self::from_toml_str(&text, path).map(Some),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(ConfigError::Read {
+                path: path.to_path_buf(),
+                source,
+            }),
+        }
+    }
+
+    /// Parses TOML text; `path` is used in error messages only.
+    pub fn from_toml_str(text: &str, path: &Path) -> Result<Config, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_path_buf(),
+            line: e
+                .span()
+                .map(|span| text[..span.start.min(text.len())].matches('\n').count() + 1),
+            message: e.message().replacen("unknown field", "unknown key", 1),
+        })
+    }
+
+    /// Applies the `MBX_*` overrides listed as constants in this module. Empty values count as
+    /// unset. Errors: [`ConfigError::Env`] naming the variable.
+    pub fn apply_env(&mut self, env: impl Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
+        let get = |var: &str| env(var).filter(|v| !v.trim().is_empty());
+        if let Some(v) = get(API_PORT_ENV) {
+            self.api_port = parse_env(API_PORT_ENV, &v)?;
+        }
+        if let Some(v) = get(API_BIND_ENV) {
+            self.api_bind = parse_env(API_BIND_ENV, &v)?;
+        }
+        if let Some(v) = get(LAN_PORT_ENV) {
+            self.lan_port = parse_env(LAN_PORT_ENV, &v)?;
+        }
+        if let Some(v) = get(RELAY_PULL_INTERVAL_ENV) {
+            self.relay_pull_interval_ms = parse_env(RELAY_PULL_INTERVAL_ENV, &v)?;
+        }
+        if let Some(url) = get(RELAY_URL_ENV) {
+            let url = url.trim().to_string();
+            let key = match &self.relay {
+                Some(r) if r.url == url => r.key.clone(),
+                _ => None,
+            };
+            self.relay = Some(RelayConfig { url, key });
+        }
+        Ok(())
+    }
+
+    /// Checks values that their types alone do not constrain. Errors: [`ConfigError::Invalid`].
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let range = MIN_RELAY_PULL_INTERVAL_MS..=MAX_RELAY_PULL_INTERVAL_MS;
+        if !range.contains(&self.relay_pull_interval_ms) {
+            return Err(ConfigError::Invalid {
+                key: "relay_pull_interval_ms",
+                message: format!(
+                    "{} is outside {MIN_RELAY_PULL_INTERVAL_MS}..={MAX_RELAY_PULL_INTERVAL_MS} ms",
+                    self.relay_pull_interval_ms
+                ),
+            });
+        }
+        if let Some(relay) = &self.relay {
+            let rest = relay
+                .url
+                .strip_prefix("http://")
+                .or_else(|| relay.url.strip_prefix("https://"));
+            if rest.is_none_or(|r| r.is_empty() || r.starts_with('/')) {
+                return Err(ConfigError::Invalid {
+                    key: "relay.url",
+                    message: format!("{:?} is not an http:// or https:// URL", relay.url),
+                });
+            }
+            if let Some(key) = &relay.key {
+                agentmbx_protocol::keys::PublicKey::from_b64(key).map_err(|e| {
+                    ConfigError::Invalid {
+                        key: "relay.key",
+                        message: e.to_string(),
+                    }
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The local API's socket address (`api_bind`:`api_port`).
+    pub fn api_addr(&self) -> SocketAddr {
+        SocketAddr::new(self.api_bind, self.api_port)
+    }
+}
+
+fn parse_env<T: std::str::FromStr>(var: &'static str, value: &str) -> Result<T, ConfigError>
+where
+    T::Err: std::fmt::Display,
+{
+    value.trim().parse().map_err(|e: T::Err| ConfigError::Env {
+        var,
+        message: format!("{value:?}: {e}"),
+    })
+}
+
+/// Records `host` as this host's name in `config.toml` (`init`). Creates the file when missing
+/// (with `host` and `key_store = "file"`); adds a `host` line to an existing file that has none,
+/// keeping everything else byte for byte; does nothing when the file already names `host`.
+/// Errors: [`ConfigError::HostConflict`] when the file names another host; parse and I/O errors.
+pub fn record_host(paths: &Paths, host: &HostName) -> Result<(), ConfigError> {
+    let path = paths.config_file();
+    let write_err = |source| ConfigError::Write {
+        path: path.clone(),
+        source,
+    };
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let text = format!(
+                "# agentmbx host configuration. Every setting has a default; unknown keys are refused.\n\
+                 host = \"{host}\"\nkey_store = \"file\"\n"
+            );
+            return fsutil::create_new(&path, text.as_bytes(), fsutil::PRIVATE_MODE)
+                .map_err(write_err);
+        }
+        Err(source) => return Err(ConfigError::Read { path, source }),
+    };
+    let existing = Config::from_toml_str(&text, &path)?;
+    match existing.host {
+        Some(name) if &name == host => Ok(()),
+        Some(name) => Err(ConfigError::HostConflict {
+            path,
+            existing: name,
+        }),
+        None => {
+            // Top-level keys must precede every table header, so the new line goes first.
+            let updated = format!("host = \"{host}\"\n{text}");
+            fsutil::replace(&path, updated.as_bytes(), fsutil::PRIVATE_MODE).map_err(write_err)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env_of(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| map.get(k).cloned()
+    }
+
+    fn home_with(text: Option<&str>) -> (tempfile::TempDir, Paths) {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = Paths::at(dir.path());
+        if let Some(t) = text {
+            std::fs::write(paths.config_file(), t).unwrap();
+        }
+        (dir, paths)
+    }
+
+    #[test]
+    fn defaults_without_file() {
+        let (_d, paths) = home_with(None);
+        let c = Config::load_with_env(&paths, env_of(&[])).unwrap();
+        assert_eq!(c, Config::default());
+        assert_eq!(c.api_addr().to_string(), "127.0.0.1:7375");
+        assert_eq!((c.lan_port, c.relay_pull_interval_ms), (7373, 2000));
+        assert_eq!(c.key_store, KeyStore::File);
+    }
+
+    #[test]
+    fn file_then_env_layering() {
+        let (_d, paths) = home_with(Some(
+            "host = \"alpha\"\napi_port = 8000\nlan_port = 9000\n[relay]\nurl = \"http://r:1\"\n\
+             key = \"11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo=\"\n",
+        ));
+        let file_only = Config::load_with_env(&paths, env_of(&[])).unwrap();
+        assert_eq!(file_only.host.as_ref().map(HostName::as_str), Some("alpha"));
+        assert_eq!((file_only.api_port, file_only.lan_port), (8000, 9000));
+        let env = env_of(&[
+            (API_PORT_ENV, "0"),
+            (API_BIND_ENV, "::1"),
+            (LAN_PORT_ENV, ""),
+        ]);
+        let c = Config::load_with_env(&paths, env).unwrap();
+        assert_eq!(c.api_addr().to_string(), "[::1]:0");
+        assert_eq!(c.lan_port, 9000, "an empty variable counts as unset");
+        // Same relay URL keeps the pinned key; another URL drops it.
+        let same = Config::load_with_env(&paths, env_of(&[(RELAY_URL_ENV, "http://r:1")])).unwrap();
+        assert!(same.relay.unwrap().key.is_some());
+        let other =
+            Config::load_with_env(&paths, env_of(&[(RELAY_URL_ENV, "http://s:2")])).unwrap();
+        assert_eq!(
+            other.relay,
+            Some(RelayConfig {
+                url: "http://s:2".into(),
+                key: None
+            })
+        );
+    }
+
+    #[test]
+    fn unknown_keys_are_named() {
+        let (_d, paths) = home_with(Some("api_port = 1\nbogus_key = 3\n"));
+        let err = Config::load_with_env(&paths, env_of(&[]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("line 2") && err.contains("unknown key `bogus_key`"),
+            "{err}"
+        );
+        let (_d, paths) = home_with(Some("[relay]\nurl = \"http://r\"\npin = \"x\"\n"));
+        let err = Config::load_with_env(&paths, env_of(&[]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`pin`"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_are_refused() {
+        let (_d, paths) = home_with(None);
+        let err = Config::load_with_env(&paths, env_of(&[(API_PORT_ENV, "70000")])).unwrap_err();
+        assert!(err.to_string().contains(API_PORT_ENV), "{err}");
+        let err = Config::load_with_env(&paths, env_of(&[(RELAY_URL_ENV, "ftp://x")])).unwrap_err();
+        assert!(err.to_string().contains("relay.url"), "{err}");
+        let (_d, paths) = home_with(Some("relay_pull_interval_ms = 5\n"));
+        assert!(Config::load_with_env(&paths, env_of(&[])).is_err());
+        let (_d, paths) = home_with(Some("host = \"Bad Name\"\n"));
+        assert!(Config::load_with_env(&paths, env_of(&[])).is_err());
+        let (_d, paths) = home_with(Some("[relay]\nurl = \"http://r\"\nkey = \"nope\"\n"));
+        let err = Config::load_with_env(&paths, env_of(&[])).unwrap_err();
+        assert!(err.to_string().contains("relay.key"), "{err}");
+    }
+
+    #[test]
+    fn record_host_creates_adds_and_refuses_conflicts() {
+        let alpha = HostName::parse("alpha").unwrap();
+        let (_d, paths) = home_with(None);
+        record_host(&paths, &alpha).unwrap();
+        let c = Config::load_with_env(&paths, env_of(&[])).unwrap();
+        assert_eq!(c.host, Some(alpha.clone()));
+        record_host(&paths, &alpha).unwrap();
+        let beta = HostName::parse("beta").unwrap();
+        assert!(matches!(
+            record_host(&paths, &beta),
+            Err(ConfigError::HostConflict { .. })
+        ));
+
+        let (_d, paths) = home_with(Some("# mine\napi_port = 1\n[relay]\nurl = \"http://r\"\n"));
+        record_host(&paths, &beta).unwrap();
+        let c = Config::load_with_env(&paths, env_of(&[])).unwrap();
+        assert_eq!((c.host, c.api_port), (Some(beta), 1));
+        let text = std::fs::read_to_string(paths.config_file()).unwrap();
+        assert!(text.ends_with("# mine\napi_port = 1\n[relay]\nurl = \"http://r\"\n"));
+    }
+}
+
+/// Sets (or, with `None`, removes) the `[relay]` table of `config.toml`, keeping the other
+/// settings (comments are not kept). The result is validated before it is written; the file is
+/// replaced atomically. Errors: parse, validation and I/O errors.
+pub fn set_relay(paths: &Paths, relay: Option<&RelayConfig>) -> Result<(), ConfigError> {
+    let path = paths.config_file();
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(source) => return Err(ConfigError::Read { path, source }),
+    };
+    Config::from_toml_str(&text, &path)?;
+    let mut table: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| ConfigError::Parse {
+            path: path.clone(),
+            line: None,
+            message: e.to_string(),
+        })?;
+    match relay {
+        Some(r) => {
+            let value = toml::Value::try_from(r).map_err(|e| ConfigError::Parse {
+                path: path.clone(),
+                line: None,
+                message: e.to_string(),
+            })?;
+            table.insert("relay".into(), value);
+        }
+        None => {
+            table.remove("relay");
+        }
+    }
+    let updated = toml::to_string(&table).map_err(|e| ConfigError::Parse {
+        path: path.clone(),
+        line: None,
+        message: e.to_string(),
+    })?;
+    Config::from_toml_str(&updated, &path)?.validate()?;
+    fsutil::replace(&path, updated.as_bytes(), fsutil::PRIVATE_MODE)
+        .map_err(|source| ConfigError::Write { path, source })
+}

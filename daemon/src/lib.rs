@@ -1,0 +1,37 @@
+//! # agentmbx
+//!
+//! The per-host side of AgentMBX: the daemon that agents on this machine talk to, and the
+//! pieces the `agentmbx` binary and the black-box tests share. Mail flows agent → local API →
+//! sign and seal → LAN or relay → peer host (design README "Data flow"); this crate holds the
+//! host end of every step. Byte formats come from `agentmbx-protocol`; nothing here invents one.
+//!
+//! Modules and what they own:
+//! - [`paths`]: the home directory (`MBX_HOME`) and the names of the files in it;
+//! - [`config`]: `config.toml`, layered defaults → file → environment, unknown keys refused;
+//! - [`host_name`]: the host name rule and fitting a machine name to it;
+//! - [`identity`]: the host key and enc key files, created once, loaded at start;
+//! - [`token`]: the local API bearer token file;
+//! - [`api`]: the local HTTP API for agents (router, auth, error mapping, one file per resource);
+//! - [`fsutil`]: crash-safe creation and replacement of small files;
+//! - [`mailbox`]: the host store `mailbox.db` (messages, deliveries, outbox, relay position,
+//!   quarantine, peers) — where mail is *stored*;
+//! - [`node`]: composing and signing what agents send, verifying and opening what peers sent;
+//! - [`transport`]: moving wire bytes — [`transport::relay_client`] is where mail is *sealed*
+//!   per target and *sent* (push), *pulled* and *acknowledged*.
+//!
+//! The library never parses command lines, installs a logger or exits the process: that is the
+//! binary's job (`src/main.rs`, `src/cli/`). Errors are `thiserror` enums a caller can branch on.
+
+pub mod api;
+pub mod config;
+pub mod fsutil;
+pub mod host_name;
+pub mod identity;
+pub mod mailbox;
+pub mod node;
+pub mod paths;
+pub mod token;
+pub mod transport;
+
+/// This crate's version (the Cargo package version), as `/v1/health` and `--version` report it.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

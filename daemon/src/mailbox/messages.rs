@@ -1,0 +1,317 @@
+//! Messages and per-agent deliveries: where a message is stored once (the messages table is the
+//! receive dedup set, `wire.md` "Resolved details") and how agents page, read and ack it.
+
+use rusqlite::{params, Connection, OptionalExtension};
+use serde::Serialize;
+use serde_json::Value;
+
+use super::MailboxError;
+
+/// Largest inbox page (count).
+pub const MAX_INBOX_LIMIT: u32 = 200;
+/// Default inbox page (count).
+pub const DEFAULT_INBOX_LIMIT: u32 = 50;
+/// Byte budget of one inbox page (sum of summary JSON sizes); a page always holds ≥1 entry.
+pub const MAX_INBOX_BYTES: usize = 256 * 1024;
+
+/// A message as stored: the plaintext envelope (which still verifies, `wire.md` §2.3) and where
+/// it came from (`local` or the peer host name).
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct Message {
+    /// Envelope id (ULID).
+    pub id: String,
+    /// ISO ms send time.
+    pub ts: String,
+    /// `name@host` of the sender.
+    pub from: String,
+    /// Recipients as addressed.
+    pub to: Vec<String>,
+    /// Thread id.
+    pub thread: String,
+    /// Message replied to.
+    pub reply_to: Option<String>,
+    /// Kind.
+    pub kind: String,
+    /// Subject.
+    pub subject: String,
+    /// Plain body.
+    pub body: String,
+    /// Whether a reply is expected.
+    pub needs_reply: bool,
+    /// References.
+    pub refs: Vec<String>,
+    /// `local` or the sending peer's host name.
+    pub origin: String,
+    /// This agent's delivery state: `new`, `read` or `acked` (absent for the sender's copy).
+    pub state: Option<String>,
+}
+
+/// One inbox line (no body).
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct InboxEntry {
+    /// Envelope id.
+    pub id: String,
+    /// ISO ms send time.
+    pub ts: String,
+    /// Sender.
+    pub from: String,
+    /// Subject.
+    pub subject: String,
+    /// Kind.
+    pub kind: String,
+    /// Thread id.
+    pub thread: String,
+    /// Whether a reply is expected.
+    pub needs_reply: bool,
+    /// `new`, `read` or `acked`.
+    pub state: String,
+}
+
+/// An inbox page.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct InboxPage {
+    /// Entries, oldest first.
+    pub messages: Vec<InboxEntry>,
+    /// Opaque cursor for the next page; absent when this page reached the end.
+    pub next_cursor: Option<String>,
+}
+
+/// Stores a plaintext envelope once. Returns false when the id is already stored (dedup).
+pub fn insert(
+    conn: &Connection,
+    env: &Value,
+    origin: &str,
+    now_ms: i64,
+) -> Result<bool, MailboxError> {
+    let s = |k: &str| {
+        env.get(k)
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string()
+    };
+    let n = conn.execute(
+        "INSERT OR IGNORE INTO messages(id, ts, from_addr, thread, reply_to, kind, subject, body, envelope, origin, received_at)
+         VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11)",
+        params![
+            s("id"),
+            s("ts"),
+            s("from"),
+            s("thread"),
+            env.get("reply_to").and_then(Value::as_str),
+            s("kind"),
+            s("subject"),
+            s("body"),
+            env.to_string(),
+            origin,
+            now_ms
+        ],
+    )?;
+    Ok(n == 1)
+}
+
+/// True when a message with this id is stored.
+pub fn exists(conn: &Connection, id: &str) -> Result<bool, MailboxError> {
+    Ok(conn
+        .query_row("SELECT 1 FROM messages WHERE id = ?1", [id], |_| Ok(()))
+        .optional()?
+        .is_some())
+}
+
+/// Adds a `new` delivery of `msg_id` to `agent` (idempotent).
+pub fn deliver(
+    conn: &Connection,
+    msg_id: &str,
+    agent: &str,
+    now_ms: i64,
+) -> Result<(), MailboxError> {
+    conn.execute(
+        "INSERT OR IGNORE INTO deliveries(msg_id, agent, state, updated_at) VALUES (?1, ?2, 'new', ?3)",
+        params![msg_id, agent, now_ms],
+    )?;
+    Ok(())
+}
+
+/// A page of `agent`'s inbox after `cursor`, bounded by `limit` (1..=200) and
+/// [`MAX_INBOX_BYTES`]. `include_acked` shows acked mail too.
+pub fn inbox(
+    conn: &Connection,
+    agent: &str,
+    cursor: Option<&str>,
+    limit: u32,
+    include_acked: bool,
+) -> Result<InboxPage, MailboxError> {
+    let after: i64 = match cursor {
+        None | Some("") => 0,
+        Some(c) => c
+            .parse()
+            .map_err(|_| MailboxError::Invalid("bad cursor".into()))?,
+    };
+    let limit = limit.clamp(1, MAX_INBOX_LIMIT);
+    let mut st = conn.prepare(
+        "SELECT d.seq, m.id, m.ts, m.from_addr, m.subject, m.kind, m.thread, m.envelope, d.state
+         FROM deliveries d JOIN messages m ON m.id = d.msg_id
+         WHERE d.agent = ?1 AND d.seq > ?2 AND (?3 OR d.state != 'acked')
+         ORDER BY d.seq LIMIT ?4",
+    )?;
+    let rows = st
+        .query_map(params![agent, after, include_acked, limit + 1], |r| {
+            let env: String = r.get(7)?;
+            let needs_reply = serde_json::from_str::<Value>(&env)
+                .ok()
+                .and_then(|v| v.get("needs_reply").and_then(Value::as_bool))
+                .unwrap_or(false);
+            Ok((
+                r.get::<_, i64>(0)?,
+                InboxEntry {
+                    id: r.get(1)?,
+                    ts: r.get(2)?,
+                    from: r.get(3)?,
+                    subject: r.get(4)?,
+                    kind: r.get(5)?,
+                    thread: r.get(6)?,
+                    needs_reply,
+                    state: r.get(8)?,
+                },
+            ))
+        })?
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut messages = Vec::new();
+    let mut bytes = 0usize;
+    let mut last_seq = after;
+    let mut cut = false;
+    for (i, (seq, entry)) in rows.iter().enumerate() {
+        let size = serde_json::to_string(entry).map_or(0, |s| s.len());
+        if i as u32 >= limit || (!messages.is_empty() && bytes + size > MAX_INBOX_BYTES) {
+            cut = true;
+            break;
+        }
+        bytes += size;
+        last_seq = *seq;
+        messages.push(entry.clone());
+    }
+    Ok(InboxPage {
+        messages,
+        next_cursor: cut.then(|| last_seq.to_string()),
+    })
+}
+
+fn message_from_row(env: &str, origin: String, state: Option<String>) -> Message {
+    let v: Value = serde_json::from_str(env).unwrap_or(Value::Null);
+    let s = |k: &str| {
+        v.get(k)
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string()
+    };
+    let list = |k: &str| {
+        v.get(k)
+            .and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(Value::as_str)
+                    .map(String::from)
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    Message {
+        id: s("id"),
+        ts: s("ts"),
+        from: s("from"),
+        to: list("to"),
+        thread: s("thread"),
+        reply_to: v.get("reply_to").and_then(Value::as_str).map(String::from),
+        kind: s("kind"),
+        subject: s("subject"),
+        body: s("body"),
+        needs_reply: v
+            .get("needs_reply")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+        refs: list("refs"),
+        origin,
+        state,
+    }
+}
+
+/// Reads message `id` as `agent`: the agent's delivery (marked `read` if it was `new`), or the
+/// sender's own copy when `agent` sent it. [`MailboxError::NotFound`] otherwise.
+pub fn read(
+    conn: &Connection,
+    agent: &str,
+    own_host: &str,
+    id: &str,
+    now_ms: i64,
+) -> Result<Message, MailboxError> {
+    let row: Option<(String, String, String)> = conn
+        .query_row(
+            "SELECT envelope, origin, from_addr FROM messages WHERE id = ?1",
+            [id],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .optional()?;
+    let Some((env, origin, from)) = row else {
+        return Err(MailboxError::NotFound(format!("no message {id}")));
+    };
+    let state: Option<String> = conn
+        .query_row(
+            "SELECT state FROM deliveries WHERE msg_id = ?1 AND agent = ?2",
+            params![id, agent],
+            |r| r.get(0),
+        )
+        .optional()?;
+    match state {
+        Some(st) => {
+            if st == "new" {
+                conn.execute(
+                    "UPDATE deliveries SET state = 'read', updated_at = ?3 WHERE msg_id = ?1 AND agent = ?2 AND state = 'new'",
+                    params![id, agent, now_ms],
+                )?;
+            }
+            let st = if st == "new" { "read".to_string() } else { st };
+            Ok(message_from_row(&env, origin, Some(st)))
+        }
+        None if from == format!("{agent}@{own_host}") => Ok(message_from_row(&env, origin, None)),
+        None => Err(MailboxError::NotFound(format!(
+            "no message {id} for {agent}"
+        ))),
+    }
+}
+
+/// Acks `ids` for `agent` (mailbox ack, never a transport ack). Returns how many changed state;
+/// an id not delivered to the agent is [`MailboxError::NotFound`] and nothing changes.
+/// Runs inside the caller's transaction (all or nothing).
+pub fn ack(
+    tx: &Connection,
+    agent: &str,
+    ids: &[String],
+    note: Option<&str>,
+    now_ms: i64,
+) -> Result<u64, MailboxError> {
+    let mut changed = 0;
+    for id in ids {
+        let state: Option<String> = tx
+            .query_row(
+                "SELECT state FROM deliveries WHERE msg_id = ?1 AND agent = ?2",
+                params![id, agent],
+                |r| r.get(0),
+            )
+            .optional()?;
+        match state {
+            None => {
+                return Err(MailboxError::NotFound(format!(
+                    "no message {id} for {agent}"
+                )))
+            }
+            Some(s) if s == "acked" => {}
+            Some(_) => {
+                tx.execute(
+                    "UPDATE deliveries SET state = 'acked', note = ?3, updated_at = ?4 WHERE msg_id = ?1 AND agent = ?2",
+                    params![id, agent, note, now_ms],
+                )?;
+                changed += 1;
+            }
+        }
+    }
+    Ok(changed)
+}

@@ -1,0 +1,98 @@
+//! The host store, `mailbox.db` (`wire.md` §6, spec §3–§4 host side): messages and per-agent
+//! deliveries, the outbox (one row per message and target host, with its persisted wire bytes
+//! and relay accept), the relay receive position, quarantine, peers, idempotency records.
+//!
+//! Invariants: every state change that matters is one transaction; the wire bytes of an outbox
+//! row never change once written (a retry reuses them byte for byte); a row leaves the active
+//! outbox only on a verified accept; `received_through` moves in the same transaction as the
+//! last item of the run it covers; nothing received is dropped silently (rejected items go to
+//! quarantine).
+//!
+//! This module never talks to the network and never blocks the async runtime: async code calls
+//! [`Mailbox::run`], which moves the closure to a blocking thread. One process (the daemon, or a
+//! CLI command while no daemon writes the same row) writes; SQLite's lock and busy timeout make
+//! a concurrent CLI write safe.
+
+pub mod idempotency;
+pub mod messages;
+pub mod outbox;
+pub mod peers;
+pub mod relay_state;
+mod schema;
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use rusqlite::Connection;
+
+pub use schema::SCHEMA_VERSION;
+
+/// Errors of the host store.
+#[derive(Debug, thiserror::Error)]
+pub enum MailboxError {
+    /// SQLite failed.
+    #[error("mailbox database error: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    /// `mailbox.db` was written by a newer agentmbx.
+    #[error("mailbox.db has schema version {found}; this agentmbx supports up to {supported}: upgrade agentmbx")]
+    SchemaTooNew {
+        /// Version in the file.
+        found: u32,
+        /// Newest version this binary knows.
+        supported: u32,
+    },
+    /// Something the caller asked for does not exist.
+    #[error("{0}")]
+    NotFound(String),
+    /// The request conflicts with stored state (e.g. a second key for a known peer name).
+    #[error("{0}")]
+    Conflict(String),
+    /// The request is invalid.
+    #[error("{0}")]
+    Invalid(String),
+    /// The blocking task failed (panicked or was cancelled).
+    #[error("mailbox task failed")]
+    Task,
+}
+
+/// Shared handle to `mailbox.db`.
+#[derive(Clone, Debug)]
+pub struct Mailbox {
+    conn: Arc<Mutex<Connection>>,
+}
+
+impl Mailbox {
+    /// Opens (creating or migrating) `mailbox.db` at `path`. Pragmas: WAL, synchronous=FULL,
+    /// foreign_keys, busy_timeout 5000 ms. Errors: [`MailboxError::SchemaTooNew`], SQLite.
+    pub fn open(path: &Path) -> Result<Self, MailboxError> {
+        let mut conn = Connection::open(path)?;
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "synchronous", "FULL")?;
+        conn.pragma_update(None, "foreign_keys", "ON")?;
+        conn.busy_timeout(std::time::Duration::from_millis(5000))?;
+        schema::migrate(&mut conn)?;
+        Ok(Mailbox {
+            conn: Arc::new(Mutex::new(conn)),
+        })
+    }
+
+    /// Runs `f` with the connection on the current thread (CLI and tests).
+    pub fn with<T>(
+        &self,
+        f: impl FnOnce(&mut Connection) -> Result<T, MailboxError>,
+    ) -> Result<T, MailboxError> {
+        let mut guard = self.conn.lock().map_err(|_| MailboxError::Task)?;
+        f(&mut guard)
+    }
+
+    /// Runs `f` with the connection on a blocking thread (async callers).
+    pub async fn run<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Connection) -> Result<T, MailboxError> + Send + 'static,
+    ) -> Result<T, MailboxError> {
+        let this = self.clone();
+        tokio::task::spawn_blocking(move || this.with(f))
+            .await
+            .map_err(|_| MailboxError::Task)?
+    }
+}

@@ -1,0 +1,39 @@
+//! The `agentmbx` binary: the CLI, the host daemon (`agentmbx daemon`) and the relay
+//! (`agentmbx relay serve`) in one executable (design README "Decisions already taken").
+//!
+//! `main` only installs the logger and hands over to [`cli`]; everything else lives in the
+//! library (`agentmbx::…`) so the black-box tests exercise the same code.
+
+mod cli;
+
+use std::io::IsTerminal;
+use std::process::ExitCode;
+
+use tracing_subscriber::EnvFilter;
+
+/// Environment variable holding the log filter (tracing `EnvFilter` syntax; default `info` for
+/// servers, `warn` for one-shot commands).
+const LOG_ENV: &str = "MBX_LOG";
+
+fn main() -> ExitCode {
+    cli::main(init_logging)
+}
+
+/// Logs go to stderr (stdout is for command output), filtered by `MBX_LOG`. A filter that does
+/// not parse falls back to `default_level` with a warning rather than silencing the daemon.
+fn init_logging(default_level: &'static str) {
+    let requested = std::env::var(LOG_ENV).ok().filter(|v| !v.trim().is_empty());
+    let (filter, bad) = match requested.as_deref().map(EnvFilter::try_new) {
+        None => (EnvFilter::new(default_level), None),
+        Some(Ok(filter)) => (filter, None),
+        Some(Err(e)) => (EnvFilter::new(default_level), Some(e)),
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+    if let Some(e) = bad {
+        tracing::warn!("{LOG_ENV} is not a valid log filter ({e}); logging at {default_level}");
+    }
+}

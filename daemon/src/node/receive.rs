@@ -1,0 +1,105 @@
+//! Receiving one sealed envelope (spec §4, `wire.md` §2.3–§2.4): parse → shape check → the sender
+//! must be a pinned peer and the host signature must verify with its pinned key → open the seal
+//! with this host's enc key → dedup by envelope id (the messages table is the dedup set) →
+//! store the plaintext copy and deliver to this host's recipients.
+//!
+//! A refusal is returned as a reason for quarantine; storage failures are returned separately
+//! (the item is then retried, never quarantined for a fault of ours).
+
+use rusqlite::Connection;
+use serde_json::Value;
+
+use agentmbx_protocol::{canonical, envelope, keys::PublicKey, seal};
+
+use crate::identity::Identity;
+use crate::mailbox::{messages, peers, MailboxError};
+
+/// What happened to an accepted envelope.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Stored now; delivered to these local agents.
+    Stored {
+        /// Local agent names that got a delivery.
+        delivered: Vec<String>,
+    },
+    /// Already stored (a repeat): nothing changed.
+    Duplicate,
+}
+
+/// Receives `wire` (the sealed envelope bytes) that a relay says `sender_pubkey` pushed as
+/// `item_id`. `Ok(Ok(verdict))` accepted, `Ok(Err(reason))` rejected (quarantine it),
+/// `Err(_)` a storage fault (retry later).
+pub fn receive_sealed(
+    conn: &Connection,
+    ident: &Identity,
+    wire: &[u8],
+    item_id: &str,
+    sender_pubkey: &str,
+    now_ms: i64,
+) -> Result<Result<Verdict, String>, MailboxError> {
+    let env = match canonical::parse(wire) {
+        Ok(v) => v,
+        Err(_) => return Ok(Err("malformed: not JSON".into())),
+    };
+    if let Err(why) = envelope::check_shape(&env) {
+        return Ok(Err(format!("bad envelope: {why}")));
+    }
+    let id = env
+        .get("id")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
+    if id != item_id {
+        return Ok(Err("item id is not the envelope id".into()));
+    }
+    let Some(peer) = peers::by_key(conn, sender_pubkey)? else {
+        return Ok(Err("host not paired".into()));
+    };
+    let Ok(key) = PublicKey::from_b64(&peer.pubkey) else {
+        return Ok(Err("host not paired".into()));
+    };
+    if !envelope::verify(&env, &key) {
+        return Ok(Err("bad signature".into()));
+    }
+    let Some(enc_v) = env.get("enc").filter(|e| !e.is_null()) else {
+        return Ok(Err("envelope body is not sealed".into()));
+    };
+    let Ok(enc) = serde_json::from_value::<seal::Enc>(enc_v.clone()) else {
+        return Ok(Err("bad enc".into()));
+    };
+    let plain = match seal::open(&enc, &ident.enc_key, &id) {
+        Ok(p) => p,
+        Err(e) => return Ok(Err(e.to_string())),
+    };
+    if messages::exists(conn, &id)? {
+        return Ok(Ok(Verdict::Duplicate));
+    }
+    let mut stored = env.clone();
+    if let Value::Object(map) = &mut stored {
+        map.insert("body".into(), Value::String(plain));
+    }
+    messages::insert(conn, &stored, &peer.host, now_ms)?;
+    let own = ident.host.as_str();
+    let mut delivered = Vec::new();
+    for to in env
+        .get("to")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+    {
+        if let Some((name, host)) = to.split_once('@') {
+            if host == own
+                && agentmbx_protocol::limits::is_name(name)
+                && !delivered.iter().any(|d| d == name)
+            {
+                messages::deliver(conn, &id, name, now_ms)?;
+                delivered.push(name.to_string());
+            }
+        }
+    }
+    if delivered.is_empty() {
+        tracing::warn!(id = %id, from = %peer.host, "received a message with no recipient on this host");
+    }
+    Ok(Ok(Verdict::Stored { delivered }))
+}

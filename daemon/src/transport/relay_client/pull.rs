@@ -1,0 +1,263 @@
+//! Pulling, receiving and acknowledging (spec §4; `wire.md` §3.5 "Receive").
+//!
+//! `GET /v2/relay/items?after=<received_through>&limit=<max_pull>&epoch=<epoch>`; the page is
+//! processed in seq order (repeats and items at or below the checkpoint skipped). Each item is
+//! one transaction: stored (or a duplicate), or put in quarantine; `received_through` is written
+//! in the transaction of the last item of the page, so it only ever covers a prefix processed in
+//! order (a crash mid-page re-pulls the rest, and receiver dedup absorbs the repeats). Only after
+//! that commit is `POST /v2/relay/ack {epoch, through}` sent; a lost ack is covered by the next.
+//!
+//! Going back in time is an epoch change (spec §4): a 409, another epoch, `head_seq` below the
+//! checkpoint, or BAD_ACK reset the position to 0 and everything is pulled again.
+
+use agentmbx_protocol::wire::{AckResponse, PullItem, PullResponse};
+use agentmbx_protocol::{b64, failpoint};
+
+use super::session::Session;
+use super::{RelayClient, RelayError};
+use crate::mailbox::relay_state;
+use crate::node::receive::{self, Verdict};
+
+/// Pages per pull pass (`wire.md` §3.5).
+pub const MAX_PAGES_PER_PASS: usize = 20;
+
+/// Counts of one pull pass.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct PullPass {
+    /// Newly stored messages.
+    pub stored: usize,
+    /// Repeats (already stored).
+    pub duplicates: usize,
+    /// Items put in quarantine.
+    pub quarantined: usize,
+    /// The checkpoint after the pass.
+    pub received_through: i64,
+}
+
+/// Orders a page for processing: by seq, each seq once, only seqs above `through`.
+pub fn order_page(mut items: Vec<PullItem>, through: i64) -> Vec<PullItem> {
+    items.retain(|i| i.seq > through);
+    items.sort_by_key(|i| i.seq);
+    items.dedup_by_key(|i| i.seq);
+    items
+}
+
+impl RelayClient {
+    async fn position(&self, epoch: &str) -> Result<i64, RelayError> {
+        let (url, ep, now) = (self.url.clone(), epoch.to_string(), self.clock.now_ms());
+        Ok(self
+            .mailbox
+            .run(move |c| match relay_state::position(c, &url)? {
+                Some(p) if p.epoch == ep => Ok(p.received_through),
+                other => {
+                    if let Some(p) = other {
+                        tracing::warn!(relay = %url, from = %p.epoch, to = %ep, "relay epoch changed: pulling everything again");
+                    }
+                    relay_state::reset(c, &url, &ep, now)?;
+                    Ok(0)
+                }
+            })
+            .await?)
+    }
+
+    async fn rewind(&self, epoch: &str, why: &str) -> Result<(), RelayError> {
+        tracing::warn!(relay = %self.url, epoch, reason = why, "relay went back in time: pulling everything again");
+        let (url, ep, now) = (self.url.clone(), epoch.to_string(), self.clock.now_ms());
+        self.mailbox
+            .run(move |c| relay_state::reset(c, &url, &ep, now))
+            .await?;
+        Ok(())
+    }
+
+    /// One pull pass: up to [`MAX_PAGES_PER_PASS`] pages, each followed by its ack.
+    pub async fn pull_pass(&self, session: &Session) -> Result<PullPass, RelayError> {
+        let mut pass = PullPass::default();
+        let mut epoch = session.epoch.clone();
+        let limit = session.limits.max_pull.clamp(1, 500);
+        for _ in 0..MAX_PAGES_PER_PASS {
+            let through = self.position(&epoch).await?;
+            let target = format!("/v2/relay/items?after={through}&limit={limit}&epoch={epoch}");
+            let page: PullResponse = match self.call_json("GET", &target, "").await {
+                Ok(p) => p,
+                Err(RelayError::Status {
+                    status: 409, body, ..
+                }) => {
+                    let new = body
+                        .and_then(|b| b.epoch)
+                        .ok_or_else(|| RelayError::Malformed("409 without epoch".into()))?;
+                    self.rewind(&new, "stale epoch").await?;
+                    epoch = new;
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            if page.epoch != epoch {
+                self.rewind(&page.epoch, "epoch changed").await?;
+                epoch = page.epoch;
+                continue;
+            }
+            if page.head_seq < through {
+                self.rewind(&epoch, "head_seq below received_through")
+                    .await?;
+                continue;
+            }
+            let items = order_page(page.items, through);
+            let n = items.len();
+            for (i, item) in items.into_iter().enumerate() {
+                let last = i + 1 == n;
+                self.receive_item(&epoch, item, last, &mut pass).await?;
+                if !last {
+                    failpoint::hit("receive:after-deliver");
+                }
+            }
+            let through = self.position(&epoch).await?;
+            pass.received_through = through;
+            if !self.ack(&epoch, through).await? {
+                continue;
+            }
+            if !page.more {
+                break;
+            }
+        }
+        Ok(pass)
+    }
+
+    /// Processes one item in its own transaction; when `checkpoint` is set the transaction also
+    /// moves `received_through` to the item's seq.
+    async fn receive_item(
+        &self,
+        epoch: &str,
+        item: PullItem,
+        checkpoint: bool,
+        pass: &mut PullPass,
+    ) -> Result<(), RelayError> {
+        let ident = self.ident.clone();
+        let (url, ep, now) = (self.url.clone(), epoch.to_string(), self.clock.now_ms());
+        let outcome = self
+            .mailbox
+            .run(move |c| {
+                let tx = c.transaction()?;
+                let wire = b64::decode(&item.wire_b64).unwrap_or_default();
+                let verdict = if item.kind != "envelope" {
+                    Err(format!("unsupported item kind {:?}", item.kind))
+                } else if wire.is_empty() {
+                    Err("bad wire".to_string())
+                } else {
+                    receive::receive_sealed(
+                        &tx,
+                        &ident,
+                        &wire,
+                        &item.item_id,
+                        &item.sender_pubkey,
+                        now,
+                    )?
+                };
+                if let Err(reason) = &verdict {
+                    relay_state::quarantine(
+                        &tx,
+                        &url,
+                        &ep,
+                        item.seq,
+                        &item.kind,
+                        &item.item_id,
+                        &item.sender_pubkey,
+                        reason,
+                        &wire,
+                        now,
+                    )?;
+                }
+                if checkpoint {
+                    relay_state::set_received_through(&tx, &url, &ep, item.seq, now)?;
+                }
+                tx.commit()?;
+                Ok((item.seq, item.item_id, verdict))
+            })
+            .await?;
+        match outcome {
+            (seq, id, Ok(Verdict::Stored { delivered })) => {
+                tracing::info!(seq, id = %id, to = ?delivered, "received from the relay");
+                pass.stored += 1;
+            }
+            (_, _, Ok(Verdict::Duplicate)) => pass.duplicates += 1,
+            (seq, id, Err(reason)) => {
+                tracing::warn!(seq, id = %id, reason = %reason, "relay item quarantined");
+                pass.quarantined += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Acks `through` when it is above what the relay confirmed. Returns false when the
+    /// position was reset (epoch change or BAD_ACK) and the page loop should start over.
+    async fn ack(&self, epoch: &str, through: i64) -> Result<bool, RelayError> {
+        let url = self.url.clone();
+        let acked = self
+            .mailbox
+            .run(move |c| relay_state::position(c, &url))
+            .await?
+            .map_or(0, |p| p.acked_through);
+        if through <= acked {
+            return Ok(true);
+        }
+        failpoint::hit("ack:before-send");
+        let body = serde_json::json!({"epoch": epoch, "through": through}).to_string();
+        let answer = self
+            .call_json::<AckResponse>("POST", "/v2/relay/ack", &body)
+            .await;
+        failpoint::hit("ack:after-response");
+        match answer {
+            Ok(a) => {
+                let (url, ep, now) = (self.url.clone(), epoch.to_string(), self.clock.now_ms());
+                self.mailbox
+                    .run(move |c| {
+                        relay_state::set_acked_through(c, &url, &ep, a.acked_through, now)
+                    })
+                    .await?;
+                Ok(true)
+            }
+            Err(RelayError::Status {
+                status: 409, body, ..
+            }) => {
+                let new = body
+                    .and_then(|b| b.epoch)
+                    .unwrap_or_else(|| epoch.to_string());
+                self.rewind(&new, "stale epoch on ack").await?;
+                Ok(false)
+            }
+            Err(RelayError::Status {
+                status: 400,
+                body: Some(b),
+                ..
+            }) if b.code == "BAD_ACK" => {
+                self.rewind(epoch, "BAD_ACK").await?;
+                Ok(false)
+            }
+            Err(e) => {
+                tracing::warn!(relay = %self.url, error = %e, "ack failed; the next ack covers it");
+                Ok(true)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn item(seq: i64) -> PullItem {
+        PullItem {
+            seq,
+            kind: "envelope".into(),
+            item_id: format!("i{seq}"),
+            sender_pubkey: String::new(),
+            wire_b64: String::new(),
+        }
+    }
+
+    #[test]
+    fn pages_are_ordered_deduplicated_and_above_the_checkpoint() {
+        let page = vec![item(30), item(10), item(20), item(30), item(5)];
+        let seqs: Vec<i64> = order_page(page, 5).iter().map(|i| i.seq).collect();
+        assert_eq!(seqs, vec![10, 20, 30]);
+    }
+}

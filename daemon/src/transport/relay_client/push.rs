@@ -1,0 +1,324 @@
+//! Pushing due outbox rows to the relay (spec §3 sender side; `wire.md` §3.5 "Push").
+//!
+//! Per row: learn the target's enc key (pinned, or from a v2 ad signed by the target's pinned
+//! host key), seal once and persist the wire bytes before the first attempt, then push batches
+//! bounded by `max_batch` and by bytes. A row leaves the active outbox only on an accept
+//! verified for its target and wire hash; anything else (rejected result, missing result, bad
+//! accept, lost response) leaves it pending with backoff, or `rejected` when retrying cannot
+//! help (design README "Rejections").
+
+use serde_json::Value;
+
+use agentmbx_protocol::envelope::Envelope;
+use agentmbx_protocol::keys::EncPublicKey;
+use agentmbx_protocol::wire::{EncKeyAnswer, PushItem, PushRequest, PushResponse, PushTarget};
+use agentmbx_protocol::{b64, failpoint, hash, records, seal};
+
+use super::session::Session;
+use super::{RelayClient, RelayError};
+use crate::mailbox::{outbox, peers, MailboxError};
+
+/// Bytes of base64 wire per push request we aim under (the relay's body cap is 8 MiB).
+pub const PUSH_BYTES_BUDGET: usize = 6 * 1024 * 1024;
+/// Grace after the relay's retention before a relay-accepted row is the sender's own alert
+/// (spec §3: 24 h, ms).
+pub const DEADLINE_GRACE_MS: i64 = 24 * 3_600_000;
+
+/// Rejections that retrying cannot fix (design README "Rejections").
+pub fn is_terminal(reason: &str) -> bool {
+    let r = reason.strip_prefix("rejected:").unwrap_or(reason);
+    r == "conflict"
+        || r.starts_with("bad ")
+        || r == "item over size limit"
+        || r == "envelope body is not sealed"
+        || r.starts_with("item id is not")
+        || r == "duplicate target"
+        || r == "envelope too large for the relay"
+}
+
+/// Outcome counts of one push pass.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct PushPass {
+    /// Rows settled as relay-accepted.
+    pub accepted: usize,
+    /// Rows left pending or rejected.
+    pub failed: usize,
+}
+
+impl RelayClient {
+    /// The target's enc key: pinned, else a valid v2 ad from the relay signed by the target's
+    /// pinned host key (recorded with the rollback guard). `None` when none is available yet.
+    async fn target_enc_key(
+        &self,
+        host: &str,
+        target_pubkey: &str,
+    ) -> Result<Option<EncPublicKey>, RelayError> {
+        let h = host.to_string();
+        let peer = self.mailbox.run(move |c| peers::by_name(c, &h)).await?;
+        if let Some(k) = peer.as_ref().and_then(|p| p.enc_pub.as_deref()) {
+            if let Ok(k) = EncPublicKey::from_b64(k) {
+                return Ok(Some(k));
+            }
+        }
+        let target = format!("/v2/relay/enc-key?pubkey={}", urlencode(target_pubkey));
+        let answer: EncKeyAnswer = match self.call_json("GET", &target, "").await {
+            Ok(a) => a,
+            Err(RelayError::Status { status: 404, .. }) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let (Some(ad), Some(sig)) = (answer.ad.as_ref(), answer.ad_sig.as_deref()) else {
+            tracing::warn!(peer = %host, "relay has only an unsigned or v1 enc-key ad for the peer; not sealing with it");
+            return Ok(None);
+        };
+        let ad = match records::verify_enc_ad(ad, Some(sig), target_pubkey, self.clock.now_ms()) {
+            Ok(ad) => ad,
+            Err(why) => {
+                tracing::warn!(peer = %host, reason = why, "enc-key ad refused");
+                return Ok(None);
+            }
+        };
+        if answer.enc_pub != ad.enc_pub {
+            tracing::warn!(peer = %host, "tampered: the served key differs from the signed advertisement");
+            return Ok(None);
+        }
+        let iat = agentmbx_protocol::time::parse_iso_ms(&ad.iat).unwrap_or(0);
+        let (h, e) = (host.to_string(), ad.enc_pub.clone());
+        let ok = self
+            .mailbox
+            .run(move |c| peers::set_enc_key(c, &h, &e, iat))
+            .await?;
+        if !ok {
+            tracing::warn!(peer = %host, "rolled back: an older enc-key ad names another key");
+            return Ok(None);
+        }
+        Ok(EncPublicKey::from_b64(&ad.enc_pub).ok())
+    }
+
+    /// Seals the row's message for its target once and persists the wire bytes; returns the
+    /// stored bytes (the first ones written, on every later call).
+    async fn wire_for(&self, row: &outbox::Row) -> Result<Option<Vec<u8>>, RelayError> {
+        if let Some(w) = &row.wire {
+            return Ok(Some(w.clone()));
+        }
+        let Some(enc_pub) = self.target_enc_key(&row.host, &row.target_pubkey).await? else {
+            return Ok(None);
+        };
+        let id = row.msg_id.clone();
+        let stored: String = self
+            .mailbox
+            .run(move |c| {
+                c.query_row("SELECT envelope FROM messages WHERE id = ?1", [&id], |r| {
+                    r.get(0)
+                })
+                .map_err(MailboxError::from)
+            })
+            .await?;
+        let plain: Envelope =
+            serde_json::from_str(&stored).map_err(|e| RelayError::Malformed(e.to_string()))?;
+        let sealed = seal::seal_envelope(
+            &plain,
+            &enc_pub,
+            self.ident.host.as_str(),
+            &self.ident.host_key,
+        )
+        .map_err(|e| RelayError::Malformed(e.to_string()))?;
+        let wire = sealed.wire_json().into_bytes();
+        let wire_hash = hash::sha256_hex(&wire);
+        let (m, h) = (row.msg_id.clone(), row.host.clone());
+        Ok(Some(
+            self.mailbox
+                .run(move |c| outbox::set_wire(c, &m, &h, &wire, &wire_hash))
+                .await?,
+        ))
+    }
+
+    /// One push pass over the due rows. Network failures leave every row of the batch pending.
+    pub async fn push_due(&self, session: &Session) -> Result<PushPass, RelayError> {
+        let now = self.clock.now_ms();
+        let max_batch = session.limits.max_batch.clamp(1, 200) as usize;
+        let rows = self
+            .mailbox
+            .run(move |c| outbox::due(c, now, max_batch))
+            .await?;
+        let mut pass = PushPass::default();
+        let mut batch: Vec<(outbox::Row, Vec<u8>)> = Vec::new();
+        let mut bytes = 0usize;
+        for row in rows {
+            let wire = match self.wire_for(&row).await {
+                Ok(Some(w)) => w,
+                Ok(None) => {
+                    self.fail_row(&row, &format!("no enc key for {} yet", row.host), false)
+                        .await?;
+                    pass.failed += 1;
+                    continue;
+                }
+                Err(RelayError::Store(e)) => return Err(RelayError::Store(e)),
+                Err(e) => {
+                    self.fail_row(&row, &e.to_string(), false).await?;
+                    pass.failed += 1;
+                    continue;
+                }
+            };
+            if wire.len() as u64 > session.limits.max_item_bytes {
+                self.fail_row(&row, "envelope too large for the relay", true)
+                    .await?;
+                tracing::error!(id = %row.msg_id, host = %row.host, bytes = wire.len(), "Undelivered to {}: the sealed envelope is over the relay's item limit", row.host);
+                pass.failed += 1;
+                continue;
+            }
+            let size = wire.len().div_ceil(3) * 4;
+            if !batch.is_empty() && bytes + size > PUSH_BYTES_BUDGET {
+                let done = self.push_batch(session, std::mem::take(&mut batch)).await?;
+                pass.accepted += done.accepted;
+                pass.failed += done.failed;
+                bytes = 0;
+            }
+            bytes += size;
+            batch.push((row, wire));
+        }
+        if !batch.is_empty() {
+            let done = self.push_batch(session, batch).await?;
+            pass.accepted += done.accepted;
+            pass.failed += done.failed;
+        }
+        Ok(pass)
+    }
+
+    async fn fail_row(
+        &self,
+        row: &outbox::Row,
+        error: &str,
+        terminal: bool,
+    ) -> Result<(), RelayError> {
+        let (m, h, e, now) = (
+            row.msg_id.clone(),
+            row.host.clone(),
+            error.to_string(),
+            self.clock.now_ms(),
+        );
+        self.mailbox
+            .run(move |c| outbox::fail(c, &m, &h, &e, terminal, now))
+            .await?;
+        Ok(())
+    }
+
+    async fn push_batch(
+        &self,
+        session: &Session,
+        batch: Vec<(outbox::Row, Vec<u8>)>,
+    ) -> Result<PushPass, RelayError> {
+        let req = PushRequest {
+            items: batch
+                .iter()
+                .map(|(row, wire)| PushItem {
+                    kind: "envelope".into(),
+                    item_id: row.msg_id.clone(),
+                    targets: vec![PushTarget {
+                        host_pubkey: row.target_pubkey.clone(),
+                        wire_b64: b64::encode(wire),
+                    }],
+                })
+                .collect(),
+        };
+        let body = serde_json::to_string(&req).map_err(|e| RelayError::Malformed(e.to_string()))?;
+        failpoint::hit("push:before-send");
+        let answer = self
+            .call_json::<PushResponse>("POST", "/v2/relay/items", &body)
+            .await;
+        failpoint::hit("push:after-response");
+        let mut pass = PushPass::default();
+        let results = match answer {
+            Ok(r) => r.results,
+            Err(e @ RelayError::Store(_)) => return Err(e),
+            Err(e) => {
+                tracing::warn!(relay = %self.url, error = %e, rows = batch.len(), "push failed; rows stay pending");
+                for (row, _) in &batch {
+                    self.fail_row(row, &e.to_string(), false).await?;
+                }
+                pass.failed = batch.len();
+                return Ok(pass);
+            }
+        };
+        let me = self.ident.host_key.public().to_b64();
+        for (row, wire) in &batch {
+            let wire_hash = hash::sha256_hex(wire);
+            let result = results.iter().find(|r| r.item_id == row.msg_id);
+            let verdict = match result {
+                None => Err(("missing result".to_string(), false)),
+                Some(r) if r.status == "accepted" || r.status == "duplicate" => {
+                    let accept = r.accept.clone().unwrap_or(Value::Null);
+                    match records::verify_accept(
+                        &accept,
+                        r.sig.as_deref().unwrap_or(""),
+                        &self.relay_key,
+                        &me,
+                        &row.msg_id,
+                        &row.target_pubkey,
+                        &wire_hash,
+                    ) {
+                        Ok(st) => Ok((st, accept, r.sig.clone().unwrap_or_default())),
+                        Err(e) => Err((e.to_string(), false)),
+                    }
+                }
+                Some(r) => Err((r.status.clone(), is_terminal(&r.status))),
+            };
+            match verdict {
+                Ok((st, accept, sig)) => {
+                    let seq = st
+                        .targets
+                        .iter()
+                        .find(|t| t.host_pubkey == row.target_pubkey)
+                        .map_or(0, |t| t.seq);
+                    let accepted_at = agentmbx_protocol::time::parse_iso_ms(&st.at)
+                        .unwrap_or_else(|| self.clock.now_ms());
+                    let deadline = accepted_at
+                        + session.limits.retention_days as i64 * 86_400_000
+                        + DEADLINE_GRACE_MS;
+                    let (m, h, url, epoch, accept_s, now) = (
+                        row.msg_id.clone(),
+                        row.host.clone(),
+                        self.url.clone(),
+                        st.epoch.clone(),
+                        accept.to_string(),
+                        self.clock.now_ms(),
+                    );
+                    self.mailbox
+                        .run(move |c| {
+                            let a = outbox::Accepted {
+                                relay: &url,
+                                epoch: &epoch,
+                                seq,
+                                accept: &accept_s,
+                                sig: &sig,
+                                accepted_at,
+                                deadline_at: deadline,
+                            };
+                            outbox::settle_accepted(c, &m, &h, &a, now)
+                        })
+                        .await?;
+                    tracing::info!(id = %row.msg_id, host = %row.host, seq, status = %result.map_or("", |r| r.status.as_str()), "relay accepted");
+                    pass.accepted += 1;
+                }
+                Err((why, terminal)) => {
+                    tracing::warn!(id = %row.msg_id, host = %row.host, reason = %why, terminal, "relay push not accepted; row kept");
+                    self.fail_row(row, &why, terminal).await?;
+                    pass.failed += 1;
+                }
+            }
+        }
+        Ok(pass)
+    }
+}
+
+/// Percent-encodes a query value (base64 keys carry `+`, `/`, `=`).
+pub fn urlencode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() * 3);
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}

@@ -1,0 +1,115 @@
+//! Request plumbing shared by the handlers: the streaming body cap, the UTF-8 check and the v2
+//! signed-hop authentication (`wire.md` §2.6 and "Resolved details": hop checks order).
+//!
+//! Order: a body that is not valid UTF-8 → 400 before any signature check; then the headers;
+//! a `ts` that is not plain decimal digits → 401; the caller is found by `x-mbx-key` alone
+//! (`x-mbx-host` is a label); a revoked key → 403; the signature over method, normalised path
+//! with query, ts and raw body, within ±300,000 ms → else 401.
+
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderMap, Method, StatusCode, Uri};
+
+use agentmbx_protocol::hop::{self, header, HopError};
+use agentmbx_protocol::keys::PublicKey;
+
+use crate::error::ApiError;
+use crate::server::RelayState;
+use crate::store::Enrolment;
+
+/// Reads the body, refusing more than `cap` bytes while streaming (413).
+pub async fn read_body(body: Body, cap: usize) -> Result<Bytes, ApiError> {
+    axum::body::to_bytes(body, cap)
+        .await
+        .map_err(|_| ApiError::too_large())
+}
+
+/// The body as UTF-8 text, else 400 (`wire.md` "Resolved details": raw body).
+pub fn utf8(body: &Bytes) -> Result<&str, ApiError> {
+    std::str::from_utf8(body).map_err(|_| ApiError::bad_request("request body is not valid UTF-8"))
+}
+
+fn header_str<'a>(headers: &'a HeaderMap, name: &'static str) -> Result<&'a str, ApiError> {
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .ok_or_else(ApiError::bad_hop)
+}
+
+/// The normalised request target the hop signs (path + query).
+pub fn signed_target(uri: &Uri) -> String {
+    hop::normalize_target(uri.path_and_query().map_or(uri.path(), |pq| pq.as_str()))
+}
+
+/// Authenticates a v2 hop and returns the caller's live enrolment.
+pub async fn authenticate(
+    state: &RelayState,
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+    raw_body: &str,
+) -> Result<Enrolment, ApiError> {
+    let key_text = header_str(headers, header::KEY)?;
+    let ts = header_str(headers, header::TS)?;
+    let sig = header_str(headers, header::SIG)?;
+    hop::parse_relay_ts(ts).map_err(|_| ApiError::bad_hop())?;
+    let key = PublicKey::from_b64(key_text).map_err(|_| ApiError::bad_hop())?;
+    let store = state.store.clone();
+    let k = key.to_b64();
+    let enrolment = tokio::task::spawn_blocking(move || store.enrolment(&k))
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "relay task failed",
+                "INTERNAL",
+            )
+        })??;
+    let Some(enrolment) = enrolment else {
+        return Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "not enrolled",
+            "NOT_ENROLLED",
+        ));
+    };
+    if enrolment.is_revoked() {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "this host key is revoked on this relay",
+            "REVOKED",
+        ));
+    }
+    let target = signed_target(uri);
+    match hop::verify_relay_hop(
+        &key,
+        method.as_str(),
+        &target,
+        ts,
+        raw_body,
+        sig,
+        state.clock.now_ms(),
+    ) {
+        Ok(()) => Ok(enrolment),
+        Err(HopError::Stale) => Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "stale or bad hop timestamp (check clocks)",
+            "BAD_HOP",
+        )),
+        Err(_) => Err(ApiError::bad_hop()),
+    }
+}
+
+/// Runs a blocking store call off the async runtime.
+pub async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, crate::store::StoreError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "relay task failed",
+                "INTERNAL",
+            )
+        })?
+        .map_err(ApiError::from)
+}

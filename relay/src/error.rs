@@ -1,0 +1,79 @@
+//! The one mapping from relay failures to HTTP answers: a status and the JSON body
+//! `{error, code[, epoch, head_seq]}` (`wire.md` §3.1). Store faults are logged and answered
+//! 500 without detail; nothing here ever echoes key material or bodies.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+
+use agentmbx_protocol::wire::ErrorBody;
+
+use crate::store::StoreError;
+
+/// A failed relay request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// The JSON body.
+    pub body: ErrorBody,
+}
+
+impl ApiError {
+    /// An error with `status`, human text and a stable code.
+    pub fn new(status: StatusCode, error: impl Into<String>, code: &str) -> Self {
+        ApiError {
+            status,
+            body: ErrorBody {
+                error: error.into(),
+                code: code.into(),
+                epoch: None,
+                head_seq: None,
+                retry_after: None,
+            },
+        }
+    }
+    /// 400 `BAD_REQUEST`.
+    pub fn bad_request(error: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, error, "BAD_REQUEST")
+    }
+    /// 401 `{error:"bad relay hop"}` (`wire.md` §3.1).
+    pub fn bad_hop() -> Self {
+        Self::new(StatusCode::UNAUTHORIZED, "bad relay hop", "BAD_HOP")
+    }
+    /// 413 `{error:"request body too large"}`.
+    pub fn too_large() -> Self {
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "request body too large",
+            "TOO_LARGE",
+        )
+    }
+    /// 404 `{error:"not found"}`.
+    pub fn not_found() -> Self {
+        Self::new(StatusCode::NOT_FOUND, "not found", "NOT_FOUND")
+    }
+    /// Adds the current epoch and head seq (EPOCH, BAD_ACK).
+    pub fn with_epoch(mut self, epoch: String, head_seq: i64) -> Self {
+        self.body.epoch = Some(epoch);
+        self.body.head_seq = Some(head_seq);
+        self
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        tracing::error!(error = %e, "relay store failed");
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "relay store unavailable",
+            "STORE",
+        )
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body)).into_response()
+    }
+}

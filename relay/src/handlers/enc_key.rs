@@ -1,0 +1,92 @@
+//! Enc-key advertisements on the relay (spec §2, §8; `wire.md` §2.8): `POST /v2/relay/enc-key`
+//! stores a host's own valid v2 ad; `GET /v2/relay/enc-key?pubkey=|host=` serves it with its
+//! signature so the asking host verifies it against the *pinned* key (the relay grants nothing).
+
+use std::collections::HashMap;
+
+use axum::extract::{Query, Request, State};
+use axum::http::StatusCode;
+use axum::Json;
+use serde_json::{json, Value};
+
+use agentmbx_protocol::limits::RELAY_SMALL_BODY;
+use agentmbx_protocol::records;
+use agentmbx_protocol::wire::{EncKeyAnswer, EncKeyPost};
+
+use crate::auth::{authenticate, blocking, read_body, utf8};
+use crate::error::ApiError;
+use crate::server::SharedRelay;
+use crate::store::EncAdV2;
+
+/// Handles `POST /v2/relay/enc-key {ad, sig}`.
+pub async fn post(State(state): State<SharedRelay>, req: Request) -> Result<Json<Value>, ApiError> {
+    let (parts, body) = req.into_parts();
+    let body = read_body(body, RELAY_SMALL_BODY).await?;
+    let raw = utf8(&body)?;
+    let caller = authenticate(&state, &parts.method, &parts.uri, &parts.headers, raw).await?;
+    let post: EncKeyPost = serde_json::from_str(raw)
+        .map_err(|_| ApiError::bad_request("enc-key ad refused: malformed"))?;
+    let now = state.clock.now_ms();
+    let ad = records::verify_enc_ad(&post.ad, Some(&post.sig), &caller.host_pubkey, now)
+        .map_err(|why| ApiError::bad_request(format!("enc-key ad refused: {why}")))?;
+    let record = agentmbx_protocol::canonical::to_string(&post.ad)
+        .map_err(|_| ApiError::bad_request("enc-key ad refused: malformed"))?;
+    let store = state.store.clone();
+    let v2 = EncAdV2 {
+        host_pubkey: caller.host_pubkey,
+        enc_pub: ad.enc_pub,
+        record,
+        sig: post.sig,
+        at_ms: now,
+    };
+    blocking(move || store.put_enc_ad_v2(v2)).await?;
+    Ok(Json(json!({"ok": true})))
+}
+
+/// Handles `GET /v2/relay/enc-key?pubkey=<b64>` or `?host=<name>` (a name resolves only when
+/// exactly one live enrolment carries it).
+pub async fn get(
+    State(state): State<SharedRelay>,
+    req: Request,
+) -> Result<Json<EncKeyAnswer>, ApiError> {
+    let (parts, _) = req.into_parts();
+    authenticate(&state, &parts.method, &parts.uri, &parts.headers, "").await?;
+    let Query(mut q) = Query::<HashMap<String, String>>::try_from_uri(&parts.uri)
+        .map_err(|_| ApiError::bad_request("bad query"))?;
+    let (pubkey, host) = (q.remove("pubkey"), q.remove("host"));
+    let store = state.store.clone();
+    let ad = blocking(move || {
+        let pk = match (pubkey, host) {
+            (Some(pk), _) => Some(pk),
+            (None, Some(h)) => {
+                let live = store.live_enrolments_by_name(&h)?;
+                (live.len() == 1).then(|| live[0].host_pubkey.clone())
+            }
+            _ => None,
+        };
+        match pk {
+            Some(pk) => store.get_enc_ad(&pk),
+            None => Ok(None),
+        }
+    })
+    .await?;
+    let Some(ad) = ad else {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "unknown host",
+            "NOT_FOUND",
+        ));
+    };
+    let (record, ad_sig) = match ad.v2 {
+        Some(v2) => (serde_json::from_str::<Value>(&v2.record).ok(), Some(v2.sig)),
+        None => (None, None),
+    };
+    Ok(Json(EncKeyAnswer {
+        host: ad.host_name,
+        host_pubkey: ad.host_pubkey,
+        enc_pub: ad.enc_pub,
+        sig: ad.v1.map(|v1| v1.sig),
+        ad: record,
+        ad_sig,
+    }))
+}

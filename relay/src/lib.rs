@@ -1,0 +1,25 @@
+//! # agentmbx-relay
+//!
+//! The durable relay (spec, all sections; `wire.md` §3): it stores sealed items for target host
+//! keys until they are pulled and acknowledged, and signs an accept receipt for every item it
+//! committed. It is untrusted for content: it sees ciphertext and routing metadata only, and it
+//! grants no authority (hosts trust their pinned keys, never the relay's word).
+//!
+//! - [`store`]: the `RelayStore` trait and its SQLite implementation (one writer, group commit);
+//! - [`handlers`]: one file per HTTP resource; [`auth`]: body cap, UTF-8 and hop checks;
+//! - [`server`]: state, router and `serve(listener, state, shutdown)`; [`run`]: `relay serve`;
+//! - [`config`]: `relay.toml` and environment; [`key`]: the relay key.
+//!
+//! Every successful answer is sent only after the transaction that made it true committed.
+
+pub mod auth;
+pub mod config;
+pub mod error;
+pub mod handlers;
+pub mod key;
+pub mod run;
+pub mod server;
+pub mod store;
+
+/// Relay software version (reported by `GET /v2/relay/info`).
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -1,0 +1,865 @@
+//! The relay's durable store (spec §2; `wire.md` §3.2, §3.3).
+//!
+//! # What it owns
+//! Every piece of relay state that must survive a restart: the store's identity (`epoch`,
+//! `relay_pubkey`, `schema_version`, `heartbeat` in `meta`), enrolments, enc-key
+//! advertisements, sender allowlists, the per-target item queues with their sequence counters,
+//! the dedup set, acknowledgement positions and the operations log. The relay core reaches this
+//! state only through the [`RelayStore`] trait (spec §2: "The relay core MUST talk to its state
+//! only through a RelayStore interface"), so a second backend can replace [`SqliteStore`]
+//! without touching the protocol.
+//!
+//! # Invariants
+//! - **Nothing is answered before it is committed.** Every write goes through one writer thread
+//!   that applies waiting requests inside one `BEGIN IMMEDIATE … COMMIT` (group commit, design
+//!   README "Decisions already taken"), each request and each pushed item inside its own
+//!   SAVEPOINT, and sends every reply only after that COMMIT succeeded. If the COMMIT fails,
+//!   every request of the group gets [`StoreError::NotCommitted`].
+//! - **An item is all-or-nothing over its targets** (spec §3): every target is validated before
+//!   anything of the item remains, and a rejected item leaves no row, no seq and no dedup entry.
+//! - **Sequence numbers never restart and are never reused** (spec §2): a new seq is
+//!   `max(next_seq, now_ms)`.
+//! - **Wire bytes are stored byte for byte**, and `wire_hash` is computed here (lowercase hex
+//!   SHA-256 of those bytes); it is never taken from a caller.
+//! - **One process writes a store**: `relay.lock` is held for the store's whole life.
+//! - A newer schema is refused; an older one is migrated in one transaction that keeps the epoch.
+//!
+//! # What it must never do
+//! - Depend on the protocol crate, parse envelopes, or verify signatures: the HTTP handlers
+//!   validate items (hop signature, envelope shape, sizes, ids) before calling the store. The
+//!   store only re-checks what would corrupt its own state (a repeated target, an empty target
+//!   list).
+//! - See or print private key material. It deals in public keys (base64 text) only, and its
+//!   errors name at most a public key's fingerprint.
+//! - Block the async runtime: every method here is **blocking** (SQLite I/O, and for writes the
+//!   wait for the group commit's fsync). Async callers share an `Arc<dyn RelayStore>` and call it
+//!   inside `tokio::task::spawn_blocking`:
+//!
+//! ```ignore
+//! let store: Arc<dyn RelayStore> = Arc::new(SqliteStore::open(&dir, &relay_pubkey, now_ms)?);
+//! let s = store.clone();
+//! let outcome = tokio::task::spawn_blocking(move || s.push(batch)).await??;
+//! ```
+//!
+//! # Units
+//! Times are Unix milliseconds (`i64`, `*_ms`); sizes are bytes; sequence numbers are `i64` and
+//! ms-scale (`wire.md` Decisions 5). Keys are the standard-base64 text the wire carries (host
+//! keys: 44 characters with padding). ISO timestamps are the caller's business.
+
+mod schema;
+mod sqlite;
+
+pub use schema::SCHEMA_VERSION;
+pub use sqlite::{SqliteStore, StoreStats};
+
+use std::path::PathBuf;
+
+/// File name of the store database inside the store directory (design README "Files").
+pub const DB_FILE: &str = "relay.db";
+
+/// File name of the single-writer lock inside the store directory (`wire.md` §3.4).
+pub const LOCK_FILE: &str = "relay.lock";
+
+/// How long [`SqliteStore::open`] waits for another process to release `relay.lock` by default:
+/// 60 s, so a supervisor restarting the relay rides out the old process's shutdown (`wire.md`
+/// §3.4).
+pub const DEFAULT_LOCK_WAIT_MS: u64 = 60_000;
+
+/// The most requests one group commit takes. Bounds the latency a request can add to the others
+/// in its group and the size of one transaction; under load a group of 64 small pushes still
+/// costs one fsync.
+pub const MAX_GROUP_REQUESTS: usize = 64;
+
+/// The most items one pull page returns (`wire.md` §3.2: `n = clamp(limit, 1, 500)`).
+pub const MAX_PULL_ITEMS: i64 = 500;
+
+/// The operations log keeps this many receipts (`wire.md` §3.3).
+pub const OPS_KEEP: i64 = 1_000;
+
+/// One day in milliseconds (retention arithmetic).
+pub const DAY_MS: i64 = 86_400_000;
+
+/// Errors of the store. A caller branches on the variant; the Display text is for operators and
+/// never contains key material.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// `relay.db` was written by a newer agentmbx (spec §2: "A store MUST refuse to open when
+    /// schema_version is newer than the binary").
+    #[error("relay.db has schema version {found}, this agentmbx supports up to {supported}: upgrade agentmbx")]
+    SchemaTooNew {
+        /// The version recorded in the store.
+        found: u32,
+        /// The newest version this binary knows ([`SCHEMA_VERSION`]).
+        supported: u32,
+    },
+    /// The store is bound to another relay key (spec §1: "a store MUST refuse a key that is not
+    /// its own"). Only public-key fingerprints are named.
+    #[error("this relay store belongs to another relay key (fingerprint {stored_fingerprint}), not to the key given (fingerprint {given_fingerprint}): keep relay.key with its store")]
+    OtherRelayKey {
+        /// Fingerprint of the relay public key recorded in the store.
+        stored_fingerprint: String,
+        /// Fingerprint of the relay public key the caller opened it with.
+        given_fingerprint: String,
+    },
+    /// Another process (or another open store in this process) holds `relay.lock`.
+    #[error("another relay process holds {}", path.display())]
+    Locked {
+        /// Path of the lock file.
+        path: PathBuf,
+    },
+    /// A file-system operation on the store directory failed.
+    #[error("relay store I/O error at {}: {source}", path.display())]
+    Io {
+        /// The path involved.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// SQLite reported an error for this request.
+    #[error("relay store database error: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    /// The group transaction this request was part of did not commit (COMMIT failed, or an
+    /// earlier failure left the transaction unusable). Nothing of the request was stored, and
+    /// retrying is safe.
+    #[error(
+        "relay store transaction did not commit, nothing of this request was stored: {reason}"
+    )]
+    NotCommitted {
+        /// What went wrong, for the log.
+        reason: String,
+    },
+    /// The stored data violates an invariant (a missing epoch, an unparseable meta value, an
+    /// exhausted sequence space).
+    #[error("relay store is inconsistent: {0}")]
+    Corrupt(String),
+    /// The request itself is invalid for the store (a negative ack position, a reserved meta
+    /// key, an empty relay key). Handlers validate input first, so this signals a caller bug.
+    #[error("invalid relay store request: {0}")]
+    InvalidInput(String),
+    /// The writer thread is gone (the store is closing, or it panicked).
+    #[error("the relay store writer has stopped")]
+    WriterStopped,
+}
+
+/// Options for [`SqliteStore::open_with`].
+#[derive(Debug, Clone)]
+pub struct OpenOptions {
+    /// How long to wait for `relay.lock` held by another process, in ms. 0 fails at once (tests,
+    /// offline operations that must not wait). Default [`DEFAULT_LOCK_WAIT_MS`].
+    pub lock_wait_ms: u64,
+    /// Called by the writer at the named crash boundaries of a group commit: `push:before-commit`
+    /// and `ack:before-commit` (requests applied, COMMIT not yet run), `push:after-commit` and
+    /// `ack:after-commit` (committed, replies not yet sent). Each name is hit once per group that
+    /// contains at least one request of that kind. The relay passes
+    /// `agentmbx_protocol::failpoint::hit`; the default does nothing. Design README
+    /// "Failpoints".
+    pub failpoint: fn(&str),
+    /// Quotas and retention. Default [`StoreLimits::default`].
+    pub limits: StoreLimits,
+}
+
+impl Default for OpenOptions {
+    fn default() -> Self {
+        Self {
+            lock_wait_ms: DEFAULT_LOCK_WAIT_MS,
+            failpoint: no_failpoint,
+            limits: StoreLimits::default(),
+        }
+    }
+}
+
+/// The default failpoint hook: does nothing.
+pub fn no_failpoint(_name: &str) {}
+
+/// Quotas, retention and capacity the store enforces (spec §7, `wire.md` §3.2 "Quotas"). The
+/// defaults are the owner's decisions; a bench or a test may raise or lower them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreLimits {
+    /// Items queued per target host key. Default 10,000 (spec §7, decision 3).
+    pub max_queue_items: u64,
+    /// Bytes queued per target host key. Default 52,428,800 (50 MiB, `wire.md` "Units").
+    pub max_queue_bytes: u64,
+    /// Items one sender may have queued for one target. Default 2,000 (spec §7).
+    pub max_sender_items: u64,
+    /// Bytes one sender may have queued for one target. Default 20,971,520 (20 MiB).
+    pub max_sender_bytes: u64,
+    /// Items queued across the hosts of one proven account. Default 10,000 (spec §7). Hosts
+    /// without a proven account are never charged here.
+    pub max_owner_items: u64,
+    /// Bytes queued across the hosts of one proven account. Default 52,428,800.
+    pub max_owner_bytes: u64,
+    /// Days an item stays queued: `expires_at = accepted_at + retention_days · 86,400,000`.
+    /// Default 14 (decision 3).
+    pub retention_days: u32,
+    /// Live (not revoked) enrolments at most; a known key may still re-enrol at capacity.
+    /// Default 100,000 (`wire.md` §3.2 "Enrolment").
+    pub max_live_enrolments: u64,
+}
+
+impl Default for StoreLimits {
+    fn default() -> Self {
+        Self {
+            max_queue_items: 10_000,
+            max_queue_bytes: 52_428_800,
+            max_sender_items: 2_000,
+            max_sender_bytes: 20_971_520,
+            max_owner_items: 10_000,
+            max_owner_bytes: 52_428_800,
+            retention_days: 14,
+            max_live_enrolments: 100_000,
+        }
+    }
+}
+
+/// Old and new epoch after [`RelayStore::rotate_epoch`] (spec §5).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EpochRotation {
+    /// The epoch before the rotation.
+    pub from: String,
+    /// The new random epoch (UUID v4 text).
+    pub to: String,
+}
+
+/// Strength of the enrolment authority that admitted a host (spec §2, §8). A weaker authority
+/// never overwrites the `account`/`authorized_by` a stronger one recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[non_exhaustive]
+pub enum AuthorityStrength {
+    /// The default self-hosted authority: the host proved only that it holds its key.
+    HostKeyChallenge,
+    /// An authority that proved an account (hosted relay: account-issued, host-bound tokens).
+    Account,
+}
+
+impl AuthorityStrength {
+    /// The rank stored in `enrolments.authority_rank`; higher is stronger.
+    pub fn rank(self) -> i64 {
+        match self {
+            Self::HostKeyChallenge => 0,
+            Self::Account => 10,
+        }
+    }
+
+    /// The strength for a stored rank, `None` for a rank this binary does not know.
+    pub fn from_rank(rank: i64) -> Option<Self> {
+        match rank {
+            0 => Some(Self::HostKeyChallenge),
+            10 => Some(Self::Account),
+            _ => None,
+        }
+    }
+}
+
+/// An enrolment request, already authorised by the handler's `EnrolmentAuthority` (spec §8).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EnrolRequest {
+    /// The host key (standard base64 of the 32-byte Ed25519 key).
+    pub host_pubkey: String,
+    /// The host's name, a label (matched case-insensitively).
+    pub host_name: String,
+    /// The host's own unproven owner claim ("" when none); decides nothing.
+    pub owner_fp: String,
+    /// The account the authority proved, if any. Names are unique per account.
+    pub account: Option<String>,
+    /// Which authority admitted the host (e.g. `host-key-challenge`).
+    pub authorized_by: String,
+    /// How strong that authority is.
+    pub strength: AuthorityStrength,
+    /// Now, in ms.
+    pub now_ms: i64,
+}
+
+/// A stored enrolment (`enrolments` row).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Enrolment {
+    /// The host key.
+    pub host_pubkey: String,
+    /// The host's name as last enrolled.
+    pub host_name: String,
+    /// The host's unproven owner claim.
+    pub owner_fp: String,
+    /// The proven account, if any.
+    pub account: Option<String>,
+    /// The authority that recorded `account`.
+    pub authorized_by: String,
+    /// That authority's strength.
+    pub strength: AuthorityStrength,
+    /// When the key last (re-)enrolled, in ms.
+    pub enrolled_at_ms: i64,
+    /// When the key was revoked, in ms; `None` while live.
+    pub revoked_at_ms: Option<i64>,
+}
+
+impl Enrolment {
+    /// Whether the key is revoked (revoked keys stay revoked, spec §2).
+    pub fn is_revoked(&self) -> bool {
+        self.revoked_at_ms.is_some()
+    }
+}
+
+/// The result of [`RelayStore::enrol`] (`wire.md` §3.1 enrol errors).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EnrolOutcome {
+    /// Enrolled or refreshed; the stored row after the write.
+    Enrolled(Enrolment),
+    /// The key is revoked on this relay and stays revoked (403 REVOKED).
+    Revoked,
+    /// Another live key carries this name (case-insensitively) in the same proven account
+    /// (409 NAME_TAKEN).
+    NameTaken,
+    /// The live-enrolment cap is reached and the key is new (503 FULL).
+    Full,
+}
+
+/// The result of [`RelayStore::revoke`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RevokeOutcome {
+    /// The key was live and is now revoked.
+    Revoked,
+    /// The key was already revoked; its original `revoked_at` is kept.
+    AlreadyRevoked,
+    /// The key was never enrolled here; nothing was written.
+    Unknown,
+}
+
+/// A v1 enc-key advertisement (`wire.md` §2.8): `sig` is the host key's signature over
+/// canonical(`{v:1, host, enc_pub}`), stored in `enc_ads`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EncAdV1 {
+    /// The advertising host's key.
+    pub host_pubkey: String,
+    /// The host name the signature covers.
+    pub host_name: String,
+    /// The X25519 public key (base64).
+    pub enc_pub: String,
+    /// The v1 signature.
+    pub sig: String,
+    /// When the relay stored it, in ms.
+    pub at_ms: i64,
+}
+
+/// A v2 enc-key advertisement (`wire.md` §2.8, T168), stored in `enc_ad_records`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EncAdV2 {
+    /// The advertising host's key.
+    pub host_pubkey: String,
+    /// The `enc_pub` inside the record (the handler extracted it after verifying the record).
+    pub enc_pub: String,
+    /// The record as received, canonical JSON text; served back byte for byte.
+    pub record: String,
+    /// The host key's signature over `record`.
+    pub sig: String,
+    /// When the relay stored it, in ms.
+    pub at_ms: i64,
+}
+
+/// What the relay serves for a host's enc key (`wire.md` §2.8, "Resolved details" enc-key
+/// endpoints): the v2 record when there is one, the v1 ad when it names the same key (or there is
+/// no v2 record). `enc_pub` always equals the v2 record's `enc_pub` when a record is served.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EncAd {
+    /// The host key.
+    pub host_pubkey: String,
+    /// The host's enrolled name.
+    pub host_name: String,
+    /// The key served.
+    pub enc_pub: String,
+    /// The v1 advertisement, if served.
+    pub v1: Option<EncAdV1>,
+    /// The v2 record, if any.
+    pub v2: Option<EncAdV2>,
+}
+
+/// When pushed items expire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Expiry {
+    /// `expires_at = accepted_at + retention_days` (spec §6). Every v2 push.
+    #[default]
+    Retention,
+    /// Never (items pushed through the v1 endpoints, `wire.md` §3.2 "Sweep").
+    Never,
+}
+
+/// One target of a pushed item: the exact wire bytes sealed for that host (spec §3).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PushTarget {
+    /// The target host key.
+    pub target_pubkey: String,
+    /// The exact bytes to store (decoded from `wire_b64`).
+    pub wire: Vec<u8>,
+}
+
+/// One pushed item, validated by the handler (id, kind, size, wire shape).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PushItem {
+    /// `envelope`, `receipt` or `expired`.
+    pub kind: String,
+    /// The item id (the dedup key together with sender and target).
+    pub item_id: String,
+    /// One entry per target host, in the order the sender gave them.
+    pub targets: Vec<PushTarget>,
+}
+
+/// One push request from one authenticated sender (`POST /v2/relay/items`, spec §3).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PushBatch {
+    /// The hop-authenticated sender's host key.
+    pub sender_pubkey: String,
+    /// The sender's host name (stored as `items.sender_host`; v1 pulls show it).
+    pub sender_host: String,
+    /// Now, in ms: the acceptance time and the sequence floor.
+    pub now_ms: i64,
+    /// Whether the items expire.
+    pub expiry: Expiry,
+    /// The items, applied in order; later items see earlier ones.
+    pub items: Vec<PushItem>,
+}
+
+/// Which quota refused an item (spec §7, `wire.md` §3.2 "Quotas").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuotaKind {
+    /// Items queued for the target.
+    QueueDepth,
+    /// Bytes queued for the target.
+    QueueBytes,
+    /// This sender's items or bytes queued for the target.
+    SenderShare,
+    /// Items queued across the target's proven account.
+    OwnerQueueDepth,
+    /// Bytes queued across the target's proven account.
+    OwnerQueueBytes,
+}
+
+/// Why the store rejected an item. Nothing of a rejected item is stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Rejection {
+    /// The item has no targets (`bad targets`).
+    BadTargets,
+    /// A target is not enrolled or is revoked (`target not enrolled`).
+    TargetNotEnrolled,
+    /// A target's allowlist does not name the sender (`sender not accepted by target`).
+    SenderNotAccepted,
+    /// The same target appears twice (`duplicate target`).
+    DuplicateTarget,
+    /// The same (sender, item id, target) was stored with other bytes (`conflict`).
+    Conflict,
+    /// A quota would be exceeded (`quota:<which> exceeded for <host>`).
+    Quota {
+        /// Which quota.
+        kind: QuotaKind,
+        /// The target's enrolled name, for the message.
+        host: String,
+    },
+}
+
+impl Rejection {
+    /// The code after `rejected:` on the wire (`wire.md` §3.2 rejection strings), e.g.
+    /// `quota:queue depth exceeded for beta`.
+    pub fn code(&self) -> String {
+        match self {
+            Self::BadTargets => "bad targets".to_owned(),
+            Self::TargetNotEnrolled => "target not enrolled".to_owned(),
+            Self::SenderNotAccepted => "sender not accepted by target".to_owned(),
+            Self::DuplicateTarget => "duplicate target".to_owned(),
+            Self::Conflict => "conflict".to_owned(),
+            Self::Quota { kind, host } => {
+                let what = match kind {
+                    QuotaKind::QueueDepth => "queue depth",
+                    QuotaKind::QueueBytes => "queue bytes",
+                    QuotaKind::SenderShare => "sender share",
+                    QuotaKind::OwnerQueueDepth => "owner queue depth",
+                    QuotaKind::OwnerQueueBytes => "owner queue bytes",
+                };
+                format!("quota:{what} exceeded for {host}")
+            }
+        }
+    }
+}
+
+/// The status of one pushed item (spec §3 "Response").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ItemStatus {
+    /// At least one target was stored fresh.
+    Accepted,
+    /// Every target was already stored with the same bytes.
+    Duplicate,
+    /// Refused as a whole; nothing stored.
+    Rejected(Rejection),
+}
+
+impl ItemStatus {
+    /// The wire text: `accepted`, `duplicate` or `rejected:<code>`.
+    pub fn wire(&self) -> String {
+        match self {
+            Self::Accepted => "accepted".to_owned(),
+            Self::Duplicate => "duplicate".to_owned(),
+            Self::Rejected(r) => format!("rejected:{}", r.code()),
+        }
+    }
+}
+
+/// One target of an accepted or duplicate item: what the accept receipt signs (spec §3).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TargetAccept {
+    /// The target host key.
+    pub target_pubkey: String,
+    /// The item's seq in that target's queue (the original one for a duplicate).
+    pub seq: i64,
+    /// Lowercase hex SHA-256 of the stored wire bytes.
+    pub wire_hash: String,
+}
+
+/// The store's verdict on one pushed item.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ItemOutcome {
+    /// The item id, as pushed.
+    pub item_id: String,
+    /// Accepted, duplicate or rejected.
+    pub status: ItemStatus,
+    /// The accept time for the receipt's `at`, in ms: now if any target was fresh, else the
+    /// earliest original `accepted_at` (so retries never move the sender's deadline). `None`
+    /// when rejected.
+    pub at_ms: Option<i64>,
+    /// Per target, in push order; empty when rejected.
+    pub targets: Vec<TargetAccept>,
+}
+
+/// The result of [`RelayStore::push`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PushOutcome {
+    /// The epoch the items were committed under (read in the same transaction), for the accept
+    /// receipts.
+    pub epoch: String,
+    /// One outcome per pushed item, in order.
+    pub items: Vec<ItemOutcome>,
+}
+
+/// A pull request (`GET /v2/relay/items`, spec §4).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PullRequest {
+    /// The authenticated caller's host key (its own queue).
+    pub target_pubkey: String,
+    /// Return items with `seq > after` (negative is read as 0).
+    pub after: i64,
+    /// Page size, clamped to `1..=`[`MAX_PULL_ITEMS`].
+    pub limit: i64,
+    /// Byte budget over the page's wire bytes; the page stops before exceeding it but always
+    /// holds at least one item when one exists (`wire.md` "Pull byte budget").
+    pub max_bytes: u64,
+}
+
+/// One pulled item.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PulledItem {
+    /// Its seq in the caller's queue.
+    pub seq: i64,
+    /// `envelope`, `receipt` or `expired`.
+    pub kind: String,
+    /// The item id.
+    pub item_id: String,
+    /// The sender's host key.
+    pub sender_pubkey: String,
+    /// The sender's host name (v1 pulls show it).
+    pub sender_host: String,
+    /// The exact stored bytes.
+    pub wire: Vec<u8>,
+}
+
+/// One pull page (spec §4), read from one snapshot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PullPage {
+    /// The current epoch.
+    pub epoch: String,
+    /// The last seq allocated for the caller (`next_seq − 1`, 0 if none).
+    pub head_seq: i64,
+    /// The page, in seq order.
+    pub items: Vec<PulledItem>,
+    /// The seq of the last item returned, or `after` when the page is empty.
+    pub last_seq: i64,
+    /// Whether more items follow this page.
+    pub more: bool,
+}
+
+/// An acknowledgement (`POST /v2/relay/ack`, spec §4).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AckRequest {
+    /// The authenticated caller's host key.
+    pub target_pubkey: String,
+    /// Delete items with `seq <= through`; must be in `[0, head_seq]`.
+    pub through: i64,
+    /// When set, the ack applies only if this is still the current epoch (checked in the same
+    /// transaction), else [`AckResult::StaleEpoch`].
+    pub epoch: Option<String>,
+}
+
+/// A successful acknowledgement.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AckOutcome {
+    /// `max(previous acked_through, through)`: it never decreases.
+    pub acked_through: i64,
+    /// How many items were deleted.
+    pub deleted: u64,
+    /// The last seq allocated for the caller.
+    pub head_seq: i64,
+    /// The epoch the ack was committed under.
+    pub epoch: String,
+}
+
+/// The result of [`RelayStore::ack`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AckResult {
+    /// Done.
+    Acked(AckOutcome),
+    /// `through` is past the last allocated seq: nothing changed (400 BAD_ACK; the receiver
+    /// treats it as an epoch change, spec §4).
+    BeyondHead {
+        /// The last allocated seq.
+        head_seq: i64,
+        /// The current epoch.
+        epoch: String,
+    },
+    /// The request named an epoch that is not current: nothing changed (409 EPOCH).
+    StaleEpoch {
+        /// The current epoch.
+        epoch: String,
+        /// The last allocated seq.
+        head_seq: i64,
+    },
+}
+
+/// A host's queue position (`info` `you`, spec §1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostQueueInfo {
+    /// The last seq allocated for the host (0 if none).
+    pub head_seq: i64,
+    /// The highest seq the host acknowledged (0 if none).
+    pub acked_through: i64,
+}
+
+/// A target's signed sender allowlist (spec §2 "Sender allowlist", `wire.md` §2.12), verified by
+/// the handler.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SenderList {
+    /// The target host key that signed it.
+    pub target_pubkey: String,
+    /// The sender keys it accepts (duplicates are dropped on store, order kept).
+    pub senders: Vec<String>,
+    /// The list's `iat`, in ms (the handler parses the ISO text).
+    pub iat_ms: i64,
+    /// The signed record, canonical JSON text.
+    pub record: String,
+    /// The target's signature over `record`.
+    pub sig: String,
+}
+
+/// The result of [`RelayStore::put_sender_list`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SenderListOutcome {
+    /// Stored; it replaces any older list.
+    Stored,
+    /// A list with the same or a newer `iat` is stored; nothing changed (409 STALE).
+    Stale,
+}
+
+/// One relay log entry (`wire.md` §3.4 "relay log").
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpRecord {
+    /// Increasing id.
+    pub id: i64,
+    /// When, in ms.
+    pub at_ms: i64,
+    /// The operation name (e.g. `relay-backup`).
+    pub op: String,
+    /// The receipt.
+    pub receipt: serde_json::Value,
+}
+
+/// The relay's state, as the relay core sees it (spec §2). Implementations are shared across
+/// threads (`Arc<dyn RelayStore>`).
+///
+/// **Every method blocks** (disk I/O; writes also wait for their group commit). Async callers
+/// must call it inside `tokio::task::spawn_blocking`. Writes return only after their
+/// transaction committed, so a handler may answer as soon as a write returns `Ok`.
+///
+/// Methods that return an outcome enum report domain refusals (revoked, stale, beyond head,
+/// rejected items) as `Ok(outcome)`; `Err(StoreError)` always means the store failed and the
+/// request may be retried.
+pub trait RelayStore: Send + Sync + std::fmt::Debug {
+    /// The current epoch (read from the store on each call).
+    fn epoch(&self) -> Result<String, StoreError>;
+
+    /// The relay public key this store is bound to.
+    fn relay_pubkey(&self) -> Result<String, StoreError>;
+
+    /// The last heartbeat written, in ms; `None` on a store that never had one (spec §5).
+    fn heartbeat(&self) -> Result<Option<i64>, StoreError>;
+
+    /// Record that the relay is alive (every 30 s, spec §5).
+    fn set_heartbeat(&self, now_ms: i64) -> Result<(), StoreError>;
+
+    /// Switch to a new random epoch (spec §5: `relay rotate-epoch`, startup after a stale
+    /// heartbeat, restore).
+    fn rotate_epoch(&self) -> Result<EpochRotation, StoreError>;
+
+    /// Read a free-form meta value (e.g. `epoch_rotated`, `restored`).
+    fn meta(&self, key: &str) -> Result<Option<String>, StoreError>;
+
+    /// Write a free-form meta value. The store's own keys (`schema_version`, `epoch`,
+    /// `relay_pubkey`, `heartbeat`) are refused with [`StoreError::InvalidInput`]: they have
+    /// dedicated methods.
+    fn set_meta(&self, key: &str, value: &str) -> Result<(), StoreError>;
+
+    /// Enrol or re-enrol a host key (spec §2 enrolments, §8). A revoked key stays revoked; a
+    /// weaker authority never overwrites the account or `authorized_by` a stronger one recorded;
+    /// a name is unique only inside a proven account (case-insensitive); a new key is refused at
+    /// the live cap.
+    fn enrol(&self, req: EnrolRequest) -> Result<EnrolOutcome, StoreError>;
+
+    /// The enrolment of a key, live or revoked.
+    fn enrolment(&self, host_pubkey: &str) -> Result<Option<Enrolment>, StoreError>;
+
+    /// Live enrolments carrying a name (case-insensitive), newest first (v1 name lookups, spec
+    /// §2).
+    fn live_enrolments_by_name(&self, host_name: &str) -> Result<Vec<Enrolment>, StoreError>;
+
+    /// How many enrolments are live.
+    fn live_enrolment_count(&self) -> Result<u64, StoreError>;
+
+    /// Revoke a key for good (it serves nothing and receives nothing afterwards).
+    fn revoke(&self, host_pubkey: &str, now_ms: i64) -> Result<RevokeOutcome, StoreError>;
+
+    /// Store a verified v1 enc-key advertisement (replaces the previous one).
+    fn put_enc_ad_v1(&self, ad: EncAdV1) -> Result<(), StoreError>;
+
+    /// Store a verified v2 enc-key record (replaces the previous one).
+    fn put_enc_ad_v2(&self, ad: EncAdV2) -> Result<(), StoreError>;
+
+    /// The enc key to serve for a host; `None` when the host is unknown, revoked or has no ad.
+    fn get_enc_ad(&self, host_pubkey: &str) -> Result<Option<EncAd>, StoreError>;
+
+    /// Store validated items (spec §3): per item, all targets validated, dedup by
+    /// (sender, item id, target), seq allocation, quotas; one outcome per item.
+    fn push(&self, batch: PushBatch) -> Result<PushOutcome, StoreError>;
+
+    /// One page of a host's queue (spec §4).
+    fn pull(&self, req: PullRequest) -> Result<PullPage, StoreError>;
+
+    /// Acknowledge through a seq: deletes those items, records `acked_through` (spec §4).
+    fn ack(&self, req: AckRequest) -> Result<AckResult, StoreError>;
+
+    /// A host's queue head and ack position.
+    fn info_for(&self, host_pubkey: &str) -> Result<HostQueueInfo, StoreError>;
+
+    /// Store a verified sender allowlist unless one with the same or a newer `iat` is stored.
+    fn put_sender_list(&self, list: SenderList) -> Result<SenderListOutcome, StoreError>;
+
+    /// A target's stored sender allowlist.
+    fn sender_list(&self, target_pubkey: &str) -> Result<Option<SenderList>, StoreError>;
+
+    /// Append a receipt to the relay log, keeping the last [`OPS_KEEP`]; returns its id.
+    fn append_op(
+        &self,
+        at_ms: i64,
+        op: &str,
+        receipt: &serde_json::Value,
+    ) -> Result<i64, StoreError>;
+
+    /// The newest log entries first, at most `limit` (clamped to `1..=`[`OPS_KEEP`]).
+    fn ops(&self, limit: i64) -> Result<Vec<OpRecord>, StoreError>;
+}
+
+/// Lowercase hex SHA-256 of wire bytes (spec §2: "never of a decoded or re-encoded string").
+pub fn wire_hash(wire: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    hex::encode(Sha256::digest(wire))
+}
+
+/// The display fingerprint of a public key: the first 16 hex digits of SHA-256 over the raw key
+/// bytes, grouped `xxxx-xxxx-xxxx-xxxx`. Text that is not standard base64 gets a placeholder
+/// instead (never the text itself).
+fn key_fingerprint(pubkey_b64: &str) -> String {
+    use base64::Engine as _;
+    use sha2::{Digest, Sha256};
+    match base64::engine::general_purpose::STANDARD.decode(pubkey_b64.trim()) {
+        Ok(raw) => {
+            let h = hex::encode(Sha256::digest(&raw));
+            let h = h.get(..16).unwrap_or("");
+            let groups: Vec<&str> = (0..4).filter_map(|i| h.get(i * 4..i * 4 + 4)).collect();
+            groups.join("-")
+        }
+        Err(_) => "unreadable key".to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rejection_codes_match_the_wire_strings() {
+        let host = "beta".to_owned();
+        let q = |kind| {
+            ItemStatus::Rejected(Rejection::Quota {
+                kind,
+                host: host.clone(),
+            })
+        };
+        assert_eq!(
+            q(QuotaKind::QueueDepth).wire(),
+            "rejected:quota:queue depth exceeded for beta"
+        );
+        assert_eq!(
+            q(QuotaKind::QueueBytes).wire(),
+            "rejected:quota:queue bytes exceeded for beta"
+        );
+        assert_eq!(
+            q(QuotaKind::SenderShare).wire(),
+            "rejected:quota:sender share exceeded for beta"
+        );
+        assert_eq!(
+            q(QuotaKind::OwnerQueueDepth).wire(),
+            "rejected:quota:owner queue depth exceeded for beta"
+        );
+        assert_eq!(
+            ItemStatus::Rejected(Rejection::SenderNotAccepted).wire(),
+            "rejected:sender not accepted by target"
+        );
+        assert_eq!(
+            ItemStatus::Rejected(Rejection::Conflict).wire(),
+            "rejected:conflict"
+        );
+        assert_eq!(ItemStatus::Accepted.wire(), "accepted");
+        assert_eq!(ItemStatus::Duplicate.wire(), "duplicate");
+    }
+
+    #[test]
+    fn fingerprint_is_grouped_and_never_echoes_bad_input() {
+        // 32 zero bytes
+        let fp = key_fingerprint("AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=");
+        // sha256 of 32 zero bytes starts 66687aadf862bd77
+        assert_eq!(fp, "6668-7aad-f862-bd77");
+        assert_eq!(key_fingerprint("not base64 !!"), "unreadable key");
+    }
+
+    #[test]
+    fn wire_hash_is_lowercase_hex_sha256() {
+        assert_eq!(
+            wire_hash(b"abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+    }
+
+    #[test]
+    fn authority_ranks_round_trip_and_order() {
+        for s in [
+            AuthorityStrength::HostKeyChallenge,
+            AuthorityStrength::Account,
+        ] {
+            assert_eq!(AuthorityStrength::from_rank(s.rank()), Some(s));
+        }
+        assert!(AuthorityStrength::HostKeyChallenge < AuthorityStrength::Account);
+        assert_eq!(AuthorityStrength::from_rank(7), None);
+    }
+}

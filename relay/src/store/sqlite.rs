@@ -1,0 +1,2970 @@
+//! [`SqliteStore`]: the SQLite implementation of [`RelayStore`] (spec §2, `wire.md` §3.3).
+//!
+//! # Threads and connections
+//! - **`relay.lock`** — a separate SQLite file opened with `locking_mode=EXCLUSIVE` and written
+//!   once inside `BEGIN EXCLUSIVE` (table `holder(pid, at)`). Its exclusive file lock is held
+//!   until the store is dropped, and the OS releases it if the process dies (even on SIGKILL),
+//!   so exactly one store — one process — writes `relay.db` (`wire.md` §3.4). SQLite tracks the
+//!   lock per connection, so a second store in the same process is refused too.
+//! - **The writer thread** owns the only write connection to `relay.db` (WAL,
+//!   `synchronous=FULL`). Requests reach it over a channel. It takes whatever is waiting (up to
+//!   [`MAX_GROUP_REQUESTS`]) and applies it inside one `BEGIN IMMEDIATE … COMMIT`: each request
+//!   in a SAVEPOINT, each pushed item in a nested SAVEPOINT, so a failed request or a rejected
+//!   item leaves nothing, and later requests see earlier ones. One COMMIT (one fsync) covers the
+//!   group; only then are the replies sent. If the COMMIT fails, every request of the group gets
+//!   [`StoreError::NotCommitted`]. This is group commit (design README "Decisions already
+//!   taken"); for atomicity and visibility it is exactly one transaction per item (spec §3).
+//! - **Readers** use a small pool of read-only connections; WAL lets them read the last
+//!   committed state while the writer works, and they never see uncommitted rows. Multi-query
+//!   reads (pull, info) run in one read transaction, so they see one snapshot.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use rusqlite::{params, Connection, OpenFlags, OptionalExtension, TransactionBehavior};
+
+use super::schema::{self, MIGRATIONS, SCHEMA_VERSION};
+use super::{
+    key_fingerprint, wire_hash, AckOutcome, AckRequest, AckResult, AuthorityStrength, EncAd,
+    EncAdV1, EncAdV2, EnrolOutcome, EnrolRequest, Enrolment, EpochRotation, Expiry, HostQueueInfo,
+    ItemOutcome, ItemStatus, OpRecord, OpenOptions, PullPage, PullRequest, PulledItem, PushBatch,
+    PushItem, PushOutcome, QuotaKind, Rejection, RelayStore, RevokeOutcome, SenderList,
+    SenderListOutcome, StoreError, StoreLimits, TargetAccept, DAY_MS, DB_FILE, LOCK_FILE,
+    MAX_GROUP_REQUESTS, MAX_PULL_ITEMS, OPS_KEEP,
+};
+
+/// `busy_timeout` of every `relay.db` connection (`wire.md` §3.3).
+const BUSY_TIMEOUT: Duration = Duration::from_millis(5_000);
+
+/// Idle read connections kept for reuse; more are opened on demand and closed after use.
+const READ_POOL_IDLE: usize = 4;
+
+/// Meta keys that only dedicated methods may write.
+const RESERVED_META: &[&str] = &["schema_version", "epoch", "relay_pubkey", "heartbeat"];
+
+/// Counters of the writer, for tests, benches and `doctor`-style status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StoreStats {
+    /// Write requests the writer has applied (committed or not).
+    pub write_requests: u64,
+    /// Groups (transactions) the writer has run.
+    pub groups: u64,
+    /// Groups that committed. Under concurrency this is lower than `write_requests`: that is the
+    /// group commit.
+    pub commits: u64,
+    /// Write requests waiting for the writer right now.
+    pub queued: usize,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    write_requests: AtomicU64,
+    groups: AtomicU64,
+    commits: AtomicU64,
+    queued: AtomicUsize,
+}
+
+/// Which failpoints a request arms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum JobKind {
+    Push,
+    Ack,
+    Other,
+}
+
+/// A write request as the writer sees it: apply it inside the group transaction, then reply once
+/// the group's fate is known.
+trait WriteJob: Send {
+    fn kind(&self) -> JobKind;
+    /// Apply inside the request's savepoint; `true` keeps its effects, `false` rolls them back.
+    fn apply(&mut self, conn: &Connection, limits: &StoreLimits) -> bool;
+    /// Send the reply: the applied result if the group committed (`failed` is `None`), an error
+    /// otherwise.
+    fn reply(self: Box<Self>, failed: Option<&str>);
+}
+
+struct TypedJob<T, F> {
+    kind: JobKind,
+    op: Option<F>,
+    result: Option<Result<T, StoreError>>,
+    reply_to: mpsc::SyncSender<Result<T, StoreError>>,
+}
+
+impl<T, F> WriteJob for TypedJob<T, F>
+where
+    T: Send,
+    F: FnOnce(&Connection, &StoreLimits) -> Result<T, StoreError> + Send,
+{
+    fn kind(&self) -> JobKind {
+        self.kind
+    }
+
+    fn apply(&mut self, conn: &Connection, limits: &StoreLimits) -> bool {
+        let result = match self.op.take() {
+            Some(op) => op(conn, limits),
+            None => Err(StoreError::Corrupt(
+                "write request applied twice".to_owned(),
+            )),
+        };
+        let ok = result.is_ok();
+        self.result = Some(result);
+        ok
+    }
+
+    fn reply(self: Box<Self>, failed: Option<&str>) {
+        let message = match (failed, self.result) {
+            // The request's own error says more than "not committed".
+            (_, Some(Err(e))) => Err(e),
+            (None, Some(ok)) => ok,
+            (Some(reason), _) => Err(StoreError::NotCommitted {
+                reason: reason.to_owned(),
+            }),
+            (None, None) => Err(StoreError::NotCommitted {
+                reason: "the request was not applied".to_owned(),
+            }),
+        };
+        // The caller may have gone away; there is nobody else to tell.
+        let _ = self.reply_to.send(message);
+    }
+}
+
+/// The writer thread's state. Field order matters: `conn` is dropped before `_lock`, so the
+/// write connection is closed before the single-writer lock is released.
+struct Writer {
+    conn: Connection,
+    _lock: Connection,
+    limits: StoreLimits,
+    failpoint: fn(&str),
+    counters: Arc<Counters>,
+}
+
+impl Writer {
+    fn run(self, jobs: mpsc::Receiver<Box<dyn WriteJob>>) {
+        while let Ok(first) = jobs.recv() {
+            let mut group = Vec::with_capacity(8);
+            group.push(first);
+            while group.len() < MAX_GROUP_REQUESTS {
+                match jobs.try_recv() {
+                    Ok(job) => group.push(job),
+                    Err(_) => break,
+                }
+            }
+            self.counters
+                .queued
+                .fetch_sub(group.len(), Ordering::SeqCst);
+            self.run_group(group);
+        }
+        tracing::debug!("relay store writer stopped");
+    }
+
+    fn run_group(&self, mut group: Vec<Box<dyn WriteJob>>) {
+        self.counters
+            .write_requests
+            .fetch_add(group.len() as u64, Ordering::SeqCst);
+        self.counters.groups.fetch_add(1, Ordering::SeqCst);
+        let has_push = group.iter().any(|j| j.kind() == JobKind::Push);
+        let has_ack = group.iter().any(|j| j.kind() == JobKind::Ack);
+
+        if let Err(e) = self.conn.execute_batch("BEGIN IMMEDIATE") {
+            return self.fail_group(group, &format!("could not begin a transaction: {e}"));
+        }
+        let mut broken: Option<String> = None;
+        for job in group.iter_mut() {
+            if let Err(e) = self.conn.execute_batch("SAVEPOINT request") {
+                broken = Some(format!("could not open a savepoint: {e}"));
+                break;
+            }
+            let conn = &self.conn;
+            let limits = &self.limits;
+            let applied =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job.apply(conn, limits)));
+            let keep = match applied {
+                Ok(keep) => keep,
+                Err(_) => {
+                    broken = Some("a write request panicked".to_owned());
+                    break;
+                }
+            };
+            let end = if keep {
+                "RELEASE request"
+            } else {
+                "ROLLBACK TO request; RELEASE request"
+            };
+            if let Err(e) = self.conn.execute_batch(end) {
+                broken = Some(format!("could not close a savepoint: {e}"));
+                break;
+            }
+            if self.conn.is_autocommit() {
+                // SQLite rolled the whole transaction back on its own (disk full, I/O error).
+                broken = Some("SQLite rolled the transaction back".to_owned());
+                break;
+            }
+        }
+        if let Some(reason) = broken {
+            return self.fail_group(group, &reason);
+        }
+
+        if has_push {
+            (self.failpoint)("push:before-commit");
+        }
+        if has_ack {
+            (self.failpoint)("ack:before-commit");
+        }
+        if let Err(e) = self.conn.execute_batch("COMMIT") {
+            return self.fail_group(group, &format!("COMMIT failed: {e}"));
+        }
+        self.counters.commits.fetch_add(1, Ordering::SeqCst);
+        if has_push {
+            (self.failpoint)("push:after-commit");
+        }
+        if has_ack {
+            (self.failpoint)("ack:after-commit");
+        }
+        for job in group {
+            job.reply(None);
+        }
+    }
+
+    /// Roll back whatever is open and tell every request of the group that nothing of it was
+    /// stored.
+    fn fail_group(&self, group: Vec<Box<dyn WriteJob>>, reason: &str) {
+        if !self.conn.is_autocommit() {
+            if let Err(e) = self.conn.execute_batch("ROLLBACK") {
+                tracing::error!(error = %e, "relay store rollback failed");
+            }
+        }
+        tracing::error!(
+            requests = group.len(),
+            reason,
+            "relay store group not committed"
+        );
+        for job in group {
+            job.reply(Some(reason));
+        }
+    }
+}
+
+/// Read-only connections to `relay.db`, reused.
+struct ReadPool {
+    path: PathBuf,
+    idle: Mutex<Vec<Connection>>,
+}
+
+impl ReadPool {
+    fn with<T>(
+        &self,
+        f: impl FnOnce(&Connection) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let reused = self
+            .idle
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .pop();
+        let conn = match reused {
+            Some(conn) => conn,
+            None => self.open()?,
+        };
+        let result = f(&conn);
+        // Only a connection with no transaction left open goes back to the pool.
+        if conn.is_autocommit() {
+            let mut idle = self
+                .idle
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if idle.len() < READ_POOL_IDLE {
+                idle.push(conn);
+            }
+        }
+        result
+    }
+
+    fn open(&self) -> Result<Connection, StoreError> {
+        let conn = Connection::open_with_flags(
+            &self.path,
+            OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
+        conn.busy_timeout(BUSY_TIMEOUT)?;
+        Ok(conn)
+    }
+}
+
+/// The SQLite relay store: one `relay.db` (WAL, `synchronous=FULL`) in a store directory, a
+/// single writer thread with group commit, read-only connections for reads, and `relay.lock`
+/// held for its whole life. See the module docs for the threading model.
+///
+/// Dropping it stops the writer (after the requests already queued) and releases the lock.
+pub struct SqliteStore {
+    dir: PathBuf,
+    limits: StoreLimits,
+    jobs: Option<mpsc::Sender<Box<dyn WriteJob>>>,
+    writer: Option<JoinHandle<()>>,
+    readers: ReadPool,
+    counters: Arc<Counters>,
+}
+
+impl std::fmt::Debug for SqliteStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteStore")
+            .field("dir", &self.dir)
+            .field("limits", &self.limits)
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl SqliteStore {
+    /// Open (or create) the store in `dir` with [`OpenOptions::default`]: waits up to 60 s for
+    /// `relay.lock`. See [`SqliteStore::open_with`].
+    pub fn open(dir: &Path, relay_pubkey: &str, now_ms: i64) -> Result<Self, StoreError> {
+        Self::open_with(dir, relay_pubkey, now_ms, OpenOptions::default())
+    }
+
+    /// Open (or create) the store in `dir` for the relay whose public key (standard base64) is
+    /// `relay_pubkey`; `now_ms` is recorded in `relay.lock`'s holder row.
+    ///
+    /// Steps: create `dir`; take `relay.lock` (waiting up to `options.lock_wait_ms`); open
+    /// `relay.db` with WAL, `synchronous=FULL`, `foreign_keys=ON`, `busy_timeout=5000`; refuse a
+    /// newer schema; refuse a store bound to another relay key; migrate an older schema in one
+    /// transaction; on a fresh store record `relay_pubkey` and a new random epoch; start the
+    /// writer thread. A fresh store has no heartbeat yet.
+    ///
+    /// Errors: [`StoreError::Locked`], [`StoreError::SchemaTooNew`],
+    /// [`StoreError::OtherRelayKey`], [`StoreError::Io`], [`StoreError::Sqlite`],
+    /// [`StoreError::InvalidInput`] for an empty key.
+    pub fn open_with(
+        dir: &Path,
+        relay_pubkey: &str,
+        now_ms: i64,
+        options: OpenOptions,
+    ) -> Result<Self, StoreError> {
+        if relay_pubkey.trim().is_empty() {
+            return Err(StoreError::InvalidInput(
+                "the relay public key is empty".to_owned(),
+            ));
+        }
+        std::fs::create_dir_all(dir).map_err(|source| StoreError::Io {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        let lock = acquire_lock(&dir.join(LOCK_FILE), options.lock_wait_ms, now_ms)?;
+        let db_path = dir.join(DB_FILE);
+        let mut conn = open_write_connection(&db_path)?;
+
+        let found = schema::stored_version(&conn)?;
+        if found > SCHEMA_VERSION {
+            return Err(StoreError::SchemaTooNew {
+                found,
+                supported: SCHEMA_VERSION,
+            });
+        }
+        if found > 0 {
+            // Never migrate another relay's store.
+            if let Some(stored) = meta_get(&conn, "relay_pubkey")? {
+                if stored != relay_pubkey {
+                    return Err(other_relay_key(&stored, relay_pubkey));
+                }
+            }
+        }
+        schema::migrate(&mut conn, found, SCHEMA_VERSION, MIGRATIONS)?;
+        bind_identity(&mut conn, relay_pubkey)?;
+        let epoch = read_epoch(&conn)?;
+        tracing::info!(
+            store = %dir.display(),
+            schema_version = SCHEMA_VERSION,
+            migrated_from = found,
+            epoch = %epoch,
+            relay_fingerprint = %key_fingerprint(relay_pubkey),
+            "relay store opened"
+        );
+
+        let counters = Arc::new(Counters::default());
+        let writer = Writer {
+            conn,
+            _lock: lock,
+            limits: options.limits.clone(),
+            failpoint: options.failpoint,
+            counters: Arc::clone(&counters),
+        };
+        let (jobs, inbox) = mpsc::channel::<Box<dyn WriteJob>>();
+        let handle = std::thread::Builder::new()
+            .name("relay-store-writer".to_owned())
+            .spawn(move || writer.run(inbox))
+            .map_err(|source| StoreError::Io {
+                path: db_path.clone(),
+                source,
+            })?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            limits: options.limits,
+            jobs: Some(jobs),
+            writer: Some(handle),
+            readers: ReadPool {
+                path: db_path,
+                idle: Mutex::new(Vec::new()),
+            },
+            counters,
+        })
+    }
+
+    /// The store directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The limits this store enforces.
+    pub fn limits(&self) -> &StoreLimits {
+        &self.limits
+    }
+
+    /// The writer's counters.
+    pub fn stats(&self) -> StoreStats {
+        StoreStats {
+            write_requests: self.counters.write_requests.load(Ordering::SeqCst),
+            groups: self.counters.groups.load(Ordering::SeqCst),
+            commits: self.counters.commits.load(Ordering::SeqCst),
+            queued: self.counters.queued.load(Ordering::SeqCst),
+        }
+    }
+
+    /// How many group transactions committed so far.
+    pub fn commits(&self) -> u64 {
+        self.counters.commits.load(Ordering::SeqCst)
+    }
+
+    /// Stop the writer after the requests already queued, close the database and release
+    /// `relay.lock`. Dropping the store does the same; this one reports a writer that panicked
+    /// ([`StoreError::WriterStopped`]).
+    pub fn close(mut self) -> Result<(), StoreError> {
+        if self.shutdown() {
+            Ok(())
+        } else {
+            Err(StoreError::WriterStopped)
+        }
+    }
+
+    /// Returns false if the writer thread had panicked.
+    fn shutdown(&mut self) -> bool {
+        drop(self.jobs.take());
+        match self.writer.take() {
+            Some(handle) => handle.join().is_ok(),
+            None => true,
+        }
+    }
+
+    /// Hand a write to the writer thread and wait until its group committed (or failed).
+    fn submit<T, F>(&self, kind: JobKind, op: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connection, &StoreLimits) -> Result<T, StoreError> + Send + 'static,
+    {
+        let jobs = self.jobs.as_ref().ok_or(StoreError::WriterStopped)?;
+        let (reply_to, reply) = mpsc::sync_channel(1);
+        let job: Box<dyn WriteJob> = Box::new(TypedJob {
+            kind,
+            op: Some(op),
+            result: None,
+            reply_to,
+        });
+        // Count before sending, so the writer never decrements below zero.
+        self.counters.queued.fetch_add(1, Ordering::SeqCst);
+        if jobs.send(job).is_err() {
+            self.counters.queued.fetch_sub(1, Ordering::SeqCst);
+            return Err(StoreError::WriterStopped);
+        }
+        reply.recv().map_err(|_| StoreError::WriterStopped)?
+    }
+
+    fn read<T>(
+        &self,
+        f: impl FnOnce(&Connection) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        self.readers.with(f)
+    }
+}
+
+impl Drop for SqliteStore {
+    fn drop(&mut self) {
+        if !self.shutdown() {
+            tracing::error!("relay store writer thread had panicked");
+        }
+    }
+}
+
+impl RelayStore for SqliteStore {
+    fn epoch(&self) -> Result<String, StoreError> {
+        self.read(read_epoch)
+    }
+
+    fn relay_pubkey(&self) -> Result<String, StoreError> {
+        self.read(|c| {
+            meta_get(c, "relay_pubkey")?
+                .ok_or_else(|| StoreError::Corrupt("meta.relay_pubkey is missing".to_owned()))
+        })
+    }
+
+    fn heartbeat(&self) -> Result<Option<i64>, StoreError> {
+        self.read(|c| match meta_get(c, "heartbeat")? {
+            None => Ok(None),
+            Some(v) => v.trim().parse::<i64>().map(Some).map_err(|_| {
+                StoreError::Corrupt(format!("meta.heartbeat {v:?} is not a ms timestamp"))
+            }),
+        })
+    }
+
+    fn set_heartbeat(&self, now_ms: i64) -> Result<(), StoreError> {
+        self.submit(JobKind::Other, move |c, _| {
+            meta_put(c, "heartbeat", &now_ms.to_string())
+        })
+    }
+
+    fn rotate_epoch(&self) -> Result<EpochRotation, StoreError> {
+        self.submit(JobKind::Other, |c, _| {
+            let from = read_epoch(c)?;
+            let to = new_epoch();
+            meta_put(c, "epoch", &to)?;
+            Ok(EpochRotation { from, to })
+        })
+    }
+
+    fn meta(&self, key: &str) -> Result<Option<String>, StoreError> {
+        self.read(|c| meta_get(c, key))
+    }
+
+    fn set_meta(&self, key: &str, value: &str) -> Result<(), StoreError> {
+        if RESERVED_META.contains(&key) {
+            return Err(StoreError::InvalidInput(format!(
+                "meta key {key:?} is managed by the store"
+            )));
+        }
+        let (key, value) = (key.to_owned(), value.to_owned());
+        self.submit(JobKind::Other, move |c, _| meta_put(c, &key, &value))
+    }
+
+    fn enrol(&self, req: EnrolRequest) -> Result<EnrolOutcome, StoreError> {
+        self.submit(JobKind::Other, move |c, limits| {
+            enrol_apply(c, limits, &req)
+        })
+    }
+
+    fn enrolment(&self, host_pubkey: &str) -> Result<Option<Enrolment>, StoreError> {
+        self.read(|c| enrolment_row(c, host_pubkey))
+    }
+
+    fn live_enrolments_by_name(&self, host_name: &str) -> Result<Vec<Enrolment>, StoreError> {
+        self.read(|c| {
+            let mut st = c.prepare_cached(&format!(
+                "SELECT {ENROLMENT_COLS} FROM enrolments
+                 WHERE lower(host_name) = lower(?1) AND revoked_at IS NULL
+                 ORDER BY enrolled_at DESC, rowid DESC"
+            ))?;
+            let rows = st
+                .query_map([host_name], enrolment_from_row)?
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(rows)
+        })
+    }
+
+    fn live_enrolment_count(&self) -> Result<u64, StoreError> {
+        self.read(live_enrolment_count)
+    }
+
+    fn revoke(&self, host_pubkey: &str, now_ms: i64) -> Result<RevokeOutcome, StoreError> {
+        let key = host_pubkey.to_owned();
+        self.submit(JobKind::Other, move |c, _| {
+            Ok(match enrolment_row(c, &key)? {
+                None => RevokeOutcome::Unknown,
+                Some(e) if e.is_revoked() => RevokeOutcome::AlreadyRevoked,
+                Some(_) => {
+                    c.execute(
+                        "UPDATE enrolments SET revoked_at = ?2 WHERE host_pubkey = ?1",
+                        params![key, now_ms],
+                    )?;
+                    RevokeOutcome::Revoked
+                }
+            })
+        })
+    }
+
+    fn put_enc_ad_v1(&self, ad: EncAdV1) -> Result<(), StoreError> {
+        self.submit(JobKind::Other, move |c, _| {
+            c.execute(
+                "INSERT INTO enc_ads (host_pubkey, host_name, enc_pub, sig, at)
+                 VALUES (?1, ?2, ?3, ?4, ?5)
+                 ON CONFLICT(host_pubkey) DO UPDATE SET host_name = excluded.host_name,
+                   enc_pub = excluded.enc_pub, sig = excluded.sig, at = excluded.at",
+                params![ad.host_pubkey, ad.host_name, ad.enc_pub, ad.sig, ad.at_ms],
+            )?;
+            Ok(())
+        })
+    }
+
+    fn put_enc_ad_v2(&self, ad: EncAdV2) -> Result<(), StoreError> {
+        self.submit(JobKind::Other, move |c, _| {
+            c.execute(
+                "INSERT INTO enc_ad_records (host_pubkey, enc_pub, record, sig, at)
+                 VALUES (?1, ?2, ?3, ?4, ?5)
+                 ON CONFLICT(host_pubkey) DO UPDATE SET enc_pub = excluded.enc_pub,
+                   record = excluded.record, sig = excluded.sig, at = excluded.at",
+                params![ad.host_pubkey, ad.enc_pub, ad.record, ad.sig, ad.at_ms],
+            )?;
+            Ok(())
+        })
+    }
+
+    fn get_enc_ad(&self, host_pubkey: &str) -> Result<Option<EncAd>, StoreError> {
+        self.read(|c| get_enc_ad(c, host_pubkey))
+    }
+
+    fn push(&self, batch: PushBatch) -> Result<PushOutcome, StoreError> {
+        self.submit(JobKind::Push, move |c, limits| {
+            push_apply(c, limits, &batch)
+        })
+    }
+
+    fn pull(&self, req: PullRequest) -> Result<PullPage, StoreError> {
+        self.read(|c| pull_page(c, &req))
+    }
+
+    fn ack(&self, req: AckRequest) -> Result<AckResult, StoreError> {
+        if req.through < 0 {
+            return Err(StoreError::InvalidInput(format!(
+                "ack position {} is negative",
+                req.through
+            )));
+        }
+        self.submit(JobKind::Ack, move |c, _| ack_apply(c, &req))
+    }
+
+    fn info_for(&self, host_pubkey: &str) -> Result<HostQueueInfo, StoreError> {
+        self.read(|c| {
+            let tx = c.unchecked_transaction()?;
+            let info = HostQueueInfo {
+                head_seq: head_seq(&tx, host_pubkey)?,
+                acked_through: acked_through(&tx, host_pubkey)?,
+            };
+            tx.commit()?;
+            Ok(info)
+        })
+    }
+
+    fn put_sender_list(&self, list: SenderList) -> Result<SenderListOutcome, StoreError> {
+        self.submit(JobKind::Other, move |c, _| put_sender_list(c, list))
+    }
+
+    fn sender_list(&self, target_pubkey: &str) -> Result<Option<SenderList>, StoreError> {
+        self.read(|c| {
+            let row = c
+                .prepare_cached(
+                    "SELECT senders, iat, record, sig FROM sender_lists WHERE target_pubkey = ?1",
+                )?
+                .query_row([target_pubkey], |r| {
+                    Ok((
+                        r.get::<_, String>(0)?,
+                        r.get::<_, i64>(1)?,
+                        r.get::<_, String>(2)?,
+                        r.get::<_, String>(3)?,
+                    ))
+                })
+                .optional()?;
+            let Some((senders, iat_ms, record, sig)) = row else {
+                return Ok(None);
+            };
+            let senders: Vec<String> = serde_json::from_str(&senders).map_err(|e| {
+                StoreError::Corrupt(format!("stored sender list is not a JSON array: {e}"))
+            })?;
+            Ok(Some(SenderList {
+                target_pubkey: target_pubkey.to_owned(),
+                senders,
+                iat_ms,
+                record,
+                sig,
+            }))
+        })
+    }
+
+    fn append_op(
+        &self,
+        at_ms: i64,
+        op: &str,
+        receipt: &serde_json::Value,
+    ) -> Result<i64, StoreError> {
+        let receipt = serde_json::to_string(receipt)
+            .map_err(|e| StoreError::InvalidInput(format!("op receipt is not JSON: {e}")))?;
+        let op = op.to_owned();
+        self.submit(JobKind::Other, move |c, _| {
+            c.execute(
+                "INSERT INTO ops (at, op, receipt) VALUES (?1, ?2, ?3)",
+                params![at_ms, op, receipt],
+            )?;
+            let id = c.last_insert_rowid();
+            c.execute(
+                "DELETE FROM ops WHERE id <= ?1",
+                [id.saturating_sub(OPS_KEEP)],
+            )?;
+            Ok(id)
+        })
+    }
+
+    fn ops(&self, limit: i64) -> Result<Vec<OpRecord>, StoreError> {
+        let n = limit.clamp(1, OPS_KEEP);
+        self.read(|c| {
+            let mut st =
+                c.prepare_cached("SELECT id, at, op, receipt FROM ops ORDER BY id DESC LIMIT ?1")?;
+            let rows = st
+                .query_map([n], |r| {
+                    Ok((
+                        r.get::<_, i64>(0)?,
+                        r.get::<_, i64>(1)?,
+                        r.get::<_, String>(2)?,
+                        r.get::<_, String>(3)?,
+                    ))
+                })?
+                .collect::<Result<Vec<_>, _>>()?;
+            rows.into_iter()
+                .map(|(id, at_ms, op, receipt)| {
+                    let receipt = serde_json::from_str(&receipt).map_err(|e| {
+                        StoreError::Corrupt(format!("op receipt {id} is not JSON: {e}"))
+                    })?;
+                    Ok(OpRecord {
+                        id,
+                        at_ms,
+                        op,
+                        receipt,
+                    })
+                })
+                .collect()
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Opening
+
+/// Take `relay.lock`: an exclusive SQLite lock held by the returned connection until it is
+/// dropped (`wire.md` §3.4).
+fn acquire_lock(path: &Path, wait_ms: u64, now_ms: i64) -> Result<Connection, StoreError> {
+    let conn = Connection::open(path)?;
+    conn.busy_timeout(Duration::from_millis(wait_ms))?;
+    let _mode: String = conn.query_row("PRAGMA locking_mode = EXCLUSIVE", [], |r| r.get(0))?;
+    if let Err(e) = conn.execute_batch("BEGIN EXCLUSIVE") {
+        return Err(if is_busy(&e) {
+            StoreError::Locked {
+                path: path.to_path_buf(),
+            }
+        } else {
+            StoreError::Sqlite(e)
+        });
+    }
+    conn.execute_batch(
+        "CREATE TABLE IF NOT EXISTS holder (pid INTEGER NOT NULL, at INTEGER NOT NULL);
+         DELETE FROM holder;",
+    )?;
+    conn.execute(
+        "INSERT INTO holder (pid, at) VALUES (?1, ?2)",
+        params![i64::from(std::process::id()), now_ms],
+    )?;
+    // In EXCLUSIVE locking mode the lock outlives the commit: it is released only when the
+    // connection closes (or the process dies).
+    conn.execute_batch("COMMIT")?;
+    Ok(conn)
+}
+
+fn is_busy(e: &rusqlite::Error) -> bool {
+    matches!(
+        e.sqlite_error_code(),
+        Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked)
+    )
+}
+
+fn open_write_connection(path: &Path) -> Result<Connection, StoreError> {
+    let conn = Connection::open_with_flags(
+        path,
+        OpenFlags::SQLITE_OPEN_READ_WRITE
+            | OpenFlags::SQLITE_OPEN_CREATE
+            | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )?;
+    conn.busy_timeout(BUSY_TIMEOUT)?;
+    let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        return Err(StoreError::Corrupt(format!(
+            "relay.db cannot use WAL (journal mode stays {mode:?}); put the store on a local file system"
+        )));
+    }
+    conn.execute_batch("PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON;")?;
+    Ok(conn)
+}
+
+/// Record the relay key and an epoch on a fresh store; refuse another relay's store.
+fn bind_identity(conn: &mut Connection, relay_pubkey: &str) -> Result<(), StoreError> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    match meta_get(&tx, "relay_pubkey")? {
+        Some(stored) if stored != relay_pubkey => {
+            return Err(other_relay_key(&stored, relay_pubkey));
+        }
+        Some(_) => {}
+        None => meta_put(&tx, "relay_pubkey", relay_pubkey)?,
+    }
+    if meta_get(&tx, "epoch")?.is_none() {
+        meta_put(&tx, "epoch", &new_epoch())?;
+    }
+    tx.commit()?;
+    Ok(())
+}
+
+fn other_relay_key(stored: &str, given: &str) -> StoreError {
+    StoreError::OtherRelayKey {
+        stored_fingerprint: key_fingerprint(stored),
+        given_fingerprint: key_fingerprint(given),
+    }
+}
+
+fn new_epoch() -> String {
+    uuid::Uuid::new_v4().to_string()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Meta and positions
+
+fn meta_get(c: &Connection, key: &str) -> Result<Option<String>, StoreError> {
+    Ok(c.prepare_cached("SELECT v FROM meta WHERE k = ?1")?
+        .query_row([key], |r| r.get(0))
+        .optional()?)
+}
+
+fn meta_put(c: &Connection, key: &str, value: &str) -> Result<(), StoreError> {
+    c.prepare_cached(
+        "INSERT INTO meta (k, v) VALUES (?1, ?2) ON CONFLICT(k) DO UPDATE SET v = excluded.v",
+    )?
+    .execute([key, value])?;
+    Ok(())
+}
+
+fn read_epoch(c: &Connection) -> Result<String, StoreError> {
+    meta_get(c, "epoch")?.ok_or_else(|| StoreError::Corrupt("meta.epoch is missing".to_owned()))
+}
+
+/// The last seq allocated for a target (`next_seq − 1`), 0 if none.
+fn head_seq(c: &Connection, target: &str) -> Result<i64, StoreError> {
+    let next: Option<i64> = c
+        .prepare_cached("SELECT next_seq FROM seqs WHERE target_pubkey = ?1")?
+        .query_row([target], |r| r.get(0))
+        .optional()?;
+    Ok(next.map_or(0, |n| n.saturating_sub(1).max(0)))
+}
+
+fn acked_through(c: &Connection, target: &str) -> Result<i64, StoreError> {
+    let v: Option<i64> = c
+        .prepare_cached("SELECT acked_through FROM acked WHERE target_pubkey = ?1")?
+        .query_row([target], |r| r.get(0))
+        .optional()?;
+    Ok(v.unwrap_or(0))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Enrolments
+
+const ENROLMENT_COLS: &str =
+    "host_pubkey, host_name, owner_fp, account, authorized_by, authority_rank, enrolled_at, revoked_at";
+
+fn enrolment_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Enrolment> {
+    let rank: i64 = r.get(5)?;
+    let strength = AuthorityStrength::from_rank(rank)
+        .ok_or(rusqlite::Error::IntegralValueOutOfRange(5, rank))?;
+    Ok(Enrolment {
+        host_pubkey: r.get(0)?,
+        host_name: r.get(1)?,
+        owner_fp: r.get(2)?,
+        account: r.get(3)?,
+        authorized_by: r.get(4)?,
+        strength,
+        enrolled_at_ms: r.get(6)?,
+        revoked_at_ms: r.get(7)?,
+    })
+}
+
+fn enrolment_row(c: &Connection, host_pubkey: &str) -> Result<Option<Enrolment>, StoreError> {
+    Ok(c.prepare_cached(&format!(
+        "SELECT {ENROLMENT_COLS} FROM enrolments WHERE host_pubkey = ?1"
+    ))?
+    .query_row([host_pubkey], enrolment_from_row)
+    .optional()?)
+}
+
+fn live_enrolment_count(c: &Connection) -> Result<u64, StoreError> {
+    let n: i64 = c
+        .prepare_cached("SELECT COUNT(*) FROM enrolments WHERE revoked_at IS NULL")?
+        .query_row([], |r| r.get(0))?;
+    Ok(u64::try_from(n).unwrap_or(0))
+}
+
+/// Spec §2 enrolments, `wire.md` §3.2 "Enrolment".
+fn enrol_apply(
+    c: &Connection,
+    limits: &StoreLimits,
+    req: &EnrolRequest,
+) -> Result<EnrolOutcome, StoreError> {
+    let current = enrolment_row(c, &req.host_pubkey)?;
+    if current.as_ref().is_some_and(Enrolment::is_revoked) {
+        return Ok(EnrolOutcome::Revoked);
+    }
+    // A weaker authority keeps what a stronger one recorded.
+    let (account, authorized_by, strength) = match &current {
+        Some(cur) if req.strength < cur.strength => {
+            (cur.account.clone(), cur.authorized_by.clone(), cur.strength)
+        }
+        _ => (req.account.clone(), req.authorized_by.clone(), req.strength),
+    };
+    if current.is_none() && live_enrolment_count(c)? >= limits.max_live_enrolments {
+        return Ok(EnrolOutcome::Full);
+    }
+    if let Some(account) = &account {
+        let taken: bool = c
+            .prepare_cached(
+                "SELECT EXISTS (SELECT 1 FROM enrolments
+                   WHERE account = ?1 AND lower(host_name) = lower(?2)
+                     AND revoked_at IS NULL AND host_pubkey <> ?3)",
+            )?
+            .query_row(params![account, req.host_name, req.host_pubkey], |r| {
+                r.get(0)
+            })?;
+        if taken {
+            return Ok(EnrolOutcome::NameTaken);
+        }
+    }
+    c.prepare_cached(
+        "INSERT INTO enrolments
+           (host_pubkey, host_name, owner_fp, account, authorized_by, authority_rank, enrolled_at, revoked_at)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, NULL)
+         ON CONFLICT(host_pubkey) DO UPDATE SET
+           host_name = excluded.host_name, owner_fp = excluded.owner_fp,
+           account = excluded.account, authorized_by = excluded.authorized_by,
+           authority_rank = excluded.authority_rank, enrolled_at = excluded.enrolled_at",
+    )?
+    .execute(params![
+        req.host_pubkey,
+        req.host_name,
+        req.owner_fp,
+        account,
+        authorized_by,
+        strength.rank(),
+        req.now_ms,
+    ])?;
+    enrolment_row(c, &req.host_pubkey)?
+        .map(EnrolOutcome::Enrolled)
+        .ok_or_else(|| StoreError::Corrupt("an enrolment vanished while written".to_owned()))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Enc-key advertisements
+
+fn get_enc_ad(c: &Connection, host_pubkey: &str) -> Result<Option<EncAd>, StoreError> {
+    type Row = (
+        String,
+        Option<String>,
+        Option<String>,
+        Option<String>,
+        Option<i64>,
+        Option<String>,
+        Option<String>,
+        Option<String>,
+        Option<i64>,
+    );
+    let row: Option<Row> = c
+        .prepare_cached(
+            "SELECT e.host_name,
+                    a.host_name, a.enc_pub, a.sig, a.at,
+                    r.enc_pub, r.record, r.sig, r.at
+             FROM enrolments e
+             LEFT JOIN enc_ads a ON a.host_pubkey = e.host_pubkey
+             LEFT JOIN enc_ad_records r ON r.host_pubkey = e.host_pubkey
+             WHERE e.host_pubkey = ?1 AND e.revoked_at IS NULL",
+        )?
+        .query_row([host_pubkey], |r| {
+            Ok((
+                r.get(0)?,
+                r.get(1)?,
+                r.get(2)?,
+                r.get(3)?,
+                r.get(4)?,
+                r.get(5)?,
+                r.get(6)?,
+                r.get(7)?,
+                r.get(8)?,
+            ))
+        })
+        .optional()?;
+    let Some((host_name, v1_name, v1_pub, v1_sig, v1_at, v2_pub, v2_record, v2_sig, v2_at)) = row
+    else {
+        return Ok(None);
+    };
+    let v2 = match (v2_pub, v2_record, v2_sig, v2_at) {
+        (Some(enc_pub), Some(record), Some(sig), Some(at_ms)) => Some(EncAdV2 {
+            host_pubkey: host_pubkey.to_owned(),
+            enc_pub,
+            record,
+            sig,
+            at_ms,
+        }),
+        _ => None,
+    };
+    let v1 = match (v1_name, v1_pub, v1_sig, v1_at) {
+        (Some(host_name), Some(enc_pub), Some(sig), Some(at_ms)) => Some(EncAdV1 {
+            host_pubkey: host_pubkey.to_owned(),
+            host_name,
+            enc_pub,
+            sig,
+            at_ms,
+        }),
+        _ => None,
+    };
+    // A served enc_pub always equals the v2 record's: a v1 ad naming another key is not served.
+    let v1 = v1.filter(|a| v2.as_ref().is_none_or(|r| r.enc_pub == a.enc_pub));
+    let enc_pub = match (&v2, &v1) {
+        (Some(r), _) => r.enc_pub.clone(),
+        (None, Some(a)) => a.enc_pub.clone(),
+        (None, None) => return Ok(None),
+    };
+    Ok(Some(EncAd {
+        host_pubkey: host_pubkey.to_owned(),
+        host_name,
+        enc_pub,
+        v1,
+        v2,
+    }))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Push (spec §3, `wire.md` §3.2 "Push (v2)", "Dedup", "Seq", "Quotas")
+
+/// A validated target: live enrolment facts needed for quotas and messages.
+struct LiveTarget<'a> {
+    pubkey: &'a str,
+    wire: &'a [u8],
+    host_name: String,
+    account: Option<String>,
+}
+
+fn push_apply(
+    c: &Connection,
+    limits: &StoreLimits,
+    batch: &PushBatch,
+) -> Result<PushOutcome, StoreError> {
+    let epoch = read_epoch(c)?;
+    let expires_at = match batch.expiry {
+        Expiry::Retention => Some(
+            batch
+                .now_ms
+                .saturating_add(i64::from(limits.retention_days).saturating_mul(DAY_MS)),
+        ),
+        Expiry::Never => None,
+    };
+    let mut items = Vec::with_capacity(batch.items.len());
+    for item in &batch.items {
+        c.execute_batch("SAVEPOINT item")?;
+        match push_item(c, limits, batch, expires_at, item) {
+            Ok(outcome) => {
+                let end = if matches!(outcome.status, ItemStatus::Rejected(_)) {
+                    "ROLLBACK TO item; RELEASE item"
+                } else {
+                    "RELEASE item"
+                };
+                c.execute_batch(end)?;
+                items.push(outcome);
+            }
+            Err(e) => {
+                // The request's own savepoint is rolled back by the writer as well.
+                let _ = c.execute_batch("ROLLBACK TO item; RELEASE item");
+                return Err(e);
+            }
+        }
+    }
+    Ok(PushOutcome { epoch, items })
+}
+
+fn rejected(item: &PushItem, why: Rejection) -> ItemOutcome {
+    ItemOutcome {
+        item_id: item.item_id.clone(),
+        status: ItemStatus::Rejected(why),
+        at_ms: None,
+        targets: Vec::new(),
+    }
+}
+
+/// One item inside its savepoint. A rejection is returned as an outcome; the caller rolls the
+/// savepoint back so nothing of it remains.
+fn push_item(
+    c: &Connection,
+    limits: &StoreLimits,
+    batch: &PushBatch,
+    expires_at: Option<i64>,
+    item: &PushItem,
+) -> Result<ItemOutcome, StoreError> {
+    if item.targets.is_empty() {
+        return Ok(rejected(item, Rejection::BadTargets));
+    }
+    // 1. Validate every target before writing anything (order of `wire.md` §3.2).
+    let mut live: Vec<LiveTarget<'_>> = Vec::with_capacity(item.targets.len());
+    for t in &item.targets {
+        let found: Option<(String, Option<String>)> = c
+            .prepare_cached(
+                "SELECT host_name, account FROM enrolments
+                 WHERE host_pubkey = ?1 AND revoked_at IS NULL",
+            )?
+            .query_row([&t.target_pubkey], |r| Ok((r.get(0)?, r.get(1)?)))
+            .optional()?;
+        let Some((host_name, account)) = found else {
+            return Ok(rejected(item, Rejection::TargetNotEnrolled));
+        };
+        if !sender_allowed(c, &t.target_pubkey, &batch.sender_pubkey)? {
+            return Ok(rejected(item, Rejection::SenderNotAccepted));
+        }
+        if live.iter().any(|l| l.pubkey == t.target_pubkey) {
+            return Ok(rejected(item, Rejection::DuplicateTarget));
+        }
+        live.push(LiveTarget {
+            pubkey: &t.target_pubkey,
+            wire: &t.wire,
+            host_name,
+            account,
+        });
+    }
+
+    // 2. Per target: dedup, then quota and insert. Any refusal rejects the whole item.
+    let mut any_fresh = false;
+    let mut earliest: Option<i64> = None;
+    let mut targets = Vec::with_capacity(live.len());
+    for t in &live {
+        let hash = wire_hash(t.wire);
+        let hit: Option<(String, i64, i64)> = c
+            .prepare_cached(
+                "SELECT wire_hash, seq, accepted_at FROM dedup
+                 WHERE sender_pubkey = ?1 AND item_id = ?2 AND target_pubkey = ?3",
+            )?
+            .query_row(params![batch.sender_pubkey, item.item_id, t.pubkey], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+            })
+            .optional()?;
+        if let Some((stored_hash, seq, accepted_at)) = hit {
+            if stored_hash != hash {
+                return Ok(rejected(item, Rejection::Conflict));
+            }
+            earliest = Some(earliest.map_or(accepted_at, |e| e.min(accepted_at)));
+            targets.push(TargetAccept {
+                target_pubkey: t.pubkey.to_owned(),
+                seq,
+                wire_hash: stored_hash,
+            });
+            continue;
+        }
+        let bytes = i64::try_from(t.wire.len())
+            .map_err(|_| StoreError::InvalidInput("wire larger than i64::MAX bytes".to_owned()))?;
+        if let Some(kind) = quota_exceeded(c, limits, t, &batch.sender_pubkey, bytes)? {
+            return Ok(rejected(
+                item,
+                Rejection::Quota {
+                    kind,
+                    host: t.host_name.clone(),
+                },
+            ));
+        }
+        let seq = allocate_seq(c, t.pubkey, batch.now_ms)?;
+        c.prepare_cached(
+            "INSERT INTO items (target_pubkey, seq, kind, item_id, sender_pubkey, sender_host,
+                                wire, wire_hash, bytes, accepted_at, expires_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+        )?
+        .execute(params![
+            t.pubkey,
+            seq,
+            item.kind,
+            item.item_id,
+            batch.sender_pubkey,
+            batch.sender_host,
+            t.wire,
+            hash,
+            bytes,
+            batch.now_ms,
+            expires_at,
+        ])?;
+        c.prepare_cached(
+            "INSERT INTO dedup (sender_pubkey, item_id, target_pubkey, wire_hash, seq, accepted_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        )?
+        .execute(params![
+            batch.sender_pubkey,
+            item.item_id,
+            t.pubkey,
+            hash,
+            seq,
+            batch.now_ms
+        ])?;
+        any_fresh = true;
+        targets.push(TargetAccept {
+            target_pubkey: t.pubkey.to_owned(),
+            seq,
+            wire_hash: hash,
+        });
+    }
+    let (status, at_ms) = if any_fresh {
+        (ItemStatus::Accepted, batch.now_ms)
+    } else {
+        (ItemStatus::Duplicate, earliest.unwrap_or(batch.now_ms))
+    };
+    Ok(ItemOutcome {
+        item_id: item.item_id.clone(),
+        status,
+        at_ms: Some(at_ms),
+        targets,
+    })
+}
+
+/// No allowlist = everyone; else the sender must be listed (spec §2 "Sender allowlist").
+fn sender_allowed(c: &Connection, target: &str, sender: &str) -> Result<bool, StoreError> {
+    Ok(c.prepare_cached(
+        "SELECT CASE
+           WHEN NOT EXISTS (SELECT 1 FROM sender_lists WHERE target_pubkey = ?1) THEN 1
+           ELSE EXISTS (SELECT 1 FROM sender_lists s, json_each(s.senders) j
+                        WHERE s.target_pubkey = ?1 AND j.value = ?2)
+         END",
+    )?
+    .query_row([target, sender], |r| r.get(0))?)
+}
+
+/// Would adding `bytes` to this target exceed a quota? Checked in the order of `wire.md` §3.2:
+/// target depth, target bytes, sender share, proven account.
+fn quota_exceeded(
+    c: &Connection,
+    limits: &StoreLimits,
+    t: &LiveTarget<'_>,
+    sender: &str,
+    bytes: i64,
+) -> Result<Option<QuotaKind>, StoreError> {
+    let over = |used: i64, add: i64, max: u64| i128::from(used) + i128::from(add) > i128::from(max);
+    let usage = |sql: &str, args: &[&dyn rusqlite::ToSql]| -> Result<(i64, i64), StoreError> {
+        Ok(c.prepare_cached(sql)?
+            .query_row(args, |r| Ok((r.get(0)?, r.get(1)?)))?)
+    };
+
+    let (items, used) = usage(
+        "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM items WHERE target_pubkey = ?1",
+        &[&t.pubkey],
+    )?;
+    if over(items, 1, limits.max_queue_items) {
+        return Ok(Some(QuotaKind::QueueDepth));
+    }
+    if over(used, bytes, limits.max_queue_bytes) {
+        return Ok(Some(QuotaKind::QueueBytes));
+    }
+    let (items, used) = usage(
+        "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM items
+         WHERE sender_pubkey = ?1 AND target_pubkey = ?2",
+        &[&sender, &t.pubkey],
+    )?;
+    if over(items, 1, limits.max_sender_items) || over(used, bytes, limits.max_sender_bytes) {
+        return Ok(Some(QuotaKind::SenderShare));
+    }
+    if let Some(account) = &t.account {
+        let (items, used) = usage(
+            "SELECT COUNT(*), COALESCE(SUM(i.bytes), 0)
+             FROM items i JOIN enrolments e ON e.host_pubkey = i.target_pubkey
+             WHERE e.account = ?1 AND e.revoked_at IS NULL",
+            &[account],
+        )?;
+        if over(items, 1, limits.max_owner_items) {
+            return Ok(Some(QuotaKind::OwnerQueueDepth));
+        }
+        if over(used, bytes, limits.max_owner_bytes) {
+            return Ok(Some(QuotaKind::OwnerQueueBytes));
+        }
+    }
+    Ok(None)
+}
+
+/// `seq = max(next_seq (default 1), now_ms)`, `next_seq = seq + 1` (spec §2 "seqs").
+fn allocate_seq(c: &Connection, target: &str, now_ms: i64) -> Result<i64, StoreError> {
+    let next: Option<i64> = c
+        .prepare_cached("SELECT next_seq FROM seqs WHERE target_pubkey = ?1")?
+        .query_row([target], |r| r.get(0))
+        .optional()?;
+    let seq = next.unwrap_or(1).max(now_ms).max(1);
+    let following = seq.checked_add(1).ok_or_else(|| {
+        StoreError::Corrupt("the sequence space of a target is exhausted".to_owned())
+    })?;
+    c.prepare_cached(
+        "INSERT INTO seqs (target_pubkey, next_seq) VALUES (?1, ?2)
+         ON CONFLICT(target_pubkey) DO UPDATE SET next_seq = excluded.next_seq",
+    )?
+    .execute(params![target, following])?;
+    Ok(seq)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pull and ack (spec §4, `wire.md` §3.2 "Pull", "Ack")
+
+fn pull_page(c: &Connection, req: &PullRequest) -> Result<PullPage, StoreError> {
+    let n = req.limit.clamp(1, MAX_PULL_ITEMS);
+    let after = req.after.max(0);
+    let tx = c.unchecked_transaction()?;
+    let epoch = read_epoch(&tx)?;
+    let head = head_seq(&tx, &req.target_pubkey)?;
+    let mut items: Vec<PulledItem> = Vec::new();
+    let mut more = false;
+    {
+        let mut st = tx.prepare_cached(
+            "SELECT seq, kind, item_id, sender_pubkey, sender_host, bytes, wire FROM items
+             WHERE target_pubkey = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3",
+        )?;
+        let mut rows = st.query(params![req.target_pubkey, after, n + 1])?;
+        let mut total: u64 = 0;
+        while let Some(row) = rows.next()? {
+            if items.len() as i64 >= n {
+                more = true;
+                break;
+            }
+            let bytes = u64::try_from(row.get::<_, i64>(5)?).unwrap_or(0);
+            if !items.is_empty() && total.saturating_add(bytes) > req.max_bytes {
+                more = true;
+                break;
+            }
+            total = total.saturating_add(bytes);
+            items.push(PulledItem {
+                seq: row.get(0)?,
+                kind: row.get(1)?,
+                item_id: row.get(2)?,
+                sender_pubkey: row.get(3)?,
+                sender_host: row.get(4)?,
+                wire: row.get(6)?,
+            });
+        }
+    }
+    tx.commit()?;
+    let last_seq = items.last().map_or(after, |i| i.seq);
+    Ok(PullPage {
+        epoch,
+        head_seq: head,
+        items,
+        last_seq,
+        more,
+    })
+}
+
+fn ack_apply(c: &Connection, req: &AckRequest) -> Result<AckResult, StoreError> {
+    let epoch = read_epoch(c)?;
+    let head = head_seq(c, &req.target_pubkey)?;
+    if req.epoch.as_deref().is_some_and(|e| e != epoch) {
+        return Ok(AckResult::StaleEpoch {
+            epoch,
+            head_seq: head,
+        });
+    }
+    if req.through > head {
+        return Ok(AckResult::BeyondHead {
+            head_seq: head,
+            epoch,
+        });
+    }
+    let deleted = c
+        .prepare_cached("DELETE FROM items WHERE target_pubkey = ?1 AND seq <= ?2")?
+        .execute(params![req.target_pubkey, req.through])?;
+    c.prepare_cached(
+        "INSERT INTO acked (target_pubkey, acked_through) VALUES (?1, ?2)
+         ON CONFLICT(target_pubkey) DO UPDATE
+           SET acked_through = MAX(acked_through, excluded.acked_through)",
+    )?
+    .execute(params![req.target_pubkey, req.through])?;
+    Ok(AckResult::Acked(AckOutcome {
+        acked_through: acked_through(c, &req.target_pubkey)?,
+        deleted: deleted as u64,
+        head_seq: head,
+        epoch,
+    }))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sender lists
+
+fn put_sender_list(c: &Connection, list: SenderList) -> Result<SenderListOutcome, StoreError> {
+    let stored_iat: Option<i64> = c
+        .prepare_cached("SELECT iat FROM sender_lists WHERE target_pubkey = ?1")?
+        .query_row([&list.target_pubkey], |r| r.get(0))
+        .optional()?;
+    if stored_iat.is_some_and(|s| s >= list.iat_ms) {
+        return Ok(SenderListOutcome::Stale);
+    }
+    let mut seen = HashSet::with_capacity(list.senders.len());
+    let senders: Vec<&String> = list
+        .senders
+        .iter()
+        .filter(|s| seen.insert(s.as_str()))
+        .collect();
+    let senders = serde_json::to_string(&senders)
+        .map_err(|e| StoreError::InvalidInput(format!("sender list cannot be encoded: {e}")))?;
+    c.prepare_cached(
+        "INSERT INTO sender_lists (target_pubkey, senders, iat, record, sig)
+         VALUES (?1, ?2, ?3, ?4, ?5)
+         ON CONFLICT(target_pubkey) DO UPDATE SET senders = excluded.senders,
+           iat = excluded.iat, record = excluded.record, sig = excluded.sig",
+    )?
+    .execute(params![
+        list.target_pubkey,
+        senders,
+        list.iat_ms,
+        list.record,
+        list.sig
+    ])?;
+    Ok(SenderListOutcome::Stored)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::PushTarget;
+    use base64::Engine as _;
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Condvar;
+    use std::time::Instant;
+
+    fn key(n: u8) -> String {
+        base64::engine::general_purpose::STANDARD.encode([n; 32])
+    }
+
+    fn relay_key() -> String {
+        key(200)
+    }
+
+    fn options() -> OpenOptions {
+        OpenOptions {
+            lock_wait_ms: 0,
+            ..OpenOptions::default()
+        }
+    }
+
+    fn open(dir: &Path) -> SqliteStore {
+        SqliteStore::open_with(dir, &relay_key(), 1_000, options()).expect("open store")
+    }
+
+    fn open_limited(dir: &Path, limits: StoreLimits) -> SqliteStore {
+        SqliteStore::open_with(
+            dir,
+            &relay_key(),
+            1_000,
+            OpenOptions {
+                limits,
+                ..options()
+            },
+        )
+        .expect("open store")
+    }
+
+    fn enrol_as(
+        store: &SqliteStore,
+        k: &str,
+        name: &str,
+        account: Option<&str>,
+        strength: AuthorityStrength,
+    ) -> EnrolOutcome {
+        store
+            .enrol(EnrolRequest {
+                host_pubkey: k.to_owned(),
+                host_name: name.to_owned(),
+                owner_fp: String::new(),
+                account: account.map(str::to_owned),
+                authorized_by: match strength {
+                    AuthorityStrength::Account => "account-token".to_owned(),
+                    _ => "host-key-challenge".to_owned(),
+                },
+                strength,
+                now_ms: 1_000,
+            })
+            .expect("enrol")
+    }
+
+    fn enrol(store: &SqliteStore, k: &str, name: &str) {
+        let out = enrol_as(store, k, name, None, AuthorityStrength::HostKeyChallenge);
+        assert!(matches!(out, EnrolOutcome::Enrolled(_)), "{out:?}");
+    }
+
+    fn item(id: &str, targets: &[(&str, &[u8])]) -> PushItem {
+        PushItem {
+            kind: "envelope".to_owned(),
+            item_id: id.to_owned(),
+            targets: targets
+                .iter()
+                .map(|(t, w)| PushTarget {
+                    target_pubkey: (*t).to_owned(),
+                    wire: w.to_vec(),
+                })
+                .collect(),
+        }
+    }
+
+    fn push(store: &SqliteStore, sender: &str, now_ms: i64, items: Vec<PushItem>) -> PushOutcome {
+        store
+            .push(PushBatch {
+                sender_pubkey: sender.to_owned(),
+                sender_host: "alpha".to_owned(),
+                now_ms,
+                expiry: Expiry::Retention,
+                items,
+            })
+            .expect("push")
+    }
+
+    fn push_one(store: &SqliteStore, sender: &str, now_ms: i64, it: PushItem) -> ItemOutcome {
+        let mut out = push(store, sender, now_ms, vec![it]);
+        assert_eq!(out.items.len(), 1);
+        out.items.remove(0)
+    }
+
+    fn pull_all(store: &SqliteStore, target: &str) -> PullPage {
+        store
+            .pull(PullRequest {
+                target_pubkey: target.to_owned(),
+                after: 0,
+                limit: MAX_PULL_ITEMS,
+                max_bytes: u64::MAX,
+            })
+            .expect("pull")
+    }
+
+    fn wait_until(what: &str, cond: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !cond() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::yield_now();
+        }
+    }
+
+    // --- dedup ---------------------------------------------------------------------------
+
+    #[test]
+    fn dedup_absent_duplicate_and_conflict() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(dir.path());
+        let (alpha, beta) = (key(1), key(2));
+        enrol(&store, &alpha, "alpha");
+        enrol(&store, &beta, "beta");
+
+        let first = push_one(&store, &alpha, 5_000, item("m1", &[(&beta, b"sealed-1")]));
+        assert_eq!(first.status, ItemStatus::Accepted);
+        assert_eq!(first.at_ms, Some(5_000));
+        assert_eq!(first.targets.len(), 1);
+        assert_eq!(first.targets[0].seq, 5_000);
+        assert_eq!(first.targets[0].wire_hash, wire_hash(b"sealed-1"));
+
+        // A retry later: the same seq and the ORIGINAL acceptance time.
+        let again = push_one(&store, &alpha, 9_000, item("m1", &[(&beta, b"sealed-1")]));
+        assert_eq!(again.status, ItemStatus::Duplicate);
+        assert_eq!(again.at_ms, Some(5_000));
+        assert_eq!(again.targets, first.targets);
+
+        // Same id, other bytes: conflict, nothing changes.
+        let head_before = store.info_for(&beta).expect("info").head_seq;
+        let conflict = push_one(&store, &alpha, 9_500, item("m1", &[(&beta, b"sealed-X")]));
+        assert_eq!(conflict.status, ItemStatus::Rejected(Rejection::Conflict));
+        assert_eq!(conflict.status.wire(), "rejected:conflict");
+        assert!(conflict.targets.is_empty());
+        let page = pull_all(&store, &beta);
+        assert_eq!(page.items.len(), 1, "one stored item, never two");
+        assert_eq!(page.items[0].wire, b"sealed-1");
+        assert_eq!(page.head_seq, head_before);
+
+        // The dedup key includes the sender: another sender may use the same id.
+        let gamma = key(3);
+        enrol(&store, &gamma, "gamma");
+        let other = push_one(&store, &gamma, 9_600, item("m1", &[(&beta, b"sealed-X")]));
+        assert_eq!(other.status, ItemStatus::Accepted);
+
+        // A duplicate stays a duplicate after its item was acked (the dedup row is a tombstone).
+        let acked = store
+            .ack(AckRequest {
+                target_pubkey: beta.clone(),
+                through: page.items[0].seq,
+                epoch: None,
+            })
+            .expect("ack");
+        assert!(matches!(acked, AckResult::Acked(_)));
+        let late = push_one(&store, &alpha, 20_000, item("m1", &[(&beta, b"sealed-1")]));
+        assert_eq!(late.status, ItemStatus::Duplicate);
+        assert_eq!(late.at_ms, Some(5_000));
+    }
+
+    #[test]
+    fn mixed_fresh_and_duplicate_targets_are_accepted_at_now() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(dir.path());
+        let (alpha, beta, gamma) = (key(1), key(2), key(3));
+        enrol(&store, &alpha, "alpha");
+        enrol(&store, &beta, "beta");
+        enrol(&store, &gamma, "gamma");
+        let one = push_one(&store, &alpha, 5_000, item("m", &[(&beta, b"b")]));
+        assert_eq!(one.status, ItemStatus::Accepted);
+        let both = push_one(
+            &store,
+            &alpha,
+            7_000,
+            item("m", &[(&beta, b"b"), (&gamma, b"g")]),
+        );
+        assert_eq!(both.status, ItemStatus::Accepted);
+        assert_eq!(both.at_ms, Some(7_000));
+        assert_eq!(
+            both.targets[0].seq, one.targets[0].seq,
+            "beta keeps its seq"
+        );
+        assert_eq!(both.targets[1].target_pubkey, gamma);
+        assert_eq!(both.targets[1].seq, 7_000);
+    }
+
+    #[test]
+    fn later_items_in_one_batch_see_earlier_ones() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(dir.path());
+        let (alpha, beta) = (key(1), key(2));
+        enrol(&store, &alpha, "alpha");
+        enrol(&store, &beta, "beta");
+        let out = push(
+            &store,
+            &alpha,
+            5_000,
+            vec![
+                item("a", &[(&beta, b"1")]),
+                item("a", &[(&beta, b"1")]),
+                item("a", &[(&beta, b"2")]),
+                item("b", &[(&beta, b"3")]),
+            ],
+        );
+        let statuses: Vec<String> = out.items.iter().map(|o| o.status.wire()).collect();
+        assert_eq!(
+            statuses,
+            ["accepted", "duplicate", "rejected:conflict", "accepted"]
+        );
+        assert_eq!(out.items[1].targets[0].seq, out.items[0].targets[0].seq);
+        assert_eq!(out.items[3].targets[0].seq, out.items[0].targets[0].seq + 1);
+        assert_eq!(out.epoch, store.epoch().expect("epoch"));
+        assert_eq!(pull_all(&store, &beta).items.len(), 2);
+    }
+
+    // --- fan-out ---------------------------------------------------------------------------
+
+    #[test]
+    fn fan_out_is_all_or_nothing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open_limited(
+            dir.path(),
+            StoreLimits {
+                max_queue_items: 1,
+                ..StoreLimits::default()
+            },
+        );
+        let (alpha, beta, gamma, stranger) = (key(1), key(2), key(3), key(9));
+        enrol(&store, &alpha, "alpha");
+        enrol(&store, &beta, "beta");
+        enrol(&store, &gamma, "gamma");
+
+        // The second target is not enrolled: the first gets nothing.
+        let out = push_one(
+            &store,
+            &alpha,
+            5_000,
+            item("m1", &[(&beta, b"for beta"), (&stranger, b"for ?")]),
+        );
+        assert_eq!(out.status.wire(), "rejected:target not enrolled");
+        assert!(pull_all(&store, &beta).items.is_empty());
+        assert_eq!(store.info_for(&beta).expect("info").head_seq, 0);
+
+        // The second target's quota fails after the first target was written: rolled back,
+        // including the first target's seq allocation and dedup row.
+        let fill = push_one(&store, &alpha, 5_000, item("fill", &[(&gamma, b"x")]));
+        assert_eq!(fill.status, ItemStatus::Accepted);
+        let out = push_one(
+            &store,
+            &alpha,
+            6_000,
+            item("m2", &[(&beta, b"for beta"), (&gamma, b"for gamma")]),
+        );
+        assert_eq!(
+            out.status.wire(),
+            "rejected:quota:queue depth exceeded for gamma"
+        );
+        assert!(pull_all(&store, &beta).items.is_empty());
+        assert_eq!(
+            store.info_for(&beta).expect("info").head_seq,
+            0,
+            "no seq used"
+        );
+        // Not a dedup entry either: the same id with other bytes for beta alone is fresh.
+        let retry = push_one(&store, &alpha, 7_000, item("m2", &[(&beta, b"other")]));
+        assert_eq!(retry.status, ItemStatus::Accepted);
+    }
+
+    #[test]
+    fn repeated_and_missing_targets_are_refused_defensively() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(dir.path());
+        let (alpha, beta) = (key(1), key(2));
+        enrol(&store, &alpha, "alpha");
+        enrol(&store, &beta, "beta");
+        let out = push_one(
+            &store,
+            &alpha,
+            5_000,
+            item("m", &[(&beta, b"1"), (&beta, b"1")]),
+        );
+        assert_eq!(out.status.wire(), "rejected:duplicate target");
+        let out = push_one(&store, &alpha, 5_000, item("m", &[]));
+        assert_eq!(out.status.wire(), "rejected:bad targets");
+        assert!(pull_all(&store, &beta).items.is_empty());
+    }
+
+    // --- seqs ------------------------------------------------------------------------------
+
+    #[test]
+    fn seq_is_max_of_next_and_now_keeps_rising_and_survives_reopen() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (alpha, beta) = (key(1), key(2));
+        let mut seqs = Vec::new();
+        {
+            let store = open(dir.path());
+            enrol(&store, &alpha, "alpha");
+            enrol(&store, &beta, "beta");
+            for (i, now) in [(0, 1_000), (1, 1_000), (2, 500), (3, 50_000)] {
+                let o = push_one(
+                    &store,
+                    &alpha,
+                    now,
+                    item(&format!("m{i}"), &[(&beta, b"w")]),
+                );
+                seqs.push(o.targets[0].seq);
+            }
+            // now, now+1 (clock did not move), next_seq (clock went back), the clock's floor
+            assert_eq!(seqs, [1_000, 1_001, 1_002, 50_000]);
+            assert_eq!(store.info_for(&beta).expect("info").head_seq, 50_000);
+        }
+        let store = open(dir.path());
+        assert_eq!(store.info_for(&beta).expect("info").head_seq, 50_000);
+        // A clock far behind (restored machine): still above everything handed out.
+        let o = push_one(&store, &alpha, 10, item("m4", &[(&beta, b"w")]));
+        assert_eq!(o.targets[0].seq, 50_001);
+        // An empty queue of a new target starts at the clock.
+        let gamma = key(3);
+        enrol(&store, &gamma, "gamma");
+        assert_eq!(store.info_for(&gamma).expect("info").head_seq, 0);
+        let o = push_one(&store, &alpha, 0, item("g", &[(&gamma, b"w")]));
+        assert_eq!(o.targets[0].seq, 1, "default next_seq is 1");
+    }
+
+    // --- pull ------------------------------------------------------------------------------
+
+    #[test]
+    fn paging_by_count_and_by_bytes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(dir.path());
+        let (alpha, beta) = (key(1), key(2));
+        enrol(&store, &alpha, "alpha");
+        enrol(&store, &beta, "beta");
+        let sizes = [10usize, 10, 50, 10, 10];
+        let mut seqs = Vec::new();
+        for (i, n) in sizes.iter().enumerate() {
+            let wire = vec![b'a' + i as u8; *n];
+            let o = push_one(
+                &store,
+                &alpha,
+                1_000,
+                item(&format!("m{i}"), &[(&beta, &wire)]),
+            );
+            seqs.push(o.targets[0].seq);
+        }
+        let pull = |after: i64, limit: i64, max_bytes: u64| {
+            store
+                .pull(PullRequest {
+                    target_pubkey: beta.clone(),
+                    after,
+                    limit,
+                    max_bytes,
+                })
+                .expect("pull")
+        };
+
+        // By count.
+        let p = pull(0, 2, u64::MAX);
+        assert_eq!(p.items.iter().map(|i| i.seq).collect::<Vec<_>>(), seqs[..2]);
+        assert_eq!(p.last_seq, seqs[1]);
+        assert!(p.more);
+        assert_eq!(p.head_seq, seqs[4]);
+        assert_eq!(p.items[0].item_id, "m0");
+        assert_eq!(p.items[0].sender_pubkey, alpha);
+        assert_eq!(p.items[0].sender_host, "alpha");
+        assert_eq!(p.items[0].kind, "envelope");
+        assert_eq!(p.items[0].wire, vec![b'a'; 10]);
+
+        // A limit of 0 or less still returns one item; a huge one is clamped.
+        assert_eq!(pull(0, 0, u64::MAX).items.len(), 1);
+        assert_eq!(pull(0, 10_000, u64::MAX).items.len(), 5);
+
+        // By bytes: 10 + 10 fit in 25, the next (50) would exceed.
+        let p = pull(0, 500, 25);
+        assert_eq!(p.items.len(), 2);
+        assert!(p.more);
+        assert_eq!(p.last_seq, seqs[1]);
+        // An item larger than the budget comes alone.
+        let p = pull(seqs[1], 500, 25);
+        assert_eq!(p.items.len(), 1);
+        assert_eq!(p.items[0].wire.len(), 50);
+        assert_eq!(p.last_seq, seqs[2]);
+        assert!(p.more);
+        // Exactly at the budget fits.
+        let p = pull(seqs[2], 500, 20);
+        assert_eq!(p.items.len(), 2);
+        assert!(!p.more, "nothing after the last item");
+        assert_eq!(p.last_seq, seqs[4]);
+        // Past the end: empty, last_seq = after.
+        let p = pull(seqs[4], 500, 25);
+        assert!(p.items.is_empty());
+        assert_eq!(p.last_seq, seqs[4]);
+        assert!(!p.more);
+        // A host with no queue at all.
+        let p = pull_all(&store, &key(77));
+        assert_eq!((p.head_seq, p.last_seq, p.more), (0, 0, false));
+        assert_eq!(p.epoch, store.epoch().expect("epoch"));
+    }
+
+    // --- ack -------------------------------------------------------------------------------
+
+    #[test]
+    fn ack_deletes_through_refuses_beyond_head_and_never_goes_back() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(dir.path());
+        let (alpha, beta) = (key(1), key(2));
+        enrol(&store, &alpha, "alpha");
+        enrol(&store, &beta, "beta");
+        for i in 0..5 {
+            push_one(
+                &store,
+                &alpha,
+                100,
+                item(&format!("m{i}"), &[(&beta, b"w")]),
+            );
+        }
+        // seqs 100..=104
+        let ack = |through: i64, epoch: Option<String>| {
+            store
+                .ack(AckRequest {
+                    target_pubkey: beta.clone(),
+                    through,
+                    epoch,
+                })
+                .expect("ack")
+        };
+        let epoch = store.epoch().expect("epoch");
+        match ack(102, Some(epoch.clone())) {
+            AckResult::Acked(a) => {
+                assert_eq!(a.acked_through, 102);
+                assert_eq!(a.deleted, 3);
+                assert_eq!(a.head_seq, 104);
+                assert_eq!(a.epoch, epoch);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        let left: Vec<i64> = pull_all(&store, &beta)
+            .items
+            .iter()
+            .map(|i| i.seq)
+            .collect();
+        assert_eq!(left, [103, 104]);
+
+        assert_eq!(
+            ack(105, None),
+            AckResult::BeyondHead {
+                head_seq: 104,
+                epoch: epoch.clone()
+            }
+        );
+        assert_eq!(pull_all(&store, &beta).items.len(), 2, "nothing deleted");
+
+        // An older ack is harmless and does not move acked_through back.
+        match ack(101, None) {
+            AckResult::Acked(a) => {
+                assert_eq!((a.acked_through, a.deleted), (102, 0));
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        assert_eq!(store.info_for(&beta).expect("info").acked_through, 102);
+
+        assert_eq!(
+            ack(104, Some("another-epoch".to_owned())),
+            AckResult::StaleEpoch {
+                epoch: epoch.clone(),
+                head_seq: 104
+            }
+        );
+        assert_eq!(
+            pull_all(&store, &beta).items.len(),
+            2,
+            "stale epoch changes nothing"
+        );
+
+        // Through 0 on an empty queue is fine; negative is refused.
+        assert!(matches!(
+            store.ack(AckRequest {
+                target_pubkey: key(50),
+                through: 0,
+                epoch: None
+            }),
+            Ok(AckResult::Acked(_))
+        ));
+        assert!(matches!(
+            store.ack(AckRequest {
+                target_pubkey: beta.clone(),
+                through: -1,
+                epoch: None
+            }),
+            Err(StoreError::InvalidInput(_))
+        ));
+        match ack(104, None) {
+            AckResult::Acked(a) => assert_eq!((a.acked_through, a.deleted), (104, 2)),
+            other => panic!("unexpected {other:?}"),
+        }
+        let info = store.info_for(&beta).expect("info");
+        assert_eq!((info.head_seq, info.acked_through), (104, 104));
+    }
+
+    // --- restart, schema, key, lock ----------------------------------------------------------
+
+    #[test]
+    fn restart_keeps_everything_including_the_epoch() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (alpha, beta) = (key(1), key(2));
+        let (epoch, first_seq) = {
+            let store = open(dir.path());
+            assert_eq!(store.heartbeat().expect("heartbeat"), None);
+            enrol(&store, &alpha, "alpha");
+            enrol(&store, &beta, "beta");
+            let o = push_one(
+                &store,
+                &alpha,
+                3_000,
+                item("m1", &[(&beta, b"bytes\x00\xff")]),
+            );
+            push_one(&store, &alpha, 3_000, item("m2", &[(&beta, b"two")]));
+            let a = store
+                .ack(AckRequest {
+                    target_pubkey: beta.clone(),
+                    through: o.targets[0].seq,
+                    epoch: None,
+                })
+                .expect("ack");
+            assert!(matches!(a, AckResult::Acked(_)));
+            store.set_heartbeat(4_000).expect("heartbeat");
+            store.set_meta("restored", "{\"x\":1}").expect("meta");
+            store
+                .put_sender_list(SenderList {
+                    target_pubkey: beta.clone(),
+                    senders: vec![alpha.clone()],
+                    iat_ms: 10,
+                    record: "{}".to_owned(),
+                    sig: "s".to_owned(),
+                })
+                .expect("senders");
+            store
+                .append_op(4_000, "relay-backup", &serde_json::json!({"v": 1}))
+                .expect("op");
+            let epoch = store.epoch().expect("epoch");
+            store.close().expect("close");
+            (epoch, o.targets[0].seq)
+        };
+        let store = open(dir.path());
+        assert_eq!(store.epoch().expect("epoch"), epoch);
+        assert_eq!(store.relay_pubkey().expect("key"), relay_key());
+        assert_eq!(store.heartbeat().expect("heartbeat"), Some(4_000));
+        assert_eq!(
+            store.meta("restored").expect("meta").as_deref(),
+            Some("{\"x\":1}")
+        );
+        assert!(!store
+            .enrolment(&beta)
+            .expect("enrolment")
+            .expect("row")
+            .is_revoked());
+        let page = pull_all(&store, &beta);
+        assert_eq!(page.items.len(), 1);
+        assert_eq!(page.items[0].wire, b"two");
+        let info = store.info_for(&beta).expect("info");
+        assert_eq!(info.acked_through, first_seq);
+        assert_eq!(info.head_seq, first_seq + 1);
+        let dup = push_one(
+            &store,
+            &alpha,
+            9_000,
+            item("m1", &[(&beta, b"bytes\x00\xff")]),
+        );
+        assert_eq!(dup.status, ItemStatus::Duplicate, "dedup survives restart");
+        assert_eq!(
+            store
+                .sender_list(&beta)
+                .expect("list")
+                .expect("stored")
+                .senders,
+            vec![alpha.clone()]
+        );
+        let ops = store.ops(10).expect("ops");
+        assert_eq!(ops.len(), 1);
+        assert_eq!(ops[0].op, "relay-backup");
+        assert_eq!(ops[0].receipt, serde_json::json!({"v": 1}));
+    }
+
+    #[test]
+    fn a_newer_schema_is_refused_with_a_clear_message() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        open(dir.path()).close().expect("close");
+        {
+            let conn = Connection::open(dir.path().join(DB_FILE)).expect("raw");
+            conn.execute_batch("PRAGMA user_version = 7").expect("bump");
+        }
+        let err = SqliteStore::open_with(dir.path(), &relay_key(), 1_000, options())
+            .expect_err("refused");
+        assert!(matches!(
+            err,
+            StoreError::SchemaTooNew {
+                found: 7,
+                supported: SCHEMA_VERSION
+            }
+        ));
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "relay.db has schema version 7, this agentmbx supports up to {SCHEMA_VERSION}: upgrade agentmbx"
+            )
+        );
+        // The refusal released the lock: a later open (after a downgrade fix) is possible.
+        {
+            let conn = Connection::open(dir.path().join(DB_FILE)).expect("raw");
+            conn.execute_batch("PRAGMA user_version = 1")
+                .expect("restore");
+        }
+        open(dir.path());
+    }
+
+    #[test]
+    fn opening_creates_the_current_schema_and_a_later_migration_step_is_refused_as_newer() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let epoch = {
+            let store = open(dir.path());
+            store.epoch().expect("epoch")
+        };
+        let mut conn = Connection::open(dir.path().join(DB_FILE)).expect("raw");
+        assert_eq!(
+            schema::stored_version(&conn).expect("version"),
+            SCHEMA_VERSION
+        );
+        let uv: i64 = conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .expect("uv");
+        assert_eq!(uv, i64::from(SCHEMA_VERSION));
+        let journal: String = conn
+            .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+            .expect("journal");
+        assert_eq!(journal, "wal");
+        // A future binary's step 2 runs over our store and keeps the epoch ...
+        let future: Vec<(u32, &str)> = MIGRATIONS
+            .iter()
+            .copied()
+            .chain([(2, "ALTER TABLE items ADD COLUMN future TEXT;")])
+            .collect();
+        schema::migrate(&mut conn, SCHEMA_VERSION, 2, &future).expect("migrate to 2");
+        let kept: String = conn
+            .query_row("SELECT v FROM meta WHERE k = 'epoch'", [], |r| r.get(0))
+            .expect("epoch");
+        assert_eq!(kept, epoch);
+        drop(conn);
+        // ... and this binary then refuses it.
+        let err = SqliteStore::open_with(dir.path(), &relay_key(), 1_000, options())
+            .expect_err("refused");
+        assert!(matches!(err, StoreError::SchemaTooNew { found: 2, .. }));
+    }
+
+    #[test]
+    fn a_store_of_another_relay_key_is_refused_naming_only_fingerprints() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        open(dir.path()).close().expect("close");
+        let other = key(201);
+        let err =
+            SqliteStore::open_with(dir.path(), &other, 1_000, options()).expect_err("refused");
+        let text = err.to_string();
+        assert!(
+            text.starts_with("this relay store belongs to another relay key (fingerprint "),
+            "{text}"
+        );
+        assert!(text.contains(&key_fingerprint(&relay_key())), "{text}");
+        assert!(
+            !text.contains(&relay_key()) && !text.contains(&other),
+            "{text}"
+        );
+        assert!(matches!(err, StoreError::OtherRelayKey { .. }));
+        // The right key still opens it.
+        open(dir.path());
+    }
+
+    #[test]
+    fn a_held_lock_refuses_a_second_open_until_released() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let first = open(dir.path());
+        let err =
+            SqliteStore::open_with(dir.path(), &relay_key(), 1_000, options()).expect_err("locked");
+        assert!(matches!(err, StoreError::Locked { .. }), "{err:?}");
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "another relay process holds {}",
+                dir.path().join(LOCK_FILE).display()
+            )
+        );
+        // The holder row names this process.
+        drop(first);
+        let store = open(dir.path());
+        drop(store);
+
+        // A waiting open gets the lock once the holder goes away.
+        let holder = open(dir.path());
+        let path = dir.path().to_path_buf();
+        let waiter = std::thread::spawn(move || {
+            SqliteStore::open_with(
+                &path,
+                &relay_key(),
+                1_000,
+                OpenOptions {
+                    lock_wait_ms: 30_000,
+                    ..OpenOptions::default()
+                },
+            )
+            .map(|s| s.epoch())
+        });
+        drop(holder);
+        let epoch = waiter.join().expect("join").expect("opened after wait");
+        assert!(epoch.is_ok());
+    }
+
+    #[test]
+    fn the_lock_file_records_the_holder() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        drop(open(dir.path()));
+        let conn = Connection::open(dir.path().join(LOCK_FILE)).expect("raw");
+        let (pid, at): (i64, i64) = conn
+            .query_row("SELECT pid, at FROM holder", [], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })
+            .expect("holder");
+        assert_eq!(pid, i64::from(std::process::id()));
+        assert_eq!(at, 1_000);
+    }
+
+    // --- quotas and allowlists -----------------------------------------------------------
+
+    #[test]
+    fn quotas_hold_at_the_bound_and_refuse_past_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open_limited(
+            dir.path(),
+            StoreLimits {
+                max_queue_items: 3,
+                max_queue_bytes: 30,
+                max_sender_items: 2,
+                max_sender_bytes: 1_000,
+                ..StoreLimits::default()
+            },
+        );
+        let (alpha, beta, gamma) = (key(1), key(2), key(3));
+        enrol(&store, &alpha, "alpha");
+        enrol(&store, &beta, "Beta");
+        enrol(&store, &gamma, "gamma");
+
+        // Sender share: 2 items from alpha fit, the 3rd does not.
+        assert_eq!(
+            push_one(&store, &alpha, 1, item("a1", &[(&beta, &[1; 10])])).status,
+            ItemStatus::Accepted
+        );
+        assert_eq!(
+            push_one(&store, &alpha, 1, item("a2", &[(&beta, &[2; 10])])).status,
+            ItemStatus::Accepted
+        );
+        assert_eq!(
+            push_one(&store, &alpha, 1, item("a3", &[(&beta, &[3; 1])]))
+                .status
+                .wire(),
+            "rejected:quota:sender share exceeded for Beta"
+        );
+        // A duplicate is never charged, even at the bound.
+        assert_eq!(
+            push_one(&store, &alpha, 1, item("a2", &[(&beta, &[2; 10])])).status,
+            ItemStatus::Duplicate
+        );
+        // Queue bytes: 20 used, 10 more is exactly 30 (fits), then 1 more does not.
+        assert_eq!(
+            push_one(&store, &gamma, 1, item("g1", &[(&beta, &[4; 10])])).status,
+            ItemStatus::Accepted
+        );
+        assert_eq!(pull_all(&store, &beta).items.len(), 3);
+        // Queue depth: 3 items queued = the bound; one more is refused (depth is checked first).
+        assert_eq!(
+            push_one(&store, &gamma, 1, item("g2", &[(&beta, &[5; 1])]))
+                .status
+                .wire(),
+            "rejected:quota:queue depth exceeded for Beta"
+        );
+        // Free one slot: now bytes are the binding limit (20 + 11 > 30).
+        let acked = store
+            .ack(AckRequest {
+                target_pubkey: beta.clone(),
+                through: pull_all(&store, &beta).items[0].seq,
+                epoch: None,
+            })
+            .expect("ack");
+        assert!(matches!(acked, AckResult::Acked(_)));
+        assert_eq!(
+            push_one(&store, &gamma, 1, item("g3", &[(&beta, &[6; 11])]))
+                .status
+                .wire(),
+            "rejected:quota:queue bytes exceeded for Beta"
+        );
+        assert_eq!(
+            push_one(&store, &gamma, 1, item("g4", &[(&beta, &[7; 10])])).status,
+            ItemStatus::Accepted
+        );
+        assert_eq!(pull_all(&store, &beta).items.len(), 3);
+    }
+
+    #[test]
+    fn account_quota_charges_only_proven_accounts() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open_limited(
+            dir.path(),
+            StoreLimits {
+                max_owner_items: 2,
+                ..StoreLimits::default()
+            },
+        );
+        let (alpha, b1, b2, loose) = (key(1), key(2), key(3), key(4));
+        enrol(&store, &alpha, "alpha");
+        for (k, name) in [(&b1, "one"), (&b2, "two")] {
+            let out = enrol_as(&store, k, name, Some("acct"), AuthorityStrength::Account);
+            assert!(matches!(out, EnrolOutcome::Enrolled(_)));
+        }
+        enrol(&store, &loose, "loose");
+        assert_eq!(
+            push_one(&store, &alpha, 1, item("1", &[(&b1, b"x")])).status,
+            ItemStatus::Accepted
+        );
+        assert_eq!(
+            push_one(&store, &alpha, 1, item("2", &[(&b2, b"x")])).status,
+            ItemStatus::Accepted
+        );
+        assert_eq!(
+            push_one(&store, &alpha, 1, item("3", &[(&b2, b"x")]))
+                .status
+                .wire(),
+            "rejected:quota:owner queue depth exceeded for two"
+        );
+        for i in 0..3 {
+            let o = push_one(&store, &alpha, 1, item(&format!("l{i}"), &[(&loose, b"x")]));
+            assert_eq!(
+                o.status,
+                ItemStatus::Accepted,
+                "no account, no account quota"
+            );
+        }
+    }
+
+    #[test]
+    fn a_sender_allowlist_refuses_other_senders() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(dir.path());
+        let (alpha, beta, mallory) = (key(1), key(2), key(6));
+        enrol(&store, &alpha, "alpha");
+        enrol(&store, &beta, "beta");
+        enrol(&store, &mallory, "mallory");
+        let list = |iat_ms: i64, senders: Vec<String>| SenderList {
+            target_pubkey: beta.clone(),
+            senders,
+            iat_ms,
+            record: format!("{{\"iat\":{iat_ms}}}"),
+            sig: "sig".to_owned(),
+        };
+        // No list: everybody may push.
+        assert_eq!(
+            push_one(&store, &mallory, 1, item("m0", &[(&beta, b"x")])).status,
+            ItemStatus::Accepted
+        );
+        assert_eq!(
+            store
+                .put_sender_list(list(100, vec![alpha.clone(), alpha.clone()]))
+                .expect("put"),
+            SenderListOutcome::Stored
+        );
+        assert_eq!(
+            store
+                .sender_list(&beta)
+                .expect("get")
+                .expect("stored")
+                .senders,
+            vec![alpha.clone()],
+            "duplicates dropped"
+        );
+        assert_eq!(
+            push_one(&store, &mallory, 1, item("m1", &[(&beta, b"x")]))
+                .status
+                .wire(),
+            "rejected:sender not accepted by target"
+        );
+        assert_eq!(
+            push_one(&store, &alpha, 1, item("a1", &[(&beta, b"x")])).status,
+            ItemStatus::Accepted
+        );
+        // Same or older iat: stale, nothing changes.
+        assert_eq!(
+            store
+                .put_sender_list(list(100, vec![mallory.clone()]))
+                .expect("put"),
+            SenderListOutcome::Stale
+        );
+        assert_eq!(
+            store
+                .put_sender_list(list(99, vec![mallory.clone()]))
+                .expect("put"),
+            SenderListOutcome::Stale
+        );
+        assert_eq!(
+            push_one(&store, &mallory, 1, item("m2", &[(&beta, b"x")]))
+                .status
+                .wire(),
+            "rejected:sender not accepted by target"
+        );
+        // Newer: replaces.
+        assert_eq!(
+            store
+                .put_sender_list(list(101, vec![mallory.clone()]))
+                .expect("put"),
+            SenderListOutcome::Stored
+        );
+        assert_eq!(
+            push_one(&store, &mallory, 1, item("m3", &[(&beta, b"x")])).status,
+            ItemStatus::Accepted
+        );
+        let stored = store.sender_list(&beta).expect("get").expect("stored");
+        assert_eq!(
+            (stored.iat_ms, stored.record.as_str()),
+            (101, "{\"iat\":101}")
+        );
+    }
+
+    // --- enrolments and enc ads --------------------------------------------------------------
+
+    #[test]
+    fn a_revoked_key_stays_revoked_and_serves_nothing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(dir.path());
+        let (alpha, beta) = (key(1), key(2));
+        enrol(&store, &alpha, "alpha");
+        enrol(&store, &beta, "beta");
+        store
+            .put_enc_ad_v1(EncAdV1 {
+                host_pubkey: beta.clone(),
+                host_name: "beta".to_owned(),
+                enc_pub: "E1".to_owned(),
+                sig: "s1".to_owned(),
+                at_ms: 1,
+            })
+            .expect("ad");
+        assert!(store.get_enc_ad(&beta).expect("ad").is_some());
+        assert_eq!(
+            store.revoke(&beta, 2_000).expect("revoke"),
+            RevokeOutcome::Revoked
+        );
+        assert_eq!(
+            store.revoke(&beta, 3_000).expect("revoke"),
+            RevokeOutcome::AlreadyRevoked
+        );
+        assert_eq!(
+            store.revoke(&key(99), 3_000).expect("revoke"),
+            RevokeOutcome::Unknown
+        );
+        assert_eq!(
+            enrol_as(
+                &store,
+                &beta,
+                "beta",
+                Some("acct"),
+                AuthorityStrength::Account
+            ),
+            EnrolOutcome::Revoked
+        );
+        let row = store.enrolment(&beta).expect("row").expect("known");
+        assert_eq!(
+            row.revoked_at_ms,
+            Some(2_000),
+            "the first revocation time is kept"
+        );
+        assert_eq!(store.get_enc_ad(&beta).expect("ad"), None);
+        assert_eq!(
+            push_one(&store, &alpha, 1, item("m", &[(&beta, b"x")]))
+                .status
+                .wire(),
+            "rejected:target not enrolled"
+        );
+        assert!(store
+            .live_enrolments_by_name("BETA")
+            .expect("by name")
+            .is_empty());
+        assert_eq!(store.live_enrolment_count().expect("count"), 1);
+    }
+
+    #[test]
+    fn names_are_unique_per_account_case_insensitively_and_weaker_authority_keeps_the_account() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open_limited(
+            dir.path(),
+            StoreLimits {
+                max_live_enrolments: 4,
+                ..StoreLimits::default()
+            },
+        );
+        let (k1, k2, k3, k4, k5) = (key(1), key(2), key(3), key(4), key(5));
+        assert!(matches!(
+            enrol_as(
+                &store,
+                &k1,
+                "MacBook",
+                Some("acct-1"),
+                AuthorityStrength::Account
+            ),
+            EnrolOutcome::Enrolled(_)
+        ));
+        assert_eq!(
+            enrol_as(
+                &store,
+                &k2,
+                "macbook",
+                Some("acct-1"),
+                AuthorityStrength::Account
+            ),
+            EnrolOutcome::NameTaken
+        );
+        // Another account, or no account at all, may use the name.
+        assert!(matches!(
+            enrol_as(
+                &store,
+                &k2,
+                "macbook",
+                Some("acct-2"),
+                AuthorityStrength::Account
+            ),
+            EnrolOutcome::Enrolled(_)
+        ));
+        assert!(matches!(
+            enrol_as(
+                &store,
+                &k3,
+                "MACBOOK",
+                None,
+                AuthorityStrength::HostKeyChallenge
+            ),
+            EnrolOutcome::Enrolled(_)
+        ));
+        assert_eq!(
+            store
+                .live_enrolments_by_name("macBook")
+                .expect("by name")
+                .len(),
+            3
+        );
+
+        // The host-key challenge re-enrols k1: name and owner_fp refresh, account stays.
+        let weaker = store
+            .enrol(EnrolRequest {
+                host_pubkey: k1.clone(),
+                host_name: "macbook".to_owned(),
+                owner_fp: "claimed".to_owned(),
+                account: None,
+                authorized_by: "host-key-challenge".to_owned(),
+                strength: AuthorityStrength::HostKeyChallenge,
+                now_ms: 5_000,
+            })
+            .expect("enrol");
+        match weaker {
+            EnrolOutcome::Enrolled(e) => {
+                assert_eq!(e.account.as_deref(), Some("acct-1"));
+                assert_eq!(e.authorized_by, "account-token");
+                assert_eq!(e.strength, AuthorityStrength::Account);
+                assert_eq!(
+                    (e.host_name.as_str(), e.owner_fp.as_str()),
+                    ("macbook", "claimed")
+                );
+                assert_eq!(e.enrolled_at_ms, 5_000);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        // A stronger authority upgrades a challenge-only enrolment.
+        match enrol_as(
+            &store,
+            &k3,
+            "macbook-3",
+            Some("acct-1"),
+            AuthorityStrength::Account,
+        ) {
+            EnrolOutcome::Enrolled(e) => assert_eq!(e.account.as_deref(), Some("acct-1")),
+            other => panic!("unexpected {other:?}"),
+        }
+        // Capacity: 4 live at most; a new key is refused, a known one re-enrols.
+        assert!(matches!(
+            enrol_as(
+                &store,
+                &k4,
+                "four",
+                None,
+                AuthorityStrength::HostKeyChallenge
+            ),
+            EnrolOutcome::Enrolled(_)
+        ));
+        assert_eq!(
+            enrol_as(
+                &store,
+                &k5,
+                "five",
+                None,
+                AuthorityStrength::HostKeyChallenge
+            ),
+            EnrolOutcome::Full
+        );
+        assert!(matches!(
+            enrol_as(
+                &store,
+                &k4,
+                "four",
+                None,
+                AuthorityStrength::HostKeyChallenge
+            ),
+            EnrolOutcome::Enrolled(_)
+        ));
+        assert_eq!(
+            store.revoke(&k4, 9).expect("revoke"),
+            RevokeOutcome::Revoked
+        );
+        assert!(matches!(
+            enrol_as(
+                &store,
+                &k5,
+                "five",
+                None,
+                AuthorityStrength::HostKeyChallenge
+            ),
+            EnrolOutcome::Enrolled(_)
+        ));
+        // A name freed by revocation can be taken in the account.
+        assert_eq!(
+            store.revoke(&k1, 10).expect("revoke"),
+            RevokeOutcome::Revoked
+        );
+        match enrol_as(
+            &store,
+            &k2,
+            "MacBook",
+            Some("acct-1"),
+            AuthorityStrength::Account,
+        ) {
+            EnrolOutcome::Enrolled(e) => {
+                assert_eq!(
+                    (e.host_name.as_str(), e.account.as_deref()),
+                    ("MacBook", Some("acct-1"))
+                );
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn enc_ads_serve_the_v2_key_and_a_matching_v1_signature() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(dir.path());
+        let beta = key(2);
+        assert_eq!(store.get_enc_ad(&beta).expect("ad"), None, "unknown host");
+        enrol(&store, &beta, "beta");
+        assert_eq!(store.get_enc_ad(&beta).expect("ad"), None, "no ad yet");
+        let v1 = EncAdV1 {
+            host_pubkey: beta.clone(),
+            host_name: "beta".to_owned(),
+            enc_pub: "E1".to_owned(),
+            sig: "s1".to_owned(),
+            at_ms: 1,
+        };
+        store.put_enc_ad_v1(v1.clone()).expect("v1");
+        let ad = store.get_enc_ad(&beta).expect("ad").expect("served");
+        assert_eq!(
+            (ad.enc_pub.as_str(), ad.v1.as_ref(), ad.v2.as_ref()),
+            ("E1", Some(&v1), None)
+        );
+        // A v2 record naming the same key: both served.
+        let v2 = EncAdV2 {
+            host_pubkey: beta.clone(),
+            enc_pub: "E1".to_owned(),
+            record: "{\"enc_pub\":\"E1\"}".to_owned(),
+            sig: "s2".to_owned(),
+            at_ms: 2,
+        };
+        store.put_enc_ad_v2(v2.clone()).expect("v2");
+        let ad = store.get_enc_ad(&beta).expect("ad").expect("served");
+        assert_eq!((ad.v1.as_ref(), ad.v2.as_ref()), (Some(&v1), Some(&v2)));
+        // A newer v2 record with another key: the stale v1 ad is no longer served.
+        let v2b = EncAdV2 {
+            enc_pub: "E2".to_owned(),
+            record: "{\"enc_pub\":\"E2\"}".to_owned(),
+            at_ms: 3,
+            ..v2
+        };
+        store.put_enc_ad_v2(v2b.clone()).expect("v2b");
+        let ad = store.get_enc_ad(&beta).expect("ad").expect("served");
+        assert_eq!(ad.enc_pub, "E2");
+        assert_eq!(ad.v1, None);
+        assert_eq!(ad.v2, Some(v2b));
+        assert_eq!(ad.host_name, "beta");
+    }
+
+    // --- meta and ops ----------------------------------------------------------------------
+
+    #[test]
+    fn meta_epoch_rotation_and_reserved_keys() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(dir.path());
+        let before = store.epoch().expect("epoch");
+        assert!(uuid::Uuid::parse_str(&before).is_ok());
+        let rot = store.rotate_epoch().expect("rotate");
+        assert_eq!(rot.from, before);
+        assert_ne!(rot.to, before);
+        assert_eq!(store.epoch().expect("epoch"), rot.to, "read on each use");
+        for k in ["epoch", "relay_pubkey", "schema_version", "heartbeat"] {
+            assert!(matches!(
+                store.set_meta(k, "x"),
+                Err(StoreError::InvalidInput(_))
+            ));
+        }
+        assert_eq!(store.meta("nothing").expect("meta"), None);
+    }
+
+    #[test]
+    fn the_ops_log_keeps_the_last_thousand_newest_first() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Arc::new(open(dir.path()));
+        // Append from a few threads so the writer groups them (fewer fsyncs).
+        let threads: Vec<_> = (0..4)
+            .map(|t| {
+                let store = Arc::clone(&store);
+                std::thread::spawn(move || {
+                    for i in 0..252 {
+                        store
+                            .append_op(i, "relay-sweep", &serde_json::json!({"t": t, "i": i}))
+                            .expect("append");
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().expect("join");
+        }
+        let all = store.ops(5_000).expect("ops");
+        assert_eq!(all.len(), 1_000);
+        assert!(all.windows(2).all(|w| w[0].id > w[1].id), "newest first");
+        assert_eq!(all[0].id, 1_008);
+        assert_eq!(store.ops(0).expect("ops").len(), 1);
+    }
+
+    // --- group commit and failpoints ---------------------------------------------------------
+
+    #[test]
+    fn concurrent_pushes_all_get_correct_replies_with_fewer_commits() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Arc::new(open(dir.path()));
+        let beta = key(2);
+        enrol(&store, &beta, "beta");
+        let senders: Vec<String> = (10..18).map(key).collect();
+        for (i, s) in senders.iter().enumerate() {
+            enrol(&store, s, &format!("s{i}"));
+        }
+        let before = store.stats();
+        const PER: usize = 25;
+        let threads: Vec<_> = senders
+            .iter()
+            .cloned()
+            .map(|sender| {
+                let store = Arc::clone(&store);
+                let beta = beta.clone();
+                std::thread::spawn(move || {
+                    (0..PER)
+                        .map(|i| {
+                            let wire = format!("{sender}/{i}").into_bytes();
+                            let o = push_one(
+                                &store,
+                                &sender,
+                                1_000,
+                                item(&format!("i{i}"), &[(&beta, &wire)]),
+                            );
+                            assert_eq!(o.status, ItemStatus::Accepted);
+                            assert_eq!(o.targets[0].wire_hash, wire_hash(&wire));
+                            (o.targets[0].seq, sender.clone(), i)
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let mut replies: Vec<(i64, String, usize)> = Vec::new();
+        for t in threads {
+            replies.extend(t.join().expect("join"));
+        }
+        let requests = (senders.len() * PER) as u64;
+        let after = store.stats();
+        assert_eq!(after.write_requests - before.write_requests, requests);
+        let commits = after.commits - before.commits;
+        assert!(
+            commits >= 1 && commits <= requests,
+            "{commits} commits for {requests} requests"
+        );
+        assert_eq!(after.queued, 0);
+
+        // Every reply names a distinct seq, and each seq holds exactly that sender's item.
+        let page = pull_all(&store, &beta);
+        assert_eq!(page.items.len() as u64, requests, "all stored once");
+        let mut seqs: Vec<i64> = replies.iter().map(|r| r.0).collect();
+        seqs.sort_unstable();
+        seqs.dedup();
+        assert_eq!(seqs.len() as u64, requests);
+        for (seq, sender, i) in &replies {
+            let it = page.items.iter().find(|p| p.seq == *seq).expect("stored");
+            assert_eq!(&it.sender_pubkey, sender);
+            assert_eq!(it.item_id, format!("i{i}"));
+            assert_eq!(it.wire, format!("{sender}/{i}").into_bytes());
+        }
+    }
+
+    static GATE_OPEN: Mutex<bool> = Mutex::new(false);
+    static GATE: Condvar = Condvar::new();
+    static GATE_HITS: AtomicUsize = AtomicUsize::new(0);
+
+    /// Holds the writer at its first `push:before-commit` until the test opens the gate.
+    fn gate_failpoint(name: &str) {
+        if name == "push:before-commit" && GATE_HITS.fetch_add(1, Ordering::SeqCst) == 0 {
+            let mut open = GATE_OPEN
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            while !*open {
+                open = GATE
+                    .wait(open)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+            }
+        }
+    }
+
+    fn open_gate() {
+        *GATE_OPEN
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = true;
+        GATE.notify_all();
+    }
+
+    /// Opens the gate when dropped, so a failing assertion cannot leave the writer blocked (and
+    /// the store's drop waiting for it forever).
+    struct GateGuard;
+
+    impl Drop for GateGuard {
+        fn drop(&mut self) {
+            open_gate();
+        }
+    }
+
+    #[test]
+    fn waiting_requests_share_one_commit_and_nothing_is_visible_or_answered_before_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Arc::new(
+            SqliteStore::open_with(
+                dir.path(),
+                &relay_key(),
+                1_000,
+                OpenOptions {
+                    failpoint: gate_failpoint,
+                    ..options()
+                },
+            )
+            .expect("open"),
+        );
+        let (alpha, beta) = (key(1), key(2));
+        enrol(&store, &alpha, "alpha");
+        enrol(&store, &beta, "beta");
+        let base = store.stats();
+        let _guard = GateGuard;
+
+        let spawn_push = |i: usize| {
+            let store = Arc::clone(&store);
+            let (alpha, beta) = (alpha.clone(), beta.clone());
+            std::thread::spawn(move || {
+                push_one(
+                    &store,
+                    &alpha,
+                    1_000,
+                    item(&format!("m{i}"), &[(&beta, format!("w{i}").as_bytes())]),
+                )
+            })
+        };
+        // Group 1: one push, held between apply and COMMIT.
+        let first = spawn_push(0);
+        wait_until("the writer to reach push:before-commit", || {
+            GATE_HITS.load(Ordering::SeqCst) == 1
+        });
+        assert!(
+            pull_all(&store, &beta).items.is_empty(),
+            "uncommitted rows are invisible"
+        );
+        assert_eq!(store.info_for(&beta).expect("info").head_seq, 0);
+        assert!(!first.is_finished(), "no reply before COMMIT");
+
+        // Meanwhile 31 more pushes queue up.
+        const MORE: usize = 31;
+        let rest: Vec<_> = (1..=MORE).map(spawn_push).collect();
+        wait_until("all pushes to queue", || store.stats().queued == MORE);
+        open_gate();
+
+        let mut outcomes = vec![first.join().expect("join")];
+        outcomes.extend(rest.into_iter().map(|t| t.join().expect("join")));
+        assert!(outcomes.iter().all(|o| o.status == ItemStatus::Accepted));
+        let stats = store.stats();
+        assert_eq!(stats.write_requests - base.write_requests, 1 + MORE as u64);
+        assert_eq!(
+            stats.commits - base.commits,
+            2,
+            "the 31 waiting pushes shared one commit"
+        );
+        assert_eq!(
+            GATE_HITS.load(Ordering::SeqCst),
+            2,
+            "one failpoint hit per group"
+        );
+        let page = pull_all(&store, &beta);
+        assert_eq!(page.items.len(), 1 + MORE);
+        for o in &outcomes {
+            let it = page
+                .items
+                .iter()
+                .find(|p| p.seq == o.targets[0].seq)
+                .expect("stored");
+            assert_eq!(it.item_id, o.item_id);
+        }
+    }
+
+    static FAILPOINT_LOG: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    static FAILPOINT_ARMED: AtomicBool = AtomicBool::new(false);
+
+    fn recording_failpoint(name: &str) {
+        if FAILPOINT_ARMED.load(Ordering::SeqCst) {
+            FAILPOINT_LOG
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(name.to_owned());
+        }
+    }
+
+    #[test]
+    fn failpoints_are_hit_at_the_commit_boundaries() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = SqliteStore::open_with(
+            dir.path(),
+            &relay_key(),
+            1_000,
+            OpenOptions {
+                failpoint: recording_failpoint,
+                ..options()
+            },
+        )
+        .expect("open");
+        let (alpha, beta) = (key(1), key(2));
+        enrol(&store, &alpha, "alpha");
+        enrol(&store, &beta, "beta");
+        FAILPOINT_ARMED.store(true, Ordering::SeqCst);
+        let o = push_one(&store, &alpha, 1_000, item("m", &[(&beta, b"x")]));
+        store
+            .ack(AckRequest {
+                target_pubkey: beta.clone(),
+                through: o.targets[0].seq,
+                epoch: None,
+            })
+            .expect("ack");
+        store.set_heartbeat(5).expect("heartbeat");
+        FAILPOINT_ARMED.store(false, Ordering::SeqCst);
+        let log = FAILPOINT_LOG
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        assert_eq!(
+            log,
+            [
+                "push:before-commit",
+                "push:after-commit",
+                "ack:before-commit",
+                "ack:after-commit"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_failed_request_leaves_nothing_and_does_not_disturb_its_group() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(dir.path());
+        let (alpha, beta) = (key(1), key(2));
+        enrol(&store, &alpha, "alpha");
+        enrol(&store, &beta, "beta");
+        // A request that writes, then fails: its savepoint is rolled back.
+        let err = store
+            .submit(JobKind::Other, |c, _| -> Result<(), StoreError> {
+                meta_put(c, "half", "written")?;
+                Err(StoreError::InvalidInput("boom".to_owned()))
+            })
+            .expect_err("fails");
+        assert!(matches!(err, StoreError::InvalidInput(_)));
+        assert_eq!(store.meta("half").expect("meta"), None);
+        // The store keeps working.
+        let o = push_one(&store, &alpha, 1_000, item("m", &[(&beta, b"x")]));
+        assert_eq!(o.status, ItemStatus::Accepted);
+    }
+
+    #[test]
+    fn v1_items_never_expire_and_v2_items_expire_after_retention() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(dir.path());
+        let (alpha, beta) = (key(1), key(2));
+        enrol(&store, &alpha, "alpha");
+        enrol(&store, &beta, "beta");
+        push_one(&store, &alpha, 1_000, item("v2", &[(&beta, b"x")]));
+        store
+            .push(PushBatch {
+                sender_pubkey: alpha.clone(),
+                sender_host: "alpha".to_owned(),
+                now_ms: 1_000,
+                expiry: Expiry::Never,
+                items: vec![item("v1", &[(&beta, b"y")])],
+            })
+            .expect("push");
+        let expiries: Vec<(String, Option<i64>)> = store
+            .read(|c| {
+                let mut st = c.prepare("SELECT item_id, expires_at FROM items ORDER BY seq")?;
+                let rows = st
+                    .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
+                    .collect::<Result<Vec<_>, _>>()?;
+                Ok(rows)
+            })
+            .expect("read");
+        assert_eq!(
+            expiries,
+            [
+                ("v2".to_owned(), Some(1_000 + 14 * DAY_MS)),
+                ("v1".to_owned(), None)
+            ]
+        );
+    }
+}

@@ -1,0 +1,230 @@
+//! Black-box tests of the `agentmbx` binary: `init`, `whoami`, and the daemon's start-up,
+//! local API and shutdown, each in its own temporary home (see `helper`).
+
+mod helper;
+
+use std::net::TcpListener;
+
+use agentmbx_protocol::keys::{KeyFile, PublicKey};
+use helper::{Daemon, Home};
+use sha2::{Digest, Sha256};
+
+fn key_file(home: &Home, name: &str) -> KeyFile {
+    let text = std::fs::read_to_string(home.file(name)).expect("read key file");
+    KeyFile::parse(&text).expect("key file parses")
+}
+
+/// `fingerprint(pub)` computed here from its definition (`wire.md` §2.1), not by the library.
+fn expected_fingerprint(public_b64: &str) -> String {
+    let raw = PublicKey::from_b64(public_b64)
+        .expect("public key")
+        .as_bytes()
+        .to_vec();
+    let hex: String = Sha256::digest(&raw)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    format!(
+        "{}-{}-{}-{}",
+        &hex[0..4],
+        &hex[4..8],
+        &hex[8..12],
+        &hex[12..16]
+    )
+}
+
+#[test]
+fn init_creates_private_key_files_and_refuses_a_second_init() {
+    let home = Home::new();
+    let out = home.run(&["init", "--host", "alpha", "--json"]);
+    out.assert_success();
+    let json = out.json();
+    assert_eq!(json["host"], "alpha");
+
+    for name in ["host.key", "enc.key"] {
+        assert!(home.file(name).is_file(), "{name} missing");
+        #[cfg(unix)]
+        assert_eq!(helper::mode(&home.file(name)), 0o600, "{name} mode");
+    }
+    assert_eq!(json["host_pubkey"], key_file(&home, "host.key").public_key);
+    assert_eq!(json["enc_pub"], key_file(&home, "enc.key").public_key);
+
+    let before = std::fs::read(home.file("host.key")).expect("read host.key");
+    let again = home.run(&["init", "--host", "other"]);
+    assert_eq!(again.code(), Some(1), "{again:#?}");
+    assert!(again.stderr.starts_with("agentmbx: "), "{again:#?}");
+    assert!(again.stderr.contains("already initialized"), "{again:#?}");
+    assert_eq!(
+        std::fs::read(home.file("host.key")).expect("read host.key"),
+        before
+    );
+    let config = std::fs::read_to_string(home.file("config.toml")).expect("config.toml");
+    assert!(config.contains("host = \"alpha\""), "{config}");
+}
+
+#[test]
+fn whoami_json_matches_the_key_file() {
+    let home = Home::new();
+    home.run(&["init", "--host", "beta"]).assert_success();
+    let out = home.run(&["whoami", "--json"]);
+    out.assert_success();
+    let json = out.json();
+    let public = key_file(&home, "host.key").public_key;
+    assert_eq!(json["host"], "beta");
+    assert_eq!(json["host_pubkey"], public.as_str());
+    assert_eq!(json["fingerprint"], expected_fingerprint(&public).as_str());
+}
+
+#[test]
+fn whoami_before_init_exits_not_found() {
+    let home = Home::new();
+    let out = home.run(&["whoami"]);
+    assert_eq!(out.code(), Some(3), "{out:#?}");
+    assert!(
+        out.stderr
+            .starts_with("agentmbx: this host is not initialized"),
+        "{out:#?}"
+    );
+}
+
+#[test]
+fn bad_host_name_is_a_usage_error() {
+    let home = Home::new();
+    let out = home.run(&["init", "--host", "Not_Valid"]);
+    assert_eq!(out.code(), Some(2), "{out:#?}");
+    let line = out.stderr.lines().next().unwrap_or_default();
+    assert!(
+        line.starts_with("agentmbx: ") && line.contains("Not_Valid"),
+        "{out:#?}"
+    );
+    assert!(line.ends_with("(see: agentmbx init --help)"), "{out:#?}");
+    assert!(!home.file("host.key").exists());
+}
+
+#[test]
+fn daemon_on_an_empty_home_initializes_and_answers_health() {
+    let home = Home::new();
+    let daemon = Daemon::start(&home);
+    assert!(daemon.addr.ip().is_loopback());
+    assert_eq!(
+        daemon.stderr().matches(helper::LISTENING).count(),
+        1,
+        "{}",
+        daemon.stderr()
+    );
+
+    let health = daemon.get("/v1/health", None);
+    assert_eq!(health.status, 200, "{health:#?}");
+    let json = health.json();
+    assert_eq!(json["status"], "ok");
+    assert_eq!(json["version"], env!("CARGO_PKG_VERSION"));
+
+    for name in ["host.key", "enc.key", "api.token"] {
+        assert!(home.file(name).is_file(), "{name} missing");
+        #[cfg(unix)]
+        assert_eq!(helper::mode(&home.file(name)), 0o600, "{name} mode");
+    }
+    let who = home.run(&["whoami", "--json"]);
+    who.assert_success();
+    assert_eq!(json["host"], who.json()["host"]);
+}
+
+#[test]
+fn api_requires_the_bearer_token() {
+    let home = Home::new();
+    let daemon = Daemon::start(&home);
+    let token = home.token();
+    assert_eq!(
+        token.len(),
+        43,
+        "32 random bytes, base64url without padding"
+    );
+
+    for bearer in [None, Some("wrong-token"), Some(&token[..42])] {
+        let r = daemon.get("/v1/inbox", bearer);
+        assert_eq!(r.status, 401, "{bearer:?}: {r:#?}");
+        assert_eq!(
+            r.json(),
+            serde_json::json!({"error": "missing or bad bearer token", "code": "UNAUTHORIZED"})
+        );
+        assert_eq!(r.header("www-authenticate"), Some("Bearer"));
+    }
+    let r = daemon.get("/v1/no-such-route", Some(&token));
+    assert_eq!(r.status, 404, "{r:#?}");
+    assert_eq!(
+        r.json(),
+        serde_json::json!({"error": "not found", "code": "NOT_FOUND"})
+    );
+    assert_eq!(daemon.get("/v1/health", Some(&token)).status, 200);
+    assert!(
+        !daemon.stderr().contains(&token),
+        "the token must never be logged"
+    );
+}
+
+#[test]
+fn unknown_config_key_stops_the_daemon() {
+    let home = Home::new();
+    home.write_config("api_port = 0\nbogus_key = 1\n");
+    let exited = Daemon::try_start(home.command(&["daemon", "--api-port", "0"]))
+        .err()
+        .expect("the daemon must refuse to start");
+    assert_eq!(exited.status.code(), Some(1), "{exited:#?}");
+    assert!(
+        exited.stderr.contains("agentmbx: ") && exited.stderr.contains("bogus_key"),
+        "{exited:#?}"
+    );
+    assert!(
+        !home.file("host.key").exists(),
+        "nothing is created from a refused config"
+    );
+}
+
+#[test]
+fn environment_overrides_the_config_file() {
+    let home = Home::new();
+    let taken = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = taken.local_addr().expect("addr").port();
+    home.write_config(&format!("api_port = {port}\n"));
+
+    // The file's port is used when nothing overrides it: here it is taken, so start-up fails.
+    let exited = Daemon::try_start(home.command(&["daemon"]))
+        .err()
+        .expect("port in use");
+    assert!(
+        exited.stderr.contains(&format!("127.0.0.1:{port}")),
+        "{exited:#?}"
+    );
+
+    let mut cmd = home.command(&["daemon"]);
+    cmd.env("MBX_API_PORT", "0");
+    let daemon = Daemon::try_start(cmd).unwrap_or_else(|e| panic!("{e:#?}"));
+    assert_ne!(daemon.addr.port(), port);
+    assert_eq!(daemon.get("/v1/health", None).status, 200);
+}
+
+#[test]
+fn sigterm_stops_the_daemon_cleanly() {
+    let home = Home::new();
+    let daemon = Daemon::start(&home);
+    let addr = daemon.addr;
+    let (status, stderr) = daemon.terminate();
+    assert!(status.success(), "{status:?}\n{stderr}");
+    assert!(stderr.contains("SIGTERM received"), "{stderr}");
+    assert!(
+        std::net::TcpStream::connect(addr).is_err(),
+        "the port is released"
+    );
+}
+
+#[test]
+fn malformed_clock_offset_is_refused() {
+    let home = Home::new();
+    let mut cmd = home.command(&["daemon", "--api-port", "0"]);
+    cmd.env("MBX_CLOCK_OFFSET_MS", "soon");
+    let exited = Daemon::try_start(cmd)
+        .err()
+        .expect("the daemon must refuse to start");
+    assert_eq!(exited.status.code(), Some(1));
+    assert!(exited.stderr.contains("MBX_CLOCK_OFFSET_MS"), "{exited:#?}");
+}
