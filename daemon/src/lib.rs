@@ -35,3 +35,10 @@ pub mod transport;
 
 /// This crate's version (the Cargo package version), as `/v1/health` and `--version` report it.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// Installs rustls' `ring` crypto provider for the process (reqwest is built without a default
+/// provider to keep the C-built aws-lc out of the build, `dependencies.md`). Idempotent; call it
+/// before the first HTTP client is built.
+pub fn install_tls_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}

@@ -1,7 +1,7 @@
 //! The `agentmbx` binary: the CLI, the host daemon (`agentmbx daemon`) and the relay
 //! (`agentmbx relay serve`) in one executable (design README "Decisions already taken").
 //!
-//! `main` only installs the logger and hands over to [`cli`]; everything else lives in the
+//! `main` only installs the TLS crypto provider and the logger and hands over to [`cli`]; everything else lives in the
 //! library (`agentmbx::…`) so the black-box tests exercise the same code.
 
 mod cli;
@@ -16,6 +16,7 @@ use tracing_subscriber::EnvFilter;
 const LOG_ENV: &str = "MBX_LOG";
 
 fn main() -> ExitCode {
+    agentmbx::install_tls_provider();
     cli::main(init_logging)
 }
 
