@@ -33,7 +33,7 @@ pub struct AckAnswer {
 }
 
 /// Acks messages for an agent; all or nothing (an unknown id changes nothing, 404).
-#[utoipa::path(post, path = "/v1/ack", request_body = AckRequest,
+#[utoipa::path(post, path = "/v1/ack", operation_id = "ack_messages", request_body = AckRequest,
     params(("Idempotency-Key" = Option<String>, Header, description = "replay protection, ≤200 chars")),
     responses((status = 200, body = AckAnswer), (status = 404, body = super::ErrorBody)),
     security(("bearer" = [])))]

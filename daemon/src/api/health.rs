@@ -8,7 +8,7 @@ use serde::Serialize;
 use super::SharedState;
 
 /// Body of `GET /v1/health`: `{"status":"ok","host":<name>,"version":<package version>}`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct Health {
     /// Always `"ok"` while the daemon answers.
     pub status: &'static str,
@@ -18,7 +18,8 @@ pub struct Health {
     pub version: &'static str,
 }
 
-/// Handler for `GET /v1/health`.
+/// Handler for `GET /v1/health` (no authentication).
+#[utoipa::path(get, path = "/v1/health", operation_id = "health", responses((status = 200, body = Health)))]
 #[tracing::instrument(skip_all)]
 pub async fn get(State(state): State<SharedState>) -> Json<Health> {
     Json(Health {

@@ -24,7 +24,7 @@ pub struct InboxQuery {
 }
 
 /// Lists an agent's messages, oldest first, without bodies.
-#[utoipa::path(get, path = "/v1/inbox", params(InboxQuery),
+#[utoipa::path(get, path = "/v1/inbox", operation_id = "list_inbox", params(InboxQuery),
     responses((status = 200, body = InboxPage), (status = 400, body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn get(

@@ -15,7 +15,7 @@ use super::{idempotent, ApiError, SharedState};
 /// Sends a message from an agent of this host. Local recipients get it at once; each remote
 /// host gets one outbox row, sealed and pushed by the relay loop. Replays with the same
 /// `Idempotency-Key` and body return the first answer; another body is 409.
-#[utoipa::path(post, path = "/v1/messages", request_body = SendRequest,
+#[utoipa::path(post, path = "/v1/messages", operation_id = "send_message", request_body = SendRequest,
     params(("Idempotency-Key" = Option<String>, Header, description = "replay protection, ≤200 chars")),
     responses((status = 201, body = SendOutcome), (status = 400, body = super::ErrorBody), (status = 409, body = super::ErrorBody)),
     security(("bearer" = [])))]
@@ -61,7 +61,7 @@ pub struct ReadQuery {
 }
 
 /// Reads one message as an agent (marks the agent's copy read). The sender may read its own copy.
-#[utoipa::path(get, path = "/v1/messages/{id}", params(("id" = String, Path), ReadQuery),
+#[utoipa::path(get, path = "/v1/messages/{id}", operation_id = "read_message", params(("id" = String, Path), ReadQuery),
     responses((status = 200, body = messages::Message), (status = 404, body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn get(

@@ -4,13 +4,13 @@
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use super::{ack, inbox, messages};
+use super::{ack, health, inbox, messages};
 
 /// The OpenAPI description of the local API.
 #[derive(Debug, OpenApi)]
 #[openapi(
     info(title = "agentmbx local API", description = "Loopback API for agents on this host: send, inbox, read, ack. Bearer token from api.token; errors are {error, code}."),
-    paths(messages::post, messages::get, inbox::get, ack::post),
+    paths(health::get, messages::post, messages::get, inbox::get, ack::post),
     modifiers(&BearerAuth)
 )]
 pub struct ApiDoc;
@@ -33,4 +33,18 @@ pub fn document() -> String {
     let mut doc = ApiDoc::openapi();
     doc.info.version = crate::VERSION.to_string();
     doc.to_pretty_json().unwrap_or_default() + "\n"
+}
+
+#[cfg(test)]
+mod tests {
+    /// The committed contract must equal what the code generates (regenerate with
+    /// `cargo run -p agentmbx -- openapi > daemon/openapi.json`).
+    #[test]
+    fn committed_openapi_document_is_current() {
+        let committed = include_str!("../../openapi.json");
+        assert!(
+            committed == super::document(),
+            "daemon/openapi.json is out of date: run `cargo run -p agentmbx -- openapi > daemon/openapi.json`"
+        );
+    }
 }
