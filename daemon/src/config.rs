@@ -333,6 +333,47 @@ pub fn record_host(paths: &Paths, host: &HostName) -> Result<(), ConfigError> {
     }
 }
 
+/// Sets (or, with `None`, removes) the `[relay]` table of `config.toml`, keeping the other
+/// settings (comments are not kept). The result is validated before it is written; the file is
+/// replaced atomically. Errors: parse, validation and I/O errors.
+pub fn set_relay(paths: &Paths, relay: Option<&RelayConfig>) -> Result<(), ConfigError> {
+    let path = paths.config_file();
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(source) => return Err(ConfigError::Read { path, source }),
+    };
+    Config::from_toml_str(&text, &path)?;
+    let mut table: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| ConfigError::Parse {
+            path: path.clone(),
+            line: None,
+            message: e.to_string(),
+        })?;
+    match relay {
+        Some(r) => {
+            let value = toml::Value::try_from(r).map_err(|e| ConfigError::Parse {
+                path: path.clone(),
+                line: None,
+                message: e.to_string(),
+            })?;
+            table.insert("relay".into(), value);
+        }
+        None => {
+            table.remove("relay");
+        }
+    }
+    let updated = toml::to_string(&table).map_err(|e| ConfigError::Parse {
+        path: path.clone(),
+        line: None,
+        message: e.to_string(),
+    })?;
+    Config::from_toml_str(&updated, &path)?.validate()?;
+    fsutil::replace(&path, updated.as_bytes(), fsutil::PRIVATE_MODE)
+        .map_err(|source| ConfigError::Write { path, source })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -450,45 +491,4 @@ mod tests {
         let text = std::fs::read_to_string(paths.config_file()).unwrap();
         assert!(text.ends_with("# mine\napi_port = 1\n[relay]\nurl = \"http://r\"\n"));
     }
-}
-
-/// Sets (or, with `None`, removes) the `[relay]` table of `config.toml`, keeping the other
-/// settings (comments are not kept). The result is validated before it is written; the file is
-/// replaced atomically. Errors: parse, validation and I/O errors.
-pub fn set_relay(paths: &Paths, relay: Option<&RelayConfig>) -> Result<(), ConfigError> {
-    let path = paths.config_file();
-    let text = match std::fs::read_to_string(&path) {
-        Ok(text) => text,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
-        Err(source) => return Err(ConfigError::Read { path, source }),
-    };
-    Config::from_toml_str(&text, &path)?;
-    let mut table: toml::Table = text
-        .parse()
-        .map_err(|e: toml::de::Error| ConfigError::Parse {
-            path: path.clone(),
-            line: None,
-            message: e.to_string(),
-        })?;
-    match relay {
-        Some(r) => {
-            let value = toml::Value::try_from(r).map_err(|e| ConfigError::Parse {
-                path: path.clone(),
-                line: None,
-                message: e.to_string(),
-            })?;
-            table.insert("relay".into(), value);
-        }
-        None => {
-            table.remove("relay");
-        }
-    }
-    let updated = toml::to_string(&table).map_err(|e| ConfigError::Parse {
-        path: path.clone(),
-        line: None,
-        message: e.to_string(),
-    })?;
-    Config::from_toml_str(&updated, &path)?.validate()?;
-    fsutil::replace(&path, updated.as_bytes(), fsutil::PRIVATE_MODE)
-        .map_err(|source| ConfigError::Write { path, source })
 }

@@ -33,6 +33,9 @@ pub mod paths;
 pub mod token;
 pub mod transport;
 
+#[cfg(test)]
+pub(crate) mod testutil;
+
 /// This crate's version (the Cargo package version), as `/v1/health` and `--version` report it.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 

@@ -1,5 +1,6 @@
 //! `GET /v1/inbox`: an agent's inbox in bounded pages.
 
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
 use axum::Json;
 use serde::Deserialize;
@@ -29,8 +30,9 @@ pub struct InboxQuery {
     security(("bearer" = [])))]
 pub async fn get(
     State(state): State<SharedState>,
-    Query(q): Query<InboxQuery>,
+    q: Result<Query<InboxQuery>, QueryRejection>,
 ) -> Result<Json<InboxPage>, ApiError> {
+    let Query(q) = q?;
     let limit = q.limit.unwrap_or(messages::DEFAULT_INBOX_LIMIT);
     if !(1..=messages::MAX_INBOX_LIMIT).contains(&limit) {
         return Err(ApiError::Invalid(format!(

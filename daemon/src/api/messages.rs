@@ -1,6 +1,7 @@
 //! `POST /v1/messages` (send) and `GET /v1/messages/{id}` (read).
 
 use axum::body::Bytes;
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::Json;
@@ -67,8 +68,9 @@ pub struct ReadQuery {
 pub async fn get(
     State(state): State<SharedState>,
     Path(id): Path<String>,
-    Query(q): Query<ReadQuery>,
+    q: Result<Query<ReadQuery>, QueryRejection>,
 ) -> Result<Json<messages::Message>, ApiError> {
+    let Query(q) = q?;
     let (host, now) = (state.ident.host.to_string(), state.clock.now_ms());
     let msg = state
         .mailbox

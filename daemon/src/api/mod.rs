@@ -18,6 +18,9 @@ pub mod inbox;
 pub mod messages;
 pub mod openapi;
 
+#[cfg(test)]
+mod http_tests;
+
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 
@@ -99,6 +102,14 @@ impl From<MailboxError> for ApiError {
             MailboxError::Invalid(m) => ApiError::Invalid(m),
             other => ApiError::Internal(Box::new(other)),
         }
+    }
+}
+
+/// A query string that does not parse (missing or mistyped parameter) is a 400 in the API's
+/// own error format, not axum's plain-text rejection.
+impl From<axum::extract::rejection::QueryRejection> for ApiError {
+    fn from(e: axum::extract::rejection::QueryRejection) -> Self {
+        ApiError::Invalid(e.body_text())
     }
 }
 

@@ -237,3 +237,47 @@ mod tests {
         assert_eq!(backoff_ms(60), 3_600_000);
     }
 }
+
+#[cfg(test)]
+mod wire_tests {
+    use super::*;
+    use crate::testutil::{self, T0};
+
+    #[test]
+    fn wire_bytes_are_written_once_and_failures_never_delete() {
+        let s = testutil::store();
+        let me = testutil::identity("home");
+        s.add_peer(&testutil::identity("work"), false);
+        let id = "01KDVDNA3VG2MH8KWSQRCWJZ0S";
+        s.send(&me, "alice", &["bob@work"], "hi", id, T0).unwrap();
+        s.mailbox
+            .with(|c| {
+                assert_eq!(set_wire(c, id, "work", b"first", "h1")?, b"first");
+                // A second sealing never replaces the first bytes.
+                assert_eq!(set_wire(c, id, "work", b"second", "h2")?, b"first");
+                let r = get(c, id, "work")?.unwrap();
+                assert_eq!(r.wire_hash.as_deref(), Some("h1"));
+                assert!(set_wire(c, id, "nohost", b"x", "h").is_err());
+                // Retryable failures keep the row pending with backoff.
+                fail(c, id, "work", "e1", false, T0)?;
+                fail(c, id, "work", "e2", false, T0 + 10)?;
+                let r = get(c, id, "work")?.unwrap();
+                assert_eq!(
+                    (r.state.as_str(), r.attempts, r.next_at),
+                    ("pending", 2, T0 + 10 + backoff_ms(1))
+                );
+                // A terminal one keeps it, as rejected; later failures change nothing.
+                fail(c, id, "work", "rejected:conflict", true, T0 + 20)?;
+                fail(c, id, "work", "late", false, T0 + 30)?;
+                let r = get(c, id, "work")?.unwrap();
+                assert_eq!(
+                    (r.state.as_str(), r.attempts, r.last_error.as_deref()),
+                    ("rejected", 3, Some("rejected:conflict"))
+                );
+                assert!(due(c, i64::MAX, 10)?.is_empty());
+                assert_eq!(counts(c)?, vec![("rejected".to_string(), 1)]);
+                Ok(())
+            })
+            .unwrap();
+    }
+}

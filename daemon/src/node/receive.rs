@@ -1,7 +1,8 @@
-//! Receiving one sealed envelope (spec §4, `wire.md` §2.3–§2.4): parse → shape check → the sender
-//! must be a pinned peer and the host signature must verify with its pinned key → open the seal
-//! with this host's enc key → dedup by envelope id (the messages table is the dedup set) →
-//! store the plaintext copy and deliver to this host's recipients.
+//! Receiving one sealed envelope (spec §4, `wire.md` §2.3–§2.4, §4 `receive`): parse → shape
+//! check → the sender must be a pinned peer, the envelope must come from one of that peer's own
+//! agents (`sig.host` and `from` name the peer) and the host signature must verify with its
+//! pinned key → open the seal with this host's enc key → dedup by envelope id (the messages
+//! table is the dedup set) → store the plaintext copy and deliver to this host's recipients.
 //!
 //! A refusal is returned as a reason for quarantine; storage failures are returned separately
 //! (the item is then retried, never quarantined for a fault of ours).
@@ -58,6 +59,23 @@ pub fn receive_sealed(
     let Ok(key) = PublicKey::from_b64(&peer.pubkey) else {
         return Ok(Err("host not paired".into()));
     };
+    // The peer's key vouches only for its own agents: `sig.host` and the host part of `from`
+    // must be the peer's name (`wire.md` §4 receive), or a paired host could sign mail "from"
+    // an agent of another host.
+    let from = env.get("from").and_then(Value::as_str).unwrap_or_default();
+    let sig_host = env
+        .get("sig")
+        .and_then(|s| s.get("host"))
+        .and_then(Value::as_str);
+    let Some((sender_name, from_host)) = from.rsplit_once('@') else {
+        return Ok(Err("sender host mismatch".into()));
+    };
+    if sig_host != Some(peer.host.as_str()) || from_host != peer.host {
+        return Ok(Err("sender host mismatch".into()));
+    }
+    if !agentmbx_protocol::limits::is_name(sender_name) {
+        return Ok(Err("bad sender address".into()));
+    }
     if !envelope::verify(&env, &key) {
         return Ok(Err("bad signature".into()));
     }

@@ -215,3 +215,101 @@ pub fn send(
         warnings,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::{self, T0};
+
+    const ID: &str = "01KDVDNA3VG2MH8KWSQRCWJZ0S";
+
+    fn counts(s: &testutil::Store) -> (i64, i64, i64) {
+        (
+            s.scalar("SELECT COUNT(*) FROM messages"),
+            s.scalar("SELECT COUNT(*) FROM deliveries"),
+            s.scalar("SELECT COUNT(*) FROM outbox"),
+        )
+    }
+
+    #[test]
+    fn an_unknown_host_is_an_error_and_nothing_is_stored() {
+        let s = testutil::store();
+        let me = testutil::identity("home");
+        let err = s
+            .send(&me, "alice", &["bob", "carol@nowhere"], "s", ID, T0)
+            .unwrap_err();
+        assert!(
+            matches!(&err, SendError::UnknownHost(h) if h == "nowhere"),
+            "{err}"
+        );
+        assert_eq!(counts(&s), (0, 0, 0));
+        // Refused addresses store nothing either.
+        for to in ["*", "role:dev", "Bad Name", "x@"] {
+            assert!(
+                s.send(&me, "alice", &["bob", to], "s", ID, T0).is_err(),
+                "{to}"
+            );
+        }
+        assert!(s.send(&me, "Not A Name", &["bob"], "s", ID, T0).is_err());
+        assert!(s.send(&me, "alice", &[], "s", ID, T0).is_err());
+        assert_eq!(counts(&s), (0, 0, 0));
+    }
+
+    #[test]
+    fn local_recipients_get_the_message_at_once() {
+        let s = testutil::store();
+        let me = testutil::identity("home");
+        let out = s
+            .send(
+                &me,
+                "alice",
+                &["bob", "carol@home", "bob@home"],
+                "hi",
+                ID,
+                T0,
+            )
+            .unwrap();
+        assert_eq!(out.id, ID);
+        assert!(out.queued_for_hosts.is_empty());
+        assert_eq!(counts(&s), (1, 2, 0));
+        let page = s
+            .mailbox
+            .with(|c| crate::mailbox::messages::inbox(c, "bob", None, 50, false))
+            .unwrap();
+        assert_eq!(page.messages.len(), 1);
+        assert_eq!(page.messages[0].state, "new");
+        // The stored copy is the signed plaintext envelope.
+        let env: String = s.scalar("SELECT envelope FROM messages");
+        let env: serde_json::Value = serde_json::from_str(&env).unwrap();
+        assert!(env["enc"].is_null());
+        assert!(envelope::verify(&env, &me.host_key.public()));
+    }
+
+    #[test]
+    fn remote_recipients_get_one_pending_row_per_host_due_now() {
+        let s = testutil::store();
+        let me = testutil::identity("home");
+        let peer = testutil::identity("work");
+        s.add_peer(&peer, false);
+        let out = s
+            .send(
+                &me,
+                "alice",
+                &["bob@work", "dave@work", "carol"],
+                "hi",
+                ID,
+                T0,
+            )
+            .unwrap();
+        assert_eq!(out.queued_for_hosts, vec!["work".to_string()]);
+        assert_eq!(counts(&s), (1, 1, 1));
+        let rows = s.mailbox.with(|c| outbox::due(c, T0, 10)).unwrap();
+        assert_eq!(rows.len(), 1);
+        let r = &rows[0];
+        assert_eq!(
+            (r.state.as_str(), r.attempts, r.next_at, r.wire.is_none()),
+            ("pending", 0, T0, true)
+        );
+        assert_eq!(r.target_pubkey, peer.host_key.public().to_b64());
+    }
+}

@@ -14,6 +14,9 @@ pub mod pull;
 pub mod push;
 pub mod session;
 
+#[cfg(test)]
+mod tests;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -41,8 +44,8 @@ pub enum RelayError {
         status: u16,
         /// `error` text of the body (or the raw body, cut).
         error: String,
-        /// Parsed error body, when it was one.
-        body: Option<ErrorBody>,
+        /// Parsed error body, when it was one (boxed: it is the largest part of the error).
+        body: Option<Box<ErrorBody>>,
     },
     /// The relay's answer could not be parsed.
     #[error("malformed relay answer: {0}")]
@@ -167,7 +170,7 @@ pub fn status_error(status: u16, bytes: &[u8]) -> RelayError {
     RelayError::Status {
         status,
         error,
-        body,
+        body: body.map(Box::new),
     }
 }
 

@@ -1,0 +1,344 @@
+//! The local API end to end: the real router served on 127.0.0.1:0 over a real `mailbox.db`,
+//! called with reqwest (send, inbox paging, read, ack, idempotency).
+
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+
+use agentmbx_protocol::clock::{ManualClock, SharedClock};
+
+use super::{AppState, SharedState};
+use crate::identity::Identity;
+use crate::testutil::{self, Store};
+use crate::token::ApiToken;
+
+struct Api {
+    store: Store,
+    _clock: Arc<ManualClock>,
+    base: String,
+    token: String,
+    http: reqwest::Client,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Api {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Api {
+    async fn start() -> Self {
+        crate::install_tls_provider();
+        let store = testutil::store();
+        let clock = testutil::clock();
+        let ident: Arc<Identity> = Arc::new(testutil::identity("home"));
+        store.add_peer(&testutil::identity("work"), true);
+        let token = ApiToken::generate();
+        let secret = token.expose_secret().to_string();
+        let shared: SharedClock = clock.clone();
+        let state: SharedState = Arc::new(AppState {
+            host: ident.host.clone(),
+            token,
+            version: crate::VERSION,
+            clock: shared,
+            ident,
+            mailbox: store.mailbox.clone(),
+            wake: Arc::new(tokio::sync::Notify::new()),
+            ids: std::sync::Mutex::new(agentmbx_protocol::ulid::Generator::new()),
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let task = tokio::spawn(async move {
+            let _ = super::serve(listener, state, std::future::pending()).await;
+        });
+        Api {
+            store,
+            _clock: clock,
+            base,
+            token: secret,
+            http: reqwest::Client::new(),
+            task,
+        }
+    }
+
+    async fn post(&self, path: &str, body: &Value, key: Option<&str>) -> (u16, Value) {
+        let mut req = self
+            .http
+            .post(format!("{}{path}", self.base))
+            .bearer_auth(&self.token)
+            .header("content-type", "application/json")
+            .body(body.to_string());
+        if let Some(k) = key {
+            req = req.header("idempotency-key", k);
+        }
+        let resp = req.send().await.unwrap();
+        let status = resp.status().as_u16();
+        (status, resp.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn get(&self, path_and_query: &str) -> (u16, Value) {
+        let resp = self
+            .http
+            .get(format!("{}{path_and_query}", self.base))
+            .bearer_auth(&self.token)
+            .send()
+            .await
+            .unwrap();
+        let status = resp.status().as_u16();
+        (status, resp.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn send(&self, to: &[&str], subject: &str) -> String {
+        let (status, body) = self
+            .post(
+                "/v1/messages",
+                &json!({"from": "alice", "to": to, "subject": subject, "body": "b"}),
+                None,
+            )
+            .await;
+        assert_eq!(status, 201, "{body}");
+        body["id"].as_str().unwrap().to_string()
+    }
+
+    fn count(&self, table: &str) -> i64 {
+        self.store.scalar(&format!("SELECT COUNT(*) FROM {table}"))
+    }
+
+    async fn inbox(&self, query: &str) -> (u16, Value) {
+        self.get(&format!("/v1/inbox?as=bob{query}")).await
+    }
+}
+
+fn ids_of(page: &Value) -> Vec<String> {
+    page["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[tokio::test]
+async fn sending_to_an_unknown_host_stores_nothing() {
+    let api = Api::start().await;
+    // A local recipient listed first must not get a delivery either.
+    let (status, body) = api
+        .post(
+            "/v1/messages",
+            &json!({"from": "alice", "to": ["bob", "carol@nowhere"], "subject": "s"}),
+            None,
+        )
+        .await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["code"], "UNKNOWN_HOST");
+    assert!(body["error"].as_str().unwrap().contains("nowhere"));
+    assert_eq!(api.count("messages"), 0);
+    assert_eq!(api.count("deliveries"), 0);
+    assert_eq!(api.count("outbox"), 0);
+}
+
+#[tokio::test]
+async fn sending_locally_delivers_at_once_and_remote_queues_one_row_per_host() {
+    let api = Api::start().await;
+    let (status, body) = api
+        .post(
+            "/v1/messages",
+            &json!({"from": "alice", "to": ["bob", "carol@home", "dave@work", "erin@work"], "subject": "s"}),
+            None,
+        )
+        .await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["queued_for_hosts"], json!(["work"]));
+    let routes: Vec<&str> = body["recipients"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["route"].as_str().unwrap())
+        .collect();
+    assert_eq!(routes, vec!["local", "local", "remote", "remote"]);
+    assert_eq!(api.count("messages"), 1);
+    assert_eq!(api.count("deliveries"), 2);
+    assert_eq!(api.count("outbox"), 1);
+    let (_, page) = api.inbox("").await;
+    assert_eq!(
+        ids_of(&page),
+        vec![body["id"].as_str().unwrap().to_string()]
+    );
+    assert_eq!(page["messages"][0]["state"], "new");
+    assert_eq!(page["messages"][0]["from"], "alice@home");
+}
+
+#[tokio::test]
+async fn the_inbox_pages_by_count_and_cursor() {
+    let api = Api::start().await;
+    let mut sent = Vec::new();
+    for n in 0..5 {
+        sent.push(api.send(&["bob"], &format!("m{n}")).await);
+    }
+    let (status, p1) = api.inbox("&limit=2").await;
+    assert_eq!(status, 200);
+    assert_eq!(ids_of(&p1), sent[0..2].to_vec());
+    let c1 = p1["next_cursor"].as_str().unwrap().to_string();
+    let (_, p2) = api.inbox(&format!("&limit=2&cursor={c1}")).await;
+    assert_eq!(ids_of(&p2), sent[2..4].to_vec());
+    let c2 = p2["next_cursor"].as_str().unwrap().to_string();
+    let (_, p3) = api.inbox(&format!("&limit=2&cursor={c2}")).await;
+    assert_eq!(ids_of(&p3), sent[4..5].to_vec());
+    assert!(p3["next_cursor"].is_null(), "the last page has no cursor");
+    // A page that ends exactly at the end has no cursor either.
+    let (_, all) = api.inbox("&limit=5").await;
+    assert_eq!(ids_of(&all), sent);
+    assert!(all["next_cursor"].is_null());
+    // Bounds: 1 and 200 accepted, 0 and 201 refused; a bad cursor refused.
+    assert_eq!(ids_of(&api.inbox("&limit=1").await.1), sent[0..1].to_vec());
+    assert_eq!(api.inbox("&limit=200").await.0, 200);
+    for bad in [
+        "&limit=0",
+        "&limit=201",
+        "&cursor=abc",
+        "&limit=-1",
+        "&limit=x",
+    ] {
+        let (status, body) = api.inbox(bad).await;
+        assert_eq!(status, 400, "{bad}: {body}");
+        assert_eq!(
+            body["code"], "BAD_REQUEST",
+            "{bad}: errors are {{error, code}}"
+        );
+    }
+    let (status, body) = api.get("/v1/inbox").await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (400, Some("BAD_REQUEST")),
+        "{body}"
+    );
+    // Another agent's inbox is empty.
+    let (_, other) = api.get("/v1/inbox?as=carol").await;
+    assert!(ids_of(&other).is_empty());
+}
+
+#[tokio::test]
+async fn read_marks_read_and_ack_is_all_or_nothing() {
+    let api = Api::start().await;
+    let a = api.send(&["bob"], "a").await;
+    let b = api.send(&["bob"], "b").await;
+
+    let (status, msg) = api.get(&format!("/v1/messages/{a}?as=bob")).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        (msg["state"].as_str(), msg["body"].as_str()),
+        (Some("read"), Some("b"))
+    );
+    let (_, page) = api.inbox("").await;
+    let states: Vec<&str> = page["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["state"].as_str().unwrap())
+        .collect();
+    assert_eq!(states, vec!["read", "new"]);
+    let (status, body) = api.get(&format!("/v1/messages/{a}")).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (400, Some("BAD_REQUEST")),
+        "{body}"
+    );
+    // Someone who neither sent nor received it cannot read it.
+    let (status, _) = api.get(&format!("/v1/messages/{a}?as=carol")).await;
+    assert_eq!(status, 404);
+    // The sender reads its own copy, without a delivery state.
+    let (status, own) = api.get(&format!("/v1/messages/{a}?as=alice")).await;
+    assert_eq!(status, 200);
+    assert!(own["state"].is_null());
+
+    // An unknown id in the list: 404 and nothing acked.
+    let (status, body) = api
+        .post(
+            "/v1/ack",
+            &json!({"as": "bob", "ids": [a, "01KDVDNA3VG2MH8KWSQRCWJZ0S"]}),
+            None,
+        )
+        .await;
+    assert_eq!(status, 404, "{body}");
+    let acked: i64 = api
+        .store
+        .scalar("SELECT COUNT(*) FROM deliveries WHERE state = 'acked'");
+    assert_eq!(acked, 0);
+
+    let (status, body) = api
+        .post("/v1/ack", &json!({"as": "bob", "ids": [a, b]}), None)
+        .await;
+    assert_eq!((status, body["acked"].as_i64()), (200, Some(2)));
+    assert!(ids_of(&api.inbox("").await.1).is_empty());
+    assert_eq!(ids_of(&api.inbox("&all=true").await.1), vec![a.clone(), b]);
+    // Acking again changes nothing.
+    let (_, body) = api
+        .post("/v1/ack", &json!({"as": "bob", "ids": [a]}), None)
+        .await;
+    assert_eq!(body["acked"], 0);
+    // Bounds of the request.
+    let (status, _) = api
+        .post("/v1/ack", &json!({"as": "bob", "ids": []}), None)
+        .await;
+    assert_eq!(status, 400);
+}
+
+#[tokio::test]
+async fn idempotency_replays_the_first_answer_and_refuses_another_body() {
+    let api = Api::start().await;
+    let req = json!({"from": "alice", "to": ["bob", "dave@work"], "subject": "once"});
+    let (s1, first) = api.post("/v1/messages", &req, Some("key-1")).await;
+    let (s2, again) = api.post("/v1/messages", &req, Some("key-1")).await;
+    assert_eq!((s1, s2), (201, 201));
+    assert_eq!(first, again, "the same answer, the same id");
+    assert_eq!(api.count("messages"), 1);
+    assert_eq!(api.count("deliveries"), 1);
+    assert_eq!(api.count("outbox"), 1);
+
+    let other = json!({"from": "alice", "to": ["bob"], "subject": "different"});
+    let (status, body) = api.post("/v1/messages", &other, Some("key-1")).await;
+    assert_eq!(status, 409, "{body}");
+    assert_eq!(body["code"], "CONFLICT");
+    assert_eq!(api.count("messages"), 1);
+
+    // Another key is another message.
+    let (_, x) = api.post("/v1/messages", &req, Some("key-2")).await;
+    assert_ne!(x["id"], first["id"]);
+    assert_eq!(api.count("messages"), 2);
+
+    // A failed call records nothing: the key can be used again once the request is valid.
+    let bad = json!({"from": "alice", "to": ["x@nowhere"], "subject": "s"});
+    assert_eq!(api.post("/v1/messages", &bad, Some("key-3")).await.0, 400);
+    let ok = json!({"from": "alice", "to": ["bob"], "subject": "s"});
+    assert_eq!(api.post("/v1/messages", &ok, Some("key-3")).await.0, 201);
+
+    // Acks are idempotent too.
+    let id = first["id"].as_str().unwrap();
+    let ack = json!({"as": "bob", "ids": [id]});
+    let (_, a1) = api.post("/v1/ack", &ack, Some("ack-1")).await;
+    let (_, a2) = api.post("/v1/ack", &ack, Some("ack-1")).await;
+    assert_eq!(
+        (a1["acked"].as_i64(), a2["acked"].as_i64()),
+        (Some(1), Some(1))
+    );
+}
+
+#[tokio::test]
+async fn every_route_but_health_needs_the_token() {
+    let api = Api::start().await;
+    let resp = api
+        .http
+        .get(format!("{}/v1/inbox?as=bob", api.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 401);
+    let resp = api
+        .http
+        .get(format!("{}/v1/health", api.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+}

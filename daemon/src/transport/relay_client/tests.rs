@@ -1,0 +1,1891 @@
+//! Tests of the host's relay path against a fake relay: an axum router served in-process on
+//! 127.0.0.1:0 whose answers each test scripts per route, with real `mailbox.db` files.
+//!
+//! Every request the fake receives is logged with whether its signed hop verified against the
+//! client's host key, so the tests also check that each call is a correctly signed v2 hop.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+
+use agentmbx_protocol::clock::{ManualClock, SharedClock};
+use agentmbx_protocol::keys::{EncKey, HostKey, PublicKey};
+use agentmbx_protocol::records::{AcceptStatement, AcceptTarget, EncAd};
+use agentmbx_protocol::time::iso_ms;
+use agentmbx_protocol::wire::{Limits, PullItem, PushRequest};
+use agentmbx_protocol::{b64, hash, hop, seal};
+
+use super::session::Session;
+use super::{RelayClient, RelayError};
+use crate::identity::Identity;
+use crate::mailbox::{outbox, peers, relay_state};
+use crate::testutil::{self, Store, T0};
+
+// ---- the fake relay ---------------------------------------------------------------------------
+
+/// One request as the fake relay saw it.
+#[derive(Debug, Clone)]
+struct Req {
+    method: String,
+    path: String,
+    query: HashMap<String, String>,
+    body: String,
+    /// The v2 hop verified with the client's host key over the exact path + query and body.
+    hop_ok: bool,
+}
+
+impl Req {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or(Value::Null)
+    }
+    fn q(&self, k: &str) -> &str {
+        self.query.get(k).map_or("", String::as_str)
+    }
+}
+
+type Answer = (u16, Value);
+type Handler = Box<dyn FnMut(&Req) -> Answer + Send>;
+
+struct FakeState {
+    handlers: Mutex<HashMap<String, Handler>>,
+    log: Mutex<Vec<Req>>,
+    client_key: PublicKey,
+    clock: Arc<ManualClock>,
+}
+
+struct FakeRelay {
+    url: String,
+    key: HostKey,
+    state: Arc<FakeState>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for FakeRelay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' && i + 2 < b.len() {
+            if let Ok(v) = u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 3]).unwrap(), 16) {
+                out.push(v);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(if b[i] == b'+' { b' ' } else { b[i] });
+        i += 1;
+    }
+    String::from_utf8(out).unwrap()
+}
+
+async fn fake_handle(
+    State(s): State<Arc<FakeState>>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let target = uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
+    let body = String::from_utf8(body.to_vec()).unwrap();
+    let header = |k: &str| {
+        headers
+            .get(k)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string()
+    };
+    let hop_ok = header(hop::header::KEY) == s.client_key.to_b64()
+        && hop::verify_relay_hop(
+            &s.client_key,
+            method.as_str(),
+            &target,
+            &header(hop::header::TS),
+            &body,
+            &header(hop::header::SIG),
+            agentmbx_protocol::clock::Clock::now_ms(&*s.clock),
+        )
+        .is_ok();
+    let query = uri
+        .query()
+        .unwrap_or("")
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            (percent_decode(k), percent_decode(v))
+        })
+        .collect();
+    let req = Req {
+        method: method.to_string(),
+        path: uri.path().to_string(),
+        query,
+        body,
+        hop_ok,
+    };
+    s.log.lock().unwrap().push(req.clone());
+    let route = format!("{} {}", req.method, req.path);
+    let answer = match s.handlers.lock().unwrap().get_mut(&route) {
+        Some(h) => h(&req),
+        None => (404, json!({"error": "not found", "code": "NOT_FOUND"})),
+    };
+    (StatusCode::from_u16(answer.0).unwrap(), Json(answer.1)).into_response()
+}
+
+impl FakeRelay {
+    async fn start(client_key: PublicKey, clock: Arc<ManualClock>) -> Self {
+        let state = Arc::new(FakeState {
+            handlers: Mutex::new(HashMap::new()),
+            log: Mutex::new(Vec::new()),
+            client_key,
+            clock,
+        });
+        let app = Router::new()
+            .fallback(fake_handle)
+            .with_state(state.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        FakeRelay {
+            url,
+            key: HostKey::generate(),
+            state,
+            task,
+        }
+    }
+
+    /// Scripts the answers of `route` (`"POST /v2/relay/items"`).
+    fn on(&self, route: &str, h: impl FnMut(&Req) -> Answer + Send + 'static) {
+        self.state
+            .handlers
+            .lock()
+            .unwrap()
+            .insert(route.to_string(), Box::new(h));
+    }
+
+    /// The requests seen on `route`, oldest first.
+    fn seen(&self, route: &str) -> Vec<Req> {
+        self.state
+            .log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|r| format!("{} {}", r.method, r.path) == route)
+            .cloned()
+            .collect()
+    }
+
+    fn assert_hops_ok(&self) {
+        for r in self.state.log.lock().unwrap().iter() {
+            assert!(
+                r.hop_ok,
+                "unsigned or badly signed hop: {} {}",
+                r.method, r.path
+            );
+        }
+    }
+}
+
+// ---- records the fake signs --------------------------------------------------------------------
+
+fn limits() -> Limits {
+    Limits {
+        max_item_bytes: 786_432,
+        max_batch: 200,
+        max_pull: 100,
+        max_pull_bytes: 4 << 20,
+        max_targets: 64,
+        retention_days: 14,
+        max_queue_items: 10_000,
+        max_queue_bytes: 52_428_800,
+        max_sender_items: 2_000,
+        max_sender_bytes: 20_971_520,
+        max_owner_items: 10_000,
+        max_owner_bytes: 52_428_800,
+    }
+}
+
+fn session(epoch: &str) -> Session {
+    Session {
+        epoch: epoch.into(),
+        limits: limits(),
+        head_seq: 0,
+    }
+}
+
+/// What a relay signs for one item with one target.
+#[derive(Clone)]
+struct AcceptSpec {
+    signer: HostKey,
+    relay_pubkey: String,
+    epoch: String,
+    sender: String,
+    item_id: String,
+    target: String,
+    wire_hash: String,
+    seq: i64,
+    at: i64,
+}
+
+impl AcceptSpec {
+    fn signed(&self) -> (Value, String) {
+        let st = AcceptStatement {
+            v: 1,
+            kind: "relay-accept".into(),
+            relay_pubkey: self.relay_pubkey.clone(),
+            epoch: self.epoch.clone(),
+            sender_pubkey: self.sender.clone(),
+            item_id: self.item_id.clone(),
+            targets: vec![AcceptTarget {
+                host_pubkey: self.target.clone(),
+                seq: self.seq,
+                wire_hash: self.wire_hash.clone(),
+            }],
+            at: iso_ms(self.at),
+        };
+        let sig = st.sign(&self.signer);
+        (serde_json::to_value(&st).unwrap(), sig)
+    }
+}
+
+/// The pushed items of a request, with the decoded wire bytes of their (single) target.
+fn pushed_items(req: &Req) -> Vec<(String, String, Vec<u8>)> {
+    let p: PushRequest = serde_json::from_str(&req.body).unwrap();
+    p.items
+        .into_iter()
+        .map(|i| {
+            assert_eq!(i.kind, "envelope");
+            assert_eq!(i.targets.len(), 1, "one target per item");
+            let t = &i.targets[0];
+            (
+                i.item_id.clone(),
+                t.host_pubkey.clone(),
+                b64::decode(&t.wire_b64).unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// A push handler answering every item with `status` and an accept that `tweak` may alter
+/// (the default is an accept signed by the relay key at seq 1000 + index, with an empty
+/// sender that `tweak` sets).
+fn push_answer(
+    relay_key: HostKey,
+    epoch: &str,
+    status: &'static str,
+    tweak: impl Fn(&mut AcceptSpec) + Send + 'static,
+) -> impl FnMut(&Req) -> Answer + Send + 'static {
+    let epoch = epoch.to_string();
+    move |req: &Req| {
+        let results: Vec<Value> = pushed_items(req)
+            .into_iter()
+            .enumerate()
+            .map(|(n, (item_id, target, wire))| {
+                let mut spec = AcceptSpec {
+                    signer: relay_key.clone(),
+                    relay_pubkey: relay_key.public().to_b64(),
+                    epoch: epoch.clone(),
+                    // Each test names the sender (normally this host) in `tweak`.
+                    sender: String::new(),
+                    item_id: item_id.clone(),
+                    target: target.clone(),
+                    wire_hash: hash::sha256_hex(&wire),
+                    seq: 1000 + n as i64,
+                    at: T0,
+                };
+                tweak(&mut spec);
+                let (accept, sig) = spec.signed();
+                json!({"item_id": item_id, "status": status,
+                       "targets": [{"host_pubkey": target, "seq": spec.seq}],
+                       "accept": accept, "sig": sig})
+            })
+            .collect();
+        (200, json!({ "results": results }))
+    }
+}
+
+/// A rejecting push handler.
+fn push_reject(status: &'static str) -> impl FnMut(&Req) -> Answer + Send + 'static {
+    move |req: &Req| {
+        let results: Vec<Value> = pushed_items(req)
+            .into_iter()
+            .map(|(id, _, _)| json!({"item_id": id, "status": status, "targets": []}))
+            .collect();
+        (200, json!({ "results": results }))
+    }
+}
+
+// ---- the host under test ---------------------------------------------------------------------
+
+/// This host `home` (agent alice) with peer `work` (agent bob), a fake relay and a client.
+struct Setup {
+    store: Store,
+    clock: Arc<ManualClock>,
+    me: Arc<Identity>,
+    peer: Identity,
+    relay: FakeRelay,
+    client: RelayClient,
+}
+
+impl Setup {
+    async fn new(peer_enc_known: bool) -> Self {
+        crate::install_tls_provider();
+        let store = testutil::store();
+        let clock = testutil::clock();
+        let me = Arc::new(testutil::identity("home"));
+        let peer = testutil::identity("work");
+        store.add_peer(&peer, peer_enc_known);
+        let relay = FakeRelay::start(me.host_key.public(), clock.clone()).await;
+        let client = Self::client_for(&relay.url, &relay.key, &me, &store, &clock);
+        Setup {
+            store,
+            clock,
+            me,
+            peer,
+            relay,
+            client,
+        }
+    }
+
+    fn client_for(
+        url: &str,
+        relay_key: &HostKey,
+        me: &Arc<Identity>,
+        store: &Store,
+        clock: &Arc<ManualClock>,
+    ) -> RelayClient {
+        let shared: SharedClock = clock.clone();
+        RelayClient::new(
+            url,
+            relay_key.public(),
+            me.clone(),
+            store.mailbox.clone(),
+            shared,
+        )
+        .unwrap()
+    }
+
+    fn me_pub(&self) -> String {
+        self.me.host_key.public().to_b64()
+    }
+
+    fn peer_pub(&self) -> String {
+        self.peer.host_key.public().to_b64()
+    }
+
+    /// alice@home → bob@work: one pending outbox row for `work`. Returns the message id.
+    fn send_to_peer(&self, id: &str) -> String {
+        let out = self
+            .store
+            .send(
+                &self.me,
+                "alice",
+                &["bob@work"],
+                "hello",
+                id,
+                self.clock_now(),
+            )
+            .unwrap();
+        assert_eq!(out.queued_for_hosts, vec!["work".to_string()]);
+        out.id
+    }
+
+    fn clock_now(&self) -> i64 {
+        agentmbx_protocol::clock::Clock::now_ms(&*self.clock)
+    }
+
+    fn row(&self, id: &str) -> outbox::Row {
+        self.store
+            .mailbox
+            .with(|c| outbox::get(c, id, "work"))
+            .unwrap()
+            .expect("outbox row")
+    }
+
+    /// The accept and accept_sig stored on a row.
+    fn stored_accept(&self, id: &str) -> (Option<String>, Option<String>, Option<i64>) {
+        self.store
+            .fresh_conn()
+            .query_row(
+                "SELECT accept, accept_sig, deadline_at FROM outbox WHERE msg_id = ?1",
+                [id],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .unwrap()
+    }
+
+    /// A correct push handler: accepted, signed by the relay key, for this host as sender.
+    fn accept_all(&self, epoch: &str, status: &'static str) {
+        let me = self.me_pub();
+        self.relay.on(
+            "POST /v2/relay/items",
+            push_answer(self.relay.key.clone(), epoch, status, move |s| {
+                s.sender = me.clone()
+            }),
+        );
+    }
+
+    /// After one failed push attempt: pending, attempts 1, next_at moved by the first backoff,
+    /// no accept, and the sealed wire bytes kept (equal to what was pushed, if it was).
+    fn assert_pending_after_one_failure(&self, id: &str, now: i64, error_part: &str) {
+        let row = self.assert_failed_once(id, now, error_part);
+        let wire = row.wire.expect("sealed and persisted before the push");
+        assert_eq!(row.wire_hash, Some(hash::sha256_hex(&wire)));
+        if let Some(last) = self.relay.seen("POST /v2/relay/items").last() {
+            let pushed = pushed_items(last)
+                .into_iter()
+                .find(|p| p.0 == id)
+                .expect("the row was pushed");
+            assert_eq!(pushed.2, wire, "the pushed bytes are the persisted ones");
+        }
+    }
+
+    /// After one attempt that could not seal (no usable enc key): pending, no wire at all.
+    fn assert_pending_unsealed(&self, id: &str, now: i64, error_part: &str) {
+        let row = self.assert_failed_once(id, now, error_part);
+        assert_eq!((row.wire, row.wire_hash), (None, None), "never sealed");
+    }
+
+    fn assert_failed_once(&self, id: &str, now: i64, error_part: &str) -> outbox::Row {
+        let row = self.row(id);
+        assert_eq!(row.state, "pending", "{row:?}");
+        assert_eq!(row.attempts, 1, "{row:?}");
+        assert_eq!(row.next_at, now + outbox::backoff_ms(0), "{row:?}");
+        assert!(
+            row.last_error.as_deref().unwrap_or("").contains(error_part),
+            "last_error {:?} should mention {error_part:?}",
+            row.last_error
+        );
+        assert_eq!(row.seq, None);
+        assert_eq!(row.epoch, None);
+        assert_eq!(self.stored_accept(id).0, None);
+        row
+    }
+}
+
+// ---- sender ------------------------------------------------------------------------------------
+
+const ID1: &str = "01KDVDNA3VG2MH8KWSQRCWJZ0S";
+const ID2: &str = "01KDVDNA3VG2MH8KWSQRCWJZ0T";
+
+#[tokio::test]
+async fn rejected_target_not_enrolled_is_retried_with_backoff() {
+    let s = Setup::new(true).await;
+    let id = s.send_to_peer(ID1);
+    s.relay.on(
+        "POST /v2/relay/items",
+        push_reject("rejected:target not enrolled"),
+    );
+    let pass = s.client.push_due(&session("e1")).await.unwrap();
+    assert_eq!((pass.accepted, pass.failed), (0, 1));
+    s.assert_pending_after_one_failure(&id, T0, "target not enrolled");
+    let row = s.row(&id);
+    // The wire bytes were persisted (and are what was pushed).
+    let pushed = pushed_items(&s.relay.seen("POST /v2/relay/items")[0]);
+    assert_eq!(row.wire.as_deref(), Some(&pushed[0].2[..]));
+    assert_eq!(row.wire_hash, Some(hash::sha256_hex(&pushed[0].2)));
+    assert_eq!(pushed[0].1, s.peer_pub(), "targets are keys, never names");
+    s.relay.assert_hops_ok();
+
+    // Second failure: attempts 2, next delay doubled.
+    s.clock.set(row.next_at);
+    s.client.push_due(&session("e1")).await.unwrap();
+    let row2 = s.row(&id);
+    assert_eq!((row2.state.as_str(), row2.attempts), ("pending", 2));
+    assert_eq!(row2.next_at, row.next_at + outbox::backoff_ms(1));
+}
+
+#[tokio::test]
+async fn rejected_conflict_is_terminal_and_the_row_is_kept() {
+    let s = Setup::new(true).await;
+    let id = s.send_to_peer(ID1);
+    s.relay
+        .on("POST /v2/relay/items", push_reject("rejected:conflict"));
+    s.client.push_due(&session("e1")).await.unwrap();
+    let row = s.row(&id);
+    assert_eq!(row.state, "rejected");
+    assert_eq!(row.attempts, 1);
+    assert_eq!(row.last_error.as_deref(), Some("rejected:conflict"));
+    assert!(row.wire.is_some(), "the bytes stay for a manual retry");
+    // A rejected row is not due any more: nothing is pushed again.
+    s.clock.advance(10 * 3_600_000);
+    s.client.push_due(&session("e1")).await.unwrap();
+    assert_eq!(s.relay.seen("POST /v2/relay/items").len(), 1);
+    assert_eq!(s.row(&id).state, "rejected");
+}
+
+#[tokio::test]
+async fn other_rejections_are_retried_and_size_rejections_are_terminal() {
+    for (status, terminal) in [
+        ("rejected:sender not accepted by target", false),
+        ("rejected:quota:target queue full", false),
+        ("rejected:rate", false),
+        ("rejected:bad wire", true),
+        ("rejected:item over size limit", true),
+        ("rejected:envelope body is not sealed", true),
+        ("rejected:item id is not the envelope id", true),
+        ("rejected:duplicate target", true),
+        ("something unexpected", false),
+    ] {
+        let s = Setup::new(true).await;
+        let id = s.send_to_peer(ID1);
+        s.relay.on("POST /v2/relay/items", push_reject(status));
+        s.client.push_due(&session("e1")).await.unwrap();
+        let row = s.row(&id);
+        let want = if terminal { "rejected" } else { "pending" };
+        assert_eq!(row.state, want, "{status}");
+        assert_eq!(row.attempts, 1, "{status}");
+    }
+}
+
+#[tokio::test]
+async fn a_missing_result_keeps_the_row_pending() {
+    let s = Setup::new(true).await;
+    let id = s.send_to_peer(ID1);
+    s.relay
+        .on("POST /v2/relay/items", |_| (200, json!({"results": []})));
+    s.client.push_due(&session("e1")).await.unwrap();
+    s.assert_pending_after_one_failure(&id, T0, "missing result");
+}
+
+#[tokio::test]
+async fn a_result_for_another_item_id_is_a_missing_result() {
+    let s = Setup::new(true).await;
+    let id = s.send_to_peer(ID1);
+    let me = s.me_pub();
+    let mut inner = push_answer(s.relay.key.clone(), "e1", "accepted", move |a| {
+        a.sender = me.clone()
+    });
+    s.relay.on("POST /v2/relay/items", move |req| {
+        let (code, mut body) = inner(req);
+        body["results"][0]["item_id"] = json!(ID2);
+        (code, body)
+    });
+    s.client.push_due(&session("e1")).await.unwrap();
+    s.assert_pending_after_one_failure(&id, T0, "missing result");
+}
+
+#[tokio::test]
+async fn an_accept_signed_by_another_key_keeps_the_row_pending() {
+    // The pinned relay key named, but signed by another key.
+    let s = Setup::new(true).await;
+    let id = s.send_to_peer(ID1);
+    let me = s.me_pub();
+    let other = HostKey::generate();
+    s.relay.on(
+        "POST /v2/relay/items",
+        push_answer(s.relay.key.clone(), "e1", "accepted", move |a| {
+            a.sender = me.clone();
+            a.signer = other.clone();
+        }),
+    );
+    s.client.push_due(&session("e1")).await.unwrap();
+    s.assert_pending_after_one_failure(&id, T0, "not signed by the pinned relay key");
+
+    // Another relay key named and signing consistently: still not ours.
+    let s = Setup::new(true).await;
+    let id = s.send_to_peer(ID1);
+    let me = s.me_pub();
+    let other = HostKey::generate();
+    s.relay.on(
+        "POST /v2/relay/items",
+        push_answer(s.relay.key.clone(), "e1", "accepted", move |a| {
+            a.sender = me.clone();
+            a.relay_pubkey = other.public().to_b64();
+            a.signer = other.clone();
+        }),
+    );
+    s.client.push_due(&session("e1")).await.unwrap();
+    s.assert_pending_after_one_failure(&id, T0, "not signed by the pinned relay key");
+
+    // A valid accept with the signature missing.
+    let s = Setup::new(true).await;
+    let id = s.send_to_peer(ID1);
+    let me = s.me_pub();
+    let mut inner = push_answer(s.relay.key.clone(), "e1", "accepted", move |a| {
+        a.sender = me.clone()
+    });
+    s.relay.on("POST /v2/relay/items", move |req| {
+        let (code, mut body) = inner(req);
+        body["results"][0]
+            .as_object_mut()
+            .unwrap()
+            .remove("sig")
+            .unwrap();
+        (code, body)
+    });
+    s.client.push_due(&session("e1")).await.unwrap();
+    s.assert_pending_after_one_failure(&id, T0, "not signed by the pinned relay key");
+}
+
+#[tokio::test]
+async fn an_accept_naming_another_wire_hash_keeps_the_row_pending() {
+    let s = Setup::new(true).await;
+    let id = s.send_to_peer(ID1);
+    let me = s.me_pub();
+    s.relay.on(
+        "POST /v2/relay/items",
+        push_answer(s.relay.key.clone(), "e1", "accepted", move |a| {
+            a.sender = me.clone();
+            a.wire_hash = hash::sha256_hex(b"other bytes");
+        }),
+    );
+    s.client.push_due(&session("e1")).await.unwrap();
+    s.assert_pending_after_one_failure(&id, T0, "does not cover this target and wire hash");
+}
+
+#[tokio::test]
+async fn an_accept_for_another_item_sender_or_target_keeps_the_row_pending() {
+    type Tweak = Box<dyn Fn(&mut AcceptSpec, &str) + Send + Sync>;
+    let cases: Vec<(Tweak, &str)> = vec![
+        (
+            Box::new(|a, me| {
+                a.sender = me.into();
+                a.item_id = ID2.into();
+            }),
+            "another sender or item",
+        ),
+        (
+            Box::new(|a, _me| a.sender = HostKey::generate().public().to_b64()),
+            "another sender or item",
+        ),
+        (
+            Box::new(|a, me| {
+                a.sender = me.into();
+                a.target = HostKey::generate().public().to_b64();
+            }),
+            "does not cover this target",
+        ),
+        (
+            Box::new(|a, me| {
+                a.sender = me.into();
+                a.seq = 0;
+            }),
+            "does not cover this target",
+        ),
+    ];
+    for (tweak, why) in cases {
+        let s = Setup::new(true).await;
+        let id = s.send_to_peer(ID1);
+        let me = s.me_pub();
+        s.relay.on(
+            "POST /v2/relay/items",
+            push_answer(s.relay.key.clone(), "e1", "accepted", move |a| {
+                tweak(a, &me)
+            }),
+        );
+        s.client.push_due(&session("e1")).await.unwrap();
+        s.assert_pending_after_one_failure(&id, T0, why);
+    }
+}
+
+#[tokio::test]
+async fn a_valid_duplicate_settles_the_row_with_the_original_seq() {
+    let s = Setup::new(true).await;
+    let id = s.send_to_peer(ID1);
+    let me = s.me_pub();
+    let original_at = T0 - 60_000;
+    s.relay.on(
+        "POST /v2/relay/items",
+        push_answer(s.relay.key.clone(), "e7", "duplicate", move |a| {
+            a.sender = me.clone();
+            a.seq = 1_767_225_600_123;
+            a.at = original_at;
+        }),
+    );
+    s.clock.advance(1_000);
+    let pass = s.client.push_due(&session("e7")).await.unwrap();
+    assert_eq!((pass.accepted, pass.failed), (1, 0));
+    let row = s.row(&id);
+    assert_eq!(row.state, "relay-accepted");
+    assert_eq!(row.seq, Some(1_767_225_600_123));
+    assert_eq!(row.epoch.as_deref(), Some("e7"));
+    assert_eq!(row.attempts, 0);
+    assert_eq!(row.last_error, None);
+    let (accept, sig, deadline) = s.stored_accept(&id);
+    let accept: Value = serde_json::from_str(&accept.unwrap()).unwrap();
+    assert_eq!(accept["type"], "relay-accept");
+    assert_eq!(accept["item_id"], id.as_str());
+    assert_eq!(accept["at"], iso_ms(original_at));
+    assert!(sig.is_some_and(|s| !s.is_empty()));
+    // Deadline = accept time + retention (14 d) + 24 h grace (spec §3).
+    assert_eq!(
+        deadline,
+        Some(original_at + 14 * 86_400_000 + 24 * 3_600_000)
+    );
+    // Settled rows are not due any more.
+    s.clock.advance(10 * 3_600_000);
+    s.client.push_due(&session("e7")).await.unwrap();
+    assert_eq!(s.relay.seen("POST /v2/relay/items").len(), 1);
+}
+
+#[tokio::test]
+async fn a_network_failure_or_5xx_keeps_the_row_pending() {
+    // The relay answers 500.
+    let s = Setup::new(true).await;
+    let id = s.send_to_peer(ID1);
+    s.relay.on("POST /v2/relay/items", |_| {
+        (500, json!({"error": "boom", "code": "INTERNAL"}))
+    });
+    s.client.push_due(&session("e1")).await.unwrap();
+    s.assert_pending_after_one_failure(&id, T0, "500");
+
+    // Nobody listens at the relay address any more (connection refused).
+    let s = Setup::new(true).await;
+    let id = s.send_to_peer(ID1);
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let client = Setup::client_for(&dead, &s.relay.key, &s.me, &s.store, &s.clock);
+    let pass = client.push_due(&session("e1")).await.unwrap();
+    assert_eq!(pass.failed, 1);
+    s.assert_pending_after_one_failure(&id, T0, "relay unreachable");
+    assert!(
+        s.row(&id).wire.is_some(),
+        "sealed and kept before the attempt"
+    );
+
+    // A 200 whose body is not a push response.
+    let s = Setup::new(true).await;
+    let id = s.send_to_peer(ID1);
+    s.relay
+        .on("POST /v2/relay/items", |_| (200, json!({"stored": 1})));
+    s.client.push_due(&session("e1")).await.unwrap();
+    s.assert_pending_after_one_failure(&id, T0, "malformed relay answer");
+}
+
+#[tokio::test]
+async fn wire_bytes_are_persisted_before_the_first_push_and_reused_byte_for_byte() {
+    let s = Setup::new(true).await;
+    let id = s.send_to_peer(ID1);
+    assert_eq!(s.row(&id).wire, None, "sealing happens in the transport");
+    // First attempt: the relay checks that the bytes are already committed in mailbox.db,
+    // then loses the answer (500).
+    let path = s.store.path.clone();
+    let committed: Arc<Mutex<Vec<Option<Vec<u8>>>>> = Arc::default();
+    let seen = committed.clone();
+    let me = s.me_pub();
+    let mut accept = push_answer(s.relay.key.clone(), "e1", "accepted", move |a| {
+        a.sender = me.clone()
+    });
+    let mut calls = 0;
+    s.relay.on("POST /v2/relay/items", move |req| {
+        let c = rusqlite::Connection::open(&path).unwrap();
+        let w: Option<Vec<u8>> = c
+            .query_row("SELECT wire FROM outbox", [], |r| r.get(0))
+            .unwrap();
+        seen.lock().unwrap().push(w);
+        calls += 1;
+        if calls == 1 {
+            (500, json!({"error": "lost", "code": "INTERNAL"}))
+        } else {
+            accept(req)
+        }
+    });
+    s.client.push_due(&session("e1")).await.unwrap();
+    let row = s.row(&id);
+    assert_eq!(row.state, "pending");
+    s.clock.set(row.next_at);
+    let pass = s.client.push_due(&session("e1")).await.unwrap();
+    assert_eq!(pass.accepted, 1);
+
+    let pushes = s.relay.seen("POST /v2/relay/items");
+    assert_eq!(pushes.len(), 2);
+    let b64_of = |r: &Req| r.json()["items"][0]["targets"][0]["wire_b64"].clone();
+    assert_eq!(
+        b64_of(&pushes[0]),
+        b64_of(&pushes[1]),
+        "same bytes on retry"
+    );
+    let first = pushed_items(&pushes[0]).remove(0).2;
+    let committed = committed.lock().unwrap().clone();
+    assert_eq!(committed, vec![Some(first.clone()), Some(first.clone())]);
+    let row = s.row(&id);
+    assert_eq!(row.state, "relay-accepted");
+    assert_eq!(row.wire.as_deref(), Some(&first[..]));
+    assert_eq!(row.wire_hash, Some(hash::sha256_hex(&first)));
+    // The bytes are sealed for the target and signed by this host: never plaintext.
+    let env: Value = serde_json::from_slice(&first).unwrap();
+    assert!(env["enc"].is_object());
+    assert!(!String::from_utf8_lossy(&first).contains("body of hello"));
+    let enc: seal::Enc = serde_json::from_value(env["enc"].clone()).unwrap();
+    assert_eq!(
+        seal::open(&enc, &s.peer.enc_key, &id).unwrap(),
+        "body of hello"
+    );
+    assert!(agentmbx_protocol::envelope::verify(
+        &env,
+        &s.me.host_key.public()
+    ));
+    s.relay.assert_hops_ok();
+}
+
+#[tokio::test]
+async fn next_at_is_respected() {
+    let s = Setup::new(true).await;
+    let id = s.send_to_peer(ID1);
+    s.relay.on("POST /v2/relay/items", |_| {
+        (503, json!({"error": "busy", "code": "BUSY"}))
+    });
+    s.client.push_due(&session("e1")).await.unwrap();
+    let next_at = s.row(&id).next_at;
+    assert_eq!(next_at, T0 + outbox::backoff_ms(0));
+
+    // Before next_at: the row is not due, nothing is pushed, nothing changes.
+    s.clock.set(next_at - 1);
+    let due = s
+        .store
+        .mailbox
+        .with(|c| outbox::due(c, next_at - 1, 10))
+        .unwrap();
+    assert!(due.is_empty());
+    let pass = s.client.push_due(&session("e1")).await.unwrap();
+    assert_eq!((pass.accepted, pass.failed), (0, 0));
+    assert_eq!(s.relay.seen("POST /v2/relay/items").len(), 1);
+    assert_eq!(s.row(&id).attempts, 1);
+    assert_eq!(
+        s.store.mailbox.with(|c| outbox::next_due_at(c)).unwrap(),
+        Some(next_at)
+    );
+
+    // At next_at it is pushed again.
+    s.clock.set(next_at);
+    s.accept_all("e1", "accepted");
+    let pass = s.client.push_due(&session("e1")).await.unwrap();
+    assert_eq!(pass.accepted, 1);
+    assert_eq!(s.relay.seen("POST /v2/relay/items").len(), 2);
+    assert_eq!(s.row(&id).state, "relay-accepted");
+    assert_eq!(
+        s.store.mailbox.with(|c| outbox::next_due_at(c)).unwrap(),
+        None
+    );
+}
+
+#[tokio::test]
+async fn a_batch_settles_each_row_on_its_own_result() {
+    let s = Setup::new(true).await;
+    let a = s.send_to_peer(ID1);
+    let b = s.send_to_peer(ID2);
+    let me = s.me_pub();
+    let mut inner = push_answer(s.relay.key.clone(), "e1", "accepted", move |x| {
+        x.sender = me.clone()
+    });
+    s.relay.on("POST /v2/relay/items", move |req| {
+        let (code, mut body) = inner(req);
+        // The second item is refused.
+        body["results"][1] =
+            json!({"item_id": ID2, "status": "rejected:quota:items", "targets": []});
+        (code, body)
+    });
+    let pass = s.client.push_due(&session("e1")).await.unwrap();
+    assert_eq!((pass.accepted, pass.failed), (1, 1));
+    assert_eq!(s.row(&a).state, "relay-accepted");
+    assert_eq!(s.row(&b).state, "pending");
+    assert_eq!(s.relay.seen("POST /v2/relay/items").len(), 1, "one batch");
+}
+
+// ---- enc key learning --------------------------------------------------------------------------
+
+/// A `GET /v2/relay/enc-key` answer for `peer`: `ad` signed by `signer`, `served_enc` as the
+/// top-level `enc_pub`.
+fn enc_answer(peer: &Identity, ad: &EncAd, signer: &HostKey, served_enc: &str) -> Value {
+    json!({
+        "host": peer.host.as_str(),
+        "host_pubkey": peer.host_key.public().to_b64(),
+        "enc_pub": served_enc,
+        "ad": ad.to_value(),
+        "ad_sig": ad.sign(signer),
+    })
+}
+
+#[tokio::test]
+async fn a_relay_ad_signed_by_the_pinned_key_is_used() {
+    let s = Setup::new(false).await;
+    let id = s.send_to_peer(ID1);
+    let enc = s.peer.enc_key.public().to_b64();
+    let ad = EncAd::new("work", &s.peer.host_key.public(), &enc, T0 - 1_000);
+    let answer = enc_answer(&s.peer, &ad, &s.peer.host_key, &enc);
+    s.relay
+        .on("GET /v2/relay/enc-key", move |_| (200, answer.clone()));
+    s.accept_all("e1", "accepted");
+    let pass = s.client.push_due(&session("e1")).await.unwrap();
+    assert_eq!(pass.accepted, 1);
+    // The lookup is by the pinned key (URL-encoded), and signed.
+    let lookups = s.relay.seen("GET /v2/relay/enc-key");
+    assert_eq!(lookups.len(), 1);
+    assert_eq!(lookups[0].q("pubkey"), s.peer_pub());
+    s.relay.assert_hops_ok();
+    // Recorded with its iat (rollback guard), and the body was sealed to it.
+    let p = s
+        .store
+        .mailbox
+        .with(|c| peers::by_name(c, "work"))
+        .unwrap()
+        .unwrap();
+    assert_eq!(p.enc_pub.as_deref(), Some(enc.as_str()));
+    assert_eq!(p.enc_ad_iat, Some(T0 - 1_000));
+    let wire = s.row(&id).wire.unwrap();
+    let env: Value = serde_json::from_slice(&wire).unwrap();
+    let sealed: seal::Enc = serde_json::from_value(env["enc"].clone()).unwrap();
+    assert_eq!(
+        seal::open(&sealed, &s.peer.enc_key, &id).unwrap(),
+        "body of hello"
+    );
+}
+
+#[tokio::test]
+async fn bad_relay_ads_are_never_used() {
+    let day = 86_400_000;
+    // (case, the relay's answer for the peer)
+    type Make = Box<dyn Fn(&Identity) -> (u16, Value)>;
+    let cases: Vec<(&str, Make)> = vec![
+        (
+            "signed by another key",
+            Box::new(|p: &Identity| {
+                let enc = p.enc_key.public().to_b64();
+                let ad = EncAd::new("work", &p.host_key.public(), &enc, T0);
+                (200, enc_answer(p, &ad, &HostKey::generate(), &enc))
+            }),
+        ),
+        (
+            "another host's ad",
+            Box::new(|p: &Identity| {
+                let other = HostKey::generate();
+                let enc = p.enc_key.public().to_b64();
+                let ad = EncAd::new("work", &other.public(), &enc, T0);
+                (200, enc_answer(p, &ad, &other, &enc))
+            }),
+        ),
+        (
+            "expired",
+            Box::new(move |p: &Identity| {
+                let enc = p.enc_key.public().to_b64();
+                let ad = EncAd::new("work", &p.host_key.public(), &enc, T0 - 31 * day);
+                (200, enc_answer(p, &ad, &p.host_key, &enc))
+            }),
+        ),
+        (
+            "not yet valid",
+            Box::new(|p: &Identity| {
+                let enc = p.enc_key.public().to_b64();
+                let ad = EncAd::new("work", &p.host_key.public(), &enc, T0 + 3_600_000);
+                (200, enc_answer(p, &ad, &p.host_key, &enc))
+            }),
+        ),
+        (
+            "tampered: served enc_pub differs from ad.enc_pub",
+            Box::new(|p: &Identity| {
+                let enc = p.enc_key.public().to_b64();
+                let ad = EncAd::new("work", &p.host_key.public(), &enc, T0);
+                let served = EncKey::generate().public().to_b64();
+                (200, enc_answer(p, &ad, &p.host_key, &served))
+            }),
+        ),
+        (
+            "ad edited after signing",
+            Box::new(|p: &Identity| {
+                let enc = p.enc_key.public().to_b64();
+                let ad = EncAd::new("work", &p.host_key.public(), &enc, T0);
+                let mut a = enc_answer(p, &ad, &p.host_key, &enc);
+                let evil = EncKey::generate().public().to_b64();
+                a["ad"]["enc_pub"] = json!(evil);
+                a["enc_pub"] = json!(evil);
+                (200, a)
+            }),
+        ),
+        (
+            "v1 only (no v2 ad)",
+            Box::new(|p: &Identity| {
+                (
+                    200,
+                    json!({"host": "work", "host_pubkey": p.host_key.public().to_b64(),
+                           "enc_pub": p.enc_key.public().to_b64(), "sig": "c2ln"}),
+                )
+            }),
+        ),
+        (
+            "unknown host",
+            Box::new(|_p: &Identity| (404, json!({"error": "unknown host", "code": "NOT_FOUND"}))),
+        ),
+    ];
+    for (name, make) in cases {
+        let s = Setup::new(false).await;
+        let id = s.send_to_peer(ID1);
+        let answer = make(&s.peer);
+        s.relay.on("GET /v2/relay/enc-key", move |_| answer.clone());
+        s.accept_all("e1", "accepted");
+        let pass = s.client.push_due(&session("e1")).await.unwrap();
+        assert_eq!((pass.accepted, pass.failed), (0, 1), "{name}");
+        s.assert_pending_unsealed(&id, T0, "no enc key");
+        let row = s.row(&id);
+        assert_eq!(row.wire, None, "{name}: never sealed with a refused key");
+        assert!(
+            s.relay.seen("POST /v2/relay/items").is_empty(),
+            "{name}: nothing pushed, never plaintext"
+        );
+        let p = s
+            .store
+            .mailbox
+            .with(|c| peers::by_name(c, "work"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(p.enc_pub, None, "{name}");
+        assert_eq!(
+            s.relay.seen("GET /v2/relay/enc-key").len(),
+            1,
+            "{name}: asked once"
+        );
+    }
+}
+
+#[tokio::test]
+async fn an_enc_key_lookup_failure_keeps_the_row_pending_unsealed() {
+    let s = Setup::new(false).await;
+    let id = s.send_to_peer(ID1);
+    s.relay.on("GET /v2/relay/enc-key", |_| {
+        (500, json!({"error": "boom", "code": "INTERNAL"}))
+    });
+    s.client.push_due(&session("e1")).await.unwrap();
+    s.assert_pending_unsealed(&id, T0, "500");
+    assert!(s.relay.seen("POST /v2/relay/items").is_empty());
+}
+
+#[tokio::test]
+async fn the_rollback_guard_refuses_an_older_ad_naming_another_key() {
+    let s = Setup::new(false).await;
+    let k1 = EncKey::generate().public().to_b64();
+    let k2 = EncKey::generate().public().to_b64();
+    let day = 86_400_000;
+    s.store
+        .mailbox
+        .with(|c| {
+            assert!(peers::set_enc_key(c, "work", &k1, T0)?);
+            // Older ad naming another key: refused, nothing changes.
+            assert!(!peers::set_enc_key(c, "work", &k2, T0 - day)?);
+            // Same iat, another key: not newer, refused.
+            assert!(!peers::set_enc_key(c, "work", &k2, T0)?);
+            // An older ad for the same key is fine (nothing to roll back) and keeps the iat.
+            assert!(peers::set_enc_key(c, "work", &k1, T0 - day)?);
+            let p = peers::by_name(c, "work")?.unwrap();
+            assert_eq!(
+                (p.enc_pub.as_deref(), p.enc_ad_iat),
+                (Some(k1.as_str()), Some(T0))
+            );
+            // A newer ad naming another key replaces it.
+            assert!(peers::set_enc_key(c, "work", &k2, T0 + day)?);
+            let p = peers::by_name(c, "work")?.unwrap();
+            assert_eq!(
+                (p.enc_pub.as_deref(), p.enc_ad_iat),
+                (Some(k2.as_str()), Some(T0 + day))
+            );
+            // And now the first key is the older one.
+            assert!(!peers::set_enc_key(c, "work", &k1, T0)?);
+            Ok(())
+        })
+        .unwrap();
+}
+
+// ---- receiver ----------------------------------------------------------------------------------
+
+/// A pull item for `wire` pushed by `sender`.
+fn item(seq: i64, id: &str, sender: &str, wire: &[u8]) -> PullItem {
+    PullItem {
+        seq,
+        kind: "envelope".into(),
+        item_id: id.into(),
+        sender_pubkey: sender.into(),
+        wire_b64: b64::encode(wire),
+    }
+}
+
+fn page(epoch: &str, head: i64, items: &[PullItem], more: bool) -> Value {
+    let last = items.iter().map(|i| i.seq).max().unwrap_or(0);
+    json!({"epoch": epoch, "head_seq": head, "items": items, "last_seq": last, "more": more})
+}
+
+/// A relay queue for this host: pages after `after`, 409 on another epoch, ack with BAD_ACK
+/// past the head (the real relay's rules).
+#[derive(Debug, Default)]
+struct Queue {
+    epoch: String,
+    items: Vec<PullItem>,
+    head_override: Option<i64>,
+}
+
+impl Queue {
+    fn head(&self) -> i64 {
+        self.head_override
+            .unwrap_or_else(|| self.items.iter().map(|i| i.seq).max().unwrap_or(0))
+    }
+}
+
+fn serve_queue(relay: &FakeRelay, q: Arc<Mutex<Queue>>) {
+    let q2 = q.clone();
+    relay.on("GET /v2/relay/items", move |req| {
+        let q = q.lock().unwrap();
+        if req.q("epoch") != q.epoch {
+            return (
+                409,
+                json!({"error": "stale epoch", "code": "EPOCH", "epoch": q.epoch, "head_seq": q.head()}),
+            );
+        }
+        let after: i64 = req.q("after").parse().unwrap();
+        let limit: usize = req.q("limit").parse().unwrap();
+        let mut rest: Vec<PullItem> = q.items.iter().filter(|i| i.seq > after).cloned().collect();
+        rest.sort_by_key(|i| i.seq);
+        let more = rest.len() > limit;
+        rest.truncate(limit);
+        (200, page(&q.epoch, q.head(), &rest, more))
+    });
+    relay.on("POST /v2/relay/ack", move |req| {
+        let q = q2.lock().unwrap();
+        let body = req.json();
+        if body["epoch"] != q.epoch.as_str() {
+            return (
+                409,
+                json!({"error": "stale epoch", "code": "EPOCH", "epoch": q.epoch, "head_seq": q.head()}),
+            );
+        }
+        let through = body["through"].as_i64().unwrap();
+        if through > q.head() {
+            return (
+                400,
+                json!({"error": "ack beyond head", "code": "BAD_ACK", "epoch": q.epoch, "head_seq": q.head()}),
+            );
+        }
+        (
+            200,
+            json!({"acked_through": through, "deleted": 0, "head_seq": q.head()}),
+        )
+    });
+}
+
+impl Setup {
+    /// A sealed envelope bob@work → alice@home, as the peer pushes it.
+    fn peer_wire(&self, id: &str, subject: &str) -> Vec<u8> {
+        testutil::sealed_wire(
+            &self.peer,
+            &self.me.enc_key.public(),
+            id,
+            "bob@work",
+            &["alice@home"],
+            subject,
+            T0,
+        )
+    }
+
+    fn position(&self) -> relay_state::Position {
+        let url = self.client.url.clone();
+        self.store
+            .mailbox
+            .with(|c| relay_state::position(c, &url))
+            .unwrap()
+            .expect("a position")
+    }
+
+    fn messages(&self) -> i64 {
+        self.store.scalar("SELECT COUNT(*) FROM messages")
+    }
+
+    fn deliveries(&self) -> i64 {
+        self.store.scalar("SELECT COUNT(*) FROM deliveries")
+    }
+
+    fn acks(&self) -> Vec<Value> {
+        self.relay
+            .seen("POST /v2/relay/ack")
+            .iter()
+            .map(Req::json)
+            .collect()
+    }
+
+    fn pull_afters(&self) -> Vec<(String, String)> {
+        self.relay
+            .seen("GET /v2/relay/items")
+            .iter()
+            .map(|r| (r.q("after").to_string(), r.q("epoch").to_string()))
+            .collect()
+    }
+}
+
+#[tokio::test]
+async fn a_page_with_repeats_and_reordering_stores_each_message_once() {
+    let s = Setup::new(true).await;
+    let mut g = testutil::ids();
+    let (m1, m2, m3) = (g.next(T0), g.next(T0), g.next(T0));
+    let peer = s.peer_pub();
+    let (w1, w2, w3) = (
+        s.peer_wire(&m1, "one"),
+        s.peer_wire(&m2, "two"),
+        s.peer_wire(&m3, "three"),
+    );
+    let first = page(
+        "e1",
+        30,
+        &[
+            item(30, &m3, &peer, &w3),
+            item(10, &m1, &peer, &w1),
+            item(20, &m2, &peer, &w2),
+            item(30, &m3, &peer, &w3),
+            item(10, &m1, &peer, &w1),
+        ],
+        false,
+    );
+    // The next page repeats seq 20 (at or below the checkpoint: skipped) and carries m2 again
+    // under a new seq (a sender's re-push: a duplicate at receive).
+    let second = page(
+        "e1",
+        40,
+        &[item(20, &m2, &peer, &w2), item(40, &m2, &peer, &w2)],
+        false,
+    );
+    let mut pages = vec![first, second].into_iter();
+    s.relay.on("GET /v2/relay/items", move |_| {
+        (
+            200,
+            pages.next().unwrap_or_else(|| page("e1", 40, &[], false)),
+        )
+    });
+    s.relay.on("POST /v2/relay/ack", |req| {
+        let t = req.json()["through"].clone();
+        (
+            200,
+            json!({"acked_through": t, "deleted": 1, "head_seq": 40}),
+        )
+    });
+
+    let pass = s.client.pull_pass(&session("e1")).await.unwrap();
+    assert_eq!((pass.stored, pass.duplicates, pass.quarantined), (3, 0, 0));
+    assert_eq!(pass.received_through, 30);
+    assert_eq!(s.position().received_through, 30);
+    let pass = s.client.pull_pass(&session("e1")).await.unwrap();
+    assert_eq!((pass.stored, pass.duplicates, pass.quarantined), (0, 1, 0));
+    assert_eq!(pass.received_through, 40);
+
+    assert_eq!(s.messages(), 3);
+    assert_eq!(s.deliveries(), 3);
+    let pos = s.position();
+    assert_eq!(
+        (pos.epoch.as_str(), pos.received_through, pos.acked_through),
+        ("e1", 40, 40)
+    );
+    assert_eq!(
+        s.pull_afters(),
+        vec![("0".into(), "e1".into()), ("30".into(), "e1".into())]
+    );
+    assert_eq!(
+        s.acks(),
+        vec![
+            json!({"epoch": "e1", "through": 30}),
+            json!({"epoch": "e1", "through": 40})
+        ]
+    );
+    // Stored decrypted, delivered to the addressed local agent, from the peer.
+    let (from, origin, body): (String, String, String) = s
+        .store
+        .fresh_conn()
+        .query_row(
+            "SELECT from_addr, origin, body FROM messages WHERE id = ?1",
+            [&m1],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .unwrap();
+    assert_eq!(
+        (from.as_str(), origin.as_str(), body.as_str()),
+        ("bob@work", "work", "secret body of one")
+    );
+    let agent: String = s.store.scalar("SELECT DISTINCT agent FROM deliveries");
+    assert_eq!(agent, "alice");
+    s.relay.assert_hops_ok();
+}
+
+#[tokio::test]
+async fn rejected_items_go_to_quarantine_and_the_checkpoint_advances_past_them() {
+    let s = Setup::new(true).await;
+    let mut g = testutil::ids();
+    let ids: Vec<String> = (0..8).map(|_| g.next(T0)).collect();
+    let peer = s.peer_pub();
+    let me_enc = s.me.enc_key.public();
+
+    let good1 = s.peer_wire(&ids[0], "good one");
+    let good2 = s.peer_wire(&ids[1], "good two");
+    // Signed by the peer, then edited: the signature no longer verifies.
+    let mut v: Value = serde_json::from_slice(&s.peer_wire(&ids[2], "original")).unwrap();
+    v["subject"] = json!("edited by the relay");
+    let bad_sig = serde_json::to_vec(&v).unwrap();
+    // Sealed for another host's enc key.
+    let undecryptable = testutil::sealed_wire(
+        &s.peer,
+        &EncKey::generate().public(),
+        &ids[3],
+        "bob@work",
+        &["alice@home"],
+        "not for us",
+        T0,
+    );
+    // A host this host never paired with (valid signature with its own key).
+    let stranger = testutil::identity("stranger");
+    let unpaired = testutil::sealed_wire(
+        &stranger,
+        &me_enc,
+        &ids[4],
+        "eve@stranger",
+        &["alice@home"],
+        "hi",
+        T0,
+    );
+    let malformed = b"{not json".to_vec();
+    // Signed by the paired peer, but claiming to come from an agent on another host.
+    let spoofed = testutil::sealed_wire(
+        &s.peer,
+        &me_enc,
+        &ids[5],
+        "ceo@elsewhere",
+        &["alice@home"],
+        "wire the money",
+        T0,
+    );
+    // Signed by the peer but not sealed: never accepted over the relay.
+    let plaintext = {
+        let draft = agentmbx_protocol::envelope::Draft {
+            from: "bob@work".into(),
+            to: vec!["alice@home".into()],
+            subject: "in clear".into(),
+            body: "visible".into(),
+            ..Default::default()
+        };
+        let mut env = agentmbx_protocol::envelope::build(&draft, ids[7].clone(), T0).unwrap();
+        env.sign("work", &s.peer.host_key).unwrap();
+        env.wire_json().into_bytes()
+    };
+    let items = vec![
+        item(1, &ids[0], &peer, &good1),
+        item(2, &ids[2], &peer, &bad_sig),
+        item(3, &ids[3], &peer, &undecryptable),
+        item(4, &ids[1], &peer, &good2),
+        item(5, &ids[4], &stranger.host_key.public().to_b64(), &unpaired),
+        item(6, &ids[5], &peer, &spoofed),
+        item(7, &ids[7], &peer, &plaintext),
+        item(8, &ids[6], &peer, &malformed),
+    ];
+    let q = Arc::new(Mutex::new(Queue {
+        epoch: "e1".into(),
+        items,
+        head_override: None,
+    }));
+    serve_queue(&s.relay, q);
+    let pass = s.client.pull_pass(&session("e1")).await.unwrap();
+    assert_eq!((pass.stored, pass.duplicates, pass.quarantined), (2, 0, 6));
+    // The last item of the page was rejected, and the checkpoint still covers it.
+    assert_eq!(pass.received_through, 8);
+    assert_eq!(s.position().received_through, 8);
+    assert_eq!(s.acks(), vec![json!({"epoch": "e1", "through": 8})]);
+    assert_eq!(s.messages(), 2);
+
+    let rows: Vec<(i64, String, String, String, Vec<u8>, String)> = {
+        let c = s.store.fresh_conn();
+        let mut st = c
+            .prepare("SELECT seq, item_id, sender_pubkey, reason, wire, epoch FROM quarantine ORDER BY seq")
+            .unwrap();
+        st.query_map([], |r| {
+            Ok((
+                r.get(0)?,
+                r.get(1)?,
+                r.get(2)?,
+                r.get(3)?,
+                r.get(4)?,
+                r.get(5)?,
+            ))
+        })
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap()
+    };
+    let got: Vec<(i64, &str)> = rows.iter().map(|r| (r.0, r.3.as_str())).collect();
+    assert_eq!(
+        got,
+        vec![
+            (2, "bad signature"),
+            (3, "undecryptable"),
+            (5, "host not paired"),
+            (6, "sender host mismatch"),
+            (7, "envelope body is not sealed"),
+            (8, "malformed: not JSON"),
+        ]
+    );
+    assert_eq!(rows[0].4, bad_sig, "the exact wire is kept");
+    assert_eq!(rows[2].4, unpaired);
+    assert_eq!(rows[5].4, malformed);
+    assert_eq!(rows[2].2, stranger.host_key.public().to_b64());
+    assert!(rows.iter().all(|r| r.5 == "e1"));
+    assert_eq!(rows[1].1, ids[3]);
+    // The quarantine listing shows them, newest first.
+    let listed = s
+        .store
+        .mailbox
+        .with(|c| relay_state::quarantined(c, 200))
+        .unwrap();
+    assert_eq!(listed.len(), 6);
+    assert_eq!(listed[0].seq, 8);
+
+    // Pulling again re-quarantines nothing and stores nothing twice.
+    s.client.pull_pass(&session("e1")).await.unwrap();
+    assert_eq!(s.store.scalar::<i64>("SELECT COUNT(*) FROM quarantine"), 6);
+    assert_eq!(s.messages(), 2);
+}
+
+#[tokio::test]
+async fn the_ack_carries_received_through_and_a_lost_ack_is_covered_by_the_next() {
+    let s = Setup::new(true).await;
+    let mut g = testutil::ids();
+    let peer = s.peer_pub();
+    let items: Vec<PullItem> = (1..=3)
+        .map(|n| {
+            let id = g.next(T0);
+            item(n * 10, &id, &peer, &s.peer_wire(&id, "m"))
+        })
+        .collect();
+    let q = Arc::new(Mutex::new(Queue {
+        epoch: "e1".into(),
+        items,
+        head_override: None,
+    }));
+    serve_queue(&s.relay, q.clone());
+    // The first ack is lost (500): the checkpoint stays, the ack is not recorded.
+    let q2 = q.clone();
+    let mut acks = 0;
+    s.relay.on("POST /v2/relay/ack", move |req| {
+        acks += 1;
+        if acks == 1 {
+            return (500, json!({"error": "lost", "code": "INTERNAL"}));
+        }
+        let through = req.json()["through"].as_i64().unwrap();
+        let head = q2.lock().unwrap().head();
+        (
+            200,
+            json!({"acked_through": through, "deleted": 3, "head_seq": head}),
+        )
+    });
+    let pass = s.client.pull_pass(&session("e1")).await.unwrap();
+    assert_eq!(pass.stored, 3);
+    let pos = s.position();
+    assert_eq!((pos.received_through, pos.acked_through), (30, 0));
+    assert_eq!(s.acks(), vec![json!({"epoch": "e1", "through": 30})]);
+
+    // The next pass finds nothing new and acks the same checkpoint again.
+    let pass = s.client.pull_pass(&session("e1")).await.unwrap();
+    assert_eq!((pass.stored, pass.duplicates), (0, 0));
+    let pos = s.position();
+    assert_eq!((pos.received_through, pos.acked_through), (30, 30));
+    assert_eq!(
+        s.acks(),
+        vec![
+            json!({"epoch": "e1", "through": 30}),
+            json!({"epoch": "e1", "through": 30})
+        ]
+    );
+    // Once confirmed, an unchanged checkpoint is not acked again.
+    s.client.pull_pass(&session("e1")).await.unwrap();
+    assert_eq!(s.acks().len(), 2);
+    // The pulls resumed after the checkpoint, not from 0.
+    assert_eq!(
+        s.pull_afters()
+            .iter()
+            .map(|p| p.0.as_str())
+            .collect::<Vec<_>>(),
+        vec!["0", "30", "30"]
+    );
+    assert_eq!(s.messages(), 3);
+}
+
+#[tokio::test]
+async fn an_epoch_409_on_pull_resets_to_zero_and_repulls_without_duplicates() {
+    let s = Setup::new(true).await;
+    let mut g = testutil::ids();
+    let peer = s.peer_pub();
+    let wires: Vec<(String, Vec<u8>)> = (0..3)
+        .map(|_| {
+            let id = g.next(T0);
+            let w = s.peer_wire(&id, "m");
+            (id, w)
+        })
+        .collect();
+    let e1_items: Vec<PullItem> = wires
+        .iter()
+        .enumerate()
+        .map(|(n, (id, w))| item(100 + n as i64, id, &peer, w))
+        .collect();
+    let q = Arc::new(Mutex::new(Queue {
+        epoch: "e1".into(),
+        items: e1_items,
+        head_override: None,
+    }));
+    serve_queue(&s.relay, q.clone());
+    s.client.pull_pass(&session("e1")).await.unwrap();
+    assert_eq!(s.position().received_through, 102);
+    assert_eq!(s.messages(), 3);
+
+    // The relay was restored and rotated its epoch: the same items (re-pushed by the sender)
+    // under new, lower seqs, plus one new message.
+    let new_id = g.next(T0);
+    let new_wire = s.peer_wire(&new_id, "new");
+    {
+        let mut q = q.lock().unwrap();
+        q.epoch = "e2".into();
+        q.items = wires
+            .iter()
+            .enumerate()
+            .map(|(n, (id, w))| item(1 + n as i64, id, &peer, w))
+            .collect();
+        q.items.push(item(4, &new_id, &peer, &new_wire));
+    }
+    // The session still believes e1: the pull answers 409 with e2.
+    let pass = s.client.pull_pass(&session("e1")).await.unwrap();
+    assert_eq!((pass.stored, pass.duplicates), (1, 3));
+    let pos = s.position();
+    assert_eq!(
+        (pos.epoch.as_str(), pos.received_through, pos.acked_through),
+        ("e2", 4, 4)
+    );
+    assert_eq!(s.messages(), 4);
+    assert_eq!(s.deliveries(), 4);
+    assert_eq!(
+        s.pull_afters(),
+        vec![
+            ("0".into(), "e1".into()),
+            ("102".into(), "e1".into()),
+            ("0".into(), "e2".into())
+        ]
+    );
+    assert_eq!(
+        s.acks().last().unwrap(),
+        &json!({"epoch": "e2", "through": 4})
+    );
+}
+
+#[tokio::test]
+async fn a_new_epoch_in_the_session_resets_the_position() {
+    let s = Setup::new(true).await;
+    let url = s.client.url.clone();
+    s.store
+        .mailbox
+        .with(|c| relay_state::set_received_through(c, &url, "e1", 500, T0))
+        .unwrap();
+    let q = Arc::new(Mutex::new(Queue {
+        epoch: "e2".into(),
+        items: vec![],
+        head_override: None,
+    }));
+    serve_queue(&s.relay, q);
+    s.client.pull_pass(&session("e2")).await.unwrap();
+    let pos = s.position();
+    assert_eq!((pos.epoch.as_str(), pos.received_through), ("e2", 0));
+    assert_eq!(s.pull_afters(), vec![("0".into(), "e2".into())]);
+}
+
+#[tokio::test]
+async fn head_seq_below_the_checkpoint_rewinds_to_zero() {
+    let s = Setup::new(true).await;
+    let mut g = testutil::ids();
+    let peer = s.peer_pub();
+    let (a, b) = (g.next(T0), g.next(T0));
+    let (wa, wb) = (s.peer_wire(&a, "a"), s.peer_wire(&b, "b"));
+    let q = Arc::new(Mutex::new(Queue {
+        epoch: "e1".into(),
+        items: vec![item(10, &a, &peer, &wa), item(20, &b, &peer, &wb)],
+        head_override: None,
+    }));
+    serve_queue(&s.relay, q.clone());
+    s.client.pull_pass(&session("e1")).await.unwrap();
+    assert_eq!(s.position().received_through, 20);
+
+    // A restore that kept its epoch: the store is back at an older state (head 15 < 20).
+    let c = g.next(T0);
+    let wc = s.peer_wire(&c, "c");
+    {
+        let mut q = q.lock().unwrap();
+        q.items = vec![item(10, &a, &peer, &wa), item(15, &c, &peer, &wc)];
+    }
+    let pass = s.client.pull_pass(&session("e1")).await.unwrap();
+    assert_eq!((pass.stored, pass.duplicates), (1, 1));
+    let pos = s.position();
+    assert_eq!((pos.epoch.as_str(), pos.received_through), ("e1", 15));
+    assert_eq!(
+        s.pull_afters()
+            .iter()
+            .map(|p| p.0.as_str())
+            .collect::<Vec<_>>(),
+        vec!["0", "20", "0"]
+    );
+    assert_eq!(s.messages(), 3);
+    assert_eq!(s.acks().last().unwrap()["through"], 15);
+}
+
+#[tokio::test]
+async fn bad_ack_rewinds_to_zero() {
+    let s = Setup::new(true).await;
+    let mut g = testutil::ids();
+    let peer = s.peer_pub();
+    let ids: Vec<String> = (0..3).map(|_| g.next(T0)).collect();
+    let items: Vec<PullItem> = ids
+        .iter()
+        .enumerate()
+        .map(|(n, id)| item(10 * (n as i64 + 1), id, &peer, &s.peer_wire(id, "m")))
+        .collect();
+    // The relay went back in time but its pages still show the old head: the ack of 30 is
+    // refused once with BAD_ACK.
+    let q = Arc::new(Mutex::new(Queue {
+        epoch: "e1".into(),
+        items,
+        head_override: None,
+    }));
+    serve_queue(&s.relay, q.clone());
+    let mut first = true;
+    s.relay.on("POST /v2/relay/ack", move |req| {
+        let through = req.json()["through"].as_i64().unwrap();
+        if std::mem::take(&mut first) {
+            return (
+                400,
+                json!({"error": "ack beyond head", "code": "BAD_ACK", "epoch": "e1", "head_seq": 5}),
+            );
+        }
+        (
+            200,
+            json!({"acked_through": through, "deleted": 0, "head_seq": 30}),
+        )
+    });
+    let pass = s.client.pull_pass(&session("e1")).await.unwrap();
+    assert_eq!((pass.stored, pass.duplicates), (3, 3));
+    let pos = s.position();
+    assert_eq!(
+        (pos.epoch.as_str(), pos.received_through, pos.acked_through),
+        ("e1", 30, 30)
+    );
+    assert_eq!(
+        s.pull_afters()
+            .iter()
+            .map(|p| p.0.as_str())
+            .collect::<Vec<_>>(),
+        vec!["0", "0"]
+    );
+    assert_eq!(s.acks().len(), 2);
+    assert_eq!(s.messages(), 3);
+}
+
+#[tokio::test]
+async fn a_page_is_pulled_in_several_pages_and_each_is_acked() {
+    let s = Setup::new(true).await;
+    let mut g = testutil::ids();
+    let peer = s.peer_pub();
+    let items: Vec<PullItem> = (1..=5)
+        .map(|n| {
+            let id = g.next(T0);
+            item(n, &id, &peer, &s.peer_wire(&id, "m"))
+        })
+        .collect();
+    let q = Arc::new(Mutex::new(Queue {
+        epoch: "e1".into(),
+        items,
+        head_override: None,
+    }));
+    serve_queue(&s.relay, q);
+    let mut sess = session("e1");
+    sess.limits.max_pull = 2;
+    let pass = s.client.pull_pass(&sess).await.unwrap();
+    assert_eq!(pass.stored, 5);
+    assert_eq!(
+        s.pull_afters()
+            .iter()
+            .map(|p| p.0.as_str())
+            .collect::<Vec<_>>(),
+        vec!["0", "2", "4"]
+    );
+    let throughs: Vec<i64> = s
+        .acks()
+        .iter()
+        .map(|a| a["through"].as_i64().unwrap())
+        .collect();
+    assert_eq!(throughs, vec![2, 4, 5]);
+}
+
+// ---- session -----------------------------------------------------------------------------------
+
+fn info(relay_key: &HostKey, epoch: &str, you: Option<Value>) -> Value {
+    let mut v = json!({"v": 2, "relay_pubkey": relay_key.public().to_b64(), "epoch": epoch,
+                       "version": "test", "limits": serde_json::to_value(limits()).unwrap()});
+    if let Some(y) = you {
+        v["you"] = y;
+    }
+    v
+}
+
+#[tokio::test]
+async fn a_session_with_another_relay_key_stops() {
+    let s = Setup::new(true).await;
+    let other = HostKey::generate();
+    let answer = info(&other, "e1", None);
+    s.relay
+        .on("GET /v2/relay/info", move |_| (200, answer.clone()));
+    let err = s.client.open_session().await.unwrap_err();
+    assert!(matches!(err, RelayError::KeyMismatch { .. }), "{err}");
+    assert!(s.relay.seen("POST /v1/relay/challenge").is_empty());
+}
+
+#[tokio::test]
+async fn a_session_enrols_when_the_relay_forgot_this_host_and_publishes_the_ad() {
+    let s = Setup::new(true).await;
+    let me = s.me_pub();
+    let key = s.relay.key.clone();
+    let mut infos = 0;
+    s.relay.on("GET /v2/relay/info", move |_| {
+        infos += 1;
+        let you = (infos > 1).then(|| {
+            json!({"host": "home", "pubkey": me, "head_seq": 7, "acked_through": 0, "enc_ad": null})
+        });
+        (200, info(&key, "e1", you))
+    });
+    s.relay.on("POST /v1/relay/challenge", |_| {
+        (200, json!({"challenge": "Y2hhbGxlbmdl"}))
+    });
+    s.relay
+        .on("POST /v1/relay/enrol", |_| (200, json!({"ok": true})));
+    s.relay
+        .on("POST /v2/relay/enc-key", |_| (200, json!({"ok": true})));
+    let sess = s.client.open_session().await.unwrap();
+    assert_eq!((sess.epoch.as_str(), sess.head_seq), ("e1", 7));
+    let enrol = s.relay.seen("POST /v1/relay/enrol")[0].json();
+    let sig = enrol["sig"].as_str().unwrap();
+    let signed =
+        agentmbx_protocol::records::enrol_canonical("Y2hhbGxlbmdl", "home", &s.me_pub(), "");
+    assert!(s.me.host_key.public().verify(signed.as_bytes(), sig));
+    let ad = s.relay.seen("POST /v2/relay/enc-key")[0].json();
+    let verified =
+        agentmbx_protocol::records::verify_enc_ad(&ad["ad"], ad["sig"].as_str(), &s.me_pub(), T0)
+            .unwrap();
+    assert_eq!(verified.enc_pub, s.me.enc_key.public().to_b64());
+    s.relay.assert_hops_ok_except_plain();
+}
+
+impl FakeRelay {
+    /// Like [`Self::assert_hops_ok`], but the unauthenticated enrolment calls carry no hop.
+    fn assert_hops_ok_except_plain(&self) {
+        for r in self.state.log.lock().unwrap().iter() {
+            if r.path.starts_with("/v1/relay/") {
+                continue;
+            }
+            assert!(r.hop_ok, "badly signed hop: {} {}", r.method, r.path);
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_loop_opens_a_session_pushes_on_wake_and_pulls() {
+    let s = Setup::new(true).await;
+    let me = s.me_pub();
+    let enc = s.me.enc_key.public().to_b64();
+    let key = s.relay.key.clone();
+    s.relay.on("GET /v2/relay/info", move |_| {
+        let you = json!({"host": "home", "pubkey": me, "head_seq": 0, "acked_through": 0,
+                         "enc_ad": {"enc_pub": enc, "exp": iso_ms(T0 + 30 * 86_400_000), "v1": false}});
+        (200, info(&key, "e1", Some(you)))
+    });
+    s.accept_all("e1", "accepted");
+    let mut g = testutil::ids();
+    let incoming = g.next(T0);
+    let q = Arc::new(Mutex::new(Queue {
+        epoch: "e1".into(),
+        items: vec![item(
+            5,
+            &incoming,
+            &s.peer_pub(),
+            &s.peer_wire(&incoming, "in"),
+        )],
+        head_override: None,
+    }));
+    serve_queue(&s.relay, q);
+
+    let wake = Arc::new(tokio::sync::Notify::new());
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(super::run(
+        s.client.clone(),
+        std::time::Duration::from_secs(3600),
+        wake.clone(),
+        stopped,
+    ));
+    // The first pass pulls what waits for this host.
+    wait_for("the pulled message", || {
+        s.store.scalar::<i64>("SELECT COUNT(*) FROM messages") == 1
+    })
+    .await;
+    // A send wakes the loop (the pull interval is an hour): the row is pushed and settled.
+    let id = s.send_to_peer(ID1);
+    wake.notify_one();
+    wait_for("the relay accept", || s.row(&id).state == "relay-accepted").await;
+    // The session needed no enrolment and no new ad.
+    assert!(s.relay.seen("POST /v1/relay/enrol").is_empty());
+    assert!(s.relay.seen("POST /v2/relay/enc-key").is_empty());
+    s.relay.assert_hops_ok();
+    stop.send(true).unwrap();
+    tokio::time::timeout(std::time::Duration::from_secs(10), task)
+        .await
+        .expect("the loop stops on shutdown")
+        .unwrap();
+}
+
+/// Polls `f` every 20 ms until it holds, for at most 10 s.
+async fn wait_for(what: &str, f: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !f() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn the_relay_key_is_pinned_on_first_contact_and_kept() {
+    let s = Setup::new(true).await;
+    let served = Arc::new(Mutex::new(s.relay.key.clone()));
+    let current = served.clone();
+    s.relay.on("GET /v2/relay/info", move |_| {
+        (200, info(&current.lock().unwrap(), "e1", None))
+    });
+    let first = super::pin::resolve_key(&s.relay.url, None, &s.store.mailbox)
+        .await
+        .unwrap();
+    assert_eq!(first, s.relay.key.public());
+    // The relay now serves another key: the pin stays (a mismatch is the session's to report).
+    *served.lock().unwrap() = HostKey::generate();
+    let again = super::pin::resolve_key(&format!("{}/", s.relay.url), None, &s.store.mailbox)
+        .await
+        .unwrap();
+    assert_eq!(again, first);
+    assert_eq!(s.relay.seen("GET /v2/relay/info").len(), 1);
+    // A configured key wins over the stored pin.
+    let configured = HostKey::generate().public();
+    let k = super::pin::resolve_key(&s.relay.url, Some(&configured.to_b64()), &s.store.mailbox)
+        .await
+        .unwrap();
+    assert_eq!(k, configured);
+    assert!(
+        super::pin::resolve_key(&s.relay.url, Some("junk"), &s.store.mailbox)
+            .await
+            .is_err()
+    );
+}
