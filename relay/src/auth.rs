@@ -1,12 +1,18 @@
 //! Request plumbing shared by the handlers: the streaming body cap, the UTF-8 check and the v2
 //! signed-hop authentication (`wire.md` §2.6 and "Resolved details": hop checks order).
 //!
+//! Bodies are read under a cap while streaming; an oversized one is drained (discarded) for up
+//! to 2 s and answered 413 `{error:"request body too large"}` (`wire.md` §3.1).
+//!
 //! Order: a body that is not valid UTF-8 → 400 before any signature check; then the headers;
 //! a `ts` that is not plain decimal digits → 401; the caller is found by `x-mbx-key` alone
 //! (`x-mbx-host` is a label); a revoked key → 403; the signature over method, normalised path
 //! with query, ts and raw body, within ±300,000 ms → else 401.
 
-use axum::body::{Body, Bytes};
+use std::pin::Pin;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes, HttpBody};
 use axum::http::{HeaderMap, Method, StatusCode, Uri};
 
 use agentmbx_protocol::hop::{self, header, HopError};
@@ -16,11 +22,52 @@ use crate::error::ApiError;
 use crate::server::RelayState;
 use crate::store::Enrolment;
 
-/// Reads the body, refusing more than `cap` bytes while streaming (413).
-pub async fn read_body(body: Body, cap: usize) -> Result<Bytes, ApiError> {
-    axum::body::to_bytes(body, cap)
-        .await
-        .map_err(|_| ApiError::too_large())
+/// How long the rest of an oversized body is read and discarded before the 413 is sent
+/// (`wire.md` §3.1: "then drain up to 2 s"), so a client still uploading reads the 413 instead
+/// of a reset connection.
+pub const DRAIN_FOR: Duration = Duration::from_secs(2);
+
+/// The next data chunk of a request body (`None` at its end; trailers are skipped).
+async fn next_data(body: &mut Body) -> Option<Result<Bytes, axum::Error>> {
+    loop {
+        match std::future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx)).await? {
+            Err(e) => return Some(Err(e)),
+            Ok(frame) => {
+                if let Ok(data) = frame.into_data() {
+                    return Some(Ok(data));
+                }
+            }
+        }
+    }
+}
+
+/// Reads the body, refusing more than `cap` bytes while streaming: a declared length over the
+/// cap, or a body that grows past it, keeps nothing more and is discarded for up to
+/// [`DRAIN_FOR`], then answered 413. A body that breaks off is 400.
+pub async fn read_body(mut body: Body, cap: usize) -> Result<Bytes, ApiError> {
+    let declared = body.size_hint().lower();
+    if declared > cap as u64 {
+        return Err(refuse_oversized(body).await);
+    }
+    let mut buf: Vec<u8> = Vec::with_capacity(declared as usize);
+    while let Some(data) = next_data(&mut body).await {
+        let data = data.map_err(|_| ApiError::bad_request("request body could not be read"))?;
+        if data.len() > cap - buf.len() {
+            drop(buf);
+            return Err(refuse_oversized(body).await);
+        }
+        buf.extend_from_slice(&data);
+    }
+    Ok(Bytes::from(buf))
+}
+
+/// Discards the rest of an oversized body for up to [`DRAIN_FOR`]; the 413 to answer.
+async fn refuse_oversized(mut body: Body) -> ApiError {
+    let _ = tokio::time::timeout(DRAIN_FOR, async {
+        while let Some(Ok(_)) = next_data(&mut body).await {}
+    })
+    .await;
+    ApiError::too_large()
 }
 
 /// The body as UTF-8 text, else 400 (`wire.md` "Resolved details": raw body).

@@ -7,6 +7,8 @@
 //! under the one [`TIMEOUT`], never a bare sleep. Children are killed when their handle drops.
 #![allow(dead_code)] // Each test binary uses a subset.
 
+pub mod mesh;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
@@ -18,10 +20,13 @@ use std::time::{Duration, Instant};
 pub const TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Pause between two checks of a polled condition.
-const POLL: Duration = Duration::from_millis(20);
+pub const POLL: Duration = Duration::from_millis(20);
 
 /// The log line prefix that announces the local API's bound address.
 pub const LISTENING: &str = "local API listening on ";
+
+/// The log line prefix that announces a relay's bound address.
+pub const RELAY_LISTENING: &str = "relay listening on ";
 
 /// The binary under test.
 pub fn bin() -> &'static str {
@@ -88,17 +93,8 @@ impl Home {
 
     /// `agentmbx <args>` with a clean environment for this home.
     pub fn command(&self, args: &[&str]) -> Command {
-        let mut cmd = Command::new(bin());
-        for (name, _) in std::env::vars_os() {
-            if name.to_string_lossy().starts_with("MBX_") || name == "PORT" {
-                cmd.env_remove(name);
-            }
-        }
-        cmd.env("MBX_HOME", &self.path)
-            .env("MBX_NO_MDNS", "1")
-            .env("MBX_LOG", "info")
-            .args(args)
-            .stdin(Stdio::null());
+        let mut cmd = command(args);
+        cmd.env("MBX_HOME", &self.path);
         cmd
     }
 
@@ -106,6 +102,22 @@ impl Home {
     pub fn run(&self, args: &[&str]) -> Output {
         run(self.command(args))
     }
+}
+
+/// `agentmbx <args>` with none of the caller's `MBX_*` variables (nor `PORT`), `MBX_NO_MDNS=1`
+/// and `MBX_LOG=info`.
+pub fn command(args: &[&str]) -> Command {
+    let mut cmd = Command::new(bin());
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("MBX_") || name == "PORT" {
+            cmd.env_remove(name);
+        }
+    }
+    cmd.env("MBX_NO_MDNS", "1")
+        .env("MBX_LOG", "info")
+        .args(args)
+        .stdin(Stdio::null());
+    cmd
 }
 
 /// What a finished command printed, and how it ended.
@@ -211,7 +223,13 @@ impl Daemon {
 
     /// Starts `cmd` (a `daemon` command) and waits for its `local API listening on` line.
     /// `Err` when the process exits first; panics after [`TIMEOUT`].
-    pub fn try_start(mut cmd: Command) -> Result<Daemon, Exited> {
+    pub fn try_start(cmd: Command) -> Result<Daemon, Exited> {
+        Daemon::spawn(cmd, LISTENING)
+    }
+
+    /// Starts `cmd` and waits for a log line `<announce><addr>` (e.g. [`RELAY_LISTENING`]).
+    /// `Err` when the process exits first; panics after [`TIMEOUT`].
+    pub fn spawn(mut cmd: Command, announce: &str) -> Result<Daemon, Exited> {
         let mut child = cmd
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -219,7 +237,7 @@ impl Daemon {
             .expect("spawn agentmbx daemon");
         let stderr = collect(child.stderr.take().expect("stderr"));
         let outcome = poll(|| {
-            if let Some(addr) = listening_addr(&snapshot(&stderr)) {
+            if let Some(addr) = announced_addr(&snapshot(&stderr), announce) {
                 return Some(Ok(addr));
             }
             child.try_wait().expect("try_wait").map(Err)
@@ -241,7 +259,7 @@ impl Daemon {
                 let _ = child.kill();
                 let _ = child.wait();
                 panic!(
-                    "daemon did not listen within {TIMEOUT:?}; stderr:\n{}",
+                    "process did not log {announce:?} within {TIMEOUT:?}; stderr:\n{}",
                     snapshot(&stderr)
                 );
             }
@@ -261,6 +279,49 @@ impl Daemon {
     /// `GET path`, with a bearer token when given.
     pub fn get(&self, path: &str, bearer: Option<&str>) -> HttpResponse {
         http(self.addr, "GET", path, bearer)
+    }
+
+    /// Waits until stderr contains `needle`; panics with the log when the process exits first
+    /// or after [`TIMEOUT`].
+    pub fn wait_for_stderr(&mut self, needle: &str) {
+        let found = poll(|| {
+            if self.stderr().contains(needle) {
+                return Some(true);
+            }
+            self.child.try_wait().expect("try_wait").map(|_| false)
+        });
+        match found {
+            Some(true) => {}
+            Some(false) => {
+                let _ = poll(|| Arc::strong_count(&self.stderr).eq(&1).then_some(()));
+                panic!(
+                    "process exited before logging {needle:?}; stderr:\n{}",
+                    self.stderr()
+                )
+            }
+            None => panic!(
+                "timed out after {TIMEOUT:?} waiting for {needle:?}; stderr:\n{}",
+                self.stderr()
+            ),
+        }
+    }
+
+    /// Waits for the line `FAILPOINT <name> reached`.
+    pub fn wait_for_failpoint(&mut self, name: &str) {
+        self.wait_for_stderr(&format!("FAILPOINT {name} reached"));
+    }
+
+    /// SIGKILL: the process dies at once, wherever it is. Returns everything it logged.
+    pub fn kill(mut self) -> String {
+        self.child.kill().expect("SIGKILL");
+        let status = self.child.wait().expect("wait");
+        assert_eq!(
+            std::os::unix::process::ExitStatusExt::signal(&status),
+            Some(libc::SIGKILL),
+            "{status:?}"
+        );
+        let _ = poll(|| Arc::strong_count(&self.stderr).eq(&1).then_some(()));
+        self.stderr()
     }
 
     /// Sends SIGTERM and waits for the process to exit.
@@ -287,8 +348,13 @@ impl Drop for Daemon {
 
 /// The address in the first `local API listening on <addr>` line of `log`.
 pub fn listening_addr(log: &str) -> Option<SocketAddr> {
-    let line = log.lines().find(|l| l.contains(LISTENING))?;
-    let rest = &line[line.find(LISTENING)? + LISTENING.len()..];
+    announced_addr(log, LISTENING)
+}
+
+/// The address in the first `<announce><addr>` line of `log`.
+pub fn announced_addr(log: &str, announce: &str) -> Option<SocketAddr> {
+    let line = log.lines().find(|l| l.contains(announce))?;
+    let rest = &line[line.find(announce)? + announce.len()..];
     rest.split_whitespace().next()?.parse().ok()
 }
 
@@ -319,18 +385,38 @@ impl HttpResponse {
     }
 }
 
-/// One HTTP/1.1 request over a fresh connection (`Connection: close`), std only.
+/// One HTTP/1.1 request without a body over a fresh connection (`Connection: close`), std only.
 pub fn http(addr: SocketAddr, method: &str, path: &str, bearer: Option<&str>) -> HttpResponse {
+    request(addr, method, path, bearer, &[], None)
+}
+
+/// One HTTP/1.1 request over a fresh connection (`Connection: close`), std only: extra
+/// `headers`, and a JSON `body` when given.
+pub fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    bearer: Option<&str>,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> HttpResponse {
     let mut stream = TcpStream::connect_timeout(&addr, TIMEOUT).expect("connect to the daemon");
     stream
         .set_read_timeout(Some(TIMEOUT))
         .expect("read timeout");
-    let mut request = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
     if let Some(token) = bearer {
-        request.push_str(&format!("Authorization: Bearer {token}\r\n"));
+        req.push_str(&format!("Authorization: Bearer {token}\r\n"));
     }
-    request.push_str("Content-Length: 0\r\n\r\n");
-    stream.write_all(request.as_bytes()).expect("send request");
+    for (name, value) in headers {
+        req.push_str(&format!("{name}: {value}\r\n"));
+    }
+    let body = body.unwrap_or_default();
+    if !body.is_empty() {
+        req.push_str("Content-Type: application/json\r\n");
+    }
+    req.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+    stream.write_all(req.as_bytes()).expect("send request");
     let mut raw = Vec::new();
     stream.read_to_end(&mut raw).expect("read response");
     let text = String::from_utf8(raw).expect("response is UTF-8");

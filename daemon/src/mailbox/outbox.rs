@@ -214,6 +214,22 @@ pub fn fail(
     Ok(())
 }
 
+/// A new relay epoch (spec §5): every `relay-accepted` row of `relay` accepted in another epoch
+/// goes back to `pending` (due now, same wire bytes, same deadline) so it is pushed again; relay
+/// dedup answers `duplicate` where the restored store still holds it. Returns how many rows.
+pub fn repush_for_epoch(
+    conn: &Connection,
+    relay: &str,
+    epoch: &str,
+    now_ms: i64,
+) -> Result<usize, MailboxError> {
+    Ok(conn.execute(
+        "UPDATE outbox SET state = 'pending', next_at = ?3, attempts = 0
+         WHERE state = 'relay-accepted' AND relay = ?1 AND epoch != ?2",
+        params![relay, epoch, now_ms],
+    )?)
+}
+
 /// Row counts by state.
 pub fn counts(conn: &Connection) -> Result<Vec<(String, i64)>, MailboxError> {
     let mut st =

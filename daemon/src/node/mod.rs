@@ -4,5 +4,6 @@
 //! Both run inside a caller's transaction and never touch the network: the transports
 //! (`crate::transport`) move wire bytes, this module decides what they mean.
 
+pub mod alert;
 pub mod receive;
 pub mod send;

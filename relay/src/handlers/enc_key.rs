@@ -1,6 +1,7 @@
 //! Enc-key advertisements on the relay (spec §2, §8; `wire.md` §2.8): `POST /v2/relay/enc-key`
-//! stores a host's own valid v2 ad; `GET /v2/relay/enc-key?pubkey=|host=` serves it with its
-//! signature so the asking host verifies it against the *pinned* key (the relay grants nothing).
+//! `{ad, sig}` stores a host's own valid v2 ad (else 400 `enc-key ad refused: <reason>`);
+//! `GET /v2/relay/enc-key?pubkey=|host=` serves it with its signature so the asking host
+//! verifies it against the *pinned* key (the relay grants nothing).
 
 use std::collections::HashMap;
 
@@ -11,7 +12,7 @@ use serde_json::{json, Value};
 
 use agentmbx_protocol::limits::RELAY_SMALL_BODY;
 use agentmbx_protocol::records;
-use agentmbx_protocol::wire::{EncKeyAnswer, EncKeyPost};
+use agentmbx_protocol::wire::EncKeyAnswer;
 
 use crate::auth::{authenticate, blocking, read_body, utf8};
 use crate::error::ApiError;
@@ -24,19 +25,25 @@ pub async fn post(State(state): State<SharedRelay>, req: Request) -> Result<Json
     let body = read_body(body, RELAY_SMALL_BODY).await?;
     let raw = utf8(&body)?;
     let caller = authenticate(&state, &parts.method, &parts.uri, &parts.headers, raw).await?;
-    let post: EncKeyPost = serde_json::from_str(raw)
+    // `{ad, sig}` read field by field, so a missing or non-string `sig` is `unsigned` and a
+    // missing `ad` is `malformed`, in 0.5.x's order (`wire.md` §2.8).
+    let post: Value = serde_json::from_str(raw)
         .map_err(|_| ApiError::bad_request("enc-key ad refused: malformed"))?;
+    let (ad, sig) = (
+        post.get("ad").cloned().unwrap_or(Value::Null),
+        post.get("sig").and_then(Value::as_str),
+    );
     let now = state.clock.now_ms();
-    let ad = records::verify_enc_ad(&post.ad, Some(&post.sig), &caller.host_pubkey, now)
+    let verified = records::verify_enc_ad(&ad, sig, &caller.host_pubkey, now)
         .map_err(|why| ApiError::bad_request(format!("enc-key ad refused: {why}")))?;
-    let record = agentmbx_protocol::canonical::to_string(&post.ad)
+    let record = agentmbx_protocol::canonical::to_string(&ad)
         .map_err(|_| ApiError::bad_request("enc-key ad refused: malformed"))?;
     let store = state.store.clone();
     let v2 = EncAdV2 {
         host_pubkey: caller.host_pubkey,
-        enc_pub: ad.enc_pub,
+        enc_pub: verified.enc_pub,
         record,
-        sig: post.sig,
+        sig: sig.unwrap_or_default().to_owned(),
         at_ms: now,
     };
     blocking(move || store.put_enc_ad_v2(v2)).await?;

@@ -1,24 +1,29 @@
 //! `POST /v2/relay/items` (spec §3; `wire.md` §3.1–§3.2): push items for target host keys.
 //!
-//! Per item, checks run in the order the rejection strings are listed in `wire.md` §3.2 and
-//! the first failing one is reported: `bad item id`, `bad kind`, `bad targets`,
-//! `target not enrolled`, `sender not accepted by target`, `duplicate target`, `bad wire`,
-//! `item over size limit`, `bad envelope: <why>`, `item id is not the envelope id`,
-//! `envelope body is not sealed`, `bad receipt`, `item id is not the receipt id`,
-//! `receipt is not signed by the sending host`; then the store decides in the item's own
-//! savepoint: dedup (`conflict`) and quotas (`quota:<msg>`), re-checking enrolment and the
-//! allowlist inside the transaction. Every target is validated before anything is written: an
-//! item is stored for all its targets or for none.
+//! Per item, checks run in the order the rejection strings are listed in `wire.md` §3.2, each
+//! one over every target before the next one, and the first failing one is reported:
+//! `bad item id` (1..300 UTF-16 units), `bad kind`, `bad targets`, `target not enrolled`,
+//! `sender not accepted by target`, `duplicate target`, `bad wire` (not the base64 pattern, or
+//! not decodable), `item over size limit`, then `bad wire` again for decoded bytes that are not
+//! JSON (0.5.x parses after the size check), `bad envelope: <why>`,
+//! `item id is not the envelope id`, `envelope body is not sealed`, `bad receipt` (not a T218
+//! `{rec, sig}`), `item id is not the receipt id`, `receipt is not signed by the sending host`;
+//! then the store decides in the item's own savepoint: dedup (`conflict`) and quotas
+//! (`quota:<msg>`), re-checking enrolment and the allowlist inside the transaction. Every target
+//! is validated before anything is written: an item is stored for all its targets or for none.
 //!
 //! HTTP 200 means "the results are in this body"; each accepted or duplicate item carries the
 //! relay-signed accept statement, sent only after the commit that covers it.
 
+use std::collections::HashMap;
+
 use axum::extract::{Request, State};
+use axum::http::StatusCode;
 use axum::Json;
 use serde_json::Value;
 
 use agentmbx_protocol::keys::PublicKey;
-use agentmbx_protocol::limits::{MAX_ITEM_ID, RELAY_MAX_BODY};
+use agentmbx_protocol::limits::{self, MAX_ITEM_ID, RELAY_MAX_BODY};
 use agentmbx_protocol::records::{self, AcceptStatement, AcceptTarget};
 use agentmbx_protocol::wire::{PushRequest, PushResponse, PushResult, TargetSeq};
 use agentmbx_protocol::{b64, canonical, envelope};
@@ -38,55 +43,158 @@ fn rejected(item_id: &str, why: &str) -> PushResult {
     }
 }
 
-/// Validates one wire item that needs no store access (`bad wire` onwards). Returns the decoded
-/// target wires in order.
+/// What the store said about one target key, read once per batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TargetState {
+    /// Enrolled, not revoked, and the sender is allowed.
+    Ok,
+    /// Unknown or revoked.
+    NotEnrolled,
+    /// The target's sender allowlist does not name the sender.
+    NotAccepted,
+}
+
+/// Validates one item that needs no store write, in `wire.md` §3.2 order (each check over
+/// every target before the next). Returns the decoded target wires in order.
+fn check_item(
+    state: &RelayState,
+    sender: &PublicKey,
+    targets: &HashMap<String, TargetState>,
+    item: &agentmbx_protocol::wire::PushItem,
+) -> Result<Vec<Vec<u8>>, String> {
+    let id_len = limits::utf16_len(&item.item_id);
+    if id_len == 0 || id_len > MAX_ITEM_ID {
+        return Err("bad item id".into());
+    }
+    if item.kind != "envelope" && item.kind != "receipt" {
+        return Err("bad kind".into());
+    }
+    if item.targets.is_empty() || item.targets.len() as u64 > state.config.limits.max_targets {
+        return Err("bad targets".into());
+    }
+    let target_state = |t: &agentmbx_protocol::wire::PushTarget| {
+        targets
+            .get(&t.host_pubkey)
+            .copied()
+            .unwrap_or(TargetState::NotEnrolled)
+    };
+    if item
+        .targets
+        .iter()
+        .any(|t| target_state(t) == TargetState::NotEnrolled)
+    {
+        return Err("target not enrolled".into());
+    }
+    if item
+        .targets
+        .iter()
+        .any(|t| target_state(t) == TargetState::NotAccepted)
+    {
+        return Err("sender not accepted by target".into());
+    }
+    if item.targets.iter().enumerate().any(|(i, t)| {
+        item.targets[..i]
+            .iter()
+            .any(|u| u.host_pubkey == t.host_pubkey)
+    }) {
+        return Err("duplicate target".into());
+    }
+    check_wires(state, sender, item)
+}
+
+/// The wire checks of one item (`bad wire` onwards), each over every target in turn.
 fn check_wires(
     state: &RelayState,
     sender: &PublicKey,
     item: &agentmbx_protocol::wire::PushItem,
 ) -> Result<Vec<Vec<u8>>, String> {
-    let mut wires = Vec::with_capacity(item.targets.len());
-    for t in &item.targets {
-        if !b64::is_wire_b64(&t.wire_b64) {
-            return Err("bad wire".into());
-        }
-        let wire = b64::decode(&t.wire_b64).map_err(|_| "bad wire".to_string())?;
-        if wire.len() as u64 > state.config.limits.max_item_bytes {
-            return Err("item over size limit".into());
-        }
-        wires.push(wire);
+    if !item.targets.iter().all(|t| b64::is_wire_b64(&t.wire_b64)) {
+        return Err("bad wire".into());
     }
-    for wire in &wires {
-        if item.kind == "envelope" {
-            let env = canonical::parse(wire).map_err(|_| "bad envelope: not JSON".to_string())?;
-            envelope::check_shape(&env).map_err(|why| format!("bad envelope: {why}"))?;
-            if env.get("id").and_then(Value::as_str) != Some(item.item_id.as_str()) {
-                return Err("item id is not the envelope id".into());
-            }
-            if env.get("enc").is_none_or(Value::is_null) {
-                return Err("envelope body is not sealed".into());
-            }
-        } else {
-            let rec = parse_receipt_unsigned(wire).ok_or_else(|| "bad receipt".to_string())?;
-            if rec.item_id() != item.item_id {
-                return Err("item id is not the receipt id".into());
-            }
-            records::parse_receipt_wire(wire, sender)
-                .map_err(|_| "receipt is not signed by the sending host".to_string())?;
+    let wires = item
+        .targets
+        .iter()
+        .map(|t| b64::decode(&t.wire_b64))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|_| "bad wire".to_string())?;
+    if wires
+        .iter()
+        .any(|w| w.len() as u64 > state.config.limits.max_item_bytes)
+    {
+        return Err("item over size limit".into());
+    }
+    let docs = wires
+        .iter()
+        .map(|w| canonical::parse(w))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|_| "bad wire".to_string())?;
+    if item.kind == "envelope" {
+        for env in &docs {
+            envelope::check_shape(env).map_err(|why| format!("bad envelope: {why}"))?;
+        }
+        if docs
+            .iter()
+            .any(|env| env.get("id").and_then(Value::as_str) != Some(item.item_id.as_str()))
+        {
+            return Err("item id is not the envelope id".into());
+        }
+        if docs
+            .iter()
+            .any(|env| env.get("enc").is_none_or(Value::is_null))
+        {
+            return Err("envelope body is not sealed".into());
+        }
+    } else {
+        // The full T218 shape first; a record whose only fault is its signature is read for
+        // the id check, and refused for the signature after it.
+        let verdicts: Vec<_> = wires
+            .iter()
+            .map(|w| records::parse_receipt_wire(w, sender))
+            .collect();
+        let recs = verdicts
+            .iter()
+            .zip(&docs)
+            .map(|(verdict, doc)| match verdict {
+                Ok(rec) => Some(rec.clone()),
+                Err(why) if *why == RECEIPT_BAD_SIGNATURE => receipt_record(doc),
+                Err(_) => None,
+            })
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| "bad receipt".to_string())?;
+        if recs.iter().any(|rec| rec.item_id() != item.item_id) {
+            return Err("item id is not the receipt id".into());
+        }
+        if verdicts.iter().any(Result::is_err) {
+            return Err("receipt is not signed by the sending host".into());
         }
     }
     Ok(wires)
 }
 
-/// Shape of a receipt wire without its signature check (to order the refusals).
-fn parse_receipt_unsigned(wire: &[u8]) -> Option<records::Receipt> {
-    let v = canonical::parse(wire).ok()?;
-    let obj = v.as_object()?;
-    if obj.len() != 2 || !obj.get("sig").is_some_and(Value::is_string) {
-        return None;
-    }
-    let rec: records::Receipt = serde_json::from_value(obj.get("rec")?.clone()).ok()?;
-    (rec.v == 1 && rec.kind == "receipt" && rec.seq >= 1).then_some(rec)
+/// `records::parse_receipt_wire`'s reason for a well-formed record whose signature fails.
+const RECEIPT_BAD_SIGNATURE: &str = "bad signature";
+
+/// The `rec` of a receipt wire whose shape `records::parse_receipt_wire` already accepted.
+fn receipt_record(doc: &Value) -> Option<records::Receipt> {
+    serde_json::from_value(doc.get("rec")?.clone()).ok()
+}
+
+/// A push body that does not parse, described without echoing any of it.
+fn bad_batch(e: &serde_json::Error) -> ApiError {
+    let what = match e.classify() {
+        serde_json::error::Category::Data => "wrong shape",
+        _ => "invalid JSON",
+    };
+    ApiError::new(
+        StatusCode::BAD_REQUEST,
+        format!(
+            "bad batch: {{items:[{{kind, item_id, targets:[{{host_pubkey, wire_b64}}]}}]}} \
+             required ({what} at line {}, column {})",
+            e.line(),
+            e.column()
+        ),
+        "BAD_BATCH",
+    )
 }
 
 /// Handles `POST /v2/relay/items`.
@@ -98,16 +206,10 @@ pub async fn post(
     let body = read_body(body, RELAY_MAX_BODY).await?;
     let raw = utf8(&body)?;
     let caller = authenticate(&state, &parts.method, &parts.uri, &parts.headers, raw).await?;
-    let push: PushRequest = serde_json::from_str(raw).map_err(|e| {
-        ApiError::new(
-            axum::http::StatusCode::BAD_REQUEST,
-            format!("bad batch: {e}"),
-            "BAD_BATCH",
-        )
-    })?;
+    let push: PushRequest = serde_json::from_str(raw).map_err(|e| bad_batch(&e))?;
     if push.items.len() as u64 > state.config.limits.max_batch {
         return Err(ApiError::new(
-            axum::http::StatusCode::BAD_REQUEST,
+            StatusCode::BAD_REQUEST,
             format!(
                 "more than {} items in one push",
                 state.config.limits.max_batch
@@ -124,56 +226,32 @@ pub async fn post(
         .collect();
     let store = state.store.clone();
     let me = caller.host_pubkey.clone();
-    let target_ok: std::collections::HashMap<String, Result<(), &'static str>> =
-        blocking(move || {
-            let mut m = std::collections::HashMap::new();
-            for k in keys {
-                if m.contains_key(&k) {
-                    continue;
-                }
-                let verdict = match store.enrolment(&k)? {
-                    Some(e) if !e.is_revoked() => match store.sender_list(&k)? {
-                        Some(list) if !list.senders.iter().any(|s| s == &me) => {
-                            Err("sender not accepted by target")
-                        }
-                        _ => Ok(()),
-                    },
-                    _ => Err("target not enrolled"),
-                };
-                m.insert(k, verdict);
+    let target_states: HashMap<String, TargetState> = blocking(move || {
+        let mut m = HashMap::new();
+        for k in keys {
+            if m.contains_key(&k) {
+                continue;
             }
-            Ok(m)
-        })
-        .await?;
+            let verdict = match store.enrolment(&k)? {
+                Some(e) if !e.is_revoked() => match store.sender_list(&k)? {
+                    Some(list) if !list.senders.iter().any(|s| s == &me) => {
+                        TargetState::NotAccepted
+                    }
+                    _ => TargetState::Ok,
+                },
+                _ => TargetState::NotEnrolled,
+            };
+            m.insert(k, verdict);
+        }
+        Ok(m)
+    })
+    .await?;
 
     let mut results: Vec<Option<PushResult>> = Vec::with_capacity(push.items.len());
     let mut to_store = Vec::new();
     let mut positions = Vec::new();
     for (idx, item) in push.items.iter().enumerate() {
-        let id_len = item.item_id.chars().count();
-        let verdict: Result<Vec<Vec<u8>>, String> = if id_len == 0 || id_len > MAX_ITEM_ID {
-            Err("bad item id".into())
-        } else if item.kind != "envelope" && item.kind != "receipt" {
-            Err("bad kind".into())
-        } else if item.targets.is_empty()
-            || item.targets.len() as u64 > state.config.limits.max_targets
-        {
-            Err("bad targets".into())
-        } else if let Some(why) = item
-            .targets
-            .iter()
-            .find_map(|t| target_ok.get(&t.host_pubkey).and_then(|v| v.err()))
-        {
-            Err(why.into())
-        } else if item.targets.iter().enumerate().any(|(i, t)| {
-            item.targets[..i]
-                .iter()
-                .any(|u| u.host_pubkey == t.host_pubkey)
-        }) {
-            Err("duplicate target".into())
-        } else {
-            check_wires(&state, &sender, item)
-        };
+        let verdict = check_item(&state, &sender, &target_states, item);
         match verdict {
             Err(why) => results.push(Some(rejected(&item.item_id, &why))),
             Ok(wires) => {

@@ -137,10 +137,14 @@ impl RelayClient {
             .mailbox
             .run(move |c| {
                 let tx = c.transaction()?;
-                let wire = b64::decode(&item.wire_b64).unwrap_or_default();
+                // Undecodable base64 is kept as the text received, so quarantine loses nothing.
+                let (wire, decoded) = match b64::decode(&item.wire_b64) {
+                    Ok(w) => (w, true),
+                    Err(_) => (item.wire_b64.clone().into_bytes(), false),
+                };
                 let verdict = if item.kind != "envelope" {
                     Err(format!("unsupported item kind {:?}", item.kind))
-                } else if wire.is_empty() {
+                } else if !decoded || wire.is_empty() {
                     Err("bad wire".to_string())
                 } else {
                     receive::receive_sealed(

@@ -196,8 +196,17 @@ impl RelayClient {
             error.to_string(),
             self.clock.now_ms(),
         );
+        let ident = self.ident.clone();
         self.mailbox
-            .run(move |c| outbox::fail(c, &m, &h, &e, terminal, now))
+            .run(move |c| {
+                let tx = c.transaction()?;
+                outbox::fail(&tx, &m, &h, &e, terminal, now)?;
+                if terminal {
+                    crate::node::alert::undelivered(&tx, &ident, &m, &h, &e, now)?;
+                }
+                tx.commit()?;
+                Ok(())
+            })
             .await?;
         Ok(())
     }

@@ -38,6 +38,7 @@ impl RelayClient {
                 served,
             });
         }
+        self.note_epoch(&info.epoch).await?;
         let me = self.ident.host_key.public().to_b64();
         let enrolled = info
             .you
@@ -72,6 +73,33 @@ impl RelayClient {
             limits: info.limits,
             head_seq: info.you.map_or(0, |y| y.head_seq),
         })
+    }
+
+    /// Records the relay epoch; on a change, re-pushes every relay-accepted row of this relay
+    /// (spec §5 "On seeing a new epoch": a sender re-pushes, dedup makes it safe).
+    async fn note_epoch(&self, epoch: &str) -> Result<(), RelayError> {
+        let (url, ep, now) = (self.url.clone(), epoch.to_string(), self.clock.now_ms());
+        let moved = self
+            .mailbox
+            .run(move |c| {
+                let tx = c.transaction()?;
+                let key = format!("relay-epoch:{url}");
+                let old = crate::mailbox::relay_state::kv_get(&tx, &key)?;
+                let mut moved = 0;
+                if old.as_deref() != Some(ep.as_str()) {
+                    if old.is_some() {
+                        moved = crate::mailbox::outbox::repush_for_epoch(&tx, &url, &ep, now)?;
+                    }
+                    crate::mailbox::relay_state::kv_set(&tx, &key, &ep)?;
+                }
+                tx.commit()?;
+                Ok(moved)
+            })
+            .await?;
+        if moved > 0 {
+            tracing::warn!(relay = %self.url, epoch, rows = moved, "relay epoch changed: pushing relay-accepted mail again");
+        }
+        Ok(())
     }
 
     /// Host-key challenge enrolment: `POST /v1/relay/challenge` then `POST /v1/relay/enrol`

@@ -1,0 +1,605 @@
+//! Fixtures for the relay's HTTP tests: the real server (`server::serve`) on 127.0.0.1 port 0
+//! over a fresh `SqliteStore` in a temporary directory, driven by a [`ManualClock`]; a small
+//! client that signs v2 hops with `hop::sign_relay_hop`; and factories for host keys, enrolment,
+//! sealed envelopes, receipt wires and enc-key ads.
+//!
+//! The clock only moves when a test moves it, so sequence numbers are predictable
+//! (`seq = max(next_seq, now_ms)`) and hop timestamps can be placed exactly on the window edge.
+#![allow(dead_code)] // Not every test uses every fixture.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Once};
+
+use serde_json::{json, Value};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use agentmbx_protocol::clock::{Clock, ManualClock, SharedClock};
+use agentmbx_protocol::envelope::{self, Draft};
+use agentmbx_protocol::hop::{self, header};
+use agentmbx_protocol::keys::{EncKey, HostKey, PublicKey};
+use agentmbx_protocol::records::{self, EncAd, Receipt};
+use agentmbx_protocol::{b64, seal, ulid};
+
+use agentmbx_relay::config::{LimitsConfig, RelayConfig};
+use agentmbx_relay::handlers::enrol::Challenges;
+use agentmbx_relay::server::{self, RelayState, SharedRelay};
+use agentmbx_relay::store::{self, OpenOptions, RelayStore, SqliteStore};
+
+/// Where every relay clock starts: 2026-01-01T00:00:00.000Z.
+pub const T0: i64 = 1_767_225_600_000;
+
+/// A relay server running in this process.
+pub struct Relay {
+    /// `http://127.0.0.1:<port>`.
+    pub base: String,
+    /// The relay's clock (hops are signed with its time unless a test says otherwise).
+    pub clock: Arc<ManualClock>,
+    /// The server state (store access for revocations, sender lists, inspection).
+    pub state: SharedRelay,
+    /// The relay's public key (accept statements verify against it).
+    pub relay_pub: PublicKey,
+    http: reqwest::Client,
+    shutdown: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<std::io::Result<()>>>,
+    _dir: tempfile::TempDir,
+}
+
+/// An HTTP answer: status, raw body and (when it parses) the JSON body.
+#[derive(Debug, Clone)]
+pub struct Resp {
+    /// HTTP status code.
+    pub status: u16,
+    /// `content-type` header, "" when absent.
+    pub content_type: String,
+    /// The body as text.
+    pub text: String,
+    /// The body as JSON (`Value::Null` when it does not parse).
+    pub json: Value,
+}
+
+impl Resp {
+    /// `json[key]` as a string ("" when absent).
+    pub fn str(&self, key: &str) -> &str {
+        self.json.get(key).and_then(Value::as_str).unwrap_or("")
+    }
+
+    /// Asserts an error answer: `status`, JSON content type, `{error, code}` exactly.
+    #[track_caller]
+    pub fn assert_error(&self, status: u16, error: &str, code: &str) {
+        assert_eq!(self.status, status, "{self:#?}");
+        assert!(
+            self.content_type.starts_with("application/json"),
+            "{self:#?}"
+        );
+        assert_eq!(self.str("error"), error, "{self:#?}");
+        assert_eq!(self.str("code"), code, "{self:#?}");
+    }
+
+    /// Asserts a 200 JSON answer.
+    #[track_caller]
+    pub fn assert_ok(&self) -> &Value {
+        assert_eq!(self.status, 200, "{self:#?}");
+        assert!(
+            self.content_type.starts_with("application/json"),
+            "{self:#?}"
+        );
+        &self.json
+    }
+
+    /// The per-item statuses of a push answer.
+    #[track_caller]
+    pub fn statuses(&self) -> Vec<String> {
+        self.assert_ok()["results"]
+            .as_array()
+            .expect("results array")
+            .iter()
+            .map(|r| r["status"].as_str().expect("status text").to_owned())
+            .collect()
+    }
+
+    /// The one per-item status of a single-item push answer.
+    #[track_caller]
+    pub fn status1(&self) -> String {
+        let s = self.statuses();
+        assert_eq!(s.len(), 1, "{self:#?}");
+        s[0].clone()
+    }
+}
+
+/// Installs the ring TLS provider once (reqwest needs one even for plain http).
+fn install_provider() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
+impl Relay {
+    /// A relay with the default (published) limits.
+    pub async fn start() -> Relay {
+        Relay::start_with(LimitsConfig::default()).await
+    }
+
+    /// A relay with the given limits.
+    pub async fn start_with(limits: LimitsConfig) -> Relay {
+        install_provider();
+        let dir = tempfile::tempdir().expect("temp dir");
+        let key = HostKey::generate();
+        let relay_pub = key.public();
+        let clock = Arc::new(ManualClock::new(T0));
+        let options = OpenOptions {
+            lock_wait_ms: 0,
+            failpoint: store::no_failpoint,
+            limits: limits.store_limits(),
+        };
+        let path = dir.path().join("store");
+        let pk = relay_pub.to_b64();
+        let store = tokio::task::spawn_blocking(move || {
+            SqliteStore::open_with(&path, &pk, T0, options).expect("open the relay store")
+        })
+        .await
+        .expect("open task");
+        let store: Arc<dyn RelayStore> = Arc::new(store);
+        let shared_clock: SharedClock = clock.clone();
+        let state = Arc::new(RelayState {
+            store,
+            key,
+            clock: shared_clock,
+            config: RelayConfig {
+                limits,
+                ..RelayConfig::default()
+            },
+            challenges: Challenges::default(),
+            version: agentmbx_relay::VERSION,
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind 127.0.0.1:0");
+        let addr: SocketAddr = listener.local_addr().expect("local addr");
+        let (tx, rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(server::serve(listener, state.clone(), async move {
+            let _ = rx.await;
+        }));
+        let http = reqwest::Client::builder()
+            .no_proxy()
+            .timeout(std::time::Duration::from_secs(60))
+            .build()
+            .expect("http client");
+        Relay {
+            base: format!("http://{addr}"),
+            clock,
+            state,
+            relay_pub,
+            http,
+            shutdown: Some(tx),
+            task: Some(task),
+            _dir: dir,
+        }
+    }
+
+    /// Stops the server gracefully and checks that `serve` returned `Ok`.
+    pub async fn stop(mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(task) = self.task.take() {
+            task.await
+                .expect("serve task")
+                .expect("serve returned an error");
+        }
+    }
+
+    /// `127.0.0.1:<port>`.
+    pub fn addr(&self) -> String {
+        self.base.trim_start_matches("http://").to_owned()
+    }
+
+    /// The relay clock's time.
+    pub fn now(&self) -> i64 {
+        self.clock.now_ms()
+    }
+
+    /// The store (blocking calls; fine from a test for one-off inspection or setup).
+    pub fn store(&self) -> Arc<dyn RelayStore> {
+        self.state.store.clone()
+    }
+
+    /// Runs a blocking store call off the runtime.
+    pub async fn with_store<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&dyn RelayStore) -> T + Send + 'static,
+    ) -> T {
+        let store = self.store();
+        tokio::task::spawn_blocking(move || f(store.as_ref()))
+            .await
+            .expect("store task")
+    }
+
+    /// The current epoch (from the store).
+    pub async fn epoch(&self) -> String {
+        self.with_store(|s| s.epoch().expect("epoch")).await
+    }
+
+    /// Sends a raw request: any method, target, headers and body bytes.
+    pub async fn send(
+        &self,
+        method: &str,
+        target: &str,
+        headers: &[(String, String)],
+        body: Vec<u8>,
+    ) -> Resp {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).expect("method");
+        let mut req = self
+            .http
+            .request(method, format!("{}{target}", self.base))
+            .body(body);
+        for (k, v) in headers {
+            req = req.header(k.as_str(), v.as_str());
+        }
+        let res = req.send().await.expect("http request");
+        Resp::read(res).await
+    }
+
+    /// An unsigned request with a JSON (or any text) body.
+    pub async fn plain(&self, method: &str, target: &str, body: &str) -> Resp {
+        let ct = vec![("content-type".to_owned(), "application/json".to_owned())];
+        self.send(method, target, &ct, body.as_bytes().to_vec())
+            .await
+    }
+
+    /// A v2 hop signed by `host` at the relay's time.
+    pub async fn hop(&self, host: &Host, method: &str, target: &str, body: &str) -> Resp {
+        self.hop_at(host, method, target, body, self.now()).await
+    }
+
+    /// A v2 hop signed by `host` with timestamp `ts_ms`.
+    pub async fn hop_at(
+        &self,
+        host: &Host,
+        method: &str,
+        target: &str,
+        body: &str,
+        ts_ms: i64,
+    ) -> Resp {
+        let headers = host.hop_headers(method, target, body, ts_ms);
+        self.send(method, target, &headers, body.as_bytes().to_vec())
+            .await
+    }
+
+    /// Challenge + enrol over HTTP; asserts both succeed.
+    pub async fn enrol(&self, host: &Host) {
+        let r = self.enrol_try(host).await;
+        assert_eq!(r.json, json!({"ok": true}), "{r:#?}");
+        assert_eq!(r.status, 200, "{r:#?}");
+    }
+
+    /// Challenge + enrol over HTTP; returns the enrol answer.
+    pub async fn enrol_try(&self, host: &Host) -> Resp {
+        let challenge = self.challenge(host).await;
+        self.plain("POST", "/v1/relay/enrol", &host.enrol_body(&challenge))
+            .await
+    }
+
+    /// Asks for a challenge for `host`; asserts success and returns it.
+    pub async fn challenge(&self, host: &Host) -> String {
+        let body = json!({"host": host.name, "pubkey": host.pubkey()}).to_string();
+        let r = self.plain("POST", "/v1/relay/challenge", &body).await;
+        r.assert_ok();
+        let c = r.str("challenge").to_owned();
+        assert!(!c.is_empty(), "{r:#?}");
+        c
+    }
+
+    /// Enrols `host` straight through the store (no HTTP): for bulk targets.
+    pub async fn enrol_direct(&self, host: &Host) {
+        let req = store::EnrolRequest {
+            host_pubkey: host.pubkey(),
+            host_name: host.name.clone(),
+            owner_fp: String::new(),
+            account: None,
+            authorized_by: "host-key-challenge".into(),
+            strength: store::AuthorityStrength::HostKeyChallenge,
+            now_ms: self.now(),
+        };
+        let out = self.with_store(move |s| s.enrol(req)).await;
+        assert!(
+            matches!(out, Ok(store::EnrolOutcome::Enrolled(_))),
+            "{out:?}"
+        );
+    }
+
+    /// Revokes `host` through the store.
+    pub async fn revoke(&self, host: &Host) {
+        let pk = host.pubkey();
+        let now = self.now();
+        let out = self.with_store(move |s| s.revoke(&pk, now)).await;
+        assert!(matches!(out, Ok(store::RevokeOutcome::Revoked)), "{out:?}");
+    }
+
+    /// `POST /v2/relay/items {items}` signed by `host`.
+    pub async fn push(&self, host: &Host, items: Vec<Value>) -> Resp {
+        let body = json!({ "items": items }).to_string();
+        self.hop(host, "POST", "/v2/relay/items", &body).await
+    }
+
+    /// `GET /v2/relay/items?<query>` signed by `host` ("" for no query).
+    pub async fn pull(&self, host: &Host, query: &str) -> Resp {
+        let target = if query.is_empty() {
+            "/v2/relay/items".to_owned()
+        } else {
+            format!("/v2/relay/items?{query}")
+        };
+        self.hop(host, "GET", &target, "").await
+    }
+
+    /// `POST /v2/relay/ack {epoch, through}` signed by `host`.
+    pub async fn ack(&self, host: &Host, epoch: &str, through: Value) -> Resp {
+        let body = json!({"epoch": epoch, "through": through}).to_string();
+        self.hop(host, "POST", "/v2/relay/ack", &body).await
+    }
+
+    /// Pulls `host`'s whole queue (one page of up to 500) and returns the item ids in order.
+    pub async fn queue_ids(&self, host: &Host) -> Vec<String> {
+        let r = self.pull(host, "after=0&limit=500").await;
+        r.assert_ok()["items"]
+            .as_array()
+            .expect("items")
+            .iter()
+            .map(|i| i["item_id"].as_str().expect("item id").to_owned())
+            .collect()
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+impl Resp {
+    async fn read(res: reqwest::Response) -> Resp {
+        let status = res.status().as_u16();
+        let content_type = res
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned();
+        let text = res.text().await.expect("response body");
+        let json = serde_json::from_str(&text).unwrap_or(Value::Null);
+        Resp {
+            status,
+            content_type,
+            text,
+            json,
+        }
+    }
+}
+
+/// A host: its signing key, enc key and name.
+pub struct Host {
+    /// Host name (a label on the relay).
+    pub name: String,
+    /// Ed25519 host key.
+    pub key: HostKey,
+    /// X25519 enc key.
+    pub enc: EncKey,
+}
+
+impl Host {
+    /// A fresh host called `name`.
+    pub fn new(name: &str) -> Host {
+        Host {
+            name: name.to_owned(),
+            key: HostKey::generate(),
+            enc: EncKey::generate(),
+        }
+    }
+
+    /// The host key, standard base64.
+    pub fn pubkey(&self) -> String {
+        self.key.public().to_b64()
+    }
+
+    /// v2 hop headers for a request.
+    pub fn hop_headers(
+        &self,
+        method: &str,
+        target: &str,
+        body: &str,
+        ts_ms: i64,
+    ) -> Vec<(String, String)> {
+        let h = hop::sign_relay_hop(&self.key, &self.name, method, target, ts_ms, body);
+        let mut v: Vec<(String, String)> = h
+            .pairs()
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v))
+            .collect();
+        v.push(("content-type".into(), "application/json".into()));
+        v
+    }
+
+    /// The enrol body for a challenge (owner_fp "").
+    pub fn enrol_body(&self, challenge: &str) -> String {
+        let pk = self.pubkey();
+        let sig = self
+            .key
+            .sign(records::enrol_canonical(challenge, &self.name, &pk, "").as_bytes());
+        json!({"host": self.name, "pubkey": pk, "owner_fp": "", "sig": sig}).to_string()
+    }
+
+    /// A signed v2 enc-key ad issued at `now_ms`: `(ad, sig)`.
+    pub fn enc_ad(&self, now_ms: i64) -> (Value, String) {
+        let ad = EncAd::new(
+            &self.name,
+            &self.key.public(),
+            &self.enc.public().to_b64(),
+            now_ms,
+        );
+        (ad.to_value(), ad.sign(&self.key))
+    }
+}
+
+/// A fresh ULID for `now_ms`.
+pub fn new_id(now_ms: i64) -> String {
+    ulid::Generator::new().next(now_ms)
+}
+
+/// A plain (unsealed, host-signed) envelope from `from` to `to`.
+pub fn plain_envelope(from: &Host, to: &Host, body: &str, now_ms: i64) -> envelope::Envelope {
+    let id = new_id(now_ms);
+    let draft = Draft {
+        from: format!("agent@{}", from.name),
+        to: vec![format!("agent@{}", to.name)],
+        subject: "hello".into(),
+        body: body.into(),
+        ..Draft::default()
+    };
+    let mut env = envelope::build(&draft, id, now_ms).expect("build envelope");
+    env.sign(&from.name, &from.key).expect("sign envelope");
+    env
+}
+
+/// A sealed envelope from `from` for `to`: `(id, wire JSON text)`.
+pub fn sealed_wire(from: &Host, to: &Host, body: &str, now_ms: i64) -> (String, String) {
+    let plain = plain_envelope(from, to, body, now_ms);
+    let sealed = seal::seal_envelope(&plain, &to.enc.public(), &from.name, &from.key)
+        .expect("seal envelope");
+    (sealed.id.clone(), sealed.wire_json())
+}
+
+/// A receipt wire signed by `signer` (the recipient host): `(item id, wire text)`.
+pub fn receipt_wire(signer: &Host, msg: &str, seq: u64, now_ms: i64) -> (String, String) {
+    let rec = receipt(signer, msg, seq, now_ms);
+    (rec.item_id(), rec.wire(&signer.key).expect("receipt wire"))
+}
+
+/// A T218 receipt record from `signer`.
+pub fn receipt(signer: &Host, msg: &str, seq: u64, now_ms: i64) -> Receipt {
+    Receipt {
+        v: 1,
+        kind: "receipt".into(),
+        msg: msg.into(),
+        recipient: format!("agent@{}", signer.name),
+        state: "delivered".into(),
+        at: agentmbx_protocol::time::iso_ms(now_ms),
+        note: None,
+        did: None,
+        seq,
+    }
+}
+
+/// One push item `{kind, item_id, targets:[{host_pubkey, wire_b64}]}` with raw wire bytes.
+pub fn item(kind: &str, item_id: &str, targets: &[(&Host, &[u8])]) -> Value {
+    json!({
+        "kind": kind,
+        "item_id": item_id,
+        "targets": targets
+            .iter()
+            .map(|(h, w)| json!({"host_pubkey": h.pubkey(), "wire_b64": b64::encode(w)}))
+            .collect::<Vec<_>>(),
+    })
+}
+
+/// One envelope item for a single target.
+pub fn env_item(item_id: &str, to: &Host, wire: &str) -> Value {
+    item("envelope", item_id, &[(to, wire.as_bytes())])
+}
+
+/// The lowercase hex SHA-256 of wire bytes.
+pub fn wire_hash(wire: &[u8]) -> String {
+    agentmbx_protocol::hash::sha256_hex(wire)
+}
+
+/// The hop header names.
+pub const HOP_HEADERS: [&str; 4] = [header::HOST, header::KEY, header::TS, header::SIG];
+
+/// A deterministic xorshift64* generator (no new dependency).
+#[derive(Debug, Clone)]
+pub struct XorShift(u64);
+
+impl XorShift {
+    /// Seeded generator (a zero seed is replaced).
+    pub fn new(seed: u64) -> XorShift {
+        XorShift(if seed == 0 {
+            0x9E37_79B9_7F4A_7C15
+        } else {
+            seed
+        })
+    }
+    /// Next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    /// Uniform in `0..n` (n > 0).
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+    /// True with probability 1/n.
+    pub fn one_in(&mut self, n: usize) -> bool {
+        self.below(n) == 0
+    }
+    /// One element of a slice.
+    pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        &items[self.below(items.len())]
+    }
+    /// `n` random bytes.
+    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next_u64() as u8).collect()
+    }
+}
+
+/// A raw HTTP/1.1 exchange over a std `TcpStream` (for what a well-behaved client never sends):
+/// writes `head` and then each body chunk (ignoring write errors once the server stopped
+/// reading), then reads one response. Returns `(status, body text, seconds waited after the last
+/// write)`.
+pub fn raw_exchange(addr: &str, head: &str, chunks: &[Vec<u8>]) -> (u16, String, f64) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+        .expect("read timeout");
+    s.write_all(head.as_bytes()).expect("write head");
+    for c in chunks {
+        if s.write_all(c).is_err() {
+            break;
+        }
+    }
+    let sent = std::time::Instant::now();
+    let mut buf = Vec::new();
+    let mut tmp = [0u8; 65536];
+    loop {
+        if let Some(end) = find(&buf, b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+            let len = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .unwrap_or(0);
+            if buf.len() >= end + 4 + len {
+                let status = head
+                    .split_whitespace()
+                    .nth(1)
+                    .and_then(|c| c.parse().ok())
+                    .unwrap_or(0);
+                let body = String::from_utf8_lossy(&buf[end + 4..end + 4 + len]).into_owned();
+                return (status, body, sent.elapsed().as_secs_f64());
+            }
+        }
+        match s.read(&mut tmp) {
+            Ok(0) | Err(_) => return (0, String::from_utf8_lossy(&buf).into_owned(), 0.0),
+            Ok(n) => buf.extend_from_slice(&tmp[..n]),
+        }
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
