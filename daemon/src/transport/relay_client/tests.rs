@@ -1889,3 +1889,86 @@ async fn the_relay_key_is_pinned_on_first_contact_and_kept() {
             .is_err()
     );
 }
+
+// ---- alerts and epoch changes --------------------------------------------------------------------
+
+#[tokio::test]
+async fn a_terminal_rejection_alerts_the_sending_agent() {
+    let s = Setup::new(true).await;
+    let id = s.send_to_peer(ID1);
+    s.relay
+        .on("POST /v2/relay/items", push_reject("rejected:conflict"));
+    s.client.push_due(&session("e1")).await.unwrap();
+    assert_eq!(s.row(&id).state, "rejected");
+    let page = s
+        .store
+        .mailbox
+        .with(|c| crate::mailbox::messages::inbox(c, "alice", None, 50, false))
+        .unwrap();
+    assert_eq!(page.messages.len(), 1, "one alert for alice");
+    let alert = &page.messages[0];
+    assert_eq!(alert.subject, "Undelivered to work: hello");
+    assert_eq!(
+        (alert.kind.as_str(), alert.from.as_str()),
+        ("alert", "agentmbx@home")
+    );
+    // A retryable rejection alerts nobody.
+    let s = Setup::new(true).await;
+    s.send_to_peer(ID1);
+    s.relay.on(
+        "POST /v2/relay/items",
+        push_reject("rejected:target not enrolled"),
+    );
+    s.client.push_due(&session("e1")).await.unwrap();
+    let page = s
+        .store
+        .mailbox
+        .with(|c| crate::mailbox::messages::inbox(c, "alice", None, 50, false))
+        .unwrap();
+    assert!(page.messages.is_empty());
+}
+
+#[tokio::test]
+async fn a_new_epoch_sends_relay_accepted_rows_again_with_the_same_bytes() {
+    let s = Setup::new(true).await;
+    let id = s.send_to_peer(ID1);
+    let url = s.client.url.clone();
+    // The row was accepted in epoch e1, with its wire bytes persisted.
+    s.store
+        .mailbox
+        .with(|c| {
+            crate::mailbox::outbox::set_wire(c, &id, "work", b"{\"sealed\":1}", "h1")?;
+            let a = crate::mailbox::outbox::Accepted {
+                relay: &url,
+                epoch: "e1",
+                seq: 42,
+                accept: "{}",
+                sig: "",
+                accepted_at: T0,
+                deadline_at: T0 + 1,
+            };
+            crate::mailbox::outbox::settle_accepted(c, &id, "work", &a, T0)
+        })
+        .unwrap();
+    let me = s.me_pub();
+    let enc = s.me.enc_key.public().to_b64();
+    let key = s.relay.key.clone();
+    let epoch = std::sync::Arc::new(std::sync::Mutex::new("e1".to_string()));
+    let e = epoch.clone();
+    s.relay.on("GET /v2/relay/info", move |_| {
+        let you = json!({"host": "home", "pubkey": me, "head_seq": 0, "acked_through": 0,
+                         "enc_ad": {"enc_pub": enc, "exp": "2099-01-01T00:00:00.000Z", "v1": false}});
+        (200, info(&key, &e.lock().unwrap(), Some(you)))
+    });
+    // First contact records e1 and moves nothing; the same epoch again moves nothing.
+    s.client.open_session().await.unwrap();
+    s.client.open_session().await.unwrap();
+    assert_eq!(s.row(&id).state, "relay-accepted");
+    // The relay comes back in a new epoch (a restore): the row is due again, bytes unchanged.
+    *epoch.lock().unwrap() = "e2".into();
+    s.client.open_session().await.unwrap();
+    let row = s.row(&id);
+    assert_eq!(row.state, "pending");
+    assert!(row.next_at <= s.clock_now());
+    assert_eq!(row.wire.as_deref(), Some(&b"{\"sealed\":1}"[..]));
+}
