@@ -14,6 +14,9 @@ use crate::store::StoreLimits;
 /// Default relay port (0.5.x).
 pub const DEFAULT_PORT: u16 = 7374;
 
+/// Default request timeout (ms): 30 s (`wire.md` §3.1).
+pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 30_000;
+
 /// Errors reading the configuration.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -137,6 +140,9 @@ pub struct RelayConfig {
     pub trust_proxy: Option<String>,
     /// How long `serve` waits for `relay.lock` held by another process (ms, default 60,000).
     pub lock_wait_ms: Option<u64>,
+    /// Longest time one request may take, body upload included (ms, default 30,000,
+    /// `wire.md` §3.1 server timeouts); past it the relay answers 408 and closes.
+    pub request_timeout_ms: Option<u64>,
     /// Limits and quotas.
     pub limits: LimitsConfig,
 }

@@ -8,6 +8,10 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::extract::Request;
+use axum::http::StatusCode;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 
@@ -44,6 +48,12 @@ pub type SharedRelay = Arc<RelayState>;
 
 /// The relay's routes (`wire.md` §3.1); anything else is 404 `{error:"not found"}`.
 pub fn router(state: SharedRelay) -> Router {
+    let timeout = Duration::from_millis(
+        state
+            .config
+            .request_timeout_ms
+            .unwrap_or(crate::config::DEFAULT_REQUEST_TIMEOUT_MS),
+    );
     Router::new()
         .route("/v2/relay/info", get(handlers::info::get))
         .route("/v1/relay/challenge", post(handlers::enrol::challenge))
@@ -59,7 +69,22 @@ pub fn router(state: SharedRelay) -> Router {
         .route("/v2/relay/ack", post(handlers::ack::post))
         .fallback(|| async { ApiError::not_found() })
         .method_not_allowed_fallback(|| async { ApiError::not_found() })
+        .layer(middleware::from_fn(move |req: Request, next: Next| {
+            request_timeout(timeout, req, next)
+        }))
         .with_state(state)
+}
+
+/// Bounds one request (body upload included) to `limit`; past it the answer is 408
+/// `{error:"request timeout", code:"TIMEOUT"}`. A store write already handed to the writer
+/// still commits: the sender's retry then gets `duplicate`, never a second copy.
+async fn request_timeout(limit: Duration, req: Request, next: Next) -> Response {
+    match tokio::time::timeout(limit, next.run(req)).await {
+        Ok(response) => response,
+        Err(_) => {
+            ApiError::new(StatusCode::REQUEST_TIMEOUT, "request timeout", "TIMEOUT").into_response()
+        }
+    }
 }
 
 /// Serves until `shutdown` resolves. Errors: the listener's address cannot be read or the

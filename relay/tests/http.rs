@@ -1996,3 +1996,31 @@ async fn junk_never_breaks_the_server() {
     assert!(relay.queue_ids(&b).await.contains(&id2));
     relay.stop().await;
 }
+
+#[tokio::test]
+async fn a_request_that_stalls_past_the_timeout_is_408() {
+    let relay = Relay::start_with_config(agentmbx_relay::config::RelayConfig {
+        request_timeout_ms: Some(300),
+        ..Default::default()
+    })
+    .await;
+    let addr = relay.addr();
+    // The body is declared but never finished: the relay gives up after its request timeout.
+    let (status, body, waited) = tokio::task::spawn_blocking(move || {
+        raw_exchange(
+            &addr,
+            "POST /v1/relay/challenge HTTP/1.1\r\nhost: relay\r\ncontent-length: 1000\r\n\r\n",
+            &[b"{\"host\":".to_vec()],
+        )
+    })
+    .await
+    .unwrap();
+    assert_eq!(status, 408, "{body}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap(),
+        json!({"error": "request timeout", "code": "TIMEOUT"})
+    );
+    assert!(waited >= 0.25 && waited < 10.0, "waited {waited} s");
+    // A normal request on the same relay is unaffected.
+    relay.plain("GET", "/v2/relay/info", "").await.assert_ok();
+}

@@ -123,6 +123,16 @@ impl Relay {
 
     /// A relay with the given limits.
     pub async fn start_with(limits: LimitsConfig) -> Relay {
+        Relay::start_with_config(RelayConfig {
+            limits,
+            ..RelayConfig::default()
+        })
+        .await
+    }
+
+    /// A relay with the given configuration.
+    pub async fn start_with_config(config: RelayConfig) -> Relay {
+        let limits = config.limits.clone();
         install_provider();
         let dir = tempfile::tempdir().expect("temp dir");
         let key = HostKey::generate();
@@ -146,10 +156,7 @@ impl Relay {
             store,
             key,
             clock: shared_clock,
-            config: RelayConfig {
-                limits,
-                ..RelayConfig::default()
-            },
+            config,
             challenges: Challenges::default(),
             version: agentmbx_relay::VERSION,
         });
