@@ -228,3 +228,18 @@ fn malformed_clock_offset_is_refused() {
     assert_eq!(exited.status.code(), Some(1));
     assert!(exited.stderr.contains("MBX_CLOCK_OFFSET_MS"), "{exited:#?}");
 }
+
+#[test]
+fn relay_quarantine_lists_nothing_before_mail_and_an_empty_list_after() {
+    let home = Home::new();
+    // No mailbox yet: nothing to list (exit 3, not found).
+    let out = home.run(&["relay", "quarantine"]);
+    assert_eq!(out.code(), Some(3), "{out:#?}");
+    home.run(&["init", "--host", "alpha"]).assert_success();
+    home.run(&["peers"]).assert_success();
+    let out = home.run(&["relay", "quarantine", "--json"]);
+    out.assert_success();
+    assert_eq!(out.json(), serde_json::json!([]));
+    let out = home.run(&["relay", "quarantine", "--limit", "0"]);
+    assert_eq!(out.code(), Some(2), "{out:#?}");
+}

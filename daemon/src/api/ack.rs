@@ -54,7 +54,7 @@ pub async fn post(
     idempotent(
         &state,
         &headers,
-        "ack",
+        format!("ack:{}", req.as_agent),
         &body,
         StatusCode::OK,
         move |tx| match messages::ack(

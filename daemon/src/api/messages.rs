@@ -31,7 +31,7 @@ pub async fn post(
     let answer = idempotent(
         &state,
         &headers,
-        "send",
+        format!("send:{}", req.from),
         &body,
         StatusCode::CREATED,
         move |tx| {

@@ -208,7 +208,8 @@ pub async fn serve(
 /// Longest accepted `Idempotency-Key` (characters).
 pub const MAX_IDEMPOTENCY_KEY: usize = 200;
 
-/// Runs a mutating call `f` in one immediate transaction with idempotency: with an
+/// Runs a mutating call `f` in one immediate transaction with idempotency (keys are scoped
+/// per operation and agent, e.g. `send:alice`, as 0.5.x's `idem:<agent>:<key>`): with an
 /// `Idempotency-Key` header, a replay with the same body returns the first answer (status and
 /// body) and the same key with another body is 409; the answer is recorded in the same
 /// transaction as the effect. `f` returns `Ok(Ok(json))` to commit, `Ok(Err(api_error))` to roll
@@ -216,7 +217,7 @@ pub const MAX_IDEMPOTENCY_KEY: usize = 200;
 pub(crate) async fn idempotent<F>(
     state: &SharedState,
     headers: &axum::http::HeaderMap,
-    scope: &'static str,
+    scope: String,
     body: &[u8],
     ok_status: StatusCode,
     f: F,
@@ -245,7 +246,7 @@ where
         .run(move |c| {
             let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
             if let Some(k) = &key {
-                if let Some(stored) = idempotency::lookup(&tx, scope, k, &hash)? {
+                if let Some(stored) = idempotency::lookup(&tx, &scope, k, &hash)? {
                     return Ok(Ok((stored.status, stored.response)));
                 }
             }
@@ -253,7 +254,7 @@ where
                 Ok(value) => {
                     let text = value.to_string();
                     if let Some(k) = &key {
-                        idempotency::record(&tx, scope, k, &hash, ok_status.as_u16(), &text, now)?;
+                        idempotency::record(&tx, &scope, k, &hash, ok_status.as_u16(), &text, now)?;
                     }
                     tx.commit()?;
                     Ok(Ok((ok_status.as_u16(), text)))

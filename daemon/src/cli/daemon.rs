@@ -99,28 +99,37 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("cannot bind the local API on {addr}"))?;
-        let bound = listener.local_addr().context("cannot read the local API address")?;
-        agentmbx::fsutil::replace(&addr_file, format!("{bound}\n").as_bytes(), agentmbx::fsutil::PRIVATE_MODE)
-            .with_context(|| format!("cannot write {}", addr_file.display()))?;
+        let bound = listener
+            .local_addr()
+            .context("cannot read the local API address")?;
+        agentmbx::fsutil::replace(
+            &addr_file,
+            format!("{bound}\n").as_bytes(),
+            agentmbx::fsutil::PRIVATE_MODE,
+        )
+        .with_context(|| format!("cannot write {}", addr_file.display()))?;
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let relay_task = match relay {
-            Some(r) => match relay_client::pin::resolve_key(&r.url, r.key.as_deref(), &mailbox).await {
-                Ok(key) => {
-                    tracing::info!(relay = %r.url, relay_fingerprint = %key.fingerprint(), "relay transport on");
-                    let client = relay_client::RelayClient::new(&r.url, key, ident.clone(), mailbox.clone(), clock.clone())?;
-                    Some(tokio::spawn(relay_client::run(client, pull_interval, wake.clone(), stop_rx)))
-                }
-                Err(e) => {
-                    tracing::error!(relay = %r.url, error = %e, "relay transport off");
-                    None
-                }
-            },
+            Some(r) => Some(tokio::spawn(relay_client::start(
+                r.url,
+                r.key,
+                ident.clone(),
+                mailbox.clone(),
+                clock.clone(),
+                pull_interval,
+                wake.clone(),
+                stop_rx,
+            ))),
             None => {
-                tracing::info!("no relay configured (agentmbx relay set <url>): relay transport off");
+                tracing::info!(
+                    "no relay configured (agentmbx relay set <url>): relay transport off"
+                );
                 None
             }
         };
-        let served = api::serve(listener, state, shutdown).await.context("local API failed");
+        let served = api::serve(listener, state, shutdown)
+            .await
+            .context("local API failed");
         let _ = stop_tx.send(true);
         if let Some(task) = relay_task {
             let _ = task.await;

@@ -23,6 +23,19 @@ pub enum RelayCommand {
     Keygen,
     /// Use the relay at URL for this host and pin its key (restart the daemon afterwards)
     Set(SetArgs),
+    /// List relay items this host refused (bad signature, undecryptable, unknown sender…)
+    Quarantine(QuarantineArgs),
+}
+
+/// Flags of `relay quarantine`.
+#[derive(Debug, Args)]
+pub struct QuarantineArgs {
+    /// How many of the newest entries to show (1..=1000)
+    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub limit: u32,
+    /// Print as JSON: [{relay, epoch, seq, kind, item_id, sender_pubkey, reason, at}]
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Flags of `relay serve`.
@@ -64,6 +77,7 @@ pub fn run(cmd: RelayCommand) -> anyhow::Result<()> {
             Ok(())
         }
         RelayCommand::Set(args) => set(args),
+        RelayCommand::Quarantine(args) => quarantine(args),
     }
 }
 
@@ -141,6 +155,42 @@ fn set(args: SetArgs) -> anyhow::Result<()> {
             }
         );
         println!("restart the daemon to use it");
+    }
+    Ok(())
+}
+
+fn quarantine(args: QuarantineArgs) -> anyhow::Result<()> {
+    let paths = Paths::from_env()?;
+    let db = paths.mailbox_db();
+    if !db.exists() {
+        return Err(super::NotFoundError(format!(
+            "no mailbox.db in {}: nothing received yet",
+            paths.home().display()
+        ))
+        .into());
+    }
+    let mailbox = agentmbx::mailbox::Mailbox::open(&db).context("cannot open mailbox.db")?;
+    let rows = mailbox.with(|c| agentmbx::mailbox::relay_state::quarantined(c, args.limit))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    if rows.is_empty() {
+        println!("quarantine is empty");
+    }
+    for q in rows {
+        let sender = agentmbx_protocol::keys::PublicKey::from_b64(&q.sender_pubkey)
+            .map(|k| k.fingerprint())
+            .unwrap_or_else(|_| q.sender_pubkey.clone());
+        println!(
+            "{}  seq {}  {} {}  from {}  {}",
+            agentmbx_protocol::time::iso_ms(q.at),
+            q.seq,
+            q.kind,
+            q.item_id,
+            sender,
+            q.reason
+        );
     }
     Ok(())
 }

@@ -117,6 +117,15 @@ pub fn exists(conn: &Connection, id: &str) -> Result<bool, MailboxError> {
         .is_some())
 }
 
+/// Where the stored message `id` came from (`local` or the peer host name), if stored.
+pub fn origin_of(conn: &Connection, id: &str) -> Result<Option<String>, MailboxError> {
+    Ok(conn
+        .query_row("SELECT origin FROM messages WHERE id = ?1", [id], |r| {
+            r.get(0)
+        })
+        .optional()?)
+}
+
 /// Adds a `new` delivery of `msg_id` to `agent` (idempotent).
 pub fn deliver(
     conn: &Connection,

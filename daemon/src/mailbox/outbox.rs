@@ -179,7 +179,7 @@ pub fn settle_accepted(
 ) -> Result<bool, MailboxError> {
     let n = conn.execute(
         "UPDATE outbox SET state = 'relay-accepted', relay = ?3, epoch = ?4, seq = ?5, accept = ?6, accept_sig = ?7,
-           accepted_at = ?8, deadline_at = ?9, settled_at = ?10, last_error = NULL
+           accepted_at = ?8, deadline_at = COALESCE(deadline_at, ?9), settled_at = ?10, last_error = NULL
          WHERE msg_id = ?1 AND host = ?2 AND state = 'pending'",
         params![msg_id, host, a.relay, a.epoch, a.seq, a.accept, a.sig, a.accepted_at, a.deadline_at, now_ms],
     )?;

@@ -165,3 +165,62 @@ pub fn kv_delete_prefix(conn: &Connection, prefix: &str) -> Result<(), MailboxEr
     )?;
     Ok(())
 }
+
+/// A quarantined item that may be received now: it was refused as `host not paired` and its
+/// sender key has been pinned since (`wire.md` §3.5).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Retryable {
+    /// Quarantine row id.
+    pub id: i64,
+    /// Item id.
+    pub item_id: String,
+    /// Pushing host key (now a peer).
+    pub sender_pubkey: String,
+    /// Wire bytes as received.
+    pub wire: Vec<u8>,
+}
+
+/// Up to `limit` `host not paired` envelopes of `relay` whose sender is now a pinned peer.
+pub fn retryable(
+    conn: &Connection,
+    relay: &str,
+    limit: u32,
+) -> Result<Vec<Retryable>, MailboxError> {
+    let mut st = conn.prepare(
+        "SELECT q.id, q.item_id, q.sender_pubkey, q.wire FROM quarantine q
+         JOIN peers p ON p.pubkey = q.sender_pubkey
+         WHERE q.relay = ?1 AND q.kind = 'envelope' AND q.reason = 'host not paired'
+         ORDER BY q.id LIMIT ?2",
+    )?;
+    let rows = st
+        .query_map(params![relay, limit], |r| {
+            Ok(Retryable {
+                id: r.get(0)?,
+                item_id: r.get(1)?,
+                sender_pubkey: r.get(2)?,
+                wire: r.get(3)?,
+            })
+        })?
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(rows)
+}
+
+/// Takes a quarantined item out (it was received after all).
+pub fn release(conn: &Connection, id: i64) -> Result<(), MailboxError> {
+    conn.execute("DELETE FROM quarantine WHERE id = ?1", [id])?;
+    Ok(())
+}
+
+/// Records a new reason for a quarantined item that was retried and refused again.
+pub fn requarantine(
+    conn: &Connection,
+    id: i64,
+    reason: &str,
+    now_ms: i64,
+) -> Result<(), MailboxError> {
+    conn.execute(
+        "UPDATE quarantine SET reason = ?2, at = ?3 WHERE id = ?1",
+        params![id, reason, now_ms],
+    )?;
+    Ok(())
+}

@@ -89,16 +89,15 @@ pub fn receive_sealed(
         Ok(p) => p,
         Err(e) => return Ok(Err(e.to_string())),
     };
-    if messages::exists(conn, &id)? {
-        return Ok(Ok(Verdict::Duplicate));
+    // Dedup by id, but only against the same sender: a peer that learned an id (as a
+    // co-recipient) must not be able to suppress another host's message by sending first.
+    match messages::origin_of(conn, &id)? {
+        Some(origin) if origin == peer.host => return Ok(Ok(Verdict::Duplicate)),
+        Some(origin) => return Ok(Err(format!("conflicting id: already stored from {origin}"))),
+        None => {}
     }
-    let mut stored = env.clone();
-    if let Value::Object(map) = &mut stored {
-        map.insert("body".into(), Value::String(plain));
-    }
-    messages::insert(conn, &stored, &peer.host, now_ms)?;
     let own = ident.host.as_str();
-    let mut delivered = Vec::new();
+    let mut recipients: Vec<String> = Vec::new();
     for to in env
         .get("to")
         .and_then(Value::as_array)
@@ -109,15 +108,85 @@ pub fn receive_sealed(
         if let Some((name, host)) = to.split_once('@') {
             if host == own
                 && agentmbx_protocol::limits::is_name(name)
-                && !delivered.iter().any(|d| d == name)
+                && !recipients.iter().any(|d| d == name)
             {
-                messages::deliver(conn, &id, name, now_ms)?;
-                delivered.push(name.to_string());
+                recipients.push(name.to_string());
             }
         }
     }
-    if delivered.is_empty() {
-        tracing::warn!(id = %id, from = %peer.host, "received a message with no recipient on this host");
+    // Mail that names no agent of this host would be stored where no inbox shows it: refuse
+    // it to quarantine instead, where the owner sees it (spec §4: never dropped silently).
+    if recipients.is_empty() {
+        return Ok(Err(format!("no recipient on this host ({own})")));
     }
+    let mut stored = env.clone();
+    if let Value::Object(map) = &mut stored {
+        map.insert("body".into(), Value::String(plain));
+    }
+    messages::insert(conn, &stored, &peer.host, now_ms)?;
+    for name in &recipients {
+        messages::deliver(conn, &id, name, now_ms)?;
+    }
+    let delivered = recipients;
     Ok(Ok(Verdict::Stored { delivered }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::{self, T0};
+
+    #[test]
+    fn mail_for_no_agent_here_and_id_collisions_are_refused() {
+        let store = testutil::store();
+        let me = testutil::identity("home");
+        let peer = testutil::identity("work");
+        let other = testutil::identity("lab");
+        store.add_peer(&peer, true);
+        store.add_peer(&other, true);
+        let my_enc = me.enc_key.public();
+        let id = "01KDVDND1K20BQNR5GAFG5HETT";
+        let pk = |i: &Identity| i.host_key.public().to_b64();
+
+        // Addressed to another host only: nobody here would ever see it.
+        let wire =
+            testutil::sealed_wire(&peer, &my_enc, id, "ann@work", &["bob@elsewhere"], "s", T0);
+        let v = store
+            .mailbox
+            .with(|c| receive_sealed(c, &me, &wire, id, &pk(&peer), T0))
+            .unwrap();
+        assert_eq!(v, Err("no recipient on this host (home)".into()));
+        assert_eq!(store.scalar::<i64>("SELECT COUNT(*) FROM messages"), 0);
+
+        // Stored from work; the same id again from work is a duplicate.
+        let wire = testutil::sealed_wire(&peer, &my_enc, id, "ann@work", &["bob@home"], "s", T0);
+        let v = store
+            .mailbox
+            .with(|c| receive_sealed(c, &me, &wire, id, &pk(&peer), T0))
+            .unwrap();
+        assert_eq!(
+            v,
+            Ok(Verdict::Stored {
+                delivered: vec!["bob".into()]
+            })
+        );
+        let v = store
+            .mailbox
+            .with(|c| receive_sealed(c, &me, &wire, id, &pk(&peer), T0))
+            .unwrap();
+        assert_eq!(v, Ok(Verdict::Duplicate));
+
+        // Another paired host reusing that id cannot pass as a duplicate (and is not stored).
+        let wire = testutil::sealed_wire(&other, &my_enc, id, "eve@lab", &["bob@home"], "s", T0);
+        let v = store
+            .mailbox
+            .with(|c| receive_sealed(c, &me, &wire, id, &pk(&other), T0))
+            .unwrap();
+        assert_eq!(v, Err("conflicting id: already stored from work".into()));
+        assert_eq!(store.scalar::<i64>("SELECT COUNT(*) FROM messages"), 1);
+        assert_eq!(
+            store.scalar::<String>("SELECT from_addr FROM messages"),
+            "ann@work"
+        );
+    }
 }

@@ -224,9 +224,50 @@ pub async fn run(
     }
 }
 
+/// Starts the relay transport for `url`: resolves the pinned key (the configured one, the one
+/// pinned on first contact, or — when the relay cannot be reached yet — retried with a doubling
+/// delay up to 60 s, so a relay that is down at daemon start is used once it is up), then
+/// [`run`]s until `shutdown`.
+#[allow(clippy::too_many_arguments)]
+pub async fn start(
+    url: String,
+    configured_key: Option<String>,
+    ident: Arc<Identity>,
+    mailbox: Mailbox,
+    clock: SharedClock,
+    pull_interval: Duration,
+    wake: Arc<tokio::sync::Notify>,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut delay = Duration::from_millis(500);
+    let key = loop {
+        match pin::resolve_key(&url, configured_key.as_deref(), &mailbox).await {
+            Ok(k) => break k,
+            Err(e @ (RelayError::Malformed(_) | RelayError::Store(_))) => {
+                tracing::error!(relay = %url, error = %e, "relay transport off");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(relay = %url, error = %e, retry_in_ms = delay.as_millis() as u64, "relay key not known yet; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(delay) => {}
+                    _ = shutdown.changed() => return,
+                }
+                delay = (delay * 2).min(Duration::from_secs(60));
+            }
+        }
+    };
+    tracing::info!(relay = %url, relay_fingerprint = %key.fingerprint(), "relay transport on");
+    match RelayClient::new(&url, key, ident, mailbox, clock) {
+        Ok(client) => run(client, pull_interval, wake, shutdown).await,
+        Err(e) => tracing::error!(relay = %url, error = %e, "relay transport off"),
+    }
+}
+
 async fn pass(client: &RelayClient) -> Result<(), RelayError> {
     let session = client.open_session().await?;
     client.push_due(&session).await?;
+    client.retry_quarantined().await?;
     client.pull_pass(&session).await?;
     Ok(())
 }

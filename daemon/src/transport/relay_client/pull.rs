@@ -20,6 +20,8 @@ use crate::node::receive::{self, Verdict};
 
 /// Pages per pull pass (`wire.md` §3.5).
 pub const MAX_PAGES_PER_PASS: usize = 20;
+/// Quarantined items retried per pass once their sender is pinned (`wire.md` §3.5: ≤100).
+pub const MAX_RETRIES_PER_PASS: u32 = 100;
 
 /// Counts of one pull pass.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -69,6 +71,44 @@ impl RelayClient {
         Ok(())
     }
 
+    /// Receives quarantined `host not paired` envelopes whose sender has been pinned since
+    /// (at most [`MAX_RETRIES_PER_PASS`] per pass): each is stored (or found a duplicate) and
+    /// leaves quarantine in one transaction, or stays with its new reason. Returns how many
+    /// were received.
+    pub async fn retry_quarantined(&self) -> Result<usize, RelayError> {
+        let ident = self.ident.clone();
+        let (url, now) = (self.url.clone(), self.clock.now_ms());
+        let received = self
+            .mailbox
+            .run(move |c| {
+                let mut received = 0;
+                for item in relay_state::retryable(c, &url, MAX_RETRIES_PER_PASS)? {
+                    let tx = c.transaction()?;
+                    match receive::receive_sealed(
+                        &tx,
+                        &ident,
+                        &item.wire,
+                        &item.item_id,
+                        &item.sender_pubkey,
+                        now,
+                    )? {
+                        Ok(_) => {
+                            relay_state::release(&tx, item.id)?;
+                            received += 1;
+                        }
+                        Err(reason) => relay_state::requarantine(&tx, item.id, &reason, now)?,
+                    }
+                    tx.commit()?;
+                }
+                Ok(received)
+            })
+            .await?;
+        if received > 0 {
+            tracing::info!(relay = %self.url, received, "received quarantined mail from a host pinned since");
+        }
+        Ok(received)
+    }
+
     /// One pull pass: up to [`MAX_PAGES_PER_PASS`] pages, each followed by its ack.
     pub async fn pull_pass(&self, session: &Session) -> Result<PullPass, RelayError> {
         let mut pass = PullPass::default();
@@ -76,7 +116,10 @@ impl RelayClient {
         let limit = session.limits.max_pull.clamp(1, 500);
         for _ in 0..MAX_PAGES_PER_PASS {
             let through = self.position(&epoch).await?;
-            let target = format!("/v2/relay/items?after={through}&limit={limit}&epoch={epoch}");
+            let target = format!(
+                "/v2/relay/items?after={through}&limit={limit}&epoch={}",
+                super::push::urlencode(&epoch)
+            );
             let page: PullResponse = match self.call_json("GET", &target, "").await {
                 Ok(p) => p,
                 Err(RelayError::Status {

@@ -24,6 +24,13 @@ pub const PUSH_BYTES_BUDGET: usize = 6 * 1024 * 1024;
 /// (spec §3: 24 h, ms).
 pub const DEADLINE_GRACE_MS: i64 = 24 * 3_600_000;
 
+/// Retention (days) above which a relay's published value is not believed for deadlines
+/// (100 years; the info answer is not signed).
+pub const MAX_RETENTION_DAYS: u64 = 36_500;
+/// The smallest item limit a relay may publish and still have over-limit rows treated as
+/// terminal: 0.5.x's 512 KiB. Below it the limit is suspect and the row is retried instead.
+pub const MIN_TRUSTED_ITEM_LIMIT: u64 = 512 * 1024;
+
 /// Rejections that retrying cannot fix (design README "Rejections").
 pub fn is_terminal(reason: &str) -> bool {
     let r = reason.strip_prefix("rejected:").unwrap_or(reason);
@@ -160,6 +167,16 @@ impl RelayClient {
                 }
             };
             if wire.len() as u64 > session.limits.max_item_bytes {
+                if session.limits.max_item_bytes < MIN_TRUSTED_ITEM_LIMIT {
+                    self.fail_row(
+                        &row,
+                        "the relay publishes an item limit below 512 KiB",
+                        false,
+                    )
+                    .await?;
+                    pass.failed += 1;
+                    continue;
+                }
                 self.fail_row(&row, "envelope too large for the relay", true)
                     .await?;
                 tracing::error!(id = %row.msg_id, host = %row.host, bytes = wire.len(), "Undelivered to {}: the sealed envelope is over the relay's item limit", row.host);
@@ -249,9 +266,12 @@ impl RelayClient {
             }
         };
         let me = self.ident.host_key.public().to_b64();
-        for (row, wire) in &batch {
+        // Results come back in request order (one per pushed item). One message to several
+        // hosts is several items with the same id, so a result is matched by its position and
+        // must also name the row's item id.
+        for (i, (row, wire)) in batch.iter().enumerate() {
             let wire_hash = hash::sha256_hex(wire);
-            let result = results.iter().find(|r| r.item_id == row.msg_id);
+            let result = results.get(i).filter(|r| r.item_id == row.msg_id);
             let verdict = match result {
                 None => Err(("missing result".to_string(), false)),
                 Some(r) if r.status == "accepted" || r.status == "duplicate" => {
@@ -280,9 +300,11 @@ impl RelayClient {
                         .map_or(0, |t| t.seq);
                     let accepted_at = agentmbx_protocol::time::parse_iso_ms(&st.at)
                         .unwrap_or_else(|| self.clock.now_ms());
+                    let retention_days =
+                        session.limits.retention_days.min(MAX_RETENTION_DAYS) as i64;
                     let deadline = accepted_at
-                        + session.limits.retention_days as i64 * 86_400_000
-                        + DEADLINE_GRACE_MS;
+                        .saturating_add(retention_days * 86_400_000)
+                        .saturating_add(DEADLINE_GRACE_MS);
                     let (m, h, url, epoch, accept_s, now) = (
                         row.msg_id.clone(),
                         row.host.clone(),

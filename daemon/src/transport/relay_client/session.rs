@@ -66,7 +66,10 @@ impl RelayClient {
                         .is_some_and(|exp| exp - now > AD_REFRESH_BEFORE_MS)
             });
         if !ad_ok {
-            self.publish_enc_ad().await?;
+            // Pulling needs no ad: a refused or failed publish must not stop receiving.
+            if let Err(e) = self.publish_enc_ad().await {
+                tracing::warn!(relay = %self.url, error = %e, "enc-key ad not published; peers cannot seal new mail for this host until it is");
+            }
         }
         Ok(Session {
             epoch: info.epoch,

@@ -1972,3 +1972,121 @@ async fn a_new_epoch_sends_relay_accepted_rows_again_with_the_same_bytes() {
     assert!(row.next_at <= s.clock_now());
     assert_eq!(row.wire.as_deref(), Some(&b"{\"sealed\":1}"[..]));
 }
+
+#[tokio::test]
+async fn one_message_to_two_hosts_settles_each_row_by_its_own_result() {
+    let s = Setup::new(true).await;
+    let lab = testutil::identity("lab");
+    s.store.add_peer(&lab, true);
+    let out = s
+        .store
+        .send(
+            &s.me,
+            "alice",
+            &["bob@work", "carol@lab"],
+            "hello",
+            ID1,
+            s.clock_now(),
+        )
+        .unwrap();
+    assert_eq!(out.queued_for_hosts.len(), 2);
+    let key = s.relay.key.clone();
+    let me = s.me_pub();
+    // Both items carry the same id: the first is refused for good, the second accepted.
+    s.relay.on("POST /v2/relay/items", move |req: &Req| {
+        let items = pushed_items(req);
+        assert_eq!(items.len(), 2);
+        let (id0, _, _) = &items[0];
+        let (id1, target1, wire1) = &items[1];
+        let spec = AcceptSpec {
+            signer: key.clone(),
+            relay_pubkey: key.public().to_b64(),
+            epoch: "e1".into(),
+            sender: me.clone(),
+            item_id: id1.clone(),
+            target: target1.clone(),
+            wire_hash: hash::sha256_hex(wire1),
+            seq: 77,
+            at: T0,
+        };
+        let (accept, sig) = spec.signed();
+        (200, json!({"results": [
+            {"item_id": id0, "status": "rejected:conflict", "targets": []},
+            {"item_id": id1, "status": "accepted", "targets": [{"host_pubkey": target1, "seq": 77}], "accept": accept, "sig": sig},
+        ]}))
+    });
+    s.client.push_due(&session("e1")).await.unwrap();
+    let pushed = pushed_items(&s.relay.seen("POST /v2/relay/items")[0]);
+    let second_host = if pushed[1].1 == s.peer_pub() {
+        "work"
+    } else {
+        "lab"
+    };
+    let first_host = if second_host == "work" { "lab" } else { "work" };
+    let accepted = s
+        .store
+        .mailbox
+        .with(|c| outbox::get(c, ID1, second_host))
+        .unwrap()
+        .unwrap();
+    let refused = s
+        .store
+        .mailbox
+        .with(|c| outbox::get(c, ID1, first_host))
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (accepted.state.as_str(), accepted.seq),
+        ("relay-accepted", Some(77))
+    );
+    assert_eq!(refused.state, "rejected");
+}
+
+#[tokio::test]
+async fn mail_from_a_host_pinned_later_leaves_quarantine() {
+    let s = Setup::new(true).await;
+    let lab = testutil::identity("lab");
+    let wire = testutil::sealed_wire(
+        &lab,
+        &s.me.enc_key.public(),
+        ID1,
+        "carol@lab",
+        &["alice@home"],
+        "late",
+        T0,
+    );
+    let (url, lab_pub, w) = (
+        s.client.url.clone(),
+        lab.host_key.public().to_b64(),
+        wire.clone(),
+    );
+    s.store
+        .mailbox
+        .with(|c| {
+            relay_state::quarantine(
+                c,
+                &url,
+                "e1",
+                5,
+                "envelope",
+                ID1,
+                &lab_pub,
+                "host not paired",
+                &w,
+                T0,
+            )
+        })
+        .unwrap();
+    // Not pinned yet: it stays where it is.
+    assert_eq!(s.client.retry_quarantined().await.unwrap(), 0);
+    assert_eq!(s.store.scalar::<i64>("SELECT COUNT(*) FROM quarantine"), 1);
+    // Pinned now: received, delivered, and out of quarantine.
+    s.store.add_peer(&lab, false);
+    assert_eq!(s.client.retry_quarantined().await.unwrap(), 1);
+    assert_eq!(s.store.scalar::<i64>("SELECT COUNT(*) FROM quarantine"), 0);
+    assert_eq!(
+        s.store.scalar::<String>("SELECT agent FROM deliveries"),
+        "alice"
+    );
+    assert_eq!(s.client.retry_quarantined().await.unwrap(), 0);
+}
