@@ -243,3 +243,22 @@ fn relay_quarantine_lists_nothing_before_mail_and_an_empty_list_after() {
     let out = home.run(&["relay", "quarantine", "--limit", "0"]);
     assert_eq!(out.code(), Some(2), "{out:#?}");
 }
+
+#[test]
+fn a_second_daemon_on_the_same_home_is_refused() {
+    let home = Home::new();
+    let first = Daemon::start(&home);
+    let exited = Daemon::try_start(home.command(&["daemon", "--api-port", "0"]))
+        .err()
+        .expect("the second daemon must refuse to start");
+    assert_eq!(exited.status.code(), Some(1), "{exited:#?}");
+    assert!(
+        exited
+            .stderr
+            .contains("another agentmbx daemon is already running"),
+        "{exited:#?}"
+    );
+    // The first one still answers.
+    let health = first.get("/v1/health", None);
+    assert_eq!(health.status, 200);
+}

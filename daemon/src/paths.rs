@@ -94,6 +94,12 @@ impl Paths {
         self.home.join("api.token")
     }
 
+    /// `daemon.lock`: held (an OS file lock) by the running daemon, so two daemons never
+    /// serve one home.
+    pub fn daemon_lock(&self) -> PathBuf {
+        self.home.join("daemon.lock")
+    }
+
     /// `mailbox.db`: the host store.
     pub fn mailbox_db(&self) -> PathBuf {
         self.home.join("mailbox.db")

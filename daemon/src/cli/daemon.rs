@@ -58,6 +58,20 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
         config.host = Some(created.host);
     }
     let identity = identity::load(&paths, &config)?;
+    // One daemon per home: the OS releases the lock when the process ends, even on SIGKILL.
+    let lock_path = paths.daemon_lock();
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .with_context(|| format!("cannot open {}", lock_path.display()))?;
+    if lock.try_lock().is_err() {
+        anyhow::bail!(
+            "another agentmbx daemon is already running for {}",
+            paths.home().display()
+        );
+    }
     let token = ApiToken::load_or_create(&paths.api_token())?;
     if !config.api_bind.is_loopback() {
         tracing::warn!(bind = %config.api_bind, "the local API is bound to a non-loopback address; it is meant for agents on this machine");
