@@ -5,9 +5,11 @@
 //! to 2 s and answered 413 `{error:"request body too large"}` (`wire.md` §3.1).
 //!
 //! Order: a body that is not valid UTF-8 → 400 before any signature check; then the headers;
-//! a `ts` that is not plain decimal digits → 401; the caller is found by `x-mbx-key` alone
-//! (`x-mbx-host` is a label); a revoked key → 403; the signature over method, normalised path
-//! with query, ts and raw body, within ±300,000 ms → else 401.
+//! a `ts` that is not plain decimal digits → 401; the key in `x-mbx-key` (which alone names the
+//! caller; `x-mbx-host` is a label) must parse → else 401; the signature by that key over
+//! method, normalised path with query, ts and raw body, within ±300,000 ms → else 401; only
+//! then is the enrolment looked up: unknown → 401 `NOT_ENROLLED`, revoked → 403 `REVOKED`. So
+//! whether a key is enrolled or revoked is told only to a request that key signed.
 
 use std::pin::Pin;
 use std::time::Duration;
@@ -44,12 +46,19 @@ async fn next_data(body: &mut Body) -> Option<Result<Bytes, axum::Error>> {
 /// Reads the body, refusing more than `cap` bytes while streaming: a declared length over the
 /// cap, or a body that grows past it, keeps nothing more and is discarded for up to
 /// [`DRAIN_FOR`], then answered 413. A body that breaks off is 400.
-pub async fn read_body(mut body: Body, cap: usize) -> Result<Bytes, ApiError> {
-    let declared = body.size_hint().lower();
-    if declared > cap as u64 {
+///
+/// Memory grows with the bytes that actually arrived, never with the declared length: the
+/// request is not authenticated yet, so a `content-length` costs the sender nothing.
+pub async fn read_body(body: Body, cap: usize) -> Result<Bytes, ApiError> {
+    collect(body, cap).await.map(Bytes::from)
+}
+
+/// [`read_body`]'s buffer.
+async fn collect(mut body: Body, cap: usize) -> Result<Vec<u8>, ApiError> {
+    if body.size_hint().lower() > cap as u64 {
         return Err(refuse_oversized(body).await);
     }
-    let mut buf: Vec<u8> = Vec::with_capacity(declared as usize);
+    let mut buf: Vec<u8> = Vec::new();
     while let Some(data) = next_data(&mut body).await {
         let data = data.map_err(|_| ApiError::bad_request("request body could not be read"))?;
         if data.len() > cap - buf.len() {
@@ -58,7 +67,7 @@ pub async fn read_body(mut body: Body, cap: usize) -> Result<Bytes, ApiError> {
         }
         buf.extend_from_slice(&data);
     }
-    Ok(Bytes::from(buf))
+    Ok(buf)
 }
 
 /// Discards the rest of an oversized body for up to [`DRAIN_FOR`]; the 413 to answer.
@@ -87,7 +96,8 @@ pub fn signed_target(uri: &Uri) -> String {
     hop::normalize_target(uri.path_and_query().map_or(uri.path(), |pq| pq.as_str()))
 }
 
-/// Authenticates a v2 hop and returns the caller's live enrolment.
+/// Authenticates a v2 hop and returns the caller's live enrolment. The signature and its time
+/// window are checked before the store is asked anything (module docs: order).
 pub async fn authenticate(
     state: &RelayState,
     method: &Method,
@@ -100,6 +110,27 @@ pub async fn authenticate(
     let sig = header_str(headers, header::SIG)?;
     hop::parse_relay_ts(ts).map_err(|_| ApiError::bad_hop())?;
     let key = PublicKey::from_b64(key_text).map_err(|_| ApiError::bad_hop())?;
+    let target = signed_target(uri);
+    match hop::verify_relay_hop(
+        &key,
+        method.as_str(),
+        &target,
+        ts,
+        raw_body,
+        sig,
+        state.clock.now_ms(),
+    ) {
+        Ok(()) => {}
+        Err(HopError::Stale) => {
+            return Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "stale or bad hop timestamp (check clocks)",
+                "BAD_HOP",
+            ))
+        }
+        Err(_) => return Err(ApiError::bad_hop()),
+    }
+    // Looked up by the canonical text enrolment stored, whatever padding the header used.
     let store = state.store.clone();
     let k = key.to_b64();
     let enrolment = tokio::task::spawn_blocking(move || store.enrolment(&k))
@@ -125,24 +156,7 @@ pub async fn authenticate(
             "REVOKED",
         ));
     }
-    let target = signed_target(uri);
-    match hop::verify_relay_hop(
-        &key,
-        method.as_str(),
-        &target,
-        ts,
-        raw_body,
-        sig,
-        state.clock.now_ms(),
-    ) {
-        Ok(()) => Ok(enrolment),
-        Err(HopError::Stale) => Err(ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "stale or bad hop timestamp (check clocks)",
-            "BAD_HOP",
-        )),
-        Err(_) => Err(ApiError::bad_hop()),
-    }
+    Ok(enrolment)
 }
 
 /// Runs a blocking store call off the async runtime.
@@ -159,4 +173,57 @@ pub async fn blocking<T: Send + 'static>(
             )
         })?
         .map_err(ApiError::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::task::{Context, Poll};
+
+    use agentmbx_protocol::limits::RELAY_MAX_BODY;
+
+    /// A body that declares `declared` bytes in its size hint and then sends only `sent`.
+    struct Lying {
+        declared: u64,
+        sent: Option<Bytes>,
+    }
+
+    impl http_body::Body for Lying {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+            Poll::Ready(self.sent.take().map(|b| Ok(http_body::Frame::data(b))))
+        }
+
+        fn size_hint(&self) -> http_body::SizeHint {
+            http_body::SizeHint::with_exact(self.declared)
+        }
+    }
+
+    #[tokio::test]
+    async fn memory_follows_the_bytes_that_arrived_not_the_declared_length() {
+        let body = Body::new(Lying {
+            declared: RELAY_MAX_BODY as u64,
+            sent: Some(Bytes::from_static(b"{}")),
+        });
+        assert_eq!(body.size_hint().lower(), RELAY_MAX_BODY as u64);
+        let buf = collect(body, RELAY_MAX_BODY).await.unwrap();
+        assert_eq!(buf, b"{}");
+        assert!(
+            buf.capacity() < 4096,
+            "{} bytes reserved for a 2-byte body",
+            buf.capacity()
+        );
+        // Over the cap by declaration alone: 413 without reading.
+        let body = Body::new(Lying {
+            declared: RELAY_MAX_BODY as u64 + 1,
+            sent: None,
+        });
+        let e = collect(body, RELAY_MAX_BODY).await.unwrap_err();
+        assert_eq!(e.status, StatusCode::PAYLOAD_TOO_LARGE);
+    }
 }

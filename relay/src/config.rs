@@ -17,6 +17,43 @@ pub const DEFAULT_PORT: u16 = 7374;
 /// Default request timeout (ms): 30 s (`wire.md` §3.1).
 pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 30_000;
 
+/// `request_timeout_ms` bounds: at least 1 s (less times out every real request), at most 1 h.
+pub const REQUEST_TIMEOUT_MS_RANGE: (u64, u64) = (1_000, 3_600_000);
+
+/// `lock_wait_ms` bounds: 0 (fail at once) to 1 h (SQLite's busy timeout is an `int` of ms).
+pub const LOCK_WAIT_MS_RANGE: (u64, u64) = (0, 3_600_000);
+
+/// The largest quota or capacity value: JavaScript's `Number.MAX_SAFE_INTEGER` (2^53 − 1), so
+/// every published limit reads back exactly in any JSON client and fits SQLite's `i64`.
+pub const MAX_QUOTA: u64 = (1 << 53) - 1;
+
+/// The bounds of every `[limits]` key, `(key, min, max)`, checked by [`RelayConfig::validate`].
+/// - `max_item_bytes` ≤ the 8 MiB request body cap (a larger item could never arrive);
+/// - `max_batch` ≤ 1,000 (5× the spec's 200: one push is one group-commit request);
+/// - `max_pull` ≤ 500 (`wire.md` §3.2: `n = clamp(limit, 1, 500)`; the store never returns
+///   more);
+/// - `max_pull_bytes` ≤ 64 MiB (one page is one JSON answer held in memory);
+/// - `max_targets` ≤ 1,024 (one item's fan-out is validated and written in one savepoint);
+/// - `retention_days` ≤ 3,650 (ten years);
+/// - queue, sender and account quotas and `max_live_enrolments` ≤ [`MAX_QUOTA`].
+///
+/// Every minimum is 1: a zero limit refuses everything (or panics a clamp).
+pub const LIMIT_RANGES: &[(&str, u64, u64)] = &[
+    ("max_item_bytes", 1, limits::RELAY_MAX_BODY as u64),
+    ("max_batch", 1, 1_000),
+    ("max_pull", 1, limits::MAX_PULL as u64),
+    ("max_pull_bytes", 1, 64 * 1024 * 1024),
+    ("max_targets", 1, 1_024),
+    ("retention_days", 1, 3_650),
+    ("max_queue_items", 1, MAX_QUOTA),
+    ("max_queue_bytes", 1, MAX_QUOTA),
+    ("max_sender_items", 1, MAX_QUOTA),
+    ("max_sender_bytes", 1, MAX_QUOTA),
+    ("max_owner_items", 1, MAX_QUOTA),
+    ("max_owner_bytes", 1, MAX_QUOTA),
+    ("max_live_enrolments", 1, MAX_QUOTA),
+];
+
 /// Errors reading the configuration.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -109,6 +146,25 @@ impl LimitsConfig {
         }
     }
 
+    /// Each limit by its `relay.toml` key, in [`LIMIT_RANGES`] order.
+    fn by_key(&self) -> [(&'static str, u64); 13] {
+        [
+            ("max_item_bytes", self.max_item_bytes),
+            ("max_batch", self.max_batch),
+            ("max_pull", self.max_pull),
+            ("max_pull_bytes", self.max_pull_bytes),
+            ("max_targets", self.max_targets),
+            ("retention_days", u64::from(self.retention_days)),
+            ("max_queue_items", self.max_queue_items),
+            ("max_queue_bytes", self.max_queue_bytes),
+            ("max_sender_items", self.max_sender_items),
+            ("max_sender_bytes", self.max_sender_bytes),
+            ("max_owner_items", self.max_owner_items),
+            ("max_owner_bytes", self.max_owner_bytes),
+            ("max_live_enrolments", self.max_live_enrolments),
+        ]
+    }
+
     /// The published form (`GET /v2/relay/info` `limits`).
     pub fn published(&self) -> agentmbx_protocol::wire::Limits {
         agentmbx_protocol::wire::Limits {
@@ -147,9 +203,37 @@ pub struct RelayConfig {
     pub limits: LimitsConfig,
 }
 
+/// `"<key> must be <min>..=<max>, got <value>"` when `value` is out of bounds.
+fn check_range(key: &str, value: u64, (min, max): (u64, u64)) -> Result<(), String> {
+    if (min..=max).contains(&value) {
+        Ok(())
+    } else {
+        Err(format!("{key} must be {min}..={max}, got {value}"))
+    }
+}
+
 impl RelayConfig {
+    /// Checks every bounded setting ([`LIMIT_RANGES`], `request_timeout_ms`, `lock_wait_ms`);
+    /// the error names the first key out of bounds, e.g. `limits.max_pull must be 1..=500, got
+    /// 0`.
+    pub fn validate(&self) -> Result<(), String> {
+        for ((key, value), (range_key, min, max)) in
+            self.limits.by_key().into_iter().zip(LIMIT_RANGES)
+        {
+            debug_assert_eq!(key, *range_key);
+            check_range(&format!("limits.{key}"), value, (*min, *max))?;
+        }
+        if let Some(ms) = self.request_timeout_ms {
+            check_range("request_timeout_ms", ms, REQUEST_TIMEOUT_MS_RANGE)?;
+        }
+        if let Some(ms) = self.lock_wait_ms {
+            check_range("lock_wait_ms", ms, LOCK_WAIT_MS_RANGE)?;
+        }
+        Ok(())
+    }
+
     /// Reads `<dir>/relay.toml` if it exists, then applies the environment (`PORT`,
-    /// `MBX_RELAY_TRUST_PROXY`).
+    /// `MBX_RELAY_TRUST_PROXY`). Every bounded setting is checked ([`RelayConfig::validate`]).
     pub fn load(dir: &Path) -> Result<Self, ConfigError> {
         let path = dir.join("relay.toml");
         let mut cfg = match std::fs::read_to_string(&path) {
@@ -172,15 +256,20 @@ impl RelayConfig {
                 )));
             }
         }
+        cfg.validate()
+            .map_err(|message| ConfigError::Invalid { path, message })?;
         Ok(cfg)
     }
 
-    /// Parses `relay.toml` text. Errors name the offending key.
+    /// Parses and validates `relay.toml` text. Errors name the offending key.
     pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
-        toml::from_str(text).map_err(|e| ConfigError::Invalid {
+        let invalid = |message: String| ConfigError::Invalid {
             path: path.to_path_buf(),
-            message: e.to_string(),
-        })
+            message,
+        };
+        let cfg: Self = toml::from_str(text).map_err(|e| invalid(e.to_string()))?;
+        cfg.validate().map_err(invalid)?;
+        Ok(cfg)
     }
 }
 
@@ -202,5 +291,99 @@ mod tests {
             (cfg.port, cfg.limits.max_batch, cfg.limits.max_pull),
             (Some(9), 3, 500)
         );
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        RelayConfig::default().validate().unwrap();
+        let cfg = RelayConfig::parse("", Path::new("relay.toml")).unwrap();
+        assert_eq!(cfg, RelayConfig::default());
+    }
+
+    /// Parses one setting; `Err` holds the message.
+    fn one(section: &str, key: &str, value: u64) -> Result<RelayConfig, String> {
+        let text = if section.is_empty() {
+            format!("{key} = {value}\n")
+        } else {
+            format!("[{section}]\n{key} = {value}\n")
+        };
+        RelayConfig::parse(&text, Path::new("relay.toml")).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn every_limit_is_checked_at_and_past_its_bounds() {
+        let mut checked = 0;
+        for (key, min, max) in LIMIT_RANGES {
+            let want = format!("limits.{key} must be {min}..={max}, got ");
+            for ok in [*min, *max] {
+                let cfg = one("limits", key, ok).unwrap_or_else(|e| panic!("{key}={ok}: {e}"));
+                let got = cfg.limits.by_key().into_iter().find(|(k, _)| k == key);
+                assert_eq!(got, Some((*key, ok)), "{key}");
+            }
+            for bad in [min.checked_sub(1), max.checked_add(1)]
+                .into_iter()
+                .flatten()
+            {
+                match one("limits", key, bad) {
+                    Err(e) => assert!(e.contains(&format!("{want}{bad}")), "{key}={bad}: {e}"),
+                    // A value that TOML or the field type cannot hold is refused too.
+                    Ok(_) => panic!("{key}={bad} was accepted"),
+                }
+            }
+            checked += 1;
+        }
+        assert_eq!(checked, LimitsConfig::default().by_key().len());
+        // The reported crash: max_pull = 0 would panic every pull's clamp.
+        let e = one("limits", "max_pull", 0).unwrap_err();
+        assert!(e.contains("limits.max_pull must be 1..=500, got 0"), "{e}");
+        // Past what the field can hold (u32) or TOML can write (i64): refused, naming the key.
+        let e = one("limits", "retention_days", u64::from(u32::MAX) + 1).unwrap_err();
+        assert!(e.contains("retention_days"), "{e}");
+        let e = RelayConfig::parse(
+            "[limits]\nmax_queue_items = 18446744073709551615\n",
+            Path::new("relay.toml"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("max_queue_items"), "{e}");
+    }
+
+    #[test]
+    fn timeouts_are_checked_at_and_past_their_bounds() {
+        for (key, (min, max)) in [
+            ("request_timeout_ms", REQUEST_TIMEOUT_MS_RANGE),
+            ("lock_wait_ms", LOCK_WAIT_MS_RANGE),
+        ] {
+            for ok in [min, max] {
+                one("", key, ok).unwrap_or_else(|e| panic!("{key}={ok}: {e}"));
+            }
+            for bad in [min.checked_sub(1), max.checked_add(1)]
+                .into_iter()
+                .flatten()
+            {
+                let e = one("", key, bad).unwrap_err();
+                assert!(
+                    e.contains(&format!("{key} must be {min}..={max}, got {bad}")),
+                    "{e}"
+                );
+            }
+        }
+        let e = one("", "request_timeout_ms", 0).unwrap_err();
+        assert!(
+            e.contains("request_timeout_ms must be 1000..=3600000"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn load_validates_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("relay.toml"), "[limits]\nmax_batch = 0\n").unwrap();
+        let e = RelayConfig::load(dir.path()).unwrap_err().to_string();
+        assert!(
+            e.contains("limits.max_batch must be 1..=1000, got 0"),
+            "{e}"
+        );
+        assert!(e.contains("relay.toml"), "{e}");
     }
 }

@@ -1,6 +1,12 @@
 //! The relay's own Ed25519 key (spec §1): `MBX_RELAY_KEY` (the base64 seed `relay keygen`
 //! prints; removed from the environment once read) or `<store>/relay.key` (JSON key pair, 0600),
 //! created on first start. Errors never echo key material.
+//!
+//! Removing an environment variable races with every other thread reading the environment
+//! (`getenv` in libc is not synchronised with `unsetenv`), so it happens only in
+//! [`take_env_seed`], which the relay calls from `run::prepare` in the CLI's main thread before
+//! the async runtime (or any other thread) starts. [`load_or_create`] never touches the
+//! environment: it is handed the seed.
 
 use std::io::Write;
 use std::path::Path;
@@ -40,11 +46,30 @@ pub enum KeySource {
     Created,
 }
 
-/// Loads the relay key: `MBX_RELAY_KEY` first, else `<dir>/relay.key`, created (0600, fsynced)
-/// when missing.
-pub fn load_or_create(dir: &Path) -> Result<(HostKey, KeySource), KeyError> {
-    if let Ok(seed) = std::env::var(RELAY_KEY_ENV) {
-        std::env::remove_var(RELAY_KEY_ENV);
+/// Reads `MBX_RELAY_KEY` and removes it from the environment, so child processes and later
+/// readers never see the seed. A value that is not UTF-8 is returned lossily (and then refused
+/// as [`KeyError::BadEnv`]).
+///
+/// **Call it only while this is the process's only thread** (before the async runtime starts):
+/// see the module docs. `run::prepare` does.
+pub fn take_env_seed() -> Option<String> {
+    let seed = read_env_seed()?;
+    std::env::remove_var(RELAY_KEY_ENV);
+    Some(seed)
+}
+
+/// Reads `MBX_RELAY_KEY` without removing it (safe with other threads running).
+pub fn read_env_seed() -> Option<String> {
+    std::env::var_os(RELAY_KEY_ENV).map(|v| v.to_string_lossy().into_owned())
+}
+
+/// Loads the relay key: `env_seed` (the value of `MBX_RELAY_KEY`, see [`take_env_seed`]) first,
+/// else `<dir>/relay.key`, created (0600, fsynced) when missing.
+pub fn load_or_create(
+    dir: &Path,
+    env_seed: Option<&str>,
+) -> Result<(HostKey, KeySource), KeyError> {
+    if let Some(seed) = env_seed {
         let key = HostKey::from_seed_b64(seed.trim()).map_err(|_| KeyError::BadEnv)?;
         return Ok((key, KeySource::Env));
     }
@@ -94,8 +119,8 @@ mod tests {
     #[test]
     fn creates_0600_then_reuses_and_never_echoes() {
         let dir = tempfile::tempdir().unwrap();
-        let (k1, s1) = load_or_create(dir.path()).unwrap();
-        let (k2, s2) = load_or_create(dir.path()).unwrap();
+        let (k1, s1) = load_or_create(dir.path(), None).unwrap();
+        let (k2, s2) = load_or_create(dir.path(), None).unwrap();
         assert_eq!((s1, s2), (KeySource::Created, KeySource::File));
         assert_eq!(k1.public(), k2.public());
         let mode = std::fs::metadata(dir.path().join("relay.key"))
@@ -108,7 +133,25 @@ mod tests {
             "{\"publicKey\":\"x\",\"privateKey\":\"c2VjcmV0\"}",
         )
         .unwrap();
-        let err = load_or_create(dir.path()).unwrap_err().to_string();
+        let err = load_or_create(dir.path(), None).unwrap_err().to_string();
+        assert!(!err.contains("c2VjcmV0"), "{err}");
+    }
+
+    #[test]
+    fn a_seed_handed_in_wins_and_a_bad_one_is_refused_without_echo() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = HostKey::generate();
+        let seed = key.seed_b64_secret();
+        let (k, source) = load_or_create(dir.path(), Some(&format!(" {seed}\n"))).unwrap();
+        assert_eq!((k.public(), source), (key.public(), KeySource::Env));
+        assert!(
+            !dir.path().join("relay.key").exists(),
+            "no key file when the seed is given"
+        );
+        let err = load_or_create(dir.path(), Some("c2VjcmV0"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("MBX_RELAY_KEY"), "{err}");
         assert!(!err.contains("c2VjcmV0"), "{err}");
     }
 }

@@ -1,5 +1,11 @@
 //! `agentmbx relay serve` and `agentmbx relay keygen`: what the CLI calls.
+//!
+//! `relay serve` comes in two halves: [`prepare`] (synchronous, before the async runtime
+//! starts: configuration, relay key — `MBX_RELAY_KEY` is removed from the environment, which is
+//! only safe while no other thread runs — store and listener) and [`serve_prepared`] (on the
+//! runtime).
 
+use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -43,15 +49,62 @@ pub enum ServeError {
     /// Binding or serving failed.
     #[error("{0}")]
     Io(String),
+    /// The store stopped taking writes (a failed COMMIT): the relay stopped and must be
+    /// restarted, so SQLite's recovery decides what is durable.
+    #[error("the relay stopped because its store failed ({0}); restart it: SQLite recovery decides what is durable")]
+    StoreFailed(String),
 }
 
-/// Opens the store and serves until SIGTERM or SIGINT. Logs the bound address once.
-pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
+/// Everything `relay serve` needs, made ready by [`prepare`] before the async runtime starts:
+/// the configuration, the clock, the relay key (`MBX_RELAY_KEY` already read and removed from
+/// the environment), the open store (`relay.lock` held) and the bound listener.
+#[derive(Debug)]
+pub struct Prepared {
+    config: RelayConfig,
+    clock: SharedClock,
+    key: HostKey,
+    store: Arc<dyn RelayStore>,
+    listener: std::net::TcpListener,
+}
+
+impl Prepared {
+    /// The address the listener is bound to (the real port when `--port 0`).
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    /// The relay key's fingerprint.
+    pub fn relay_fingerprint(&self) -> String {
+        self.key.public().fingerprint()
+    }
+
+    /// The open store.
+    pub fn store(&self) -> Arc<dyn RelayStore> {
+        self.store.clone()
+    }
+}
+
+/// The synchronous first half of `relay serve`; **call it before the async runtime (or any
+/// other thread) starts**, because it removes `MBX_RELAY_KEY` from the environment (see
+/// [`key`]). Reads the configuration (`relay.toml`, validated, and the environment), the clock
+/// offset and the relay key; opens the store (waiting for `relay.lock` up to `lock_wait_ms`);
+/// binds the listener. Then run [`serve_prepared`] on the runtime:
+///
+/// ```ignore
+/// let prepared = agentmbx_relay::run::prepare(opts)?;
+/// runtime()?.block_on(agentmbx_relay::run::serve_prepared(prepared))?;
+/// ```
+pub fn prepare(opts: ServeOptions) -> Result<Prepared, ServeError> {
+    prepare_with(opts, key::take_env_seed())
+}
+
+fn prepare_with(opts: ServeOptions, env_seed: Option<String>) -> Result<Prepared, ServeError> {
     std::fs::create_dir_all(&opts.store_dir)
         .map_err(|e| ServeError::Io(format!("cannot create {}: {e}", opts.store_dir.display())))?;
     let config = RelayConfig::load(&opts.store_dir)?;
     let clock: SharedClock = Arc::new(SystemClock::from_env()?);
-    let (relay_key, source) = key::load_or_create(&opts.store_dir)?;
+    let (relay_key, source) = key::load_or_create(&opts.store_dir, env_seed.as_deref())?;
+    drop(env_seed);
     match source {
         KeySource::Created => {
             tracing::info!(fingerprint = %relay_key.public().fingerprint(), "created a new relay key in relay.key")
@@ -63,8 +116,6 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
             tracing::info!(fingerprint = %relay_key.public().fingerprint(), "relay key from relay.key")
         }
     }
-    let dir = opts.store_dir.clone();
-    let pubkey = relay_key.public().to_b64();
     let open = OpenOptions {
         lock_wait_ms: config
             .lock_wait_ms
@@ -72,11 +123,12 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
         failpoint: agentmbx_protocol::failpoint::hit,
         limits: config.limits.store_limits(),
     };
-    let now = clock.now_ms();
-    let store =
-        tokio::task::spawn_blocking(move || SqliteStore::open_with(&dir, &pubkey, now, open))
-            .await
-            .map_err(|e| ServeError::Io(e.to_string()))??;
+    let store = SqliteStore::open_with(
+        &opts.store_dir,
+        &relay_key.public().to_b64(),
+        clock.now_ms(),
+        open,
+    )?;
     let store: Arc<dyn RelayStore> = Arc::new(store);
     tracing::info!(epoch = %store.epoch()?, store = %opts.store_dir.display(), "relay store open");
     let bind = opts
@@ -84,20 +136,46 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
         .or(config.bind)
         .unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
     let port = opts.port.or(config.port).unwrap_or(DEFAULT_PORT);
-    let listener = tokio::net::TcpListener::bind(SocketAddr::new(bind, port))
-        .await
+    let listener = std::net::TcpListener::bind(SocketAddr::new(bind, port))
+        .and_then(|l| l.set_nonblocking(true).map(|()| l))
         .map_err(|e| ServeError::Io(format!("cannot bind {bind}:{port}: {e}")))?;
-    let state = Arc::new(RelayState {
-        store,
-        key: relay_key,
-        clock,
+    Ok(Prepared {
         config,
+        clock,
+        key: relay_key,
+        store,
+        listener,
+    })
+}
+
+/// The async second half of `relay serve`: serves a [`Prepared`] relay until SIGTERM or SIGINT
+/// (then `Ok`), or until the store fails ([`ServeError::StoreFailed`]: the caller must exit
+/// non-zero so the supervisor restarts the relay). Logs the bound address once.
+pub async fn serve_prepared(prepared: Prepared) -> Result<(), ServeError> {
+    serve_prepared_until(prepared, shutdown_signal()).await
+}
+
+/// [`serve_prepared`] with another shutdown trigger (tests, embedding).
+pub async fn serve_prepared_until(
+    prepared: Prepared,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let listener = tokio::net::TcpListener::from_std(prepared.listener)
+        .map_err(|e| ServeError::Io(format!("cannot use the bound listener: {e}")))?;
+    let store = prepared.store.clone();
+    let state = Arc::new(RelayState {
+        store: prepared.store,
+        key: prepared.key,
+        clock: prepared.clock,
+        config: prepared.config,
         challenges: Challenges::default(),
         version: crate::VERSION,
     });
-    server::serve(listener, state, shutdown_signal())
-        .await
-        .map_err(|e| ServeError::Io(e.to_string()))
+    let served = server::serve(listener, state, shutdown).await;
+    if let Some(reason) = store.failed() {
+        return Err(ServeError::StoreFailed(reason));
+    }
+    served.map_err(|e| ServeError::Io(e.to_string()))
 }
 
 /// Resolves on SIGTERM or SIGINT.

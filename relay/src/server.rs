@@ -3,8 +3,13 @@
 //! `serve` takes an already-bound listener (tests bind port 0) and a shutdown future; it logs
 //! the address it actually bound, writes the store heartbeat every 30 s, and on shutdown stops
 //! accepting, lets requests in flight finish (their commits included) and returns.
+//!
+//! It also watches the store: once the store stopped taking writes (a failed COMMIT,
+//! [`RelayStore::failed`]) it logs why, stops accepting, gives requests in flight up to
+//! [`FAILED_STORE_GRACE`] and returns an error, so `relay serve` exits non-zero and its
+//! supervisor restarts it (SQLite's recovery then decides what is durable).
 
-use std::future::Future;
+use std::future::{Future, IntoFuture};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,6 +30,13 @@ use crate::store::RelayStore;
 
 /// Heartbeat period (spec §5: every 30 s).
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(30);
+
+/// How often `serve` asks the store whether it failed.
+pub const STORE_WATCH_EVERY: Duration = Duration::from_millis(100);
+
+/// How long requests in flight may still run once the store failed (their writes fail at once;
+/// reads may finish) before `serve` returns anyway.
+pub const FAILED_STORE_GRACE: Duration = Duration::from_secs(5);
 
 /// Everything a handler can reach.
 #[derive(Debug)]
@@ -87,14 +99,47 @@ async fn request_timeout(limit: Duration, req: Request, next: Next) -> Response 
     }
 }
 
-/// Serves until `shutdown` resolves. Errors: the listener's address cannot be read or the
-/// server fails.
+/// Resolves with the reason once `store` stopped taking writes for good.
+pub async fn store_failure(store: Arc<dyn RelayStore>) -> String {
+    let mut every = tokio::time::interval(STORE_WATCH_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        if let Some(reason) = store.failed() {
+            return reason;
+        }
+    }
+}
+
+/// Serves until `shutdown` resolves, or until the store fails. Errors: the listener's address
+/// cannot be read, the server fails, or the store stopped taking writes (the error names the
+/// store's reason; [`RelayStore::failed`] has it too).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: SharedRelay,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let addr = listener.local_addr()?;
+    let (failed_tx, failed_rx) = tokio::sync::watch::channel::<Option<String>>(None);
+    let watcher = {
+        let store = state.store.clone();
+        tokio::spawn(async move {
+            let reason = store_failure(store).await;
+            tracing::error!(
+                reason = %reason,
+                "relay store failed: no more writes are possible; stopping the relay so it can \
+                 be restarted (SQLite recovery decides what is durable)"
+            );
+            let _ = failed_tx.send(Some(reason));
+            // Keep the sender: a closed channel must not read as "failed" below.
+            std::future::pending::<()>().await;
+        })
+    };
+    let failed = |mut rx: tokio::sync::watch::Receiver<Option<String>>| async move {
+        if rx.wait_for(Option::is_some).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
     let heartbeat = {
         let state = state.clone();
         tokio::spawn(async move {
@@ -111,10 +156,38 @@ pub async fn serve(
         })
     };
     tracing::info!("relay listening on {addr}");
-    let result = axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await;
+    let stop = {
+        let store_failed = failed(failed_rx.clone());
+        async move {
+            tokio::select! {
+                () = shutdown => {}
+                () = store_failed => {}
+            }
+        }
+    };
+    let server = axum::serve(listener, router(state))
+        .with_graceful_shutdown(stop)
+        .into_future();
+    let deadline = {
+        let store_failed = failed(failed_rx.clone());
+        async move {
+            store_failed.await;
+            tokio::time::sleep(FAILED_STORE_GRACE).await;
+        }
+    };
+    let result = tokio::select! {
+        result = server => result,
+        () = deadline => Ok(()),
+    };
     heartbeat.abort();
+    watcher.abort();
+    let reason = failed_rx.borrow().clone();
+    if let Some(reason) = reason {
+        tracing::error!(reason = %reason, "relay stopped because its store failed");
+        return Err(std::io::Error::other(format!(
+            "the relay store failed: {reason}"
+        )));
+    }
     tracing::info!("relay stopped");
     result
 }

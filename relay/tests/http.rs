@@ -445,6 +445,109 @@ async fn push_sender_not_accepted_by_target() {
     relay.stop().await;
 }
 
+/// beta accepts only `senders` from now on (a sender list stored through the store).
+async fn only_accept(relay: &Relay, target: &Host, senders: &[&Host]) {
+    let list = SenderList {
+        target_pubkey: target.pubkey(),
+        senders: senders.iter().map(|h| h.pubkey()).collect(),
+        iat_ms: relay.now(),
+        record: "{}".into(),
+        sig: "x".into(),
+    };
+    relay
+        .with_store(move |s| s.put_sender_list(list).unwrap())
+        .await;
+}
+
+/// Asserts a single-item push answer is `status` for `(target, seq)` with a valid accept.
+#[track_caller]
+fn assert_settled(r: &Resp, relay: &Relay, from: &Host, id: &str, to: &Host, wire: &str) {
+    let res = &r.assert_ok()["results"][0];
+    records::verify_accept(
+        &res["accept"],
+        res["sig"].as_str().unwrap(),
+        &relay.relay_pub,
+        &from.pubkey(),
+        id,
+        &to.pubkey(),
+        &wire_hash(wire.as_bytes()),
+    )
+    .expect("the answer carries a valid accept");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_retry_after_the_target_changed_its_allowlist_or_was_revoked_is_a_duplicate() {
+    let relay = Relay::start().await;
+    let (a, b) = two_hosts(&relay).await;
+    let c = Host::new("gamma");
+    relay.enrol(&c).await;
+    let (id, wire, seq) = push_one(&relay, &a, &b, "accepted before the change").await;
+    let dup = json!([{"host_pubkey": b.pubkey(), "seq": seq}]);
+
+    // beta now accepts only gamma: the retry of the accepted item still settles.
+    only_accept(&relay, &b, &[&c]).await;
+    relay.clock.advance(1_000);
+    let r = relay.push(&a, vec![env_item(&id, &b, &wire)]).await;
+    assert_eq!(r.status1(), "duplicate", "{r:#?}");
+    assert_eq!(r.json["results"][0]["targets"], dup);
+    assert_settled(&r, &relay, &a, &id, &b, &wire);
+    // Other bytes under that id: a conflict, not an allowlist refusal.
+    let (_, other) = sealed_wire(&a, &b, "other bytes", relay.now());
+    let other: Value = {
+        let mut v: Value = serde_json::from_str(&other).unwrap();
+        v["id"] = json!(id);
+        v
+    };
+    let r = relay
+        .push(&a, vec![env_item(&id, &b, &other.to_string())])
+        .await;
+    assert_eq!(r.status1(), "rejected:conflict");
+    // A fresh item is refused.
+    let (fresh, fresh_wire) = sealed_wire(&a, &b, "after the change", relay.now());
+    let r = relay
+        .push(&a, vec![env_item(&fresh, &b, &fresh_wire)])
+        .await;
+    assert_eq!(r.status1(), "rejected:sender not accepted by target");
+
+    // beta is revoked: the retry still settles, with the original seq.
+    relay.revoke(&b).await;
+    let r = relay.push(&a, vec![env_item(&id, &b, &wire)]).await;
+    assert_eq!(r.status1(), "duplicate", "{r:#?}");
+    assert_eq!(r.json["results"][0]["targets"], dup);
+    assert_settled(&r, &relay, &a, &id, &b, &wire);
+    let r = relay
+        .push(&a, vec![env_item(&fresh, &b, &fresh_wire)])
+        .await;
+    assert_eq!(r.status1(), "rejected:target not enrolled");
+
+    // The same item widened to a fresh live target: stored for gamma, beta keeps its seq.
+    let two = item(
+        "envelope",
+        &id,
+        &[(&b, wire.as_bytes()), (&c, wire.as_bytes())],
+    );
+    let r = relay.push(&a, vec![two]).await;
+    let res = &r.assert_ok()["results"][0];
+    assert_eq!(res["status"], "accepted", "{r:#?}");
+    assert_eq!(res["targets"][0], dup[0]);
+    assert_eq!(res["targets"][1]["host_pubkey"], c.pubkey());
+    assert_eq!(relay.queue_ids(&c).await, vec![id.clone()]);
+    // …but a fresh target that is not enrolled still refuses the whole item.
+    let d = Host::new("delta");
+    let r = relay
+        .push(
+            &a,
+            vec![item(
+                "envelope",
+                &id,
+                &[(&b, wire.as_bytes()), (&d, wire.as_bytes())],
+            )],
+        )
+        .await;
+    assert_eq!(r.status1(), "rejected:target not enrolled");
+    relay.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn push_two_faults_report_the_first_in_wire_md_order() {
     let relay = Relay::start_with(limits(|l| l.max_item_bytes = 4096)).await;
@@ -557,6 +660,48 @@ async fn push_two_faults_report_the_first_in_wire_md_order() {
     let r = relay.push(&a, items).await;
     assert_eq!(r.statuses(), want, "{r:#?}");
     assert_eq!(relay.queue_ids(&b).await, Vec::<String>::new());
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_targets_must_be_canonical_host_keys() {
+    let relay = Relay::start().await;
+    let (a, b) = two_hosts(&relay).await;
+    let (id, wire) = sealed_wire(&a, &b, "to an alias", relay.now());
+    let e = b64::encode(wire.as_bytes());
+    let unpadded = b.pubkey().trim_end_matches('=').to_owned();
+    assert_ne!(unpadded, b.pubkey());
+    // 32 bytes that are not an Ed25519 point.
+    let off_curve = (0u8..=255)
+        .map(|n| b64::encode(&[n; 32]))
+        .find(|k| agentmbx_protocol::keys::PublicKey::from_b64(k).is_err())
+        .expect("some 32-byte value is not a point");
+    for key in [
+        unpadded.as_str(),
+        off_curve.as_str(),
+        "not a key",
+        "",
+        &b64::encode(&[7u8; 31]),
+    ] {
+        let it = json!({"kind": "envelope", "item_id": id,
+                        "targets": [{"host_pubkey": key, "wire_b64": e}]});
+        let r = relay.push(&a, vec![it]).await;
+        assert_eq!(r.status1(), "rejected:bad targets", "{key:?}");
+        // One alias among good targets spoils the item.
+        let it = json!({"kind": "envelope", "item_id": id, "targets": [
+            {"host_pubkey": b.pubkey(), "wire_b64": e},
+            {"host_pubkey": key, "wire_b64": e}]});
+        let r = relay.push(&a, vec![it]).await;
+        assert_eq!(r.status1(), "rejected:bad targets", "{key:?}");
+    }
+    assert_eq!(relay.queue_ids(&b).await, Vec::<String>::new());
+    // The canonical text is accepted and is what the answer names.
+    let r = relay.push(&a, vec![env_item(&id, &b, &wire)]).await;
+    assert_eq!(r.status1(), "accepted");
+    assert_eq!(
+        r.json["results"][0]["targets"][0]["host_pubkey"],
+        b.pubkey()
+    );
     relay.stop().await;
 }
 
@@ -850,6 +995,28 @@ async fn pull_pages_by_bytes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pull_survives_a_max_pull_that_was_never_validated() {
+    // `relay.toml` refuses these; a configuration built in code must not panic a pull either.
+    for (max_pull, page) in [(0, 1), (u64::MAX, 2)] {
+        let relay = Relay::start_with(limits(|l| l.max_pull = max_pull)).await;
+        let (a, b) = two_hosts(&relay).await;
+        push_one(&relay, &a, &b, "one").await;
+        relay.clock.advance(1);
+        push_one(&relay, &a, &b, "two").await;
+        for (query, want) in [
+            ("after=0", page),
+            ("after=0&limit=0", 1),
+            ("after=0&limit=9999", page),
+        ] {
+            let r = relay.pull(&b, query).await;
+            let items = r.assert_ok()["items"].as_array().unwrap().len();
+            assert_eq!(items, want, "max_pull={max_pull} {query}");
+        }
+        relay.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pull_stale_epoch_is_409_with_the_current_epoch() {
     let relay = Relay::start().await;
     let (a, b) = two_hosts(&relay).await;
@@ -1115,6 +1282,56 @@ async fn hop_headers_and_keys() {
     r.assert_error(401, "not enrolled", "NOT_ENROLLED");
     let r = relay.push(&stranger, vec![]).await;
     r.assert_error(401, "not enrolled", "NOT_ENROLLED");
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hop_signature_is_checked_before_enrolment_is_revealed() {
+    let relay = Relay::start().await;
+    let (a, b) = two_hosts(&relay).await;
+    relay.revoke(&b).await;
+    let stranger = Host::new("stranger");
+    let now = relay.now();
+    let target = "/v2/relay/items?after=0";
+    for h in [&b, &stranger] {
+        // Signed by someone else (alpha) under h's key: nothing about h is told.
+        let forged = with_header(
+            a.hop_headers("GET", target, "", now),
+            header::KEY,
+            Some(&h.pubkey()),
+        );
+        let r = relay.send("GET", target, &forged, vec![]).await;
+        r.assert_error(401, "bad relay hop", "BAD_HOP");
+        // A signature that is not even base64.
+        let junk = with_header(
+            h.hop_headers("GET", target, "", now),
+            header::SIG,
+            Some("%%%"),
+        );
+        let r = relay.send("GET", target, &junk, vec![]).await;
+        r.assert_error(401, "bad relay hop", "BAD_HOP");
+        // Signed by h but outside the window.
+        let r = relay.hop_at(h, "GET", target, "", now - 300_001).await;
+        r.assert_error(401, "stale or bad hop timestamp (check clocks)", "BAD_HOP");
+        // A tampered body.
+        let h2 = h.hop_headers("POST", "/v2/relay/items", "{\"items\":[]}", now);
+        let r = relay
+            .send("POST", "/v2/relay/items", &h2, b"{\"items\":[ ]}".to_vec())
+            .await;
+        r.assert_error(401, "bad relay hop", "BAD_HOP");
+    }
+    // Correctly signed requests learn the answer.
+    let r = relay.hop(&b, "GET", target, "").await;
+    r.assert_error(403, "this host key is revoked on this relay", "REVOKED");
+    let r = relay.hop(&stranger, "GET", target, "").await;
+    r.assert_error(401, "not enrolled", "NOT_ENROLLED");
+    // An unpadded x-mbx-key is the same key: it finds the enrolment.
+    let h = with_header(
+        a.hop_headers("GET", target, "", now),
+        header::KEY,
+        Some(a.pubkey().trim_end_matches('=')),
+    );
+    relay.send("GET", target, &h, vec![]).await.assert_ok();
     relay.stop().await;
 }
 
@@ -1479,6 +1696,65 @@ async fn enrol_is_idempotent_and_revocation_sticks() {
     relay.stop().await;
 }
 
+/// An enrol body for `host` naming its key as `pubkey` (signed over that text).
+fn enrol_body_as(host: &Host, pubkey: &str, challenge: &str) -> String {
+    let sig = host
+        .key
+        .sign(records::enrol_canonical(challenge, &host.name, pubkey, "").as_bytes());
+    json!({"host": host.name, "pubkey": pubkey, "owner_fp": "", "sig": sig}).to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enrol_refuses_key_aliases_so_a_revoked_key_stays_out() {
+    let relay = Relay::start().await;
+    let (a, b) = two_hosts(&relay).await;
+    relay.revoke(&b).await;
+    let fresh = Host::new("fresh");
+    for h in [&b, &fresh] {
+        let alias = h.pubkey().trim_end_matches('=').to_owned();
+        assert_ne!(alias, h.pubkey());
+        // No challenge for an alias…
+        let body = json!({"host": h.name, "pubkey": alias}).to_string();
+        let r = relay.plain("POST", "/v1/relay/challenge", &body).await;
+        r.assert_error(400, "bad host key", "BAD_REQUEST");
+        // …and no enrolment, even over a challenge issued for the canonical text.
+        let challenge = relay.challenge(h).await;
+        let r = relay
+            .plain(
+                "POST",
+                "/v1/relay/enrol",
+                &enrol_body_as(h, &alias, &challenge),
+            )
+            .await;
+        r.assert_error(400, "bad host key", "BAD_REQUEST");
+    }
+    // The revoked key is still revoked, and still refused under its real text.
+    let r = relay.hop(&b, "GET", "/v2/relay/items", "").await;
+    r.assert_error(403, "this host key is revoked on this relay", "REVOKED");
+    let r = relay.enrol_try(&b).await;
+    r.assert_error(403, "this host key is revoked on this relay", "REVOKED");
+    let (id, wire) = sealed_wire(&a, &b, "to the revoked key", relay.now());
+    let r = relay.push(&a, vec![env_item(&id, &b, &wire)]).await;
+    assert_eq!(r.status1(), "rejected:target not enrolled");
+    // One row per key: the fresh host was never enrolled under any text.
+    let pk = fresh.pubkey();
+    let row = relay.with_store(move |s| s.enrolment(&pk).unwrap()).await;
+    assert_eq!(row, None);
+    assert_eq!(
+        relay
+            .with_store(|s| s.live_enrolment_count().unwrap())
+            .await,
+        1
+    );
+    // Enrolled canonically, it authenticates with either padding in x-mbx-key.
+    relay.enrol(&fresh).await;
+    relay
+        .hop(&fresh, "GET", "/v2/relay/items", "")
+        .await
+        .assert_ok();
+    relay.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enrol_capacity_is_503_full_but_known_keys_re_enrol() {
     let relay = Relay::start_with(limits(|l| l.max_live_enrolments = 2)).await;
@@ -1515,6 +1791,14 @@ async fn enc_key_publish_and_fetch() {
     let verified = records::verify_enc_ad(&j["ad"], j["ad_sig"].as_str(), &b.pubkey(), relay.now())
         .expect("the served ad verifies against the pinned key");
     assert_eq!(verified.enc_pub, b.enc.public().to_b64());
+    // And by the same key without padding (looked up in canonical form).
+    let unpadded = format!(
+        "/v2/relay/enc-key?pubkey={}",
+        b64_query(b.pubkey().trim_end_matches('='))
+    );
+    let r = relay.hop(&a, "GET", &unpadded, "").await;
+    assert_eq!(r.assert_ok()["host_pubkey"], b.pubkey());
+    assert_eq!(r.json["ad"], ad);
     // And by host name (one live enrolment carries it).
     let r = relay
         .hop(&a, "GET", "/v2/relay/enc-key?host=beta", "")
@@ -1702,6 +1986,29 @@ async fn info_publishes_configured_limits() {
     let r = relay.push(&a, vec![item("envelope", &id, &four)]).await;
     assert_eq!(r.status1(), "rejected:bad targets");
     relay.stop().await;
+}
+
+// ---- store failure ---------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_store_stops_the_server_with_an_error() {
+    let (relay, store) = Relay::start_failing().await;
+    let (a, b) = two_hosts(&relay).await;
+    push_one(&relay, &a, &b, "before the failure").await;
+    store.fail("COMMIT failed: disk I/O error");
+    let addr = relay.addr();
+    let started = std::time::Instant::now();
+    let err = relay
+        .stopped()
+        .await
+        .expect_err("serve reports the failure");
+    assert!(
+        err.to_string().contains("COMMIT failed: disk I/O error"),
+        "{err}"
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+    // Nothing listens any more.
+    assert!(std::net::TcpStream::connect(addr).is_err());
 }
 
 // ---- routing ---------------------------------------------------------------------------------

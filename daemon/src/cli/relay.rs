@@ -97,7 +97,10 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         port: Some(args.port),
         store_dir,
     };
-    runtime()?.block_on(agentmbx_relay::run::serve(opts))?;
+    // Key, config, store and listener are prepared before any thread exists (the relay key
+    // is removed from the environment there).
+    let prepared = agentmbx_relay::run::prepare(opts)?;
+    runtime()?.block_on(agentmbx_relay::run::serve_prepared(prepared))?;
     Ok(())
 }
 

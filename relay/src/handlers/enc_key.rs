@@ -10,6 +10,7 @@ use axum::http::StatusCode;
 use axum::Json;
 use serde_json::{json, Value};
 
+use agentmbx_protocol::keys::PublicKey;
 use agentmbx_protocol::limits::RELAY_SMALL_BODY;
 use agentmbx_protocol::records;
 use agentmbx_protocol::wire::EncKeyAnswer;
@@ -51,7 +52,8 @@ pub async fn post(State(state): State<SharedRelay>, req: Request) -> Result<Json
 }
 
 /// Handles `GET /v2/relay/enc-key?pubkey=<b64>` or `?host=<name>` (a name resolves only when
-/// exactly one live enrolment carries it).
+/// exactly one live enrolment carries it). `pubkey` is looked up in its canonical padded form,
+/// so the unpadded text of an enrolled key finds it; text that is not a key is unknown (404).
 pub async fn get(
     State(state): State<SharedRelay>,
     req: Request,
@@ -64,7 +66,8 @@ pub async fn get(
     let store = state.store.clone();
     let ad = blocking(move || {
         let pk = match (pubkey, host) {
-            (Some(pk), _) => Some(pk),
+            // Looked up in canonical form (what enrolment stored); not a key: unknown.
+            (Some(pk), _) => PublicKey::from_b64(&pk).ok().map(|k| k.to_b64()),
             (None, Some(h)) => {
                 let live = store.live_enrolments_by_name(&h)?;
                 (live.len() == 1).then(|| live[0].host_pubkey.clone())

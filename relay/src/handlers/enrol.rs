@@ -55,6 +55,18 @@ fn owner_fp_ok(fp: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b':' | b'_'))
 }
 
+/// The host key of a challenge or enrolment: an Ed25519 key written in its one canonical form,
+/// padded standard base64 (`PublicKey::to_b64`), else 400 `bad host key`. Every table is keyed
+/// by that text, so an alias (unpadded, which the lenient decoder would read as the same key)
+/// is refused rather than becoming a second enrolment the hop lookup can never find, or a way
+/// around a revocation.
+fn canonical_host_key(text: &str) -> Result<PublicKey, ApiError> {
+    match PublicKey::from_b64(text) {
+        Ok(key) if key.to_b64() == text => Ok(key),
+        _ => Err(ApiError::bad_request("bad host key")),
+    }
+}
+
 #[derive(Deserialize)]
 struct ChallengeBody {
     host: Option<Value>,
@@ -75,9 +87,7 @@ pub async fn challenge(
     if !is_host_name(&host) {
         return Err(ApiError::bad_request("bad host name"));
     }
-    if PublicKey::from_b64(&pubkey).is_err() {
-        return Err(ApiError::bad_request("bad host key"));
-    }
+    canonical_host_key(&pubkey)?;
     let now = state.clock.now_ms();
     let mut raw = [0u8; 16];
     rand::rngs::OsRng.fill_bytes(&mut raw);
@@ -143,7 +153,7 @@ pub async fn enrol(
     if !is_host_name(&host) || !owner_fp_ok(&owner_fp) {
         return Err(ApiError::bad_request("bad host name or owner_fp"));
     }
-    let key = PublicKey::from_b64(&pubkey).map_err(|_| ApiError::bad_request("bad host key"))?;
+    let key = canonical_host_key(&pubkey)?;
     let now = state.clock.now_ms();
     let pending = state
         .challenges

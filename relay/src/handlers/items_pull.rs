@@ -14,7 +14,7 @@ use agentmbx_protocol::{b64, failpoint};
 use crate::auth::{authenticate, blocking};
 use crate::error::ApiError;
 use crate::server::SharedRelay;
-use crate::store::PullRequest;
+use crate::store::{PullRequest, MAX_PULL_ITEMS};
 
 fn int_param(q: &HashMap<String, String>, name: &str) -> Result<Option<i64>, ApiError> {
     match q.get(name) {
@@ -39,9 +39,14 @@ pub async fn get(
     let Query(q) = Query::<HashMap<String, String>>::try_from_uri(&parts.uri)
         .map_err(|_| ApiError::bad_request("bad query"))?;
     let after = int_param(&q, "after")?.unwrap_or(0);
+    // `relay.toml` bounds max_pull to 1..=500; a configuration built in code is clamped too,
+    // so the range below is never empty.
+    let max_pull = i64::try_from(state.config.limits.max_pull)
+        .unwrap_or(MAX_PULL_ITEMS)
+        .clamp(1, MAX_PULL_ITEMS);
     let limit = int_param(&q, "limit")?
-        .unwrap_or(state.config.limits.max_pull as i64)
-        .clamp(1, state.config.limits.max_pull as i64);
+        .unwrap_or(max_pull)
+        .clamp(1, max_pull);
     let want_epoch = q.get("epoch").cloned();
     let store = state.store.clone();
     let req = PullRequest {

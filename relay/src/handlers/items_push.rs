@@ -2,20 +2,27 @@
 //!
 //! Per item, checks run in the order the rejection strings are listed in `wire.md` §3.2, each
 //! one over every target before the next one, and the first failing one is reported:
-//! `bad item id` (1..300 UTF-16 units), `bad kind`, `bad targets`, `target not enrolled`,
-//! `sender not accepted by target`, `duplicate target`, `bad wire` (not the base64 pattern, or
+//! `bad item id` (1..300 UTF-16 units), `bad kind`, `bad targets` (none, more than
+//! `max_targets`, or a `host_pubkey` that is not an Ed25519 key in its canonical padded base64
+//! form — every key is stored and matched as that one text), `target not enrolled`,
+//! `sender not accepted by target` (these two only for targets this item was not already
+//! accepted for: a retry of an accepted item settles by dedup even after its target was revoked
+//! or changed its allowlist), `duplicate target`, `bad wire` (not the base64 pattern, or
 //! not decodable), `item over size limit`, then `bad wire` again for decoded bytes that are not
 //! JSON (0.5.x parses after the size check), `bad envelope: <why>`,
 //! `item id is not the envelope id`, `envelope body is not sealed`, `bad receipt` (not a T218
 //! `{rec, sig}`), `item id is not the receipt id`, `receipt is not signed by the sending host`;
-//! then the store decides in the item's own savepoint: dedup (`conflict`) and quotas
-//! (`quota:<msg>`), re-checking enrolment and the allowlist inside the transaction. Every target
-//! is validated before anything is written: an item is stored for all its targets or for none.
+//! then the store decides in the item's own savepoint: dedup first (a target already stored
+//! under this item is `duplicate` with its original seq, or `conflict` for other bytes), then,
+//! for fresh targets only, enrolment and the allowlist again inside the transaction, and quotas
+//! (`quota:<msg>`). Every fresh target is validated before anything is written: an item is
+//! stored for all its fresh targets or for none.
 //!
 //! HTTP 200 means "the results are in this body"; each accepted or duplicate item carries the
 //! relay-signed accept statement, sent only after the commit that covers it.
 
-use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::collections::{HashMap, HashSet};
 
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
@@ -54,12 +61,20 @@ enum TargetState {
     NotAccepted,
 }
 
+/// The target text as the relay stores it: an Ed25519 key in canonical padded base64.
+fn is_canonical_target(text: &str) -> bool {
+    PublicKey::from_b64(text).is_ok_and(|k| k.to_b64() == text)
+}
+
 /// Validates one item that needs no store write, in `wire.md` §3.2 order (each check over
-/// every target before the next). Returns the decoded target wires in order.
+/// every target before the next). `settled` holds the targets this item was already accepted
+/// for (dedup rows): the enrolment and allowlist checks skip them, the store answers them by
+/// dedup. Returns the decoded target wires in order.
 fn check_item(
     state: &RelayState,
     sender: &PublicKey,
     targets: &HashMap<String, TargetState>,
+    settled: &HashSet<String>,
     item: &agentmbx_protocol::wire::PushItem,
 ) -> Result<Vec<Vec<u8>>, String> {
     let id_len = limits::utf16_len(&item.item_id);
@@ -69,10 +84,19 @@ fn check_item(
     if item.kind != "envelope" && item.kind != "receipt" {
         return Err("bad kind".into());
     }
-    if item.targets.is_empty() || item.targets.len() as u64 > state.config.limits.max_targets {
+    if item.targets.is_empty()
+        || item.targets.len() as u64 > state.config.limits.max_targets
+        || !item
+            .targets
+            .iter()
+            .all(|t| is_canonical_target(&t.host_pubkey))
+    {
         return Err("bad targets".into());
     }
     let target_state = |t: &agentmbx_protocol::wire::PushTarget| {
+        if settled.contains(&t.host_pubkey) {
+            return TargetState::Ok;
+        }
         targets
             .get(&t.host_pubkey)
             .copied()
@@ -218,40 +242,65 @@ pub async fn post(
         ));
     }
     let sender = PublicKey::from_b64(&caller.host_pubkey).map_err(|_| ApiError::bad_hop())?;
-    // Store-backed target checks, read once for every target named in the batch.
-    let keys: Vec<String> = push
+    // Store-backed target checks: first which targets each item was already accepted for
+    // (those settle by dedup and skip the checks), then, once per key, the enrolment and
+    // allowlist of every other target named in the batch.
+    let wanted: Vec<(String, Vec<String>)> = push
         .items
         .iter()
-        .flat_map(|i| i.targets.iter().map(|t| t.host_pubkey.clone()))
+        .map(|i| {
+            let keys = i
+                .targets
+                .iter()
+                .map(|t| t.host_pubkey.clone())
+                .filter(|k| is_canonical_target(k))
+                .collect();
+            (i.item_id.clone(), keys)
+        })
         .collect();
     let store = state.store.clone();
     let me = caller.host_pubkey.clone();
-    let target_states: HashMap<String, TargetState> = blocking(move || {
-        let mut m = HashMap::new();
-        for k in keys {
-            if m.contains_key(&k) {
+    let (settled, target_states) = blocking(move || {
+        let mut settled: HashMap<String, HashSet<String>> = HashMap::new();
+        let mut m: HashMap<String, TargetState> = HashMap::new();
+        for (item_id, keys) in wanted {
+            if keys.is_empty() {
                 continue;
             }
-            let verdict = match store.enrolment(&k)? {
-                Some(e) if !e.is_revoked() => match store.sender_list(&k)? {
-                    Some(list) if !list.senders.iter().any(|s| s == &me) => {
-                        TargetState::NotAccepted
-                    }
-                    _ => TargetState::Ok,
-                },
-                _ => TargetState::NotEnrolled,
+            let done = match settled.entry(item_id) {
+                Entry::Occupied(e) => e.into_mut(),
+                Entry::Vacant(e) => {
+                    let done = store.dedup_targets(&me, e.key())?.into_iter().collect();
+                    e.insert(done)
+                }
             };
-            m.insert(k, verdict);
+            for k in keys {
+                if done.contains(&k) || m.contains_key(&k) {
+                    continue;
+                }
+                let verdict = match store.enrolment(&k)? {
+                    Some(e) if !e.is_revoked() => match store.sender_list(&k)? {
+                        Some(list) if !list.senders.iter().any(|s| s == &me) => {
+                            TargetState::NotAccepted
+                        }
+                        _ => TargetState::Ok,
+                    },
+                    _ => TargetState::NotEnrolled,
+                };
+                m.insert(k, verdict);
+            }
         }
-        Ok(m)
+        Ok((settled, m))
     })
     .await?;
+    let none_settled = HashSet::new();
 
     let mut results: Vec<Option<PushResult>> = Vec::with_capacity(push.items.len());
     let mut to_store = Vec::new();
     let mut positions = Vec::new();
     for (idx, item) in push.items.iter().enumerate() {
-        let verdict = check_item(&state, &sender, &target_states, item);
+        let done = settled.get(&item.item_id).unwrap_or(&none_settled);
+        let verdict = check_item(&state, &sender, &target_states, done, item);
         match verdict {
             Err(why) => results.push(Some(rejected(&item.item_id, &why))),
             Ok(wires) => {

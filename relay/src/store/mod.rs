@@ -44,7 +44,8 @@
 //! # Units
 //! Times are Unix milliseconds (`i64`, `*_ms`); sizes are bytes; sequence numbers are `i64` and
 //! ms-scale (`wire.md` Decisions 5). Keys are the standard-base64 text the wire carries (host
-//! keys: 44 characters with padding). ISO timestamps are the caller's business.
+//! keys: 44 characters with padding, the one canonical form: [`RelayStore::enrol`] refuses any
+//! other text, see [`is_canonical_key`], so a key never has two rows). ISO timestamps are the caller's business.
 
 mod schema;
 mod sqlite;
@@ -120,12 +121,11 @@ pub enum StoreError {
     /// SQLite reported an error for this request.
     #[error("relay store database error: {0}")]
     Sqlite(#[from] rusqlite::Error),
-    /// The group transaction this request was part of did not commit (COMMIT failed, or an
-    /// earlier failure left the transaction unusable). Nothing of the request was stored, and
-    /// retrying is safe.
-    #[error(
-        "relay store transaction did not commit, nothing of this request was stored: {reason}"
-    )]
+    /// The group transaction this request was part of did not commit (an earlier failure left
+    /// the transaction unusable and it was rolled back, or the COMMIT itself failed — then the
+    /// store stops taking writes, see [`StoreError::WriterFailed`], and recovery at the next
+    /// start decides whether it is durable). Retrying is safe: pushes are deduplicated.
+    #[error("relay store transaction did not commit: {reason}")]
     NotCommitted {
         /// What went wrong, for the log.
         reason: String,
@@ -141,6 +141,16 @@ pub enum StoreError {
     /// The writer thread is gone (the store is closing, or it panicked).
     #[error("the relay store writer has stopped")]
     WriterStopped,
+    /// An earlier COMMIT or ROLLBACK failed, so the store takes no more writes: what is on
+    /// disk may differ from what this process saw. Restart the relay (SQLite recovery then
+    /// decides what is durable).
+    #[error(
+        "the relay store takes no more writes after a failed commit ({reason}): restart the relay"
+    )]
+    WriterFailed {
+        /// The failure that stopped the writer.
+        reason: String,
+    },
 }
 
 /// Options for [`SqliteStore::open_with`].
@@ -739,9 +749,18 @@ pub trait RelayStore: Send + Sync + std::fmt::Debug {
     /// The enc key to serve for a host; `None` when the host is unknown, revoked or has no ad.
     fn get_enc_ad(&self, host_pubkey: &str) -> Result<Option<EncAd>, StoreError>;
 
-    /// Store validated items (spec §3): per item, all targets validated, dedup by
-    /// (sender, item id, target), seq allocation, quotas; one outcome per item.
+    /// Store validated items (spec §3): per item, dedup by (sender, item id, target) first —
+    /// a target already stored under this item answers `duplicate` (same bytes) or `conflict`
+    /// whatever its enrolment or allowlist says now — then every fresh target validated
+    /// (enrolled, sender allowed, not repeated) before seq allocation and quotas; one outcome
+    /// per item.
     fn push(&self, batch: PushBatch) -> Result<PushOutcome, StoreError>;
+
+    /// The target keys that already have a dedup row for (sender, item id), i.e. for which a
+    /// push of this item was accepted earlier (its bytes may since have been acked or expired).
+    /// The push handler skips its enrolment and allowlist pre-checks for these targets, so a
+    /// retry after the target changed still settles as `duplicate`.
+    fn dedup_targets(&self, sender_pubkey: &str, item_id: &str) -> Result<Vec<String>, StoreError>;
 
     /// One page of a host's queue (spec §4).
     fn pull(&self, req: PullRequest) -> Result<PullPage, StoreError>;
@@ -768,6 +787,24 @@ pub trait RelayStore: Send + Sync + std::fmt::Debug {
 
     /// The newest log entries first, at most `limit` (clamped to `1..=`[`OPS_KEEP`]).
     fn ops(&self, limit: i64) -> Result<Vec<OpRecord>, StoreError>;
+
+    /// Why the store stopped taking writes for good, if it did: a COMMIT (or the ROLLBACK after
+    /// a failure) failed, so what is durable on disk may differ from what this process saw.
+    /// Every later write fails with [`StoreError::WriterFailed`]; the relay must exit (non-zero)
+    /// and be restarted, so SQLite's recovery decides what is durable. `None` while healthy.
+    fn failed(&self) -> Option<String> {
+        None
+    }
+}
+
+/// Whether `text` is a host key in its one canonical form: standard base64 **with padding** of
+/// exactly 32 bytes (what `PublicKey::to_b64` produces). The store keys every row by this text,
+/// so an alias (unpadded, or with non-zero trailing bits) would be a second identity for the
+/// same key; the handlers canonicalise first, and the store refuses anything else.
+pub fn is_canonical_key(text: &str) -> bool {
+    use base64::Engine as _;
+    let engine = &base64::engine::general_purpose::STANDARD;
+    matches!(engine.decode(text), Ok(raw) if raw.len() == 32 && engine.encode(&raw) == text)
 }
 
 /// Lowercase hex SHA-256 of wire bytes (spec §2: "never of a decoded or re-encoded string").
@@ -841,6 +878,25 @@ mod tests {
         // sha256 of 32 zero bytes starts 66687aadf862bd77
         assert_eq!(fp, "6668-7aad-f862-bd77");
         assert_eq!(key_fingerprint("not base64 !!"), "unreadable key");
+    }
+
+    #[test]
+    fn only_the_padded_32_byte_form_is_a_canonical_key() {
+        let padded = "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";
+        assert!(is_canonical_key(padded));
+        assert!(!is_canonical_key(padded.trim_end_matches('=')), "unpadded");
+        // Non-zero trailing bits decode to the same bytes in a lenient decoder.
+        assert!(!is_canonical_key(
+            "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAB="
+        ));
+        assert!(!is_canonical_key(
+            " AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA="
+        ));
+        assert!(
+            !is_canonical_key("AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=="),
+            "31 bytes"
+        );
+        assert!(!is_canonical_key(""));
     }
 
     #[test]

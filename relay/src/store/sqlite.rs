@@ -14,6 +14,10 @@
 //!   group; only then are the replies sent. If the COMMIT fails, every request of the group gets
 //!   [`StoreError::NotCommitted`]. This is group commit (design README "Decisions already
 //!   taken"); for atomicity and visibility it is exactly one transaction per item (spec §3).
+//! - **A failed COMMIT (or a failed ROLLBACK) stops the writer for good.** After an fsync or
+//!   I/O error the file's state and this process's view may differ, so no later write is tried:
+//!   each one fails with [`StoreError::WriterFailed`], [`RelayStore::failed`] reports why, and
+//!   the relay exits so that a restart lets SQLite's recovery decide what is durable.
 //! - **Readers** use a small pool of read-only connections; WAL lets them read the last
 //!   committed state while the writer works, and they never see uncommitted rows. Multi-query
 //!   reads (pull, info) run in one read transaction, so they see one snapshot.
@@ -21,7 +25,7 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -29,12 +33,12 @@ use rusqlite::{params, Connection, OpenFlags, OptionalExtension, TransactionBeha
 
 use super::schema::{self, MIGRATIONS, SCHEMA_VERSION};
 use super::{
-    key_fingerprint, wire_hash, AckOutcome, AckRequest, AckResult, AuthorityStrength, EncAd,
-    EncAdV1, EncAdV2, EnrolOutcome, EnrolRequest, Enrolment, EpochRotation, Expiry, HostQueueInfo,
-    ItemOutcome, ItemStatus, OpRecord, OpenOptions, PullPage, PullRequest, PulledItem, PushBatch,
-    PushItem, PushOutcome, QuotaKind, Rejection, RelayStore, RevokeOutcome, SenderList,
-    SenderListOutcome, StoreError, StoreLimits, TargetAccept, DAY_MS, DB_FILE, LOCK_FILE,
-    MAX_GROUP_REQUESTS, MAX_PULL_ITEMS, OPS_KEEP,
+    is_canonical_key, key_fingerprint, wire_hash, AckOutcome, AckRequest, AckResult,
+    AuthorityStrength, EncAd, EncAdV1, EncAdV2, EnrolOutcome, EnrolRequest, Enrolment,
+    EpochRotation, Expiry, HostQueueInfo, ItemOutcome, ItemStatus, OpRecord, OpenOptions, PullPage,
+    PullRequest, PulledItem, PushBatch, PushItem, PushOutcome, QuotaKind, Rejection, RelayStore,
+    RevokeOutcome, SenderList, SenderListOutcome, StoreError, StoreLimits, TargetAccept, DAY_MS,
+    DB_FILE, LOCK_FILE, MAX_GROUP_REQUESTS, MAX_PULL_ITEMS, OPS_KEEP,
 };
 
 /// `busy_timeout` of every `relay.db` connection (`wire.md` §3.3).
@@ -85,6 +89,8 @@ trait WriteJob: Send {
     /// Send the reply: the applied result if the group committed (`failed` is `None`), an error
     /// otherwise.
     fn reply(self: Box<Self>, failed: Option<&str>);
+    /// Refuse without applying: the writer stopped after a failed commit.
+    fn refuse(self: Box<Self>, reason: &str);
 }
 
 struct TypedJob<T, F> {
@@ -130,6 +136,12 @@ where
         // The caller may have gone away; there is nobody else to tell.
         let _ = self.reply_to.send(message);
     }
+
+    fn refuse(self: Box<Self>, reason: &str) {
+        let _ = self.reply_to.send(Err(StoreError::WriterFailed {
+            reason: reason.to_owned(),
+        }));
+    }
 }
 
 /// The writer thread's state. Field order matters: `conn` is dropped before `_lock`, so the
@@ -140,6 +152,8 @@ struct Writer {
     limits: StoreLimits,
     failpoint: fn(&str),
     counters: Arc<Counters>,
+    /// Set once, when a COMMIT or ROLLBACK failed: from then on every write is refused.
+    failure: Arc<OnceLock<String>>,
 }
 
 impl Writer {
@@ -156,7 +170,11 @@ impl Writer {
             self.counters
                 .queued
                 .fetch_sub(group.len(), Ordering::SeqCst);
-            self.run_group(group);
+            match self.failure.get() {
+                // Requests that were already queued when the writer stopped.
+                Some(reason) => group.into_iter().for_each(|job| job.refuse(reason)),
+                None => self.run_group(group),
+            }
         }
         tracing::debug!("relay store writer stopped");
     }
@@ -215,7 +233,9 @@ impl Writer {
             (self.failpoint)("ack:before-commit");
         }
         if let Err(e) = self.conn.execute_batch("COMMIT") {
-            return self.fail_group(group, &format!("COMMIT failed: {e}"));
+            let reason = format!("COMMIT failed: {e}");
+            self.stop(&reason);
+            return self.fail_group(group, &reason);
         }
         self.counters.commits.fetch_add(1, Ordering::SeqCst);
         if has_push {
@@ -235,6 +255,7 @@ impl Writer {
         if !self.conn.is_autocommit() {
             if let Err(e) = self.conn.execute_batch("ROLLBACK") {
                 tracing::error!(error = %e, "relay store rollback failed");
+                self.stop(&format!("ROLLBACK failed after \"{reason}\": {e}"));
             }
         }
         tracing::error!(
@@ -244,6 +265,17 @@ impl Writer {
         );
         for job in group {
             job.reply(Some(reason));
+        }
+    }
+
+    /// Take no more writes, for good (the first reason is kept).
+    fn stop(&self, reason: &str) {
+        if self.failure.set(reason.to_owned()).is_ok() {
+            tracing::error!(
+                reason,
+                "relay store takes no more writes: what is durable on disk is now uncertain; \
+                 the relay must be restarted so SQLite recovery decides"
+            );
         }
     }
 }
@@ -304,6 +336,7 @@ pub struct SqliteStore {
     writer: Option<JoinHandle<()>>,
     readers: ReadPool,
     counters: Arc<Counters>,
+    failure: Arc<OnceLock<String>>,
 }
 
 impl std::fmt::Debug for SqliteStore {
@@ -312,6 +345,7 @@ impl std::fmt::Debug for SqliteStore {
             .field("dir", &self.dir)
             .field("limits", &self.limits)
             .field("stats", &self.stats())
+            .field("failed", &self.failure.get())
             .finish_non_exhaustive()
     }
 }
@@ -382,12 +416,14 @@ impl SqliteStore {
         );
 
         let counters = Arc::new(Counters::default());
+        let failure = Arc::new(OnceLock::new());
         let writer = Writer {
             conn,
             _lock: lock,
             limits: options.limits.clone(),
             failpoint: options.failpoint,
             counters: Arc::clone(&counters),
+            failure: Arc::clone(&failure),
         };
         let (jobs, inbox) = mpsc::channel::<Box<dyn WriteJob>>();
         let handle = std::thread::Builder::new()
@@ -407,6 +443,7 @@ impl SqliteStore {
                 idle: Mutex::new(Vec::new()),
             },
             counters,
+            failure,
         })
     }
 
@@ -461,6 +498,11 @@ impl SqliteStore {
         T: Send + 'static,
         F: FnOnce(&Connection, &StoreLimits) -> Result<T, StoreError> + Send + 'static,
     {
+        if let Some(reason) = self.failure.get() {
+            return Err(StoreError::WriterFailed {
+                reason: reason.clone(),
+            });
+        }
         let jobs = self.jobs.as_ref().ok_or(StoreError::WriterStopped)?;
         let (reply_to, reply) = mpsc::sync_channel(1);
         let job: Box<dyn WriteJob> = Box::new(TypedJob {
@@ -545,6 +587,12 @@ impl RelayStore for SqliteStore {
     }
 
     fn enrol(&self, req: EnrolRequest) -> Result<EnrolOutcome, StoreError> {
+        if !is_canonical_key(&req.host_pubkey) {
+            return Err(StoreError::InvalidInput(
+                "a host key must be enrolled in canonical form (padded standard base64 of 32 bytes)"
+                    .to_owned(),
+            ));
+        }
         self.submit(JobKind::Other, move |c, limits| {
             enrol_apply(c, limits, &req)
         })
@@ -622,6 +670,18 @@ impl RelayStore for SqliteStore {
     fn push(&self, batch: PushBatch) -> Result<PushOutcome, StoreError> {
         self.submit(JobKind::Push, move |c, limits| {
             push_apply(c, limits, &batch)
+        })
+    }
+
+    fn dedup_targets(&self, sender_pubkey: &str, item_id: &str) -> Result<Vec<String>, StoreError> {
+        self.read(|c| {
+            let mut st = c.prepare_cached(
+                "SELECT target_pubkey FROM dedup WHERE sender_pubkey = ?1 AND item_id = ?2",
+            )?;
+            let rows = st
+                .query_map([sender_pubkey, item_id], |r| r.get(0))?
+                .collect::<Result<Vec<String>, _>>()?;
+            Ok(rows)
         })
     }
 
@@ -707,6 +767,10 @@ impl RelayStore for SqliteStore {
             )?;
             Ok(id)
         })
+    }
+
+    fn failed(&self) -> Option<String> {
+        self.failure.get().cloned()
     }
 
     fn ops(&self, limit: i64) -> Result<Vec<OpRecord>, StoreError> {
@@ -1040,12 +1104,52 @@ fn get_enc_ad(c: &Connection, host_pubkey: &str) -> Result<Option<EncAd>, StoreE
 // ---------------------------------------------------------------------------------------------
 // Push (spec §3, `wire.md` §3.2 "Push (v2)", "Dedup", "Seq", "Quotas")
 
-/// A validated target: live enrolment facts needed for quotas and messages.
+/// A validated fresh target: live enrolment facts needed for quotas and messages.
 struct LiveTarget<'a> {
     pubkey: &'a str,
     wire: &'a [u8],
     host_name: String,
     account: Option<String>,
+}
+
+/// A dedup row: what an earlier push of the same (sender, item, target) stored.
+struct DedupHit {
+    wire_hash: String,
+    seq: i64,
+    accepted_at: i64,
+}
+
+fn dedup_hit(
+    c: &Connection,
+    sender: &str,
+    item_id: &str,
+    target: &str,
+) -> Result<Option<DedupHit>, StoreError> {
+    Ok(c.prepare_cached(
+        "SELECT wire_hash, seq, accepted_at FROM dedup
+         WHERE sender_pubkey = ?1 AND item_id = ?2 AND target_pubkey = ?3",
+    )?
+    .query_row(params![sender, item_id, target], |r| {
+        Ok(DedupHit {
+            wire_hash: r.get(0)?,
+            seq: r.get(1)?,
+            accepted_at: r.get(2)?,
+        })
+    })
+    .optional()?)
+}
+
+/// The live enrolment's `(host_name, account)`, `None` when unknown or revoked.
+fn live_target(
+    c: &Connection,
+    target: &str,
+) -> Result<Option<(String, Option<String>)>, StoreError> {
+    Ok(c.prepare_cached(
+        "SELECT host_name, account FROM enrolments
+         WHERE host_pubkey = ?1 AND revoked_at IS NULL",
+    )?
+    .query_row([target], |r| Ok((r.get(0)?, r.get(1)?)))
+    .optional()?)
 }
 
 fn push_apply(
@@ -1096,6 +1200,12 @@ fn rejected(item: &PushItem, why: Rejection) -> ItemOutcome {
 
 /// One item inside its savepoint. A rejection is returned as an outcome; the caller rolls the
 /// savepoint back so nothing of it remains.
+///
+/// A target that already has a dedup row for (sender, item id, target) is settled by dedup
+/// alone: the same bytes answer `duplicate` with the original seq even if the target was
+/// revoked or its allowlist changed since (the item was accepted and is durably there, so a
+/// retry must settle), other bytes answer `conflict`. Only fresh targets are checked for
+/// enrolment, allowlist and quota, and a fresh target that fails rejects the whole item.
 fn push_item(
     c: &Connection,
     limits: &StoreLimits,
@@ -1106,85 +1216,103 @@ fn push_item(
     if item.targets.is_empty() {
         return Ok(rejected(item, Rejection::BadTargets));
     }
-    // 1. Validate every target before writing anything (order of `wire.md` §3.2).
-    let mut live: Vec<LiveTarget<'_>> = Vec::with_capacity(item.targets.len());
-    for t in &item.targets {
-        let found: Option<(String, Option<String>)> = c
-            .prepare_cached(
-                "SELECT host_name, account FROM enrolments
-                 WHERE host_pubkey = ?1 AND revoked_at IS NULL",
-            )?
-            .query_row([&t.target_pubkey], |r| Ok((r.get(0)?, r.get(1)?)))
-            .optional()?;
-        let Some((host_name, account)) = found else {
-            return Ok(rejected(item, Rejection::TargetNotEnrolled));
-        };
-        if !sender_allowed(c, &t.target_pubkey, &batch.sender_pubkey)? {
+    let sender = batch.sender_pubkey.as_str();
+    let hits = item
+        .targets
+        .iter()
+        .map(|t| dedup_hit(c, sender, &item.item_id, &t.target_pubkey))
+        .collect::<Result<Vec<_>, _>>()?;
+
+    // 1. Validate every fresh target before writing anything, in `wire.md` §3.2 order, each
+    //    check over every target before the next one.
+    let mut facts = Vec::with_capacity(item.targets.len());
+    for (t, hit) in item.targets.iter().zip(&hits) {
+        facts.push(match hit {
+            Some(_) => None,
+            None => match live_target(c, &t.target_pubkey)? {
+                Some(found) => Some(found),
+                None => return Ok(rejected(item, Rejection::TargetNotEnrolled)),
+            },
+        });
+    }
+    for (t, hit) in item.targets.iter().zip(&hits) {
+        if hit.is_none() && !sender_allowed(c, &t.target_pubkey, sender)? {
             return Ok(rejected(item, Rejection::SenderNotAccepted));
         }
-        if live.iter().any(|l| l.pubkey == t.target_pubkey) {
+    }
+    for (i, t) in item.targets.iter().enumerate() {
+        if item.targets[..i]
+            .iter()
+            .any(|u| u.target_pubkey == t.target_pubkey)
+        {
             return Ok(rejected(item, Rejection::DuplicateTarget));
         }
-        live.push(LiveTarget {
+    }
+    let hashes: Vec<String> = item.targets.iter().map(|t| wire_hash(&t.wire)).collect();
+    if hits
+        .iter()
+        .zip(&hashes)
+        .any(|(hit, hash)| hit.as_ref().is_some_and(|h| &h.wire_hash != hash))
+    {
+        return Ok(rejected(item, Rejection::Conflict));
+    }
+
+    // 2. Per target: reuse the dedup row, or quota and insert. Any refusal rejects the whole
+    //    item (the savepoint is rolled back).
+    let mut any_fresh = false;
+    let mut earliest: Option<i64> = None;
+    let mut targets = Vec::with_capacity(item.targets.len());
+    for ((t, hit), (fact, hash)) in item
+        .targets
+        .iter()
+        .zip(hits)
+        .zip(facts.into_iter().zip(hashes))
+    {
+        if let Some(hit) = hit {
+            earliest = Some(earliest.map_or(hit.accepted_at, |e| e.min(hit.accepted_at)));
+            targets.push(TargetAccept {
+                target_pubkey: t.target_pubkey.clone(),
+                seq: hit.seq,
+                wire_hash: hit.wire_hash,
+            });
+            continue;
+        }
+        let Some((host_name, account)) = fact else {
+            return Err(StoreError::Corrupt(
+                "a fresh push target was not validated".to_owned(),
+            ));
+        };
+        let live = LiveTarget {
             pubkey: &t.target_pubkey,
             wire: &t.wire,
             host_name,
             account,
-        });
-    }
-
-    // 2. Per target: dedup, then quota and insert. Any refusal rejects the whole item.
-    let mut any_fresh = false;
-    let mut earliest: Option<i64> = None;
-    let mut targets = Vec::with_capacity(live.len());
-    for t in &live {
-        let hash = wire_hash(t.wire);
-        let hit: Option<(String, i64, i64)> = c
-            .prepare_cached(
-                "SELECT wire_hash, seq, accepted_at FROM dedup
-                 WHERE sender_pubkey = ?1 AND item_id = ?2 AND target_pubkey = ?3",
-            )?
-            .query_row(params![batch.sender_pubkey, item.item_id, t.pubkey], |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-            })
-            .optional()?;
-        if let Some((stored_hash, seq, accepted_at)) = hit {
-            if stored_hash != hash {
-                return Ok(rejected(item, Rejection::Conflict));
-            }
-            earliest = Some(earliest.map_or(accepted_at, |e| e.min(accepted_at)));
-            targets.push(TargetAccept {
-                target_pubkey: t.pubkey.to_owned(),
-                seq,
-                wire_hash: stored_hash,
-            });
-            continue;
-        }
-        let bytes = i64::try_from(t.wire.len())
+        };
+        let bytes = i64::try_from(live.wire.len())
             .map_err(|_| StoreError::InvalidInput("wire larger than i64::MAX bytes".to_owned()))?;
-        if let Some(kind) = quota_exceeded(c, limits, t, &batch.sender_pubkey, bytes)? {
+        if let Some(kind) = quota_exceeded(c, limits, &live, sender, bytes)? {
             return Ok(rejected(
                 item,
                 Rejection::Quota {
                     kind,
-                    host: t.host_name.clone(),
+                    host: live.host_name.clone(),
                 },
             ));
         }
-        let seq = allocate_seq(c, t.pubkey, batch.now_ms)?;
+        let seq = allocate_seq(c, live.pubkey, batch.now_ms)?;
         c.prepare_cached(
             "INSERT INTO items (target_pubkey, seq, kind, item_id, sender_pubkey, sender_host,
                                 wire, wire_hash, bytes, accepted_at, expires_at)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
         )?
         .execute(params![
-            t.pubkey,
+            live.pubkey,
             seq,
             item.kind,
             item.item_id,
-            batch.sender_pubkey,
+            sender,
             batch.sender_host,
-            t.wire,
+            live.wire,
             hash,
             bytes,
             batch.now_ms,
@@ -1195,16 +1323,16 @@ fn push_item(
              VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
         )?
         .execute(params![
-            batch.sender_pubkey,
+            sender,
             item.item_id,
-            t.pubkey,
+            live.pubkey,
             hash,
             seq,
             batch.now_ms
         ])?;
         any_fresh = true;
         targets.push(TargetAccept {
-            target_pubkey: t.pubkey.to_owned(),
+            target_pubkey: t.target_pubkey.clone(),
             seq,
             wire_hash: hash,
         });
@@ -2931,6 +3059,263 @@ mod tests {
         // The store keeps working.
         let o = push_one(&store, &alpha, 1_000, item("m", &[(&beta, b"x")]));
         assert_eq!(o.status, ItemStatus::Accepted);
+    }
+
+    // --- retries after the target changed ---------------------------------------------------
+
+    #[test]
+    fn a_retry_settles_by_dedup_after_the_target_was_revoked_or_changed_its_allowlist() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(dir.path());
+        let (alpha, beta, gamma, stranger) = (key(1), key(2), key(3), key(9));
+        enrol(&store, &alpha, "alpha");
+        enrol(&store, &beta, "beta");
+        enrol(&store, &gamma, "gamma");
+        let first = push_one(&store, &alpha, 5_000, item("m", &[(&beta, b"w")]));
+        assert_eq!(first.status, ItemStatus::Accepted);
+        assert_eq!(
+            store.dedup_targets(&alpha, "m").expect("dedup"),
+            vec![beta.clone()]
+        );
+        assert!(store.dedup_targets(&gamma, "m").expect("dedup").is_empty());
+
+        // beta's allowlist no longer names alpha.
+        let list = SenderList {
+            target_pubkey: beta.clone(),
+            senders: vec![gamma.clone()],
+            iat_ms: 6_000,
+            record: "{}".to_owned(),
+            sig: "sig".to_owned(),
+        };
+        assert_eq!(
+            store.put_sender_list(list).expect("list"),
+            SenderListOutcome::Stored
+        );
+        let again = push_one(&store, &alpha, 7_000, item("m", &[(&beta, b"w")]));
+        assert_eq!(again.status, ItemStatus::Duplicate);
+        assert_eq!((again.at_ms, &again.targets), (Some(5_000), &first.targets));
+        let other = push_one(&store, &alpha, 7_000, item("m", &[(&beta, b"X")]));
+        assert_eq!(other.status, ItemStatus::Rejected(Rejection::Conflict));
+        let fresh = push_one(&store, &alpha, 7_000, item("n", &[(&beta, b"w")]));
+        assert_eq!(
+            fresh.status.wire(),
+            "rejected:sender not accepted by target"
+        );
+
+        // beta is revoked (after acking the item: the dedup row is a tombstone).
+        store
+            .ack(AckRequest {
+                target_pubkey: beta.clone(),
+                through: first.targets[0].seq,
+                epoch: None,
+            })
+            .expect("ack");
+        assert_eq!(
+            store.revoke(&beta, 8_000).expect("revoke"),
+            RevokeOutcome::Revoked
+        );
+        let again = push_one(&store, &alpha, 9_000, item("m", &[(&beta, b"w")]));
+        assert_eq!(again.status, ItemStatus::Duplicate);
+        assert_eq!((again.at_ms, &again.targets), (Some(5_000), &first.targets));
+        let fresh = push_one(&store, &alpha, 9_000, item("n", &[(&beta, b"w")]));
+        assert_eq!(fresh.status.wire(), "rejected:target not enrolled");
+
+        // Widened to a live fresh target: gamma gets it, beta keeps its original seq.
+        let wide = push_one(
+            &store,
+            &alpha,
+            9_500,
+            item("m", &[(&beta, b"w"), (&gamma, b"g")]),
+        );
+        assert_eq!(wide.status, ItemStatus::Accepted);
+        assert_eq!(wide.at_ms, Some(9_500));
+        assert_eq!(wide.targets[0], first.targets[0]);
+        assert_eq!(wide.targets[1].seq, 9_500);
+        // A fresh target that is not enrolled still refuses the whole item, before conflict
+        // (`wire.md` §3.2 order) and before anything is written.
+        let head = store.info_for(&gamma).expect("info").head_seq;
+        let out = push_one(
+            &store,
+            &alpha,
+            9_600,
+            item("p", &[(&gamma, b"p"), (&stranger, b"p")]),
+        );
+        assert_eq!(out.status.wire(), "rejected:target not enrolled");
+        let out = push_one(
+            &store,
+            &alpha,
+            9_600,
+            item("m", &[(&beta, b"CONFLICT"), (&stranger, b"p")]),
+        );
+        assert_eq!(out.status.wire(), "rejected:target not enrolled");
+        let out = push_one(
+            &store,
+            &alpha,
+            9_600,
+            item("m", &[(&beta, b"CONFLICT"), (&gamma, b"g")]),
+        );
+        assert_eq!(out.status.wire(), "rejected:conflict");
+        assert_eq!(store.info_for(&gamma).expect("info").head_seq, head);
+        assert_eq!(pull_all(&store, &gamma).items.len(), 1);
+    }
+
+    #[test]
+    fn only_canonical_host_keys_are_enrolled() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(dir.path());
+        let canonical = key(1);
+        let alias = canonical.trim_end_matches('=').to_owned();
+        assert_ne!(alias, canonical);
+        let err = store
+            .enrol(EnrolRequest {
+                host_pubkey: alias,
+                host_name: "alpha".to_owned(),
+                owner_fp: String::new(),
+                account: None,
+                authorized_by: "host-key-challenge".to_owned(),
+                strength: AuthorityStrength::HostKeyChallenge,
+                now_ms: 1_000,
+            })
+            .expect_err("an alias is refused");
+        assert!(matches!(err, StoreError::InvalidInput(_)), "{err}");
+        assert_eq!(store.live_enrolment_count().expect("count"), 0);
+        enrol(&store, &canonical, "alpha");
+        assert_eq!(store.live_enrolment_count().expect("count"), 1);
+    }
+
+    // --- a failed COMMIT -------------------------------------------------------------------
+
+    /// A write whose COMMIT fails for real: a deferred foreign key violated inside the
+    /// transaction is only checked by COMMIT (the statements and the savepoint succeed).
+    fn fail_the_commit(store: &SqliteStore) -> StoreError {
+        store
+            .submit(JobKind::Other, |c, _| -> Result<(), StoreError> {
+                c.execute_batch(
+                    "CREATE TEMP TABLE IF NOT EXISTS fk_parent (id INTEGER PRIMARY KEY);
+                     CREATE TEMP TABLE IF NOT EXISTS fk_child (
+                       parent INTEGER REFERENCES fk_parent(id) DEFERRABLE INITIALLY DEFERRED);
+                     INSERT INTO fk_child (parent) VALUES (1);",
+                )?;
+                meta_put(c, "doomed", "written")?;
+                Ok(())
+            })
+            .expect_err("the COMMIT fails")
+    }
+
+    #[test]
+    fn a_failed_commit_stops_the_writer_for_good() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(dir.path());
+        let (alpha, beta) = (key(1), key(2));
+        enrol(&store, &alpha, "alpha");
+        enrol(&store, &beta, "beta");
+        let kept = push_one(&store, &alpha, 1_000, item("kept", &[(&beta, b"k")]));
+        assert_eq!(store.failed(), None);
+        let commits = store.commits();
+
+        let err = fail_the_commit(&store);
+        assert!(
+            matches!(&err, StoreError::NotCommitted { reason } if reason.starts_with("COMMIT failed")),
+            "{err}"
+        );
+        let reason = store.failed().expect("the store reports the failure");
+        assert!(reason.starts_with("COMMIT failed"), "{reason}");
+        assert_eq!(store.commits(), commits, "nothing committed");
+
+        // Every later write fails at once with a clear error, whatever it is.
+        let push = store.push(PushBatch {
+            sender_pubkey: alpha.clone(),
+            sender_host: "alpha".to_owned(),
+            now_ms: 2_000,
+            expiry: Expiry::Retention,
+            items: vec![item("late", &[(&beta, b"l")])],
+        });
+        let writes = [
+            push.map(drop),
+            store.set_heartbeat(2_000),
+            store.set_meta("k", "v"),
+            store.revoke(&beta, 2_000).map(drop),
+            store
+                .ack(AckRequest {
+                    target_pubkey: beta.clone(),
+                    through: 0,
+                    epoch: None,
+                })
+                .map(drop),
+        ];
+        for w in writes {
+            match w {
+                Err(e @ StoreError::WriterFailed { .. }) => {
+                    let text = e.to_string();
+                    assert!(text.contains("COMMIT failed"), "{text}");
+                    assert!(text.contains("restart the relay"), "{text}");
+                }
+                other => panic!("a write after the failure: {other:?}"),
+            }
+        }
+        assert_eq!(store.commits(), commits, "the writer tried nothing more");
+        // Reads still see the last committed state, and nothing of the failed group.
+        assert_eq!(store.meta("doomed").expect("meta"), None);
+        let page = pull_all(&store, &beta);
+        assert_eq!(page.items.len(), 1);
+        assert_eq!(page.items[0].seq, kept.targets[0].seq);
+        assert!(format!("{store:?}").contains("COMMIT failed"));
+
+        // A restart (a new open after recovery) writes again.
+        drop(store);
+        let store = open(dir.path());
+        assert_eq!(store.failed(), None);
+        let o = push_one(&store, &alpha, 3_000, item("after", &[(&beta, b"a")]));
+        assert_eq!(o.status, ItemStatus::Accepted);
+        assert_eq!(store.meta("doomed").expect("meta"), None);
+    }
+
+    #[test]
+    fn requests_queued_behind_a_failed_commit_are_refused_not_applied() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Arc::new(open(dir.path()));
+        let (alpha, beta) = (key(1), key(2));
+        enrol(&store, &alpha, "alpha");
+        enrol(&store, &beta, "beta");
+        // Many writers race the failing one: each gets either its committed result (before the
+        // failure) or an error (in the failing group, or after it); none is applied afterwards.
+        let racers: Vec<_> = (0..16)
+            .map(|i| {
+                let store = Arc::clone(&store);
+                let (alpha, beta) = (alpha.clone(), beta.clone());
+                std::thread::spawn(move || {
+                    store.push(PushBatch {
+                        sender_pubkey: alpha,
+                        sender_host: "alpha".to_owned(),
+                        now_ms: 1_000,
+                        expiry: Expiry::Retention,
+                        items: vec![item(&format!("r{i}"), &[(&beta, b"r")])],
+                    })
+                })
+            })
+            .collect();
+        let err = fail_the_commit(&store);
+        assert!(matches!(err, StoreError::NotCommitted { .. }), "{err}");
+        let mut ok = 0;
+        for r in racers {
+            match r.join().expect("join") {
+                Ok(out) => {
+                    assert_eq!(out.items[0].status, ItemStatus::Accepted);
+                    ok += 1;
+                }
+                Err(StoreError::NotCommitted { .. } | StoreError::WriterFailed { .. }) => {}
+                Err(e) => panic!("unexpected error {e}"),
+            }
+        }
+        assert_eq!(
+            pull_all(&store, &beta).items.len(),
+            ok,
+            "exactly the answered ones"
+        );
+        assert!(matches!(
+            store.set_heartbeat(5),
+            Err(StoreError::WriterFailed { .. })
+        ));
     }
 
     #[test]

@@ -132,6 +132,30 @@ impl Relay {
 
     /// A relay with the given configuration.
     pub async fn start_with_config(config: RelayConfig) -> Relay {
+        Relay::start_wrapped(config, |s| s).await
+    }
+
+    /// A relay whose store can be made to report a failure ([`FailingStore::fail`]), as the
+    /// SQLite store does after a failed COMMIT.
+    pub async fn start_failing() -> (Relay, Arc<FailingStore>) {
+        let mut faulty = None;
+        let relay = Relay::start_wrapped(RelayConfig::default(), |inner| {
+            let f = Arc::new(FailingStore {
+                inner,
+                failure: std::sync::Mutex::new(None),
+            });
+            faulty = Some(f.clone());
+            f
+        })
+        .await;
+        (relay, faulty.expect("wrapped"))
+    }
+
+    /// A relay with the given configuration over the SQLite store as `wrap` returns it.
+    pub async fn start_wrapped(
+        config: RelayConfig,
+        wrap: impl FnOnce(Arc<dyn RelayStore>) -> Arc<dyn RelayStore>,
+    ) -> Relay {
         let limits = config.limits.clone();
         install_provider();
         let dir = tempfile::tempdir().expect("temp dir");
@@ -150,7 +174,7 @@ impl Relay {
         })
         .await
         .expect("open task");
-        let store: Arc<dyn RelayStore> = Arc::new(store);
+        let store: Arc<dyn RelayStore> = wrap(Arc::new(store));
         let shared_clock: SharedClock = clock.clone();
         let state = Arc::new(RelayState {
             store,
@@ -195,6 +219,16 @@ impl Relay {
                 .expect("serve task")
                 .expect("serve returned an error");
         }
+    }
+
+    /// Waits (up to 30 s) for the server to stop on its own, without asking it to, and returns
+    /// what `serve` returned.
+    pub async fn stopped(mut self) -> std::io::Result<()> {
+        let task = self.task.take().expect("serve task");
+        tokio::time::timeout(std::time::Duration::from_secs(30), task)
+            .await
+            .expect("the server did not stop within 30 s")
+            .expect("serve task")
     }
 
     /// `127.0.0.1:<port>`.
@@ -609,4 +643,132 @@ pub fn raw_exchange(addr: &str, head: &str, chunks: &[Vec<u8>]) -> (u16, String,
 
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
+}
+
+/// A store that delegates to the real one and reports a failure once [`FailingStore::fail`] was
+/// called: writes then fail as the SQLite store's do after a failed COMMIT.
+#[derive(Debug)]
+pub struct FailingStore {
+    inner: Arc<dyn RelayStore>,
+    failure: std::sync::Mutex<Option<String>>,
+}
+
+impl FailingStore {
+    /// From now on the store reports `reason` and refuses writes.
+    pub fn fail(&self, reason: &str) {
+        *self.failure.lock().expect("lock") = Some(reason.to_owned());
+    }
+
+    fn write(&self) -> Result<(), store::StoreError> {
+        match self.failed() {
+            Some(reason) => Err(store::StoreError::WriterFailed { reason }),
+            None => Ok(()),
+        }
+    }
+}
+
+impl RelayStore for FailingStore {
+    fn epoch(&self) -> Result<String, store::StoreError> {
+        self.inner.epoch()
+    }
+    fn relay_pubkey(&self) -> Result<String, store::StoreError> {
+        self.inner.relay_pubkey()
+    }
+    fn heartbeat(&self) -> Result<Option<i64>, store::StoreError> {
+        self.inner.heartbeat()
+    }
+    fn set_heartbeat(&self, now_ms: i64) -> Result<(), store::StoreError> {
+        self.write()?;
+        self.inner.set_heartbeat(now_ms)
+    }
+    fn rotate_epoch(&self) -> Result<store::EpochRotation, store::StoreError> {
+        self.write()?;
+        self.inner.rotate_epoch()
+    }
+    fn meta(&self, key: &str) -> Result<Option<String>, store::StoreError> {
+        self.inner.meta(key)
+    }
+    fn set_meta(&self, key: &str, value: &str) -> Result<(), store::StoreError> {
+        self.write()?;
+        self.inner.set_meta(key, value)
+    }
+    fn enrol(&self, req: store::EnrolRequest) -> Result<store::EnrolOutcome, store::StoreError> {
+        self.write()?;
+        self.inner.enrol(req)
+    }
+    fn enrolment(&self, host_pubkey: &str) -> Result<Option<store::Enrolment>, store::StoreError> {
+        self.inner.enrolment(host_pubkey)
+    }
+    fn live_enrolments_by_name(
+        &self,
+        host_name: &str,
+    ) -> Result<Vec<store::Enrolment>, store::StoreError> {
+        self.inner.live_enrolments_by_name(host_name)
+    }
+    fn live_enrolment_count(&self) -> Result<u64, store::StoreError> {
+        self.inner.live_enrolment_count()
+    }
+    fn revoke(
+        &self,
+        host_pubkey: &str,
+        now_ms: i64,
+    ) -> Result<store::RevokeOutcome, store::StoreError> {
+        self.write()?;
+        self.inner.revoke(host_pubkey, now_ms)
+    }
+    fn put_enc_ad_v1(&self, ad: store::EncAdV1) -> Result<(), store::StoreError> {
+        self.write()?;
+        self.inner.put_enc_ad_v1(ad)
+    }
+    fn put_enc_ad_v2(&self, ad: store::EncAdV2) -> Result<(), store::StoreError> {
+        self.write()?;
+        self.inner.put_enc_ad_v2(ad)
+    }
+    fn get_enc_ad(&self, host_pubkey: &str) -> Result<Option<store::EncAd>, store::StoreError> {
+        self.inner.get_enc_ad(host_pubkey)
+    }
+    fn push(&self, batch: store::PushBatch) -> Result<store::PushOutcome, store::StoreError> {
+        self.write()?;
+        self.inner.push(batch)
+    }
+    fn dedup_targets(
+        &self,
+        sender_pubkey: &str,
+        item_id: &str,
+    ) -> Result<Vec<String>, store::StoreError> {
+        self.inner.dedup_targets(sender_pubkey, item_id)
+    }
+    fn pull(&self, req: store::PullRequest) -> Result<store::PullPage, store::StoreError> {
+        self.inner.pull(req)
+    }
+    fn ack(&self, req: store::AckRequest) -> Result<store::AckResult, store::StoreError> {
+        self.write()?;
+        self.inner.ack(req)
+    }
+    fn info_for(&self, host_pubkey: &str) -> Result<store::HostQueueInfo, store::StoreError> {
+        self.inner.info_for(host_pubkey)
+    }
+    fn put_sender_list(
+        &self,
+        list: store::SenderList,
+    ) -> Result<store::SenderListOutcome, store::StoreError> {
+        self.write()?;
+        self.inner.put_sender_list(list)
+    }
+    fn sender_list(
+        &self,
+        target_pubkey: &str,
+    ) -> Result<Option<store::SenderList>, store::StoreError> {
+        self.inner.sender_list(target_pubkey)
+    }
+    fn append_op(&self, at_ms: i64, op: &str, receipt: &Value) -> Result<i64, store::StoreError> {
+        self.write()?;
+        self.inner.append_op(at_ms, op, receipt)
+    }
+    fn ops(&self, limit: i64) -> Result<Vec<store::OpRecord>, store::StoreError> {
+        self.inner.ops(limit)
+    }
+    fn failed(&self) -> Option<String> {
+        self.failure.lock().expect("lock").clone()
+    }
 }
