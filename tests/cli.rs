@@ -48,6 +48,10 @@ fn init_creates_private_key_files_and_refuses_a_second_init() {
     }
     assert_eq!(json["host_pubkey"], key_file(&home, "host.key").public_key);
     assert_eq!(json["enc_pub"], key_file(&home, "enc.key").public_key);
+    assert!(
+        home.file("mailbox.db").is_file(),
+        "init creates the host store"
+    );
 
     let before = std::fs::read(home.file("host.key")).expect("read host.key");
     let again = home.run(&["init", "--host", "other"]);

@@ -2,7 +2,9 @@
 
 use agentmbx::host_name::HostName;
 use agentmbx::identity;
+use agentmbx::mailbox::Mailbox;
 use agentmbx::paths::Paths;
+use anyhow::Context;
 use clap::Args;
 
 /// Flags of `init`.
@@ -17,10 +19,12 @@ pub struct InitArgs {
     pub json: bool,
 }
 
-/// Creates the identity (refusing when one exists) and prints its public half.
+/// Creates the identity (refusing when one exists) and the host store `mailbox.db`, and prints
+/// the identity's public half.
 pub fn run(args: InitArgs) -> anyhow::Result<()> {
     let paths = Paths::from_env()?;
     let identity = identity::init(&paths, args.host.as_ref())?;
+    Mailbox::open(&paths.mailbox_db()).context("cannot create mailbox.db")?;
     let public = identity.public();
     if args.json {
         let mut value = serde_json::to_value(&public)?;
