@@ -20,6 +20,24 @@ pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 30_000;
 /// `request_timeout_ms` bounds: at least 1 s (less times out every real request), at most 1 h.
 pub const REQUEST_TIMEOUT_MS_RANGE: (u64, u64) = (1_000, 3_600_000);
 
+/// Default header-read timeout (ms): 10 s (`wire.md` §3.1 "headers 10 s").
+pub const DEFAULT_HEADER_READ_TIMEOUT_MS: u64 = 10_000;
+
+/// `header_read_timeout_ms` bounds: 1 s to 10 min.
+pub const HEADER_READ_TIMEOUT_MS_RANGE: (u64, u64) = (1_000, 600_000);
+
+/// Default keep-alive idle timeout (ms): 5 s (`wire.md` §3.1 "keep-alive 5 s").
+pub const DEFAULT_KEEP_ALIVE_TIMEOUT_MS: u64 = 5_000;
+
+/// `keep_alive_timeout_ms` bounds: 1 s to 10 min.
+pub const KEEP_ALIVE_TIMEOUT_MS_RANGE: (u64, u64) = (1_000, 600_000);
+
+/// Default bound on open client connections: each holds a file descriptor.
+pub const DEFAULT_MAX_CONNECTIONS: u64 = 4_096;
+
+/// `max_connections` bounds: at least one connection, at most 1,000,000.
+pub const MAX_CONNECTIONS_RANGE: (u64, u64) = (1, 1_000_000);
+
 /// `lock_wait_ms` bounds: 0 (fail at once) to 1 h (SQLite's busy timeout is an `int` of ms).
 pub const LOCK_WAIT_MS_RANGE: (u64, u64) = (0, 3_600_000);
 
@@ -199,6 +217,18 @@ pub struct RelayConfig {
     /// Longest time one request may take, body upload included (ms, default 30,000,
     /// `wire.md` §3.1 server timeouts); past it the relay answers 408 and closes.
     pub request_timeout_ms: Option<u64>,
+    /// Longest time a client may take to send a request's headers (ms, default 10,000,
+    /// `wire.md` §3.1); past it the connection is closed. It runs from the moment the relay
+    /// waits for a request, so it also closes a kept-alive connection that stays silent that
+    /// long.
+    pub header_read_timeout_ms: Option<u64>,
+    /// How long a kept-alive connection may sit idle between requests before the relay closes
+    /// it (ms, default 5,000, `wire.md` §3.1). A fresh connection that sends nothing counts as
+    /// idle from the moment it was accepted.
+    pub keep_alive_timeout_ms: Option<u64>,
+    /// Most client connections open at once (default 4,096); past it new connections wait in
+    /// the listen backlog until one closes, so a flood cannot exhaust file descriptors.
+    pub max_connections: Option<u64>,
     /// Limits and quotas.
     pub limits: LimitsConfig,
 }
@@ -213,7 +243,8 @@ fn check_range(key: &str, value: u64, (min, max): (u64, u64)) -> Result<(), Stri
 }
 
 impl RelayConfig {
-    /// Checks every bounded setting ([`LIMIT_RANGES`], `request_timeout_ms`, `lock_wait_ms`);
+    /// Checks every bounded setting ([`LIMIT_RANGES`], `request_timeout_ms`,
+    /// `header_read_timeout_ms`, `keep_alive_timeout_ms`, `max_connections`, `lock_wait_ms`);
     /// the error names the first key out of bounds, e.g. `limits.max_pull must be 1..=500, got
     /// 0`.
     pub fn validate(&self) -> Result<(), String> {
@@ -225,6 +256,15 @@ impl RelayConfig {
         }
         if let Some(ms) = self.request_timeout_ms {
             check_range("request_timeout_ms", ms, REQUEST_TIMEOUT_MS_RANGE)?;
+        }
+        if let Some(ms) = self.header_read_timeout_ms {
+            check_range("header_read_timeout_ms", ms, HEADER_READ_TIMEOUT_MS_RANGE)?;
+        }
+        if let Some(ms) = self.keep_alive_timeout_ms {
+            check_range("keep_alive_timeout_ms", ms, KEEP_ALIVE_TIMEOUT_MS_RANGE)?;
+        }
+        if let Some(n) = self.max_connections {
+            check_range("max_connections", n, MAX_CONNECTIONS_RANGE)?;
         }
         if let Some(ms) = self.lock_wait_ms {
             check_range("lock_wait_ms", ms, LOCK_WAIT_MS_RANGE)?;
@@ -349,9 +389,12 @@ mod tests {
     }
 
     #[test]
-    fn timeouts_are_checked_at_and_past_their_bounds() {
+    fn timeouts_and_connection_limit_are_checked_at_and_past_their_bounds() {
         for (key, (min, max)) in [
             ("request_timeout_ms", REQUEST_TIMEOUT_MS_RANGE),
+            ("header_read_timeout_ms", HEADER_READ_TIMEOUT_MS_RANGE),
+            ("keep_alive_timeout_ms", KEEP_ALIVE_TIMEOUT_MS_RANGE),
+            ("max_connections", MAX_CONNECTIONS_RANGE),
             ("lock_wait_ms", LOCK_WAIT_MS_RANGE),
         ] {
             for ok in [min, max] {
@@ -372,6 +415,29 @@ mod tests {
         assert!(
             e.contains("request_timeout_ms must be 1000..=3600000"),
             "{e}"
+        );
+        let e = one("", "header_read_timeout_ms", 999).unwrap_err();
+        assert!(
+            e.contains("header_read_timeout_ms must be 1000..=600000, got 999"),
+            "{e}"
+        );
+        let e = one("", "max_connections", 0).unwrap_err();
+        assert!(
+            e.contains("max_connections must be 1..=1000000, got 0"),
+            "{e}"
+        );
+        let cfg = RelayConfig::parse(
+            "header_read_timeout_ms = 2000\nkeep_alive_timeout_ms = 3000\nmax_connections = 7\n",
+            Path::new("relay.toml"),
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                cfg.header_read_timeout_ms,
+                cfg.keep_alive_timeout_ms,
+                cfg.max_connections
+            ),
+            (Some(2000), Some(3000), Some(7))
         );
     }
 

@@ -4,12 +4,17 @@
 //! the address it actually bound, writes the store heartbeat every 30 s, and on shutdown stops
 //! accepting, lets requests in flight finish (their commits included) and returns.
 //!
+//! Connections are accepted by our own loop and served by hyper's HTTP/1 server (axum::serve
+//! has no header-read timeout: a client trickling its headers would hold a socket forever), with
+//! the `wire.md` §3.1 timeouts — headers 10 s, request 30 s, keep-alive idle 5 s — and a bound on
+//! open connections.
+//!
 //! It also watches the store: once the store stopped taking writes (a failed COMMIT,
 //! [`RelayStore::failed`]) it logs why, stops accepting, gives requests in flight up to
 //! [`FAILED_STORE_GRACE`] and returns an error, so `relay serve` exits non-zero and its
 //! supervisor restarts it (SQLite's recovery then decides what is durable).
 
-use std::future::{Future, IntoFuture};
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -37,6 +42,10 @@ pub const STORE_WATCH_EVERY: Duration = Duration::from_millis(100);
 /// How long requests in flight may still run once the store failed (their writes fail at once;
 /// reads may finish) before `serve` returns anyway.
 pub const FAILED_STORE_GRACE: Duration = Duration::from_secs(5);
+
+/// Pause after an accept error that is not about one connection (EMFILE, ENFILE, ENOBUFS…),
+/// so the loop does not spin while the condition lasts.
+pub const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
 /// Everything a handler can reach.
 #[derive(Debug)]
@@ -111,9 +120,52 @@ pub async fn store_failure(store: Arc<dyn RelayStore>) -> String {
     }
 }
 
+/// How the accept loop treats each connection (from [`RelayConfig`]).
+#[derive(Debug, Clone, Copy)]
+struct ConnSettings {
+    /// Header-read timeout (hyper's: it also runs while a kept-alive connection waits for its
+    /// next request).
+    header_read: Duration,
+    /// Keep-alive idle timeout: no request in flight for this long closes the connection.
+    keep_alive: Duration,
+    /// Most connections open at once.
+    max_connections: usize,
+}
+
+impl ConnSettings {
+    fn from_config(config: &RelayConfig) -> Self {
+        use crate::config::{
+            DEFAULT_HEADER_READ_TIMEOUT_MS, DEFAULT_KEEP_ALIVE_TIMEOUT_MS, DEFAULT_MAX_CONNECTIONS,
+        };
+        let max = config.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS);
+        ConnSettings {
+            header_read: Duration::from_millis(
+                config
+                    .header_read_timeout_ms
+                    .unwrap_or(DEFAULT_HEADER_READ_TIMEOUT_MS),
+            ),
+            keep_alive: Duration::from_millis(
+                config
+                    .keep_alive_timeout_ms
+                    .unwrap_or(DEFAULT_KEEP_ALIVE_TIMEOUT_MS),
+            ),
+            // Validated to 1..=1,000,000; clamped anyway (a `Semaphore` panics past its maximum).
+            max_connections: usize::try_from(max)
+                .unwrap_or(usize::MAX)
+                .clamp(1, tokio::sync::Semaphore::MAX_PERMITS),
+        }
+    }
+}
+
 /// Serves until `shutdown` resolves, or until the store fails. Errors: the listener's address
-/// cannot be read, the server fails, or the store stopped taking writes (the error names the
-/// store's reason; [`RelayStore::failed`] has it too).
+/// cannot be read, or the store stopped taking writes (the error names the store's reason;
+/// [`RelayStore::failed`] has it too).
+///
+/// Connections are HTTP/1.1 served by hyper with the `wire.md` §3.1 server timeouts: headers
+/// (`header_read_timeout_ms`, 10 s), request (`request_timeout_ms`, 30 s, the router's
+/// middleware) and keep-alive (`keep_alive_timeout_ms`, 5 s idle). At most `max_connections`
+/// are open at once; past that, new ones wait in the listen backlog. An accept error (EMFILE…)
+/// is logged and retried after [`ACCEPT_BACKOFF`].
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: SharedRelay,
@@ -165,9 +217,8 @@ pub async fn serve(
             }
         }
     };
-    let server = axum::serve(listener, router(state))
-        .with_graceful_shutdown(stop)
-        .into_future();
+    let settings = ConnSettings::from_config(&state.config);
+    let server = accept_loop(listener, router(state), settings, stop);
     let deadline = {
         let store_failed = failed(failed_rx.clone());
         async move {
@@ -175,10 +226,11 @@ pub async fn serve(
             tokio::time::sleep(FAILED_STORE_GRACE).await;
         }
     };
-    let result = tokio::select! {
-        result = server => result,
-        () = deadline => Ok(()),
-    };
+    // Past the deadline the accept loop is dropped, which aborts the connections still open.
+    tokio::select! {
+        () = server => {}
+        () = deadline => {}
+    }
     heartbeat.abort();
     watcher.abort();
     let reason = failed_rx.borrow().clone();
@@ -189,5 +241,230 @@ pub async fn serve(
         )));
     }
     tracing::info!("relay stopped");
-    result
+    Ok(())
+}
+
+/// Accepts connections until `stop` resolves; then closes the listener (nothing listens any
+/// more), asks every connection to shut down gracefully (an idle one closes at once, one with a
+/// request in flight finishes that request and its answer first) and waits for them all.
+/// Dropping the returned future aborts the connections still open.
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    settings: ConnSettings,
+    stop: impl Future<Output = ()>,
+) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(settings.max_connections));
+    let (closing_tx, closing_rx) = tokio::sync::watch::channel(false);
+    let mut connections = tokio::task::JoinSet::new();
+    let mut stop = std::pin::pin!(stop);
+    loop {
+        let (tcp, slot) = tokio::select! {
+            biased;
+            () = &mut stop => break,
+            next = next_connection(&listener, &slots, settings.max_connections) => next,
+        };
+        while let Some(done) = connections.try_join_next() {
+            connection_ended(done);
+        }
+        connections.spawn(serve_connection(
+            tcp,
+            slot,
+            app.clone(),
+            settings,
+            closing_rx.clone(),
+        ));
+    }
+    drop(listener);
+    closing_tx.send_replace(true);
+    while let Some(done) = connections.join_next().await {
+        connection_ended(done);
+    }
+}
+
+/// Reports a connection task that panicked (a handler panic ends only its connection).
+fn connection_ended(done: Result<(), tokio::task::JoinError>) {
+    if let Err(e) = done {
+        if e.is_panic() {
+            tracing::error!("a relay connection task panicked");
+        }
+    }
+}
+
+/// The next accepted connection with its slot (one of `max_connections` permits, held until
+/// the connection closes). Waits for a free slot first; retries accept errors.
+async fn next_connection(
+    listener: &tokio::net::TcpListener,
+    slots: &Arc<tokio::sync::Semaphore>,
+    max_connections: usize,
+) -> (tokio::net::TcpStream, tokio::sync::OwnedSemaphorePermit) {
+    loop {
+        let slot = match slots.clone().try_acquire_owned() {
+            Ok(slot) => slot,
+            Err(_) => {
+                tracing::warn!(
+                    max_connections,
+                    "relay connection limit reached: new connections wait until one closes"
+                );
+                match slots.clone().acquire_owned().await {
+                    Ok(slot) => slot,
+                    // The semaphore is never closed.
+                    Err(_) => std::future::pending().await,
+                }
+            }
+        };
+        match listener.accept().await {
+            Ok((tcp, _peer)) => return (tcp, slot),
+            // About that one connection (gone before it was accepted): take the next.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionAborted
+                        | std::io::ErrorKind::ConnectionReset
+                        | std::io::ErrorKind::ConnectionRefused
+                ) => {}
+            Err(e) => {
+                drop(slot);
+                tracing::error!(error = %e, "relay accept failed; retrying shortly");
+                tokio::time::sleep(ACCEPT_BACKOFF).await;
+            }
+        }
+    }
+}
+
+/// What one connection is doing, for its keep-alive timer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Activity {
+    /// Requests whose answer is not ready yet (HTTP/1: 0 or 1).
+    in_flight: usize,
+    /// Since when nothing is in flight (`None` while a request is).
+    idle_since: Option<tokio::time::Instant>,
+}
+
+/// Marks one request in flight on its connection until dropped.
+struct InFlight(Arc<tokio::sync::watch::Sender<Activity>>);
+
+impl InFlight {
+    fn begin(activity: Arc<tokio::sync::watch::Sender<Activity>>) -> Self {
+        activity.send_modify(|a| {
+            a.in_flight += 1;
+            a.idle_since = None;
+        });
+        InFlight(activity)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.send_modify(|a| {
+            a.in_flight = a.in_flight.saturating_sub(1);
+            if a.in_flight == 0 {
+                a.idle_since = Some(tokio::time::Instant::now());
+            }
+        });
+    }
+}
+
+/// The router as hyper calls it, counting the requests in flight on one connection.
+struct Tracked {
+    inner: hyper_util::service::TowerToHyperService<Router>,
+    activity: Arc<tokio::sync::watch::Sender<Activity>>,
+}
+
+impl hyper::service::Service<hyper::Request<hyper::body::Incoming>> for Tracked {
+    type Response = Response;
+    type Error = std::convert::Infallible;
+    type Future =
+        std::pin::Pin<Box<dyn Future<Output = Result<Response, std::convert::Infallible>> + Send>>;
+
+    fn call(&self, req: hyper::Request<hyper::body::Incoming>) -> Self::Future {
+        let in_flight = InFlight::begin(self.activity.clone());
+        let answer = self.inner.call(req);
+        Box::pin(async move {
+            let answer = answer.await;
+            drop(in_flight);
+            answer
+        })
+    }
+}
+
+/// Resolves once the connection has had nothing in flight for `limit`.
+async fn idle_for(activity: &mut tokio::sync::watch::Receiver<Activity>, limit: Duration) {
+    loop {
+        let since = activity.borrow_and_update().idle_since;
+        let changed = match since {
+            None => activity.changed().await,
+            Some(since) => {
+                tokio::select! {
+                    biased;
+                    changed = activity.changed() => changed,
+                    () = tokio::time::sleep_until(since + limit) => {
+                        // A request that started meanwhile (its head was parsed while the timer
+                        // fired) keeps the connection.
+                        if activity.borrow().idle_since == Some(since) {
+                            return;
+                        }
+                        Ok(())
+                    }
+                }
+            }
+        };
+        if changed.is_err() {
+            // The connection is gone; its task ends without us.
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// Resolves once the server asked its connections to close.
+async fn closing(signal: &mut tokio::sync::watch::Receiver<bool>) {
+    // An error means the accept loop is gone (its connections are being aborted): close too.
+    let _ = signal.wait_for(|closing| *closing).await;
+}
+
+/// Serves one connection until it closes: HTTP/1.1 with keep-alive, the header-read timeout,
+/// the keep-alive idle timeout and graceful shutdown once `closing_signal` says so.
+async fn serve_connection(
+    tcp: tokio::net::TcpStream,
+    _slot: tokio::sync::OwnedSemaphorePermit,
+    app: Router,
+    settings: ConnSettings,
+    mut closing_signal: tokio::sync::watch::Receiver<bool>,
+) {
+    let (activity_tx, mut activity) = tokio::sync::watch::channel(Activity {
+        in_flight: 0,
+        idle_since: Some(tokio::time::Instant::now()),
+    });
+    let service = Tracked {
+        inner: hyper_util::service::TowerToHyperService::new(app),
+        activity: Arc::new(activity_tx),
+    };
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(settings.header_read)
+        .keep_alive(true);
+    let conn = http.serve_connection(hyper_util::rt::TokioIo::new(tcp), service);
+    let mut conn = std::pin::pin!(conn);
+    let mut winding_down = false;
+    loop {
+        tokio::select! {
+            // The connection first: bytes already there start a request before the idle timer
+            // is looked at.
+            biased;
+            served = conn.as_mut() => {
+                if let Err(e) = served {
+                    tracing::debug!(error = %e, "relay connection ended with an error");
+                }
+                return;
+            }
+            () = closing(&mut closing_signal), if !winding_down => {
+                winding_down = true;
+                conn.as_mut().graceful_shutdown();
+            }
+            () = idle_for(&mut activity, settings.keep_alive), if !winding_down => {
+                winding_down = true;
+                conn.as_mut().graceful_shutdown();
+            }
+        }
+    }
 }

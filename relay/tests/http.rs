@@ -2331,3 +2331,267 @@ async fn a_request_that_stalls_past_the_timeout_is_408() {
     // A normal request on the same relay is unaffected.
     relay.plain("GET", "/v2/relay/info", "").await.assert_ok();
 }
+
+// ---- connections: header-read and keep-alive timeouts, graceful shutdown, connection bound ----
+
+/// Asserts the server closed the connection `at` seconds into the wait, within `lo..hi`, with
+/// nothing sent or with a 408.
+#[track_caller]
+fn assert_closed_within(closed: Closed, lo: f64, hi: f64) {
+    match closed {
+        Closed::After(at, sent) => {
+            assert!(
+                (lo..hi).contains(&at),
+                "closed after {at} s, not in {lo}..{hi}"
+            );
+            assert!(
+                sent.is_empty() || sent.starts_with("HTTP/1.1 408"),
+                "unexpected answer {sent:?}"
+            );
+        }
+        Closed::StillOpen => {
+            panic!("the connection is still open (expected a close in {lo}..{hi} s)")
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stalls_or_trickles_its_headers_is_cut_off_at_the_header_timeout() {
+    let relay = Relay::start_with_config(agentmbx_relay::config::RelayConfig {
+        header_read_timeout_ms: Some(1000),
+        ..Default::default()
+    })
+    .await;
+    let addr = relay.addr();
+    let stalled = tokio::task::spawn_blocking({
+        let addr = addr.clone();
+        move || {
+            let mut c = RawConn::connect(&addr);
+            c.send(b"GET /v2/relay/info HTTP/1.1\r\nhost: re").unwrap();
+            c.wait_closed(std::time::Duration::from_secs(15))
+        }
+    });
+    // A slow-loris client: one more header byte every 100 ms never completes the head.
+    let trickled = tokio::task::spawn_blocking({
+        let addr = addr.clone();
+        move || {
+            let mut c = RawConn::connect(&addr);
+            c.send(b"POST /v2/relay/items HTTP/1.1\r\nhost: relay\r\nx-slow: ")
+                .unwrap();
+            let mut w = c.writer();
+            let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let trickle = std::thread::spawn({
+                let stop = stop.clone();
+                move || {
+                    use std::io::Write;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        if w.write_all(b"a").is_err() {
+                            return;
+                        }
+                        std::thread::sleep(std::time::Duration::from_millis(100));
+                    }
+                }
+            });
+            let closed = c.wait_closed(std::time::Duration::from_secs(15));
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            trickle.join().unwrap();
+            closed
+        }
+    });
+    assert_closed_within(stalled.await.unwrap(), 0.8, 6.0);
+    assert_closed_within(trickled.await.unwrap(), 0.8, 6.0);
+    // Other clients are unaffected.
+    relay.plain("GET", "/v2/relay/info", "").await.assert_ok();
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_header_timeout_also_closes_a_silent_kept_alive_connection() {
+    // hyper's header-read timer starts again as soon as a kept-alive connection waits for its
+    // next request: with headers 1 s and keep-alive 5 s, a silent connection closes at 1 s.
+    let relay = Relay::start_with_config(agentmbx_relay::config::RelayConfig {
+        header_read_timeout_ms: Some(1000),
+        ..Default::default()
+    })
+    .await;
+    let addr = relay.addr();
+    let closed = tokio::task::spawn_blocking(move || {
+        let mut c = RawConn::connect(&addr);
+        let (status, _, body) = c.get("/v2/relay/info");
+        assert_eq!(status, 200, "{body}");
+        c.wait_closed(std::time::Duration::from_secs(15))
+    })
+    .await
+    .unwrap();
+    assert_closed_within(closed, 0.8, 4.0);
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_kept_alive_connection_is_closed_after_the_keep_alive_timeout() {
+    // Keep-alive 1 s, headers at their 10 s default: the idle close is the keep-alive timer's.
+    let relay = Relay::start_with_config(agentmbx_relay::config::RelayConfig {
+        keep_alive_timeout_ms: Some(1000),
+        ..Default::default()
+    })
+    .await;
+    let addr = relay.addr();
+    let (kept, fresh) = tokio::task::spawn_blocking(move || {
+        let mut c = RawConn::connect(&addr);
+        // Each request restarts the idle timer: 3 requests 600 ms apart span more than 1 s.
+        for i in 0..3 {
+            if i > 0 {
+                std::thread::sleep(std::time::Duration::from_millis(600));
+            }
+            let (status, head, body) = c.get("/v2/relay/info");
+            assert_eq!(status, 200, "request {i}: {body}");
+            assert!(!head.contains("connection: close"), "{head}");
+        }
+        let kept = c.wait_closed(std::time::Duration::from_secs(15));
+        // A connection that never sends anything is idle from the start.
+        let mut silent = RawConn::connect(&addr);
+        (kept, silent.wait_closed(std::time::Duration::from_secs(15)))
+    })
+    .await
+    .unwrap();
+    assert_closed_within(kept, 0.8, 5.0);
+    assert_closed_within(fresh, 0.8, 5.0);
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keep_alive_client_makes_several_requests_on_one_connection() {
+    let relay = Relay::start().await;
+    let addr = relay.addr();
+    let host = Host::new("alpha");
+    let challenge = json!({"host": "alpha", "pubkey": host.pubkey()}).to_string();
+    tokio::task::spawn_blocking(move || {
+        let mut c = RawConn::connect(&addr);
+        let (status, _, body) = c.get("/v2/relay/info");
+        assert_eq!(status, 200, "{body}");
+        c.send(
+            format!(
+                "POST /v1/relay/challenge HTTP/1.1\r\nhost: relay\r\ncontent-type: \
+                 application/json\r\ncontent-length: {}\r\n\r\n{challenge}",
+                challenge.len()
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        let (status, _, body) = c.response();
+        assert_eq!(status, 200, "{body}");
+        assert!(serde_json::from_str::<Value>(&body).unwrap()["challenge"].is_string());
+        let (status, _, body) = c.get("/nope");
+        assert_eq!(status, 404, "{body}");
+        // Two requests in one write (pipelined) are answered in order.
+        c.send(b"GET /v2/relay/info HTTP/1.1\r\nhost: relay\r\n\r\nGET /x HTTP/1.1\r\nhost: relay\r\n\r\n")
+            .unwrap();
+        assert_eq!(c.response().0, 200);
+        assert_eq!(c.response().0, 404);
+        let (status, _, body) = c.get("/v2/relay/info");
+        assert_eq!(status, 200, "{body}");
+    })
+    .await
+    .unwrap();
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_lets_a_request_in_flight_finish() {
+    let relay = Relay::start().await;
+    let addr = relay.addr();
+    let host = Host::new("alpha");
+    let body = json!({"host": "alpha", "pubkey": host.pubkey()}).to_string();
+    let (first, rest) = body.split_at(body.len() / 2);
+    let (first, rest) = (first.to_owned(), rest.to_owned());
+    // A request whose head and half its body arrived: in flight, waiting for the rest.
+    let mut c = tokio::task::spawn_blocking({
+        let addr = addr.clone();
+        move || {
+            let mut c = RawConn::connect(&addr);
+            c.send(
+                format!(
+                    "POST /v1/relay/challenge HTTP/1.1\r\nhost: relay\r\ncontent-length: {}\r\n\r\n{first}",
+                    body.len()
+                )
+                .as_bytes(),
+            )
+            .unwrap();
+            c
+        }
+    })
+    .await
+    .unwrap();
+    // Let the server read the head and start the handler.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let stopping = tokio::spawn(relay.stop());
+    // Shutdown began: the listener is closed…
+    let began = std::time::Instant::now();
+    while std::net::TcpStream::connect(&addr).is_ok() {
+        assert!(
+            began.elapsed() < std::time::Duration::from_secs(10),
+            "still listening"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    // …but `serve` waits for the request in flight.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert!(
+        !stopping.is_finished(),
+        "serve returned with a request in flight"
+    );
+    let (status, head, answer, closed) = tokio::task::spawn_blocking(move || {
+        c.send(rest.as_bytes()).unwrap();
+        let (status, head, answer) = c.response();
+        (
+            status,
+            head,
+            answer,
+            c.wait_closed(std::time::Duration::from_secs(10)),
+        )
+    })
+    .await
+    .unwrap();
+    assert_eq!(status, 200, "{answer}");
+    assert!(serde_json::from_str::<Value>(&answer).unwrap()["challenge"].is_string());
+    // No more requests on that connection: it says so and closes.
+    assert!(head.contains("connection: close"), "{head}");
+    assert_closed_within(closed, 0.0, 10.0);
+    tokio::time::timeout(std::time::Duration::from_secs(10), stopping)
+        .await
+        .expect("serve returned once the request finished")
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_max_connections_wait_for_a_free_slot() {
+    let relay = Relay::start_with_config(agentmbx_relay::config::RelayConfig {
+        max_connections: Some(2),
+        ..Default::default()
+    })
+    .await;
+    let addr = relay.addr();
+    tokio::task::spawn_blocking(move || {
+        let mut one = RawConn::connect(&addr);
+        let mut two = RawConn::connect(&addr);
+        assert_eq!(one.get("/v2/relay/info").0, 200);
+        assert_eq!(two.get("/v2/relay/info").0, 200);
+        // A third connection waits in the backlog: no answer while both slots are taken…
+        let mut three = RawConn::connect(&addr);
+        three
+            .send(b"GET /v2/relay/info HTTP/1.1\r\nhost: relay\r\n\r\n")
+            .unwrap();
+        assert_eq!(
+            three.try_response(std::time::Duration::from_millis(300)),
+            None
+        );
+        // …and is served once one closes.
+        drop(one);
+        let (status, _, body) = three.response();
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(two.get("/v2/relay/info").0, 200);
+    })
+    .await
+    .unwrap();
+    relay.stop().await;
+}

@@ -641,6 +641,150 @@ pub fn raw_exchange(addr: &str, head: &str, chunks: &[Vec<u8>]) -> (u16, String,
     }
 }
 
+/// A raw HTTP/1.1 client connection that stays open between requests (blocking std
+/// `TcpStream`: use it from `spawn_blocking`), for keep-alive and timeout tests.
+#[derive(Debug)]
+pub struct RawConn {
+    stream: std::net::TcpStream,
+    buf: Vec<u8>,
+}
+
+/// How [`RawConn::wait_closed`] ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Closed {
+    /// The server closed the connection (EOF or reset) after this many seconds, having sent
+    /// these bytes meanwhile.
+    After(f64, String),
+    /// Still open when the wait ended.
+    StillOpen,
+}
+
+impl RawConn {
+    /// Connects to `127.0.0.1:<port>`.
+    pub fn connect(addr: &str) -> RawConn {
+        let stream = std::net::TcpStream::connect(addr).expect("connect");
+        RawConn {
+            stream,
+            buf: Vec::new(),
+        }
+    }
+
+    /// Writes `bytes`.
+    pub fn send(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        use std::io::Write;
+        self.stream.write_all(bytes)
+    }
+
+    /// A second handle on the same socket (to write from another thread).
+    pub fn writer(&self) -> std::net::TcpStream {
+        self.stream.try_clone().expect("clone the socket")
+    }
+
+    /// Reads one whole response (up to `within`): `Some((status, lower-cased head, body))`, or
+    /// `None` when none came in time. Panics when the server closes the connection first.
+    pub fn try_response(&mut self, within: std::time::Duration) -> Option<(u16, String, String)> {
+        use std::io::Read;
+        let until = std::time::Instant::now() + within;
+        let mut tmp = [0u8; 65536];
+        loop {
+            if let Some(end) = find(&self.buf, b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&self.buf[..end]).to_ascii_lowercase();
+                let len = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .and_then(|v| v.trim().parse::<usize>().ok())
+                    .unwrap_or(0);
+                if self.buf.len() >= end + 4 + len {
+                    let status = head
+                        .split_whitespace()
+                        .nth(1)
+                        .and_then(|c| c.parse().ok())
+                        .unwrap_or(0);
+                    let body =
+                        String::from_utf8_lossy(&self.buf[end + 4..end + 4 + len]).into_owned();
+                    self.buf.drain(..end + 4 + len);
+                    return Some((status, head, body));
+                }
+            }
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            self.stream
+                .set_read_timeout(Some(left))
+                .expect("read timeout");
+            match self.stream.read(&mut tmp) {
+                Ok(0) => panic!(
+                    "the server closed the connection; got {:?}",
+                    String::from_utf8_lossy(&self.buf)
+                ),
+                Ok(n) => self.buf.extend_from_slice(&tmp[..n]),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return None
+                }
+                Err(e) => panic!("read: {e}"),
+            }
+        }
+    }
+
+    /// Reads one whole response (waiting up to 20 s): `(status, lower-cased head, body)`.
+    #[track_caller]
+    pub fn response(&mut self) -> (u16, String, String) {
+        self.try_response(std::time::Duration::from_secs(20))
+            .expect("no response within 20 s")
+    }
+
+    /// Sends a `GET` of `target` and reads its response.
+    #[track_caller]
+    pub fn get(&mut self, target: &str) -> (u16, String, String) {
+        self.send(format!("GET {target} HTTP/1.1\r\nhost: relay\r\n\r\n").as_bytes())
+            .expect("send");
+        self.response()
+    }
+
+    /// Waits up to `limit` for the server to close the connection; the seconds count from the
+    /// call.
+    pub fn wait_closed(&mut self, limit: std::time::Duration) -> Closed {
+        use std::io::Read;
+        let start = std::time::Instant::now();
+        let mut tmp = [0u8; 65536];
+        loop {
+            let left = limit.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                return Closed::StillOpen;
+            }
+            self.stream
+                .set_read_timeout(Some(left))
+                .expect("read timeout");
+            match self.stream.read(&mut tmp) {
+                Ok(0) => {
+                    return Closed::After(
+                        start.elapsed().as_secs_f64(),
+                        String::from_utf8_lossy(&self.buf).into_owned(),
+                    )
+                }
+                Ok(n) => self.buf.extend_from_slice(&tmp[..n]),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) => {}
+                Err(_) => {
+                    return Closed::After(
+                        start.elapsed().as_secs_f64(),
+                        String::from_utf8_lossy(&self.buf).into_owned(),
+                    )
+                }
+            }
+        }
+    }
+}
+
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }
