@@ -170,6 +170,7 @@ pub async fn serve_prepared_until(
         config: prepared.config,
         challenges: Challenges::default(),
         version: crate::VERSION,
+        in_flight: Default::default(),
     });
     let served = server::serve(listener, state, shutdown).await;
     if let Some(reason) = store.failed() {

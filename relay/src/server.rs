@@ -62,6 +62,29 @@ pub struct RelayState {
     pub challenges: Challenges,
     /// Software version reported by info.
     pub version: &'static str,
+    /// Requests whose head has been read and whose answer is not yet sent (for status lines,
+    /// and for tests that must know a request is in flight).
+    pub in_flight: std::sync::atomic::AtomicUsize,
+}
+
+/// Counts a request in [`RelayState::in_flight`] for as long as it lives.
+struct Counted(SharedRelay);
+
+impl Counted {
+    fn new(state: SharedRelay) -> Self {
+        state
+            .in_flight
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Counted(state)
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0
+            .in_flight
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 /// Shared handle to [`RelayState`].
@@ -90,8 +113,9 @@ pub fn router(state: SharedRelay) -> Router {
         .route("/v2/relay/ack", post(handlers::ack::post))
         .fallback(|| async { ApiError::not_found() })
         .method_not_allowed_fallback(|| async { ApiError::not_found() })
-        .layer(middleware::from_fn(move |req: Request, next: Next| {
-            request_timeout(timeout, req, next)
+        .layer(middleware::from_fn({
+            let state = state.clone();
+            move |req: Request, next: Next| request_timeout(state.clone(), timeout, req, next)
         }))
         .with_state(state)
 }
@@ -99,7 +123,13 @@ pub fn router(state: SharedRelay) -> Router {
 /// Bounds one request (body upload included) to `limit`; past it the answer is 408
 /// `{error:"request timeout", code:"TIMEOUT"}`. A store write already handed to the writer
 /// still commits: the sender's retry then gets `duplicate`, never a second copy.
-async fn request_timeout(limit: Duration, req: Request, next: Next) -> Response {
+async fn request_timeout(
+    state: SharedRelay,
+    limit: Duration,
+    req: Request,
+    next: Next,
+) -> Response {
+    let _counted = Counted::new(state);
     match tokio::time::timeout(limit, next.run(req)).await {
         Ok(response) => response,
         Err(_) => {

@@ -2522,8 +2522,20 @@ async fn graceful_shutdown_lets_a_request_in_flight_finish() {
     })
     .await
     .unwrap();
-    // Let the server read the head and start the handler.
-    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    // Wait until the server has read the head and the handler runs (the request is in flight).
+    let began = std::time::Instant::now();
+    while relay
+        .state
+        .in_flight
+        .load(std::sync::atomic::Ordering::SeqCst)
+        == 0
+    {
+        assert!(
+            began.elapsed() < std::time::Duration::from_secs(10),
+            "request never started"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
     let stopping = tokio::spawn(relay.stop());
     // Shutdown began: the listener is closed…
     let began = std::time::Instant::now();

@@ -183,6 +183,7 @@ impl Relay {
             config,
             challenges: Challenges::default(),
             version: agentmbx_relay::VERSION,
+            in_flight: Default::default(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
