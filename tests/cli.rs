@@ -266,3 +266,62 @@ fn a_second_daemon_on_the_same_home_is_refused() {
     let health = first.get("/v1/health", None);
     assert_eq!(health.status, 200);
 }
+
+#[test]
+fn send_errors_name_what_is_wrong_and_use_the_documented_exit_codes() {
+    let home = Home::new();
+    // A missing flag is named (usage, exit 2).
+    let out = home.run(&["send", "--as", "alice", "--to", "bob", "-m", "x"]);
+    assert_eq!(out.code(), Some(2), "{out:#?}");
+    assert!(out.stderr.contains("--subject"), "{out:#?}");
+    let _daemon = Daemon::start(&home);
+    // An unknown host is "not found" (exit 3) and says how to pin it.
+    let out = home.run(&[
+        "send",
+        "--as",
+        "alice",
+        "--to",
+        "bob@nohost",
+        "--subject",
+        "s",
+        "-m",
+        "x",
+    ]);
+    assert_eq!(out.code(), Some(3), "{out:#?}");
+    assert!(out.stderr.contains("agentmbx peers add nohost"), "{out:#?}");
+    // A bad kind lists the kinds; a bad agent name explains the rule (usage, exit 2).
+    let out = home.run(&[
+        "send",
+        "--as",
+        "alice",
+        "--to",
+        "bob",
+        "--subject",
+        "s",
+        "--kind",
+        "nope",
+        "-m",
+        "x",
+    ]);
+    assert_eq!(out.code(), Some(2), "{out:#?}");
+    assert!(out.stderr.contains("message, request, reply"), "{out:#?}");
+    let out = home.run(&[
+        "send",
+        "--as",
+        "Alice",
+        "--to",
+        "bob",
+        "--subject",
+        "s",
+        "-m",
+        "x",
+    ]);
+    assert_eq!(out.code(), Some(2), "{out:#?}");
+    assert!(out.stderr.contains("2 to 40 characters"), "{out:#?}");
+    // Pinning this host's own key as a peer is refused.
+    let me = home.run(&["whoami", "--json"]).json();
+    let key = me["host_pubkey"].as_str().expect("host_pubkey").to_string();
+    let out = home.run(&["peers", "add", "other", &key]);
+    assert_eq!(out.code(), Some(2), "{out:#?}");
+    assert!(out.stderr.contains("own key"), "{out:#?}");
+}

@@ -149,10 +149,11 @@ impl Api {
             let key = agentmbx_protocol::b64::encode_url(&rand::random::<[u8; 16]>());
             req = req.header("idempotency-key", key).json(&b);
         }
-        let resp = req.send().await.with_context(|| {
-            format!(
-                "the daemon does not answer at {} (is `agentmbx daemon` running?)",
-                self.base
+        let resp = req.send().await.map_err(|e| {
+            anyhow::anyhow!(
+                "the daemon does not answer at {} (is `agentmbx daemon` running?): {}",
+                self.base,
+                agentmbx::transport::relay_client::describe(&e)
             )
         })?;
         let status = resp.status();
@@ -165,8 +166,13 @@ impl Api {
             .and_then(Value::as_str)
             .unwrap_or("request failed")
             .to_string();
+        let code = value
+            .get("code")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
         match status.as_u16() {
             404 => Err(NotFoundError(msg).into()),
+            400 if code == "UNKNOWN_HOST" => Err(NotFoundError(msg).into()),
             400 => Err(UsageError(msg).into()),
             _ => Err(anyhow::anyhow!("{msg} (HTTP {status})")),
         }

@@ -207,12 +207,32 @@ fn clap_failure(e: clap::Error) -> ExitCode {
             ExitCode::from(EXIT_USAGE)
         }
         _ => {
-            let rendered = e.render().to_string();
-            let first = rendered.lines().next().unwrap_or("invalid arguments");
-            let message = first.strip_prefix("error: ").unwrap_or(first);
-            eprintln!("agentmbx: {message} (see: {} --help)", command_path());
+            eprintln!(
+                "agentmbx: {} (see: {} --help)",
+                clap_message(&e),
+                command_path()
+            );
             ExitCode::from(EXIT_USAGE)
         }
+    }
+}
+
+/// clap's error as one line: the text before the usage block, continuation lines (such as the
+/// names of missing arguments) joined with spaces.
+fn clap_message(e: &clap::Error) -> String {
+    let rendered = e.render().to_string();
+    let text: Vec<&str> = rendered
+        .lines()
+        .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with("tip:"))
+        .collect();
+    let line = text.join(" ");
+    let line = line.strip_prefix("error: ").unwrap_or(&line).to_string();
+    if line.is_empty() {
+        "invalid arguments".to_string()
+    } else {
+        line
     }
 }
 

@@ -46,6 +46,17 @@ pub fn run(args: PeersArgs) -> anyhow::Result<()> {
             let name = HostName::parse(&host)?;
             let key = PublicKey::from_b64(&host_pubkey)
                 .map_err(|e| UsageError(format!("bad host key: {e}")))?;
+            let own = agentmbx::config::Config::load(&paths)
+                .ok()
+                .and_then(|c| agentmbx::identity::load(&paths, &c).ok())
+                .map(|i| i.host_key.public());
+            if own.as_ref() == Some(&key) {
+                return Err(UsageError(
+                    "that is this host's own key: pin the other host's key (its `agentmbx whoami`)"
+                        .into(),
+                )
+                .into());
+            }
             let now = SystemClock::from_env()?.now_ms();
             let added = mailbox.with(|c| peers::add(c, name.as_str(), &key.to_b64(), now))?;
             if added {

@@ -48,8 +48,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "N", env = "PORT", default_value_t = 7374)]
     pub port: u16,
     /// Directory of the relay's state (relay.db, relay.key, relay.lock, optional relay.toml)
-    #[arg(long, value_name = "DIR", env = "MBX_RELAY_DIR")]
-    pub store_dir: Option<PathBuf>,
+    #[arg(long, value_name = "DIR", env = "MBX_RELAY_DIR", required = true)]
+    pub store_dir: PathBuf,
 }
 
 /// Flags of `relay set`.
@@ -89,9 +89,7 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 }
 
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let store_dir = args
-        .store_dir
-        .ok_or_else(|| UsageError("relay serve needs --store-dir DIR (or MBX_RELAY_DIR)".into()))?;
+    let store_dir = args.store_dir;
     let opts = agentmbx_relay::run::ServeOptions {
         bind: Some(args.bind),
         port: Some(args.port),
@@ -122,7 +120,12 @@ fn set(args: SetArgs) -> anyhow::Result<()> {
     };
     let info = runtime()?
         .block_on(pin::fetch_info(&url))
-        .with_context(|| format!("cannot reach the relay at {url}"))?;
+        .map_err(|e| match e {
+            agentmbx::transport::relay_client::RelayError::Unreachable(why) => {
+                anyhow::anyhow!("cannot reach the relay at {url}: {why}")
+            }
+            other => anyhow::anyhow!("the relay at {url} did not answer as a relay: {other}"),
+        })?;
     let served = agentmbx_protocol::keys::PublicKey::from_b64(&info.relay_pubkey)
         .context("the relay presents an invalid key")?;
     if let Some(pin) = &expected {
@@ -157,7 +160,7 @@ fn set(args: SetArgs) -> anyhow::Result<()> {
                 "pinned on first use"
             }
         );
-        println!("restart the daemon to use it");
+        println!("the daemon uses it from its next start (restart a running daemon)");
     }
     Ok(())
 }

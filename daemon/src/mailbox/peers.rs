@@ -36,7 +36,7 @@ pub fn add(conn: &Connection, host: &str, pubkey: &str, now_ms: i64) -> Result<b
             return Ok(false);
         }
         return Err(MailboxError::Conflict(format!(
-            "peer {host} is already pinned to another host key ({}); remove it first",
+            "peer {host} is already pinned to another host key ({}); a pinned key cannot be replaced yet, pin the new key under another name",
             agentmbx_protocol::keys::PublicKey::from_b64(&p.pubkey)
                 .map(|k| k.fingerprint())
                 .unwrap_or_default()

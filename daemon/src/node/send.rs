@@ -17,6 +17,10 @@ use agentmbx_protocol::limits;
 use crate::identity::Identity;
 use crate::mailbox::{messages, outbox, peers, MailboxError};
 
+/// How agent names are formed (NAME_RE `^[a-z0-9][a-z0-9-]{1,39}$`), for error messages.
+pub const NAME_RULE: &str =
+    "agent names are 2 to 40 characters of a-z, 0-9 and '-', not starting with '-'";
+
 /// Recipients per message from a local agent (tighter than the network cap of 100).
 pub const MAX_LOCAL_RECIPIENTS: usize = 20;
 /// Refs per message from a local agent.
@@ -110,7 +114,7 @@ fn route(conn: &Connection, own_host: &str, to: &str) -> Result<Target, SendErro
     };
     if !limits::is_name(name) {
         return Err(SendError::Invalid(format!(
-            "bad recipient {to:?}: agent names match ^[a-z0-9][a-z0-9-]{{1,39}}$"
+            "bad recipient {to:?}: {NAME_RULE}"
         )));
     }
     match host {
@@ -138,14 +142,23 @@ pub fn send(
 ) -> Result<SendOutcome, SendError> {
     let own = ident.host.as_str();
     if !limits::is_name(&req.from) {
-        return Err(SendError::Invalid(
-            "bad sender: agent names match ^[a-z0-9][a-z0-9-]{1,39}$".into(),
-        ));
+        return Err(SendError::Invalid(format!(
+            "bad sender {:?}: {NAME_RULE}",
+            req.from
+        )));
     }
     if req.to.is_empty() {
         return Err(SendError::Invalid(
             "at least one recipient is required".into(),
         ));
+    }
+    if let Some(kind) = req.kind.as_deref() {
+        if !envelope::KINDS.contains(&kind) {
+            return Err(SendError::Invalid(format!(
+                "bad kind {kind:?}: one of {}",
+                envelope::KINDS.join(", ")
+            )));
+        }
     }
     if req.to.len() > MAX_LOCAL_RECIPIENTS {
         return Err(SendError::Invalid(format!(

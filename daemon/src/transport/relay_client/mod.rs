@@ -28,6 +28,10 @@ use agentmbx_protocol::wire::ErrorBody;
 use crate::identity::Identity;
 use crate::mailbox::{Mailbox, MailboxError};
 
+/// Longest pause between relay passes after failures (ms): 10 s, so mail waiting while the
+/// relay was down moves within seconds of its return (a new send wakes the loop at once).
+pub const MAX_RETRY_DELAY_MS: u64 = 10_000;
+
 /// Client timeout of one relay request (`wire.md` §2.6: 15 s for v2).
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
 
@@ -92,7 +96,7 @@ impl RelayClient {
             .timeout(REQUEST_TIMEOUT)
             .redirect(reqwest::redirect::Policy::none())
             .build()
-            .map_err(|e| RelayError::Unreachable(e.to_string()))?;
+            .map_err(|e| RelayError::Unreachable(describe(&e)))?;
         Ok(RelayClient {
             http,
             url: url.trim_end_matches('/').to_string(),
@@ -135,12 +139,12 @@ impl RelayClient {
         let resp = req
             .send()
             .await
-            .map_err(|e| RelayError::Unreachable(e.to_string()))?;
+            .map_err(|e| RelayError::Unreachable(describe(&e)))?;
         let status = resp.status().as_u16();
         let bytes = resp
             .bytes()
             .await
-            .map_err(|e| RelayError::Unreachable(e.to_string()))?;
+            .map_err(|e| RelayError::Unreachable(describe(&e)))?;
         Ok((status, bytes))
     }
 
@@ -160,6 +164,31 @@ impl RelayClient {
     }
 }
 
+/// A network error in one line a person can act on: what failed, then the root cause (e.g.
+/// `cannot connect to the relay: Connection refused (os error 111)`), without repeating the URL.
+pub fn describe(e: &reqwest::Error) -> String {
+    use std::error::Error as _;
+    let mut root: Option<String> = None;
+    let mut source = e.source();
+    while let Some(s) = source {
+        root = Some(s.to_string());
+        source = s.source();
+    }
+    let what = if e.is_timeout() {
+        "timed out"
+    } else if e.is_connect() {
+        "cannot connect"
+    } else if e.is_body() || e.is_decode() {
+        "the answer broke off"
+    } else {
+        "request failed"
+    };
+    match root {
+        Some(r) if !e.is_timeout() => format!("{what}: {r}"),
+        _ => what.to_string(),
+    }
+}
+
 /// Turns an error answer into [`RelayError::Status`].
 pub fn status_error(status: u16, bytes: &[u8]) -> RelayError {
     let body: Option<ErrorBody> = serde_json::from_slice(bytes).ok();
@@ -176,7 +205,7 @@ pub fn status_error(status: u16, bytes: &[u8]) -> RelayError {
 
 /// Runs the relay loop until `shutdown`: open a session, push due rows, pull and ack; then wait
 /// for `wake` (a new outbox row), the next due row or `pull_interval`, whichever comes first.
-/// Failures are logged and retried on the next pass with a doubling delay (≤ 60 s); a relay key
+/// Failures are logged and retried on the next pass with a doubling delay (≤ 10 s); a relay key
 /// mismatch stops relay use for good until the owner confirms the key and restarts.
 pub async fn run(
     client: RelayClient,
@@ -191,6 +220,9 @@ pub async fn run(
         }
         let delay = match pass(&client).await {
             Ok(()) => {
+                if failures > 0 {
+                    tracing::info!(relay = %client.url, after_failures = failures, "relay reachable again");
+                }
                 failures = 0;
                 let next_due = client
                     .mailbox
@@ -213,7 +245,7 @@ pub async fn run(
             Err(e) => {
                 failures = failures.saturating_add(1);
                 tracing::warn!(relay = %client.url, error = %e, "relay pass failed; retrying");
-                Duration::from_millis((500u64 << failures.min(7)).min(60_000))
+                Duration::from_millis((500u64 << failures.min(7)).min(MAX_RETRY_DELAY_MS))
             }
         };
         tokio::select! {
@@ -317,17 +349,17 @@ pub mod pin {
             .timeout(std::time::Duration::from_secs(10))
             .redirect(reqwest::redirect::Policy::none())
             .build()
-            .map_err(|e| RelayError::Unreachable(e.to_string()))?;
+            .map_err(|e| RelayError::Unreachable(super::describe(&e)))?;
         let resp = client
             .get(format!("{}/v2/relay/info", url.trim_end_matches('/')))
             .send()
             .await
-            .map_err(|e| RelayError::Unreachable(e.to_string()))?;
+            .map_err(|e| RelayError::Unreachable(super::describe(&e)))?;
         let status = resp.status().as_u16();
         let bytes = resp
             .bytes()
             .await
-            .map_err(|e| RelayError::Unreachable(e.to_string()))?;
+            .map_err(|e| RelayError::Unreachable(super::describe(&e)))?;
         if status != 200 {
             return Err(super::status_error(status, &bytes));
         }

@@ -149,12 +149,12 @@ impl RelayClient {
             .body(body.to_string())
             .send()
             .await
-            .map_err(|e| RelayError::Unreachable(e.to_string()))?;
+            .map_err(|e| RelayError::Unreachable(super::describe(&e)))?;
         let status = resp.status().as_u16();
         let bytes = resp
             .bytes()
             .await
-            .map_err(|e| RelayError::Unreachable(e.to_string()))?;
+            .map_err(|e| RelayError::Unreachable(super::describe(&e)))?;
         if !(200..300).contains(&status) {
             return Err(status_error(status, &bytes));
         }
