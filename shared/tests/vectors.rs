@@ -1,8 +1,7 @@
 //! Golden vectors (`tests/data/`, copied unchanged from the team's `vectors/`): every signed or
-//! sealed format of `wire.md` §2.1–§2.6, §2.8, §2.10–§2.12 reproduced byte for byte by this crate.
+//! sealed format of `wire.md` §2.1–§2.6, §2.8–§2.12 reproduced byte for byte by this crate.
 //! The expected values were computed by independent implementations (Node.js, libsodium via PyNaCl,
-//! Python cryptography), never by the code under test. `pairing.json` is copied but not read yet:
-//! pairing is a later feature.
+//! Python cryptography), never by the code under test.
 //!
 //! Each test walks every case of its file and counts them, so a file that silently lost cases
 //! fails instead of passing vacuously.
@@ -11,6 +10,9 @@
 use agentmbx_protocol::envelope::{self, Draft, Envelope};
 use agentmbx_protocol::hop::{self, HopError};
 use agentmbx_protocol::keys::{self, EncKey, EncPublicKey, HostKey, KeyError, PublicKey};
+use agentmbx_protocol::pairing::{
+    self, HolderParty, JoinerParty, MacLabel, PairAccept, PairJoin, PairOffer, PairingError,
+};
 use agentmbx_protocol::records::{
     self, AcceptError, AcceptStatement, EncAd, ExpiryNotice, Receipt, SenderList,
 };
@@ -146,10 +148,8 @@ fn vector_files_are_the_unmodified_copies() {
             digest,
             "{file} differs from the golden copy"
         );
-        // Every file parses; pairing.json is only parsed (pairing is a later feature).
         assert!(load(text).get("cases").is_some(), "{file}");
     }
-    assert_eq!(load(PAIRING)["cases"].as_array().map(Vec::len), Some(27));
 }
 
 // ---- canonical_json.json (wire.md §2.2) ------------------------------------------------------
@@ -1457,4 +1457,201 @@ fn enc_ad_refusals(record: &Value, sig: &str, key: &HostKey) {
         Err("bad signature"),
         "signature before expiry"
     );
+}
+
+// ---- pairing.json (wire.md §2.9) -------------------------------------------------------------
+
+#[test]
+fn pairing_cases() {
+    let file = load(PAIRING);
+    let mut counts = std::collections::BTreeMap::<String, usize>::new();
+    // scrypt N=2^15 is the slow part: derive each distinct normalized token once.
+    let mut keys = std::collections::BTreeMap::<String, [u8; 32]>::new();
+    let mut derive = |token: &str| -> [u8; 32] {
+        let normalized = pairing::normalize_token(token).unwrap();
+        *keys
+            .entry(normalized)
+            .or_insert_with(|| pairing::derive_token_key(token).unwrap())
+    };
+
+    for c in list(&file, "cases", 27) {
+        let n = name(c);
+        let kind = s(c, "kind");
+        *counts.entry(kind.to_string()).or_default() += 1;
+        match kind {
+            "token" => {
+                let token = s(c, "token");
+                let normalized = pairing::normalize_token(token);
+                if c["expected_valid"].as_bool().unwrap() {
+                    let normalized = normalized.unwrap();
+                    assert_eq!(normalized, s(c, "expected_normalized"), "{n}");
+                    assert_eq!(
+                        pairing::display_token(token).unwrap(),
+                        s(c, "expected_display"),
+                        "{n}"
+                    );
+                    assert_eq!(
+                        pairing::display_token(&normalized).unwrap(),
+                        s(c, "expected_display"),
+                        "{n}"
+                    );
+                    // The raw token and its normalized form derive the same K.
+                    let key = pairing::derive_token_key(token).unwrap();
+                    assert_eq!(derive(&normalized), key, "{n}");
+                    assert_eq!(hex::encode(key), s(c, "expected_k_hex"), "{n}");
+                    assert_eq!(pairing::token_id(&key), s(c, "expected_token_id"), "{n}");
+                } else {
+                    assert_eq!(normalized, Err(PairingError::MalformedToken), "{n}");
+                    let err = normalized.unwrap_err().to_string();
+                    assert_eq!(err, s(c, "expected_error"), "{n}");
+                    assert_eq!(
+                        pairing::display_token(token),
+                        Err(PairingError::MalformedToken),
+                        "{n}"
+                    );
+                    assert_eq!(
+                        pairing::derive_token_key(token),
+                        Err(PairingError::MalformedToken),
+                        "{n}"
+                    );
+                }
+            }
+            "token_generation" => {
+                let bytes: [u8; 8] = hex::decode(s(c, "random_bytes_hex"))
+                    .unwrap()
+                    .try_into()
+                    .unwrap();
+                let token = pairing::token_from_random(bytes);
+                assert_eq!(token, s(c, "expected_token"), "{n}");
+                assert_eq!(pairing::display_token(&token).unwrap(), token, "{n}");
+            }
+            "join_mac" => {
+                let key = derive(s(c, "token"));
+                assert_eq!(hex::encode(key), s(c, "k_hex"), "{n}");
+                let a: HolderParty = serde_json::from_value(c["party_a"].clone()).unwrap();
+                let b: JoinerParty = serde_json::from_value(c["party_b"].clone()).unwrap();
+                // The parties round-trip with owner_pubkey kept as null.
+                assert_eq!(serde_json::to_value(&a).unwrap(), c["party_a"], "{n}");
+                assert_eq!(serde_json::to_value(&b).unwrap(), c["party_b"], "{n}");
+
+                let transcript = pairing::join_transcript(&a, &b);
+                assert_eq!(transcript, s(c, "expected_transcript"), "{n}");
+                assert_eq!(
+                    hex::encode(transcript.as_bytes()),
+                    s(c, "expected_transcript_hex"),
+                    "{n}"
+                );
+                let want = json!({"proto": pairing::TOKEN_PROTO, "a": a, "b": b});
+                assert_eq!(canonical::to_string(&want).unwrap(), transcript, "{n}");
+
+                assert_eq!(
+                    hex::encode(pairing::mac_key(&key, MacLabel::Join)),
+                    s(c, "expected_mac_key_join_hex"),
+                    "{n}"
+                );
+                assert_eq!(
+                    hex::encode(pairing::mac_key(&key, MacLabel::Accept)),
+                    s(c, "expected_mac_key_accept_hex"),
+                    "{n}"
+                );
+                let mac_join = pairing::mac(&key, MacLabel::Join, &transcript);
+                let mac_accept = pairing::mac(&key, MacLabel::Accept, &transcript);
+                assert_eq!(mac_join, s(c, "expected_mac_join"), "{n}");
+                assert_eq!(mac_accept, s(c, "expected_mac_accept"), "{n}");
+                for (label, mac) in [(MacLabel::Join, &mac_join), (MacLabel::Accept, &mac_accept)] {
+                    assert!(pairing::verify_mac(&key, label, &transcript, mac), "{n}");
+                }
+                assert!(
+                    !pairing::verify_mac(&key, MacLabel::Accept, &transcript, &mac_join),
+                    "{n}: labels are bound"
+                );
+
+                // The request and response bodies, built and parsed.
+                let join = PairJoin::new(&a, b.clone(), &key);
+                assert_eq!(
+                    serde_json::to_value(&join).unwrap(),
+                    c["expected_join_request"],
+                    "{n}"
+                );
+                let parsed: PairJoin =
+                    serde_json::from_value(c["expected_join_request"].clone()).unwrap();
+                assert_eq!(parsed, join, "{n}");
+                assert!(parsed.verify(&a, &key), "{n}");
+                let accept = PairAccept::new(&a, &b, &key);
+                assert_eq!(
+                    serde_json::to_value(&accept).unwrap(),
+                    c["expected_accept_response"],
+                    "{n}"
+                );
+                let parsed: PairAccept =
+                    serde_json::from_value(c["expected_accept_response"].clone()).unwrap();
+                assert!(parsed.verify(&a, &b, &key), "{n}");
+
+                // Anything that changes the transcript, the nonce or the key fails verification.
+                let mut wrong_nonce = join.clone();
+                wrong_nonce.nonce_a.push('x');
+                assert!(!wrong_nonce.verify(&a, &key), "{n}: nonce_a");
+                let mut swapped = join.clone();
+                swapped.joiner.addr = "evil.local:7373".into();
+                assert!(!swapped.verify(&a, &key), "{n}: addr");
+                let mut other_owner = a.clone();
+                other_owner.owner_pubkey = match a.owner_pubkey {
+                    Some(_) => None,
+                    None => Some(s(&c["party_b"], "host_pubkey").to_string()),
+                };
+                assert!(!join.verify(&other_owner, &key), "{n}: owner");
+                let mut other_key = key;
+                other_key[0] ^= 1;
+                assert!(!join.verify(&a, &other_key), "{n}: key");
+                assert!(!accept.verify(&a, &b, &other_key), "{n}: key");
+            }
+            "sas" => {
+                let mut offers = Vec::new();
+                for side in ["a", "b"] {
+                    let offer = &c[format!("offer_{side}")];
+                    assert_eq!(
+                        canonical::to_string(offer).unwrap(),
+                        s(c, &format!("expected_canonical_offer_{side}")),
+                        "{n}"
+                    );
+                    assert_eq!(
+                        pairing::offer_commit(offer).unwrap(),
+                        s(c, &format!("expected_commit_{side}")),
+                        "{n}"
+                    );
+                    let typed: PairOffer = serde_json::from_value(offer.clone()).unwrap();
+                    assert_eq!(serde_json::to_value(&typed).unwrap(), *offer, "{n}");
+                    offers.push(typed);
+                }
+                let lines: Vec<Value> = pairing::sas_sorted_lines(&offers)
+                    .into_iter()
+                    .map(Value::String)
+                    .collect();
+                assert_eq!(Value::Array(lines), c["expected_sorted_lines"], "{n}");
+                let input = pairing::sas_input(&offers);
+                assert_eq!(input, s(c, "expected_sas_input"), "{n}");
+                assert_eq!(
+                    hash::sha256_hex(input.as_bytes()),
+                    s(c, "expected_sas_sha256"),
+                    "{n}"
+                );
+                let code = pairing::sas_code(&offers);
+                assert_eq!(code, s(c, "expected_code"), "{n}");
+                // Both sides compute the same code whatever order they list the offers in.
+                offers.reverse();
+                assert_eq!(pairing::sas_code(&offers), code, "{n}");
+            }
+            other => panic!("{n}: unknown pairing kind {other}"),
+        }
+    }
+    let want: std::collections::BTreeMap<String, usize> = [
+        ("token", 15),
+        ("token_generation", 4),
+        ("join_mac", 3),
+        ("sas", 5),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    assert_eq!(counts, want);
 }
