@@ -5,12 +5,13 @@ use rusqlite::Connection;
 use super::MailboxError;
 
 /// The schema version this binary writes.
-pub const SCHEMA_VERSION: u32 = 1;
+pub const SCHEMA_VERSION: u32 = 2;
 
 /// Migrations in order: `(version reached, SQL)`. A new schema change appends a step; each
 /// step runs inside the one migration transaction.
-const MIGRATIONS: &[(u32, &str)] = &[(
-    1,
+const MIGRATIONS: &[(u32, &str)] = &[
+    (
+        1,
     r#"
 CREATE TABLE kv(k TEXT PRIMARY KEY, v TEXT NOT NULL);
 CREATE TABLE messages(
@@ -47,7 +48,85 @@ CREATE TABLE idempotency(
   key TEXT NOT NULL, scope TEXT NOT NULL, request_hash TEXT NOT NULL, status INTEGER NOT NULL,
   response TEXT NOT NULL, created_at INTEGER NOT NULL, PRIMARY KEY(scope, key));
 "#,
-)];
+    ),
+    (
+        2,
+        r#"
+-- LAN transport (wire.md §2.7, §2.9, §4): a peer's pinned LAN address and what we last heard.
+ALTER TABLE peers ADD COLUMN addr TEXT;
+ALTER TABLE peers ADD COLUMN addr_source TEXT;
+ALTER TABLE peers ADD COLUMN owner_pubkey TEXT;
+ALTER TABLE peers ADD COLUMN last_seen_at INTEGER;
+ALTER TABLE peers ADD COLUMN presence_seq INTEGER;
+-- Pairing tokens (wire.md §2.9): key = hex of the scrypt-derived K; failures burn at 5.
+CREATE TABLE pair_tokens(
+  id TEXT PRIMARY KEY, key TEXT NOT NULL, created_at INTEGER NOT NULL,
+  expires_at INTEGER NOT NULL, failures INTEGER NOT NULL DEFAULT 0,
+  state TEXT NOT NULL CHECK (state IN ('live','used','burned')), used_by TEXT);
+-- Pending SAS comparisons (wire.md §2.9, Decision 10: they expire).
+CREATE TABLE pair_pending(
+  host TEXT PRIMARY KEY, pubkey TEXT NOT NULL, owner_pubkey TEXT, addr TEXT,
+  nonce_local TEXT NOT NULL, nonce_remote TEXT NOT NULL, code TEXT NOT NULL,
+  created_at INTEGER NOT NULL, expires_at INTEGER NOT NULL);
+-- Agent directory: local mailboxes (host = this host) and peers' agents (GET /v1/agents).
+CREATE TABLE agents(
+  name TEXT NOT NULL, host TEXT NOT NULL, role TEXT, description TEXT,
+  last_seen INTEGER NOT NULL, PRIMARY KEY(name, host));
+-- Receipts we owe senders (spec §9, wire.md §2.11): queued by the triggers below in the
+-- transaction that changes the delivery; `wire` is the signed {rec, sig}, made once.
+CREATE TABLE receipt_outbox(
+  seq INTEGER PRIMARY KEY AUTOINCREMENT, msg_id TEXT NOT NULL, agent TEXT NOT NULL,
+  host TEXT NOT NULL, state TEXT NOT NULL, note TEXT, at INTEGER NOT NULL,
+  attempts INTEGER NOT NULL DEFAULT 0, lan_failures INTEGER NOT NULL DEFAULT 0,
+  next_at INTEGER NOT NULL, last_error TEXT, wire BLOB, created_at INTEGER NOT NULL);
+CREATE INDEX receipt_outbox_due ON receipt_outbox(next_at);
+CREATE TRIGGER deliveries_receipt_insert AFTER INSERT ON deliveries
+WHEN (SELECT origin FROM messages WHERE id = NEW.msg_id) <> 'local'
+BEGIN
+  INSERT INTO receipt_outbox(msg_id, agent, host, state, note, at, next_at, created_at)
+  SELECT NEW.msg_id, NEW.agent, m.origin,
+         CASE NEW.state WHEN 'new' THEN 'delivered' ELSE NEW.state END,
+         NEW.note, NEW.updated_at, NEW.updated_at, NEW.updated_at
+  FROM messages m WHERE m.id = NEW.msg_id;
+END;
+CREATE TRIGGER deliveries_receipt_update AFTER UPDATE OF state ON deliveries
+WHEN NEW.state <> OLD.state AND (SELECT origin FROM messages WHERE id = NEW.msg_id) <> 'local'
+BEGIN
+  INSERT INTO receipt_outbox(msg_id, agent, host, state, note, at, next_at, created_at)
+  SELECT NEW.msg_id, NEW.agent, m.origin,
+         CASE NEW.state WHEN 'new' THEN 'delivered' ELSE NEW.state END,
+         NEW.note, NEW.updated_at, NEW.updated_at, NEW.updated_at
+  FROM messages m WHERE m.id = NEW.msg_id;
+END;
+-- Receipts recipients' hosts sent us, newest per (message, recipient) by state rank then seq.
+CREATE TABLE remote_receipts(
+  msg_id TEXT NOT NULL, recipient TEXT NOT NULL, host TEXT NOT NULL, state TEXT NOT NULL,
+  at TEXT NOT NULL, note TEXT, did TEXT, seq INTEGER NOT NULL, record TEXT NOT NULL,
+  sig TEXT NOT NULL, received_at INTEGER NOT NULL, PRIMARY KEY(msg_id, recipient));
+-- Outbox: `lan_failures` drives transport selection (spec §10); `undelivered` ends a row the
+-- LAN gave up on after 72 h (never one the relay accepted); `via` says which transport settled.
+CREATE TABLE outbox_v2(
+  msg_id TEXT NOT NULL REFERENCES messages(id), host TEXT NOT NULL, target_pubkey TEXT NOT NULL,
+  state TEXT NOT NULL CHECK (state IN ('pending','relay-accepted','rejected','delivered','undelivered')),
+  attempts INTEGER NOT NULL DEFAULT 0, lan_failures INTEGER NOT NULL DEFAULT 0,
+  next_at INTEGER NOT NULL, last_error TEXT, created_at INTEGER NOT NULL,
+  wire BLOB, wire_hash TEXT,
+  relay TEXT, epoch TEXT, seq INTEGER, accept TEXT, accept_sig TEXT, accepted_at INTEGER,
+  deadline_at INTEGER, settled_at INTEGER, via TEXT,
+  PRIMARY KEY(msg_id, host));
+INSERT INTO outbox_v2(msg_id, host, target_pubkey, state, attempts, lan_failures, next_at,
+  last_error, created_at, wire, wire_hash, relay, epoch, seq, accept, accept_sig, accepted_at,
+  deadline_at, settled_at, via)
+SELECT msg_id, host, target_pubkey, state, attempts, 2, next_at, last_error, created_at, wire,
+  wire_hash, relay, epoch, seq, accept, accept_sig, accepted_at, deadline_at, settled_at,
+  CASE WHEN state = 'pending' THEN NULL ELSE 'relay' END
+FROM outbox;
+DROP TABLE outbox;
+ALTER TABLE outbox_v2 RENAME TO outbox;
+CREATE INDEX outbox_due ON outbox(state, next_at);
+"#,
+    ),
+];
 
 /// Brings `conn` to [`SCHEMA_VERSION`] in one transaction; refuses a newer file.
 pub(super) fn migrate(conn: &mut Connection) -> Result<(), MailboxError> {
@@ -82,16 +161,48 @@ mod tests {
         let path = dir.path().join("m.db");
         let mut c = Connection::open(&path).unwrap();
         migrate(&mut c).unwrap();
-        // A next schema step applies on top of version 1, in one transaction.
+        // A next schema step applies on top of the current version, in one transaction.
         let mut steps = MIGRATIONS.to_vec();
-        steps.push((2, "ALTER TABLE peers ADD COLUMN note TEXT;"));
+        steps.push((3, "ALTER TABLE peers ADD COLUMN note TEXT;"));
         migrate_with(&mut c, &steps).unwrap();
         let v: u32 = c
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .unwrap();
-        assert_eq!(v, 2);
-        // Our binary (version 1) refuses the version-2 file.
+        assert_eq!(v, 3);
+        // Our binary (version 2) refuses the version-3 file.
         let err = migrate(&mut c).unwrap_err();
-        assert!(err.to_string().contains("schema version 2"), "{err}");
+        assert!(err.to_string().contains("schema version 3"), "{err}");
+    }
+
+    #[test]
+    fn a_version_1_store_keeps_its_outbox_and_its_rows_stay_on_the_relay() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = Connection::open(dir.path().join("m.db")).unwrap();
+        migrate_with(&mut c, &MIGRATIONS[..1]).unwrap();
+        c.execute_batch(
+            "INSERT INTO messages VALUES ('m1','t','a@h','m1',NULL,'message','s','b','{}','local',1);
+             INSERT INTO messages VALUES ('m2','t','a@h','m2',NULL,'message','s','b','{}','local',1);
+             INSERT INTO peers(host, pubkey, added_at) VALUES ('work','K',1);
+             INSERT INTO outbox(msg_id, host, target_pubkey, state, attempts, next_at, created_at)
+               VALUES ('m1','work','K','pending',3,5,1);
+             INSERT INTO outbox(msg_id, host, target_pubkey, state, next_at, created_at, seq)
+               VALUES ('m2','work','K','relay-accepted',5,1,77);",
+        )
+        .unwrap();
+        migrate(&mut c).unwrap();
+        let rows: Vec<(String, String, i64, i64, Option<String>)> = c
+            .prepare("SELECT msg_id, state, attempts, lan_failures, via FROM outbox ORDER BY msg_id")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(
+            rows,
+            vec![
+                ("m1".into(), "pending".into(), 3, 2, None),
+                ("m2".into(), "relay-accepted".into(), 0, 2, Some("relay".into())),
+            ]
+        );
     }
 }

@@ -6,4 +6,5 @@
 
 pub mod alert;
 pub mod receive;
+pub mod route;
 pub mod send;

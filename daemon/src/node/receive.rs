@@ -14,6 +14,7 @@ use agentmbx_protocol::{canonical, envelope, keys::PublicKey, seal};
 
 use crate::identity::Identity;
 use crate::mailbox::{messages, peers, MailboxError};
+use crate::node::route;
 
 /// What happened to an accepted envelope.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,18 +46,41 @@ pub fn receive_sealed(
     if let Err(why) = envelope::check_shape(&env) {
         return Ok(Err(format!("bad envelope: {why}")));
     }
-    let id = env
-        .get("id")
-        .and_then(Value::as_str)
-        .unwrap_or_default()
-        .to_string();
+    let id = env.get("id").and_then(Value::as_str).unwrap_or_default();
     if id != item_id {
         return Ok(Err("item id is not the envelope id".into()));
     }
     let Some(peer) = peers::by_key(conn, sender_pubkey)? else {
         return Ok(Err("host not paired".into()));
     };
-    let Ok(key) = PublicKey::from_b64(&peer.pubkey) else {
+    receive(conn, ident, &env, &peer, now_ms)
+}
+
+/// `receive(env, via)` (`wire.md` §4): every check in order, for an envelope that came from
+/// the pinned peer `via` (over the LAN: the hop's verified host; over the relay: the item's
+/// verified sender key). Shape → `sig.host` and `from` name `via` (`sender host mismatch`) →
+/// the sender's local part is a name (`bad sender address`) → host signature by the pinned key
+/// (`bad signature`) → the sealed body opens (`undecryptable body`) → dedup by id →
+/// routing → store + deliveries.
+///
+/// `Ok(Ok(verdict))` accepted or duplicate, `Ok(Err(reason))` rejected (nothing stored; the
+/// reason is the text after `rejected:`), `Err(_)` a storage fault (retry later).
+pub fn receive(
+    conn: &Connection,
+    ident: &Identity,
+    env: &Value,
+    via: &peers::Peer,
+    now_ms: i64,
+) -> Result<Result<Verdict, String>, MailboxError> {
+    if let Err(why) = envelope::check_shape(env) {
+        return Ok(Err(why));
+    }
+    let id = env
+        .get("id")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
+    let Ok(key) = PublicKey::from_b64(&via.pubkey) else {
         return Ok(Err("host not paired".into()));
     };
     // The peer's key vouches only for its own agents: `sig.host` and the host part of `from`
@@ -70,60 +94,42 @@ pub fn receive_sealed(
     let Some((sender_name, from_host)) = from.rsplit_once('@') else {
         return Ok(Err("sender host mismatch".into()));
     };
-    if sig_host != Some(peer.host.as_str()) || from_host != peer.host {
+    if sig_host != Some(via.host.as_str()) || from_host != via.host {
         return Ok(Err("sender host mismatch".into()));
     }
     if !agentmbx_protocol::limits::is_name(sender_name) {
         return Ok(Err("bad sender address".into()));
     }
-    if !envelope::verify(&env, &key) {
+    if !envelope::verify(env, &key) {
         return Ok(Err("bad signature".into()));
     }
     let Some(enc_v) = env.get("enc").filter(|e| !e.is_null()) else {
         return Ok(Err("envelope body is not sealed".into()));
     };
     let Ok(enc) = serde_json::from_value::<seal::Enc>(enc_v.clone()) else {
-        return Ok(Err("bad enc".into()));
+        return Ok(Err("undecryptable body".into()));
     };
-    let plain = match seal::open(&enc, &ident.enc_key, &id) {
-        Ok(p) => p,
-        Err(e) => return Ok(Err(e.to_string())),
+    let Ok(plain) = seal::open(&enc, &ident.enc_key, &id) else {
+        return Ok(Err("undecryptable body".into()));
     };
     // Dedup by id, but only against the same sender: a peer that learned an id (as a
     // co-recipient) must not be able to suppress another host's message by sending first.
     match messages::origin_of(conn, &id)? {
-        Some(origin) if origin == peer.host => return Ok(Ok(Verdict::Duplicate)),
+        Some(origin) if origin == via.host => return Ok(Ok(Verdict::Duplicate)),
         Some(origin) => return Ok(Err(format!("conflicting id: already stored from {origin}"))),
         None => {}
     }
-    let own = ident.host.as_str();
-    let mut recipients: Vec<String> = Vec::new();
-    for to in env
-        .get("to")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-        .filter_map(Value::as_str)
-    {
-        if let Some((name, host)) = to.split_once('@') {
-            if host == own
-                && agentmbx_protocol::limits::is_name(name)
-                && !recipients.iter().any(|d| d == name)
-            {
-                recipients.push(name.to_string());
-            }
-        }
-    }
+    let recipients = route::receive_recipients(conn, ident.host.as_str(), env)?;
     // Mail that names no agent of this host would be stored where no inbox shows it: refuse
-    // it to quarantine instead, where the owner sees it (spec §4: never dropped silently).
+    // it instead, where the sender and the owner see it (spec §4: never dropped silently).
     if recipients.is_empty() {
-        return Ok(Err(format!("no recipient on this host ({own})")));
+        return Ok(Err(format!("no recipient on this host ({})", ident.host)));
     }
     let mut stored = env.clone();
     if let Value::Object(map) = &mut stored {
         map.insert("body".into(), Value::String(plain));
     }
-    messages::insert(conn, &stored, &peer.host, now_ms)?;
+    messages::insert(conn, &stored, &via.host, now_ms)?;
     for name in &recipients {
         messages::deliver(conn, &id, name, now_ms)?;
     }

@@ -1420,7 +1420,7 @@ async fn rejected_items_go_to_quarantine_and_the_checkpoint_advances_past_them()
         got,
         vec![
             (2, "bad signature"),
-            (3, "undecryptable"),
+            (3, "undecryptable body"),
             (5, "host not paired"),
             (6, "sender host mismatch"),
             (7, "envelope body is not sealed"),
