@@ -26,6 +26,14 @@ pub const API_PORT_ENV: &str = "MBX_API_PORT";
 pub const API_BIND_ENV: &str = "MBX_API_BIND";
 /// Overrides [`Config::lan_port`].
 pub const LAN_PORT_ENV: &str = "MBX_LAN_PORT";
+/// Overrides [`Config::lan_bind`].
+pub const LAN_BIND_ENV: &str = "MBX_LAN_BIND";
+/// Overrides [`Config::advertise`] (0.5.x `MBX_ADVERTISE`).
+pub const ADVERTISE_ENV: &str = "MBX_ADVERTISE";
+/// Overrides [`Config::self_addrs`]: comma-separated IPs (0.5.x `MBX_SELF_ADDRS`).
+pub const SELF_ADDRS_ENV: &str = "MBX_SELF_ADDRS";
+/// `MBX_NO_MDNS=1` turns mDNS off ([`Config::mdns`] = false), as in 0.5.x.
+pub const NO_MDNS_ENV: &str = "MBX_NO_MDNS";
 /// Overrides the relay URL ([`RelayConfig::url`]); a pinned key from the file is kept only when
 /// the URL is the same.
 pub const RELAY_URL_ENV: &str = "MBX_RELAY_URL";
@@ -47,9 +55,19 @@ pub fn default_api_bind() -> IpAddr {
     IpAddr::V4(Ipv4Addr::LOCALHOST)
 }
 
-/// Default LAN port for host-to-host delivery (`wire.md` §5 `init --port 7373`; not served yet).
+/// Default LAN port for host-to-host delivery (`wire.md` §5 `init --port 7373`).
 pub fn default_lan_port() -> u16 {
     7373
+}
+
+/// Default LAN bind address: every IPv4 interface, so paired hosts can reach this one
+/// (`wire.md` §4, 0.5.x `config.bind`). Tests bind 127.0.0.1 or an address in their own namespace.
+pub fn default_lan_bind() -> IpAddr {
+    IpAddr::V4(Ipv4Addr::UNSPECIFIED)
+}
+
+fn default_true() -> bool {
+    true
 }
 
 /// Default relay pull interval in ms (design README: 2 s until live push exists).
@@ -70,9 +88,26 @@ pub struct Config {
     /// `api_bind`: IP address the local API binds (default 127.0.0.1).
     #[serde(default = "default_api_bind")]
     pub api_bind: IpAddr,
-    /// `lan_port`: TCP port for LAN delivery between paired hosts (default 7373; unused yet).
+    /// `lan_port`: TCP port for LAN delivery between paired hosts (default 7373; 0 picks a
+    /// free port).
     #[serde(default = "default_lan_port")]
     pub lan_port: u16,
+    /// `lan_bind`: IP address the LAN server binds (default 0.0.0.0). A loopback bind also
+    /// turns mDNS off.
+    #[serde(default = "default_lan_bind")]
+    pub lan_bind: IpAddr,
+    /// `advertise`: the `host:port` this host gives peers at pairing (default
+    /// `<hostname>.local:<lan port>`; `wire.md` §2.7).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub advertise: Option<String>,
+    /// `self_addrs`: this host's own LAN IPs as signed in status and presence (default: the
+    /// non-internal IPv4 addresses of its interfaces; `wire.md` §2.7).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub self_addrs: Vec<IpAddr>,
+    /// `mdns`: advertise and browse `_agentmbx._tcp.local` (default true; off with
+    /// `MBX_NO_MDNS=1` or a loopback `lan_bind`).
+    #[serde(default = "default_true")]
+    pub mdns: bool,
     /// `[relay]`: the relay this host pushes to and pulls from, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub relay: Option<RelayConfig>,
@@ -92,6 +127,10 @@ impl Default for Config {
             api_port: default_api_port(),
             api_bind: default_api_bind(),
             lan_port: default_lan_port(),
+            lan_bind: default_lan_bind(),
+            advertise: None,
+            self_addrs: Vec::new(),
+            mdns: true,
             relay: None,
             relay_pull_interval_ms: default_relay_pull_interval_ms(),
             key_store: KeyStore::default(),
@@ -231,6 +270,25 @@ impl Config {
         if let Some(v) = get(LAN_PORT_ENV) {
             self.lan_port = parse_env(LAN_PORT_ENV, &v)?;
         }
+        if let Some(v) = get(LAN_BIND_ENV) {
+            self.lan_bind = parse_env(LAN_BIND_ENV, &v)?;
+        }
+        if let Some(v) = get(ADVERTISE_ENV) {
+            self.advertise = Some(v.trim().to_string());
+        }
+        if let Some(v) = get(SELF_ADDRS_ENV) {
+            self.self_addrs = v
+                .split(',')
+                .map(str::trim)
+                .filter(|a| !a.is_empty())
+                .map(|a| parse_env(SELF_ADDRS_ENV, a))
+                .collect::<Result<_, _>>()?;
+        }
+        if let Some(v) = get(NO_MDNS_ENV) {
+            if v.trim() != "0" {
+                self.mdns = false;
+            }
+        }
         if let Some(v) = get(RELAY_PULL_INTERVAL_ENV) {
             self.relay_pull_interval_ms = parse_env(RELAY_PULL_INTERVAL_ENV, &v)?;
         }
@@ -278,6 +336,16 @@ impl Config {
             }
         }
         Ok(())
+    }
+
+    /// The LAN server's socket address (`lan_bind`:`lan_port`).
+    pub fn lan_addr(&self) -> SocketAddr {
+        SocketAddr::new(self.lan_bind, self.lan_port)
+    }
+
+    /// Whether mDNS runs: `mdns` is on and the LAN server is not bound to loopback.
+    pub fn mdns_enabled(&self) -> bool {
+        self.mdns && !self.lan_bind.is_loopback()
     }
 
     /// The local API's socket address (`api_bind`:`api_port`).
