@@ -29,6 +29,7 @@ pub mod host_name;
 pub mod identity;
 pub mod mailbox;
 pub mod node;
+pub mod pairing;
 pub mod paths;
 pub mod token;
 pub mod transport;

@@ -13,6 +13,7 @@
 //! CLI command while no daemon writes the same row) writes; SQLite's lock and busy timeout make
 //! a concurrent CLI write safe.
 
+pub mod agents;
 pub mod idempotency;
 pub mod messages;
 pub mod outbox;

@@ -5,6 +5,7 @@
 //! (`crate::transport`) move wire bytes, this module decides what they mean.
 
 pub mod alert;
+pub mod receipts;
 pub mod receive;
 pub mod route;
 pub mod send;

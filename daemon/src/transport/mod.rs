@@ -1,4 +1,5 @@
-//! Transports that move wire bytes between hosts. This slice has one: the durable relay
-//! ([`relay_client`]); the LAN transport and transport selection come next.
+//! Transports that move wire bytes between hosts: the LAN ([`lan`], first choice) and the
+//! durable relay ([`relay_client`], after two failed LAN attempts; spec §10).
 
+pub mod lan;
 pub mod relay_client;
