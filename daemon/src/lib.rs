@@ -8,6 +8,7 @@
 //! Modules and what they own:
 //! - [`paths`]: the home directory (`MBX_HOME`) and the names of the files in it;
 //! - [`config`]: `config.toml`, layered defaults → file → environment, unknown keys refused;
+//! - [`discovery`]: mDNS advertisement and browsing (suggests addresses, never grants trust);
 //! - [`host_name`]: the host name rule and fitting a machine name to it;
 //! - [`identity`]: the host key and enc key files, created once, loaded at start;
 //! - [`token`]: the local API bearer token file;
@@ -24,6 +25,7 @@
 
 pub mod api;
 pub mod config;
+pub mod discovery;
 pub mod fsutil;
 pub mod host_name;
 pub mod identity;

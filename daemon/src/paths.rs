@@ -110,6 +110,12 @@ impl Paths {
     pub fn api_addr_file(&self) -> PathBuf {
         self.home.join("api.addr")
     }
+
+    /// `lan.addr`: the `host:port` the running daemon gives peers at pairing (its advertise
+    /// address, written at start), so `pair` and `join` offer the address really served.
+    pub fn lan_addr_file(&self) -> PathBuf {
+        self.home.join("lan.addr")
+    }
 }
 
 #[cfg(test)]

@@ -54,29 +54,51 @@ pub async fn read_body(body: Body, cap: usize) -> Result<Bytes, ApiError> {
 }
 
 /// [`read_body`]'s buffer.
-async fn collect(mut body: Body, cap: usize) -> Result<Vec<u8>, ApiError> {
+async fn collect(body: Body, cap: usize) -> Result<Vec<u8>, ApiError> {
+    read_capped(body, cap).await.map_err(|e| match e {
+        BodyError::TooLarge => ApiError::too_large(),
+        BodyError::Broken => ApiError::bad_request("request body could not be read"),
+    })
+}
+
+/// Why [`read_capped`] kept no body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyError {
+    /// Declared or grown past the cap; the rest was discarded for up to [`DRAIN_FOR`]
+    /// (answer 413).
+    TooLarge,
+    /// The body broke off (answer 400).
+    Broken,
+}
+
+/// The streaming body cap on its own, for any server that answers in its own error shape (the
+/// relay here; the daemon's LAN server too): a declared length over `cap`, or a body that grows
+/// past it, keeps nothing more and is discarded for up to [`DRAIN_FOR`] before
+/// [`BodyError::TooLarge`] is returned. Memory follows the bytes that arrived.
+pub async fn read_capped(mut body: Body, cap: usize) -> Result<Vec<u8>, BodyError> {
     if body.size_hint().lower() > cap as u64 {
-        return Err(refuse_oversized(body).await);
+        drain(body).await;
+        return Err(BodyError::TooLarge);
     }
     let mut buf: Vec<u8> = Vec::new();
     while let Some(data) = next_data(&mut body).await {
-        let data = data.map_err(|_| ApiError::bad_request("request body could not be read"))?;
+        let data = data.map_err(|_| BodyError::Broken)?;
         if data.len() > cap - buf.len() {
             drop(buf);
-            return Err(refuse_oversized(body).await);
+            drain(body).await;
+            return Err(BodyError::TooLarge);
         }
         buf.extend_from_slice(&data);
     }
     Ok(buf)
 }
 
-/// Discards the rest of an oversized body for up to [`DRAIN_FOR`]; the 413 to answer.
-async fn refuse_oversized(mut body: Body) -> ApiError {
+/// Discards the rest of an oversized body for up to [`DRAIN_FOR`].
+async fn drain(mut body: Body) {
     let _ = tokio::time::timeout(DRAIN_FOR, async {
         while let Some(Ok(_)) = next_data(&mut body).await {}
     })
     .await;
-    ApiError::too_large()
 }
 
 /// The body as UTF-8 text, else 400 (`wire.md` "Resolved details": raw body).

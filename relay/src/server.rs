@@ -150,16 +150,19 @@ pub async fn store_failure(store: Arc<dyn RelayStore>) -> String {
     }
 }
 
-/// How the accept loop treats each connection (from [`RelayConfig`]).
+/// How the accept loop treats each connection (the relay's from [`RelayConfig`]; the daemon's
+/// LAN server uses the same loop with its own).
 #[derive(Debug, Clone, Copy)]
-struct ConnSettings {
+pub struct ConnSettings {
+    /// Which server this is, in log lines (`relay`, `LAN`).
+    pub name: &'static str,
     /// Header-read timeout (hyper's: it also runs while a kept-alive connection waits for its
     /// next request).
-    header_read: Duration,
+    pub header_read: Duration,
     /// Keep-alive idle timeout: no request in flight for this long closes the connection.
-    keep_alive: Duration,
-    /// Most connections open at once.
-    max_connections: usize,
+    pub keep_alive: Duration,
+    /// Most connections open at once (at least 1, at most `Semaphore::MAX_PERMITS`).
+    pub max_connections: usize,
 }
 
 impl ConnSettings {
@@ -169,6 +172,7 @@ impl ConnSettings {
         };
         let max = config.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS);
         ConnSettings {
+            name: "relay",
             header_read: Duration::from_millis(
                 config
                     .header_read_timeout_ms
@@ -277,28 +281,34 @@ pub async fn serve(
 /// Accepts connections until `stop` resolves; then closes the listener (nothing listens any
 /// more), asks every connection to shut down gracefully (an idle one closes at once, one with a
 /// request in flight finishes that request and its answer first) and waits for them all.
-/// Dropping the returned future aborts the connections still open.
-async fn accept_loop(
+/// Dropping the returned future aborts the connections still open. Every request carries the
+/// peer's address as `axum::extract::ConnectInfo<SocketAddr>`.
+pub async fn accept_loop(
     listener: tokio::net::TcpListener,
     app: Router,
     settings: ConnSettings,
     stop: impl Future<Output = ()>,
 ) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(settings.max_connections));
+    let slots = Arc::new(tokio::sync::Semaphore::new(
+        settings
+            .max_connections
+            .clamp(1, tokio::sync::Semaphore::MAX_PERMITS),
+    ));
     let (closing_tx, closing_rx) = tokio::sync::watch::channel(false);
     let mut connections = tokio::task::JoinSet::new();
     let mut stop = std::pin::pin!(stop);
     loop {
-        let (tcp, slot) = tokio::select! {
+        let (tcp, remote, slot) = tokio::select! {
             biased;
             () = &mut stop => break,
-            next = next_connection(&listener, &slots, settings.max_connections) => next,
+            next = next_connection(&listener, &slots, settings) => next,
         };
         while let Some(done) = connections.try_join_next() {
-            connection_ended(done);
+            connection_ended(done, settings.name);
         }
         connections.spawn(serve_connection(
             tcp,
+            remote,
             slot,
             app.clone(),
             settings,
@@ -308,15 +318,15 @@ async fn accept_loop(
     drop(listener);
     closing_tx.send_replace(true);
     while let Some(done) = connections.join_next().await {
-        connection_ended(done);
+        connection_ended(done, settings.name);
     }
 }
 
 /// Reports a connection task that panicked (a handler panic ends only its connection).
-fn connection_ended(done: Result<(), tokio::task::JoinError>) {
+fn connection_ended(done: Result<(), tokio::task::JoinError>, name: &str) {
     if let Err(e) = done {
         if e.is_panic() {
-            tracing::error!("a relay connection task panicked");
+            tracing::error!("a {name} connection task panicked");
         }
     }
 }
@@ -326,15 +336,20 @@ fn connection_ended(done: Result<(), tokio::task::JoinError>) {
 async fn next_connection(
     listener: &tokio::net::TcpListener,
     slots: &Arc<tokio::sync::Semaphore>,
-    max_connections: usize,
-) -> (tokio::net::TcpStream, tokio::sync::OwnedSemaphorePermit) {
+    settings: ConnSettings,
+) -> (
+    tokio::net::TcpStream,
+    std::net::SocketAddr,
+    tokio::sync::OwnedSemaphorePermit,
+) {
+    let name = settings.name;
     loop {
         let slot = match slots.clone().try_acquire_owned() {
             Ok(slot) => slot,
             Err(_) => {
                 tracing::warn!(
-                    max_connections,
-                    "relay connection limit reached: new connections wait until one closes"
+                    max_connections = settings.max_connections,
+                    "{name} connection limit reached: new connections wait until one closes"
                 );
                 match slots.clone().acquire_owned().await {
                     Ok(slot) => slot,
@@ -344,7 +359,7 @@ async fn next_connection(
             }
         };
         match listener.accept().await {
-            Ok((tcp, _peer)) => return (tcp, slot),
+            Ok((tcp, remote)) => return (tcp, remote, slot),
             // About that one connection (gone before it was accepted): take the next.
             Err(e)
                 if matches!(
@@ -355,7 +370,7 @@ async fn next_connection(
                 ) => {}
             Err(e) => {
                 drop(slot);
-                tracing::error!(error = %e, "relay accept failed; retrying shortly");
+                tracing::error!(error = %e, "{name} accept failed; retrying shortly");
                 tokio::time::sleep(ACCEPT_BACKOFF).await;
             }
         }
@@ -399,6 +414,7 @@ impl Drop for InFlight {
 struct Tracked {
     inner: hyper_util::service::TowerToHyperService<Router>,
     activity: Arc<tokio::sync::watch::Sender<Activity>>,
+    remote: std::net::SocketAddr,
 }
 
 impl hyper::service::Service<hyper::Request<hyper::body::Incoming>> for Tracked {
@@ -407,7 +423,9 @@ impl hyper::service::Service<hyper::Request<hyper::body::Incoming>> for Tracked 
     type Future =
         std::pin::Pin<Box<dyn Future<Output = Result<Response, std::convert::Infallible>> + Send>>;
 
-    fn call(&self, req: hyper::Request<hyper::body::Incoming>) -> Self::Future {
+    fn call(&self, mut req: hyper::Request<hyper::body::Incoming>) -> Self::Future {
+        req.extensions_mut()
+            .insert(axum::extract::ConnectInfo(self.remote));
         let in_flight = InFlight::begin(self.activity.clone());
         let answer = self.inner.call(req);
         Box::pin(async move {
@@ -456,6 +474,7 @@ async fn closing(signal: &mut tokio::sync::watch::Receiver<bool>) {
 /// the keep-alive idle timeout and graceful shutdown once `closing_signal` says so.
 async fn serve_connection(
     tcp: tokio::net::TcpStream,
+    remote: std::net::SocketAddr,
     _slot: tokio::sync::OwnedSemaphorePermit,
     app: Router,
     settings: ConnSettings,
@@ -468,6 +487,7 @@ async fn serve_connection(
     let service = Tracked {
         inner: hyper_util::service::TowerToHyperService::new(app),
         activity: Arc::new(activity_tx),
+        remote,
     };
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(hyper_util::rt::TokioTimer::new())
@@ -483,7 +503,7 @@ async fn serve_connection(
             biased;
             served = conn.as_mut() => {
                 if let Err(e) = served {
-                    tracing::debug!(error = %e, "relay connection ended with an error");
+                    tracing::debug!(error = %e, "{} connection ended with an error", settings.name);
                 }
                 return;
             }

@@ -2,9 +2,9 @@
 //!
 //! The AgentMBX wire protocol, shared by the per-host daemon and the relay: keys and
 //! fingerprints, canonical JSON, envelopes and their shape check, body sealing, signed hops,
-//! relay records, host pairing and the wire types of the relay API. Every byte format here
-//! reproduces AgentMBX 0.5.x exactly (`wire.md` §2) and is pinned by golden vectors
-//! (`tests/vectors.rs`).
+//! relay records, host pairing, signed status and presence, and the wire types of the relay
+//! API. Every byte format here reproduces AgentMBX 0.5.x exactly (`wire.md` §2) and is pinned
+//! by golden vectors (`tests/vectors.rs`).
 //!
 //! This crate owns formats and pure computations only. It must never open a socket or a file,
 //! spawn a task, or keep global mutable state (the [`failpoint`] registry, read once from the
@@ -24,6 +24,7 @@ pub mod limits;
 pub mod pairing;
 pub mod records;
 pub mod seal;
+pub mod status;
 pub mod time;
 pub mod ulid;
 pub mod wire;

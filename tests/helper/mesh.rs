@@ -240,15 +240,43 @@ impl Host {
 
     /// Starts the daemon (fast relay pulls), with `failpoints` armed when given.
     pub fn start(&mut self, failpoints: Option<&str>) {
+        let env: Vec<(&str, &str)> = failpoints
+            .map(|fp| ("MBX_FAILPOINTS", fp))
+            .into_iter()
+            .collect();
+        self.start_with(&env);
+    }
+
+    /// Starts the daemon (fast relay pulls) with extra environment variables.
+    pub fn start_with(&mut self, env: &[(&str, &str)]) {
         assert!(self.daemon.is_none(), "{} is already running", self.name);
         let mut cmd = self.home.command(&["daemon", "--api-port", "0"]);
         cmd.env("MBX_RELAY_PULL_INTERVAL_MS", PULL_INTERVAL_MS);
-        if let Some(fp) = failpoints {
-            cmd.env("MBX_FAILPOINTS", fp);
+        for (k, v) in env {
+            cmd.env(k, v);
         }
         let daemon = Daemon::try_start(cmd)
             .unwrap_or_else(|e| panic!("{} daemon exited at start-up: {e:#?}", self.name));
         self.daemon = Some(daemon);
+    }
+
+    /// The running daemon's LAN server address (from its `LAN server listening on` line).
+    pub fn lan_addr(&self) -> std::net::SocketAddr {
+        super::lan_addr(&self.log()).expect("the daemon announced its LAN address")
+    }
+
+    /// Pairs this host (token holder, daemon running) with `joiner` over the LAN: `pair` here,
+    /// `join <this LAN address> <token>` there. Both end up pinning each other.
+    pub fn pair_with(&self, joiner: &Host) {
+        let out = self.home.run(&["pair", "--json"]);
+        out.assert_success();
+        let token = out.json()["token"].as_str().expect("token").to_string();
+        let addr = self.lan_addr().to_string();
+        joiner.home.run(&["join", &addr, &token]).assert_success();
+        wait_for(&format!("{} to pin {}", self.name, joiner.name), || {
+            (self.count("SELECT COUNT(*) FROM peers WHERE host = ?1", &joiner.name) == 1)
+                .then_some(())
+        });
     }
 
     /// The running daemon.

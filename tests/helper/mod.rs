@@ -24,6 +24,8 @@ pub const POLL: Duration = Duration::from_millis(20);
 
 /// The log line prefix that announces the local API's bound address.
 pub const LISTENING: &str = "local API listening on ";
+/// The daemon's LAN server announcement (followed by the bound address).
+pub const LAN_LISTENING: &str = "LAN server listening on ";
 
 /// The log line prefix that announces a relay's bound address.
 pub const RELAY_LISTENING: &str = "relay listening on ";
@@ -104,8 +106,8 @@ impl Home {
     }
 }
 
-/// `agentmbx <args>` with none of the caller's `MBX_*` variables (nor `PORT`), `MBX_NO_MDNS=1`
-/// and `MBX_LOG=info`.
+/// `agentmbx <args>` with none of the caller's `MBX_*` variables (nor `PORT`), `MBX_NO_MDNS=1`,
+/// the LAN server on 127.0.0.1 port 0 (`MBX_LAN_BIND`, `MBX_LAN_PORT`) and `MBX_LOG=info`.
 pub fn command(args: &[&str]) -> Command {
     let mut cmd = Command::new(bin());
     for (name, _) in std::env::vars_os() {
@@ -114,6 +116,8 @@ pub fn command(args: &[&str]) -> Command {
         }
     }
     cmd.env("MBX_NO_MDNS", "1")
+        .env("MBX_LAN_BIND", "127.0.0.1")
+        .env("MBX_LAN_PORT", "0")
         .env("MBX_LOG", "info")
         .args(args)
         .stdin(Stdio::null());
@@ -344,6 +348,11 @@ impl Drop for Daemon {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The address in the first `LAN server listening on <addr>` line of `log`.
+pub fn lan_addr(log: &str) -> Option<SocketAddr> {
+    announced_addr(log, LAN_LISTENING)
 }
 
 /// The address in the first `local API listening on <addr>` line of `log`.

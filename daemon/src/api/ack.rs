@@ -51,7 +51,7 @@ pub async fn post(
         return Err(ApiError::Invalid("note over 500 characters".into()));
     }
     let now = state.clock.now_ms();
-    idempotent(
+    let answer = idempotent(
         &state,
         &headers,
         format!("ack:{}", req.as_agent),
@@ -71,5 +71,8 @@ pub async fn post(
             Err(e) => Err(e),
         },
     )
-    .await
+    .await;
+    // An ack of mail from a peer queued an `acked` receipt (schema triggers): send it now.
+    state.wake.notify_one();
+    answer
 }

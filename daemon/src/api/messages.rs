@@ -76,5 +76,7 @@ pub async fn get(
         .mailbox
         .run(move |c| messages::read(c, &q.as_agent, &host, &id, now))
         .await?;
+    // A first read of mail from a peer queued a `read` receipt (schema triggers): send it now.
+    state.wake.notify_one();
     Ok(Json(msg))
 }

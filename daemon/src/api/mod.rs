@@ -13,10 +13,12 @@
 //! pass one to [`serve`] (tests bind port 0).
 
 pub mod ack;
+pub mod agents;
 pub mod health;
 pub mod inbox;
 pub mod messages;
 pub mod openapi;
+pub mod sent;
 
 #[cfg(test)]
 mod http_tests;
@@ -182,6 +184,8 @@ pub fn router(state: SharedState) -> Router {
         .route("/v1/messages/{id}", get(messages::get))
         .route("/v1/inbox", get(inbox::get))
         .route("/v1/ack", post(ack::post))
+        .route("/v1/sent", get(sent::get))
+        .route("/v1/agents", get(agents::get).post(agents::post))
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), require_token));

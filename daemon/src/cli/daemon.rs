@@ -14,6 +14,8 @@ use agentmbx::identity;
 use agentmbx::mailbox::Mailbox;
 use agentmbx::paths::Paths;
 use agentmbx::token::ApiToken;
+use agentmbx::pairing::PairingMemory;
+use agentmbx::transport::lan::{self, LanState};
 use agentmbx::transport::relay_client;
 use agentmbx_protocol::clock::{SharedClock, SystemClock};
 use agentmbx_protocol::{failpoint, ulid};
@@ -99,9 +101,11 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
         ids: std::sync::Mutex::new(ulid::Generator::new()),
     });
     let addr = config.api_addr();
+    let lan_addr = config.lan_addr();
     let relay = config.relay.clone();
     let pull_interval = std::time::Duration::from_millis(config.relay_pull_interval_ms);
     let addr_file = paths.api_addr_file();
+    let started_at = agentmbx_protocol::time::iso_ms(clock.now_ms());
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -110,6 +114,17 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
         // Handlers are installed before the API announces itself, so a signal sent as soon as
         // the "listening" line appears already shuts down gracefully.
         let shutdown = shutdown_signal().context("cannot install signal handlers")?;
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|s| *s).await;
+        };
+        let lan_listener = tokio::net::TcpListener::bind(lan_addr)
+            .await
+            .with_context(|| format!("cannot bind the LAN server on {lan_addr} (lan_bind, lan_port)"))?;
+        let lan_bound = lan_listener
+            .local_addr()
+            .context("cannot read the LAN server address")?;
+        tracing::info!("LAN server listening on {lan_bound}");
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("cannot bind the local API on {addr}"))?;
@@ -122,7 +137,61 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
             agentmbx::fsutil::PRIVATE_MODE,
         )
         .with_context(|| format!("cannot write {}", addr_file.display()))?;
-        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let lan_state = Arc::new(LanState {
+            ident: ident.clone(),
+            mailbox: mailbox.clone(),
+            clock: clock.clone(),
+            version: agentmbx::VERSION,
+            started_at,
+            port: lan_bound.port(),
+            advertise: advertise_addr(&config, lan_bound),
+            self_addrs: self_addrs(&config, lan_bound),
+            wake: wake.clone(),
+            pairing: PairingMemory::default(),
+        });
+        tracing::info!(advertise = %lan_state.advertise, "pairing address");
+        let lan_addr_file = paths.lan_addr_file();
+        agentmbx::fsutil::replace(
+            &lan_addr_file,
+            format!("{}\n", lan_state.advertise).as_bytes(),
+            agentmbx::fsutil::PRIVATE_MODE,
+        )
+        .with_context(|| format!("cannot write {}", lan_addr_file.display()))?;
+        let lan_task = tokio::spawn(lan::server::serve(
+            lan_listener,
+            lan_state.clone(),
+            stopped(stop_rx.clone()),
+        ));
+        let relay_configured = relay.is_some();
+        // One wake source (a send, a peer back, new receipts) fans out to each sender loop.
+        let lan_wake = Arc::new(tokio::sync::Notify::new());
+        let relay_wake = Arc::new(tokio::sync::Notify::new());
+        let fan = lan::deliver::fan_out(
+            wake.clone(),
+            vec![lan_wake.clone(), relay_wake.clone()],
+            stop_rx.clone(),
+        );
+        let client = lan::client::LanClient::new(ident.clone(), clock.clone(), lan_bound.port())
+            .context("cannot build the LAN client")?;
+        let delivery = lan::deliver::LanDelivery::new(client.clone(), mailbox.clone(), relay_configured);
+        let deliver_task = tokio::spawn(lan::deliver::run(delivery, lan_wake, stop_rx.clone()));
+        let directory_task = tokio::spawn(lan::directory::run(
+            mailbox.clone(),
+            client,
+            stopped(stop_rx.clone()),
+        ));
+        let mut discovery = match agentmbx::discovery::start(&config, lan_state.clone()) {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::warn!(error = %e, "mDNS unavailable; peers are found by their pinned address and presence only");
+                agentmbx::discovery::Discovery::disabled()
+            }
+        };
+        let presence_task = tokio::spawn(lan::presence::run(
+            lan_state.clone(),
+            discovery.ladder_source(),
+            stop_rx.clone(),
+        ));
         let relay_task = match relay {
             Some(r) => Some(tokio::spawn(relay_client::start(
                 r.url,
@@ -131,8 +200,9 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
                 mailbox.clone(),
                 clock.clone(),
                 pull_interval,
-                wake.clone(),
-                stop_rx,
+                relay_wake,
+                Some(wake.clone()),
+                stop_rx.clone(),
             ))),
             None => {
                 tracing::info!(
@@ -148,11 +218,50 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
         if let Some(task) = relay_task {
             let _ = task.await;
         }
+        for task in [deliver_task, directory_task, presence_task, fan] {
+            let _ = task.await;
+        }
+        tokio::task::spawn_blocking(move || discovery.shutdown())
+            .await
+            .ok();
+        match lan_task.await {
+            Ok(Err(e)) => tracing::warn!(error = %e, "LAN server stopped with an error"),
+            Err(e) => tracing::warn!(error = %e, "LAN server task failed"),
+            Ok(Ok(())) => {}
+        }
         let _ = std::fs::remove_file(&addr_file);
+        let _ = std::fs::remove_file(&lan_addr_file);
         served
     })?;
     tracing::info!("daemon stopped");
     Ok(())
+}
+
+/// The `host:port` this host gives peers at pairing: `advertise` when set; else the bound
+/// address when the LAN server is bound to one IP (loopback included); else
+/// `<hostname>.local:<port>` (`wire.md` §2.7 "Pairing addr").
+fn advertise_addr(config: &Config, bound: std::net::SocketAddr) -> String {
+    if let Some(a) = &config.advertise {
+        return a.clone();
+    }
+    if !bound.ip().is_unspecified() {
+        return bound.to_string();
+    }
+    let name = gethostname::gethostname().to_string_lossy().to_string();
+    let name = name.split('.').next().unwrap_or_default().to_string();
+    format!("{name}.local:{}", bound.port())
+}
+
+/// This host's own LAN IPs for status and presence: `self_addrs` when set; else the bound IP
+/// when the LAN server is bound to one.
+fn self_addrs(config: &Config, bound: std::net::SocketAddr) -> Vec<IpAddr> {
+    if !config.self_addrs.is_empty() {
+        return config.self_addrs.clone();
+    }
+    if !bound.ip().is_unspecified() {
+        return vec![bound.ip()];
+    }
+    Vec::new()
 }
 
 /// A future that completes on SIGTERM or SIGINT (Ctrl-C elsewhere). The handlers are

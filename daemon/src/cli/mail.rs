@@ -1,6 +1,6 @@
-//! `agentmbx send | inbox | read | ack`: front-ends of the local API for agents and people
-//! (`wire.md` §5 flags: `send --as <agent> --to <addr,…> --subject <s> [-m <body>|--body-file
-//! <f>|stdin]`, `inbox --as <agent>`). They talk to the running daemon over loopback with the
+//! `agentmbx send | inbox | read | ack | sent`: front-ends of the local API for agents and
+//! people (`wire.md` §5 flags: `send --as <agent> --to <addr,…> --subject <s> [-m <body>|
+//! --body-file <f>|stdin]`, `inbox --as <agent>`, `sent --as <agent>`). They talk to the running daemon over loopback with the
 //! token from `api.token`; every mutating call carries a fresh `Idempotency-Key`.
 
 use std::io::Read;
@@ -102,6 +102,23 @@ pub struct AckArgs {
     #[arg(long)]
     pub note: Option<String>,
     /// Print the answer as JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Flags of `sent`.
+#[derive(Debug, Args)]
+pub struct SentArgs {
+    /// The agent whose sent messages to list
+    #[arg(long = "as", value_name = "AGENT", env = "MBX_AGENT")]
+    pub as_agent: String,
+    /// Page size, 1..=100
+    #[arg(long, default_value_t = 20)]
+    pub limit: u32,
+    /// Cursor from a previous page
+    #[arg(long)]
+    pub cursor: Option<String>,
+    /// Print the page as JSON
     #[arg(long)]
     pub json: bool,
 }
@@ -316,6 +333,51 @@ pub fn ack(args: AckArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         println!("acked {}", out["acked"].as_u64().unwrap_or(0));
+    }
+    Ok(())
+}
+
+/// `sent`: each message newest first, then one line per recipient with its state (and the
+/// reason when undelivered).
+pub fn sent(args: SentArgs) -> anyhow::Result<()> {
+    let mut path = format!("/v1/sent?as={}&limit={}", enc(&args.as_agent), args.limit);
+    if let Some(c) = &args.cursor {
+        path.push_str(&format!("&cursor={}", enc(c)));
+    }
+    let api = Api::connect()?;
+    let page = block_on(api.call(reqwest::Method::GET, &path, None))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&page)?);
+        return Ok(());
+    }
+    let msgs = page["messages"].as_array().cloned().unwrap_or_default();
+    if msgs.is_empty() {
+        println!("no sent messages for {}", args.as_agent);
+    }
+    for m in msgs {
+        println!(
+            "{}  {}  {}",
+            m["id"].as_str().unwrap_or_default(),
+            m["ts"].as_str().unwrap_or_default(),
+            m["subject"].as_str().unwrap_or_default()
+        );
+        for r in m["recipients"].as_array().into_iter().flatten() {
+            let mut line = format!(
+                "  {}: {}",
+                r["recipient"].as_str().unwrap_or_default(),
+                r["state"].as_str().unwrap_or_default()
+            );
+            if let Some(via) = r["via"].as_str() {
+                line.push_str(&format!(" (via {via})"));
+            }
+            if let Some(why) = r["reason"].as_str() {
+                line.push_str(&format!(": {why}"));
+            }
+            println!("{line}");
+        }
+    }
+    if let Some(c) = page["next_cursor"].as_str() {
+        println!("more: agentmbx sent --as {} --cursor {c}", args.as_agent);
     }
     Ok(())
 }

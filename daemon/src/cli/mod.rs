@@ -9,9 +9,11 @@
 //! process's exit code. It must never put secrets in output or errors.
 
 pub mod daemon;
+pub mod discover;
 pub mod init;
 pub mod mail;
 pub mod man;
+pub mod pair;
 pub mod peers;
 pub mod relay;
 pub mod whoami;
@@ -75,6 +77,13 @@ pub enum Command {
     Relay(relay::RelayCommand),
     /// List peer hosts, or pin one by its host key
     Peers(peers::PeersArgs),
+    /// Pair with another host on the LAN: print a one-time token for `agentmbx join`, or
+    /// compare a 6-digit code (--compare, then `pair approve`)
+    Pair(pair::PairArgs),
+    /// Pair with the host that printed a token (`agentmbx pair` there)
+    Join(pair::JoinArgs),
+    /// List the AgentMBX hosts that answer on the LAN (mDNS, 3 s) and whether they are paired
+    Discover(discover::DiscoverArgs),
     /// Send a message from an agent on this host (through the running daemon)
     Send(mail::SendArgs),
     /// List an agent's messages
@@ -83,6 +92,8 @@ pub enum Command {
     Read(mail::ReadArgs),
     /// Acknowledge messages in an agent's mailbox
     Ack(mail::AckArgs),
+    /// List an agent's sent messages with each recipient's delivery state
+    Sent(mail::SentArgs),
     /// Write the man pages into a directory (for packagers)
     #[command(hide = true)]
     Man(man::ManArgs),
@@ -148,10 +159,14 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Daemon(args) => daemon::run(args),
         Command::Relay(cmd) => relay::run(cmd),
         Command::Peers(args) => peers::run(args),
+        Command::Pair(args) => pair::run(args),
+        Command::Join(args) => pair::join(args),
+        Command::Discover(args) => discover::run(args),
         Command::Send(args) => mail::send(args),
         Command::Inbox(args) => mail::inbox(args),
         Command::Read(args) => mail::read(args),
         Command::Ack(args) => mail::ack(args),
+        Command::Sent(args) => mail::sent(args),
         Command::Man(args) => man::run(args),
         Command::Openapi => {
             print!("{}", agentmbx::api::openapi::document());

@@ -18,6 +18,7 @@ pub mod idempotency;
 pub mod messages;
 pub mod outbox;
 pub mod peers;
+pub mod receipts;
 pub mod relay_state;
 mod schema;
 

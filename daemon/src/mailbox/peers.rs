@@ -17,7 +17,15 @@ pub struct Peer {
     pub enc_pub: Option<String>,
     /// iat (ms) of the newest accepted enc ad (rollback guard).
     pub enc_ad_iat: Option<i64>,
+    /// Pinned LAN address `host:port`, if known (`wire.md` §2.7, §4 "Presence/healing").
+    pub addr: Option<String>,
+    /// Where `addr` came from: `pair`, `cli`, `presence`, `mdns`.
+    pub addr_source: Option<String>,
+    /// Last verified LAN contact (ms), if any.
+    pub last_seen_at: Option<i64>,
 }
+
+const COLS: &str = "host, pubkey, enc_pub, enc_ad_iat, addr, addr_source, last_seen_at";
 
 fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Peer> {
     Ok(Peer {
@@ -25,6 +33,9 @@ fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Peer> {
         pubkey: r.get(1)?,
         enc_pub: r.get(2)?,
         enc_ad_iat: r.get(3)?,
+        addr: r.get(4)?,
+        addr_source: r.get(5)?,
+        last_seen_at: r.get(6)?,
     })
 }
 
@@ -59,7 +70,7 @@ pub fn add(conn: &Connection, host: &str, pubkey: &str, now_ms: i64) -> Result<b
 pub fn by_name(conn: &Connection, host: &str) -> Result<Option<Peer>, MailboxError> {
     Ok(conn
         .query_row(
-            "SELECT host, pubkey, enc_pub, enc_ad_iat FROM peers WHERE host = ?1",
+            &format!("SELECT {COLS} FROM peers WHERE host = ?1"),
             [host],
             row,
         )
@@ -70,7 +81,7 @@ pub fn by_name(conn: &Connection, host: &str) -> Result<Option<Peer>, MailboxErr
 pub fn by_key(conn: &Connection, pubkey: &str) -> Result<Option<Peer>, MailboxError> {
     Ok(conn
         .query_row(
-            "SELECT host, pubkey, enc_pub, enc_ad_iat FROM peers WHERE pubkey = ?1",
+            &format!("SELECT {COLS} FROM peers WHERE pubkey = ?1"),
             [pubkey],
             row,
         )
@@ -80,7 +91,7 @@ pub fn by_key(conn: &Connection, pubkey: &str) -> Result<Option<Peer>, MailboxEr
 /// All peers by name.
 pub fn list(conn: &Connection) -> Result<Vec<Peer>, MailboxError> {
     let mut st =
-        conn.prepare("SELECT host, pubkey, enc_pub, enc_ad_iat FROM peers ORDER BY host")?;
+        conn.prepare(&format!("SELECT {COLS} FROM peers ORDER BY host"))?;
     let rows = st.query_map([], row)?.collect::<Result<Vec<_>, _>>()?;
     Ok(rows)
 }
@@ -109,4 +120,47 @@ pub fn set_enc_key(
         params![host, enc_pub, iat_ms],
     )?;
     Ok(true)
+}
+
+/// Sets the pinned LAN address of `host` (`host:port`) and where it came from (`pair`, `cli`,
+/// `presence`, `mdns`). Errors: [`MailboxError::NotFound`] for an unknown peer.
+pub fn set_addr(
+    conn: &Connection,
+    host: &str,
+    addr: &str,
+    source: &str,
+) -> Result<(), MailboxError> {
+    let n = conn.execute(
+        "UPDATE peers SET addr = ?2, addr_source = ?3 WHERE host = ?1",
+        params![host, addr, source],
+    )?;
+    if n == 0 {
+        return Err(MailboxError::NotFound(format!("unknown peer {host}")));
+    }
+    Ok(())
+}
+
+/// Removes the peer `host` (`POST /v1/unpair`, `peers remove`). Its pending outbox rows are
+/// kept (they stay pending, visible to the sender). Returns whether a peer was removed.
+pub fn remove(conn: &Connection, host: &str) -> Result<bool, MailboxError> {
+    Ok(conn.execute("DELETE FROM peers WHERE host = ?1", [host])? == 1)
+}
+
+/// Records a verified LAN contact from `host` at `now_ms` (`peers.last_seen_at`).
+pub fn seen(conn: &Connection, host: &str, now_ms: i64) -> Result<(), MailboxError> {
+    conn.execute(
+        "UPDATE peers SET last_seen_at = ?2 WHERE host = ?1",
+        params![host, now_ms],
+    )?;
+    Ok(())
+}
+
+/// Records presence beacon `seq` from `host` when it is newer than every earlier one
+/// (`peers.presence_seq`, `wire.md` §2.7). Returns false, changing nothing, for a seq at or
+/// below the last one seen (a replay; 0 before the first) or an unknown peer.
+pub fn advance_presence_seq(conn: &Connection, host: &str, seq: i64) -> Result<bool, MailboxError> {
+    Ok(conn.execute(
+        "UPDATE peers SET presence_seq = ?2 WHERE host = ?1 AND COALESCE(presence_seq, 0) < ?2",
+        params![host, seq],
+    )? == 1)
 }

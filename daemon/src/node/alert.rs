@@ -23,6 +23,34 @@ pub fn undelivered(
     reason: &str,
     now_ms: i64,
 ) -> Result<(), MailboxError> {
+    let body = format!("Message {msg_id} to {host} will not be delivered: {reason}.");
+    undelivered_with(conn, ident, msg_id, host, reason, &body, now_ms)
+}
+
+/// The LAN outbox's alert (`wire.md` §4 "Outbox client"): as [`undelivered`], with the body
+/// `Message <id> could not be delivered to host <host>: <reason>` (`reason` is the peer's
+/// rejection, or `gave up after 72 h (<error>)`).
+pub fn undelivered_lan(
+    conn: &Connection,
+    ident: &Identity,
+    msg_id: &str,
+    host: &str,
+    reason: &str,
+    now_ms: i64,
+) -> Result<(), MailboxError> {
+    let body = format!("Message {msg_id} could not be delivered to host {host}: {reason}");
+    undelivered_with(conn, ident, msg_id, host, reason, &body, now_ms)
+}
+
+fn undelivered_with(
+    conn: &Connection,
+    ident: &Identity,
+    msg_id: &str,
+    host: &str,
+    reason: &str,
+    body: &str,
+    now_ms: i64,
+) -> Result<(), MailboxError> {
     let row: Option<(String, String)> = conn
         .query_row(
             "SELECT from_addr, subject FROM messages WHERE id = ?1 AND origin = 'local'",
@@ -41,7 +69,7 @@ pub fn undelivered(
         from: format!("{ALERT_SENDER}@{own}"),
         to: vec![format!("{agent}@{own}")],
         subject: format!("Undelivered to {host}: {subject}"),
-        body: format!("Message {msg_id} to {host} will not be delivered: {reason}."),
+        body: body.to_string(),
         kind: Some("alert".into()),
         refs: vec![format!("mbx:{msg_id}@{own}")],
         ..Draft::default()

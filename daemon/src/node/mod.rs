@@ -9,3 +9,4 @@ pub mod receipts;
 pub mod receive;
 pub mod route;
 pub mod send;
+pub mod unpair;

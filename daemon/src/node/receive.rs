@@ -122,7 +122,9 @@ pub fn receive(
     let recipients = route::receive_recipients(conn, ident.host.as_str(), env)?;
     // Mail that names no agent of this host would be stored where no inbox shows it: refuse
     // it instead, where the sender and the owner see it (spec §4: never dropped silently).
-    if recipients.is_empty() {
+    // A broadcast or role address is the exception: it reaches every matching mailbox here,
+    // and none matching is a complete delivery, stored (for dedup) with no deliveries.
+    if recipients.is_empty() && !is_broadcast(env) {
         return Ok(Err(format!("no recipient on this host ({})", ident.host)));
     }
     let mut stored = env.clone();
@@ -133,8 +135,25 @@ pub fn receive(
     for name in &recipients {
         messages::deliver(conn, &id, name, now_ms)?;
     }
+    // The sender joins the directory under its host (`wire.md` §4 receive), so a bare-name
+    // reply finds its way back.
+    conn.execute(
+        "INSERT INTO agents(name, host, last_seen) VALUES (?1, ?2, ?3)
+         ON CONFLICT(name, host) DO UPDATE SET last_seen = MAX(last_seen, excluded.last_seen)",
+        rusqlite::params![sender_name, via.host, now_ms],
+    )?;
     let delivered = recipients;
     Ok(Ok(Verdict::Stored { delivered }))
+}
+
+/// Whether the envelope's `to` holds a broadcast (`*`) or role (`role:R`) address.
+fn is_broadcast(env: &Value) -> bool {
+    env.get("to")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .any(|t| t == "*" || t.starts_with("role:"))
 }
 
 #[cfg(test)]
@@ -192,6 +211,29 @@ mod tests {
         assert_eq!(store.scalar::<i64>("SELECT COUNT(*) FROM messages"), 1);
         assert_eq!(
             store.scalar::<String>("SELECT from_addr FROM messages"),
+            "ann@work"
+        );
+    }
+
+    #[test]
+    fn a_broadcast_matching_no_mailbox_here_is_stored_without_deliveries_and_the_sender_is_known() {
+        let store = testutil::store();
+        let me = testutil::identity("home");
+        let peer = testutil::identity("work");
+        store.add_peer(&peer, true);
+        let id = "01KDVDND1K20BQNR5GAFG5HETV";
+        let wire =
+            testutil::sealed_wire(&peer, &me.enc_key.public(), id, "ann@work", &["*"], "all", T0);
+        let pk = peer.host_key.public().to_b64();
+        let v = store
+            .mailbox
+            .with(|c| receive_sealed(c, &me, &wire, id, &pk, T0))
+            .unwrap();
+        assert_eq!(v, Ok(Verdict::Stored { delivered: vec![] }));
+        assert_eq!(store.scalar::<i64>("SELECT COUNT(*) FROM messages"), 1);
+        assert_eq!(store.scalar::<i64>("SELECT COUNT(*) FROM deliveries"), 0);
+        assert_eq!(
+            store.scalar::<String>("SELECT name || '@' || host FROM agents"),
             "ann@work"
         );
     }

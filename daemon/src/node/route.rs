@@ -1,22 +1,283 @@
 //! Addressing (`wire.md` §4 "Addressing", spec G10): which local mailboxes and which paired
-//! hosts an address means, on the sending side (expansion before anything reaches a transport)
-//! and on the receiving side (which of this host's mailboxes an arriving envelope is for).
+//! hosts an address means, on the sending side ([`expand`]: before anything reaches a
+//! transport, so the relay only ever sees concrete host keys) and on the receiving side
+//! ([`receive_recipients`]: which of this host's mailboxes an arriving envelope is for).
+//!
+//! Address forms: `name`, `name@host`, `role:R`, `*`, `owner`. What a *local mailbox* is, and
+//! when a bare name is *known locally*, is defined in [`crate::mailbox::agents`].
+//!
+//! | address | sending host | receiving host |
+//! |---|---|---|
+//! | `name@<this host>` | local `name` | local `name` |
+//! | `name@<peer>` | that pinned peer (unknown → error) | ignored (not ours) |
+//! | `name` | local if known here; else the unique peer whose directory lists it (several → error); else local with a warning | local if known here and not in `meta.local_names` |
+//! | `*` | every local mailbox but the sender + every pinned peer | every local mailbox |
+//! | `role:R` | local mailboxes with role R but the sender + every pinned peer | local mailboxes with role R |
+//! | `owner` | local `owner` | local `owner` |
+//!
+//! Several addresses on one host make one target; a mailbox named twice gets one delivery. The
+//! sender lists in `meta.local_names` the names it delivered locally for bare and broadcast
+//! addresses, so a receiving host does not deliver a bare name a second time to its own
+//! namesake.
 //!
 //! This module only reads the store; it never writes and never touches the network.
+
+use std::collections::BTreeMap;
 
 use rusqlite::Connection;
 use serde_json::Value;
 
-use crate::mailbox::MailboxError;
+use agentmbx_protocol::limits;
 
-/// The local agent names an arriving envelope is delivered to on the host `own`: each
-/// `name@own` in `to`, once, in order.
+use crate::mailbox::agents::{self, OWNER};
+use crate::mailbox::{peers, MailboxError};
+
+/// How agent names are formed (NAME_RE `^[a-z0-9][a-z0-9-]{1,39}$`), for error messages.
+pub const NAME_RULE: &str =
+    "agent names are 2 to 40 characters of a-z, 0-9 and '-', not starting with '-'";
+
+/// One resolved target of one address, in the order the addresses were given.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    /// The address as the agent wrote it.
+    pub to: String,
+    /// The mailbox name: always for a local target; for a remote one when the address named it.
+    pub name: Option<String>,
+    /// The pinned peer for a remote target; `None` for a local one.
+    pub host: Option<String>,
+}
+
+/// A pinned peer the envelope goes to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteHost {
+    /// The peer's local name.
+    pub host: String,
+    /// Its pinned host key (base64): the target is the key, never the name (spec §3).
+    pub pubkey: String,
+}
+
+/// The addresses of one send expanded to concrete mailboxes and hosts (spec G10).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Expansion {
+    /// Per address, what it reached (an address may reach several targets, or none).
+    pub targets: Vec<Target>,
+    /// Local mailboxes to deliver to, each once, in first-seen order.
+    pub local: Vec<String>,
+    /// `meta.local_names`: names delivered locally for a bare or broadcast address, each once,
+    /// bare names first, at most [`limits::MAX_LOCAL_NAMES`].
+    pub local_names: Vec<String>,
+    /// Remote hosts, each once, by name: one outbox row (one relay target) per host.
+    pub remote: Vec<RemoteHost>,
+    /// Non-fatal remarks for the sender.
+    pub warnings: Vec<String>,
+}
+
+/// Why an address was refused. The caller stores nothing when it gets one.
+#[derive(Debug, thiserror::Error)]
+pub enum AddressError {
+    /// The address is malformed or ambiguous (the message says which and why).
+    #[error("{0}")]
+    Invalid(String),
+    /// `name@host` names a host that is not a pinned peer.
+    #[error("unknown host {0}")]
+    UnknownHost(String),
+    /// Reading the store failed.
+    #[error(transparent)]
+    Store(#[from] MailboxError),
+}
+
+fn bad_recipient(to: &str) -> AddressError {
+    AddressError::Invalid(format!("bad recipient {to:?}: {NAME_RULE}"))
+}
+
+/// The role of a `role:R` address, checked like a name.
+fn role_of(to: &str) -> Option<Result<&str, AddressError>> {
+    let role = to.strip_prefix("role:")?;
+    Some(if limits::is_name(role) {
+        Ok(role)
+    } else {
+        Err(AddressError::Invalid(format!(
+            "bad role in {to:?}: roles are 2 to 40 characters of a-z, 0-9 and '-', not starting with '-'"
+        )))
+    })
+}
+
+#[derive(Default)]
+struct Builder {
+    out: Expansion,
+    bare_local: Vec<String>,
+    broadcast_local: Vec<String>,
+    remote: BTreeMap<String, String>,
+}
+
+impl Builder {
+    fn local(&mut self, to: &str, name: &str) {
+        self.out.targets.push(Target {
+            to: to.into(),
+            name: Some(name.into()),
+            host: None,
+        });
+        if !self.out.local.iter().any(|n| n == name) {
+            self.out.local.push(name.into());
+        }
+    }
+
+    fn remote(&mut self, to: &str, name: Option<&str>, peer: peers::Peer) {
+        self.out.targets.push(Target {
+            to: to.into(),
+            name: name.map(Into::into),
+            host: Some(peer.host.clone()),
+        });
+        self.remote.insert(peer.host, peer.pubkey);
+    }
+
+    fn finish(mut self) -> Expansion {
+        let mut names: Vec<String> = Vec::new();
+        for n in self.bare_local.into_iter().chain(self.broadcast_local) {
+            if names.len() < limits::MAX_LOCAL_NAMES && !names.contains(&n) {
+                names.push(n);
+            }
+        }
+        self.out.local_names = names;
+        self.out.remote = self
+            .remote
+            .into_iter()
+            .map(|(host, pubkey)| RemoteHost { host, pubkey })
+            .collect();
+        self.out
+    }
+}
+
+/// Expands the addresses `to` that agent `sender` of host `own` wrote (spec G10: broadcast,
+/// role and bare names become concrete hosts before anything reaches a transport). It only
+/// reads; the first refused address ends it. Errors: [`AddressError::Invalid`] for a
+/// malformed address, a bad role, an ambiguous bare name (`name exists on a, b; address it as
+/// name@<host>`) or a send that reaches nobody; [`AddressError::UnknownHost`] for `name@host`
+/// with a host that is not pinned.
+pub fn expand(
+    conn: &Connection,
+    own: &str,
+    sender: &str,
+    to: &[String],
+) -> Result<Expansion, AddressError> {
+    let mut b = Builder::default();
+    let all_peers = peers::list(conn)?;
+    let every_peer = |b: &mut Builder, to: &str| {
+        for p in all_peers.iter().filter(|p| p.host != own) {
+            b.remote(to, None, p.clone());
+        }
+    };
+    for t in to {
+        let t = t.as_str();
+        if t == "*" {
+            for name in agents::local_mailboxes(conn, own)? {
+                if name != sender {
+                    b.local(t, &name);
+                    b.broadcast_local.push(name);
+                }
+            }
+            every_peer(&mut b, t);
+            continue;
+        }
+        if let Some(role) = role_of(t) {
+            let role = role?;
+            for name in agents::with_role(conn, own, role)? {
+                if name != sender {
+                    b.local(t, &name);
+                    b.broadcast_local.push(name);
+                }
+            }
+            every_peer(&mut b, t);
+            continue;
+        }
+        if t == OWNER {
+            b.local(t, OWNER);
+            continue;
+        }
+        if let Some((name, host)) = t.split_once('@') {
+            if !limits::is_name(name) || !limits::is_name(host) {
+                return Err(bad_recipient(t));
+            }
+            if host == own {
+                b.local(t, name);
+            } else {
+                let peer = peers::by_name(conn, host)?
+                    .ok_or_else(|| AddressError::UnknownHost(host.to_string()))?;
+                b.remote(t, Some(name), peer);
+            }
+            continue;
+        }
+        if !limits::is_name(t) {
+            return Err(bad_recipient(t));
+        }
+        let listing = agents::peers_listing(conn, own, t)?;
+        if agents::is_local(conn, own, t)? {
+            if !listing.is_empty() {
+                b.out.warnings.push(format!(
+                    "{t} also exists on {}: delivered to {t}@{own}; use {t}@<host> for the other",
+                    listing.join(", ")
+                ));
+            }
+            b.local(t, t);
+            b.bare_local.push(t.to_string());
+            continue;
+        }
+        match listing.as_slice() {
+            [host] => {
+                let peer = peers::by_name(conn, host)?
+                    .ok_or_else(|| AddressError::UnknownHost(host.clone()))?;
+                b.remote(t, Some(t), peer);
+            }
+            [] => {
+                b.out.warnings.push(format!(
+                    "{t} is not a known agent; delivered to this host's inbox for {t}"
+                ));
+                b.local(t, t);
+                b.bare_local.push(t.to_string());
+            }
+            hosts => {
+                return Err(AddressError::Invalid(format!(
+                    "{t} exists on {}; address it as {t}@<host>",
+                    hosts.join(", ")
+                )))
+            }
+        }
+    }
+    let out = b.finish();
+    if out.local.is_empty() && out.remote.is_empty() {
+        return Err(AddressError::Invalid(format!(
+            "{} reach no mailbox: no local agent matches and no host is paired",
+            to.join(", ")
+        )));
+    }
+    Ok(out)
+}
+
+/// The local agent names an arriving envelope is delivered to on the host `own` (`wire.md` §4
+/// receive, routing in receive mode), each once, in order: `name@own` → `name`; a bare `name`
+/// only when it is a local mailbox here and not listed in `meta.local_names` (the sending host
+/// delivered it to its own namesake); `*` → every local mailbox; `role:R` → the local mailboxes
+/// with role R; `owner` → `owner`. Names that are not NAME_RE and other hosts' addresses are
+/// dropped.
 pub fn receive_recipients(
-    _conn: &Connection,
+    conn: &Connection,
     own: &str,
     env: &Value,
 ) -> Result<Vec<String>, MailboxError> {
+    let skip: Vec<&str> = env
+        .get("meta")
+        .and_then(|m| m.get("local_names"))
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
     let mut recipients: Vec<String> = Vec::new();
+    let mut add = |name: &str| {
+        if limits::is_name(name) && !recipients.iter().any(|d| d == name) {
+            recipients.push(name.to_string());
+        }
+    };
     for to in env
         .get("to")
         .and_then(Value::as_array)
@@ -24,14 +285,239 @@ pub fn receive_recipients(
         .flatten()
         .filter_map(Value::as_str)
     {
-        if let Some((name, host)) = to.split_once('@') {
-            if host == own
-                && agentmbx_protocol::limits::is_name(name)
-                && !recipients.iter().any(|d| d == name)
-            {
-                recipients.push(name.to_string());
+        if to == "*" {
+            agents::local_mailboxes(conn, own)?
+                .iter()
+                .for_each(|n| add(n));
+        } else if let Some(role) = to.strip_prefix("role:") {
+            if limits::is_name(role) {
+                agents::with_role(conn, own, role)?
+                    .iter()
+                    .for_each(|n| add(n));
             }
+        } else if to == OWNER {
+            add(OWNER);
+        } else if let Some((name, host)) = to.split_once('@') {
+            if host == own {
+                add(name);
+            }
+        } else if limits::is_name(to) && !skip.contains(&to) && agents::is_local(conn, own, to)? {
+            add(to);
         }
     }
     Ok(recipients)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mailbox::agents::{register, replace_host, AgentEntry};
+    use crate::testutil::{self, T0};
+    use serde_json::json;
+
+    fn entry(name: &str) -> AgentEntry {
+        AgentEntry {
+            name: name.into(),
+            role: None,
+            cli: None,
+            description: None,
+            last_seen: None,
+        }
+    }
+
+    /// A host `home` with local agents alice, bob (dev), dan (dev); peers work (lists bob,
+    /// carol, erin) and lab (lists erin).
+    fn world() -> testutil::Store {
+        let s = testutil::store();
+        s.add_peer(&testutil::identity("work"), false);
+        s.add_peer(&testutil::identity("lab"), false);
+        s.mailbox
+            .with(|c| {
+                register(c, "home", "alice", None, None, T0)?;
+                register(c, "home", "bob", Some("dev"), None, T0)?;
+                register(c, "home", "dan", Some("dev"), None, T0)?;
+                replace_host(
+                    c,
+                    "work",
+                    &[entry("bob"), entry("carol"), entry("erin")],
+                    T0,
+                )?;
+                replace_host(c, "lab", &[entry("erin")], T0)?;
+                Ok(())
+            })
+            .unwrap();
+        s
+    }
+
+    fn exp(s: &testutil::Store, sender: &str, to: &[&str]) -> Result<Expansion, AddressError> {
+        let to: Vec<String> = to.iter().map(|t| t.to_string()).collect();
+        s.mailbox
+            .with(|c| Ok(expand(c, "home", sender, &to)))
+            .unwrap()
+    }
+
+    fn hosts(e: &Expansion) -> Vec<&str> {
+        e.remote.iter().map(|r| r.host.as_str()).collect()
+    }
+
+    #[test]
+    fn names_on_this_host_and_on_peers() {
+        let s = world();
+        let e = exp(
+            &s,
+            "alice",
+            &["bob@home", "zoe@home", "x1@work", "x2@work", "owner"],
+        )
+        .unwrap();
+        assert_eq!(e.local, vec!["bob", "zoe", "owner"]);
+        assert_eq!(hosts(&e), vec!["work"]);
+        assert!(
+            e.local_names.is_empty(),
+            "explicit addresses are not local_names"
+        );
+        assert!(e.warnings.is_empty());
+        assert_eq!(e.targets.len(), 5);
+        assert!(matches!(
+            exp(&s, "alice", &["bob", "xy@nowhere"]),
+            Err(AddressError::UnknownHost(h)) if h == "nowhere"
+        ));
+    }
+
+    #[test]
+    fn bare_names_local_first_then_the_unique_peer_listing_them() {
+        let s = world();
+        // bob is local (and also on work: a warning says so).
+        let e = exp(&s, "alice", &["bob"]).unwrap();
+        assert_eq!(
+            (e.local.clone(), hosts(&e)),
+            (vec!["bob".to_string()], vec![])
+        );
+        assert_eq!(e.local_names, vec!["bob"]);
+        assert!(
+            e.warnings[0].contains("bob also exists on work"),
+            "{:?}",
+            e.warnings
+        );
+        // carol is only on work.
+        let e = exp(&s, "alice", &["carol"]).unwrap();
+        assert!(e.local.is_empty());
+        assert_eq!(hosts(&e), vec!["work"]);
+        assert_eq!(e.targets[0].name.as_deref(), Some("carol"));
+        // nobody knows zoe: delivered here, with a warning.
+        let e = exp(&s, "alice", &["zoe"]).unwrap();
+        assert_eq!(e.local, vec!["zoe"]);
+        assert_eq!(e.local_names, vec!["zoe"]);
+        assert_eq!(
+            e.warnings,
+            vec!["zoe is not a known agent; delivered to this host's inbox for zoe"]
+        );
+    }
+
+    #[test]
+    fn a_bare_name_on_several_peers_is_refused() {
+        let s = world();
+        let err = exp(&s, "alice", &["bob", "erin"]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "erin exists on lab, work; address it as erin@<host>"
+        );
+        // A host removed from the peers no longer counts, even with stale directory rows.
+        s.mailbox
+            .with(|c| {
+                c.execute("DELETE FROM peers WHERE host = 'lab'", [])?;
+                Ok(())
+            })
+            .unwrap();
+        let e = exp(&s, "alice", &["erin"]).unwrap();
+        assert_eq!(hosts(&e), vec!["work"]);
+    }
+
+    #[test]
+    fn broadcast_and_role_reach_local_mailboxes_and_every_peer() {
+        let s = world();
+        let e = exp(&s, "alice", &["*"]).unwrap();
+        assert_eq!(
+            e.local,
+            vec!["bob", "dan"],
+            "the sender is not its own audience"
+        );
+        assert_eq!(hosts(&e), vec!["lab", "work"]);
+        assert_eq!(e.local_names, vec!["bob", "dan"]);
+        let e = exp(&s, "dan", &["role:dev"]).unwrap();
+        assert_eq!(e.local, vec!["bob"]);
+        assert_eq!(hosts(&e), vec!["lab", "work"]);
+        let e = exp(&s, "alice", &["role:ops"]).unwrap();
+        assert!(e.local.is_empty());
+        assert_eq!(hosts(&e), vec!["lab", "work"]);
+        for bad in [
+            "role:", "role:Dev", "role:-x", "Bad", "x@", "@home", "a@b@c", "",
+        ] {
+            assert!(
+                matches!(exp(&s, "alice", &[bad]), Err(AddressError::Invalid(_))),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn several_addresses_on_one_host_make_one_target_and_one_delivery() {
+        let s = world();
+        let e = exp(
+            &s,
+            "alice",
+            &["carol", "xy@work", "*", "bob", "bob@home", "role:dev"],
+        )
+        .unwrap();
+        assert_eq!(hosts(&e), vec!["lab", "work"]);
+        assert_eq!(e.local, vec!["bob", "dan"]);
+        assert_eq!(e.local_names, vec!["bob", "dan"], "bare first, each once");
+    }
+
+    #[test]
+    fn a_send_that_reaches_nobody_is_refused() {
+        let s = testutil::store();
+        let to = vec!["*".to_string()];
+        let r = s
+            .mailbox
+            .with(|c| Ok(expand(c, "home", "alice", &to)))
+            .unwrap();
+        assert!(matches!(r, Err(AddressError::Invalid(m)) if m.contains("reach no mailbox")));
+    }
+
+    fn recv(s: &testutil::Store, env: Value) -> Vec<String> {
+        s.mailbox
+            .with(|c| receive_recipients(c, "home", &env))
+            .unwrap()
+    }
+
+    #[test]
+    fn receiving_routes_each_form_to_this_hosts_mailboxes() {
+        let s = world();
+        let r = |to: Value| recv(&s, json!({"to": to, "meta": {}}));
+        assert_eq!(r(json!(["zoe@home", "bob@work", "zoe@home"])), vec!["zoe"]);
+        // Bare names only when known here.
+        assert_eq!(r(json!(["bob", "carol"])), vec!["bob"]);
+        assert_eq!(r(json!(["*"])), vec!["alice", "bob", "dan"]);
+        assert_eq!(r(json!(["role:dev", "bob@home"])), vec!["bob", "dan"]);
+        assert_eq!(
+            r(json!(["role:Bad Role", "role:ops"])),
+            Vec::<String>::new()
+        );
+        assert_eq!(r(json!(["owner"])), vec!["owner"]);
+        // Names that are not NAME_RE are dropped.
+        assert_eq!(
+            r(json!(["Bob@home", "../x@home", "-x@home", "x@home"])),
+            Vec::<String>::new()
+        );
+    }
+
+    #[test]
+    fn local_names_stop_a_second_delivery_of_a_bare_name() {
+        let s = world();
+        let env = json!({"to": ["bob", "dan", "x@home"], "meta": {"local_names": ["bob"]}});
+        assert_eq!(recv(&s, env), vec!["dan"]);
+        // Only bare addresses are affected: explicit and broadcast ones still deliver.
+        let env = json!({"to": ["bob@home", "*"], "meta": {"local_names": ["bob", "dan"]}});
+        assert_eq!(recv(&s, env), vec!["bob", "alice", "dan"]);
+    }
 }

@@ -3,10 +3,12 @@
 //! transaction (design README "Data flow"). Sealing happens later, per target, in the transport
 //! (the wire bytes are persisted before the first attempt).
 //!
-//! Addressing in this slice: `name` or `name@<this host>` is local; `name@<peer>` goes to the
-//! peer whose host key is pinned under that name (spec §3: targets are keys, never names).
-
-use std::collections::BTreeMap;
+//! Addressing (`name`, `name@host`, `role:R`, `*`, `owner`) is expanded by
+//! [`route::expand`] into local mailboxes and pinned peers before anything is stored (spec G10:
+//! the relay only ever sees concrete host keys; targets are keys, never names, spec §3). The
+//! envelope keeps `to` as the agent wrote it; the same signed envelope goes to every remote host,
+//! which routes `to` itself (`meta.local_names` lists the names delivered here for bare and
+//! broadcast addresses, so a receiving host does not deliver them again).
 
 use rusqlite::Connection;
 use serde::{Deserialize, Serialize};
@@ -15,11 +17,10 @@ use agentmbx_protocol::envelope::{self, Draft};
 use agentmbx_protocol::limits;
 
 use crate::identity::Identity;
-use crate::mailbox::{messages, outbox, peers, MailboxError};
+use crate::mailbox::{agents, messages, outbox, MailboxError};
+use crate::node::route::{self, AddressError};
 
-/// How agent names are formed (NAME_RE `^[a-z0-9][a-z0-9-]{1,39}$`), for error messages.
-pub const NAME_RULE: &str =
-    "agent names are 2 to 40 characters of a-z, 0-9 and '-', not starting with '-'";
+pub use crate::node::route::NAME_RULE;
 
 /// Recipients per message from a local agent (tighter than the network cap of 100).
 pub const MAX_LOCAL_RECIPIENTS: usize = 20;
@@ -32,7 +33,9 @@ pub const MAX_LOCAL_REFS: usize = 20;
 pub struct SendRequest {
     /// The sending agent's name on this host (NAME_RE).
     pub from: String,
-    /// Recipients: `name` (local), `name@host` (this host or a peer). 1..=20.
+    /// Recipients, 1..=20: `name` (a local mailbox, else the one paired host whose directory
+    /// lists it), `name@host` (this host or a pinned peer), `role:R` (local mailboxes with role R
+    /// and every paired host), `*` (every local mailbox and every paired host), `owner`.
     pub to: Vec<String>,
     /// One line, 1..=200 UTF-16 units (control characters become spaces).
     pub subject: String,
@@ -56,13 +59,16 @@ pub struct SendRequest {
     pub refs: Vec<String>,
 }
 
-/// How one recipient was routed.
+/// One target an address reached (an address such as `*` can reach several).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct Route {
     /// The address as given.
     pub to: String,
     /// `local` (delivered now) or `remote` (queued for the target host).
     pub route: String,
+    /// The mailbox: always for a local route; for a remote one when the address named it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
     /// Target host for remote routes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub host: Option<String>,
@@ -75,7 +81,7 @@ pub struct SendOutcome {
     pub id: String,
     /// Thread id.
     pub thread: String,
-    /// Per recipient routing.
+    /// Per address, each target it reached, in the order the addresses were given.
     pub recipients: Vec<Route>,
     /// Remote hosts with a queued outbox row.
     pub queued_for_hosts: Vec<String>,
@@ -86,7 +92,8 @@ pub struct SendOutcome {
 /// Why a send was refused. Nothing is stored when any of these is returned.
 #[derive(Debug, thiserror::Error)]
 pub enum SendError {
-    /// The request is invalid (message says what).
+    /// The request is invalid, or an address is malformed, ambiguous or reaches nobody
+    /// (message says what).
     #[error("{0}")]
     Invalid(String),
     /// A recipient host is not a known peer.
@@ -97,36 +104,12 @@ pub enum SendError {
     Store(#[from] MailboxError),
 }
 
-enum Target {
-    Local(String),
-    Remote { host: String, pubkey: String },
-}
-
-fn route(conn: &Connection, own_host: &str, to: &str) -> Result<Target, SendError> {
-    if to == "*" || to.starts_with("role:") {
-        return Err(SendError::Invalid(format!(
-            "{to}: broadcast and role addresses are not supported yet"
-        )));
-    }
-    let (name, host) = match to.split_once('@') {
-        Some((n, h)) => (n, Some(h)),
-        None => (to, None),
-    };
-    if !limits::is_name(name) {
-        return Err(SendError::Invalid(format!(
-            "bad recipient {to:?}: {NAME_RULE}"
-        )));
-    }
-    match host {
-        None => Ok(Target::Local(name.to_string())),
-        Some(h) if h == own_host => Ok(Target::Local(name.to_string())),
-        Some(h) => {
-            let peer =
-                peers::by_name(conn, h)?.ok_or_else(|| SendError::UnknownHost(h.to_string()))?;
-            Ok(Target::Remote {
-                host: peer.host,
-                pubkey: peer.pubkey,
-            })
+impl From<AddressError> for SendError {
+    fn from(e: AddressError) -> Self {
+        match e {
+            AddressError::Invalid(m) => SendError::Invalid(m),
+            AddressError::UnknownHost(h) => SendError::UnknownHost(h),
+            AddressError::Store(e) => SendError::Store(e),
         }
     }
 }
@@ -170,29 +153,19 @@ pub fn send(
             "more than {MAX_LOCAL_REFS} refs"
         )));
     }
-    let mut recipients = Vec::new();
-    let mut local = Vec::new();
-    let mut remote: BTreeMap<String, String> = BTreeMap::new();
-    for to in &req.to {
-        match route(conn, own, to)? {
-            Target::Local(name) => {
-                recipients.push(Route {
-                    to: to.clone(),
-                    route: "local".into(),
-                    host: None,
-                });
-                local.push(name);
-            }
-            Target::Remote { host, pubkey } => {
-                recipients.push(Route {
-                    to: to.clone(),
-                    route: "remote".into(),
-                    host: Some(host.clone()),
-                });
-                remote.insert(host, pubkey);
-            }
-        }
-    }
+    // The sender is a local mailbox from its first send on (`agents` module docs).
+    agents::touch(conn, own, &req.from, now_ms)?;
+    let plan = route::expand(conn, own, &req.from, &req.to)?;
+    let recipients = plan
+        .targets
+        .iter()
+        .map(|t| Route {
+            to: t.to.clone(),
+            route: if t.host.is_some() { "remote" } else { "local" }.into(),
+            name: t.name.clone(),
+            host: t.host.clone(),
+        })
+        .collect();
     let draft = Draft {
         from: format!("{}@{own}", req.from),
         to: req.to.clone(),
@@ -206,17 +179,21 @@ pub fn send(
     };
     let mut env =
         envelope::build(&draft, id, now_ms).map_err(|e| SendError::Invalid(e.to_string()))?;
+    // Signed data: set before signing (`wire.md` §2.3 `local_names[]`).
+    if !plan.local_names.is_empty() {
+        env.meta.local_names = Some(plan.local_names.clone());
+    }
     env.sign(own, &ident.host_key)
         .map_err(|e| SendError::Invalid(e.to_string()))?;
     let value = env.to_value();
     messages::insert(conn, &value, "local", now_ms)?;
-    for name in &local {
+    for name in &plan.local {
         messages::deliver(conn, &env.id, name, now_ms)?;
     }
-    for (host, pubkey) in &remote {
-        outbox::enqueue(conn, &env.id, host, pubkey, now_ms)?;
+    for r in &plan.remote {
+        outbox::enqueue(conn, &env.id, &r.host, &r.pubkey, now_ms)?;
     }
-    let mut warnings = Vec::new();
+    let mut warnings = plan.warnings;
     if env.subject != req.subject {
         warnings.push("subject was made one line and cut to 200 characters".into());
     }
@@ -224,7 +201,7 @@ pub fn send(
         id: env.id.clone(),
         thread: env.thread.clone(),
         recipients,
-        queued_for_hosts: remote.into_keys().collect(),
+        queued_for_hosts: plan.remote.into_iter().map(|r| r.host).collect(),
         warnings,
     })
 }
@@ -256,13 +233,17 @@ mod tests {
             "{err}"
         );
         assert_eq!(counts(&s), (0, 0, 0));
-        // Refused addresses store nothing either.
-        for to in ["*", "role:dev", "Bad Name", "x@"] {
+        // Refused addresses store nothing either (not even the sender's directory row).
+        for to in ["role:Dev", "role:", "Bad Name", "x@", "bo@b@c"] {
             assert!(
-                s.send(&me, "alice", &["bob", to], "s", ID, T0).is_err(),
+                matches!(
+                    s.send(&me, "alice", &["bob", to], "s", ID, T0),
+                    Err(SendError::Invalid(_))
+                ),
                 "{to}"
             );
         }
+        assert_eq!(s.scalar::<i64>("SELECT COUNT(*) FROM agents"), 0);
         assert!(s.send(&me, "Not A Name", &["bob"], "s", ID, T0).is_err());
         assert!(s.send(&me, "alice", &[], "s", ID, T0).is_err());
         assert_eq!(counts(&s), (0, 0, 0));
@@ -324,5 +305,141 @@ mod tests {
             ("pending", 0, T0, true)
         );
         assert_eq!(r.target_pubkey, peer.host_key.public().to_b64());
+    }
+
+    fn directory(s: &testutil::Store, host: &str, names: &[&str]) {
+        let entries: Vec<agents::AgentEntry> = names
+            .iter()
+            .map(|n| agents::AgentEntry {
+                name: n.to_string(),
+                role: None,
+                cli: None,
+                description: None,
+                last_seen: None,
+            })
+            .collect();
+        s.mailbox
+            .with(|c| agents::replace_host(c, host, &entries, T0))
+            .unwrap();
+    }
+
+    fn stored_envelope(s: &testutil::Store) -> serde_json::Value {
+        let env: String = s.scalar("SELECT envelope FROM messages");
+        serde_json::from_str(&env).unwrap()
+    }
+
+    #[test]
+    fn broadcast_and_role_go_to_local_mailboxes_and_once_to_every_peer() {
+        let s = testutil::store();
+        let me = testutil::identity("home");
+        s.add_peer(&testutil::identity("work"), false);
+        s.add_peer(&testutil::identity("lab"), false);
+        s.mailbox
+            .with(|c| {
+                agents::register(c, "home", "bob", Some("dev"), None, T0)?;
+                agents::register(c, "home", "carol", None, None, T0)?;
+                Ok(())
+            })
+            .unwrap();
+        let to = ["*", "role:dev", "x1@work", "owner", "bob"];
+        let out = s.send(&me, "alice", &to, "hi", ID, T0).unwrap();
+        assert_eq!(out.queued_for_hosts, vec!["lab".to_string(), "work".into()]);
+        // bob, carol, owner: each once; one outbox row per host.
+        assert_eq!(counts(&s), (1, 3, 2));
+        let delivered: String = s.scalar(
+            "SELECT group_concat(agent, ',') FROM (SELECT agent FROM deliveries ORDER BY agent)",
+        );
+        assert_eq!(delivered, "bob,carol,owner");
+        assert!(out
+            .recipients
+            .iter()
+            .any(|r| r.to == "*" && r.route == "remote" && r.host.as_deref() == Some("lab")));
+        // `to` stays as written; local_names (bare first) is signed data.
+        let env = stored_envelope(&s);
+        assert_eq!(env["to"], serde_json::json!(to));
+        assert_eq!(
+            env["meta"]["local_names"],
+            serde_json::json!(["bob", "carol"])
+        );
+        assert!(envelope::verify(&env, &me.host_key.public()));
+        // The sender became a local mailbox.
+        assert_eq!(
+            s.scalar::<i64>("SELECT COUNT(*) FROM agents WHERE name = 'alice' AND host = 'home'"),
+            1
+        );
+    }
+
+    #[test]
+    fn a_bare_name_goes_to_the_one_peer_listing_it_and_ambiguity_stores_nothing() {
+        let s = testutil::store();
+        let me = testutil::identity("home");
+        s.add_peer(&testutil::identity("work"), false);
+        s.add_peer(&testutil::identity("lab"), false);
+        directory(&s, "work", &["dave", "erin"]);
+        directory(&s, "lab", &["erin"]);
+        let err = s
+            .send(&me, "alice", &["dave", "erin"], "s", ID, T0)
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "erin exists on lab, work; address it as erin@<host>"
+        );
+        assert_eq!(counts(&s), (0, 0, 0));
+        assert_eq!(
+            s.scalar::<i64>("SELECT COUNT(*) FROM agents WHERE host = 'home'"),
+            0
+        );
+        let out = s
+            .send(&me, "alice", &["dave", "erin@lab"], "s", ID, T0)
+            .unwrap();
+        assert_eq!(out.queued_for_hosts, vec!["lab".to_string(), "work".into()]);
+        assert_eq!(counts(&s), (1, 0, 2));
+        assert!(stored_envelope(&s)["meta"].get("local_names").is_none());
+    }
+
+    #[test]
+    fn local_names_keep_the_receiving_host_from_delivering_a_bare_name_again() {
+        use crate::node::receive::{self, Verdict};
+        // home: bob is local. work: has its own bob and carol.
+        let (home, work) = (testutil::identity("home"), testutil::identity("work"));
+        let (hs, ws) = (testutil::store(), testutil::store());
+        hs.add_peer(&work, true);
+        ws.add_peer(&home, true);
+        hs.mailbox
+            .with(|c| agents::register(c, "home", "bob", None, None, T0))
+            .unwrap();
+        ws.mailbox
+            .with(|c| {
+                agents::register(c, "work", "bob", None, None, T0)?;
+                agents::register(c, "work", "carol", None, None, T0)
+            })
+            .unwrap();
+        hs.send(&home, "alice", &["bob", "carol@work"], "s", ID, T0)
+            .unwrap();
+        assert_eq!(counts(&hs), (1, 1, 1));
+        let plain: envelope::Envelope = serde_json::from_value(stored_envelope(&hs)).unwrap();
+        assert_eq!(plain.meta.local_names, Some(vec!["bob".to_string()]));
+        let sealed = agentmbx_protocol::seal::seal_envelope(
+            &plain,
+            &work.enc_key.public(),
+            "home",
+            &home.host_key,
+        )
+        .unwrap();
+        let via = ws
+            .mailbox
+            .with(|c| crate::mailbox::peers::by_name(c, "home"))
+            .unwrap()
+            .unwrap();
+        let v = ws
+            .mailbox
+            .with(|c| receive::receive(c, &work, &sealed.to_value(), &via, T0))
+            .unwrap();
+        assert_eq!(
+            v,
+            Ok(Verdict::Stored {
+                delivered: vec!["carol".into()]
+            })
+        );
     }
 }

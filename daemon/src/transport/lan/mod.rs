@@ -1,7 +1,11 @@
 //! The LAN transport (`wire.md` §2.5, §2.7, §4): the daemon's LAN server that paired hosts call
 //! with signed hops, and the client side that calls theirs.
 //!
-//! - [`LanState`]: what every LAN handler can reach.
+//! - [`LanState`]: what every LAN handler can reach;
+//! - [`server`]: the router and `serve`; [`hop`]: the signed-hop check on the server side;
+//!   [`handlers`]: one file per route;
+//! - [`client`]: the signed calls this host makes to its peers' LAN servers;
+//! - [`deliver`]: the loop that delivers the outbox and the receipts owed over the LAN.
 //!
 //! This module never trusts a name or an address: a peer is its pinned host key, and discovery
 //! or a source address only ever suggests where to find that key.
@@ -13,6 +17,17 @@ use agentmbx_protocol::clock::SharedClock;
 
 use crate::identity::Identity;
 use crate::mailbox::Mailbox;
+
+pub mod client;
+pub mod deliver;
+pub mod directory;
+pub mod handlers;
+pub mod hop;
+pub mod presence;
+pub mod server;
+
+#[cfg(test)]
+mod tests;
 
 /// What every LAN handler can reach (the pairing routes included).
 #[derive(Debug)]
@@ -42,3 +57,21 @@ pub struct LanState {
 
 /// Shared handle to [`LanState`].
 pub type SharedLan = Arc<LanState>;
+
+/// The `host:port` this host gives peers at pairing: the running daemon's advertise address
+/// (`lan.addr`, written at start) when there is one, else `advertise` from the config, else
+/// `<hostname>.local:<lan_port>` (`wire.md` §2.7 "Pairing addr").
+pub fn pairing_addr(paths: &crate::paths::Paths, config: &crate::config::Config) -> String {
+    if let Some(a) = &config.advertise {
+        return a.clone();
+    }
+    if let Ok(text) = std::fs::read_to_string(paths.lan_addr_file()) {
+        let text = text.trim();
+        if !text.is_empty() {
+            return text.to_string();
+        }
+    }
+    let name = gethostname::gethostname().to_string_lossy().to_string();
+    let name = name.split('.').next().unwrap_or_default().to_string();
+    format!("{name}.local:{}", config.lan_port)
+}

@@ -81,6 +81,9 @@ pub struct RelayClient {
     pub mailbox: Mailbox,
     /// The one clock.
     pub clock: SharedClock,
+    /// Notified after a pull stored new mail (whose delivery receipts are now owed), so the
+    /// sender loops send them without waiting for their next timer.
+    pub received: Option<Arc<tokio::sync::Notify>>,
 }
 
 impl RelayClient {
@@ -104,6 +107,7 @@ impl RelayClient {
             ident,
             mailbox,
             clock,
+            received: None,
         })
     }
 
@@ -224,9 +228,14 @@ pub async fn run(
                     tracing::info!(relay = %client.url, after_failures = failures, "relay reachable again");
                 }
                 failures = 0;
+                // Only what the relay takes (spec §10): rows the LAN takes must not spin this loop.
                 let next_due = client
                     .mailbox
-                    .run(|c| crate::mailbox::outbox::next_due_at(c))
+                    .run(|c| {
+                        let rows = crate::mailbox::outbox::next_due_for_relay(c)?;
+                        let receipts = crate::mailbox::receipts::next_due_for_relay(c)?;
+                        Ok(rows.into_iter().chain(receipts).min())
+                    })
                     .await
                     .ok()
                     .flatten();
@@ -259,7 +268,8 @@ pub async fn run(
 /// Starts the relay transport for `url`: resolves the pinned key (the configured one, the one
 /// pinned on first contact, or — when the relay cannot be reached yet — retried with a doubling
 /// delay up to 60 s, so a relay that is down at daemon start is used once it is up), then
-/// [`run`]s until `shutdown`.
+/// [`run`]s until `shutdown`. `received` is notified when a pull stored new mail
+/// ([`RelayClient::received`]).
 #[allow(clippy::too_many_arguments)]
 pub async fn start(
     url: String,
@@ -269,6 +279,7 @@ pub async fn start(
     clock: SharedClock,
     pull_interval: Duration,
     wake: Arc<tokio::sync::Notify>,
+    received: Option<Arc<tokio::sync::Notify>>,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
     let mut delay = Duration::from_millis(500);
@@ -291,7 +302,10 @@ pub async fn start(
     };
     tracing::info!(relay = %url, relay_fingerprint = %key.fingerprint(), "relay transport on");
     match RelayClient::new(&url, key, ident, mailbox, clock) {
-        Ok(client) => run(client, pull_interval, wake, shutdown).await,
+        Ok(mut client) => {
+            client.received = received;
+            run(client, pull_interval, wake, shutdown).await
+        }
         Err(e) => tracing::error!(relay = %url, error = %e, "relay transport off"),
     }
 }
@@ -299,6 +313,7 @@ pub async fn start(
 async fn pass(client: &RelayClient) -> Result<(), RelayError> {
     let session = client.open_session().await?;
     client.push_due(&session).await?;
+    client.push_receipts(&session).await?;
     client.retry_quarantined().await?;
     client.pull_pass(&session).await?;
     Ok(())

@@ -7,6 +7,10 @@
 //! order (a crash mid-page re-pulls the rest, and receiver dedup absorbs the repeats). Only after
 //! that commit is `POST /v2/relay/ack {epoch, through}` sent; a lost ack is covered by the next.
 //!
+//! An envelope item goes to `node::receive`; a receipt item (spec §9) to
+//! `node::receipts::accept` with no LAN hop and the item's sender key, which must be the
+//! recipient host's pinned key. A `rejected:<why>` of either goes to quarantine as `<why>`.
+//!
 //! Going back in time is an epoch change (spec §4): a 409, another epoch, `head_seq` below the
 //! checkpoint, or BAD_ACK reset the position to 0 and everything is pulled again.
 
@@ -15,8 +19,55 @@ use agentmbx_protocol::{b64, failpoint};
 
 use super::session::Session;
 use super::{RelayClient, RelayError};
-use crate::mailbox::relay_state;
-use crate::node::receive::{self, Verdict};
+use crate::mailbox::{relay_state, MailboxError};
+use crate::node::receive;
+
+/// What processing one item came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Verdict {
+    /// An envelope was stored for these local agents.
+    Stored { delivered: Vec<String> },
+    /// An envelope that was already stored.
+    Duplicate,
+    /// A delivery receipt: `accepted`, `duplicate` or `stale`.
+    Receipt(String),
+}
+
+impl From<receive::Verdict> for Verdict {
+    fn from(v: receive::Verdict) -> Self {
+        match v {
+            receive::Verdict::Stored { delivered } => Verdict::Stored { delivered },
+            receive::Verdict::Duplicate => Verdict::Duplicate,
+        }
+    }
+}
+
+/// Applies a receipt item (spec §9: `acceptReceipt(node, item, null)`): the wire is
+/// `canonical({rec, sig})`, the pushing key must be the recipient host's pinned key. Accepted,
+/// duplicate and stale receipts are done; `rejected:<why>` becomes the quarantine reason `<why>`.
+fn receive_receipt(
+    conn: &rusqlite::Connection,
+    own_host: &str,
+    wire: &[u8],
+    item: &PullItem,
+    now_ms: i64,
+) -> Result<Result<Verdict, String>, MailboxError> {
+    let Ok(value) = agentmbx_protocol::canonical::parse(wire) else {
+        return Ok(Err("invalid receipt".into()));
+    };
+    let result = crate::node::receipts::accept(
+        conn,
+        own_host,
+        &value,
+        None,
+        Some(&item.sender_pubkey),
+        now_ms,
+    )?;
+    Ok(match result.strip_prefix("rejected:") {
+        Some(why) => Err(why.to_string()),
+        None => Ok(Verdict::Receipt(result)),
+    })
+}
 
 /// Pages per pull pass (`wire.md` §3.5).
 pub const MAX_PAGES_PER_PASS: usize = 20;
@@ -32,6 +83,8 @@ pub struct PullPass {
     pub duplicates: usize,
     /// Items put in quarantine.
     pub quarantined: usize,
+    /// Delivery receipts applied (accepted, duplicate or stale).
+    pub receipts: usize,
     /// The checkpoint after the pass.
     pub received_through: i64,
 }
@@ -162,6 +215,11 @@ impl RelayClient {
                 break;
             }
         }
+        if pass.stored > 0 {
+            if let Some(n) = &self.received {
+                n.notify_one();
+            }
+        }
         Ok(pass)
     }
 
@@ -185,10 +243,12 @@ impl RelayClient {
                     Ok(w) => (w, true),
                     Err(_) => (item.wire_b64.clone().into_bytes(), false),
                 };
-                let verdict = if item.kind != "envelope" {
+                let verdict = if item.kind != "envelope" && item.kind != "receipt" {
                     Err(format!("unsupported item kind {:?}", item.kind))
                 } else if !decoded || wire.is_empty() {
                     Err("bad wire".to_string())
+                } else if item.kind == "receipt" {
+                    receive_receipt(&tx, ident.host.as_str(), &wire, &item, now)?
                 } else {
                     receive::receive_sealed(
                         &tx,
@@ -198,6 +258,7 @@ impl RelayClient {
                         &item.sender_pubkey,
                         now,
                     )?
+                    .map(Verdict::from)
                 };
                 if let Err(reason) = &verdict {
                     relay_state::quarantine(
@@ -226,6 +287,10 @@ impl RelayClient {
                 pass.stored += 1;
             }
             (_, _, Ok(Verdict::Duplicate)) => pass.duplicates += 1,
+            (seq, id, Ok(Verdict::Receipt(result))) => {
+                tracing::info!(seq, id = %id, result = %result, "delivery receipt from the relay");
+                pass.receipts += 1;
+            }
             (seq, id, Err(reason)) => {
                 tracing::warn!(seq, id = %id, reason = %reason, "relay item quarantined");
                 pass.quarantined += 1;

@@ -9,14 +9,13 @@
 
 use serde_json::Value;
 
-use agentmbx_protocol::envelope::Envelope;
 use agentmbx_protocol::keys::EncPublicKey;
 use agentmbx_protocol::wire::{EncKeyAnswer, PushItem, PushRequest, PushResponse, PushTarget};
-use agentmbx_protocol::{b64, failpoint, hash, records, seal};
+use agentmbx_protocol::{b64, failpoint, hash, records};
 
 use super::session::Session;
 use super::{RelayClient, RelayError};
-use crate::mailbox::{outbox, peers, MailboxError};
+use crate::mailbox::{outbox, peers, receipts, MailboxError};
 
 /// Bytes of base64 wire per push request we aim under (the relay's body cap is 8 MiB).
 pub const PUSH_BYTES_BUDGET: usize = 6 * 1024 * 1024;
@@ -102,7 +101,7 @@ impl RelayClient {
     }
 
     /// Seals the row's message for its target once and persists the wire bytes; returns the
-    /// stored bytes (the first ones written, on every later call).
+    /// stored bytes (the first ones written, on every later call, by either transport).
     async fn wire_for(&self, row: &outbox::Row) -> Result<Option<Vec<u8>>, RelayError> {
         if let Some(w) = &row.wire {
             return Ok(Some(w.clone()));
@@ -110,42 +109,27 @@ impl RelayClient {
         let Some(enc_pub) = self.target_enc_key(&row.host, &row.target_pubkey).await? else {
             return Ok(None);
         };
-        let id = row.msg_id.clone();
-        let stored: String = self
+        let (r, ident) = (row.clone(), self.ident.clone());
+        let stored = self
             .mailbox
-            .run(move |c| {
-                c.query_row("SELECT envelope FROM messages WHERE id = ?1", [&id], |r| {
-                    r.get(0)
-                })
-                .map_err(MailboxError::from)
-            })
-            .await?;
-        let plain: Envelope =
-            serde_json::from_str(&stored).map_err(|e| RelayError::Malformed(e.to_string()))?;
-        let sealed = seal::seal_envelope(
-            &plain,
-            &enc_pub,
-            self.ident.host.as_str(),
-            &self.ident.host_key,
-        )
-        .map_err(|e| RelayError::Malformed(e.to_string()))?;
-        let wire = sealed.wire_json().into_bytes();
-        let wire_hash = hash::sha256_hex(&wire);
-        let (m, h) = (row.msg_id.clone(), row.host.clone());
-        Ok(Some(
-            self.mailbox
-                .run(move |c| outbox::set_wire(c, &m, &h, &wire, &wire_hash))
-                .await?,
-        ))
+            .run(move |c| outbox::seal_once(c, &r, &enc_pub, ident.host.as_str(), &ident.host_key))
+            .await;
+        match stored {
+            Ok(w) => Ok(Some(w)),
+            Err(MailboxError::Invalid(e)) => Err(RelayError::Malformed(e)),
+            Err(e) => Err(RelayError::Store(e)),
+        }
     }
 
-    /// One push pass over the due rows. Network failures leave every row of the batch pending.
+    /// One push pass over the due rows the relay takes ([`outbox::due_for_relay`], spec §10:
+    /// the LAN failed twice, the peer has no LAN address, or a relay accepted the row before).
+    /// Network failures leave every row of the batch pending.
     pub async fn push_due(&self, session: &Session) -> Result<PushPass, RelayError> {
         let now = self.clock.now_ms();
         let max_batch = session.limits.max_batch.clamp(1, 200) as usize;
         let rows = self
             .mailbox
-            .run(move |c| outbox::due(c, now, max_batch))
+            .run(move |c| outbox::due_for_relay(c, now, max_batch))
             .await?;
         let mut pass = PushPass::default();
         let mut batch: Vec<(outbox::Row, Vec<u8>)> = Vec::new();
@@ -336,6 +320,117 @@ impl RelayClient {
                     pass.failed += 1;
                 }
             }
+        }
+        Ok(pass)
+    }
+}
+
+impl RelayClient {
+    /// Pushes the due receipts the relay takes (spec §9, §10: the LAN failed twice or the peer
+    /// has no LAN address), after dropping those older than 72 h. Each is an item
+    /// `kind:"receipt"`, id `receipt:<msg>:<recipient>:<seq>`, with one target, the sending
+    /// host's pinned key, and wire `canonical({rec, sig})` signed once and reused. A verified
+    /// accept (or duplicate) removes the receipt; a rejection retrying cannot help drops it
+    /// (`receipt.rejected`, receipts are advisory); anything else backs it off.
+    pub async fn push_receipts(&self, session: &Session) -> Result<PushPass, RelayError> {
+        let now = self.clock.now_ms();
+        let max_batch = session.limits.max_batch.clamp(1, 200) as usize;
+        let ident = self.ident.clone();
+        let batch = self
+            .mailbox
+            .run(move |c| {
+                receipts::expire(c, now)?;
+                let own = ident.host.as_str();
+                let mut out = Vec::new();
+                for row in receipts::due_for_relay(c, now, max_batch)? {
+                    let wire = receipts::wire_once(c, &row, own, &ident.host_key)?;
+                    let item_id = receipts::record(&row, own).item_id();
+                    out.push((row, item_id, wire));
+                }
+                Ok(out)
+            })
+            .await?;
+        let mut pass = PushPass::default();
+        if batch.is_empty() {
+            return Ok(pass);
+        }
+        let req = PushRequest {
+            items: batch
+                .iter()
+                .map(|(row, item_id, wire)| PushItem {
+                    kind: "receipt".into(),
+                    item_id: item_id.clone(),
+                    targets: vec![PushTarget {
+                        host_pubkey: row.target_pubkey.clone().unwrap_or_default(),
+                        wire_b64: b64::encode(wire),
+                    }],
+                })
+                .collect(),
+        };
+        let body = serde_json::to_string(&req).map_err(|e| RelayError::Malformed(e.to_string()))?;
+        let results = match self
+            .call_json::<PushResponse>("POST", "/v2/relay/items", &body)
+            .await
+        {
+            Ok(r) => r.results,
+            Err(e @ RelayError::Store(_)) => return Err(e),
+            Err(e) => {
+                tracing::warn!(relay = %self.url, error = %e, receipts = batch.len(), "receipt push failed; receipts kept");
+                let seqs: Vec<i64> = batch.iter().map(|(r, _, _)| r.seq).collect();
+                let (err, now) = (e.to_string(), self.clock.now_ms());
+                self.mailbox
+                    .run(move |c| receipts::fail(c, &seqs, &err, false, false, now))
+                    .await?;
+                pass.failed = batch.len();
+                return Ok(pass);
+            }
+        };
+        let me = self.ident.host_key.public().to_b64();
+        let (mut done, mut dropped, mut failed) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, (row, item_id, wire)) in batch.iter().enumerate() {
+            let target = row.target_pubkey.clone().unwrap_or_default();
+            let result = results.get(i).filter(|r| &r.item_id == item_id);
+            match result {
+                Some(r) if r.status == "accepted" || r.status == "duplicate" => {
+                    let accept = r.accept.clone().unwrap_or(Value::Null);
+                    match records::verify_accept(
+                        &accept,
+                        r.sig.as_deref().unwrap_or(""),
+                        &self.relay_key,
+                        &me,
+                        item_id,
+                        &target,
+                        &hash::sha256_hex(wire),
+                    ) {
+                        Ok(_) => done.push(row.seq),
+                        Err(e) => failed.push((row.seq, e.to_string())),
+                    }
+                }
+                Some(r) if is_terminal(&r.status) => {
+                    tracing::warn!(event = "receipt.rejected", id = %row.msg_id, host = %row.host, reason = %r.status, "the relay refused a delivery receipt; dropped");
+                    dropped.push(row.seq);
+                }
+                Some(r) => failed.push((row.seq, r.status.clone())),
+                None => failed.push((row.seq, "missing result".to_string())),
+            }
+        }
+        pass.accepted = done.len();
+        pass.failed = dropped.len() + failed.len();
+        let now = self.clock.now_ms();
+        self.mailbox
+            .run(move |c| {
+                let tx = c.transaction()?;
+                receipts::sent(&tx, &done)?;
+                receipts::sent(&tx, &dropped)?;
+                for (seq, why) in &failed {
+                    receipts::fail(&tx, &[*seq], why, false, false, now)?;
+                }
+                tx.commit()?;
+                Ok(())
+            })
+            .await?;
+        if pass.accepted > 0 {
+            tracing::info!(relay = %self.url, receipts = pass.accepted, "delivery receipts accepted by the relay");
         }
         Ok(pass)
     }

@@ -1,0 +1,147 @@
+//! `GET /v1/agents` (the directory: this host's mailboxes and the agents paired hosts reported)
+//! and `POST /v1/agents` (register a local mailbox with an optional role and description, as
+//! `agentmbx whoami --as <agent> --role R` does). What a local mailbox is, and what `*` and
+//! `role:R` reach, is defined in [`crate::mailbox::agents`].
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::Json;
+use serde::{Deserialize, Serialize};
+
+use crate::mailbox::agents::{self, AgentEntry, DirectoryEntry};
+
+use super::{ApiError, SharedState};
+
+/// Body of `POST /v1/agents`.
+#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RegisterRequest {
+    /// The agent's name on this host (NAME_RE).
+    pub name: String,
+    /// Role (NAME_RE) that `role:<R>` addresses reach; absent keeps the stored one, `""` clears it.
+    #[serde(default)]
+    pub role: Option<String>,
+    /// One line, ≤ 200 characters; absent keeps the stored one, `""` clears it.
+    #[serde(default)]
+    pub description: Option<String>,
+}
+
+/// Answer of `GET /v1/agents`.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct DirectoryAnswer {
+    /// This host's name.
+    pub host: String,
+    /// This host's mailboxes first, then paired hosts' agents, by host then name.
+    pub agents: Vec<DirectoryEntry>,
+}
+
+/// Lists the agent directory.
+#[utoipa::path(get, path = "/v1/agents", operation_id = "list_agents",
+    responses((status = 200, body = DirectoryAnswer)),
+    security(("bearer" = [])))]
+pub async fn get(State(state): State<SharedState>) -> Result<Json<DirectoryAnswer>, ApiError> {
+    let host = state.ident.host.to_string();
+    let own = host.clone();
+    let list = state
+        .mailbox
+        .run(move |c| agents::directory(c, &own))
+        .await?;
+    Ok(Json(DirectoryAnswer { host, agents: list }))
+}
+
+/// Registers (or updates) a local mailbox; `*` reaches it from now on, and `role:<R>` when it
+/// has role R.
+#[utoipa::path(post, path = "/v1/agents", operation_id = "register_agent", request_body = RegisterRequest,
+    responses((status = 200, body = AgentEntry), (status = 400, body = super::ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn post(
+    State(state): State<SharedState>,
+    body: Bytes,
+) -> Result<Json<AgentEntry>, ApiError> {
+    let req: RegisterRequest = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::Invalid(format!("bad register request: {e}")))?;
+    let own = state.ident.host.to_string();
+    let now = state.clock.now_ms();
+    let entry = state
+        .mailbox
+        .run(move |c| {
+            agents::register(
+                c,
+                &own,
+                &req.name,
+                req.role.as_deref(),
+                req.description.as_deref(),
+                now,
+            )
+        })
+        .await?;
+    Ok(Json(entry))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::api::AppState;
+    use crate::testutil::{self, T0};
+    use crate::token::ApiToken;
+
+    #[tokio::test]
+    async fn register_then_list_and_bad_input_is_400() {
+        let store = testutil::store();
+        let ident = Arc::new(testutil::identity("home"));
+        store.add_peer(&testutil::identity("work"), false);
+        store
+            .mailbox
+            .with(|c| {
+                agents::replace_host(
+                    c,
+                    "work",
+                    &[AgentEntry {
+                        name: "carol".into(),
+                        role: None,
+                        cli: None,
+                        description: None,
+                        last_seen: None,
+                    }],
+                    T0,
+                )
+            })
+            .unwrap();
+        let state: SharedState = Arc::new(AppState {
+            host: ident.host.clone(),
+            token: ApiToken::generate(),
+            version: crate::VERSION,
+            clock: testutil::clock(),
+            ident,
+            mailbox: store.mailbox.clone(),
+            wake: Arc::new(tokio::sync::Notify::new()),
+            ids: std::sync::Mutex::new(agentmbx_protocol::ulid::Generator::new()),
+        });
+        let body = Bytes::from(r#"{"name":"bob","role":"dev","description":"builds"}"#);
+        let Json(entry) = post(State(state.clone()), body).await.unwrap();
+        assert_eq!(
+            (entry.name.as_str(), entry.role.as_deref()),
+            ("bob", Some("dev"))
+        );
+        for bad in [
+            r#"{"name":"Bob"}"#,
+            r#"{"name":"bob","role":"Dev Ops"}"#,
+            r#"{"name":"bob","color":"red"}"#,
+        ] {
+            let err = post(State(state.clone()), Bytes::from(bad))
+                .await
+                .unwrap_err();
+            assert_eq!(err.status().as_u16(), 400, "{bad}");
+        }
+        let Json(dir) = get(State(state)).await.unwrap();
+        assert_eq!(dir.host, "home");
+        let listed: Vec<(&str, &str)> = dir
+            .agents
+            .iter()
+            .map(|a| (a.name.as_str(), a.host.as_str()))
+            .collect();
+        assert_eq!(listed, vec![("bob", "home"), ("carol", "work")]);
+    }
+}

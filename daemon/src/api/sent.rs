@@ -1,0 +1,137 @@
+//! `GET /v1/sent`: the messages an agent sent, newest first, with each recipient's delivery
+//! state (spec §9; design README "Local API for agents").
+
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Query, State};
+use axum::Json;
+use serde::Deserialize;
+
+use crate::mailbox::receipts::{self, SentPage};
+
+use super::{ApiError, SharedState};
+
+/// Query of `GET /v1/sent`.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+pub struct SentQuery {
+    /// The agent whose sent messages to list.
+    #[serde(rename = "as")]
+    pub as_agent: String,
+    /// Opaque cursor from the previous page's `next_cursor`.
+    pub cursor: Option<String>,
+    /// Page size, 1..=100 (default 20); pages are also bounded to 256 KiB.
+    pub limit: Option<u32>,
+}
+
+/// Lists an agent's sent messages, newest first, each with its per-recipient state: local
+/// recipients `delivered`, `read` or `acked`; remote ones from the newest delivery receipt
+/// (`delivered`, `notified`, `read`, `acked`), else from the outbox (`queued`,
+/// `relay-accepted`, `delivered`, `undelivered` with its reason).
+#[utoipa::path(get, path = "/v1/sent", operation_id = "list_sent", params(SentQuery),
+    responses((status = 200, body = SentPage), (status = 400, body = super::ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn get(
+    State(state): State<SharedState>,
+    q: Result<Query<SentQuery>, QueryRejection>,
+) -> Result<Json<SentPage>, ApiError> {
+    let Query(q) = q?;
+    let limit = q.limit.unwrap_or(receipts::DEFAULT_SENT_LIMIT);
+    if !(1..=receipts::MAX_SENT_LIMIT).contains(&limit) {
+        return Err(ApiError::Invalid(format!(
+            "limit must be 1..={}",
+            receipts::MAX_SENT_LIMIT
+        )));
+    }
+    let host = state.ident.host.to_string();
+    let page = state
+        .mailbox
+        .run(move |c| receipts::sent_page(c, &q.as_agent, &host, q.cursor.as_deref(), limit))
+        .await?;
+    Ok(Json(page))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use serde_json::Value;
+
+    use crate::api::{AppState, SharedState};
+    use crate::testutil::{self, T0};
+    use crate::token::ApiToken;
+
+    #[tokio::test]
+    async fn sent_is_behind_the_token_bounded_and_shows_states() {
+        crate::install_tls_provider();
+        let store = testutil::store();
+        let ident = Arc::new(testutil::identity("home"));
+        store.add_peer(&testutil::identity("work"), true);
+        store
+            .send(
+                &ident,
+                "alice",
+                &["bob", "dan@work"],
+                "hi",
+                "01KDVDNA3VG2MH8KWSQRCWJZ0S",
+                T0,
+            )
+            .unwrap();
+        let token = ApiToken::generate();
+        let secret = token.expose_secret().to_string();
+        let state: SharedState = Arc::new(AppState {
+            host: ident.host.clone(),
+            token,
+            version: crate::VERSION,
+            clock: testutil::clock(),
+            ident,
+            mailbox: store.mailbox.clone(),
+            wake: Arc::new(tokio::sync::Notify::new()),
+            ids: std::sync::Mutex::new(agentmbx_protocol::ulid::Generator::new()),
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let task = tokio::spawn(async move {
+            let _ = crate::api::serve(listener, state, std::future::pending()).await;
+        });
+        let http = reqwest::Client::new();
+        let get = |path: &str, auth: bool| {
+            let mut req = http.get(format!("{base}{path}"));
+            if auth {
+                req = req.bearer_auth(&secret);
+            }
+            async move {
+                let resp = req.send().await.unwrap();
+                let status = resp.status().as_u16();
+                (status, resp.json::<Value>().await.unwrap_or(Value::Null))
+            }
+        };
+        assert_eq!(get("/v1/sent?as=alice", false).await.0, 401);
+        let (status, body) = get("/v1/sent?as=alice&limit=0", true).await;
+        assert_eq!((status, body["code"].as_str()), (400, Some("BAD_REQUEST")));
+        let (status, body) = get("/v1/sent", true).await;
+        assert_eq!((status, body["code"].as_str()), (400, Some("BAD_REQUEST")));
+        let (status, body) = get("/v1/sent?as=alice&cursor=junk", true).await;
+        assert_eq!((status, body["code"].as_str()), (400, Some("BAD_REQUEST")));
+        let (status, body) = get("/v1/sent?as=alice", true).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["next_cursor"], Value::Null);
+        let states: Vec<(String, String)> = body["messages"][0]["recipients"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                (
+                    r["recipient"].as_str().unwrap().to_string(),
+                    r["state"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            states,
+            vec![
+                ("bob@home".to_string(), "delivered".to_string()),
+                ("dan@work".to_string(), "queued".to_string())
+            ]
+        );
+        task.abort();
+    }
+}

@@ -1,0 +1,834 @@
+//! Delivery receipts in the host store (spec §9, `wire.md` §2.11, §4 "Receipts client"):
+//!
+//! - `receipt_outbox`: receipts this host owes the hosts that sent it mail. The schema-v2
+//!   triggers on `deliveries` queue a row in the transaction that changes a delivery of a
+//!   message from a peer (`new` is sent as `delivered`). A row is signed once ([`wire_once`]),
+//!   sent over the LAN or the relay ([`crate::transport::select`] decides, as for mail), deleted
+//!   when the peer or a verified relay accept took it ([`sent`]), backed off on failure
+//!   ([`fail`]), and dropped unsent after 72 h ([`expire`]: receipts are advisory).
+//! - `remote_receipts`: what peers reported for mail this host sent (written by
+//!   `node::receipts::accept`), read back with the outbox by [`sent_page`] (`GET /v1/sent`).
+//!
+//! This module never talks to the network; every function runs in the caller's connection or
+//! transaction.
+
+use std::collections::BTreeSet;
+
+use rusqlite::{params, Connection, OptionalExtension};
+use serde::Serialize;
+use serde_json::Value;
+
+use agentmbx_protocol::keys::HostKey;
+use agentmbx_protocol::limits::utf16_len;
+use agentmbx_protocol::records::Receipt;
+use agentmbx_protocol::time::iso_ms;
+
+use super::outbox::{backoff_ms, cut_error, LAN_PEER_SQL};
+use super::MailboxError;
+use crate::transport::select::LAN_FAILURES_BEFORE_RELAY;
+
+/// Receipts per request and per host in one pass (`wire.md` §4: `POST /v1/receipts` ≤200).
+pub const RECEIPT_BATCH: usize = 200;
+/// Unsent receipts are dropped after this long (ms): 72 h (`wire.md` §2.11).
+pub const RECEIPT_TTL_MS: i64 = 72 * 3_600_000;
+/// Retry delay for a peer that does not know `POST /v1/receipts` (ms): 1 h (`wire.md` §2.11).
+pub const UNSUPPORTED_RETRY_MS: i64 = 3_600_000;
+/// Longest receipt note (UTF-16 code units, `wire.md` §2.11).
+pub const MAX_NOTE: usize = 500;
+
+/// A queued receipt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Row {
+    /// `receipt_outbox.seq`: the receipt's `seq` on the wire.
+    pub seq: i64,
+    /// The message the receipt is about.
+    pub msg_id: String,
+    /// The local agent the message was delivered to.
+    pub agent: String,
+    /// The peer the receipt is owed to (the message's origin).
+    pub host: String,
+    /// `delivered`, `read` or `acked`.
+    pub state: String,
+    /// The agent's ack note, if any.
+    pub note: Option<String>,
+    /// When the delivery changed (ms).
+    pub at: i64,
+    /// Failed attempts so far.
+    pub attempts: u32,
+    /// Failed LAN attempts since the peer was last heard from (spec §10).
+    pub lan_failures: u32,
+    /// Next attempt (ms).
+    pub next_at: i64,
+    /// The signed wire `{rec, sig}` once made.
+    pub wire: Option<Vec<u8>>,
+    /// The peer's pinned host key (the relay target), when the peer is pinned.
+    pub target_pubkey: Option<String>,
+}
+
+const COLS: &str = "r.seq, r.msg_id, r.agent, r.host, r.state, r.note, r.at, r.attempts, r.lan_failures, r.next_at, r.wire, p.pubkey";
+
+fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Row> {
+    Ok(Row {
+        seq: r.get(0)?,
+        msg_id: r.get(1)?,
+        agent: r.get(2)?,
+        host: r.get(3)?,
+        state: r.get(4)?,
+        note: r.get(5)?,
+        at: r.get(6)?,
+        attempts: r.get(7)?,
+        lan_failures: r.get(8)?,
+        next_at: r.get(9)?,
+        wire: r.get(10)?,
+        target_pubkey: r.get(11)?,
+    })
+}
+
+fn lan_sql() -> String {
+    format!("{LAN_PEER_SQL} AND (r.lan_failures < :t OR NOT :r)")
+}
+
+/// Due receipts the LAN takes (same rule as mail, [`crate::transport::select`]): the peer is
+/// pinned with a LAN address and the LAN failed fewer than twice (or no relay is configured).
+/// Oldest first, at most `limit`.
+pub fn due_for_lan(
+    conn: &Connection,
+    now_ms: i64,
+    limit: usize,
+    relay_configured: bool,
+) -> Result<Vec<Row>, MailboxError> {
+    let sql = format!(
+        "SELECT {COLS} FROM receipt_outbox r JOIN peers p ON p.host = r.host
+         WHERE r.next_at <= :now AND {} ORDER BY r.seq LIMIT :limit",
+        lan_sql()
+    );
+    let mut st = conn.prepare(&sql)?;
+    let rows = st
+        .query_map(
+            rusqlite::named_params! {
+                ":now": now_ms, ":limit": limit as i64, ":t": LAN_FAILURES_BEFORE_RELAY,
+                ":r": relay_configured,
+            },
+            row,
+        )?
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(rows)
+}
+
+/// Due receipts the relay takes: the peer is pinned (its key is the target) and the LAN failed
+/// twice or the peer has no LAN address. Oldest first, at most `limit`.
+pub fn due_for_relay(
+    conn: &Connection,
+    now_ms: i64,
+    limit: usize,
+) -> Result<Vec<Row>, MailboxError> {
+    let sql = format!(
+        "SELECT {COLS} FROM receipt_outbox r JOIN peers p ON p.host = r.host
+         WHERE r.next_at <= :now AND NOT COALESCE(({}), 0) ORDER BY r.seq LIMIT :limit",
+        lan_sql()
+    );
+    let mut st = conn.prepare(&sql)?;
+    let rows = st
+        .query_map(
+            rusqlite::named_params! {
+                ":now": now_ms, ":limit": limit as i64, ":t": LAN_FAILURES_BEFORE_RELAY,
+                ":r": true,
+            },
+            row,
+        )?
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(rows)
+}
+
+/// The earliest `next_at` (ms) of receipts the LAN takes, for the LAN loop's sleep.
+pub fn next_due_for_lan(
+    conn: &Connection,
+    relay_configured: bool,
+) -> Result<Option<i64>, MailboxError> {
+    let sql = format!(
+        "SELECT MIN(r.next_at) FROM receipt_outbox r JOIN peers p ON p.host = r.host WHERE {}",
+        lan_sql()
+    );
+    Ok(conn.query_row(
+        &sql,
+        rusqlite::named_params! {":t": LAN_FAILURES_BEFORE_RELAY, ":r": relay_configured},
+        |r| r.get(0),
+    )?)
+}
+
+/// The earliest `next_at` (ms) of receipts the relay takes, for the relay loop's sleep.
+pub fn next_due_for_relay(conn: &Connection) -> Result<Option<i64>, MailboxError> {
+    let sql = format!(
+        "SELECT MIN(r.next_at) FROM receipt_outbox r JOIN peers p ON p.host = r.host
+         WHERE NOT COALESCE(({}), 0)",
+        lan_sql()
+    );
+    Ok(conn.query_row(
+        &sql,
+        rusqlite::named_params! {":t": LAN_FAILURES_BEFORE_RELAY, ":r": true},
+        |r| r.get(0),
+    )?)
+}
+
+/// The record for a queued row (`wire.md` §2.11): recipient `<agent>@<own_host>`, `at` in ISO
+/// `Z` form, `note` cut to 500 UTF-16 units and omitted when empty, `seq` the row's seq.
+pub fn record(row: &Row, own_host: &str) -> Receipt {
+    let note = row.note.as_deref().filter(|n| !n.is_empty()).map(|n| {
+        let mut out = String::new();
+        for c in n.chars() {
+            if utf16_len(&out) + c.len_utf16() > MAX_NOTE {
+                break;
+            }
+            out.push(c);
+        }
+        out
+    });
+    Receipt {
+        v: 1,
+        kind: "receipt".into(),
+        msg: row.msg_id.clone(),
+        recipient: format!("{}@{own_host}", row.agent),
+        state: row.state.clone(),
+        at: iso_ms(row.at),
+        note,
+        did: None,
+        seq: row.seq.max(1) as u64,
+    }
+}
+
+/// The row's signed wire `canonical({rec, sig})`, made and stored on first use and reused
+/// byte for byte after (the relay item's dedup is byte-exact). Errors: the row is gone
+/// ([`MailboxError::NotFound`]), or the record cannot be serialized ([`MailboxError::Invalid`]).
+pub fn wire_once(
+    conn: &Connection,
+    row: &Row,
+    own_host: &str,
+    key: &HostKey,
+) -> Result<Vec<u8>, MailboxError> {
+    if let Some(w) = &row.wire {
+        return Ok(w.clone());
+    }
+    let wire = record(row, own_host)
+        .wire(key)
+        .map_err(|e| MailboxError::Invalid(format!("receipt {}: {e}", row.seq)))?;
+    conn.execute(
+        "UPDATE receipt_outbox SET wire = ?2 WHERE seq = ?1 AND wire IS NULL",
+        params![row.seq, wire.as_bytes()],
+    )?;
+    let stored: Option<Option<Vec<u8>>> = conn
+        .query_row(
+            "SELECT wire FROM receipt_outbox WHERE seq = ?1",
+            [row.seq],
+            |r| r.get(0),
+        )
+        .optional()?;
+    stored
+        .flatten()
+        .ok_or_else(|| MailboxError::NotFound(format!("no queued receipt {}", row.seq)))
+}
+
+/// The peer (or a verified relay accept) took these receipts: they leave the queue.
+pub fn sent(conn: &Connection, seqs: &[i64]) -> Result<usize, MailboxError> {
+    let mut n = 0;
+    for s in seqs {
+        n += conn.execute("DELETE FROM receipt_outbox WHERE seq = ?1", [s])?;
+    }
+    Ok(n)
+}
+
+/// Records a failed attempt for each of `seqs`: `attempts` + 1, next attempt after
+/// `min(5 s·2^attempts, 1 h)` (1 h for a peer that does not support receipts, `unsupported`),
+/// `last_error` cut to 300 characters; `lan` also counts a LAN failure (spec §10).
+pub fn fail(
+    conn: &Connection,
+    seqs: &[i64],
+    error: &str,
+    lan: bool,
+    unsupported: bool,
+    now_ms: i64,
+) -> Result<(), MailboxError> {
+    let error = cut_error(error);
+    for s in seqs {
+        let attempts: Option<u32> = conn
+            .query_row(
+                "SELECT attempts FROM receipt_outbox WHERE seq = ?1",
+                [s],
+                |r| r.get(0),
+            )
+            .optional()?;
+        let Some(attempts) = attempts else { continue };
+        let wait = if unsupported {
+            UNSUPPORTED_RETRY_MS
+        } else {
+            backoff_ms(attempts)
+        };
+        conn.execute(
+            "UPDATE receipt_outbox SET attempts = attempts + 1,
+               lan_failures = lan_failures + CASE WHEN ?3 THEN 1 ELSE 0 END,
+               next_at = ?2, last_error = ?4 WHERE seq = ?1",
+            params![s, now_ms + wait, lan, error],
+        )?;
+    }
+    Ok(())
+}
+
+/// Drops receipts queued more than 72 h ago (receipts are advisory: no alert) and logs
+/// `receipt.expired` with the count. Returns how many were dropped.
+pub fn expire(conn: &Connection, now_ms: i64) -> Result<usize, MailboxError> {
+    let n = conn.execute(
+        "DELETE FROM receipt_outbox WHERE created_at < ?1",
+        [now_ms - RECEIPT_TTL_MS],
+    )?;
+    if n > 0 {
+        tracing::info!(
+            event = "receipt.expired",
+            count = n,
+            hours = 72,
+            "unsent delivery receipts dropped"
+        );
+    }
+    Ok(n)
+}
+
+/// "Peer is back" for receipts, as for mail (`outbox::peer_is_back`): every receipt owed to
+/// `host` is due now and goes over the LAN again (its LAN failure count drops below the
+/// handover threshold). Returns how many rows changed.
+pub fn peer_is_back(conn: &Connection, host: &str, now_ms: i64) -> Result<usize, MailboxError> {
+    Ok(conn.execute(
+        "UPDATE receipt_outbox SET next_at = MIN(next_at, ?2), lan_failures = MIN(lan_failures, ?3)
+         WHERE host = ?1 AND (next_at > ?2 OR lan_failures > ?3)",
+        params![host, now_ms, LAN_FAILURES_BEFORE_RELAY - 1],
+    )?)
+}
+
+// ---- the sender's view: GET /v1/sent ------------------------------------------------------------
+
+/// Largest `GET /v1/sent` page (count).
+pub const MAX_SENT_LIMIT: u32 = 100;
+/// Default `GET /v1/sent` page (count).
+pub const DEFAULT_SENT_LIMIT: u32 = 20;
+/// Byte budget of one sent page (sum of entry JSON sizes); a page always holds ≥1 entry.
+pub const MAX_SENT_BYTES: usize = 256 * 1024;
+
+/// The delivery state of one recipient of a sent message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+pub struct RecipientState {
+    /// `name@host` of the recipient.
+    pub recipient: String,
+    /// The recipient's host (this host for local recipients).
+    pub host: String,
+    /// Local recipients: `delivered`, `read`, `acked`. Remote ones: the newest receipt
+    /// (`delivered`, `notified`, `read`, `acked`), else from the outbox: `queued`,
+    /// `relay-accepted`, `delivered`, `undelivered`.
+    pub state: String,
+    /// ISO ms time of that state, when known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub at: Option<String>,
+    /// Why it is undelivered (the peer's, the relay's or the local reason).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// The transport that delivered it to the host: `lan`, `relay` (remote recipients).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub via: Option<String>,
+}
+
+/// One sent message with its per-recipient state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+pub struct SentMessage {
+    /// Envelope id.
+    pub id: String,
+    /// ISO ms send time.
+    pub ts: String,
+    /// Recipients as addressed.
+    pub to: Vec<String>,
+    /// Subject.
+    pub subject: String,
+    /// Kind.
+    pub kind: String,
+    /// Thread id.
+    pub thread: String,
+    /// Per recipient delivery state.
+    pub recipients: Vec<RecipientState>,
+}
+
+/// A page of sent messages.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+pub struct SentPage {
+    /// Messages, newest first.
+    pub messages: Vec<SentMessage>,
+    /// Opaque cursor for the next (older) page; absent when this page reached the end.
+    pub next_cursor: Option<String>,
+}
+
+fn parse_cursor(cursor: Option<&str>) -> Result<Option<(i64, String)>, MailboxError> {
+    match cursor {
+        None | Some("") => Ok(None),
+        Some(c) => {
+            let bad = || MailboxError::Invalid("bad cursor".into());
+            let (at, id) = c.split_once(':').ok_or_else(bad)?;
+            Ok(Some((at.parse().map_err(|_| bad())?, id.to_string())))
+        }
+    }
+}
+
+fn local_state(state: &str) -> &str {
+    if state == "new" {
+        "delivered"
+    } else {
+        state
+    }
+}
+
+/// The outbox state as the sender sees it, with the reason for an undelivered row.
+fn outbox_state(state: &str, last_error: Option<String>) -> (String, Option<String>) {
+    match state {
+        "pending" => ("queued".into(), None),
+        "rejected" | "undelivered" => ("undelivered".into(), last_error),
+        other => (other.to_string(), None),
+    }
+}
+
+/// The outbox columns the sender's view reads.
+struct OutboxView {
+    host: String,
+    state: String,
+    last_error: Option<String>,
+    via: Option<String>,
+    settled_at: Option<i64>,
+}
+
+fn recipients_of(
+    conn: &Connection,
+    msg_id: &str,
+    own_host: &str,
+    to: &[String],
+) -> Result<Vec<RecipientState>, MailboxError> {
+    let mut out: Vec<RecipientState> = Vec::new();
+    let mut seen = BTreeSet::new();
+    let deliveries: Vec<(String, String, i64)> = conn
+        .prepare("SELECT agent, state, updated_at FROM deliveries WHERE msg_id = ?1 ORDER BY seq")?
+        .query_map([msg_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
+        .collect::<Result<_, _>>()?;
+    let receipts: Vec<(String, String, String, String)> = conn
+        .prepare(
+            "SELECT recipient, host, state, at FROM remote_receipts WHERE msg_id = ?1 ORDER BY recipient",
+        )?
+        .query_map([msg_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?
+        .collect::<Result<_, _>>()?;
+    let rows: Vec<OutboxView> = conn
+        .prepare("SELECT host, state, last_error, via, settled_at FROM outbox WHERE msg_id = ?1")?
+        .query_map([msg_id], |r| {
+            Ok(OutboxView {
+                host: r.get(0)?,
+                state: r.get(1)?,
+                last_error: r.get(2)?,
+                via: r.get(3)?,
+                settled_at: r.get(4)?,
+            })
+        })?
+        .collect::<Result<_, _>>()?;
+    let via_of = |host: &str| {
+        rows.iter()
+            .find(|r| r.host == host)
+            .and_then(|r| r.via.clone())
+            .filter(|v| v == "lan" || v == "relay")
+    };
+    let local = |out: &mut Vec<RecipientState>, agent: &str, state: &str, at: i64| {
+        out.push(RecipientState {
+            recipient: format!("{agent}@{own_host}"),
+            host: own_host.to_string(),
+            state: local_state(state).to_string(),
+            at: Some(iso_ms(at)),
+            reason: None,
+            via: None,
+        });
+    };
+    for addr in to {
+        let (name, host) = match addr.split_once('@') {
+            Some((n, h)) => (n, h),
+            None => (addr.as_str(), own_host),
+        };
+        let label = format!("{name}@{host}");
+        if !seen.insert(label.clone()) {
+            continue;
+        }
+        if host == own_host {
+            if let Some((agent, state, at)) = deliveries.iter().find(|d| d.0 == name) {
+                local(&mut out, agent, state, *at);
+            }
+            continue;
+        }
+        if let Some((recipient, h, state, at)) = receipts.iter().find(|r| r.0 == label) {
+            out.push(RecipientState {
+                recipient: recipient.clone(),
+                host: h.clone(),
+                state: state.clone(),
+                at: Some(at.clone()),
+                reason: None,
+                via: via_of(h),
+            });
+            continue;
+        }
+        if let Some(row) = rows.iter().find(|r| r.host == host) {
+            let (state, reason) = outbox_state(&row.state, row.last_error.clone());
+            out.push(RecipientState {
+                recipient: label,
+                host: row.host.clone(),
+                state,
+                at: row.settled_at.map(iso_ms),
+                reason,
+                via: row.via.clone().filter(|v| v == "lan" || v == "relay"),
+            });
+        }
+    }
+    // Recipients the addresses did not name one by one (reported by a peer, or delivered here).
+    for (agent, state, at) in &deliveries {
+        if seen.insert(format!("{agent}@{own_host}")) {
+            local(&mut out, agent, state, *at);
+        }
+    }
+    for (recipient, h, state, at) in &receipts {
+        if seen.insert(recipient.clone()) {
+            out.push(RecipientState {
+                recipient: recipient.clone(),
+                host: h.clone(),
+                state: state.clone(),
+                at: Some(at.clone()),
+                reason: None,
+                via: via_of(h),
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// A page of the messages `agent` sent from this host, newest first, after `cursor`, bounded
+/// by `limit` (1..=100) and [`MAX_SENT_BYTES`], each with its per-recipient state. Errors:
+/// [`MailboxError::Invalid`] for a bad cursor.
+pub fn sent_page(
+    conn: &Connection,
+    agent: &str,
+    own_host: &str,
+    cursor: Option<&str>,
+    limit: u32,
+) -> Result<SentPage, MailboxError> {
+    let after = parse_cursor(cursor)?;
+    let limit = limit.clamp(1, MAX_SENT_LIMIT);
+    let (c_at, c_id) = after.unwrap_or((i64::MAX, String::new()));
+    let unbounded = cursor.is_none_or(str::is_empty);
+    let mut st = conn.prepare(
+        "SELECT id, ts, subject, kind, thread, envelope, received_at FROM messages
+         WHERE origin = 'local' AND from_addr = ?1
+           AND (?2 OR received_at < ?3 OR (received_at = ?3 AND id < ?4))
+         ORDER BY received_at DESC, id DESC LIMIT ?5",
+    )?;
+    let found: Vec<(String, String, String, String, String, String, i64)> = st
+        .query_map(
+            params![
+                format!("{agent}@{own_host}"),
+                unbounded,
+                c_at,
+                c_id,
+                limit + 1
+            ],
+            |r| {
+                Ok((
+                    r.get(0)?,
+                    r.get(1)?,
+                    r.get(2)?,
+                    r.get(3)?,
+                    r.get(4)?,
+                    r.get(5)?,
+                    r.get(6)?,
+                ))
+            },
+        )?
+        .collect::<Result<_, _>>()?;
+    let mut messages = Vec::new();
+    let mut bytes = 0usize;
+    let mut last: Option<(i64, String)> = None;
+    let mut cut = false;
+    for (i, (id, ts, subject, kind, thread, env, received_at)) in found.into_iter().enumerate() {
+        if i as u32 >= limit {
+            cut = true;
+            break;
+        }
+        let to: Vec<String> = serde_json::from_str::<Value>(&env)
+            .ok()
+            .and_then(|v| {
+                v.get("to").and_then(Value::as_array).map(|a| {
+                    a.iter()
+                        .filter_map(Value::as_str)
+                        .map(String::from)
+                        .collect()
+                })
+            })
+            .unwrap_or_default();
+        let recipients = recipients_of(conn, &id, own_host, &to)?;
+        let entry = SentMessage {
+            id: id.clone(),
+            ts,
+            to,
+            subject,
+            kind,
+            thread,
+            recipients,
+        };
+        let size = serde_json::to_string(&entry).map_or(0, |s| s.len());
+        if !messages.is_empty() && bytes + size > MAX_SENT_BYTES {
+            cut = true;
+            break;
+        }
+        bytes += size;
+        last = Some((received_at, id));
+        messages.push(entry);
+    }
+    Ok(SentPage {
+        messages,
+        next_cursor: if cut {
+            last.map(|(at, id)| format!("{at}:{id}"))
+        } else {
+            None
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mailbox::{messages, outbox};
+    use crate::testutil::{self, T0};
+
+    const ID: &str = "01KDVDNA3VG2MH8KWSQRCWJZ0S";
+
+    fn row(note: Option<&str>) -> Row {
+        Row {
+            seq: 7,
+            msg_id: ID.into(),
+            agent: "bob".into(),
+            host: "home".into(),
+            state: "acked".into(),
+            note: note.map(String::from),
+            at: T0,
+            attempts: 0,
+            lan_failures: 0,
+            next_at: T0,
+            wire: None,
+            target_pubkey: None,
+        }
+    }
+
+    #[test]
+    fn the_record_names_this_host_and_omits_an_empty_note() {
+        let r = record(&row(Some("")), "work");
+        assert_eq!(r.recipient, "bob@work");
+        assert_eq!(r.at, "2026-01-01T00:01:00.000Z");
+        assert_eq!((r.note.clone(), r.did.clone(), r.seq), (None, None, 7));
+        assert_eq!(r.item_id(), format!("receipt:{ID}:bob@work:7"));
+        // A note is cut to 500 UTF-16 units (an astral character counts two).
+        let long = "😀".repeat(300);
+        let r = record(&row(Some(&long)), "work");
+        assert_eq!(utf16_len(r.note.as_deref().unwrap()), 500);
+        let key = testutil::identity("work").host_key;
+        let wire = r.wire(&key).unwrap();
+        assert!(
+            agentmbx_protocol::records::parse_receipt_wire(wire.as_bytes(), &key.public()).is_ok()
+        );
+    }
+
+    #[test]
+    fn deliveries_of_mail_from_peers_queue_receipts_and_the_wire_is_made_once() {
+        let s = testutil::store();
+        let me = testutil::identity("home");
+        let work = testutil::identity("work");
+        s.add_peer(&work, true);
+        let wire = testutil::sealed_wire(
+            &work,
+            &me.enc_key.public(),
+            ID,
+            "ann@work",
+            &["bob@home"],
+            "s",
+            T0,
+        );
+        let pk = work.host_key.public().to_b64();
+        s.mailbox
+            .with(|c| {
+                let v = crate::node::receive::receive_sealed(c, &me, &wire, ID, &pk, T0)?;
+                assert!(v.is_ok());
+                messages::read(c, "bob", "home", ID, T0 + 1)?;
+                messages::ack(c, "bob", &[ID.to_string()], Some("done"), T0 + 2)?;
+                Ok(())
+            })
+            .unwrap();
+        // Local mail queues nothing.
+        s.send(
+            &me,
+            "carol",
+            &["bob"],
+            "local",
+            "01KDVDNA3VG2MH8KWSQRCWJZ0T",
+            T0,
+        )
+        .unwrap();
+        let rows = s.mailbox.with(|c| due_for_relay(c, T0 + 2, 10)).unwrap();
+        let states: Vec<(&str, Option<&str>, i64)> = rows
+            .iter()
+            .map(|r| (r.state.as_str(), r.note.as_deref(), r.at))
+            .collect();
+        assert_eq!(
+            states,
+            vec![
+                ("delivered", None, T0),
+                ("read", None, T0 + 1),
+                ("acked", Some("done"), T0 + 2)
+            ]
+        );
+        assert!(rows
+            .iter()
+            .all(|r| r.target_pubkey.as_deref() == Some(pk.as_str())));
+        let key = me.host_key.clone();
+        s.mailbox
+            .with(|c| {
+                let first = wire_once(c, &rows[2], "home", &key)?;
+                // Made once: the stored bytes come back, whatever the row says now.
+                c.execute("UPDATE receipt_outbox SET note = 'changed'", [])?;
+                let again = due_for_relay(c, T0 + 2, 10)?;
+                assert_eq!(again[2].wire.as_deref(), Some(first.as_slice()));
+                assert_eq!(wire_once(c, &again[2], "home", &key)?, first);
+                // Failures back off; sent rows leave; expiry drops the rest after 72 h.
+                fail(c, &[again[0].seq], "e", true, false, T0 + 2)?;
+                let r = &due_for_relay(c, T0 + 2 + outbox::backoff_ms(0), 10)?[0];
+                assert_eq!((r.attempts, r.lan_failures), (1, 1));
+                assert_eq!(sent(c, &[again[1].seq])?, 1);
+                assert_eq!(expire(c, T0 + RECEIPT_TTL_MS)?, 0);
+                assert_eq!(expire(c, T0 + RECEIPT_TTL_MS + 3)?, 2);
+                assert!(due_for_relay(c, i64::MAX, 10)?.is_empty());
+                Ok(())
+            })
+            .unwrap();
+    }
+
+    #[test]
+    fn sent_shows_each_recipient_newest_message_first() {
+        let s = testutil::store();
+        let me = testutil::identity("home");
+        s.add_peer(&testutil::identity("work"), true);
+        s.add_peer(&testutil::identity("lab"), true);
+        s.add_peer(&testutil::identity("sea"), true);
+        s.add_peer(&testutil::identity("sky"), true);
+        let mut ids = testutil::ids();
+        let m1 = ids.next(T0);
+        let m2 = ids.next(T0);
+        s.send(
+            &me,
+            "alice",
+            &[
+                "bob",
+                "carol@home",
+                "dan@work",
+                "eve@work",
+                "fay@lab",
+                "gus@sea",
+                "hal@sky",
+            ],
+            "one",
+            &m1,
+            T0,
+        )
+        .unwrap();
+        s.send(&me, "alice", &["bob"], "two", &m2, T0 + 5).unwrap();
+        // Someone else's mail and an alert to alice are not alice's sent mail.
+        s.send(&me, "zed", &["bob"], "not alice's", &ids.next(T0), T0)
+            .unwrap();
+        s.mailbox
+            .with(|c| {
+                messages::read(c, "bob", "home", &m1, T0 + 1)?;
+                messages::ack(c, "carol", std::slice::from_ref(&m1), None, T0 + 2)?;
+                // work: a receipt for dan; eve has none yet and the row is relay-accepted.
+                c.execute(
+                    "UPDATE outbox SET state = 'relay-accepted', accepted_at = 1, via = 'relay' WHERE host = 'work'",
+                    [],
+                )?;
+                c.execute(
+                    "INSERT INTO remote_receipts(msg_id, recipient, host, state, at, seq, record, sig, received_at)
+                     VALUES (?1, 'dan@work', 'work', 'read', '2026-01-01T00:02:00.000Z', 3, '{}', 's', 0)",
+                    [&m1],
+                )?;
+                c.execute(
+                    "UPDATE outbox SET state = 'delivered', via = 'lan', settled_at = ?1 WHERE host = 'lab'",
+                    [T0 + 3],
+                )?;
+                c.execute(
+                    "UPDATE outbox SET state = 'undelivered', last_error = 'gave up after 72 h (x)' WHERE host = 'sea'",
+                    [],
+                )?;
+                crate::node::alert::undelivered(c, &me, &m1, "sea", "x", T0 + 4)?;
+                Ok(())
+            })
+            .unwrap();
+        let page = s
+            .mailbox
+            .with(|c| sent_page(c, "alice", "home", None, 20))
+            .unwrap();
+        assert_eq!(page.next_cursor, None);
+        let ids_got: Vec<&str> = page.messages.iter().map(|m| m.id.as_str()).collect();
+        assert_eq!(ids_got, vec![m2.as_str(), m1.as_str()]);
+        type Line<'a> = (&'a str, &'a str, &'a str, Option<&'a str>, Option<&'a str>);
+        let got: Vec<Line<'_>> = page.messages[1]
+            .recipients
+            .iter()
+            .map(|r| {
+                (
+                    r.recipient.as_str(),
+                    r.host.as_str(),
+                    r.state.as_str(),
+                    r.reason.as_deref(),
+                    r.via.as_deref(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("bob@home", "home", "read", None, None),
+                ("carol@home", "home", "acked", None, None),
+                ("dan@work", "work", "read", None, Some("relay")),
+                ("eve@work", "work", "relay-accepted", None, Some("relay")),
+                ("fay@lab", "lab", "delivered", None, Some("lan")),
+                (
+                    "gus@sea",
+                    "sea",
+                    "undelivered",
+                    Some("gave up after 72 h (x)"),
+                    None
+                ),
+                ("hal@sky", "sky", "queued", None, None),
+            ]
+        );
+        assert_eq!(page.messages[0].recipients[0].state, "delivered");
+        // Paging: one per page, newest first, then the end.
+        let p1 = s
+            .mailbox
+            .with(|c| sent_page(c, "alice", "home", None, 1))
+            .unwrap();
+        assert_eq!(p1.messages[0].id, m2);
+        let p2 = s
+            .mailbox
+            .with(|c| sent_page(c, "alice", "home", p1.next_cursor.as_deref(), 1))
+            .unwrap();
+        assert_eq!(p2.messages[0].id, m1);
+        assert_eq!(p2.next_cursor, None);
+        assert!(matches!(
+            s.mailbox
+                .with(|c| sent_page(c, "alice", "home", Some("junk"), 1)),
+            Err(MailboxError::Invalid(_))
+        ));
+        // An agent that sent nothing.
+        let empty = s
+            .mailbox
+            .with(|c| sent_page(c, "nobody", "home", None, 20))
+            .unwrap();
+        assert!(empty.messages.is_empty());
+    }
+}

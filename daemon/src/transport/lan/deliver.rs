@@ -1,0 +1,544 @@
+//! LAN delivery of the outbox and of the receipts this host owes (`wire.md` §4 "Outbox client",
+//! "Receipts client"; spec §9, §10).
+//!
+//! One pass: the due rows the LAN takes ([`outbox::due_for_lan`], oldest first, at most
+//! [`MAX_ROWS_PER_PASS`]) grouped per host; each row sealed to the peer's enc key once and
+//! persisted before its first attempt ([`outbox::seal_once`]: the same bytes serve the LAN and
+//! the relay); `POST /v2/envelopes` in batches bounded by count ([`MAX_BATCH`]) and by bytes
+//! ([`MAX_BATCH_BYTES`], under the peer's 4 MiB body cap, Decision 8). Per result, in one
+//! transaction per batch: `accepted`/`duplicate` → `delivered` via `lan`; `rejected:<why>` →
+//! `rejected` plus a local alert to the sender. A failed call (network, HTTP, bad answer) is a
+//! LAN failure for every row of the host in this pass ([`outbox::fail_lan`]): backoff, and after
+//! two of them the relay takes the row ([`crate::transport::select`]); a row no relay ever
+//! accepted gives up after 72 h (`undelivered`, with an alert).
+//!
+//! Then the due receipts the LAN takes, at most [`RECEIPT_BATCH`] per host in one
+//! `POST /v1/receipts`; a length mismatch or any error is a failure of all of them.
+//!
+//! The loop ([`run`]) wakes on its `Notify` (new mail, a peer that is back) or at the earliest
+//! `next_at` of what it takes, never on a fast fixed tick. It never decides by itself what the
+//! relay does, and never trusts a delivery answer for more than the peer's word (0.5.x F5).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use agentmbx_protocol::clock::SharedClock;
+use agentmbx_protocol::keys::EncPublicKey;
+
+use super::client::{LanClient, LanError};
+use crate::mailbox::peers::Peer;
+use crate::mailbox::receipts::{self, RECEIPT_BATCH};
+use crate::mailbox::{outbox, peers, Mailbox, MailboxError};
+use crate::node::alert;
+
+/// Outbox rows taken per pass (`wire.md` §4: ≤200).
+pub const MAX_ROWS_PER_PASS: usize = 200;
+/// Envelopes per `POST /v2/envelopes` (the peer's limit, `wire.md` §4).
+pub const MAX_BATCH: usize = 200;
+/// Bytes of the request body we stay under: the peer's 4 MiB cap minus room for the JSON
+/// around the wires (Decision 8: a backlog never makes a body the peer refuses forever).
+pub const MAX_BATCH_BYTES: usize = super::server::MAX_BODY - 1024;
+/// Receipts taken per pass over all hosts (then at most [`RECEIPT_BATCH`] per host).
+pub const MAX_RECEIPTS_PER_PASS: usize = 5 * RECEIPT_BATCH;
+/// Longest sleep when nothing is due (ms): a row whose peer only gains an address later is
+/// looked at within this time even without a wake.
+pub const IDLE_WAIT_MS: u64 = 60_000;
+/// Longest pause after a failed pass (ms).
+pub const MAX_RETRY_DELAY_MS: u64 = 10_000;
+
+/// The body size of `{"envelopes":[w1,…]}` for wires of these sizes (bytes).
+pub fn body_bytes(sizes: &[usize]) -> usize {
+    sizes.iter().sum::<usize>() + sizes.len().saturating_sub(1) + r#"{"envelopes":[]}"#.len()
+}
+
+/// Splits wires of these sizes, in order, into consecutive batches of at most `max_count`
+/// wires whose request body ([`body_bytes`]) stays within `max_bytes`; a wire that alone is
+/// over the budget travels alone. Returns index ranges.
+pub fn batches(sizes: &[usize], max_count: usize, max_bytes: usize) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    while start < sizes.len() {
+        let mut end = start + 1;
+        while end < sizes.len()
+            && end - start < max_count
+            && body_bytes(&sizes[start..=end]) <= max_bytes
+        {
+            end += 1;
+        }
+        out.push(start..end);
+        start = end;
+    }
+    out
+}
+
+/// Counts of one pass.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct PassCounts {
+    /// Rows the peer accepted (or already had).
+    pub delivered: usize,
+    /// Rows the peer refused.
+    pub rejected: usize,
+    /// Rows that failed this pass (kept for a retry, or given up after 72 h).
+    pub failed: usize,
+    /// Receipts the peer took.
+    pub receipts_sent: usize,
+}
+
+impl PassCounts {
+    fn add(&mut self, o: PassCounts) {
+        self.delivered += o.delivered;
+        self.rejected += o.rejected;
+        self.failed += o.failed;
+        self.receipts_sent += o.receipts_sent;
+    }
+}
+
+/// What the LAN delivery loop needs.
+#[derive(Debug, Clone)]
+pub struct LanDelivery {
+    /// Signed calls to peers (carries this host's identity and the clock).
+    pub client: LanClient,
+    /// The host store.
+    pub mailbox: Mailbox,
+    /// Whether a relay is configured: without one the LAN keeps every row (spec §10).
+    pub relay_configured: bool,
+}
+
+impl LanDelivery {
+    /// A delivery loop's state.
+    pub fn new(client: LanClient, mailbox: Mailbox, relay_configured: bool) -> Self {
+        LanDelivery {
+            client,
+            mailbox,
+            relay_configured,
+        }
+    }
+
+    fn clock(&self) -> &SharedClock {
+        &self.client.clock
+    }
+
+    fn now(&self) -> i64 {
+        self.clock().now_ms()
+    }
+
+    /// One pass over due rows and due receipts, hosts in parallel. Errors: storage faults
+    /// (network failures are recorded on the rows, not returned).
+    pub async fn pass(&self) -> Result<PassCounts, MailboxError> {
+        let now = self.now();
+        let relay = self.relay_configured;
+        let (rows, due_receipts) = self
+            .mailbox
+            .run(move |c| {
+                receipts::expire(c, now)?;
+                Ok((
+                    outbox::due_for_lan(c, now, MAX_ROWS_PER_PASS, relay)?,
+                    receipts::due_for_lan(c, now, MAX_RECEIPTS_PER_PASS, relay)?,
+                ))
+            })
+            .await?;
+        let mut by_host: BTreeMap<String, Vec<outbox::Row>> = BTreeMap::new();
+        for r in rows {
+            by_host.entry(r.host.clone()).or_default().push(r);
+        }
+        let mut receipts_by_host: BTreeMap<String, Vec<receipts::Row>> = BTreeMap::new();
+        for r in due_receipts {
+            let list = receipts_by_host.entry(r.host.clone()).or_default();
+            if list.len() < RECEIPT_BATCH {
+                list.push(r);
+            }
+        }
+        let mut tasks = tokio::task::JoinSet::new();
+        for (host, rows) in by_host {
+            let this = self.clone();
+            tasks.spawn(async move { this.deliver_host(&host, rows).await });
+        }
+        for (host, rows) in receipts_by_host {
+            let this = self.clone();
+            tasks.spawn(async move { this.flush_receipts(&host, rows).await });
+        }
+        let mut counts = PassCounts::default();
+        let mut first_error = None;
+        while let Some(done) = tasks.join_next().await {
+            match done {
+                Ok(Ok(c)) => counts.add(c),
+                Ok(Err(e)) => {
+                    first_error.get_or_insert(e);
+                }
+                Err(_) => {
+                    first_error.get_or_insert(MailboxError::Task);
+                }
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(counts),
+        }
+    }
+
+    /// The earliest `next_at` (ms) of anything the LAN takes, if any.
+    pub async fn next_due(&self) -> Result<Option<i64>, MailboxError> {
+        let relay = self.relay_configured;
+        self.mailbox
+            .run(move |c| {
+                let rows = outbox::next_due_for_lan(c, relay)?;
+                let rec = receipts::next_due_for_lan(c, relay)?;
+                Ok(rows.into_iter().chain(rec).min())
+            })
+            .await
+    }
+
+    /// The peer's enc key: pinned, else fetched from its LAN server (a v1 ad signed by its
+    /// pinned host key) and recorded.
+    async fn enc_key(&self, peer: &Peer, addr: &str) -> Result<EncPublicKey, String> {
+        if let Some(k) = peer.enc_pub.as_deref() {
+            if let Ok(k) = EncPublicKey::from_b64(k) {
+                return Ok(k);
+            }
+        }
+        let enc = self
+            .client
+            .get_enc_key(addr, peer)
+            .await
+            .map_err(|e| format!("no enc key for {}: {e}", peer.host))?;
+        let (h, e, now) = (peer.host.clone(), enc.clone(), self.now());
+        let ok = self
+            .mailbox
+            .run(move |c| peers::set_enc_key(c, &h, &e, now))
+            .await
+            .map_err(|e| e.to_string())?;
+        if !ok {
+            return Err(format!(
+                "no enc key for {}: an enc key with a newer ad is already pinned",
+                peer.host
+            ));
+        }
+        EncPublicKey::from_b64(&enc).map_err(|_| format!("no enc key for {}", peer.host))
+    }
+
+    /// Delivers one host's due rows (oldest first).
+    async fn deliver_host(
+        &self,
+        host: &str,
+        rows: Vec<outbox::Row>,
+    ) -> Result<PassCounts, MailboxError> {
+        let h = host.to_string();
+        let Some(peer) = self.mailbox.run(move |c| peers::by_name(c, &h)).await? else {
+            return Ok(PassCounts::default());
+        };
+        let Some(addr) = peer.addr.clone().filter(|a| !a.is_empty()) else {
+            return Ok(PassCounts::default());
+        };
+        // Seal what was never sealed, once, before any attempt.
+        let mut rows = rows;
+        if rows.iter().any(|r| r.wire.is_none()) {
+            match self.enc_key(&peer, &addr).await {
+                Ok(key) => {
+                    let ident = self.client.ident.clone();
+                    let unsealed: Vec<outbox::Row> =
+                        rows.iter().filter(|r| r.wire.is_none()).cloned().collect();
+                    let sealed = self
+                        .mailbox
+                        .run(move |c| {
+                            let mut out = Vec::new();
+                            for r in &unsealed {
+                                let w = match outbox::seal_once(
+                                    c,
+                                    r,
+                                    &key,
+                                    ident.host.as_str(),
+                                    &ident.host_key,
+                                ) {
+                                    Ok(w) => Ok(w),
+                                    Err(MailboxError::Invalid(e)) => Err(e),
+                                    Err(e) => return Err(e),
+                                };
+                                out.push((r.msg_id.clone(), w));
+                            }
+                            Ok(out)
+                        })
+                        .await?;
+                    let mut broken = Vec::new();
+                    for (id, w) in sealed {
+                        match w {
+                            Ok(w) => {
+                                if let Some(r) = rows.iter_mut().find(|r| r.msg_id == id) {
+                                    r.wire = Some(w);
+                                }
+                            }
+                            Err(e) => broken.push((id, e)),
+                        }
+                    }
+                    let mut counts = PassCounts::default();
+                    for (id, e) in broken {
+                        let row: Vec<outbox::Row> =
+                            rows.iter().filter(|r| r.msg_id == id).cloned().collect();
+                        counts.add(self.fail_rows(host, &row, &e).await?);
+                        rows.retain(|r| r.msg_id != id);
+                    }
+                    let rest = self.send_sealed(host, &addr, rows).await?;
+                    counts.add(rest);
+                    return Ok(counts);
+                }
+                Err(e) => {
+                    tracing::warn!(peer = %host, error = %e, "cannot seal for the peer yet");
+                    return self.fail_rows(host, &rows, &e).await;
+                }
+            }
+        }
+        self.send_sealed(host, &addr, rows).await
+    }
+
+    /// Posts sealed rows in batches; the first failed batch fails it and every later row of
+    /// the host in this pass.
+    async fn send_sealed(
+        &self,
+        host: &str,
+        addr: &str,
+        rows: Vec<outbox::Row>,
+    ) -> Result<PassCounts, MailboxError> {
+        let sizes: Vec<usize> = rows
+            .iter()
+            .map(|r| r.wire.as_ref().map_or(0, Vec::len))
+            .collect();
+        let mut counts = PassCounts::default();
+        for range in batches(&sizes, MAX_BATCH, MAX_BATCH_BYTES) {
+            let batch = &rows[range.clone()];
+            let wires: Vec<Vec<u8>> = batch
+                .iter()
+                .map(|r| r.wire.clone().unwrap_or_default())
+                .collect();
+            match self.client.post_envelopes(addr, &wires).await {
+                Ok(results) => {
+                    let (ident, h, now) = (self.client.ident.clone(), host.to_string(), self.now());
+                    let batch_rows = batch.to_vec();
+                    let c = self
+                        .mailbox
+                        .run(move |c| {
+                            let tx = c.transaction()?;
+                            let mut counts = PassCounts::default();
+                            for row in &batch_rows {
+                                let result = results
+                                    .iter()
+                                    .find(|r| r.id == row.msg_id)
+                                    .map_or(super::client::MISSING_RESULT, |r| r.result.as_str());
+                                if result == "accepted" || result == "duplicate" {
+                                    outbox::delivered_lan(&tx, &row.msg_id, &h, now)?;
+                                    counts.delivered += 1;
+                                } else {
+                                    let why = result.strip_prefix("rejected:").unwrap_or(result);
+                                    if outbox::rejected_lan(&tx, &row.msg_id, &h, why, now)? {
+                                        alert::undelivered_lan(
+                                            &tx,
+                                            &ident,
+                                            &row.msg_id,
+                                            &h,
+                                            why,
+                                            now,
+                                        )?;
+                                    }
+                                    counts.rejected += 1;
+                                }
+                            }
+                            tx.commit()?;
+                            Ok(counts)
+                        })
+                        .await?;
+                    if c.delivered > 0 {
+                        tracing::info!(peer = %host, delivered = c.delivered, "delivered over the LAN");
+                    }
+                    if c.rejected > 0 {
+                        tracing::warn!(peer = %host, rejected = c.rejected, "the peer refused mail");
+                    }
+                    counts.add(c);
+                }
+                Err(e) => {
+                    tracing::warn!(peer = %host, addr, error = %e, "LAN delivery failed");
+                    let rest = &rows[range.start..];
+                    counts.add(self.fail_rows(host, rest, &e.to_string()).await?);
+                    break;
+                }
+            }
+        }
+        Ok(counts)
+    }
+
+    /// Records a failed LAN attempt for each row in one transaction (giving up after 72 h with
+    /// an alert).
+    async fn fail_rows(
+        &self,
+        host: &str,
+        rows: &[outbox::Row],
+        error: &str,
+    ) -> Result<PassCounts, MailboxError> {
+        let ids: Vec<String> = rows.iter().map(|r| r.msg_id.clone()).collect();
+        let (ident, h, e, now) = (
+            self.client.ident.clone(),
+            host.to_string(),
+            error.to_string(),
+            self.now(),
+        );
+        let gave_up = self
+            .mailbox
+            .run(move |c| {
+                let tx = c.transaction()?;
+                let mut gave_up = Vec::new();
+                for id in &ids {
+                    if outbox::fail_lan(&tx, id, &h, &e, now)? == outbox::LanFailure::GaveUp {
+                        let why = outbox::cut_error(&format!("gave up after 72 h ({e})"));
+                        alert::undelivered_lan(&tx, &ident, id, &h, &why, now)?;
+                        gave_up.push(id.clone());
+                    }
+                }
+                tx.commit()?;
+                Ok(gave_up)
+            })
+            .await?;
+        for id in gave_up {
+            tracing::warn!(id = %id, peer = %host, "Undelivered to {host}: gave up after 72 h");
+        }
+        Ok(PassCounts {
+            failed: rows.len(),
+            ..PassCounts::default()
+        })
+    }
+
+    /// Sends one host's due receipts in one `POST /v1/receipts`.
+    async fn flush_receipts(
+        &self,
+        host: &str,
+        rows: Vec<receipts::Row>,
+    ) -> Result<PassCounts, MailboxError> {
+        let h = host.to_string();
+        let Some(peer) = self.mailbox.run(move |c| peers::by_name(c, &h)).await? else {
+            return Ok(PassCounts::default());
+        };
+        let Some(addr) = peer.addr.clone().filter(|a| !a.is_empty()) else {
+            return Ok(PassCounts::default());
+        };
+        let ident = self.client.ident.clone();
+        let wires = self
+            .mailbox
+            .run(move |c| {
+                rows.iter()
+                    .map(|r| {
+                        Ok((
+                            r.seq,
+                            receipts::wire_once(c, r, ident.host.as_str(), &ident.host_key)?,
+                        ))
+                    })
+                    .collect::<Result<Vec<_>, MailboxError>>()
+            })
+            .await?;
+        let seqs: Vec<i64> = wires.iter().map(|w| w.0).collect();
+        let bytes: Vec<Vec<u8>> = wires.into_iter().map(|w| w.1).collect();
+        let now = self.now();
+        match self.client.post_receipts(&addr, &bytes).await {
+            Ok(results) => {
+                for (seq, r) in seqs.iter().zip(&results) {
+                    if r.starts_with("rejected:") {
+                        tracing::warn!(event = "receipt.rejected", peer = %host, seq, result = %r, "the peer refused a delivery receipt");
+                    }
+                }
+                let n = seqs.len();
+                self.mailbox
+                    .run(move |c| {
+                        let tx = c.transaction()?;
+                        receipts::sent(&tx, &seqs)?;
+                        tx.commit()?;
+                        Ok(())
+                    })
+                    .await?;
+                Ok(PassCounts {
+                    receipts_sent: n,
+                    ..PassCounts::default()
+                })
+            }
+            Err(e) => {
+                let unsupported = matches!(&e, LanError::Status { status, .. } if matches!(status, 404 | 405 | 501));
+                tracing::warn!(peer = %host, error = %e, unsupported, "delivery receipts not sent");
+                let err = e.to_string();
+                self.mailbox
+                    .run(move |c| {
+                        let tx = c.transaction()?;
+                        receipts::fail(&tx, &seqs, &err, true, unsupported, now)?;
+                        tx.commit()?;
+                        Ok(())
+                    })
+                    .await?;
+                Ok(PassCounts::default())
+            }
+        }
+    }
+}
+
+/// Runs LAN delivery until `shutdown`: a pass, then a sleep until the earliest `next_at` of
+/// what the LAN takes (at most [`IDLE_WAIT_MS`]), cut short by `wake` (new mail, a peer that is
+/// back). A pass that fails on storage is retried after a doubling pause (≤ 10 s).
+///
+/// `wake` should be this loop's own `Notify` ([`tokio::sync::Notify::notify_one`] wakes one
+/// waiter only; see [`fan_out`] to feed it and the relay loop's from one source).
+pub async fn run(
+    delivery: LanDelivery,
+    wake: Arc<tokio::sync::Notify>,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut failures: u32 = 0;
+    loop {
+        if *shutdown.borrow() {
+            return;
+        }
+        let delay = match delivery.pass().await {
+            Ok(_) => {
+                failures = 0;
+                match delivery.next_due().await {
+                    Ok(Some(t)) => Duration::from_millis(
+                        (t - delivery.now()).clamp(0, IDLE_WAIT_MS as i64) as u64,
+                    ),
+                    Ok(None) => Duration::from_millis(IDLE_WAIT_MS),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "LAN delivery: cannot read the next due time");
+                        Duration::from_millis(MAX_RETRY_DELAY_MS)
+                    }
+                }
+            }
+            Err(e) => {
+                failures = failures.saturating_add(1);
+                tracing::warn!(error = %e, "LAN delivery pass failed; retrying");
+                Duration::from_millis((500u64 << failures.min(7)).min(MAX_RETRY_DELAY_MS))
+            }
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = wake.notified() => {}
+            _ = shutdown.changed() => return,
+        }
+    }
+}
+
+/// Forwards every wake of `source` to each of `targets` (one `notify_one` each) until
+/// `shutdown`, so one signal (a send, a peer back) reaches the LAN loop and the relay loop,
+/// each of which waits on its own `Notify`.
+pub fn fan_out(
+    source: Arc<tokio::sync::Notify>,
+    targets: Vec<Arc<tokio::sync::Notify>>,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = source.notified() => {
+                    for t in &targets {
+                        t.notify_one();
+                    }
+                }
+                _ = shutdown.changed() => return,
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+#[path = "deliver_tests.rs"]
+mod tests;

@@ -1,0 +1,133 @@
+//! The daemon's LAN server (`wire.md` §4): the router paired hosts call and
+//! `serve(listener, state, shutdown)`.
+//!
+//! Unsigned routes come first (the pairing routes and `GET /v1/status`); every other route
+//! needs a LAN signed hop ([`super::hop`]). Unknown paths are 404 `{error:"not found"}`.
+//!
+//! Server limits (`wire.md` §4): a request body is at most [`MAX_BODY`] bytes, checked on the
+//! declared length and again while streaming; an oversized one is discarded for up to 2 s and
+//! answered 413 `{error:"request body over 4194304 bytes"}`. Headers must arrive within 10 s, a
+//! whole request within 30 s (else 408), and an idle kept-alive connection closes after 5 s.
+//! Connections are accepted by the relay's accept loop (hyper HTTP/1 with those timeouts and
+//! graceful shutdown), shared rather than copied.
+//!
+//! This module never trusts a name or an address: the hop's pinned key is the only proof of
+//! who calls.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{DefaultBodyLimit, Request};
+use axum::http::StatusCode;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get, post};
+use axum::Router;
+
+use agentmbx_relay::auth::{read_capped, BodyError};
+use agentmbx_relay::server::{accept_loop, ConnSettings};
+
+use super::handlers::{self, HttpError};
+use super::hop::{self, PeerLimiter, PEER_REQUESTS_PER_MINUTE};
+use super::SharedLan;
+
+/// Largest request body in bytes (4 MiB, `wire.md` §4).
+pub const MAX_BODY: usize = 4 * 1024 * 1024;
+
+/// Time allowed to send a request's headers (10 s).
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Time allowed for a whole request, body and answer included (30 s); past it 408.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// An idle kept-alive connection closes after this (5 s).
+pub const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Most LAN connections open at once; past it new ones wait in the listen backlog.
+pub const MAX_CONNECTIONS: usize = 512;
+
+/// The LAN routes (`wire.md` §4). Layers, outermost first: the request timeout, the body cap,
+/// then per signed route the hop check.
+pub fn router(state: SharedLan) -> Router {
+    let limiter = Arc::new(PeerLimiter::new(
+        state.clock.clone(),
+        PEER_REQUESTS_PER_MINUTE,
+    ));
+    let signed = Router::new()
+        .route("/v2/envelopes", post(handlers::envelopes::post))
+        .route("/v1/envelopes", post(handlers::envelopes::post))
+        .route("/v1/receipts", post(handlers::receipts::post))
+        .route("/v1/enc-key", get(handlers::enc_key::get))
+        .route("/v1/agents", get(handlers::agents::get))
+        .route("/v1/presence", post(handlers::presence::post))
+        .route("/v1/unpair", post(handlers::unpair::post))
+        // The cap below already bounds every body; extractors take up to the same.
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .route_layer(middleware::from_fn({
+            let state = state.clone();
+            move |req: Request, next: Next| {
+                hop::require_hop(state.clone(), limiter.clone(), req, next)
+            }
+        }));
+    let unsigned = Router::new()
+        .route("/v1/status", any(handlers::status::get))
+        .merge(crate::pairing::server::router());
+    Router::new()
+        .merge(unsigned)
+        .merge(signed)
+        .fallback(not_found)
+        .method_not_allowed_fallback(not_found)
+        .layer(middleware::from_fn(cap_body))
+        .layer(middleware::from_fn(request_timeout))
+        .with_state(state)
+}
+
+async fn not_found() -> HttpError {
+    HttpError::not_found()
+}
+
+/// Reads the whole body under [`MAX_BODY`] (413 past it, after discarding the rest for up to
+/// 2 s) and hands it on buffered.
+async fn cap_body(req: Request, next: Next) -> Response {
+    let (parts, body) = req.into_parts();
+    match read_capped(body, MAX_BODY).await {
+        Ok(bytes) => {
+            next.run(Request::from_parts(parts, Body::from(bytes)))
+                .await
+        }
+        Err(BodyError::TooLarge) => HttpError::too_large(MAX_BODY).into_response(),
+        Err(BodyError::Broken) => {
+            HttpError::bad_request("request body could not be read").into_response()
+        }
+    }
+}
+
+/// Bounds one request to [`REQUEST_TIMEOUT`]; past it 408 `{error:"request timeout"}`.
+async fn request_timeout(req: Request, next: Next) -> Response {
+    match tokio::time::timeout(REQUEST_TIMEOUT, next.run(req)).await {
+        Ok(response) => response,
+        Err(_) => HttpError::new(StatusCode::REQUEST_TIMEOUT, "request timeout").into_response(),
+    }
+}
+
+/// Serves the LAN routes on `listener` until `shutdown` resolves; then stops accepting, lets
+/// requests in flight finish (their commits included) and returns. Errors: the listener's
+/// address cannot be read.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: SharedLan,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let addr = listener.local_addr()?;
+    let settings = ConnSettings {
+        name: "LAN",
+        header_read: HEADER_READ_TIMEOUT,
+        keep_alive: KEEP_ALIVE_TIMEOUT,
+        max_connections: MAX_CONNECTIONS,
+    };
+    accept_loop(listener, router(state), settings, shutdown).await;
+    tracing::info!("LAN server on {addr} stopped");
+    Ok(())
+}

@@ -1,0 +1,167 @@
+//! Transport selection (spec §10; design README "Data flow"): which transport takes a due
+//! outbox row or receipt — the LAN first, the relay after two failed LAN attempts.
+//!
+//! The rule, in one place ([`choose`]):
+//! - a row the relay ever accepted (`relay-accepted`, or `pending` again for a re-push after an
+//!   epoch change) goes to the relay only; it is never re-sent over the LAN (its delivery
+//!   receipt settles it);
+//! - otherwise, with no relay configured, the LAN takes it whenever the peer has a LAN address;
+//! - otherwise the LAN takes it while `lan_failures <` [`LAN_FAILURES_BEFORE_RELAY`] and the
+//!   peer has a LAN address, and the relay takes it once the LAN failed twice or when the peer
+//!   has no LAN address;
+//! - either way only when due (`next_at ≤ now`): the backoff of a row is respected by both.
+//!
+//! A verified LAN hop from the peer brings `lan_failures` of its waiting rows back below the
+//! threshold (`outbox::peer_is_back`), so new and waiting rows go over the LAN again; a row whose
+//! LAN attempt then fails once more goes back to the relay (one LAN try per sign of life, so a
+//! peer that reaches us while we cannot reach it never keeps mail off the relay).
+//!
+//! The SQL of `mailbox::outbox::due_for_lan` / `due_for_relay` (and the receipt queries in
+//! `mailbox::receipts`) is this rule; a test below checks that the queries and [`choose`]
+//! agree on every combination. This module never does I/O.
+
+/// Failed LAN attempts after which a row (or receipt) moves to the relay (spec §10: "at least
+/// twice").
+pub const LAN_FAILURES_BEFORE_RELAY: u32 = 2;
+
+/// The transports a row can take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// A signed hop to the peer's LAN address (`wire.md` §4).
+    Lan,
+    /// A push to the relay (`wire.md` §3.5).
+    Relay,
+}
+
+/// What selection needs to know about one due-or-waiting row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Facts {
+    /// Failed LAN attempts since the peer was last heard from.
+    pub lan_failures: u32,
+    /// The peer has a pinned LAN address (`peers.addr`).
+    pub has_addr: bool,
+    /// The relay accepted this row at some point (it is `relay-accepted`, or `pending` for a
+    /// re-push).
+    pub relay_accepted_once: bool,
+    /// A relay is configured on this host.
+    pub relay_configured: bool,
+}
+
+/// The transport that takes a row with these facts when it is due, or `None` when no
+/// transport can take it now (no LAN address and no relay: it waits for an address).
+pub fn choose(f: Facts) -> Option<Transport> {
+    if f.relay_accepted_once {
+        return f.relay_configured.then_some(Transport::Relay);
+    }
+    if !f.relay_configured {
+        return f.has_addr.then_some(Transport::Lan);
+    }
+    if f.has_addr && f.lan_failures < LAN_FAILURES_BEFORE_RELAY {
+        Some(Transport::Lan)
+    } else {
+        Some(Transport::Relay)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mailbox::outbox;
+    use crate::testutil::{self, T0};
+
+    #[test]
+    fn the_rule() {
+        let f = |lan_failures, has_addr, relay_accepted_once, relay_configured| Facts {
+            lan_failures,
+            has_addr,
+            relay_accepted_once,
+            relay_configured,
+        };
+        use Transport::*;
+        assert_eq!(choose(f(0, true, false, true)), Some(Lan));
+        assert_eq!(choose(f(1, true, false, true)), Some(Lan));
+        assert_eq!(choose(f(2, true, false, true)), Some(Relay));
+        assert_eq!(choose(f(0, false, false, true)), Some(Relay));
+        assert_eq!(choose(f(5, true, false, false)), Some(Lan));
+        assert_eq!(choose(f(0, false, false, false)), None);
+        assert_eq!(choose(f(0, true, true, true)), Some(Relay));
+        assert_eq!(choose(f(0, true, true, false)), None);
+    }
+
+    /// The outbox queries take exactly the rows [`choose`] assigns to each transport, for every
+    /// combination of facts, and only due rows.
+    #[test]
+    fn the_queries_agree_with_the_rule() {
+        let s = testutil::store();
+        let me = testutil::identity("home");
+        let with_addr = testutil::identity("work");
+        let without = testutil::identity("lab");
+        s.add_peer(&with_addr, true);
+        s.add_peer(&without, true);
+        s.mailbox
+            .with(|c| {
+                c.execute(
+                    "UPDATE peers SET addr = '127.0.0.1:1' WHERE host = 'work'",
+                    [],
+                )?;
+                Ok(())
+            })
+            .unwrap();
+        let mut gen = testutil::ids();
+        let mut cases = Vec::new();
+        for lan_failures in 0..=3u32 {
+            for host in ["work", "lab"] {
+                for accepted in [false, true] {
+                    for due in [true, false] {
+                        let id = gen.next(T0);
+                        s.send(&me, "alice", &[&format!("bob@{host}")], "s", &id, T0)
+                            .unwrap();
+                        let next_at = if due { T0 } else { T0 + 1 };
+                        s.mailbox
+                            .with(|c| {
+                                c.execute(
+                                    "UPDATE outbox SET lan_failures = ?2, next_at = ?3,
+                                       accepted_at = CASE WHEN ?4 THEN ?3 END WHERE msg_id = ?1",
+                                    rusqlite::params![id, lan_failures, next_at, accepted],
+                                )?;
+                                Ok(())
+                            })
+                            .unwrap();
+                        cases.push((id, lan_failures, host == "work", accepted, due));
+                    }
+                }
+            }
+        }
+        for relay_configured in [true, false] {
+            let (lan, relay) = s
+                .mailbox
+                .with(|c| {
+                    let ids = |rows: Vec<outbox::Row>| {
+                        rows.into_iter().map(|r| r.msg_id).collect::<Vec<_>>()
+                    };
+                    Ok((
+                        ids(outbox::due_for_lan(c, T0, 1000, relay_configured)?),
+                        ids(outbox::due_for_relay(c, T0, 1000)?),
+                    ))
+                })
+                .unwrap();
+            for (id, lan_failures, has_addr, accepted, due) in &cases {
+                let want = choose(Facts {
+                    lan_failures: *lan_failures,
+                    has_addr: *has_addr,
+                    relay_accepted_once: *accepted,
+                    relay_configured,
+                })
+                .filter(|_| *due);
+                assert_eq!(lan.contains(id), want == Some(Transport::Lan), "{id} lan");
+                if relay_configured {
+                    assert_eq!(
+                        relay.contains(id),
+                        want == Some(Transport::Relay),
+                        "{id} relay"
+                    );
+                }
+            }
+        }
+    }
+}
