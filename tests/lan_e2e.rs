@@ -157,7 +157,10 @@ fn a_peer_unreachable_on_the_lan_gets_its_mail_through_the_relay_once() {
     assert_eq!(b.messages_with_id(&id), 1);
     assert_eq!(b.deliveries_of(&id), 1);
     let (_, via, lan_failures) = outbox_route(&a, &id);
-    assert!(lan_failures >= 2, "moved to the relay after {lan_failures} LAN failures");
+    assert!(
+        lan_failures >= 2,
+        "moved to the relay after {lan_failures} LAN failures"
+    );
     assert_eq!(via.as_deref(), Some("relay"));
     // The delivered receipt (over the LAN: A is reachable) settles the relay-accepted row.
     wait_for("A's relay-accepted row settled by the receipt", || {
@@ -261,7 +264,11 @@ fn the_lan_server_refuses_forged_mail_with_the_exact_reason_and_stores_nothing()
     // A tampered body: the ciphertext no longer matches the host signature.
     let mut tampered = rogue.envelope(&b_enc, "eve@rogue");
     let ct = tampered["body"].as_str().expect("body").to_string();
-    let flipped = format!("{}{}", if ct.starts_with('A') { "B" } else { "A" }, &ct[1..]);
+    let flipped = format!(
+        "{}{}",
+        if ct.starts_with('A') { "B" } else { "A" },
+        &ct[1..]
+    );
     tampered["body"] = json!(flipped);
     tampered["enc"]["body"] = json!(flipped);
     // `from` with a newline, and with a second `@`, each correctly signed by the rogue host.
@@ -287,7 +294,11 @@ fn the_lan_server_refuses_forged_mail_with_the_exact_reason_and_stores_nothing()
         (r.status, r.json()["error"].clone()),
         (401, json!("bad hop signature"))
     );
-    let r = post(&HostKey::generate(), "stranger", std::slice::from_ref(&good));
+    let r = post(
+        &HostKey::generate(),
+        "stranger",
+        std::slice::from_ref(&good),
+    );
     assert_eq!(
         (r.status, r.json()["error"].clone()),
         (401, json!("host not paired"))

@@ -22,7 +22,8 @@ pub struct SendArgs {
     /// The sending agent's name on this host
     #[arg(long = "as", value_name = "AGENT", env = "MBX_AGENT")]
     pub as_agent: String,
-    /// Recipients, comma-separated: agent (this host) or agent@host
+    /// Recipients, comma-separated: agent, agent@host, role:R (that role here and on every
+    /// paired host), * (every mailbox here and every paired host), owner
     #[arg(long, value_name = "ADDR,…", value_delimiter = ',', required = true)]
     pub to: Vec<String>,
     /// One-line subject

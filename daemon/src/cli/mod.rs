@@ -36,7 +36,10 @@ const ENVIRONMENT_HELP: &str = "\
 Environment (each overrides the matching config.toml setting):
   MBX_HOME: home directory (default: the platform data directory)
   MBX_API_PORT, MBX_API_BIND: local API port and address (api_port, api_bind)
-  MBX_LAN_PORT: LAN delivery port (lan_port)
+  MBX_LAN_PORT, MBX_LAN_BIND: LAN server port and address (lan_port, lan_bind)
+  MBX_ADVERTISE: host:port given to peers at pairing (advertise)
+  MBX_SELF_ADDRS: comma-separated own LAN IPs for status and presence (self_addrs)
+  MBX_NO_MDNS=1: no mDNS advertising or browsing (mdns = false)
   MBX_RELAY_URL: relay base URL ([relay] url)
   MBX_RELAY_PULL_INTERVAL_MS: pause between relay pulls in ms (relay_pull_interval_ms)
   MBX_LOG: log filter (default: info for daemon and relay, warn otherwise)
@@ -75,7 +78,7 @@ pub enum Command {
     /// Run a relay, or operate one
     #[command(subcommand)]
     Relay(relay::RelayCommand),
-    /// List peer hosts, or pin one by its host key
+    /// List peer hosts; pin one by key, set its LAN address, or unpair it
     Peers(peers::PeersArgs),
     /// Pair with another host on the LAN: print a one-time token for `agentmbx join`, or
     /// compare a 6-digit code (--compare, then `pair approve`)

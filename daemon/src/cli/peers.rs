@@ -159,7 +159,11 @@ pub fn run(args: PeersArgs) -> anyhow::Result<()> {
 /// Checks a `host:port` LAN address: a non-empty host (name, IPv4 or `[IPv6]`) and a port
 /// 1..=65535. Errors: a usage error naming the expected form.
 fn parse_lan_addr(addr: &str) -> Result<String, UsageError> {
-    let bad = || UsageError(format!("bad address {addr:?}: expected host:port, e.g. 192.168.1.20:7373"));
+    let bad = || {
+        UsageError(format!(
+            "bad address {addr:?}: expected host:port, e.g. 192.168.1.20:7373"
+        ))
+    };
     let (host, port) = addr.trim().rsplit_once(':').ok_or_else(bad)?;
     let port: u16 = port.parse().map_err(|_| bad())?;
     if host.is_empty() || port == 0 || host.contains(char::is_whitespace) || host.contains('/') {
@@ -175,13 +179,15 @@ fn notify_unpair(paths: &Paths, peer: &peers::Peer) -> anyhow::Result<()> {
     };
     let config = agentmbx::config::Config::load(paths)?;
     let ident = std::sync::Arc::new(agentmbx::identity::load(paths, &config)?);
-    let clock: agentmbx_protocol::clock::SharedClock = std::sync::Arc::new(SystemClock::from_env()?);
+    let clock: agentmbx_protocol::clock::SharedClock =
+        std::sync::Arc::new(SystemClock::from_env()?);
     agentmbx::install_tls_provider();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     runtime.block_on(async move {
-        let client = agentmbx::transport::lan::client::LanClient::new(ident, clock, config.lan_port)?;
+        let client =
+            agentmbx::transport::lan::client::LanClient::new(ident, clock, config.lan_port)?;
         client.unpair(&addr).await.map_err(anyhow::Error::from)
     })
 }

@@ -116,7 +116,8 @@ pub fn enqueue(
     Ok(())
 }
 
-/// Pending rows due at `now_ms`, oldest first, at most `limit`.
+/// Every pending row due at `now_ms`, whichever transport takes it, soonest first, at most
+/// `limit` (the transports use [`due_for_lan`] and [`due_for_relay`]).
 pub fn due(conn: &Connection, now_ms: i64, limit: usize) -> Result<Vec<Row>, MailboxError> {
     let mut st = conn.prepare(&format!(
         "SELECT {COLS} FROM outbox o WHERE o.state = 'pending' AND o.next_at <= ?1 ORDER BY o.next_at, o.created_at, o.msg_id LIMIT ?2"
@@ -127,7 +128,8 @@ pub fn due(conn: &Connection, now_ms: i64, limit: usize) -> Result<Vec<Row>, Mai
     Ok(rows)
 }
 
-/// The earliest `next_at` among pending rows (ms), for the sender loop's sleep.
+/// The earliest `next_at` among all pending rows (ms); each sender loop sleeps on its own
+/// ([`next_due_for_lan`], [`next_due_for_relay`]).
 pub fn next_due_at(conn: &Connection) -> Result<Option<i64>, MailboxError> {
     Ok(conn.query_row(
         "SELECT MIN(next_at) FROM outbox WHERE state = 'pending'",

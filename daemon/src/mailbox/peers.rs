@@ -90,8 +90,7 @@ pub fn by_key(conn: &Connection, pubkey: &str) -> Result<Option<Peer>, MailboxEr
 
 /// All peers by name.
 pub fn list(conn: &Connection) -> Result<Vec<Peer>, MailboxError> {
-    let mut st =
-        conn.prepare(&format!("SELECT {COLS} FROM peers ORDER BY host"))?;
+    let mut st = conn.prepare(&format!("SELECT {COLS} FROM peers ORDER BY host"))?;
     let rows = st.query_map([], row)?.collect::<Result<Vec<_>, _>>()?;
     Ok(rows)
 }

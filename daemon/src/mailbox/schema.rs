@@ -12,7 +12,7 @@ pub const SCHEMA_VERSION: u32 = 2;
 const MIGRATIONS: &[(u32, &str)] = &[
     (
         1,
-    r#"
+        r#"
 CREATE TABLE kv(k TEXT PRIMARY KEY, v TEXT NOT NULL);
 CREATE TABLE messages(
   id TEXT PRIMARY KEY, ts TEXT NOT NULL, from_addr TEXT NOT NULL, thread TEXT NOT NULL,
@@ -191,9 +191,13 @@ mod tests {
         .unwrap();
         migrate(&mut c).unwrap();
         let rows: Vec<(String, String, i64, i64, Option<String>)> = c
-            .prepare("SELECT msg_id, state, attempts, lan_failures, via FROM outbox ORDER BY msg_id")
+            .prepare(
+                "SELECT msg_id, state, attempts, lan_failures, via FROM outbox ORDER BY msg_id",
+            )
             .unwrap()
-            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))
+            .query_map([], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+            })
             .unwrap()
             .collect::<Result<_, _>>()
             .unwrap();
@@ -201,7 +205,13 @@ mod tests {
             rows,
             vec![
                 ("m1".into(), "pending".into(), 3, 2, None),
-                ("m2".into(), "relay-accepted".into(), 0, 2, Some("relay".into())),
+                (
+                    "m2".into(),
+                    "relay-accepted".into(),
+                    0,
+                    2,
+                    Some("relay".into())
+                ),
             ]
         );
     }

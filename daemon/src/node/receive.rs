@@ -222,8 +222,15 @@ mod tests {
         let peer = testutil::identity("work");
         store.add_peer(&peer, true);
         let id = "01KDVDND1K20BQNR5GAFG5HETV";
-        let wire =
-            testutil::sealed_wire(&peer, &me.enc_key.public(), id, "ann@work", &["*"], "all", T0);
+        let wire = testutil::sealed_wire(
+            &peer,
+            &me.enc_key.public(),
+            id,
+            "ann@work",
+            &["*"],
+            "all",
+            T0,
+        );
         let pk = peer.host_key.public().to_b64();
         let v = store
             .mailbox

@@ -22,7 +22,9 @@ pub fn forget_peer(
     now_ms: i64,
 ) -> Result<usize, MailboxError> {
     let ids: Vec<String> = conn
-        .prepare("SELECT msg_id FROM outbox WHERE host = ?1 AND state = 'pending' ORDER BY created_at")?
+        .prepare(
+            "SELECT msg_id FROM outbox WHERE host = ?1 AND state = 'pending' ORDER BY created_at",
+        )?
         .query_map([host], |r| r.get(0))?
         .collect::<Result<_, _>>()?;
     for id in &ids {
@@ -50,10 +52,24 @@ mod tests {
         let me = testutil::identity("home");
         let peer = testutil::identity("work");
         s.add_peer(&peer, false);
-        s.send(&me, "alice", &["bob@work"], "one", "01KDVDNA3VG2MH8KWSQRCWJZ0S", T0)
-            .unwrap();
-        s.send(&me, "alice", &["bob@work"], "two", "01KDVDNA3VG2MH8KWSQRCWJZ0T", T0)
-            .unwrap();
+        s.send(
+            &me,
+            "alice",
+            &["bob@work"],
+            "one",
+            "01KDVDNA3VG2MH8KWSQRCWJZ0S",
+            T0,
+        )
+        .unwrap();
+        s.send(
+            &me,
+            "alice",
+            &["bob@work"],
+            "two",
+            "01KDVDNA3VG2MH8KWSQRCWJZ0T",
+            T0,
+        )
+        .unwrap();
         s.mailbox
             .with(|c| {
                 c.execute(
@@ -70,7 +86,9 @@ mod tests {
         assert_eq!(ended, 1);
         assert_eq!(s.scalar::<i64>("SELECT COUNT(*) FROM peers"), 0);
         assert_eq!(
-            s.scalar::<String>("SELECT group_concat(state, ',') FROM (SELECT state FROM outbox ORDER BY msg_id)"),
+            s.scalar::<String>(
+                "SELECT group_concat(state, ',') FROM (SELECT state FROM outbox ORDER BY msg_id)"
+            ),
             "undelivered,relay-accepted"
         );
         let alert: String = s.scalar("SELECT subject FROM messages WHERE kind = 'alert'");
