@@ -136,7 +136,7 @@ pub fn run(args: PeersArgs) -> anyhow::Result<()> {
             if args.json {
                 println!("{}", serde_json::to_string_pretty(&list)?);
             } else if list.is_empty() {
-                println!("no peers (add one with `agentmbx peers add <host> <host_pubkey>`)");
+                println!("no peers (pair with one: `agentmbx pair` here, then `agentmbx join` on the other host)");
             } else {
                 for p in list {
                     let fp = PublicKey::from_b64(&p.pubkey)
