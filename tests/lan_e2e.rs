@@ -146,7 +146,7 @@ fn a_peer_unreachable_on_the_lan_gets_its_mail_through_the_relay_once() {
     a.pair_with(&b);
     let dead = format!("127.0.0.1:{}", free_port());
     a.home
-        .run(&["peers", "addr", "hostb", &dead])
+        .run(&["peers", "addr", "hostb", &dead, "--force"])
         .assert_success();
 
     let sent = a.send("alice", "bob@hostb", "via the relay", "the LAN is down");

@@ -9,6 +9,12 @@
 //! ([`crate::transport::lan::presence::consider_mdns`]); one whose `fp` differs is logged as a
 //! `KEY MISMATCH` and never used. Unpaired hosts are only listed.
 //!
+//! What a host on the LAN can make this module keep is bounded: answers travel from the browse
+//! thread to the daemon through a queue of [`EVENT_QUEUE`] (an answer that finds it full is
+//! dropped; mDNS repeats itself), the table of answers holds at most [`MAX_SEEN_HOSTS`] names
+//! (pinned peers' names are evicted last, and an answer with another key never replaces one
+//! that matches the pinned key), and the `KEY MISMATCH` warnings remember at most as many.
+//!
 //! mDNS is off when `MBX_NO_MDNS=1`, `mdns = false` or a loopback `lan_bind`
 //! ([`Config::mdns_enabled`]); when the LAN server is bound to one address, only that address's
 //! interface is used. Multicast that cannot be opened is logged once and discovery stays off:
@@ -39,6 +45,10 @@ pub const TXT_VERSION: &str = "1";
 pub const BROWSE_WINDOW: Duration = Duration::from_secs(3);
 /// How long shutdown waits for the goodbye (TTL 0) to go out.
 pub const GOODBYE_WAIT: Duration = Duration::from_secs(1);
+/// Most host names kept from mDNS answers (the daemon's table, one `discover` run).
+pub const MAX_SEEN_HOSTS: usize = 256;
+/// Answers waiting for the daemon's handler; past it new ones are dropped.
+pub const EVENT_QUEUE: usize = 64;
 
 /// A host that answered on mDNS. `host`, `fp` and `v` come from its TXT record (keys
 /// case-insensitive, first wins); nothing here is verified.
@@ -186,7 +196,7 @@ pub fn browse(window: Duration) -> Result<Vec<Seen>, DiscoveryError> {
     let daemon = ServiceDaemon::new().map_err(mdns_err)?;
     let events = daemon.browse(SERVICE_TYPE).map_err(mdns_err)?;
     let deadline = Instant::now() + window;
-    let mut found: HashMap<String, Seen> = HashMap::new();
+    let mut found = SeenHosts::default();
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -195,7 +205,7 @@ pub fn browse(window: Duration) -> Result<Vec<Seen>, DiscoveryError> {
         match events.recv_timeout(left) {
             Ok(ServiceEvent::ServiceResolved(r)) => {
                 if let Some(seen) = seen_from(&r) {
-                    found.insert(seen.host.clone(), seen);
+                    found.insert(seen);
                 }
             }
             Ok(_) => {}
@@ -206,13 +216,123 @@ pub fn browse(window: Duration) -> Result<Vec<Seen>, DiscoveryError> {
     if let Ok(done) = daemon.shutdown() {
         let _ = done.recv_timeout(GOODBYE_WAIT);
     }
-    let mut list: Vec<Seen> = found.into_values().collect();
-    list.sort_by(|a, b| a.host.cmp(&b.host));
-    Ok(list)
+    Ok(found.into_sorted())
 }
 
-/// The latest answer per host name, kept by the running daemon's browse.
-pub type SeenTable = Arc<Mutex<HashMap<String, Seen>>>;
+/// The latest answer per host name, at most a fixed number of names (default
+/// [`MAX_SEEN_HOSTS`]). When full, a new name evicts the least recently answered name that is
+/// not a pinned peer's ([`SeenHosts::set_pinned`]); when every kept name is pinned, only a
+/// pinned name gets in. For a pinned name, an answer whose fingerprint is not the pinned one
+/// never replaces one whose fingerprint is.
+#[derive(Debug)]
+pub struct SeenHosts {
+    cap: usize,
+    tick: u64,
+    entries: HashMap<String, (Seen, u64)>,
+    /// Pinned peer name → the pinned key's fingerprint.
+    pinned: HashMap<String, String>,
+}
+
+impl Default for SeenHosts {
+    fn default() -> Self {
+        Self::with_capacity(MAX_SEEN_HOSTS)
+    }
+}
+
+impl SeenHosts {
+    /// An empty table keeping at most `cap` names (at least 1).
+    pub fn with_capacity(cap: usize) -> Self {
+        SeenHosts {
+            cap: cap.max(1),
+            tick: 0,
+            entries: HashMap::new(),
+            pinned: HashMap::new(),
+        }
+    }
+
+    /// Sets which names are pinned peers, with their pinned fingerprints (the daemon refreshes
+    /// it from the peer list).
+    pub fn set_pinned(&mut self, pinned: HashMap<String, String>) {
+        self.pinned = pinned;
+    }
+
+    /// Keeps `seen` as the latest answer for its host (rules in the type docs). Returns false
+    /// when it was not kept.
+    pub fn insert(&mut self, seen: Seen) -> bool {
+        let pinned_fp = self.pinned.get(&seen.host).cloned();
+        if let (Some(fp), Some((old, _))) = (&pinned_fp, self.entries.get(&seen.host)) {
+            if old.fp == *fp && seen.fp != *fp {
+                return false;
+            }
+        }
+        if !self.entries.contains_key(&seen.host) && self.entries.len() >= self.cap {
+            let oldest = |pinned: bool| {
+                self.entries
+                    .iter()
+                    .filter(|(h, _)| self.pinned.contains_key(*h) == pinned)
+                    .min_by_key(|(_, (_, t))| *t)
+                    .map(|(h, _)| h.clone())
+            };
+            let victim = match oldest(false) {
+                Some(h) => h,
+                None if pinned_fp.is_some() => match oldest(true) {
+                    Some(h) => h,
+                    None => return false,
+                },
+                None => return false,
+            };
+            self.entries.remove(&victim);
+        }
+        self.tick += 1;
+        self.entries.insert(seen.host.clone(), (seen, self.tick));
+        true
+    }
+
+    /// The latest answer kept for `host`.
+    pub fn get(&self, host: &str) -> Option<&Seen> {
+        self.entries.get(host).map(|(s, _)| s)
+    }
+
+    /// Forgets `host` (its goodbye).
+    pub fn remove(&mut self, host: &str) {
+        self.entries.remove(host);
+    }
+
+    /// How many names are kept.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether nothing is kept.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The kept answers, sorted by host name.
+    pub fn into_sorted(self) -> Vec<Seen> {
+        let mut list: Vec<Seen> = self.entries.into_values().map(|(s, _)| s).collect();
+        list.sort_by(|a, b| a.host.cmp(&b.host));
+        list
+    }
+}
+
+/// The daemon's [`SeenHosts`], shared by the browse thread and the failure ladder.
+pub type SeenTable = Arc<Mutex<SeenHosts>>;
+
+/// Hands an answer to the daemon's handler without ever blocking the browse thread: when
+/// [`EVENT_QUEUE`] answers are already waiting, this one is dropped (logged at debug; mDNS
+/// answers repeat). Returns false when the handler is gone.
+pub fn forward(tx: &tokio::sync::mpsc::Sender<Seen>, seen: Seen) -> bool {
+    use tokio::sync::mpsc::error::TrySendError;
+    match tx.try_send(seen) {
+        Ok(()) => true,
+        Err(TrySendError::Full(s)) => {
+            tracing::debug!(host = %s.host, addr = %s.addr, "mDNS: too many answers waiting; this one is dropped");
+            true
+        }
+        Err(TrySendError::Closed(_)) => false,
+    }
+}
 
 /// The mDNS candidates for the pinned peer `host` in `table`: its advertised addresses, only
 /// when the advertised fingerprint is `key`'s (the failure ladder's last rung, `wire.md` §4).
@@ -301,7 +421,7 @@ pub fn start(config: &Config, lan: SharedLan) -> Result<Discovery, DiscoveryErro
     let events = daemon.browse(SERVICE_TYPE).map_err(mdns_err)?;
     tracing::info!(instance = %fullname, port = lan.port, addrs = ?ips, "mDNS: advertising this host and browsing for peers");
 
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Seen>();
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Seen>(EVENT_QUEUE);
     let table = seen.clone();
     std::thread::Builder::new()
         .name("mdns-browse".into())
@@ -314,8 +434,8 @@ pub fn start(config: &Config, lan: SharedLan) -> Result<Discovery, DiscoveryErro
                             table
                                 .lock()
                                 .unwrap_or_else(|e| e.into_inner())
-                                .insert(s.host.clone(), s.clone());
-                            if tx.send(s).is_err() {
+                                .insert(s.clone());
+                            if !forward(&tx, s) {
                                 break;
                             }
                         }
@@ -336,10 +456,11 @@ pub fn start(config: &Config, lan: SharedLan) -> Result<Discovery, DiscoveryErro
             }
         })
         .map_err(|e| DiscoveryError::Mdns(e.to_string()))?;
+    let table = seen.clone();
     runtime.spawn(async move {
         let mut warned: HashSet<(String, String)> = HashSet::new();
         while let Some(s) = rx.recv().await {
-            on_seen(&lan, &s, &host, &fp, &mut warned).await;
+            on_seen(&lan, &table, &s, &host, &fp, &mut warned).await;
         }
     });
     Ok(Discovery {
@@ -348,9 +469,11 @@ pub fn start(config: &Config, lan: SharedLan) -> Result<Discovery, DiscoveryErro
     })
 }
 
-/// What the daemon does with one resolved answer (module docs).
+/// What the daemon does with one resolved answer (module docs); it also refreshes which names
+/// of `table` are pinned peers.
 async fn on_seen(
     lan: &SharedLan,
+    table: &SeenTable,
     s: &Seen,
     own_host: &str,
     own_fp: &str,
@@ -363,6 +486,14 @@ async fn on_seen(
             return;
         }
     };
+    let pinned = list
+        .iter()
+        .map(|p| (p.host.clone(), pinned_fp(p)))
+        .collect();
+    table
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .set_pinned(pinned);
     match standing(s, own_host, own_fp, &list) {
         Standing::Paired => match presence::consider_mdns(lan, &s.host, s.candidates()).await {
             Ok(Some(to)) => tracing::debug!(peer = %s.host, to = %to, "mDNS answer moved the peer"),
@@ -370,6 +501,9 @@ async fn on_seen(
             Err(e) => tracing::warn!(peer = %s.host, error = %e, "mDNS: address healing failed"),
         },
         Standing::KeyMismatch { advertised, pinned } => {
+            if warned.len() >= MAX_SEEN_HOSTS {
+                warned.clear();
+            }
             if warned.insert((s.host.clone(), advertised.clone())) {
                 tracing::warn!(
                     peer = %s.host,
@@ -507,7 +641,7 @@ mod tests {
         table
             .lock()
             .unwrap()
-            .insert("beta".into(), seen("beta", &beta.fingerprint()));
+            .insert(seen("beta", &beta.fingerprint()));
         assert_eq!(
             candidates(&table, "beta", &beta),
             vec!["10.0.0.5:7373", "[fe80::1]:7373"]
@@ -515,6 +649,85 @@ mod tests {
         let other = agentmbx_protocol::keys::HostKey::generate().public();
         assert!(candidates(&table, "beta", &other).is_empty());
         assert!(candidates(&table, "gamma", &beta).is_empty());
+    }
+
+    #[test]
+    fn the_table_keeps_at_most_its_capacity_and_pinned_names_last() {
+        let mut t = SeenHosts::default();
+        for i in 0..MAX_SEEN_HOSTS + 100 {
+            assert!(t.insert(seen(&format!("h{i}"), "x")));
+        }
+        assert_eq!(t.len(), MAX_SEEN_HOSTS);
+        // The least recently answered went first; the newest are kept.
+        assert!(t.get("h0").is_none() && t.get("h99").is_none());
+        assert!(t.get(&format!("h{}", MAX_SEEN_HOSTS + 99)).is_some());
+
+        let beta = agentmbx_protocol::keys::HostKey::generate().public();
+        let mut t = SeenHosts::with_capacity(3);
+        t.set_pinned(HashMap::from([("beta".to_string(), beta.fingerprint())]));
+        assert!(t.insert(seen("beta", &beta.fingerprint())));
+        // A flood of other names never evicts the pinned peer's answer.
+        for i in 0..50 {
+            assert!(t.insert(seen(&format!("flood{i}"), "x")));
+        }
+        assert_eq!(t.len(), 3);
+        assert_eq!(t.get("beta").unwrap().fp, beta.fingerprint());
+        assert!(t.get("flood49").is_some() && t.get("flood48").is_some());
+        // Its name with another key does not replace the answer with the pinned key ...
+        assert!(!t.insert(seen("beta", "0000-0000-0000-0000")));
+        assert_eq!(t.get("beta").unwrap().fp, beta.fingerprint());
+        // ... a fresh answer with the pinned key does.
+        let mut moved = seen("beta", &beta.fingerprint());
+        moved.port = 7400;
+        assert!(t.insert(moved));
+        assert_eq!(t.get("beta").unwrap().port, 7400);
+        // Goodbyes free room.
+        t.remove("beta");
+        assert_eq!(t.len(), 2);
+
+        // Only pinned names kept: an unpinned name does not get in, a pinned one does.
+        let mut t = SeenHosts::with_capacity(1);
+        t.set_pinned(HashMap::from([
+            ("beta".to_string(), "fb".to_string()),
+            ("gamma".to_string(), "fg".to_string()),
+        ]));
+        assert!(t.insert(seen("beta", "fb")));
+        assert!(!t.insert(seen("stranger", "x")));
+        assert!(t.insert(seen("gamma", "fg")));
+        assert_eq!(
+            t.into_sorted()
+                .iter()
+                .map(|s| s.host.as_str())
+                .collect::<Vec<_>>(),
+            ["gamma"]
+        );
+    }
+
+    #[test]
+    fn answers_past_the_queue_are_dropped_without_blocking() {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Seen>(EVENT_QUEUE);
+        for i in 0..EVENT_QUEUE + 40 {
+            assert!(
+                forward(&tx, seen(&format!("h{i}"), "x")),
+                "the handler is still there"
+            );
+        }
+        let mut got = Vec::new();
+        while let Ok(s) = rx.try_recv() {
+            got.push(s.host);
+        }
+        assert_eq!(
+            got.len(),
+            EVENT_QUEUE,
+            "the queue holds at most EVENT_QUEUE answers"
+        );
+        assert_eq!(got[0], "h0");
+        assert_eq!(got[EVENT_QUEUE - 1], format!("h{}", EVENT_QUEUE - 1));
+        // Room again once the handler caught up.
+        assert!(forward(&tx, seen("late", "x")));
+        assert_eq!(rx.try_recv().unwrap().host, "late");
+        drop(rx);
+        assert!(!forward(&tx, seen("gone", "x")), "the handler is gone");
     }
 
     #[test]

@@ -1,15 +1,17 @@
 //! `agentmbx peers [add <host> <host_pubkey> | addr <host> <host:port> | remove <host>] [--json]`:
 //! the hosts this host knows by pinned key (`wire.md` §4, §5 "Machines"). Pairing (`agentmbx
 //! pair` / `join`) pins peers over the LAN; `add` pins a key by hand (a peer reached only through
-//! the relay); `addr` sets where a peer's LAN server is; `remove` tells the peer
+//! the relay); `addr` sets where a peer's LAN server is, once that address answered with a
+//! status signed by the pinned key (or unproven with `--force`); `remove` tells the peer
 //! (`POST /v1/unpair`) and forgets it here.
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
 
 use agentmbx::host_name::HostName;
-use agentmbx::mailbox::{outbox, peers, Mailbox};
+use agentmbx::mailbox::{peers, Mailbox};
 use agentmbx::paths::Paths;
+use agentmbx::transport::lan::presence::{self, OwnerAddr, OwnerAddrError};
 use agentmbx_protocol::clock::{Clock, SystemClock};
 use agentmbx_protocol::keys::PublicKey;
 
@@ -36,12 +38,17 @@ pub enum PeersCommand {
         /// The peer's host public key (base64, from its `agentmbx whoami`)
         host_pubkey: String,
     },
-    /// Set where a peer's LAN server is (its `host:port`); mail waiting for it is due at once
+    /// Set where a peer's LAN server is (its `host:port`), once the address answers with a
+    /// status signed by the peer's pinned key; mail waiting for it is due at once
     Addr {
         /// The peer's host name
         host: String,
-        /// Its LAN address, `host:port` (a name or an IP)
+        /// Its LAN address, `host:port` (a name or an IP; an IP must be one the peer reports)
         addr: String,
+        /// Store it anyway when it does not answer as the peer (the peer may be down now); mail
+        /// to it is tried there
+        #[arg(long)]
+        force: bool,
     },
     /// Unpair: tell the peer (POST /v1/unpair, best effort) and forget its key here. Mail not
     /// yet delivered to it ends as undelivered, with a local alert to each sender.
@@ -85,20 +92,20 @@ pub fn run(args: PeersArgs) -> anyhow::Result<()> {
                 println!("{name} is already pinned to this key");
             }
         }
-        Some(PeersCommand::Addr { host, addr }) => {
+        Some(PeersCommand::Addr { host, addr, force }) => {
             let addr = parse_lan_addr(&addr)?;
-            let now = SystemClock::from_env()?.now_ms();
-            mailbox.with(|c| {
-                let tx = c.transaction()?;
-                peers::set_addr(&tx, &host, &addr, "cli")?;
-                outbox::peer_is_back(&tx, &host, now)?;
-                tx.commit()?;
-                Ok(())
-            })?;
+            let set = set_addr(mailbox, &host, &addr, force)?;
             if args.json {
-                println!("{}", serde_json::json!({"host": host, "addr": addr}));
+                println!("{}", serde_json::to_string(&set)?);
+            } else if set.verified {
+                println!(
+                    "{host} is now reached at {addr} (it answered with its pinned key); mail waiting for it is due now"
+                );
             } else {
-                println!("{host} is now reached at {addr}");
+                println!(
+                    "{host} is now reached at {addr}, UNVERIFIED ({}); mail to it is tried there",
+                    set.why.as_deref().unwrap_or("not checked")
+                );
             }
         }
         Some(PeersCommand::Remove { host }) => {
@@ -172,6 +179,28 @@ fn parse_lan_addr(addr: &str) -> Result<String, UsageError> {
     Ok(format!("{host}:{port}"))
 }
 
+/// `peers addr`: probes `addr` for `host`'s signed status and stores it when it proves the
+/// pinned key, or unproven with `force` ([`presence::set_addr_by_owner`]). Errors: no such
+/// peer (exit 3), not proven without `force` (exit 1, naming why), the store.
+fn set_addr(mailbox: Mailbox, host: &str, addr: &str, force: bool) -> anyhow::Result<OwnerAddr> {
+    let clock: agentmbx_protocol::clock::SharedClock =
+        std::sync::Arc::new(SystemClock::from_env()?);
+    agentmbx::install_tls_provider();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let set = runtime.block_on(presence::set_addr_by_owner(
+        &mailbox, &clock, host, addr, force,
+    ));
+    match set {
+        Ok(set) => Ok(set),
+        Err(OwnerAddrError::NotPaired(h)) => {
+            Err(super::NotFoundError(format!("no peer named {h} (see `agentmbx peers`)")).into())
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// Tells `peer` this host unpairs (`POST /v1/unpair`), when it has a LAN address.
 fn notify_unpair(paths: &Paths, peer: &peers::Peer) -> anyhow::Result<()> {
     let Some(addr) = peer.addr.clone() else {
@@ -190,4 +219,61 @@ fn notify_unpair(paths: &Paths, peer: &peers::Peer) -> anyhow::Result<()> {
             agentmbx::transport::lan::client::LanClient::new(ident, clock, config.lan_port)?;
         client.unpair(&addr).await.map_err(anyhow::Error::from)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::super::{exit_code, render, EXIT_FAILURE, EXIT_NOT_FOUND};
+    use super::*;
+
+    /// A port on 127.0.0.1 that nothing listens on.
+    fn dead_addr() -> String {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = l.local_addr().unwrap().to_string();
+        drop(l);
+        a
+    }
+
+    #[test]
+    fn an_unproven_address_is_refused_with_exit_1_unless_forced() {
+        let dir = tempfile::tempdir().unwrap();
+        let mailbox = Mailbox::open(&dir.path().join("mailbox.db")).unwrap();
+        let e = set_addr(mailbox.clone(), "hostb", "127.0.0.1:1", true).unwrap_err();
+        assert_eq!(exit_code(&e), EXIT_NOT_FOUND, "{e}");
+
+        let key = agentmbx_protocol::keys::HostKey::generate().public();
+        mailbox
+            .with(|c| peers::add(c, "hostb", &key.to_b64(), 0).map(|_| ()))
+            .unwrap();
+        let dead = dead_addr();
+        let e = set_addr(mailbox.clone(), "hostb", &dead, false).unwrap_err();
+        assert_eq!(exit_code(&e), EXIT_FAILURE);
+        let text = render(&e);
+        assert!(
+            text.starts_with(&format!("{dead} did not prove to be hostb: no answer")),
+            "{text}"
+        );
+        assert!(text.contains("--force"), "{text}");
+        let addr = |m: &Mailbox| {
+            m.with(|c| peers::by_name(c, "hostb"))
+                .unwrap()
+                .unwrap()
+                .addr
+        };
+        assert_eq!(addr(&mailbox), None, "nothing stored");
+
+        let set = set_addr(mailbox.clone(), "hostb", &dead, true).unwrap();
+        assert!(!set.verified && set.why.is_some());
+        assert_eq!(addr(&mailbox), Some(dead));
+    }
+
+    #[test]
+    fn addresses_need_a_host_and_a_port() {
+        assert_eq!(parse_lan_addr(" 10.0.0.5:7373 ").unwrap(), "10.0.0.5:7373");
+        assert_eq!(parse_lan_addr("[::1]:9").unwrap(), "[::1]:9");
+        for bad in ["10.0.0.5", ":7373", "x:0", "x:70000", "a b:1", "x/y:1"] {
+            assert!(parse_lan_addr(bad).is_err(), "{bad}");
+        }
+    }
 }

@@ -2,11 +2,20 @@
 //! over the LAN settles it (`delivered`, or `rejected` with an alert), or a verified relay accept
 //! moves it to `relay-accepted` (spec §3 sender side), which the peer's delivery receipt later
 //! settles (`delivered`, spec §9). A rejection that retrying cannot help moves it to `rejected`
-//! (design README "Rejections"); the LAN gives up on a row no relay ever accepted after 72 h
-//! (`undelivered`, `wire.md` §4 "Outbox client"). A row is never deleted by a failure.
+//! (design README "Rejections").
+//!
+//! The 72 h rule (`wire.md` §4 "Outbox client"): a `pending` row that no relay ever accepted
+//! (`accepted_at` unset, so not a re-push) ends `undelivered` once it is more than
+//! [`GIVE_UP_MS`] old, with `last_error` `gave up after 72 h (<last error>)` and an alert to the
+//! sender in the same transaction. A failed attempt over either transport applies it
+//! ([`fail_lan`], [`fail`]), and [`give_up_stale`] (run by the LAN delivery pass, at least once a
+//! minute) ends the rows no transport is trying, e.g. for a peer with no LAN address and no
+//! relay. A row a relay accepted is never ended by this rule. A row is never deleted by a
+//! failure.
 //!
 //! Which transport takes a due row is decided by [`crate::transport::select`]; the queries
-//! [`due_for_lan`] and [`due_for_relay`] are that rule in SQL.
+//! [`due_for_lan`] and [`due_for_relay`] are that rule in SQL, and [`back_to_lan`] is its
+//! hand-back after a relay refusal that shows the target is not enrolled there.
 //!
 //! The wire bytes are written once, before the first attempt, and reused byte for byte on every
 //! retry and by both transports ([`set_wire`] never overwrites).
@@ -25,9 +34,13 @@ use crate::transport::select::LAN_FAILURES_BEFORE_RELAY;
 pub const BACKOFF_BASE_MS: i64 = 5_000;
 /// Longest retry delay (ms): one hour.
 pub const BACKOFF_MAX_MS: i64 = 3_600_000;
-/// How long the LAN keeps trying a row no relay accepted before it is `undelivered` (ms):
-/// 72 h (`wire.md` §4 "Outbox client").
-pub const LAN_GIVE_UP_MS: i64 = 72 * 3_600_000;
+/// How long a `pending` row that no relay ever accepted is kept before it is `undelivered`
+/// (ms): 72 h (`wire.md` §4 "Outbox client"), whichever transport was trying it, or none.
+pub const GIVE_UP_MS: i64 = 72 * 3_600_000;
+/// Rows [`give_up_stale`] ends per call (one transaction; the caller repeats while it is full).
+pub const GIVE_UP_BATCH: usize = 200;
+/// The error named by a row that was never tried because no transport could take it.
+pub const NO_TRANSPORT: &str = "no transport could take it";
 /// Longest `last_error` kept (characters, `wire.md` §4).
 pub const MAX_LAST_ERROR: usize = 300;
 
@@ -41,6 +54,18 @@ pub fn backoff_ms(attempts: u32) -> i64 {
 /// `text` cut to at most [`MAX_LAST_ERROR`] characters.
 pub fn cut_error(text: &str) -> String {
     text.chars().take(MAX_LAST_ERROR).collect()
+}
+
+/// The `last_error` (and alert reason) of a row ended by the 72 h rule:
+/// `gave up after 72 h (<error>)`, cut to [`MAX_LAST_ERROR`] characters.
+pub fn gave_up_reason(error: &str) -> String {
+    cut_error(&format!("gave up after 72 h ({error})"))
+}
+
+/// Whether the 72 h rule ends a pending row created at `created_at` (ms) at `now_ms`: more
+/// than [`GIVE_UP_MS`] old and never accepted by a relay (`accepted_at` unset).
+pub fn past_give_up(created_at: i64, accepted_at: Option<i64>, now_ms: i64) -> bool {
+    accepted_at.is_none() && now_ms.saturating_sub(created_at) > GIVE_UP_MS
 }
 
 /// An outbox row.
@@ -322,8 +347,12 @@ pub fn settle_accepted(
     Ok(n == 1)
 }
 
-/// Records a failed attempt: the row stays, `attempts` + 1, next attempt after [`backoff_ms`].
-/// `terminal` (a rejection retrying cannot help) moves it to `rejected` instead.
+/// Records a failed relay attempt (`wire.md` §3.5 "Push"): `attempts` + 1, next attempt after
+/// [`backoff_ms`], `last_error` cut to 300 characters. `terminal` (a rejection retrying cannot
+/// help) moves the row to `rejected` instead; otherwise the 72 h rule ([`past_give_up`]) may
+/// end it `undelivered` with `last_error` [`gave_up_reason`]. The caller alerts the sender for
+/// [`Failure::Rejected`] and [`Failure::GaveUp`] in the same transaction. Only a `pending` row
+/// changes ([`Failure::Gone`] otherwise).
 pub fn fail(
     conn: &Connection,
     msg_id: &str,
@@ -331,23 +360,135 @@ pub fn fail(
     error: &str,
     terminal: bool,
     now_ms: i64,
-) -> Result<(), MailboxError> {
-    let attempts: u32 = conn
-        .query_row(
-            "SELECT attempts FROM outbox WHERE msg_id = ?1 AND host = ?2",
-            params![msg_id, host],
-            |r| r.get(0),
-        )
-        .optional()?
-        .unwrap_or(0);
+) -> Result<Failure, MailboxError> {
+    let Some((attempts, created_at, accepted_at)) = pending_facts(conn, msg_id, host)? else {
+        return Ok(Failure::Gone);
+    };
     let next_at = now_ms + backoff_ms(attempts);
+    if terminal {
+        conn.execute(
+            "UPDATE outbox SET state = 'rejected', attempts = attempts + 1, next_at = ?3,
+               last_error = ?4, settled_at = ?5
+             WHERE msg_id = ?1 AND host = ?2 AND state = 'pending'",
+            params![msg_id, host, next_at, cut_error(error), now_ms],
+        )?;
+        return Ok(Failure::Rejected);
+    }
+    if past_give_up(created_at, accepted_at, now_ms) {
+        give_up(conn, msg_id, host, error, false, now_ms)?;
+        return Ok(Failure::GaveUp);
+    }
     conn.execute(
-        "UPDATE outbox SET attempts = attempts + 1, next_at = ?3, last_error = ?4,
-           state = CASE WHEN ?5 THEN 'rejected' ELSE state END
+        "UPDATE outbox SET attempts = attempts + 1, next_at = ?3, last_error = ?4
          WHERE msg_id = ?1 AND host = ?2 AND state = 'pending'",
-        params![msg_id, host, next_at, cut_error(error), terminal],
+        params![msg_id, host, next_at, cut_error(error)],
+    )?;
+    Ok(Failure::Retry)
+}
+
+/// `(attempts, created_at, accepted_at)` of a pending row.
+fn pending_facts(
+    conn: &Connection,
+    msg_id: &str,
+    host: &str,
+) -> Result<Option<(u32, i64, Option<i64>)>, MailboxError> {
+    Ok(conn
+        .query_row(
+            "SELECT attempts, created_at, accepted_at FROM outbox
+             WHERE msg_id = ?1 AND host = ?2 AND state = 'pending'",
+            params![msg_id, host],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .optional()?)
+}
+
+/// Ends a pending row by the 72 h rule after a failed attempt (`lan`: it was a LAN one).
+fn give_up(
+    conn: &Connection,
+    msg_id: &str,
+    host: &str,
+    error: &str,
+    lan: bool,
+    now_ms: i64,
+) -> Result<(), MailboxError> {
+    conn.execute(
+        "UPDATE outbox SET state = 'undelivered', attempts = attempts + 1,
+           lan_failures = lan_failures + CASE WHEN ?5 THEN 1 ELSE 0 END,
+           settled_at = ?3, last_error = ?4
+         WHERE msg_id = ?1 AND host = ?2 AND state = 'pending'",
+        params![msg_id, host, now_ms, gave_up_reason(error), lan],
     )?;
     Ok(())
+}
+
+/// The relay refused a row in a way that shows the target cannot be reached through it
+/// ([`crate::transport::select::relay_cannot_reach`]; spec §10: a row moves to the relay only
+/// once the target is enrolled): when the peer is pinned with the row's key and has a LAN
+/// address, the row's LAN failures drop to one below the handover threshold, so the LAN takes
+/// its next attempt (when due: its backoff stays). Only a pending row no relay ever accepted
+/// changes. Returns whether it changed.
+pub fn back_to_lan(conn: &Connection, msg_id: &str, host: &str) -> Result<bool, MailboxError> {
+    let n = conn.execute(
+        &format!(
+            "UPDATE outbox SET lan_failures = ?3
+             WHERE msg_id = ?1 AND host = ?2 AND state = 'pending' AND accepted_at IS NULL
+               AND lan_failures > ?3
+               AND EXISTS (SELECT 1 FROM peers p WHERE p.host = outbox.host
+                           AND p.pubkey = outbox.target_pubkey AND {LAN_PEER_SQL})"
+        ),
+        params![msg_id, host, LAN_FAILURES_BEFORE_RELAY - 1],
+    )?;
+    Ok(n == 1)
+}
+
+/// A row ended by [`give_up_stale`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GaveUp {
+    /// Message id.
+    pub msg_id: String,
+    /// Target host name.
+    pub host: String,
+    /// The stored `last_error`: `gave up after 72 h (<last error, or` [`NO_TRANSPORT`]`>)`.
+    pub reason: String,
+}
+
+/// The 72 h sweep (`wire.md` §4 "Outbox client"): ends, oldest first, at most `limit`
+/// `pending` rows that no relay ever accepted and that are more than [`GIVE_UP_MS`] old,
+/// whichever transport was trying them or none (no LAN address and no relay): state
+/// `undelivered`, `settled_at` now, `last_error` [`gave_up_reason`] of the row's last error
+/// (or [`NO_TRANSPORT`] when it was never tried). Run it in the transaction that alerts each
+/// sender. Returns the rows it ended.
+pub fn give_up_stale(
+    conn: &Connection,
+    now_ms: i64,
+    limit: usize,
+) -> Result<Vec<GaveUp>, MailboxError> {
+    let found: Vec<(String, String, Option<String>)> = conn
+        .prepare(
+            "SELECT msg_id, host, last_error FROM outbox
+             WHERE state = 'pending' AND accepted_at IS NULL AND created_at < ?1
+             ORDER BY created_at, msg_id LIMIT ?2",
+        )?
+        .query_map(
+            params![now_ms.saturating_sub(GIVE_UP_MS), limit as i64],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )?
+        .collect::<Result<_, _>>()?;
+    let mut out = Vec::with_capacity(found.len());
+    for (msg_id, host, last_error) in found {
+        let reason = gave_up_reason(last_error.as_deref().unwrap_or(NO_TRANSPORT));
+        conn.execute(
+            "UPDATE outbox SET state = 'undelivered', settled_at = ?3, last_error = ?4
+             WHERE msg_id = ?1 AND host = ?2 AND state = 'pending'",
+            params![msg_id, host, now_ms, reason],
+        )?;
+        out.push(GaveUp {
+            msg_id,
+            host,
+            reason,
+        });
+    }
+    Ok(out)
 }
 
 /// Seals the row's stored message for its target's enc key and persists the wire bytes once
@@ -417,11 +558,14 @@ pub fn rejected_lan(
     Ok(n == 1)
 }
 
-/// What a failed LAN attempt did to its row.
+/// What a failed attempt ([`fail`], [`fail_lan`]) did to its row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LanFailure {
-    /// Kept pending: `attempts` and `lan_failures` + 1, next attempt after the backoff.
+pub enum Failure {
+    /// Kept pending: `attempts` + 1 (and `lan_failures` + 1 for a LAN attempt), next attempt
+    /// after the backoff.
     Retry,
+    /// A rejection retrying cannot help: now `rejected` (the caller alerts; [`fail`] only).
+    Rejected,
     /// More than 72 h old and never accepted by a relay: now `undelivered` (the caller alerts).
     GaveUp,
     /// The row is no longer pending (settled meanwhile): nothing changed.
@@ -429,40 +573,23 @@ pub enum LanFailure {
 }
 
 /// Records a failed LAN attempt (network error, or an HTTP answer that is no verdict;
-/// `wire.md` §4 "Outbox client"): when `now − created_at` > 72 h and no relay ever accepted the
-/// row (not a re-push), it becomes `undelivered`; else `attempts` + 1, `lan_failures` + 1,
-/// `next_at = now + min(5 s·2^attempts_before, 1 h)`, `last_error` cut to 300 characters.
+/// `wire.md` §4 "Outbox client"): when the 72 h rule applies ([`past_give_up`]: more than 72 h
+/// old, no relay ever accepted the row) it becomes `undelivered`; else `attempts` + 1,
+/// `lan_failures` + 1, `next_at = now + min(5 s·2^attempts_before, 1 h)`, `last_error` cut to
+/// 300 characters.
 pub fn fail_lan(
     conn: &Connection,
     msg_id: &str,
     host: &str,
     error: &str,
     now_ms: i64,
-) -> Result<LanFailure, MailboxError> {
-    let found: Option<(u32, i64, Option<i64>)> = conn
-        .query_row(
-            "SELECT attempts, created_at, accepted_at FROM outbox
-             WHERE msg_id = ?1 AND host = ?2 AND state = 'pending'",
-            params![msg_id, host],
-            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
-        )
-        .optional()?;
-    let Some((attempts, created_at, accepted_at)) = found else {
-        return Ok(LanFailure::Gone);
+) -> Result<Failure, MailboxError> {
+    let Some((attempts, created_at, accepted_at)) = pending_facts(conn, msg_id, host)? else {
+        return Ok(Failure::Gone);
     };
-    if now_ms - created_at > LAN_GIVE_UP_MS && accepted_at.is_none() {
-        conn.execute(
-            "UPDATE outbox SET state = 'undelivered', attempts = attempts + 1,
-               lan_failures = lan_failures + 1, settled_at = ?3, last_error = ?4
-             WHERE msg_id = ?1 AND host = ?2",
-            params![
-                msg_id,
-                host,
-                now_ms,
-                cut_error(&format!("gave up after 72 h ({error})"))
-            ],
-        )?;
-        return Ok(LanFailure::GaveUp);
+    if past_give_up(created_at, accepted_at, now_ms) {
+        give_up(conn, msg_id, host, error, true, now_ms)?;
+        return Ok(Failure::GaveUp);
     }
     conn.execute(
         "UPDATE outbox SET attempts = attempts + 1, lan_failures = lan_failures + 1,
@@ -475,7 +602,7 @@ pub fn fail_lan(
             cut_error(error)
         ],
     )?;
-    Ok(LanFailure::Retry)
+    Ok(Failure::Retry)
 }
 
 /// A delivery receipt (delivered or later) from `host` for `msg_id` arrived (spec §9): a row
@@ -574,6 +701,90 @@ mod wire_tests {
                 );
                 assert!(due(c, i64::MAX, 10)?.is_empty());
                 assert_eq!(counts(c)?, vec![("rejected".to_string(), 1)]);
+                Ok(())
+            })
+            .unwrap();
+    }
+
+    #[test]
+    fn the_72_hour_rule_spares_rows_a_relay_accepted_and_the_sweep_ends_the_rest() {
+        let s = testutil::store();
+        let me = testutil::identity("home");
+        s.add_peer(&testutil::identity("work"), false);
+        let mut ids = testutil::ids();
+        let (a, b, c3) = (ids.next(T0), ids.next(T0), ids.next(T0));
+        for id in [&a, &b, &c3] {
+            s.send(&me, "alice", &["bob@work"], "hi", id, T0).unwrap();
+        }
+        let late = T0 + GIVE_UP_MS + 1;
+        s.mailbox
+            .with(|c| {
+                c.execute(
+                    "UPDATE outbox SET accepted_at = ?2 WHERE msg_id = ?1",
+                    params![b, T0],
+                )?;
+                assert_eq!(fail(c, &b, "work", "x", false, late)?, Failure::Retry);
+                assert_eq!(
+                    fail(c, &a, "work", "x", false, T0 + GIVE_UP_MS)?,
+                    Failure::Retry
+                );
+                assert_eq!(fail(c, &a, "work", "x", false, late)?, Failure::GaveUp);
+                assert_eq!(fail(c, &a, "work", "x", false, late)?, Failure::Gone);
+                let r = get(c, &a, "work")?.unwrap();
+                assert_eq!(
+                    (r.state.as_str(), r.last_error.as_deref()),
+                    ("undelivered", Some("gave up after 72 h (x)"))
+                );
+                // The sweep: only c3 is left to end; b was accepted by a relay once.
+                assert!(give_up_stale(c, T0 + GIVE_UP_MS, 10)?.is_empty());
+                let ended = give_up_stale(c, late, 10)?;
+                assert_eq!(
+                    ended,
+                    vec![GaveUp {
+                        msg_id: c3.clone(),
+                        host: "work".into(),
+                        reason: format!("gave up after 72 h ({NO_TRANSPORT})"),
+                    }]
+                );
+                assert!(give_up_stale(c, i64::MAX, 10)?.is_empty());
+                assert_eq!(get(c, &b, "work")?.unwrap().state, "pending");
+                Ok(())
+            })
+            .unwrap();
+    }
+
+    #[test]
+    fn back_to_lan_needs_a_lan_address_and_a_row_no_relay_accepted() {
+        let s = testutil::store();
+        let me = testutil::identity("home");
+        s.add_peer(&testutil::identity("work"), false);
+        let mut ids = testutil::ids();
+        let (a, b) = (ids.next(T0), ids.next(T0));
+        for id in [&a, &b] {
+            s.send(&me, "alice", &["bob@work"], "hi", id, T0).unwrap();
+        }
+        s.mailbox
+            .with(|c| {
+                c.execute("UPDATE outbox SET lan_failures = 3", [])?;
+                // No LAN address: stays with the relay.
+                assert!(!back_to_lan(c, &a, "work")?);
+                c.execute(
+                    "UPDATE peers SET addr = '127.0.0.1:1' WHERE host = 'work'",
+                    [],
+                )?;
+                assert!(back_to_lan(c, &a, "work")?);
+                assert_eq!(
+                    get(c, &a, "work")?.unwrap().lan_failures,
+                    LAN_FAILURES_BEFORE_RELAY - 1
+                );
+                // Already below the threshold: nothing to do.
+                assert!(!back_to_lan(c, &a, "work")?);
+                // A row a relay accepted once never goes back to the LAN.
+                c.execute(
+                    "UPDATE outbox SET accepted_at = ?2 WHERE msg_id = ?1",
+                    params![b, T0],
+                )?;
+                assert!(!back_to_lan(c, &b, "work")?);
                 Ok(())
             })
             .unwrap();

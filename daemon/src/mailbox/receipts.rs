@@ -227,6 +227,29 @@ pub fn wire_once(
         .ok_or_else(|| MailboxError::NotFound(format!("no queued receipt {}", row.seq)))
 }
 
+/// A repeat of message `msg_id` arrived from its sender (`wire.md` §3.5 "Receive": duplicate →
+/// re-queue delivery receipts): queues again, due now, one receipt for each current delivery of
+/// the message (state `new` sent as `delivered`, `read`, `acked`; owed to the message's origin),
+/// so a sender whose first receipt was lost or dropped after 72 h still settles its
+/// relay-accepted row (spec §9). A delivery whose receipt is still queued unsent is skipped,
+/// and mail sent from this host queues nothing. Run it in the transaction that found the
+/// duplicate. Returns how many receipts were queued.
+pub fn requeue(conn: &Connection, msg_id: &str, now_ms: i64) -> Result<usize, MailboxError> {
+    Ok(conn.execute(
+        "WITH cur AS (
+           SELECT d.seq, d.msg_id, d.agent, m.origin AS host, d.note, d.updated_at AS at,
+                  CASE d.state WHEN 'new' THEN 'delivered' ELSE d.state END AS state
+           FROM deliveries d JOIN messages m ON m.id = d.msg_id
+           WHERE d.msg_id = ?1 AND m.origin <> 'local')
+         INSERT INTO receipt_outbox(msg_id, agent, host, state, note, at, next_at, created_at)
+         SELECT msg_id, agent, host, state, note, at, ?2, ?2 FROM cur
+         WHERE NOT EXISTS (SELECT 1 FROM receipt_outbox r
+                           WHERE r.msg_id = cur.msg_id AND r.agent = cur.agent AND r.state = cur.state)
+         ORDER BY seq",
+        params![msg_id, now_ms],
+    )?)
+}
+
 /// The peer (or a verified relay accept) took these receipts: they leave the queue.
 pub fn sent(conn: &Connection, seqs: &[i64]) -> Result<usize, MailboxError> {
     let mut n = 0;
@@ -416,7 +439,9 @@ fn recipients_of(
         .query_map([msg_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?
         .collect::<Result<_, _>>()?;
     let rows: Vec<OutboxView> = conn
-        .prepare("SELECT host, state, last_error, via, settled_at FROM outbox WHERE msg_id = ?1")?
+        .prepare(
+            "SELECT host, state, last_error, via, settled_at FROM outbox WHERE msg_id = ?1 ORDER BY host",
+        )?
         .query_map([msg_id], |r| {
             Ok(OutboxView {
                 host: r.get(0)?,
@@ -499,7 +524,70 @@ fn recipients_of(
             });
         }
     }
+    // Hosts the message went to that no line shows yet: reached by a bare name, `*` or
+    // `role:R` (routed to a peer when sent), with no receipt from there so far. Their outbox
+    // row is the only word on them (queued, relay-accepted, delivered or undelivered).
+    let covered: BTreeSet<String> = out.iter().map(|r| r.host.clone()).collect();
+    let delivered_here: BTreeSet<&str> = deliveries.iter().map(|d| d.0.as_str()).collect();
+    for row in rows.iter().filter(|r| !covered.contains(&r.host)) {
+        let (state, reason) = outbox_state(&row.state, row.last_error.clone());
+        for label in unqualified_labels(conn, to, &row.host, &delivered_here)? {
+            if seen.insert(label.clone()) {
+                out.push(RecipientState {
+                    recipient: label,
+                    host: row.host.clone(),
+                    state: state.clone(),
+                    at: row.settled_at.map(iso_ms),
+                    reason: reason.clone(),
+                    via: row.via.clone().filter(|v| v == "lan" || v == "relay"),
+                });
+            }
+        }
+    }
     Ok(out)
+}
+
+/// How the addresses of `to` that name no host could have reached peer `host`, each as
+/// `<address>@<host>`: `*` and `role:R` (every paired host), and a bare name that was not
+/// delivered here and that the agent directory lists on `host`. When none can be told, the
+/// first address that names no host (or `*`) stands for them.
+fn unqualified_labels(
+    conn: &Connection,
+    to: &[String],
+    host: &str,
+    delivered_here: &BTreeSet<&str>,
+) -> Result<Vec<String>, MailboxError> {
+    let unqualified: Vec<&str> = to
+        .iter()
+        .map(String::as_str)
+        .filter(|a| !a.contains('@') && *a != super::agents::OWNER)
+        .collect();
+    let mut labels = Vec::new();
+    for a in &unqualified {
+        let reached = if *a == "*" || a.starts_with("role:") {
+            true
+        } else {
+            !delivered_here.contains(a)
+                && conn
+                    .query_row(
+                        "SELECT 1 FROM agents WHERE name = ?1 AND host = ?2",
+                        params![a, host],
+                        |_| Ok(()),
+                    )
+                    .optional()?
+                    .is_some()
+        };
+        if reached {
+            labels.push(format!("{a}@{host}"));
+        }
+    }
+    if labels.is_empty() {
+        labels.push(format!(
+            "{}@{host}",
+            unqualified.first().copied().unwrap_or("*")
+        ));
+    }
+    Ok(labels)
 }
 
 /// A page of the messages `agent` sent from this host, newest first, after `cursor`, bounded
@@ -830,5 +918,121 @@ mod tests {
             .with(|c| sent_page(c, "nobody", "home", None, 20))
             .unwrap();
         assert!(empty.messages.is_empty());
+    }
+
+    #[test]
+    fn sent_shows_hosts_reached_by_a_bare_name_a_broadcast_or_a_role() {
+        let s = testutil::store();
+        let me = testutil::identity("home");
+        s.add_peer(&testutil::identity("work"), true);
+        s.add_peer(&testutil::identity("lab"), true);
+        s.mailbox
+            .with(|c| {
+                c.execute(
+                    "INSERT INTO agents(name, host, last_seen) VALUES ('bob', 'work', 1)",
+                    [],
+                )?;
+                Ok(())
+            })
+            .unwrap();
+        let mut ids = testutil::ids();
+        let (m1, m2, m3) = (ids.next(T0), ids.next(T0), ids.next(T0));
+        // bob lives on work only: the bare name went there.
+        s.send(&me, "alice", &["bob"], "bare", &m1, T0).unwrap();
+        s.send(&me, "alice", &["*"], "all", &m2, T0 + 1).unwrap();
+        s.send(&me, "alice", &["role:dev"], "devs", &m3, T0 + 2)
+            .unwrap();
+        s.mailbox
+            .with(|c| {
+                // m2: relay-accepted at work, given up at lab.
+                c.execute(
+                    "UPDATE outbox SET state = 'relay-accepted', accepted_at = 1, via = 'relay'
+                     WHERE msg_id = ?1 AND host = 'work'",
+                    [&m2],
+                )?;
+                c.execute(
+                    "UPDATE outbox SET state = 'undelivered', settled_at = ?2,
+                       last_error = 'gave up after 72 h (no transport could take it)'
+                     WHERE msg_id = ?1 AND host = 'lab'",
+                    rusqlite::params![m2, T0 + 9],
+                )?;
+                // m3: a receipt from work already names its recipient there; lab took it.
+                c.execute(
+                    "INSERT INTO remote_receipts(msg_id, recipient, host, state, at, seq, record, sig, received_at)
+                     VALUES (?1, 'carl@work', 'work', 'delivered', '2026-01-01T00:02:00.000Z', 1, '{}', 's', 0)",
+                    [&m3],
+                )?;
+                c.execute(
+                    "UPDATE outbox SET state = 'delivered', via = 'lan', settled_at = ?2
+                     WHERE msg_id = ?1 AND host = 'lab'",
+                    rusqlite::params![m3, T0 + 3],
+                )?;
+                Ok(())
+            })
+            .unwrap();
+        let page = s
+            .mailbox
+            .with(|c| sent_page(c, "alice", "home", None, 20))
+            .unwrap();
+        type Line = (String, String, String, Option<String>, Option<String>);
+        let lines = |id: &str| -> Vec<Line> {
+            page.messages
+                .iter()
+                .find(|m| m.id == id)
+                .expect("listed")
+                .recipients
+                .iter()
+                .map(|r| {
+                    (
+                        r.recipient.clone(),
+                        r.host.clone(),
+                        r.state.clone(),
+                        r.reason.clone(),
+                        r.via.clone(),
+                    )
+                })
+                .collect()
+        };
+        let line = |r: &str, h: &str, st: &str, why: Option<&str>, via: Option<&str>| {
+            (
+                r.to_string(),
+                h.to_string(),
+                st.to_string(),
+                why.map(String::from),
+                via.map(String::from),
+            )
+        };
+        assert_eq!(
+            lines(&m1),
+            vec![line("bob@work", "work", "queued", None, None)]
+        );
+        assert_eq!(
+            lines(&m2),
+            vec![
+                line(
+                    "*@lab",
+                    "lab",
+                    "undelivered",
+                    Some("gave up after 72 h (no transport could take it)"),
+                    None
+                ),
+                line("*@work", "work", "relay-accepted", None, Some("relay")),
+            ]
+        );
+        assert_eq!(
+            lines(&m3),
+            vec![
+                line("carl@work", "work", "delivered", None, None),
+                line("role:dev@lab", "lab", "delivered", None, Some("lan")),
+            ]
+        );
+        // The settled time of the row is shown.
+        let m2_lab = &page
+            .messages
+            .iter()
+            .find(|m| m.id == m2)
+            .unwrap()
+            .recipients[0];
+        assert_eq!(m2_lab.at, Some(iso_ms(T0 + 9)));
     }
 }

@@ -1,6 +1,9 @@
 //! Local alerts to a sending agent (design README "Rejections"): when a row can never be
 //! delivered, the agent that sent it gets a signed local message
 //! `Undelivered to <host>: <subject>` from `agentmbx@<this host>`, kind `alert`, in its inbox.
+//!
+//! Every function writes in the caller's transaction (the one that ends the row), and never
+//! sends anything over a network.
 
 use rusqlite::{Connection, OptionalExtension};
 
@@ -27,10 +30,11 @@ pub fn undelivered(
     undelivered_with(conn, ident, msg_id, host, reason, &body, now_ms)
 }
 
-/// The LAN outbox's alert (`wire.md` §4 "Outbox client"): as [`undelivered`], with the body
-/// `Message <id> could not be delivered to host <host>: <reason>` (`reason` is the peer's
-/// rejection, or `gave up after 72 h (<error>)`).
-pub fn undelivered_lan(
+/// The outbox's alert (`wire.md` §4 "Outbox client"): as [`undelivered`], with the body
+/// `Message <id> could not be delivered to host <host>: <reason>`. `reason` is the peer's LAN
+/// rejection, or `gave up after 72 h (<last error>)` for a row the 72 h rule ended, whichever
+/// transport was trying it (`mailbox::outbox::gave_up_reason`).
+pub fn outbox_undelivered(
     conn: &Connection,
     ident: &Identity,
     msg_id: &str,

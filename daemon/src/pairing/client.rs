@@ -99,13 +99,12 @@ pub enum PairError {
     /// The comparison lapsed ([`PENDING_TTL_MS`]); its row was removed.
     #[error("the comparison with {0} expired (pending comparisons last 10 minutes); run `agentmbx pair --compare` again")]
     Expired(String),
-    /// The code typed is not the one this host computed: nothing was pinned.
-    #[error("code mismatch: this host shows {local} for {host}, not {given}. Do not approve if the codes differ on the two hosts; run `agentmbx pair --compare` again")]
+    /// The code typed is not the one this host computed: nothing was pinned. The text never
+    /// shows this host's code (the human would retype it, defeating the comparison).
+    #[error("code mismatch: {given} is not the code this host computed for {host}; nothing was paired. If that is exactly the code the other host shows, the two hosts computed different codes: do not pair, something may be intercepting the connection; start over with `agentmbx pair --compare <host:port>`")]
     CodeMismatch {
         /// The other host.
         host: String,
-        /// The code this host computed.
-        local: String,
         /// The code typed.
         given: String,
     },
@@ -382,7 +381,7 @@ async fn check_peer(local: &Local, addr: &str, host: &str, pubkey: &str) -> Resu
     let (host, pubkey) = (host.to_string(), pubkey.to_string());
     let conflict = local
         .mailbox
-        .run(move |c| store::pin_conflict(c, &own, &host, &pubkey))
+        .run(move |c| store::own_pin_conflict(c, &host, &pubkey))
         .await?;
     match conflict {
         Some(why) => Err(PairError::Conflict(why)),
@@ -487,7 +486,6 @@ pub(crate) async fn join_with_key(
         });
     }
     let now = local.clock.now_ms();
-    let own = local.host();
     let (host, pubkey, owner, at) = (
         holder.host.clone(),
         holder.host_pubkey.clone(),
@@ -498,7 +496,7 @@ pub(crate) async fn join_with_key(
         .mailbox
         .run(move |c| {
             let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
-            if let Some(why) = store::pin_conflict(&tx, &own, &host, &pubkey)? {
+            if let Some(why) = store::own_pin_conflict(&tx, &host, &pubkey)? {
                 return Err(MailboxError::Conflict(why));
             }
             let new = store::pin(&tx, &host, &pubkey, owner.as_deref(), Some(&at), now)?;
@@ -609,13 +607,12 @@ pub async fn compare(local: &Local, addr: &str) -> Result<Compared, PairError> {
         expires_at: now + PENDING_TTL_MS,
     };
     let expires_at = pending.expires_at;
-    let own = local.host();
     local
         .mailbox
         .run(move |c| {
             let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
             store::purge_pending(&tx, now)?;
-            if let Some(why) = store::pin_conflict(&tx, &own, &pending.host, &pending.pubkey)? {
+            if let Some(why) = store::own_pin_conflict(&tx, &pending.host, &pending.pubkey)? {
                 return Err(MailboxError::Conflict(why));
             }
             store::put_pending(&tx, &pending)?;
@@ -653,8 +650,9 @@ fn normalize_code(code: &str) -> Result<String, PairError> {
 /// `agentmbx pair approve <host> <code>`: pins the pending comparison with `host` when `code`
 /// is the code this host computed and the comparison has not lapsed, in one transaction
 /// (the pending row is removed with the pin). A lapsed comparison is removed and refused.
-/// Errors: [`PairError::BadCode`], [`PairError::NoPending`], [`PairError::Expired`],
-/// [`PairError::CodeMismatch`], [`PairError::Conflict`], store.
+/// Errors: [`PairError::BadCode`], [`PairError::SameHost`] (`host` is `local_host`),
+/// [`PairError::NoPending`], [`PairError::Expired`], [`PairError::CodeMismatch`] (its text
+/// never shows this host's code), [`PairError::Conflict`], store.
 pub fn approve(
     conn: &mut Connection,
     local_host: &str,
@@ -663,6 +661,11 @@ pub fn approve(
     now_ms: i64,
 ) -> Result<Paired, PairError> {
     let given = normalize_code(code)?;
+    if host == local_host {
+        return Err(PairError::SameHost(format!(
+            "{host} is this host's own name: approve the other host's name (see `agentmbx pair pending`)"
+        )));
+    }
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
     let Some(p) = store::pending(&tx, host)? else {
         return Err(PairError::NoPending(host.to_string()));
@@ -675,11 +678,10 @@ pub fn approve(
     if !bool::from(p.code.as_bytes().ct_eq(given.as_bytes())) {
         return Err(PairError::CodeMismatch {
             host: host.to_string(),
-            local: p.code,
             given,
         });
     }
-    if let Some(why) = store::pin_conflict(&tx, local_host, host, &p.pubkey)? {
+    if let Some(why) = store::own_pin_conflict(&tx, host, &p.pubkey)? {
         return Err(PairError::Conflict(why));
     }
     let new = store::pin(

@@ -110,30 +110,64 @@ pub fn consume_token(
     Ok(n == 1)
 }
 
-/// Why `host` with `pubkey` cannot be pinned here, or `None` when it can (new, or the same
-/// pair already pinned). A name is this host's handle for one key, and a key has one name
-/// (`wire.md` "Resolved details": host names on the LAN).
+/// What stands in the way of pinning a host ([`conflict`]).
+enum Conflict {
+    /// The name is pinned to another key.
+    OtherKey,
+    /// The key is pinned under another name (given).
+    OtherName(String),
+}
+
+/// Whether `host` with `pubkey` can be pinned: `None` when new, or the same pair is already
+/// pinned. A name is this host's handle for one key, and a key has one name (`wire.md`
+/// "Resolved details": host names on the LAN).
+fn conflict(conn: &Connection, host: &str, pubkey: &str) -> Result<Option<Conflict>, MailboxError> {
+    if let Some(p) = peers::by_name(conn, host)? {
+        return Ok((p.pubkey != pubkey).then_some(Conflict::OtherKey));
+    }
+    Ok(peers::by_key(conn, pubkey)?.map(|p| Conflict::OtherName(p.host)))
+}
+
+/// Why `host` with `pubkey` cannot be pinned on this host (`local_host`), worded for the *other*
+/// host (the pairing server's 409 answers), or `None` when it can (new, or the same pair already
+/// pinned). A second key under a known name gets 0.5.x's text: `<local_host> already has <host>
+/// paired with a different key; run 'agentmbx peers remove <host>' there first`; a known key
+/// under another name (a case 0.5.x does not have): `<local_host> already has this host key
+/// paired as <name>; a key has one name`.
 pub fn pin_conflict(
     conn: &Connection,
     local_host: &str,
     host: &str,
     pubkey: &str,
 ) -> Result<Option<String>, MailboxError> {
-    if let Some(p) = peers::by_name(conn, host)? {
-        if p.pubkey != pubkey {
-            return Ok(Some(format!(
-                "{local_host} already has {host} paired with a different key; run 'agentmbx peers remove {host}' on {local_host} first"
-            )));
-        }
-        return Ok(None);
-    }
-    if let Some(p) = peers::by_key(conn, pubkey)? {
-        return Ok(Some(format!(
-            "{local_host} already has this host key paired as {}; a key has one name",
-            p.host
-        )));
-    }
-    Ok(None)
+    Ok(conflict(conn, host, pubkey)?.map(|c| match c {
+        Conflict::OtherKey => format!(
+            "{local_host} already has {host} paired with a different key; run 'agentmbx peers remove {host}' there first"
+        ),
+        Conflict::OtherName(name) => format!(
+            "{local_host} already has this host key paired as {name}; a key has one name"
+        ),
+    }))
+}
+
+/// [`pin_conflict`] worded for the owner of this host (the pairing client's own checks): a
+/// second key under a known name gets 0.5.x's text `host <host> is already paired with a
+/// different key; remove it first (agentmbx peers remove <host>)`; a known key under another
+/// name `this host key is already paired here as <name>; a key has one name (agentmbx peers
+/// remove <name> first)`.
+pub fn own_pin_conflict(
+    conn: &Connection,
+    host: &str,
+    pubkey: &str,
+) -> Result<Option<String>, MailboxError> {
+    Ok(conflict(conn, host, pubkey)?.map(|c| match c {
+        Conflict::OtherKey => format!(
+            "host {host} is already paired with a different key; remove it first (agentmbx peers remove {host})"
+        ),
+        Conflict::OtherName(name) => format!(
+            "this host key is already paired here as {name}; a key has one name (agentmbx peers remove {name} first)"
+        ),
+    }))
 }
 
 /// Pins `host` to `pubkey` (or keeps the same pin), with its owner key and, when given, its

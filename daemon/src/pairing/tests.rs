@@ -541,9 +541,9 @@ async fn a_second_key_for_a_known_name_is_409() {
     let (status, answer) = raw_join(&alice.addr, &new_bob.ident, &KEY, |_| {}, |_| {}).await;
     assert_eq!(status, 409);
     let text = answer["error"].as_str().unwrap();
-    assert!(
-        text.contains("already has bob paired with a different key"),
-        "{text}"
+    assert_eq!(
+        text,
+        "alice already has bob paired with a different key; run 'agentmbx peers remove bob' there first"
     );
     // Through the client: the holder's text is shown, nothing is pinned on the joiner.
     let err = client::join_with_key(&new_bob.local(), &alice.addr, &KEY)
@@ -573,6 +573,10 @@ async fn a_second_key_for_a_known_name_is_409() {
         .await
         .unwrap_err();
     assert!(matches!(err, PairError::Conflict(_)), "{err}");
+    assert_eq!(
+        err.to_string(),
+        "host alice is already paired with a different key; remove it first (agentmbx peers remove alice)"
+    );
     assert_eq!(alice.token_state(), ("live".to_string(), 0, None));
 }
 
@@ -676,6 +680,25 @@ async fn both_sides_compute_the_same_code_and_approve_pins() {
     };
     let err = bob.approve("alice", wrong).unwrap_err();
     assert!(matches!(err, PairError::CodeMismatch { .. }), "{err}");
+    // The text says the codes differ without showing this host's (it would be retyped).
+    let text = err.to_string();
+    assert!(!text.contains(&compared.code), "{text}");
+    assert!(!format!("{err:?}").contains(&compared.code), "{err:?}");
+    assert!(
+        text.starts_with(&format!(
+            "code mismatch: {wrong} is not the code this host computed for alice; nothing was paired."
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains("start over with `agentmbx pair --compare <host:port>`"),
+        "{text}"
+    );
+    // Its own name is never a peer to approve.
+    assert!(matches!(
+        bob.approve("bob", &compared.code),
+        Err(PairError::SameHost(_))
+    ));
     assert!(bob.peer("alice").is_none() && bob.pending("alice").is_some());
     assert!(bob.approve("alice", "12345").unwrap_err().is_usage());
     assert!(bob
@@ -834,4 +857,60 @@ async fn a_man_in_the_middle_who_swaps_offers_makes_the_codes_differ() {
         Err(PairError::CodeMismatch { .. })
     ));
     assert!(bob.peer("alice").is_none() && alice.peer("bob").is_none());
+}
+
+#[test]
+fn pin_conflicts_are_worded_for_the_other_host_or_for_this_ones_owner() {
+    let s = testutil::store();
+    let bob = testutil::identity("bob");
+    s.add_peer(&bob, false);
+    let bob_key = bob.host_key.public().to_b64();
+    let other_key = testutil::identity("bob").host_key.public().to_b64();
+    let (server_text, own_text) = s
+        .mailbox
+        .with(|c| {
+            Ok((
+                store::pin_conflict(c, "alice", "bob", &other_key)?,
+                store::own_pin_conflict(c, "bob", &other_key)?,
+            ))
+        })
+        .unwrap();
+    // 0.5.x's 409 answer, and its joiner's own refusal.
+    assert_eq!(
+        server_text.as_deref(),
+        Some("alice already has bob paired with a different key; run 'agentmbx peers remove bob' there first")
+    );
+    assert_eq!(
+        own_text.as_deref(),
+        Some("host bob is already paired with a different key; remove it first (agentmbx peers remove bob)")
+    );
+    // A known key under another name.
+    let (server_text, own_text) = s
+        .mailbox
+        .with(|c| {
+            Ok((
+                store::pin_conflict(c, "alice", "robert", &bob_key)?,
+                store::own_pin_conflict(c, "robert", &bob_key)?,
+            ))
+        })
+        .unwrap();
+    assert_eq!(
+        server_text.as_deref(),
+        Some("alice already has this host key paired as bob; a key has one name")
+    );
+    assert_eq!(
+        own_text.as_deref(),
+        Some("this host key is already paired here as bob; a key has one name (agentmbx peers remove bob first)")
+    );
+    // The same pair again, or a new one: no conflict.
+    let none = s
+        .mailbox
+        .with(|c| {
+            Ok((
+                store::pin_conflict(c, "alice", "bob", &bob_key)?,
+                store::own_pin_conflict(c, "carol", &other_key)?,
+            ))
+        })
+        .unwrap();
+    assert_eq!(none, (None, None));
 }

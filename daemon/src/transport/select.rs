@@ -16,6 +16,17 @@
 //! LAN attempt then fails once more goes back to the relay (one LAN try per sign of life, so a
 //! peer that reaches us while we cannot reach it never keeps mail off the relay).
 //!
+//! Spec §10 moves a row to the relay only once "the target is enrolled". A relay refusal that
+//! shows it is not ([`relay_cannot_reach`]: `rejected:target not enrolled`), or a relay with no
+//! usable enc-key ad for the peer, hands the row back the same way (`outbox::back_to_lan`):
+//! when the peer has a LAN address its `lan_failures` drops to one below the threshold, so the
+//! LAN takes the next attempt (after the row's backoff, which both transports grow), and a LAN
+//! failure then gives it to the relay again. Without a LAN address the row stays with the relay.
+//!
+//! Whichever transport holds a row, or none (no LAN address and no relay: [`choose`] gives
+//! `None`), a `pending` row no relay ever accepted ends `undelivered` with an alert after 72 h
+//! (`mailbox::outbox`, `wire.md` §4 "Outbox client"); the LAN delivery pass sweeps for them.
+//!
 //! The SQL of `mailbox::outbox::due_for_lan` / `due_for_relay` (and the receipt queries in
 //! `mailbox::receipts`) is this rule; a test below checks that the queries and [`choose`]
 //! agree on every combination. This module never does I/O.
@@ -23,6 +34,16 @@
 /// Failed LAN attempts after which a row (or receipt) moves to the relay (spec §10: "at least
 /// twice").
 pub const LAN_FAILURES_BEFORE_RELAY: u32 = 2;
+
+/// The relay's refusal of an envelope item that means the target host is not enrolled there.
+pub const TARGET_NOT_ENROLLED: &str = "target not enrolled";
+
+/// Whether a relay push result (`rejected:<why>`, or `<why>`) shows the relay cannot reach the
+/// target (spec §10: "and the target is enrolled"), so the row goes back to the LAN when the
+/// peer has a LAN address.
+pub fn relay_cannot_reach(result: &str) -> bool {
+    result.strip_prefix("rejected:").unwrap_or(result) == TARGET_NOT_ENROLLED
+}
 
 /// The transports a row can take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,6 +107,15 @@ mod tests {
         assert_eq!(choose(f(0, false, false, false)), None);
         assert_eq!(choose(f(0, true, true, true)), Some(Relay));
         assert_eq!(choose(f(0, true, true, false)), None);
+    }
+
+    #[test]
+    fn only_target_not_enrolled_hands_a_row_back() {
+        assert!(relay_cannot_reach("rejected:target not enrolled"));
+        assert!(relay_cannot_reach("target not enrolled"));
+        assert!(!relay_cannot_reach("rejected:quota:target queue full"));
+        assert!(!relay_cannot_reach("rejected:conflict"));
+        assert!(!relay_cannot_reach("missing result"));
     }
 
     /// The outbox queries take exactly the rows [`choose`] assigns to each transport, for every

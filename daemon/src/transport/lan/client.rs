@@ -7,6 +7,11 @@
 //! connecting may take 3 s and a whole call 15 s. Envelopes and receipts are sent as their
 //! persisted wire bytes, byte for byte, never re-serialized (Decision 4).
 //!
+//! Answers are read in chunks under a cap per route ([`MAX_RESULTS_ANSWER`] for envelope and
+//! receipt results, [`MAX_AGENTS_ANSWER`] for the directory, [`MAX_SMALL_ANSWER`] for enc-key and
+//! unpair, [`MAX_ANSWER`] otherwise): whatever answers at a stale address cannot stream more than
+//! that into memory; past it the call fails with [`LanError::BadAnswer`].
+//!
 //! This module never trusts an answer for more than it proves: an enc key is taken only when
 //! signed by the peer's pinned host key; a delivery answer is not authenticated (0.5.x F5), so
 //! callers treat it as the peer's word.
@@ -36,6 +41,19 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// Most directory entries taken from one `GET /v1/agents` answer (`wire.md` §4).
 pub const MAX_REMOTE_AGENTS: usize = 500;
+
+/// Largest answer read from a peer by default ([`LanClient::call`]; bytes): 1 MiB.
+pub const MAX_ANSWER: usize = 1024 * 1024;
+
+/// Largest `/v2/envelopes` or `/v1/receipts` answer read (bytes): 1 MiB, far above 200 results.
+pub const MAX_RESULTS_ANSWER: usize = 1024 * 1024;
+
+/// Largest `GET /v1/agents` answer read (bytes): 512 KiB, room for [`MAX_REMOTE_AGENTS`] entries.
+pub const MAX_AGENTS_ANSWER: usize = 512 * 1024;
+
+/// Largest `GET /v1/enc-key` or `POST /v1/unpair` answer read (bytes): 64 KiB (a real one is
+/// under 1 KiB).
+pub const MAX_SMALL_ANSWER: usize = 64 * 1024;
 
 /// The answer `post_envelopes` gives a row the peer's answer did not mention (0.5.x).
 pub const MISSING_RESULT: &str = "rejected:missing result";
@@ -147,14 +165,29 @@ impl LanClient {
     }
 
     /// Sends a signed hop `method path` with `body` to `addr` and returns the status and the raw
-    /// answer, whatever the status. `path` is the request target (a query is not signed).
-    /// Errors: [`LanError::Unreachable`].
+    /// answer (at most [`MAX_ANSWER`] bytes), whatever the status. `path` is the request target
+    /// (a query is not signed). Errors: [`LanError::Unreachable`]; [`LanError::BadAnswer`] for an
+    /// answer over the cap.
     pub async fn call(
         &self,
         method: reqwest::Method,
         addr: &str,
         path: &str,
         body: Vec<u8>,
+    ) -> Result<(u16, Bytes), LanError> {
+        self.call_capped(method, addr, path, body, MAX_ANSWER).await
+    }
+
+    /// [`Self::call`] reading at most `max_answer` bytes of the answer (declared or streamed);
+    /// past it [`LanError::BadAnswer`] `answer to <path> over <max_answer> bytes`, and the rest
+    /// is never read.
+    pub async fn call_capped(
+        &self,
+        method: reqwest::Method,
+        addr: &str,
+        path: &str,
+        body: Vec<u8>,
+        max_answer: usize,
     ) -> Result<(u16, Bytes), LanError> {
         let target = hop::normalize_target(path);
         let h = hop::sign_lan_hop(
@@ -182,29 +215,49 @@ impl LanClient {
             .await
             .map_err(|e| LanError::Unreachable(describe(&e)))?;
         let status = resp.status().as_u16();
-        let bytes = resp
-            .bytes()
-            .await
-            .map_err(|e| LanError::Unreachable(describe(&e)))?;
+        let bytes = read_capped(resp, &target, max_answer).await?;
         Ok((status, bytes))
     }
 
     /// Signed `POST path` with the JSON `body` bytes as given; the 2xx answer as JSON. Errors:
     /// [`LanError::Unreachable`], [`LanError::Status`], [`LanError::BadAnswer`] (not JSON).
+    /// The answer is read up to [`MAX_ANSWER`] bytes (else [`LanError::BadAnswer`]).
     pub async fn signed_post_json(
         &self,
         addr: &str,
         path: &str,
         body: Vec<u8>,
     ) -> Result<Value, LanError> {
-        let (status, bytes) = self.call(reqwest::Method::POST, addr, path, body).await?;
+        self.post_json_capped(addr, path, body, MAX_ANSWER).await
+    }
+
+    /// Signed `GET path`; the 2xx answer as JSON, read up to [`MAX_ANSWER`] bytes. Errors: as
+    /// [`Self::signed_post_json`].
+    pub async fn signed_get(&self, addr: &str, path: &str) -> Result<Value, LanError> {
+        self.get_capped(addr, path, MAX_ANSWER).await
+    }
+
+    async fn post_json_capped(
+        &self,
+        addr: &str,
+        path: &str,
+        body: Vec<u8>,
+        max_answer: usize,
+    ) -> Result<Value, LanError> {
+        let (status, bytes) = self
+            .call_capped(reqwest::Method::POST, addr, path, body, max_answer)
+            .await?;
         json_answer(status, &bytes)
     }
 
-    /// Signed `GET path`; the 2xx answer as JSON. Errors: as [`Self::signed_post_json`].
-    pub async fn signed_get(&self, addr: &str, path: &str) -> Result<Value, LanError> {
+    async fn get_capped(
+        &self,
+        addr: &str,
+        path: &str,
+        max_answer: usize,
+    ) -> Result<Value, LanError> {
         let (status, bytes) = self
-            .call(reqwest::Method::GET, addr, path, Vec::new())
+            .call_capped(reqwest::Method::GET, addr, path, Vec::new(), max_answer)
             .await?;
         json_answer(status, &bytes)
     }
@@ -213,7 +266,8 @@ impl LanClient {
     /// each wire byte for byte). Returns one result per wire, in the order given, matched by
     /// envelope id (a wire the answer does not mention gets [`MISSING_RESULT`]). Errors: as
     /// [`Self::signed_post_json`]; [`LanError::NoVerifiedSender`] on 404/405/501;
-    /// [`LanError::BadAnswer`] when the answer has another count of results than wires sent.
+    /// [`LanError::BadAnswer`] when the answer has another count of results than wires sent or
+    /// is over [`MAX_RESULTS_ANSWER`] bytes.
     pub async fn post_envelopes(
         &self,
         addr: &str,
@@ -232,7 +286,13 @@ impl LanClient {
             .collect::<Result<Vec<String>, _>>()?;
         let body = batch_body("envelopes", wires);
         let (status, bytes) = self
-            .call(reqwest::Method::POST, addr, "/v2/envelopes", body)
+            .call_capped(
+                reqwest::Method::POST,
+                addr,
+                "/v2/envelopes",
+                body,
+                MAX_RESULTS_ANSWER,
+            )
             .await?;
         if matches!(status, 404 | 405 | 501) {
             return Err(LanError::NoVerifiedSender { status });
@@ -262,14 +322,20 @@ impl LanClient {
 
     /// `POST /v1/receipts` with the signed receipt `wires` (`{rec, sig}` each, byte for byte);
     /// the results in order. Errors: as [`Self::signed_post_json`]; [`LanError::BadAnswer`] when
-    /// the count differs or a result is not a string.
+    /// the count differs, a result is not a string or the answer is over [`MAX_RESULTS_ANSWER`]
+    /// bytes.
     pub async fn post_receipts(
         &self,
         addr: &str,
         wires: &[Vec<u8>],
     ) -> Result<Vec<String>, LanError> {
         let answer = self
-            .signed_post_json(addr, "/v1/receipts", batch_body("receipts", wires))
+            .post_json_capped(
+                addr,
+                "/v1/receipts",
+                batch_body("receipts", wires),
+                MAX_RESULTS_ANSWER,
+            )
             .await?;
         let results = results_of(&answer)?;
         if results.len() != wires.len() {
@@ -292,9 +358,11 @@ impl LanClient {
     /// `GET /v1/enc-key` of `peer`: its enc public key (base64), taken only if the v1 ad names
     /// `peer.host` and is signed by `peer`'s pinned host key over canonical(`{v:1, host,
     /// enc_pub}`). Errors: as [`Self::signed_get`]; [`LanError::BadAnswer`] for a malformed,
-    /// foreign or badly signed ad.
+    /// foreign or badly signed ad, or an answer over [`MAX_SMALL_ANSWER`] bytes.
     pub async fn get_enc_key(&self, addr: &str, peer: &Peer) -> Result<String, LanError> {
-        let answer = self.signed_get(addr, "/v1/enc-key").await?;
+        let answer = self
+            .get_capped(addr, "/v1/enc-key", MAX_SMALL_ANSWER)
+            .await?;
         let field = |k: &str| answer.get(k).and_then(Value::as_str);
         let (Some(host), Some(enc_pub), Some(sig)) =
             (field("host"), field("enc_pub"), field("sig"))
@@ -326,9 +394,12 @@ impl LanClient {
     }
 
     /// `GET /v1/agents`: the peer's directory. Errors: as [`Self::signed_get`];
-    /// [`LanError::BadAnswer`] when `host` or `agents` is missing.
+    /// [`LanError::BadAnswer`] when `host` or `agents` is missing, or the answer is over
+    /// [`MAX_AGENTS_ANSWER`] bytes.
     pub async fn get_agents(&self, addr: &str) -> Result<AgentsAnswer, LanError> {
-        let answer = self.signed_get(addr, "/v1/agents").await?;
+        let answer = self
+            .get_capped(addr, "/v1/agents", MAX_AGENTS_ANSWER)
+            .await?;
         let (Some(host), Some(list)) = (
             answer.get("host").and_then(Value::as_str),
             answer.get("agents").and_then(Value::as_array),
@@ -348,12 +419,40 @@ impl LanClient {
     }
 
     /// `POST /v1/unpair` (body `{}`): tells the peer this host removed it. Errors: as
-    /// [`Self::signed_post_json`].
+    /// [`Self::signed_post_json`], the answer capped at [`MAX_SMALL_ANSWER`] bytes.
     pub async fn unpair(&self, addr: &str) -> Result<(), LanError> {
-        self.signed_post_json(addr, "/v1/unpair", b"{}".to_vec())
+        self.post_json_capped(addr, "/v1/unpair", b"{}".to_vec(), MAX_SMALL_ANSWER)
             .await
             .map(|_| ())
     }
+}
+
+/// Reads the body of `resp` (the answer to `target`) in chunks, at most `cap` bytes: a declared
+/// length over the cap is refused before reading, a streamed body as soon as it passes it
+/// (the connection is dropped with the rest unread). Errors: [`LanError::BadAnswer`] over the
+/// cap; [`LanError::Unreachable`] when the body breaks off.
+async fn read_capped(
+    mut resp: reqwest::Response,
+    target: &str,
+    cap: usize,
+) -> Result<Bytes, LanError> {
+    let over = || LanError::BadAnswer(format!("answer to {target} over {cap} bytes"));
+    let cap_u64 = u64::try_from(cap).unwrap_or(u64::MAX);
+    if resp.content_length().is_some_and(|n| n > cap_u64) {
+        return Err(over());
+    }
+    let mut body: Vec<u8> = Vec::new();
+    while let Some(chunk) = resp
+        .chunk()
+        .await
+        .map_err(|e| LanError::Unreachable(describe(&e)))?
+    {
+        if body.len() + chunk.len() > cap {
+            return Err(over());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(Bytes::from(body))
 }
 
 /// `{"<key>":[w1,w2,…]}` from wire bytes, without re-serializing them.

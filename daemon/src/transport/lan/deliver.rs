@@ -12,6 +12,11 @@
 //! two of them the relay takes the row ([`crate::transport::select`]); a row no relay ever
 //! accepted gives up after 72 h (`undelivered`, with an alert).
 //!
+//! Every pass ends with the 72 h sweep ([`outbox::give_up_stale`]): a pending row no relay ever
+//! accepted that is more than 72 h old ends `undelivered` with its alert, whichever transport
+//! was trying it, or none (a peer with no LAN address and no relay), so no mail waits forever
+//! unnoticed. The loop passes at least every [`IDLE_WAIT_MS`].
+//!
 //! Then the due receipts the LAN takes, at most [`RECEIPT_BATCH`] per host in one
 //! `POST /v1/receipts`; a length mismatch or any error is a failure of all of them.
 //!
@@ -83,6 +88,8 @@ pub struct PassCounts {
     pub failed: usize,
     /// Receipts the peer took.
     pub receipts_sent: usize,
+    /// Rows the 72 h sweep ended (`undelivered`, with an alert).
+    pub gave_up: usize,
 }
 
 impl PassCounts {
@@ -91,6 +98,7 @@ impl PassCounts {
         self.rejected += o.rejected;
         self.failed += o.failed;
         self.receipts_sent += o.receipts_sent;
+        self.gave_up += o.gave_up;
     }
 }
 
@@ -123,8 +131,9 @@ impl LanDelivery {
         self.clock().now_ms()
     }
 
-    /// One pass over due rows and due receipts, hosts in parallel. Errors: storage faults
-    /// (network failures are recorded on the rows, not returned).
+    /// One pass over due rows and due receipts, hosts in parallel, then the 72 h sweep
+    /// ([`Self::give_up_stale`]). Errors: storage faults (network failures are recorded on the
+    /// rows, not returned).
     pub async fn pass(&self) -> Result<PassCounts, MailboxError> {
         let now = self.now();
         let relay = self.relay_configured;
@@ -171,9 +180,41 @@ impl LanDelivery {
                 }
             }
         }
-        match first_error {
-            Some(e) => Err(e),
-            None => Ok(counts),
+        if let Some(e) = first_error {
+            return Err(e);
+        }
+        counts.gave_up += self.give_up_stale().await?;
+        Ok(counts)
+    }
+
+    /// The 72 h sweep (`wire.md` §4 "Outbox client"): ends every pending row no relay ever
+    /// accepted that is more than 72 h old, whichever transport was trying it or none, with an
+    /// alert to its sender, in one transaction per batch of [`outbox::GIVE_UP_BATCH`] rows.
+    /// Runs after the pass's attempts, so a due row gets its last attempt first. Returns how
+    /// many rows it ended. Errors: storage faults.
+    pub async fn give_up_stale(&self) -> Result<usize, MailboxError> {
+        let mut total = 0;
+        loop {
+            let (ident, now) = (self.client.ident.clone(), self.now());
+            let ended = self
+                .mailbox
+                .run(move |c| {
+                    let tx = c.transaction()?;
+                    let ended = outbox::give_up_stale(&tx, now, outbox::GIVE_UP_BATCH)?;
+                    for g in &ended {
+                        alert::outbox_undelivered(&tx, &ident, &g.msg_id, &g.host, &g.reason, now)?;
+                    }
+                    tx.commit()?;
+                    Ok(ended)
+                })
+                .await?;
+            for g in &ended {
+                tracing::warn!(id = %g.msg_id, peer = %g.host, reason = %g.reason, "Undelivered to {}: gave up after 72 h", g.host);
+            }
+            total += ended.len();
+            if ended.len() < outbox::GIVE_UP_BATCH {
+                return Ok(total);
+            }
         }
     }
 
@@ -329,7 +370,7 @@ impl LanDelivery {
                                 } else {
                                     let why = result.strip_prefix("rejected:").unwrap_or(result);
                                     if outbox::rejected_lan(&tx, &row.msg_id, &h, why, now)? {
-                                        alert::undelivered_lan(
+                                        alert::outbox_undelivered(
                                             &tx,
                                             &ident,
                                             &row.msg_id,
@@ -385,9 +426,9 @@ impl LanDelivery {
                 let tx = c.transaction()?;
                 let mut gave_up = Vec::new();
                 for id in &ids {
-                    if outbox::fail_lan(&tx, id, &h, &e, now)? == outbox::LanFailure::GaveUp {
-                        let why = outbox::cut_error(&format!("gave up after 72 h ({e})"));
-                        alert::undelivered_lan(&tx, &ident, id, &h, &why, now)?;
+                    if outbox::fail_lan(&tx, id, &h, &e, now)? == outbox::Failure::GaveUp {
+                        let why = outbox::gave_up_reason(&e);
+                        alert::outbox_undelivered(&tx, &ident, id, &h, &why, now)?;
                         gave_up.push(id.clone());
                     }
                 }

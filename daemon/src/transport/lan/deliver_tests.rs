@@ -607,11 +607,11 @@ async fn the_lan_gives_up_after_72_hours_but_never_on_a_row_a_relay_accepted() {
         .unwrap();
     let d = home.delivery(false);
     // At exactly 72 h the LAN still retries.
-    clock.set(T0 + outbox::LAN_GIVE_UP_MS);
+    clock.set(T0 + outbox::GIVE_UP_MS);
     d.pass().await.unwrap();
     assert_eq!(home.row(ID1, "work").state, "pending");
     assert!(home.alerts().is_empty());
-    clock.set(T0 + outbox::LAN_GIVE_UP_MS + outbox::backoff_ms(1));
+    clock.set(T0 + outbox::GIVE_UP_MS + outbox::backoff_ms(1));
     d.pass().await.unwrap();
     let r = home.row(ID1, "work");
     assert_eq!(r.state, "undelivered");
@@ -639,10 +639,135 @@ async fn the_lan_gives_up_after_72_hours_but_never_on_a_row_a_relay_accepted() {
     let out = home
         .store
         .mailbox
-        .with(|c| outbox::fail_lan(c, ID2, "work", "x", T0 + 1_000 * outbox::LAN_GIVE_UP_MS))
+        .with(|c| outbox::fail_lan(c, ID2, "work", "x", T0 + 1_000 * outbox::GIVE_UP_MS))
         .unwrap();
-    assert_eq!(out, outbox::LanFailure::Retry);
+    assert_eq!(out, outbox::Failure::Retry);
     assert_eq!(home.row(ID2, "work").state, "pending");
+}
+
+/// The 72 h sweep of the LAN pass ends the rows no transport can take (no LAN address, no
+/// relay) and the ones the relay holds without ever having accepted them, each with its alert,
+/// and never a row a relay accepted.
+#[tokio::test]
+async fn the_sweep_ends_rows_no_transport_takes_after_72_hours_but_never_relay_accepted_ones() {
+    let clock = testutil::clock();
+    let home = Host::new("home", clock.clone());
+    let work = testutil::identity("work");
+    // No LAN address for work, and (below) no relay: no transport can take its rows.
+    home.pin(&work, true, None);
+    let mut ids = testutil::ids();
+    let (stuck, on_relay, accepted, repush) =
+        (ids.next(T0), ids.next(T0), ids.next(T0), ids.next(T0));
+    for id in [&stuck, &on_relay, &accepted, &repush] {
+        home.send(id, &["bob@work"]);
+    }
+    home.store
+        .mailbox
+        .with(|c| {
+            // Held by the relay, which keeps refusing it; waiting for its next backoff.
+            c.execute(
+                "UPDATE outbox SET lan_failures = 2, attempts = 9, next_at = ?2,
+                   last_error = 'rejected:target not enrolled' WHERE msg_id = ?1",
+                rusqlite::params![on_relay, T0 + 100 * outbox::GIVE_UP_MS],
+            )?;
+            c.execute(
+                "UPDATE outbox SET state = 'relay-accepted', accepted_at = ?2, via = 'relay'
+                 WHERE msg_id = ?1",
+                rusqlite::params![accepted, T0],
+            )?;
+            // Accepted by a relay once, pending again for a re-push.
+            c.execute(
+                "UPDATE outbox SET accepted_at = ?2 WHERE msg_id = ?1",
+                rusqlite::params![repush, T0],
+            )?;
+            Ok(())
+        })
+        .unwrap();
+    let select = |relay_configured| {
+        crate::transport::select::choose(crate::transport::select::Facts {
+            lan_failures: 0,
+            has_addr: false,
+            relay_accepted_once: false,
+            relay_configured,
+        })
+    };
+    assert_eq!(select(false), None, "no transport takes the stuck row");
+    let d = home.delivery(false);
+    // Nothing ends at exactly 72 h.
+    clock.set(T0 + outbox::GIVE_UP_MS);
+    assert_eq!(d.pass().await.unwrap(), PassCounts::default());
+    assert_eq!(home.row(&stuck, "work").state, "pending");
+    assert!(home.alerts().is_empty());
+    // Past it, the pass's sweep ends both rows no relay accepted, each with its alert.
+    clock.set(T0 + outbox::GIVE_UP_MS + 1);
+    let counts = d.pass().await.unwrap();
+    assert_eq!(counts.gave_up, 2);
+    let r = home.row(&stuck, "work");
+    assert_eq!(
+        (r.state.as_str(), r.last_error.as_deref()),
+        (
+            "undelivered",
+            Some("gave up after 72 h (no transport could take it)")
+        )
+    );
+    let r = home.row(&on_relay, "work");
+    assert_eq!(
+        (r.state.as_str(), r.last_error.as_deref()),
+        (
+            "undelivered",
+            Some("gave up after 72 h (rejected:target not enrolled)")
+        )
+    );
+    let settled: Option<i64> = home
+        .store
+        .fresh_conn()
+        .query_row(
+            "SELECT settled_at FROM outbox WHERE msg_id = ?1",
+            [&stuck],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(settled, Some(T0 + outbox::GIVE_UP_MS + 1));
+    let alerts = home.alerts();
+    assert_eq!(alerts.len(), 2);
+    assert!(alerts.iter().all(|a| a.0 == "Undelivered to work: hello"));
+    assert!(alerts.contains(&(
+        "Undelivered to work: hello".to_string(),
+        format!(
+            "Message {stuck} could not be delivered to host work: gave up after 72 h (no transport could take it)"
+        )
+    )));
+    // Rows a relay accepted are never ended by the rule, however old.
+    clock.set(T0 + 1_000 * outbox::GIVE_UP_MS);
+    assert_eq!(home.delivery(true).pass().await.unwrap().gave_up, 0);
+    assert_eq!(home.row(&accepted, "work").state, "relay-accepted");
+    assert_eq!(home.row(&repush, "work").state, "pending");
+    assert_eq!(home.alerts().len(), 2);
+}
+
+/// The run loop's pass sweeps even when nothing is due for any transport and nothing woke it
+/// (it then passes again within [`IDLE_WAIT_MS`]).
+#[tokio::test]
+async fn the_loop_sweeps_when_nothing_is_due() {
+    let clock = testutil::clock();
+    let home = Host::new("home", clock.clone());
+    home.pin(&testutil::identity("work"), true, None);
+    home.send(ID1, &["bob@work"]);
+    clock.set(T0 + outbox::GIVE_UP_MS + 1);
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(run(
+        home.delivery(false),
+        Arc::new(tokio::sync::Notify::new()),
+        stop_rx,
+    ));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while home.row(ID1, "work").state != "undelivered" {
+        assert!(std::time::Instant::now() < deadline, "the loop never swept");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(home.alerts().len(), 1);
+    stop_tx.send(true).unwrap();
+    task.await.unwrap();
 }
 
 #[tokio::test]

@@ -7,7 +7,10 @@
 //! signature`) → the per-peer rate limit, 600 signed requests a minute (429). Then, in one
 //! transaction: `peers.last_seen_at`, "peer is back" (the peer's pending outbox rows become due
 //! now, their LAN failure count restarts) and the source address as a *candidate* only (kv
-//! `peer-lastseen:<host>` = `ip:port`, not for presence beacons).
+//! `peer-lastseen:<host>` = `ip:port`, not for presence beacons). After the commit, when that
+//! candidate is not the pinned address, address healing is started in the background
+//! ([`presence::learn_from_hop`], `wire.md` §4 "Presence/healing"); the request never waits
+//! for it. `/v1/presence` is left out: its handler heals from the beacon itself.
 //!
 //! This module never changes trust: a peer is its pinned key; a source address or a port hint
 //! is remembered for address healing, which must prove the key before moving anything.
@@ -32,7 +35,7 @@ use agentmbx_protocol::hop::{self, header, HopError};
 use agentmbx_protocol::keys::PublicKey;
 
 use super::handlers::HttpError;
-use super::SharedLan;
+use super::{presence, SharedLan};
 use crate::mailbox::peers::{self, Peer};
 use crate::mailbox::{outbox, relay_state};
 
@@ -220,6 +223,12 @@ async fn verified(
             })
         })
         .flatten();
+    let port_hint = header_text(&parts.headers, header::PORT)
+        .parse::<u16>()
+        .ok()
+        .filter(|p| *p > 0);
+    // Only a source that is not where the peer is pinned is worth a probe.
+    let heal_from = remote.filter(|_| learn.is_some() && learn != peer.addr);
     let host = peer.host.clone();
     let back = state
         .mailbox
@@ -241,6 +250,14 @@ async fn verified(
             state.wake.notify_one();
         }
         Err(e) => tracing::warn!(peer = %peer.host, error = %e, "could not record the peer's hop"),
+    }
+    if let Some(ip) = heal_from {
+        let (state, host) = (state.clone(), peer.host.clone());
+        tokio::spawn(async move {
+            if let Err(e) = presence::learn_from_hop(&state, &host, ip, port_hint).await {
+                tracing::warn!(peer = %host, error = %e, "address healing from a hop failed in the mailbox");
+            }
+        });
     }
     parts.extensions.insert(HopPeer(peer));
     Ok(Request::from_parts(parts, Body::from(body)))

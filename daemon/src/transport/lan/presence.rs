@@ -9,12 +9,19 @@
 //!   from, the addresses of the peer's last beacon, then mDNS on a matching fingerprint.
 //! - Incoming: [`accept_presence`] (behind the signed route) refuses replays by `seq`, keeps the
 //!   reported addresses as alternates and, when a move is warranted, probes the candidates in
-//!   the background, at most once a minute per peer.
+//!   the background, at most once a minute per peer. Every other verified hop hands its source
+//!   address to [`learn_from_hop`] (spawned by the hop check after its commit), and an mDNS
+//!   answer whose fingerprint matches a pinned key to [`consider_mdns`]. Each of the three has
+//!   its own once-a-minute slot per peer, so one kind of hint (say, a host on the LAN
+//!   advertising a paired peer's name and public fingerprint) never throttles another.
 //! - Moving: [`heal_peer_addr`] adopts a candidate only when its signed status answers with the
 //!   *pinned* key, our fresh challenge, a valid signature and the candidate's IP among the
 //!   signed addresses ([`probe`]). Adopting updates `peers.addr` (and `addr_source`), makes the
 //!   peer's pending outbox rows due now, records kv `peer-heal:<host>` `{via, at, from, to}` in
 //!   the same transaction, then wakes the sender.
+//! - Typed by the owner: [`set_addr_by_owner`] (`agentmbx peers addr`) stores an address only
+//!   after the same proof (a DNS name need not be among the signed addresses), or unproven
+//!   when the owner insists (`--force`).
 //!
 //! This module never trusts an address, a name or an mDNS answer: only a signature by the
 //! pinned key moves a peer, and nothing here ever changes a pinned key. A working pinned *name*
@@ -55,6 +62,8 @@ pub const MAX_STATUS_BYTES: usize = 64 * 1024;
 pub const STUCK_ATTEMPTS: i64 = 2;
 /// The port assumed for an address given without one (0.5.x's default daemon port).
 pub const DEFAULT_PORT: u16 = 7373;
+/// Most addresses of one mDNS answer that are probed (a real host advertises a few LAN IPs).
+pub const MAX_MDNS_CANDIDATES: usize = 8;
 
 /// Where a candidate address came from; also the `addr_source` an adopted address gets and the
 /// `via` of kv `peer-heal:<host>` (`wire.md` §4).
@@ -119,6 +128,35 @@ pub enum ProbeError {
     Refused(#[from] StatusError),
 }
 
+impl ProbeError {
+    /// The reason in words for the owner (`peers addr`): `no answer (…)`, `it answered with
+    /// another key than the one pinned`, ….
+    pub fn reason(&self) -> String {
+        match self {
+            ProbeError::BadCandidate(c) => format!("{c:?} is not host:port"),
+            ProbeError::Unreachable(why) => format!("no answer ({why})"),
+            ProbeError::Status(code) => {
+                format!("it answered HTTP {code} instead of a status (is an agentmbx daemon there?)")
+            }
+            ProbeError::Body => "it answered something that is not a status".into(),
+            ProbeError::Refused(e) => match e {
+                StatusError::Malformed => {
+                    "it answered without a signed status (not agentmbx, or a version without challenge support)".into()
+                }
+                StatusError::WrongHost => "it answered as another host".into(),
+                StatusError::WrongKey => "it answered with another key than the one pinned".into(),
+                StatusError::WrongChallenge => {
+                    "it did not sign our challenge (a replayed answer?)".into()
+                }
+                StatusError::BadSignature => {
+                    "it answered with a signature the pinned key does not verify".into()
+                }
+                StatusError::NotListed => "it answered with the pinned key, but does not list that IP among its own addresses (a proxy or NAT in between?)".into(),
+            },
+        }
+    }
+}
+
 // ---- kv keys ---------------------------------------------------------------------------------
 
 /// kv key: `{via, at, from, to}` of the last move of `host`.
@@ -141,9 +179,24 @@ pub fn last_seen_key(host: &str) -> String {
     super::hop::last_seen_key(host)
 }
 
-/// kv key: ms time of the last healing run for `host` (the once-a-minute throttle).
-fn tried_key(host: &str) -> String {
-    format!("peer-heal-tried:{host}")
+/// Which once-a-minute healing slot of a peer a run takes: each source of hints has its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Slot {
+    /// Presence beacons (`peer-heal-tried:<host>`).
+    Presence,
+    /// Source addresses of verified hops (`peer-heal-tried-hop:<host>`).
+    Hop,
+    /// mDNS answers (`peer-heal-tried-mdns:<host>`).
+    Mdns,
+}
+
+/// kv key: ms time of the last healing run from `slot` for `host` (the once-a-minute throttle).
+fn tried_key(host: &str, slot: Slot) -> String {
+    match slot {
+        Slot::Presence => format!("peer-heal-tried:{host}"),
+        Slot::Hop => format!("peer-heal-tried-hop:{host}"),
+        Slot::Mdns => format!("peer-heal-tried-mdns:{host}"),
+    }
 }
 
 // ---- self addresses --------------------------------------------------------------------------
@@ -237,14 +290,15 @@ fn ip_of(host_text: &str) -> Option<IpAddr> {
 /// Challenge-probes `candidate` (`host:port`): `GET /v1/status?challenge=<fresh nonce>` (3 s,
 /// no redirects) must answer as `host`, signed by `pinned` over our challenge, and list the
 /// candidate's IP among its signed addresses. For a DNS name the resolved IPs must be listed,
-/// unless `owner_typed` (`peers addr`: a name for a NAT or tunnel the peer cannot know).
-/// Errors: [`ProbeError`].
+/// unless `owner_typed` (`peers addr`: a name for a NAT or tunnel the peer cannot know); an IP
+/// must be listed even then (`wire.md` §2.7). Returns the verified status (its `addrs` are
+/// what the peer reports now). Errors: [`ProbeError`].
 pub async fn probe(
     host: &str,
     pinned: &PublicKey,
     candidate: &str,
     owner_typed: bool,
-) -> Result<(), ProbeError> {
+) -> Result<status::SignedStatus, ProbeError> {
     let (name, port) = split_addr(candidate);
     let port = port
         .filter(|p| *p != 0)
@@ -275,16 +329,16 @@ pub async fn probe(
     let ips: Vec<IpAddr> = match ip_of(name) {
         Some(ip) => vec![ip],
         None if owner_typed => {
-            status::verify_status(&answer, host, pinned, &challenge)?;
-            return Ok(());
+            return Ok(status::verify_status(&answer, host, pinned, &challenge)?);
         }
         None => tokio::net::lookup_host((name, port))
             .await
             .map(|it| it.map(|sa| unmap(sa.ip())).collect())
             .unwrap_or_default(),
     };
-    status::verify_status_for(&answer, host, pinned, &challenge, &ips)?;
-    Ok(())
+    Ok(status::verify_status_for(
+        &answer, host, pinned, &challenge, &ips,
+    )?)
 }
 
 /// An error's text with its sources (reqwest's outer text alone says little).
@@ -313,6 +367,19 @@ pub async fn heal_peer_addr(
     candidate: &str,
     via: Via,
 ) -> Result<Option<String>, MailboxError> {
+    heal(state, host, candidate, via, false).await
+}
+
+/// [`heal_peer_addr`]; with `keep_if_reported`, a proven candidate is still not adopted when
+/// mail to the peer flows and the pinned address is among the addresses the peer's signed
+/// status reports (a host with two interfaces is not moved by a hop from its other one).
+async fn heal(
+    state: &LanState,
+    host: &str,
+    candidate: &str,
+    via: Via,
+    keep_if_reported: bool,
+) -> Result<Option<String>, MailboxError> {
     let peer = {
         let host = host.to_string();
         state
@@ -327,34 +394,23 @@ pub async fn heal_peer_addr(
     let Ok(pinned) = PublicKey::from_b64(&peer.pubkey) else {
         return Ok(None);
     };
-    if let Err(e) = probe(host, &pinned, candidate, via == Via::Cli).await {
-        tracing::debug!(peer = %host, candidate, via = via.as_str(), error = %e, "address candidate not adopted");
-        return Ok(None);
-    }
+    let proven = match probe(host, &pinned, candidate, via == Via::Cli).await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::debug!(peer = %host, candidate, via = via.as_str(), error = %e, "address candidate not adopted");
+            return Ok(None);
+        }
+    };
+    let reported = keep_if_reported.then_some(proven.addrs);
     let now = state.clock.now_ms();
     let (host_s, cand, pubkey) = (host.to_string(), candidate.to_string(), peer.pubkey.clone());
     let moved = state
         .mailbox
         .run(move |conn| {
             let tx = conn.transaction()?;
-            // The key is what was proven: a peer re-pinned meanwhile is not moved.
-            let Some(cur) = peers::by_name(&tx, &host_s)? else {
-                return Ok(None);
-            };
-            if cur.pubkey != pubkey || cur.addr.as_deref() == Some(cand.as_str()) {
-                return Ok(None);
-            }
-            peers::set_addr(&tx, &host_s, &cand, via.as_str())?;
-            outbox::peer_is_back(&tx, &host_s, now)?;
-            let record = json!({
-                "via": via.as_str(),
-                "at": agentmbx_protocol::time::iso_ms(now),
-                "from": cur.addr,
-                "to": cand,
-            });
-            relay_state::kv_set(&tx, &heal_key(&host_s), &record.to_string())?;
+            let moved = adopt(&tx, &host_s, &pubkey, &cand, via, now, reported.as_deref())?;
             tx.commit()?;
-            Ok(Some(cur.addr))
+            Ok(moved)
         })
         .await?;
     let Some(from) = moved else { return Ok(None) };
@@ -367,6 +423,44 @@ pub async fn heal_peer_addr(
     );
     state.wake.notify_one();
     Ok(Some(candidate.to_string()))
+}
+
+/// Points `host` at the proven `cand` inside the caller's transaction: `peers.addr` (source
+/// `via`), the peer's pending outbox rows due now, kv `peer-heal:<host>` `{via, at, from, to}`.
+/// Nothing moves when the peer is gone, was re-pinned to another key than `pubkey` (the key is
+/// what was proven), is already at `cand`, or — with `reported` — when [`should_move`] says the
+/// pinned address is still fine. Returns `Some(previous address)` when it moved.
+fn adopt(
+    conn: &Connection,
+    host: &str,
+    pubkey: &str,
+    cand: &str,
+    via: Via,
+    now_ms: i64,
+    reported: Option<&[String]>,
+) -> Result<Option<Option<String>>, MailboxError> {
+    let Some(cur) = peers::by_name(conn, host)? else {
+        return Ok(None);
+    };
+    if cur.pubkey != pubkey || cur.addr.as_deref() == Some(cand) {
+        return Ok(None);
+    }
+    if let Some(list) = reported {
+        if !should_move(conn, host, cur.addr.as_deref(), Some(list))? {
+            tracing::debug!(peer = %host, candidate = cand, "proven, but the pinned address is still reported and mail flows: kept");
+            return Ok(None);
+        }
+    }
+    peers::set_addr(conn, host, cand, via.as_str())?;
+    outbox::peer_is_back(conn, host, now_ms)?;
+    let record = json!({
+        "via": via.as_str(),
+        "at": agentmbx_protocol::time::iso_ms(now_ms),
+        "from": cur.addr,
+        "to": cand,
+    });
+    relay_state::kv_set(conn, &heal_key(host), &record.to_string())?;
+    Ok(Some(cur.addr))
 }
 
 /// Whether `host` has mail that is failing: a pending outbox row with a failed attempt.
@@ -410,10 +504,15 @@ fn should_move(
     })
 }
 
-/// Takes the once-a-minute healing slot of `host` at `now_ms`: false when a run started less
-/// than [`HEAL_THROTTLE_MS`] ago. Persisted in kv so the clock drives it.
-fn take_heal_slot(conn: &Connection, host: &str, now_ms: i64) -> Result<bool, MailboxError> {
-    let key = tried_key(host);
+/// Takes the once-a-minute healing `slot` of `host` at `now_ms`: false when a run from that
+/// slot started less than [`HEAL_THROTTLE_MS`] ago. Persisted in kv so the clock drives it.
+fn take_heal_slot(
+    conn: &Connection,
+    host: &str,
+    slot: Slot,
+    now_ms: i64,
+) -> Result<bool, MailboxError> {
+    let key = tried_key(host, slot);
     let last = relay_state::kv_get(conn, &key)?
         .and_then(|v| v.parse::<i64>().ok())
         .unwrap_or(i64::MIN / 2);
@@ -500,7 +599,7 @@ pub async fn accept_presence(
             let go = match &peer {
                 Some(p) => {
                     should_move(&tx, &host_s, p.addr.as_deref(), Some(&addrs))?
-                        && take_heal_slot(&tx, &host_s, now)?
+                        && take_heal_slot(&tx, &host_s, Slot::Presence, now)?
                 }
                 None => false,
             };
@@ -533,9 +632,13 @@ pub async fn accept_presence(
 }
 
 /// After a verified hop from `host` that came from `remote` (with the peer's `x-mbx-port` hint,
-/// else the pinned port): when `remote:port` differs from the pinned address and a move is
-/// warranted (mail failing, or a pinned IP), probes it in the background, at most once a
-/// minute per peer (kv `peer-lastseen:<host>` is the hop check's to write). Returns the task's handle when a probe started. Errors: the store only.
+/// else the pinned port; `wire.md` §4 "Presence/healing"): when `remote:port` differs from the
+/// pinned address and a move may be warranted (mail failing, or a pinned IP), probes it in the
+/// background, at most once a minute per peer (its own slot). The proven candidate is adopted
+/// only if mail is failing or the peer's signed status no longer reports the pinned address.
+/// kv `peer-lastseen:<host>` is the hop check's to write. Called by the hop check for every
+/// signed route but `/v1/presence`, after its commit. Returns the task's handle when a probe
+/// started. Errors: the store only.
 pub async fn learn_from_hop(
     state: &SharedLan,
     host: &str,
@@ -560,7 +663,7 @@ pub async fn learn_from_hop(
             }
             let tx = conn.transaction()?;
             let go = should_move(&tx, &host_s, peer.addr.as_deref(), None)?
-                && take_heal_slot(&tx, &host_s, now)?;
+                && take_heal_slot(&tx, &host_s, Slot::Hop, now)?;
             tx.commit()?;
             Ok(go.then_some(cand))
         })
@@ -571,19 +674,28 @@ pub async fn learn_from_hop(
     let state = Arc::clone(state);
     let host = host.to_string();
     Ok(Some(tokio::spawn(async move {
-        heal_first(&state, &host, &[candidate], Via::VerifiedHop).await
+        match heal(&state, &host, &candidate, Via::VerifiedHop, true).await {
+            Ok(moved) => moved,
+            Err(e) => {
+                tracing::warn!(peer = %host, error = %e, "address healing failed in the mailbox");
+                None
+            }
+        }
     })))
 }
 
 /// An mDNS answer for the pinned peer `host` whose fingerprint matched its pinned key
-/// (`crate::discovery` checked it): the advertised `candidates` (`ip:port`) are probed when a
-/// move is warranted (the pinned IP is not among them, or mail is failing) and the healing slot
-/// is free. Returns the adopted address. Errors: the store only.
+/// (`crate::discovery` checked it): the advertised `candidates` (`ip:port`, the first
+/// [`MAX_MDNS_CANDIDATES`]) are probed when a move is warranted (the pinned IP is not among
+/// them, or mail is failing) and the peer's *mDNS* slot is free. A name and a fingerprint are
+/// public, so anyone on the LAN can send such an answer: it takes only the mDNS slot, never the
+/// one presence beacons or hops heal with. Returns the adopted address. Errors: the store only.
 pub async fn consider_mdns(
     state: &SharedLan,
     host: &str,
-    candidates: Vec<String>,
+    mut candidates: Vec<String>,
 ) -> Result<Option<String>, MailboxError> {
+    candidates.truncate(MAX_MDNS_CANDIDATES);
     let now = state.clock.now_ms();
     let host_s = host.to_string();
     let reported = candidates.clone();
@@ -602,7 +714,7 @@ pub async fn consider_mdns(
             }
             let tx = conn.transaction()?;
             let go = should_move(&tx, &host_s, peer.addr.as_deref(), Some(&reported))?
-                && take_heal_slot(&tx, &host_s, now)?;
+                && take_heal_slot(&tx, &host_s, Slot::Mdns, now)?;
             tx.commit()?;
             Ok(go.then_some(peer))
         })
@@ -611,6 +723,129 @@ pub async fn consider_mdns(
         return Ok(None);
     }
     Ok(heal_first(state, host, &candidates, Via::Mdns).await)
+}
+
+// ---- typed by the owner ------------------------------------------------------------------------
+
+/// What `agentmbx peers addr` stored ([`set_addr_by_owner`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct OwnerAddr {
+    /// The peer.
+    pub host: String,
+    /// The address now pinned (`host:port`).
+    pub addr: String,
+    /// True when the address answered with a status signed by the pinned key over our
+    /// challenge; false when it was stored unproven (`--force`).
+    pub verified: bool,
+    /// Why it did not verify (only when stored unproven).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub why: Option<String>,
+}
+
+/// Why `peers addr` stored nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum OwnerAddrError {
+    /// No peer has that name.
+    #[error("no peer named {0} (see `agentmbx peers`)")]
+    NotPaired(String),
+    /// The address did not prove to be the peer, and the owner did not insist.
+    #[error("{addr} did not prove to be {host}: {why}; nothing changed. Check the address (the peer's LAN server, host:port), or store it anyway with --force (the peer may be down now; mail to it is tried there)")]
+    Unverified {
+        /// The peer.
+        host: String,
+        /// The address typed.
+        addr: String,
+        /// [`ProbeError::reason`].
+        why: String,
+    },
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] MailboxError),
+}
+
+/// `agentmbx peers addr <host> <addr>` (0.5.x `healPeerAddr(…, "cli")`): challenge-probes
+/// `addr` ([`probe`], owner-typed: a DNS name need not be among the signed addresses, an IP
+/// must) and, when it proves the pinned key, stores it like any heal — in one transaction
+/// `peers.addr` (source `cli`), the peer's pending outbox rows due now and kv
+/// `peer-heal:<host>` `{via:"cli", at, from, to}` (not rewritten when `addr` is already the
+/// pinned one). When the probe fails, nothing changes unless `force`: then the address is stored
+/// unproven (source `cli`, rows due now, no heal record). Errors: [`OwnerAddrError`].
+pub async fn set_addr_by_owner(
+    mailbox: &crate::mailbox::Mailbox,
+    clock: &agentmbx_protocol::clock::SharedClock,
+    host: &str,
+    addr: &str,
+    force: bool,
+) -> Result<OwnerAddr, OwnerAddrError> {
+    let peer = {
+        let host = host.to_string();
+        mailbox.run(move |conn| peers::by_name(conn, &host)).await?
+    };
+    let Some(peer) = peer else {
+        return Err(OwnerAddrError::NotPaired(host.to_string()));
+    };
+    let proven = match PublicKey::from_b64(&peer.pubkey) {
+        Ok(key) => probe(host, &key, addr, true).await.map_err(|e| e.reason()),
+        Err(_) => Err("it cannot be checked: the pinned key does not parse".to_string()),
+    };
+    let why = match proven {
+        Ok(_) => None,
+        Err(why) if force => Some(why),
+        Err(why) => {
+            return Err(OwnerAddrError::Unverified {
+                host: host.to_string(),
+                addr: addr.to_string(),
+                why,
+            })
+        }
+    };
+    let now = clock.now_ms();
+    let (host_s, addr_s, pubkey, verified) = (
+        host.to_string(),
+        addr.to_string(),
+        peer.pubkey.clone(),
+        why.is_none(),
+    );
+    let stored = mailbox
+        .run(move |conn| {
+            let tx = conn.transaction()?;
+            let Some(cur) = peers::by_name(&tx, &host_s)? else {
+                return Ok(Err(OwnerAddrError::NotPaired(host_s)));
+            };
+            if verified && cur.pubkey != pubkey {
+                return Ok(Err(OwnerAddrError::Unverified {
+                    host: host_s,
+                    addr: addr_s,
+                    why: "it proved a key that is no longer the pinned one (re-pinned meanwhile)"
+                        .into(),
+                }));
+            }
+            let moved = if verified {
+                adopt(&tx, &host_s, &pubkey, &addr_s, Via::Cli, now, None)?.is_some()
+            } else {
+                false
+            };
+            if !moved {
+                // Unproven (forced), or already the pinned address: no heal to record.
+                peers::set_addr(&tx, &host_s, &addr_s, Via::Cli.as_str())?;
+                outbox::peer_is_back(&tx, &host_s, now)?;
+            }
+            tx.commit()?;
+            Ok(Ok(()))
+        })
+        .await?;
+    stored?;
+    if verified {
+        tracing::info!(peer = %host, to = addr, "peer address set by the owner (challenge verified)");
+    } else {
+        tracing::warn!(peer = %host, to = addr, "peer address set by the owner without proof (--force)");
+    }
+    Ok(OwnerAddr {
+        host: host.to_string(),
+        addr: addr.to_string(),
+        verified,
+        why,
+    })
 }
 
 // ---- the failure ladder ------------------------------------------------------------------------

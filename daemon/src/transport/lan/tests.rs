@@ -50,21 +50,26 @@ struct Net {
 }
 
 async fn serve_beta(ident: Identity, store: Store) -> Beta {
+    serve_host(Arc::new(ident), store, Vec::new()).await
+}
+
+/// `ident` serving the real LAN router on 127.0.0.1:0, signing `self_addrs` in its status.
+async fn serve_host(ident: Arc<Identity>, store: Store, self_addrs: Vec<IpAddr>) -> Beta {
     let clock = testutil::clock();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
     let state = Arc::new(LanState {
-        ident: Arc::new(ident),
+        ident,
         mailbox: store.mailbox.clone(),
         clock: clock.clone(),
         version: "test",
         started_at: agentmbx_protocol::time::iso_ms(T0),
-        port: 0,
+        port: listener.local_addr().unwrap().port(),
         advertise: String::new(),
-        self_addrs: Vec::new(),
+        self_addrs,
         wake: Arc::new(tokio::sync::Notify::new()),
         pairing: crate::pairing::PairingMemory::default(),
     });
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(serve(listener, state.clone(), async move {
         let _ = stopped.await;
@@ -169,7 +174,14 @@ async fn a_sealed_envelope_is_stored_once_and_a_tampered_one_nowhere() {
         "secret body of hello"
     );
 
-    // The same wire again: a duplicate, nothing more stored.
+    // The same wire again: a duplicate, nothing more stored. The delivered receipt queued at
+    // the first arrival was sent (dropped here); the repeat queues it again for the sender.
+    assert_eq!(n.beta.count("SELECT COUNT(*) FROM receipt_outbox"), 1);
+    n.beta
+        .store
+        .mailbox
+        .with(|c| Ok(c.execute("DELETE FROM receipt_outbox", [])?))
+        .unwrap();
     let r = n
         .client
         .post_envelopes(&n.beta.addr, std::slice::from_ref(&wire))
@@ -177,6 +189,12 @@ async fn a_sealed_envelope_is_stored_once_and_a_tampered_one_nowhere() {
         .unwrap();
     assert_eq!(results(&r), ["duplicate"]);
     assert_eq!(n.beta.count("SELECT COUNT(*) FROM deliveries"), 1);
+    assert_eq!(
+        n.beta.count(
+            "SELECT COUNT(*) FROM receipt_outbox WHERE state = 'delivered' AND host = 'alpha'"
+        ),
+        1
+    );
 
     // The sealed ciphertext changed (both copies, so the shape still holds): bad signature.
     let id2 = ids.next(T0);
@@ -669,4 +687,254 @@ fn the_address_candidate_takes_the_hinted_then_the_pinned_then_the_default_port(
     assert_eq!(candidate(v4, "99999", None), "10.0.0.5:7373");
     let v6: IpAddr = "fe80::1".parse().unwrap();
     assert_eq!(candidate(v6, "7400", None), "[fe80::1]:7400");
+}
+
+/// A port on 127.0.0.1 that nothing listens on (bound, then released).
+fn dead_addr() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let a = l.local_addr().unwrap();
+    drop(l);
+    a.to_string()
+}
+
+/// Polls `check` every 20 ms for up to 10 s.
+async fn poll<T>(what: &str, mut check: impl FnMut() -> Option<T>) -> T {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(v) = check() {
+            return v;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_signed_request_from_a_new_address_moves_the_peer_once_its_status_proves_the_key() {
+    let n = net().await;
+    // alpha's own LAN server (signing 127.0.0.1), where beta does not look for it: beta has
+    // alpha pinned at a port where nothing listens.
+    let alpha_server = serve_host(
+        n.alpha.clone(),
+        testutil::store(),
+        vec![IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)],
+    )
+    .await;
+    let live = alpha_server.addr.clone();
+    let dead = dead_addr();
+    let pin = |addr: &str| {
+        n.beta
+            .store
+            .mailbox
+            .with(|c| peers::set_addr(c, "alpha", addr, "pair"))
+            .unwrap();
+    };
+    pin(&dead);
+    let alpha_at = || {
+        n.beta
+            .store
+            .mailbox
+            .with(|c| peers::by_name(c, "alpha"))
+            .unwrap()
+            .unwrap()
+    };
+
+    let client = LanClient::new(
+        n.alpha.clone(),
+        n.alpha_clock.clone(),
+        alpha_server.state.port,
+    )
+    .unwrap();
+
+    // A signed request from alpha's live server address: probed and adopted.
+    let agents = client.get_agents(&n.beta.addr).await.unwrap();
+    assert_eq!(
+        agents.host, "beta",
+        "the request is answered; healing runs on its own"
+    );
+    let moved = poll("alpha adopted at its live address", || {
+        let p = alpha_at();
+        (p.addr.as_deref() == Some(live.as_str())).then_some(p)
+    })
+    .await;
+    assert_eq!(moved.addr_source.as_deref(), Some("verified-hop"));
+    let heal: serde_json::Value = serde_json::from_str(
+        &n.beta
+            .store
+            .mailbox
+            .with(|c| relay_state::kv_get(c, "peer-heal:alpha"))
+            .unwrap()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        (
+            heal["via"].as_str(),
+            heal["from"].as_str(),
+            heal["to"].as_str()
+        ),
+        (
+            Some("verified-hop"),
+            Some(dead.as_str()),
+            Some(live.as_str())
+        )
+    );
+    // An impostor with alpha's name but not its key is refused at the hop: nothing moves.
+    pin(&dead);
+    n.beta.clock.advance(60_000);
+    let forger = LanClient::new(
+        Arc::new(testutil::identity("alpha")),
+        n.alpha_clock.clone(),
+        alpha_server.state.port,
+    )
+    .unwrap();
+    forger.get_agents(&n.beta.addr).await.unwrap_err();
+    assert_eq!(alpha_at().addr.as_deref(), Some(dead.as_str()));
+}
+
+/// A server on 127.0.0.1:0 answering every request 200 with a body that never ends (64 KiB
+/// chunks until the client goes away), or — with `declared` — a `content-length` of that many
+/// bytes and no body at all. Returns its address and a counter of the bytes it managed to send.
+async fn endless_answers(declared: Option<usize>) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let sent = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = sent.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut tcp, _)) = listener.accept().await else {
+                return;
+            };
+            let counter = counter.clone();
+            tokio::spawn(async move {
+                // The request head (the body, if any, is small and never read).
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") {
+                    if tcp.read(&mut byte).await.unwrap_or(0) == 0 {
+                        return;
+                    }
+                    head.push(byte[0]);
+                }
+                if let Some(len) = declared {
+                    let answer = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len}\r\n\r\n"
+                    );
+                    let _ = tcp.write_all(answer.as_bytes()).await;
+                    let _ =
+                        tokio::time::timeout(Duration::from_secs(20), tcp.read(&mut byte)).await;
+                    return;
+                }
+                let head = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n";
+                if tcp.write_all(head.as_bytes()).await.is_err() {
+                    return;
+                }
+                let chunk = vec![b' '; 64 * 1024];
+                loop {
+                    let frame = format!("{:x}\r\n", chunk.len());
+                    if tcp.write_all(frame.as_bytes()).await.is_err()
+                        || tcp.write_all(&chunk).await.is_err()
+                        || tcp.write_all(b"\r\n").await.is_err()
+                    {
+                        return;
+                    }
+                    counter.fetch_add(chunk.len(), std::sync::atomic::Ordering::Relaxed);
+                }
+            });
+        }
+    });
+    (addr, sent)
+}
+
+fn over_cap(e: LanError) -> String {
+    match e {
+        LanError::BadAnswer(m) => m,
+        other => panic!("expected a refused oversized answer, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn answers_over_their_cap_are_refused_without_reading_the_rest() {
+    use super::client::{MAX_AGENTS_ANSWER, MAX_RESULTS_ANSWER, MAX_SMALL_ANSWER};
+    let n = net().await;
+    let (addr, sent) = endless_answers(None).await;
+    let peer = beta_peer(&n);
+    let wire = n.wire(&testutil::ids().next(T0));
+    let started = std::time::Instant::now();
+
+    let e = n
+        .client
+        .post_envelopes(&addr, std::slice::from_ref(&wire))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        over_cap(e),
+        format!("answer to /v2/envelopes over {MAX_RESULTS_ANSWER} bytes")
+    );
+    let e = n
+        .client
+        .post_receipts(&addr, &[br#"{"rec":{},"sig":"x"}"#.to_vec()])
+        .await
+        .unwrap_err();
+    assert_eq!(
+        over_cap(e),
+        format!("answer to /v1/receipts over {MAX_RESULTS_ANSWER} bytes")
+    );
+    let e = n.client.get_agents(&addr).await.unwrap_err();
+    assert_eq!(
+        over_cap(e),
+        format!("answer to /v1/agents over {MAX_AGENTS_ANSWER} bytes")
+    );
+    let e = n.client.get_enc_key(&addr, &peer).await.unwrap_err();
+    assert_eq!(
+        over_cap(e),
+        format!("answer to /v1/enc-key over {MAX_SMALL_ANSWER} bytes")
+    );
+    let e = n.client.unpair(&addr).await.unwrap_err();
+    assert_eq!(
+        over_cap(e),
+        format!("answer to /v1/unpair over {MAX_SMALL_ANSWER} bytes")
+    );
+    let e = n
+        .client
+        .signed_get(&addr, "/v1/anything")
+        .await
+        .unwrap_err();
+    assert_eq!(
+        over_cap(e),
+        format!(
+            "answer to /v1/anything over {} bytes",
+            super::client::MAX_ANSWER
+        )
+    );
+    // Far from the 15 s a call may take: each read stopped at its cap.
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    // What the server managed to push is bounded by the caps (plus socket buffers), not by
+    // the time the calls were allowed.
+    let total = sent.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(total < 64 * 1024 * 1024, "{total} bytes sent");
+
+    // A declared length over the cap is refused before any of the body is read.
+    let (addr, _) = endless_answers(Some(512 * 1024 * 1024)).await;
+    let e = n.client.get_enc_key(&addr, &peer).await.unwrap_err();
+    assert_eq!(
+        over_cap(e),
+        format!("answer to /v1/enc-key over {MAX_SMALL_ANSWER} bytes")
+    );
+    let e = n
+        .client
+        .post_envelopes(&addr, std::slice::from_ref(&wire))
+        .await
+        .unwrap_err();
+    assert!(!e.is_retryable(), "{e:?}");
+
+    // Real answers are far below the caps and still pass.
+    assert_eq!(
+        n.client.get_enc_key(&n.beta.addr, &peer).await.unwrap(),
+        n.beta_enc.to_b64()
+    );
 }

@@ -81,8 +81,8 @@ pub struct RelayClient {
     pub mailbox: Mailbox,
     /// The one clock.
     pub clock: SharedClock,
-    /// Notified after a pull stored new mail (whose delivery receipts are now owed), so the
-    /// sender loops send them without waiting for their next timer.
+    /// Notified after a pull stored new mail or queued receipts again (a duplicate), so the
+    /// sender loops send the owed delivery receipts without waiting for their next timer.
     pub received: Option<Arc<tokio::sync::Notify>>,
 }
 
@@ -268,7 +268,7 @@ pub async fn run(
 /// Starts the relay transport for `url`: resolves the pinned key (the configured one, the one
 /// pinned on first contact, or — when the relay cannot be reached yet — retried with a doubling
 /// delay up to 60 s, so a relay that is down at daemon start is used once it is up), then
-/// [`run`]s until `shutdown`. `received` is notified when a pull stored new mail
+/// [`run`]s until `shutdown`. `received` is notified when a pull stored new mail or queued receipts again
 /// ([`RelayClient::received`]).
 #[allow(clippy::too_many_arguments)]
 pub async fn start(

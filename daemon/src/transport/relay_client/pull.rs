@@ -7,7 +7,10 @@
 //! order (a crash mid-page re-pulls the rest, and receiver dedup absorbs the repeats). Only after
 //! that commit is `POST /v2/relay/ack {epoch, through}` sent; a lost ack is covered by the next.
 //!
-//! An envelope item goes to `node::receive`; a receipt item (spec §9) to
+//! An envelope item goes to `node::receive`; a repeat of a stored one (a duplicate) queues the
+//! delivery receipts of its current deliveries again in the same transaction
+//! (`mailbox::receipts::requeue`; `wire.md` §3.5), so a sender whose first receipt was lost
+//! still settles its relay-accepted row (spec §9). A receipt item (spec §9) goes to
 //! `node::receipts::accept` with no LAN hop and the item's sender key, which must be the
 //! recipient host's pinned key. A `rejected:<why>` of either goes to quarantine as `<why>`.
 //!
@@ -19,7 +22,7 @@ use agentmbx_protocol::{b64, failpoint};
 
 use super::session::Session;
 use super::{RelayClient, RelayError};
-use crate::mailbox::{relay_state, MailboxError};
+use crate::mailbox::{receipts, relay_state, MailboxError};
 use crate::node::receive;
 
 /// What processing one item came to.
@@ -27,8 +30,8 @@ use crate::node::receive;
 enum Verdict {
     /// An envelope was stored for these local agents.
     Stored { delivered: Vec<String> },
-    /// An envelope that was already stored.
-    Duplicate,
+    /// An envelope that was already stored; this many delivery receipts were queued again.
+    Duplicate { requeued: usize },
     /// A delivery receipt: `accepted`, `duplicate` or `stale`.
     Receipt(String),
 }
@@ -37,7 +40,7 @@ impl From<receive::Verdict> for Verdict {
     fn from(v: receive::Verdict) -> Self {
         match v {
             receive::Verdict::Stored { delivered } => Verdict::Stored { delivered },
-            receive::Verdict::Duplicate => Verdict::Duplicate,
+            receive::Verdict::Duplicate => Verdict::Duplicate { requeued: 0 },
         }
     }
 }
@@ -81,6 +84,8 @@ pub struct PullPass {
     pub stored: usize,
     /// Repeats (already stored).
     pub duplicates: usize,
+    /// Delivery receipts queued again for repeats (`wire.md` §3.5).
+    pub receipts_requeued: usize,
     /// Items put in quarantine.
     pub quarantined: usize,
     /// Delivery receipts applied (accepted, duplicate or stale).
@@ -125,8 +130,8 @@ impl RelayClient {
     }
 
     /// Receives quarantined `host not paired` envelopes whose sender has been pinned since
-    /// (at most [`MAX_RETRIES_PER_PASS`] per pass): each is stored (or found a duplicate) and
-    /// leaves quarantine in one transaction, or stays with its new reason. Returns how many
+    /// (at most [`MAX_RETRIES_PER_PASS`] per pass): each is stored (or found a duplicate, whose
+    /// delivery receipts are queued again) and leaves quarantine in one transaction, or stays with its new reason. Returns how many
     /// were received.
     pub async fn retry_quarantined(&self) -> Result<usize, RelayError> {
         let ident = self.ident.clone();
@@ -145,7 +150,10 @@ impl RelayClient {
                         &item.sender_pubkey,
                         now,
                     )? {
-                        Ok(_) => {
+                        Ok(v) => {
+                            if v == receive::Verdict::Duplicate {
+                                receipts::requeue(&tx, &item.item_id, now)?;
+                            }
                             relay_state::release(&tx, item.id)?;
                             received += 1;
                         }
@@ -215,7 +223,7 @@ impl RelayClient {
                 break;
             }
         }
-        if pass.stored > 0 {
+        if pass.stored > 0 || pass.receipts_requeued > 0 {
             if let Some(n) = &self.received {
                 n.notify_one();
             }
@@ -260,6 +268,13 @@ impl RelayClient {
                     )?
                     .map(Verdict::from)
                 };
+                // A repeat: the sender may have lost our receipts; queue them again.
+                let verdict = match verdict {
+                    Ok(Verdict::Duplicate { .. }) => Ok(Verdict::Duplicate {
+                        requeued: receipts::requeue(&tx, &item.item_id, now)?,
+                    }),
+                    other => other,
+                };
                 if let Err(reason) = &verdict {
                     relay_state::quarantine(
                         &tx,
@@ -286,7 +301,13 @@ impl RelayClient {
                 tracing::info!(seq, id = %id, to = ?delivered, "received from the relay");
                 pass.stored += 1;
             }
-            (_, _, Ok(Verdict::Duplicate)) => pass.duplicates += 1,
+            (seq, id, Ok(Verdict::Duplicate { requeued })) => {
+                if requeued > 0 {
+                    tracing::info!(seq, id = %id, requeued, "repeat from the relay: delivery receipts queued again");
+                }
+                pass.duplicates += 1;
+                pass.receipts_requeued += requeued;
+            }
             (seq, id, Ok(Verdict::Receipt(result))) => {
                 tracing::info!(seq, id = %id, result = %result, "delivery receipt from the relay");
                 pass.receipts += 1;

@@ -5,7 +5,11 @@
 //! bounded by `max_batch` and by bytes. A row leaves the active outbox only on an accept
 //! verified for its target and wire hash; anything else (rejected result, missing result, bad
 //! accept, lost response) leaves it pending with backoff, or `rejected` when retrying cannot
-//! help (design README "Rejections").
+//! help (design README "Rejections"), or `undelivered` when the row is more than 72 h old and
+//! no relay ever accepted it (`wire.md` §4 "Outbox client"); each of the last two alerts the
+//! sender in the transaction that ends the row. A refusal showing the target is not enrolled
+//! on the relay, or no usable enc-key ad for it there, hands the row back to the LAN when the
+//! peer has a LAN address (spec §10, [`crate::transport::select`]).
 
 use serde_json::Value;
 
@@ -16,6 +20,8 @@ use agentmbx_protocol::{b64, failpoint, hash, records};
 use super::session::Session;
 use super::{RelayClient, RelayError};
 use crate::mailbox::{outbox, peers, receipts, MailboxError};
+use crate::node::alert;
+use crate::transport::select;
 
 /// Bytes of base64 wire per push request we aim under (the relay's body cap is 8 MiB).
 pub const PUSH_BYTES_BUDGET: usize = 6 * 1024 * 1024;
@@ -138,14 +144,21 @@ impl RelayClient {
             let wire = match self.wire_for(&row).await {
                 Ok(Some(w)) => w,
                 Ok(None) => {
-                    self.fail_row(&row, &format!("no enc key for {} yet", row.host), false)
-                        .await?;
+                    // No usable enc key on the relay: the target is not reachable through it
+                    // yet, so the LAN gets the next attempt where it can (spec §10).
+                    self.fail_row(
+                        &row,
+                        &format!("no enc key for {} yet", row.host),
+                        false,
+                        true,
+                    )
+                    .await?;
                     pass.failed += 1;
                     continue;
                 }
                 Err(RelayError::Store(e)) => return Err(RelayError::Store(e)),
                 Err(e) => {
-                    self.fail_row(&row, &e.to_string(), false).await?;
+                    self.fail_row(&row, &e.to_string(), false, false).await?;
                     pass.failed += 1;
                     continue;
                 }
@@ -156,12 +169,13 @@ impl RelayClient {
                         &row,
                         "the relay publishes an item limit below 512 KiB",
                         false,
+                        false,
                     )
                     .await?;
                     pass.failed += 1;
                     continue;
                 }
-                self.fail_row(&row, "envelope too large for the relay", true)
+                self.fail_row(&row, "envelope too large for the relay", true, false)
                     .await?;
                 tracing::error!(id = %row.msg_id, host = %row.host, bytes = wire.len(), "Undelivered to {}: the sealed envelope is over the relay's item limit", row.host);
                 pass.failed += 1;
@@ -185,12 +199,16 @@ impl RelayClient {
         Ok(pass)
     }
 
+    /// Records a failed push of `row` in one transaction: backoff, `rejected` (`terminal`) or
+    /// `undelivered` after 72 h, each ending with its alert to the sender; `to_lan` hands a
+    /// retried row back to the LAN ([`outbox::back_to_lan`]).
     async fn fail_row(
         &self,
         row: &outbox::Row,
         error: &str,
         terminal: bool,
-    ) -> Result<(), RelayError> {
+        to_lan: bool,
+    ) -> Result<outbox::Failure, RelayError> {
         let (m, h, e, now) = (
             row.msg_id.clone(),
             row.host.clone(),
@@ -198,18 +216,36 @@ impl RelayClient {
             self.clock.now_ms(),
         );
         let ident = self.ident.clone();
-        self.mailbox
+        let (failure, handed_back) = self
+            .mailbox
             .run(move |c| {
                 let tx = c.transaction()?;
-                outbox::fail(&tx, &m, &h, &e, terminal, now)?;
-                if terminal {
-                    crate::node::alert::undelivered(&tx, &ident, &m, &h, &e, now)?;
+                let failure = outbox::fail(&tx, &m, &h, &e, terminal, now)?;
+                let mut handed_back = false;
+                match failure {
+                    outbox::Failure::Rejected => {
+                        alert::undelivered(&tx, &ident, &m, &h, &e, now)?;
+                    }
+                    outbox::Failure::GaveUp => {
+                        let why = outbox::gave_up_reason(&e);
+                        alert::outbox_undelivered(&tx, &ident, &m, &h, &why, now)?;
+                    }
+                    outbox::Failure::Retry if to_lan => {
+                        handed_back = outbox::back_to_lan(&tx, &m, &h)?;
+                    }
+                    outbox::Failure::Retry | outbox::Failure::Gone => {}
                 }
                 tx.commit()?;
-                Ok(())
+                Ok((failure, handed_back))
             })
             .await?;
-        Ok(())
+        if failure == outbox::Failure::GaveUp {
+            tracing::warn!(id = %row.msg_id, peer = %row.host, "Undelivered to {}: gave up after 72 h", row.host);
+        }
+        if handed_back {
+            tracing::info!(id = %row.msg_id, peer = %row.host, reason = error, "the relay cannot reach the peer yet; the LAN takes the next attempt");
+        }
+        Ok(failure)
     }
 
     async fn push_batch(
@@ -243,7 +279,7 @@ impl RelayClient {
             Err(e) => {
                 tracing::warn!(relay = %self.url, error = %e, rows = batch.len(), "push failed; rows stay pending");
                 for (row, _) in &batch {
-                    self.fail_row(row, &e.to_string(), false).await?;
+                    self.fail_row(row, &e.to_string(), false, false).await?;
                 }
                 pass.failed = batch.len();
                 return Ok(pass);
@@ -316,7 +352,8 @@ impl RelayClient {
                 }
                 Err((why, terminal)) => {
                     tracing::warn!(id = %row.msg_id, host = %row.host, reason = %why, terminal, "relay push not accepted; row kept");
-                    self.fail_row(row, &why, terminal).await?;
+                    let to_lan = select::relay_cannot_reach(&why);
+                    self.fail_row(row, &why, terminal, to_lan).await?;
                     pass.failed += 1;
                 }
             }

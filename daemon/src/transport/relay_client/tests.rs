@@ -2489,3 +2489,287 @@ async fn a_pull_that_stored_mail_wakes_the_senders_of_its_receipts() {
         1
     );
 }
+
+// ---- the 72 h rule and the hand-back to the LAN -------------------------------------------------
+
+impl Setup {
+    /// The (subject, body) of every alert in alice's inbox, oldest first.
+    fn alerts(&self) -> Vec<(String, String)> {
+        let c = self.store.fresh_conn();
+        let mut st = c
+            .prepare(
+                "SELECT m.subject, m.body FROM messages m JOIN deliveries d ON d.msg_id = m.id
+                 WHERE m.kind = 'alert' AND d.agent = 'alice' ORDER BY m.rowid",
+            )
+            .unwrap();
+        st.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap()
+    }
+
+    /// Gives `work` a LAN address.
+    fn lan_addr(&self) {
+        self.store
+            .mailbox
+            .with(|c| peers::set_addr(c, "work", "127.0.0.1:1", "cli"))
+            .unwrap();
+    }
+}
+
+#[tokio::test]
+async fn a_relay_path_row_no_relay_accepted_ends_undelivered_after_72_hours_with_the_alert() {
+    let s = Setup::new(true).await;
+    let id = s.send_to_peer(ID1);
+    // ID2 was accepted by a relay once and is pending again for a re-push.
+    s.send_to_peer(ID2);
+    s.store
+        .mailbox
+        .with(|c| {
+            c.execute(
+                "UPDATE outbox SET accepted_at = ?2 WHERE msg_id = ?1",
+                rusqlite::params![ID2, T0],
+            )?;
+            Ok(())
+        })
+        .unwrap();
+    s.relay.on(
+        "POST /v2/relay/items",
+        push_reject("rejected:target not enrolled"),
+    );
+    // At exactly 72 h the relay path still retries.
+    s.clock.set(T0 + outbox::GIVE_UP_MS);
+    s.client.push_due(&session("e1")).await.unwrap();
+    assert_eq!(s.row(&id).state, "pending");
+    assert!(s.alerts().is_empty());
+    // The next refusal past 72 h ends it, with the alert, in the same transaction.
+    s.clock.set(T0 + outbox::GIVE_UP_MS + outbox::backoff_ms(0));
+    let pass = s.client.push_due(&session("e1")).await.unwrap();
+    assert_eq!(pass.failed, 2);
+    let row = s.row(&id);
+    assert_eq!(
+        (row.state.as_str(), row.attempts, row.last_error.as_deref()),
+        (
+            "undelivered",
+            2,
+            Some("gave up after 72 h (rejected:target not enrolled)")
+        )
+    );
+    assert_eq!(
+        s.alerts(),
+        vec![(
+            "Undelivered to work: hello".to_string(),
+            format!(
+                "Message {id} could not be delivered to host work: gave up after 72 h (rejected:target not enrolled)"
+            )
+        )]
+    );
+    // The re-push keeps trying, however old: the relay accepted it once.
+    let r2 = s.row(ID2);
+    assert_eq!((r2.state.as_str(), r2.attempts), ("pending", 2));
+    // An ended row is not pushed again.
+    s.clock.advance(10 * 3_600_000);
+    s.client.push_due(&session("e1")).await.unwrap();
+    let last = s.relay.seen("POST /v2/relay/items").pop().unwrap();
+    assert_eq!(
+        pushed_items(&last)
+            .into_iter()
+            .map(|p| p.0)
+            .collect::<Vec<_>>(),
+        vec![ID2.to_string()]
+    );
+    assert_eq!(s.alerts().len(), 1);
+}
+
+#[tokio::test]
+async fn a_network_failure_past_72_hours_ends_the_row_too() {
+    let s = Setup::new(true).await;
+    let id = s.send_to_peer(ID1);
+    s.relay.on("POST /v2/relay/items", |_| {
+        (503, json!({"error": "down", "code": "UNAVAILABLE"}))
+    });
+    s.clock.set(T0 + outbox::GIVE_UP_MS + 1);
+    s.client.push_due(&session("e1")).await.unwrap();
+    let row = s.row(&id);
+    assert_eq!(row.state, "undelivered");
+    assert!(row
+        .last_error
+        .as_deref()
+        .unwrap()
+        .starts_with("gave up after 72 h ("));
+    assert_eq!(s.alerts().len(), 1);
+}
+
+#[tokio::test]
+async fn target_not_enrolled_hands_the_next_attempt_back_to_the_lan() {
+    let s = Setup::new(true).await;
+    s.lan_addr();
+    let id = s.send_to_peer(ID1);
+    // The LAN failed twice: the relay's.
+    for _ in 0..2 {
+        s.store
+            .mailbox
+            .with(|c| outbox::fail_lan(c, &id, "work", "down", s.clock_now()).map(|_| ()))
+            .unwrap();
+    }
+    s.clock.set(s.row(&id).next_at);
+    s.relay.on(
+        "POST /v2/relay/items",
+        push_reject("rejected:target not enrolled"),
+    );
+    s.client.push_due(&session("e1")).await.unwrap();
+    let row = s.row(&id);
+    assert_eq!(
+        (row.state.as_str(), row.attempts, row.lan_failures),
+        ("pending", 3, 1)
+    );
+    // The backoff stays; then the LAN takes it, not the relay.
+    let c = s.store.fresh_conn();
+    let ids = |rows: Vec<outbox::Row>| rows.into_iter().map(|r| r.msg_id).collect::<Vec<_>>();
+    assert!(ids(outbox::due_for_lan(&c, row.next_at - 1, 10, true).unwrap()).is_empty());
+    assert_eq!(
+        ids(outbox::due_for_lan(&c, row.next_at, 10, true).unwrap()),
+        vec![id.clone()]
+    );
+    assert!(ids(outbox::due_for_relay(&c, row.next_at, 10).unwrap()).is_empty());
+    // One more LAN failure gives it to the relay again.
+    outbox::fail_lan(&c, &id, "work", "down", row.next_at).unwrap();
+    let row = s.row(&id);
+    assert_eq!(
+        ids(outbox::due_for_relay(&c, row.next_at, 10).unwrap()),
+        vec![id.clone()]
+    );
+    // Other refusals keep the row with the relay.
+    s.clock.set(row.next_at);
+    s.relay.on(
+        "POST /v2/relay/items",
+        push_reject("rejected:quota:target queue full"),
+    );
+    s.client.push_due(&session("e1")).await.unwrap();
+    assert_eq!(s.row(&id).lan_failures, 2);
+}
+
+#[tokio::test]
+async fn no_usable_enc_key_on_the_relay_hands_the_row_back_to_the_lan() {
+    let s = Setup::new(false).await;
+    s.lan_addr();
+    let id = s.send_to_peer(ID1);
+    s.store
+        .mailbox
+        .with(|c| {
+            c.execute("UPDATE outbox SET lan_failures = 2", [])?;
+            Ok(())
+        })
+        .unwrap();
+    // The relay has no ad for the peer (404).
+    s.client.push_due(&session("e1")).await.unwrap();
+    let row = s.assert_failed_once(&id, T0, "no enc key for work");
+    assert_eq!(row.lan_failures, 1);
+    assert!(s.relay.seen("POST /v2/relay/items").is_empty());
+}
+
+#[tokio::test]
+async fn without_a_lan_address_a_refused_row_stays_with_the_relay() {
+    let s = Setup::new(true).await;
+    let id = s.send_to_peer(ID1);
+    s.relay.on(
+        "POST /v2/relay/items",
+        push_reject("rejected:target not enrolled"),
+    );
+    s.client.push_due(&session("e1")).await.unwrap();
+    let row = s.row(&id);
+    assert_eq!((row.attempts, row.lan_failures), (1, 0));
+    let c = s.store.fresh_conn();
+    assert_eq!(outbox::due_for_relay(&c, row.next_at, 10).unwrap().len(), 1);
+    assert!(outbox::due_for_lan(&c, row.next_at, 10, true)
+        .unwrap()
+        .is_empty());
+}
+
+// ---- duplicates re-queue delivery receipts -------------------------------------------------------
+
+impl Setup {
+    /// (msg_id, agent, host, state, next_at) of every queued receipt, oldest first.
+    fn queued_receipts(&self) -> Vec<(String, String, String, String, i64)> {
+        let c = self.store.fresh_conn();
+        let mut st = c
+            .prepare("SELECT msg_id, agent, host, state, next_at FROM receipt_outbox ORDER BY seq")
+            .unwrap();
+        st.query_map([], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+        })
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap()
+    }
+}
+
+#[tokio::test]
+async fn a_duplicate_from_the_relay_queues_the_delivery_receipts_again() {
+    let mut s = Setup::new(true).await;
+    let received = Arc::new(tokio::sync::Notify::new());
+    s.client.received = Some(received.clone());
+    let m = testutil::ids().next(T0);
+    let wire = s.peer_wire(&m, "in");
+    let peer = s.peer_pub();
+    let q = Arc::new(Mutex::new(Queue {
+        epoch: "e1".into(),
+        items: vec![item(5, &m, &peer, &wire)],
+        head_override: None,
+    }));
+    serve_queue(&s.relay, q.clone());
+    let pass = s.client.pull_pass(&session("e1")).await.unwrap();
+    assert_eq!((pass.stored, pass.receipts_requeued), (1, 0));
+    // alice read it, and the receipts went out (and were lost on the way, or expired).
+    s.store
+        .mailbox
+        .with(|c| {
+            crate::mailbox::messages::read(c, "alice", "home", &m, T0 + 1)?;
+            c.execute("DELETE FROM receipt_outbox", [])?;
+            Ok(())
+        })
+        .unwrap();
+    // The sender pushes the same envelope again (its row is still relay-accepted).
+    s.clock.set(T0 + 3_600_000);
+    q.lock().unwrap().items.push(item(6, &m, &peer, &wire));
+    let woken = received.notified();
+    tokio::pin!(woken);
+    woken.as_mut().enable();
+    let pass = s.client.pull_pass(&session("e1")).await.unwrap();
+    assert_eq!(
+        (pass.stored, pass.duplicates, pass.receipts_requeued),
+        (0, 1, 1)
+    );
+    // One receipt for the delivery as it is now, owed to the message's origin, due now.
+    assert_eq!(
+        s.queued_receipts(),
+        vec![(
+            m.clone(),
+            "alice".to_string(),
+            "work".to_string(),
+            "read".to_string(),
+            T0 + 3_600_000
+        )]
+    );
+    tokio::time::timeout(std::time::Duration::from_secs(5), woken)
+        .await
+        .expect("the sender loops are woken");
+    // A repeat while that receipt is still queued adds nothing.
+    q.lock().unwrap().items.push(item(7, &m, &peer, &wire));
+    let pass = s.client.pull_pass(&session("e1")).await.unwrap();
+    assert_eq!((pass.duplicates, pass.receipts_requeued), (1, 0));
+    assert_eq!(s.queued_receipts().len(), 1);
+    // The re-queued receipt carries the delivery's state and time.
+    let rec = s
+        .store
+        .mailbox
+        .with(|c| {
+            let row = crate::mailbox::receipts::due_for_relay(c, i64::MAX, 10)?.remove(0);
+            Ok(crate::mailbox::receipts::record(&row, "home"))
+        })
+        .unwrap();
+    assert_eq!(
+        (rec.recipient.as_str(), rec.state.as_str(), rec.at.clone()),
+        ("alice@home", "read", iso_ms(T0 + 1))
+    );
+}

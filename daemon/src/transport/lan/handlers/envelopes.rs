@@ -13,6 +13,7 @@ use serde_json::{json, Map, Value};
 use agentmbx_protocol::limits::MAX_BATCH;
 
 use super::{batch, parse_json, HttpError};
+use crate::mailbox::receipts;
 use crate::node::receive::{receive, Verdict};
 use crate::transport::lan::hop::HopPeer;
 use crate::transport::lan::SharedLan;
@@ -33,14 +34,22 @@ pub async fn post(
         .run(move |conn| {
             let mut tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
             let mut results = Vec::with_capacity(envelopes.len());
+            let mut requeued = 0;
             for env in &envelopes {
                 let sp = tx.savepoint()?;
                 let result = match receive(&sp, &ident, env, &peer, now)? {
                     Ok(Verdict::Stored { .. }) => "accepted".to_string(),
-                    Ok(Verdict::Duplicate) => "duplicate".to_string(),
+                    Ok(Verdict::Duplicate) => {
+                        // The sender asks again: its receipts may have been lost or expired,
+                        // so the current delivery states go back to it (`wire.md` §3.5).
+                        let id = env.get("id").and_then(Value::as_str).unwrap_or_default();
+                        requeued += receipts::requeue(&sp, id, now)?;
+                        "duplicate".to_string()
+                    }
                     Err(why) => format!("rejected:{why}"),
                 };
-                if result == "accepted" {
+                if !result.starts_with("rejected:") {
+                    // Stored, or a duplicate whose receipts were queued again.
                     sp.commit()?;
                 } else {
                     // Savepoint dropped: anything a refused envelope touched is rolled back.
@@ -55,11 +64,12 @@ pub async fn post(
                 results.push(Value::Object(item));
             }
             tx.commit()?;
-            Ok(results)
+            Ok((results, requeued))
         })
         .await?;
+    let (results, requeued) = results;
     let accepted = results.iter().filter(|r| r["result"] == "accepted").count();
-    if accepted > 0 {
+    if accepted > 0 || requeued > 0 {
         tracing::info!(peer = %host, accepted, "mail received over the LAN");
         // Deliveries queue receipts for the sender: let the sender loops look now.
         state.wake.notify_one();
