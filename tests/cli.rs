@@ -41,7 +41,8 @@ fn init_creates_private_key_files_and_refuses_a_second_init() {
     let json = out.json();
     assert_eq!(json["host"], "alpha");
 
-    for name in ["host.key", "enc.key"] {
+    // The store holds plaintext bodies and pairing-token keys: owner-only like the keys.
+    for name in ["host.key", "enc.key", "mailbox.db"] {
         assert!(home.file(name).is_file(), "{name} missing");
         #[cfg(unix)]
         assert_eq!(helper::mode(&home.file(name)), 0o600, "{name} mode");
@@ -324,4 +325,48 @@ fn send_errors_name_what_is_wrong_and_use_the_documented_exit_codes() {
     let out = home.run(&["peers", "add", "other", &key]);
     assert_eq!(out.code(), Some(2), "{out:#?}");
     assert!(out.stderr.contains("own key"), "{out:#?}");
+}
+
+#[test]
+fn a_store_in_an_open_home_directory_is_still_owner_only() {
+    let home = Home::new();
+    std::fs::create_dir_all(home.path()).expect("create home");
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(home.path(), std::fs::Permissions::from_mode(0o755))
+            .expect("chmod home");
+        // A store left world-readable by an older version is tightened on open.
+        std::fs::write(home.file("mailbox.db"), b"").expect("create store");
+        std::fs::set_permissions(
+            home.file("mailbox.db"),
+            std::fs::Permissions::from_mode(0o644),
+        )
+        .expect("chmod store");
+    }
+    home.run(&["init", "--host", "alpha"]).assert_success();
+    #[cfg(unix)]
+    assert_eq!(helper::mode(&home.file("mailbox.db")), 0o600);
+}
+
+#[test]
+fn peers_commands_use_the_documented_exit_codes() {
+    let home = Home::new();
+    home.run(&["init", "--host", "alpha"]).assert_success();
+    let out = home.run(&["peers", "remove", "nosuch"]);
+    assert_eq!(out.code(), Some(3), "{out:#?}");
+    assert!(out.stderr.contains("no peer named nosuch"), "{out:#?}");
+    let out = home.run(&["peers", "remove", ""]);
+    assert_eq!(out.code(), Some(2), "{out:#?}");
+    let out = home.run(&["peers", "addr", "nosuch", "127.0.0.1:7373"]);
+    assert_eq!(out.code(), Some(3), "{out:#?}");
+    let out = home.run(&["peers", "addr", "nosuch", "no-port"]);
+    assert_eq!(out.code(), Some(2), "{out:#?}");
+    let key = agentmbx_protocol::keys::HostKey::generate()
+        .public()
+        .to_b64();
+    let out = home.run(&["peers", "add", "beta", &key, "--json"]);
+    out.assert_success();
+    assert_eq!(out.json()["added"], true);
+    assert_eq!(out.json()["host"], "beta");
 }

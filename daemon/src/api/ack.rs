@@ -44,6 +44,7 @@ pub async fn post(
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let req: AckRequest = serde_json::from_slice(&body)
         .map_err(|e| ApiError::Invalid(format!("bad ack request: {e}")))?;
+    super::check_agent(&req.as_agent)?;
     if req.ids.is_empty() || req.ids.len() > 50 {
         return Err(ApiError::Invalid("ids must hold 1..=50 message ids".into()));
     }

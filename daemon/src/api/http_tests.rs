@@ -342,3 +342,29 @@ async fn every_route_but_health_needs_the_token() {
         .unwrap();
     assert_eq!(resp.status().as_u16(), 200);
 }
+
+#[tokio::test]
+async fn a_malformed_agent_name_is_a_bad_request_on_every_mailbox_route() {
+    let api = Api::start().await;
+    let id = api.send(&["bob"], "hi").await;
+    for path in [
+        "/v1/inbox?as=Bob".to_string(),
+        "/v1/sent?as=ALICE".to_string(),
+        format!("/v1/messages/{id}?as=b%40x"),
+    ] {
+        let (status, body) = api.get(&path).await;
+        assert_eq!(status, 400, "{path}: {body}");
+        assert_eq!(body["code"], "BAD_REQUEST", "{path}: {body}");
+        assert!(
+            body["error"].as_str().unwrap().contains("bad agent name"),
+            "{body}"
+        );
+    }
+    let (status, body) = api
+        .post("/v1/ack", &json!({"as": "-bob", "ids": [id]}), None)
+        .await;
+    assert_eq!(status, 400, "{body}");
+    // Nothing changed: bob's copy is still new.
+    let (_, page) = api.inbox("").await;
+    assert_eq!(page["messages"][0]["state"], "new");
+}

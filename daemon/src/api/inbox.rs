@@ -33,6 +33,7 @@ pub async fn get(
     q: Result<Query<InboxQuery>, QueryRejection>,
 ) -> Result<Json<InboxPage>, ApiError> {
     let Query(q) = q?;
+    super::check_agent(&q.as_agent)?;
     let limit = q.limit.unwrap_or(messages::DEFAULT_INBOX_LIMIT);
     if !(1..=messages::MAX_INBOX_LIMIT).contains(&limit) {
         return Err(ApiError::Invalid(format!(

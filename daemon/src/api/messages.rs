@@ -71,6 +71,7 @@ pub async fn get(
     q: Result<Query<ReadQuery>, QueryRejection>,
 ) -> Result<Json<messages::Message>, ApiError> {
     let Query(q) = q?;
+    super::check_agent(&q.as_agent)?;
     let (host, now) = (state.ident.host.to_string(), state.clock.now_ms());
     let msg = state
         .mailbox

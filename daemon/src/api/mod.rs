@@ -63,6 +63,19 @@ pub struct AppState {
     pub ids: Mutex<ulid::Generator>,
 }
 
+/// Checks an agent name given as `as` (NAME_RE): 400 with the rule otherwise, so a typo such as
+/// an upper-case name is an error, not an empty mailbox.
+pub fn check_agent(name: &str) -> Result<(), ApiError> {
+    if agentmbx_protocol::limits::is_name(name) {
+        Ok(())
+    } else {
+        Err(ApiError::Invalid(format!(
+            "bad agent name {name:?}: {}",
+            crate::node::send::NAME_RULE
+        )))
+    }
+}
+
 /// Shared handle to [`AppState`].
 pub type SharedState = Arc<AppState>;
 

@@ -34,6 +34,7 @@ pub async fn get(
     q: Result<Query<SentQuery>, QueryRejection>,
 ) -> Result<Json<SentPage>, ApiError> {
     let Query(q) = q?;
+    super::check_agent(&q.as_agent)?;
     let limit = q.limit.unwrap_or(receipts::DEFAULT_SENT_LIMIT);
     if !(1..=receipts::MAX_SENT_LIMIT).contains(&limit) {
         return Err(ApiError::Invalid(format!(

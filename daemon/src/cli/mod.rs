@@ -190,6 +190,11 @@ pub fn exit_code(err: &anyhow::Error) -> u8 {
         if let Some(IdentityError::NotInitialized { .. }) = cause.downcast_ref::<IdentityError>() {
             return EXIT_NOT_FOUND;
         }
+        if let Some(agentmbx::mailbox::MailboxError::NotFound(_)) =
+            cause.downcast_ref::<agentmbx::mailbox::MailboxError>()
+        {
+            return EXIT_NOT_FOUND;
+        }
     }
     EXIT_FAILURE
 }

@@ -23,8 +23,8 @@ pub struct PeersArgs {
     /// What to do (default: list)
     #[command(subcommand)]
     pub command: Option<PeersCommand>,
-    /// Print the list as JSON
-    #[arg(long)]
+    /// Print the result as JSON
+    #[arg(long, global = true)]
     pub json: bool,
 }
 
@@ -81,7 +81,13 @@ pub fn run(args: PeersArgs) -> anyhow::Result<()> {
             }
             let now = SystemClock::from_env()?.now_ms();
             let added = mailbox.with(|c| peers::add(c, name.as_str(), &key.to_b64(), now))?;
-            if added {
+            if args.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"host": name.as_str(), "pubkey": key.to_b64(),
+                        "fingerprint": key.fingerprint(), "added": added})
+                );
+            } else if added {
                 println!(
                     "pinned {} as {} (fingerprint {})",
                     name,
@@ -109,6 +115,7 @@ pub fn run(args: PeersArgs) -> anyhow::Result<()> {
             }
         }
         Some(PeersCommand::Remove { host }) => {
+            let host = HostName::parse(&host)?.as_str().to_string();
             let Some(peer) = mailbox.with(|c| peers::by_name(c, &host))? else {
                 return Err(agentmbx::mailbox::MailboxError::NotFound(format!(
                     "no peer named {host} (see `agentmbx peers`)"

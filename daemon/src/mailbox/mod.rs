@@ -52,6 +52,15 @@ pub enum MailboxError {
     /// The request is invalid.
     #[error("{0}")]
     Invalid(String),
+    /// `mailbox.db` could not be created or made owner-only.
+    #[error("{path}: {source}")]
+    File {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
     /// The blocking task failed (panicked or was cancelled).
     #[error("mailbox task failed")]
     Task,
@@ -64,9 +73,13 @@ pub struct Mailbox {
 }
 
 impl Mailbox {
-    /// Opens (creating or migrating) `mailbox.db` at `path`. Pragmas: WAL, synchronous=FULL,
-    /// foreign_keys, busy_timeout 5000 ms. Errors: [`MailboxError::SchemaTooNew`], SQLite.
+    /// Opens (creating or migrating) `mailbox.db` at `path`. The file (and its `-wal`/`-shm`
+    /// companions, which SQLite creates with the file's mode) is owner-only, 0600: it holds
+    /// plaintext bodies and pairing-token keys. Pragmas: WAL, synchronous=FULL, foreign_keys,
+    /// busy_timeout 5000 ms. Errors: [`MailboxError::SchemaTooNew`], [`MailboxError::File`],
+    /// SQLite.
     pub fn open(path: &Path) -> Result<Self, MailboxError> {
+        restrict(path)?;
         let mut conn = Connection::open(path)?;
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "FULL")?;
@@ -97,4 +110,37 @@ impl Mailbox {
             .await
             .map_err(|_| MailboxError::Task)?
     }
+}
+
+/// Makes `path` owner-only (0600), creating it empty when missing, and tightens existing
+/// `-wal`/`-shm` files, whatever the umask or the home directory's mode.
+fn restrict(path: &Path) -> Result<(), MailboxError> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+        let io = |source: std::io::Error| MailboxError::File {
+            path: path.to_path_buf(),
+            source,
+        };
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(crate::fsutil::PRIVATE_MODE)
+            .open(path)
+            .map_err(io)?;
+        for suffix in ["", "-wal", "-shm"] {
+            let p = std::path::PathBuf::from(format!("{}{suffix}", path.display()));
+            match std::fs::set_permissions(
+                &p,
+                std::fs::Permissions::from_mode(crate::fsutil::PRIVATE_MODE),
+            ) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io(e)),
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = path;
+    Ok(())
 }
