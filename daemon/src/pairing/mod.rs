@@ -30,10 +30,13 @@ use std::time::Duration;
 
 use agentmbx_protocol::clock::SharedClock;
 use agentmbx_protocol::keys::PublicKey;
-use governor::clock::Clock as GovernorClock;
 use governor::middleware::NoOpMiddleware;
 use governor::nanos::Nanos;
 use governor::state::{InMemoryState, NotKeyed};
+
+use governor::clock::Clock as _;
+
+use crate::transport::lan::hop::LimiterClock;
 use governor::{Quota, RateLimiter};
 
 use crate::host_name::{HostName, MAX_LEN as HOST_MAX_LEN};
@@ -109,20 +112,6 @@ pub(crate) fn check_party(
         return Err("bad nonce");
     }
     Ok(())
-}
-
-/// Time for the rate limiters, read from the daemon's [`agentmbx_protocol::clock::Clock`]
-/// (so tests drive it), as ns since the epoch.
-#[derive(Debug, Clone)]
-struct LimiterClock(SharedClock);
-
-impl GovernorClock for LimiterClock {
-    type Instant = Nanos;
-
-    fn now(&self) -> Nanos {
-        let ms = u64::try_from(self.0.now_ms()).unwrap_or(0);
-        Nanos::from(ms.saturating_mul(1_000_000))
-    }
 }
 
 type Limiter = RateLimiter<NotKeyed, InMemoryState, LimiterClock, NoOpMiddleware<Nanos>>;

@@ -20,7 +20,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use serde::Deserialize;
 use serde_json::Value;
 
 use agentmbx_protocol::clock::SharedClock;
@@ -105,24 +104,8 @@ pub struct EnvelopeResult {
     pub result: String,
 }
 
-/// One agent of a peer's directory (`GET /v1/agents`).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct RemoteAgent {
-    /// Agent name (NAME_RE; other entries are dropped).
-    pub name: String,
-    /// Role, if any.
-    #[serde(default)]
-    pub role: Option<String>,
-    /// The CLI the agent runs in, if reported.
-    #[serde(default)]
-    pub cli: Option<String>,
-    /// Free text, if any.
-    #[serde(default)]
-    pub description: Option<String>,
-    /// ISO ms time last seen, if reported.
-    #[serde(default)]
-    pub last_seen: Option<String>,
-}
+/// One agent of a peer's directory (`GET /v1/agents`): the same shape this host serves.
+pub type RemoteAgent = crate::mailbox::agents::AgentEntry;
 
 /// A peer's `GET /v1/agents` answer: its host name and its agents (at most
 /// [`MAX_REMOTE_AGENTS`], NAME_RE names only, entries that do not parse dropped).

@@ -54,9 +54,10 @@ pub fn last_seen_key(host: &str) -> String {
 #[derive(Debug, Clone)]
 pub struct HopPeer(pub Peer);
 
-/// [`SharedClock`] as governor's clock (ms resolution), so tests can drive the rate limit.
+/// [`SharedClock`] as governor's clock (ms resolution), so tests can drive the rate limits
+/// (this per-peer one and the pairing limits, [`crate::pairing::PairingMemory`]).
 #[derive(Debug, Clone)]
-struct LimiterClock(SharedClock);
+pub(crate) struct LimiterClock(pub(crate) SharedClock);
 
 impl GovernorClock for LimiterClock {
     type Instant = Nanos;
