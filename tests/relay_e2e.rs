@@ -129,11 +129,12 @@ fn mail_crosses_the_relay_sealed_and_the_queue_drains_after_ack() {
         dedup,
         vec![(seq, row.wire_hash.clone().expect("wire_hash"))]
     );
-    let after = mesh.a.outbox(&id).expect("A's outbox row");
-    assert_eq!(
-        (after.state.as_str(), after.seq),
-        ("relay-accepted", Some(seq))
-    );
+    // B's delivery receipts travel back through the relay as `receipt` items (the hosts have
+    // no LAN address for each other) and settle A's relay-accepted row (spec §9).
+    let after = wait_for("A's relay-accepted row settled by B's receipt", || {
+        mesh.a.outbox(&id).filter(|r| r.state == "delivered")
+    });
+    assert_eq!(after.seq, Some(seq), "the accept's seq is kept");
 
     // No plaintext body anywhere in the relay's store files (nor in its log): not whole, not
     // a line of it, not its tag, not base64-encoded at any alignment.

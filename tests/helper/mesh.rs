@@ -431,11 +431,16 @@ impl Host {
             .expect("query outbox")
     }
 
-    /// Waits until the outbox row of `id` is `relay-accepted`; returns it.
+    /// Waits until the outbox row of `id` holds a relay accept: `relay-accepted`, or already
+    /// `delivered` by the receipt that followed it (the seq stays); returns it.
     pub fn wait_relay_accepted(&self, id: &str) -> OutboxRow {
         wait_for(
             &format!("{}'s outbox row {id} to be relay-accepted", self.name),
-            || self.outbox(id).filter(|r| r.state == "relay-accepted"),
+            || {
+                self.outbox(id).filter(|r| {
+                    r.state == "relay-accepted" || (r.state == "delivered" && r.seq.is_some())
+                })
+            },
         )
     }
 
