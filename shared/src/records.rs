@@ -304,7 +304,8 @@ pub struct Receipt {
     /// Optional "did" (acked only, ≤200 UTF-16 units).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub did: Option<String>,
-    /// Positive integer: the recipient host's receipt_outbox seq.
+    /// Positive integer below 2^53 (`wire.md` Decision 5): the recipient host's
+    /// receipt_outbox seq.
     pub seq: u64,
 }
 
@@ -363,7 +364,7 @@ pub fn parse_receipt_wire(wire: &[u8], signer: &PublicKey) -> Result<Receipt, &'
             .did
             .as_ref()
             .is_none_or(|d| rec.state == "acked" && utf16_len(d) <= 200)
-        && rec.seq >= 1;
+        && (1..=MAX_SAFE_INT as u64).contains(&rec.seq);
     if !ok {
         return Err("bad receipt");
     }

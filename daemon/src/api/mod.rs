@@ -215,12 +215,27 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let addr = listener.local_addr()?;
     tracing::info!("local API listening on {addr}");
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await?;
+    // Any local process can connect before it shows a token: the same accept loop as the LAN
+    // and relay servers bounds how long a connection may idle and how many may be open, so a
+    // misbehaving client cannot use up the daemon's file handles.
+    let settings = agentmbx_relay::server::ConnSettings {
+        name: "local API",
+        header_read: HEADER_READ_TIMEOUT,
+        keep_alive: KEEP_ALIVE_TIMEOUT,
+        max_connections: MAX_CONNECTIONS,
+    };
+    agentmbx_relay::server::accept_loop(listener, router(state), settings, shutdown).await;
     tracing::info!("local API stopped");
     Ok(())
 }
+
+/// Time a client of the local API has to send its request headers, also while a kept-alive
+/// connection waits for its next request (10 s).
+pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// An idle kept-alive local API connection closes after this (30 s: agents poll).
+pub const KEEP_ALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+/// Most local API connections open at once; past it new ones wait in the listen backlog.
+pub const MAX_CONNECTIONS: usize = 256;
 
 /// Longest accepted `Idempotency-Key` (characters).
 pub const MAX_IDEMPOTENCY_KEY: usize = 200;

@@ -254,6 +254,23 @@ mod tests {
     }
 
     #[test]
+    fn a_seq_past_the_safe_integer_range_is_refused() {
+        let f = fx();
+        let max = agentmbx_protocol::records::MAX_SAFE_INT as u64;
+        for seq in [max + 1, 1 << 63, u64::MAX] {
+            let got = lan(&f, &wire(&receipt("bob@work", "read", seq), &f.work));
+            assert!(got.starts_with("rejected:"), "{seq}: {got}");
+        }
+        assert_eq!(stored(&f, "bob@work"), None);
+        // The largest safe seq is accepted and stored exactly.
+        assert_eq!(
+            lan(&f, &wire(&receipt("bob@work", "read", max), &f.work)),
+            "accepted"
+        );
+        assert_eq!(stored(&f, "bob@work"), Some(("read".into(), max as i64)));
+    }
+
+    #[test]
     fn results_follow_state_rank_then_seq() {
         let f = fx();
         let w = |state, seq| wire(&receipt("bob@work", state, seq), &f.work);

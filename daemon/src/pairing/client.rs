@@ -30,9 +30,7 @@ use agentmbx_protocol::pairing::{
 };
 
 use super::server::own_offer;
-use super::{
-    check_party, new_nonce, store, valid_text, MAX_ADDR_LEN, MAX_TOKEN_TTL_MS, PENDING_TTL_MS,
-};
+use super::{check_party, new_nonce, store, valid_addr, MAX_TOKEN_TTL_MS, PENDING_TTL_MS};
 use crate::identity::Identity;
 use crate::mailbox::{Mailbox, MailboxError};
 
@@ -545,7 +543,7 @@ fn valid_offer(offer: &PairOffer) -> bool {
             &offer.nonce,
         )
         .is_ok()
-        && valid_text(&offer.addr, MAX_ADDR_LEN)
+        && valid_addr(&offer.addr)
 }
 
 /// `agentmbx pair --compare <addr>`: commits to this host's offer, receives the responder's,

@@ -87,6 +87,14 @@ pub(crate) fn valid_text(text: &str, max: usize) -> bool {
     !text.is_empty() && text.encode_utf16().count() <= max
 }
 
+/// An `addr` from a peer: 1–[`MAX_ADDR_LEN`] characters of printable ASCII without spaces
+/// (`host:port`, `name.local:7373`, `[::1]:7373`). Stricter than 0.5.x's length check: the
+/// address is logged and shown by `pair pending`, so control characters (forged log lines,
+/// terminal escapes) are refused.
+pub(crate) fn valid_addr(addr: &str) -> bool {
+    valid_text(addr, MAX_ADDR_LEN) && addr.bytes().all(|b| b.is_ascii_graphic())
+}
+
 /// The party fields every pairing message carries (`wire.md` §2.9 "Validation"): host ≤ 40
 /// characters matching `NAME_RE`, a host key that is a canonical Ed25519 key of ≤ 64
 /// characters, an owner key `null` or 1–64 characters, a nonce of 1–64 characters.

@@ -32,7 +32,7 @@ use agentmbx_protocol::pairing::{
     offer_commit, sas_code, HolderParty, PairAccept, PairHello, PairJoin, PairOffer,
 };
 
-use super::{check_party, store, valid_text, MAX_ADDR_LEN, MAX_MAC_LEN, MAX_NONCE_LEN};
+use super::{check_party, store, valid_addr, valid_text, MAX_MAC_LEN, MAX_NONCE_LEN};
 use crate::mailbox::MailboxError;
 use crate::transport::lan::{LanState, SharedLan};
 
@@ -131,7 +131,7 @@ fn parse_join(body: &[u8]) -> Option<PairJoin> {
     let b = &j.joiner;
     let ok = j.v == 1
         && check_party(&b.host, &b.host_pubkey, b.owner_pubkey.as_deref(), &b.nonce).is_ok()
-        && valid_text(&b.addr, MAX_ADDR_LEN)
+        && valid_addr(&b.addr)
         && valid_text(&j.nonce_a, MAX_NONCE_LEN)
         && valid_text(&j.mac, MAX_MAC_LEN);
     ok.then_some(j)
@@ -242,7 +242,7 @@ fn parse_offer(body: &Value) -> Option<(&Value, PairOffer)> {
             &offer.nonce,
         )
         .is_ok()
-        && valid_text(&offer.addr, MAX_ADDR_LEN);
+        && valid_addr(&offer.addr);
     ok.then_some((raw, offer))
 }
 

@@ -493,6 +493,19 @@ async fn a_bad_join_body_is_400_and_changes_nothing() {
         ),
         ("nonce", Box::new(|j| j.joiner.nonce = "n".repeat(65))),
         ("empty addr", Box::new(|j| j.joiner.addr = String::new())),
+        ("addr length", Box::new(|j| j.joiner.addr = "a".repeat(257))),
+        (
+            "addr with a newline (a forged log line)",
+            Box::new(|j| j.joiner.addr = "x\n2030-01-01T00:00:00Z ERROR forged".into()),
+        ),
+        (
+            "addr with a terminal escape",
+            Box::new(|j| j.joiner.addr = "h:7373\u{1b}[2J".into()),
+        ),
+        (
+            "addr with a space",
+            Box::new(|j| j.joiner.addr = "h 7373".into()),
+        ),
         ("nonce_a", Box::new(|j| j.nonce_a = "n".repeat(65))),
     ] {
         let (status, answer) = raw_join(&alice.addr, &bob, &KEY, |_| {}, tamper).await;

@@ -17,6 +17,7 @@
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::Semaphore;
 
 use axum::body::Body;
 use axum::extract::{DefaultBodyLimit, Request};
@@ -74,23 +75,48 @@ pub fn router(state: SharedLan) -> Router {
     let unsigned = Router::new()
         .route("/v1/status", any(handlers::status::get))
         .merge(crate::pairing::server::router());
+    let budget = Arc::new(Semaphore::new(BODY_BUDGET / BUDGET_UNIT));
     Router::new()
         .merge(unsigned)
         .merge(signed)
+        // Only routes that exist read a body (an unknown path is answered without reading it).
+        .route_layer(middleware::from_fn(move |req: Request, next: Next| {
+            cap_body(budget.clone(), req, next)
+        }))
         .fallback(not_found)
         .method_not_allowed_fallback(not_found)
-        .layer(middleware::from_fn(cap_body))
         .layer(middleware::from_fn(request_timeout))
         .with_state(state)
 }
+
+/// Most request-body bytes the LAN server holds at once, over all connections (64 MiB). A
+/// body is read only after its share is reserved (the declared length, or the 4 MiB cap when
+/// none is declared), so unauthenticated callers holding many connections open cannot make
+/// the daemon buffer `MAX_CONNECTIONS × 4 MiB`; a request waits for room, within its 30 s.
+pub const BODY_BUDGET: usize = 64 * 1024 * 1024;
+
+/// Granularity of [`BODY_BUDGET`] reservations (1 KiB).
+const BUDGET_UNIT: usize = 1024;
 
 async fn not_found() -> HttpError {
     HttpError::not_found()
 }
 
-/// Reads the whole body under [`MAX_BODY`] (413 past it, after discarding the rest for up to
-/// 2 s) and hands it on buffered.
-async fn cap_body(req: Request, next: Next) -> Response {
+/// Reserves the body's share of [`BODY_BUDGET`], reads the whole body under [`MAX_BODY`] (413
+/// past it, after discarding the rest for up to 2 s) and hands it on buffered.
+async fn cap_body(budget: Arc<Semaphore>, req: Request, next: Next) -> Response {
+    let declared = req
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    let share = declared.unwrap_or(MAX_BODY).min(MAX_BODY + 1);
+    let units = u32::try_from(share.div_ceil(BUDGET_UNIT).max(1)).unwrap_or(u32::MAX);
+    // Held until the answer is made: the buffered body lives that long.
+    let Ok(_reserved) = budget.acquire_many_owned(units).await else {
+        return HttpError::new(StatusCode::SERVICE_UNAVAILABLE, "server is shutting down")
+            .into_response();
+    };
     let (parts, body) = req.into_parts();
     match read_capped(body, MAX_BODY).await {
         Ok(bytes) => {
