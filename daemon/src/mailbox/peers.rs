@@ -139,8 +139,8 @@ pub fn set_addr(
     Ok(())
 }
 
-/// Removes the peer `host` (`POST /v1/unpair`, `peers remove`). Its pending outbox rows are
-/// kept (they stay pending, visible to the sender). Returns whether a peer was removed.
+/// Deletes the peer row `host` alone; returns whether there was one. Unpairing goes through
+/// [`crate::node::unpair::forget_peer`], which also ends the mail still waiting for it.
 pub fn remove(conn: &Connection, host: &str) -> Result<bool, MailboxError> {
     Ok(conn.execute("DELETE FROM peers WHERE host = ?1", [host])? == 1)
 }

@@ -6,7 +6,7 @@
 use rusqlite::{params, Connection};
 
 use crate::identity::Identity;
-use crate::mailbox::MailboxError;
+use crate::mailbox::{peers, MailboxError};
 use crate::node::alert;
 
 /// The `last_error` and alert reason of rows ended by an unpairing.
@@ -34,8 +34,7 @@ pub fn forget_peer(
         )?;
         alert::undelivered(conn, ident, id, host, REASON, now_ms)?;
     }
-    let n = conn.execute("DELETE FROM peers WHERE host = ?1", [host])?;
-    if n == 0 {
+    if !peers::remove(conn, host)? {
         return Err(MailboxError::NotFound(format!("no peer named {host}")));
     }
     Ok(ids.len())
