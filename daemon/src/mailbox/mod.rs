@@ -112,6 +112,32 @@ impl Mailbox {
     }
 }
 
+/// Runs one of the due-row selections of transport selection ([`crate::transport::select`]):
+/// `sql` uses `:now`, `:limit`, `:t` (LAN failures before the relay) and `:r` (a relay is
+/// configured); each row is read with `map`. The one place the outbox and the receipt queue
+/// bind the rule's parameters.
+pub(crate) fn select_due<T>(
+    conn: &Connection,
+    sql: &str,
+    now_ms: i64,
+    limit: usize,
+    relay_configured: bool,
+    map: fn(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+) -> Result<Vec<T>, MailboxError> {
+    let mut st = conn.prepare(sql)?;
+    let rows = st
+        .query_map(
+            rusqlite::named_params! {
+                ":now": now_ms, ":limit": limit as i64,
+                ":t": crate::transport::select::LAN_FAILURES_BEFORE_RELAY,
+                ":r": relay_configured,
+            },
+            map,
+        )?
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(rows)
+}
+
 /// Makes `path` owner-only (0600), creating it empty when missing, and tightens existing
 /// `-wal`/`-shm` files, whatever the umask or the home directory's mode.
 fn restrict(path: &Path) -> Result<(), MailboxError> {

@@ -191,17 +191,7 @@ pub fn due_for_lan(
          ORDER BY o.created_at, o.msg_id LIMIT :limit",
         lan_sql()
     );
-    let mut st = conn.prepare(&sql)?;
-    let rows = st
-        .query_map(
-            rusqlite::named_params! {
-                ":now": now_ms, ":limit": limit as i64, ":t": LAN_FAILURES_BEFORE_RELAY,
-                ":r": relay_configured,
-            },
-            row,
-        )?
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(rows)
+    super::select_due(conn, &sql, now_ms, limit, relay_configured, row)
 }
 
 /// Pending rows due at `now_ms` that the relay takes (spec §10): every due pending row the LAN
@@ -219,16 +209,7 @@ pub fn due_for_relay(
          ORDER BY o.next_at, o.created_at, o.msg_id LIMIT :limit",
         lan_sql()
     );
-    let mut st = conn.prepare(&sql)?;
-    let rows = st
-        .query_map(
-            rusqlite::named_params! {
-                ":now": now_ms, ":limit": limit as i64, ":t": LAN_FAILURES_BEFORE_RELAY, ":r": true,
-            },
-            row,
-        )?
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(rows)
+    super::select_due(conn, &sql, now_ms, limit, true, row)
 }
 
 /// The earliest `next_at` (ms) among pending rows the LAN takes (due or not), for the LAN

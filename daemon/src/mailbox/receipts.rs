@@ -102,17 +102,7 @@ pub fn due_for_lan(
          WHERE r.next_at <= :now AND {} ORDER BY r.seq LIMIT :limit",
         lan_sql()
     );
-    let mut st = conn.prepare(&sql)?;
-    let rows = st
-        .query_map(
-            rusqlite::named_params! {
-                ":now": now_ms, ":limit": limit as i64, ":t": LAN_FAILURES_BEFORE_RELAY,
-                ":r": relay_configured,
-            },
-            row,
-        )?
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(rows)
+    super::select_due(conn, &sql, now_ms, limit, relay_configured, row)
 }
 
 /// Due receipts the relay takes: the peer is pinned (its key is the target) and the LAN failed
@@ -127,17 +117,7 @@ pub fn due_for_relay(
          WHERE r.next_at <= :now AND NOT COALESCE(({}), 0) ORDER BY r.seq LIMIT :limit",
         lan_sql()
     );
-    let mut st = conn.prepare(&sql)?;
-    let rows = st
-        .query_map(
-            rusqlite::named_params! {
-                ":now": now_ms, ":limit": limit as i64, ":t": LAN_FAILURES_BEFORE_RELAY,
-                ":r": true,
-            },
-            row,
-        )?
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(rows)
+    super::select_due(conn, &sql, now_ms, limit, true, row)
 }
 
 /// The earliest `next_at` (ms) of receipts the LAN takes, for the LAN loop's sleep.
