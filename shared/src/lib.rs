@@ -23,6 +23,7 @@ pub mod keys;
 pub mod limits;
 pub mod pairing;
 pub mod records;
+pub mod rotation;
 pub mod seal;
 pub mod status;
 pub mod time;

@@ -1244,6 +1244,13 @@ fn records_cases() {
                     s(c, "expected_new_sig_b64"),
                     "{n}"
                 );
+                let signed = agentmbx_protocol::rotation::SignedRotation::from_value(
+                    &serde_json::json!({"rec": record, "old_sig": s(c, "expected_old_sig_b64"),
+                        "new_sig": s(c, "expected_new_sig_b64")}),
+                )
+                .expect("the vector parses as a rotation");
+                assert_eq!(signed.check(&old.public()), Ok(()), "{n}");
+                assert_eq!(signed.canonical(), s(c, "expected_canonical"), "{n}");
             }
             "enrol" => {
                 let key = host_key(&c["signer"]);
