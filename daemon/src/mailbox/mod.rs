@@ -14,6 +14,7 @@
 //! a concurrent CLI write safe.
 
 pub mod agents;
+pub mod audit;
 pub mod idempotency;
 pub mod messages;
 pub mod outbox;

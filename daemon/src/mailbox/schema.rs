@@ -5,7 +5,7 @@ use rusqlite::Connection;
 use super::MailboxError;
 
 /// The schema version this binary writes.
-pub const SCHEMA_VERSION: u32 = 2;
+pub const SCHEMA_VERSION: u32 = 3;
 
 /// Migrations in order: `(version reached, SQL)`. A new schema change appends a step; each
 /// step runs inside the one migration transaction.
@@ -126,6 +126,20 @@ ALTER TABLE outbox_v2 RENAME TO outbox;
 CREATE INDEX outbox_due ON outbox(state, next_at);
 "#,
     ),
+    (
+        3,
+        r#"
+-- Keys a peer rotated away from (`wire.md` §2.10): JSON array of base64 host keys, oldest
+-- first. They still verify that peer's mail signed before the rotation; never a hop.
+ALTER TABLE peers ADD COLUMN prev_keys TEXT NOT NULL DEFAULT '[]';
+-- Trust events the owner may need to see later (relay key changed or confirmed, enrolment lost,
+-- rotation accepted or refused...): `detail` is JSON, never key material or tokens.
+CREATE TABLE audit(
+  id INTEGER PRIMARY KEY AUTOINCREMENT, at INTEGER NOT NULL, event TEXT NOT NULL,
+  detail TEXT NOT NULL);
+CREATE INDEX audit_event ON audit(event, id);
+"#,
+    ),
 ];
 
 /// Brings `conn` to [`SCHEMA_VERSION`] in one transaction; refuses a newer file.
@@ -163,15 +177,15 @@ mod tests {
         migrate(&mut c).unwrap();
         // A next schema step applies on top of the current version, in one transaction.
         let mut steps = MIGRATIONS.to_vec();
-        steps.push((3, "ALTER TABLE peers ADD COLUMN note TEXT;"));
+        steps.push((4, "ALTER TABLE peers ADD COLUMN note TEXT;"));
         migrate_with(&mut c, &steps).unwrap();
         let v: u32 = c
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .unwrap();
-        assert_eq!(v, 3);
-        // Our binary (version 2) refuses the version-3 file.
+        assert_eq!(v, 4);
+        // Our binary (version 3) refuses the version-4 file.
         let err = migrate(&mut c).unwrap_err();
-        assert!(err.to_string().contains("schema version 3"), "{err}");
+        assert!(err.to_string().contains("schema version 4"), "{err}");
     }
 
     #[test]
