@@ -8,8 +8,10 @@
 //! a `ts` that is not plain decimal digits → 401; the key in `x-mbx-key` (which alone names the
 //! caller; `x-mbx-host` is a label) must parse → else 401; the signature by that key over
 //! method, normalised path with query, ts and raw body, within ±300,000 ms → else 401; only
-//! then is the enrolment looked up: unknown → 401 `NOT_ENROLLED`, revoked → 403 `REVOKED`. So
-//! whether a key is enrolled or revoked is told only to a request that key signed.
+//! then is the enrolment looked up: unknown → 401 `NOT_ENROLLED`, revoked → 403 `REVOKED`,
+//! deny-listed fingerprint → 403 `DENIED`; on a relay with the account authority the
+//! `Authorization: Bearer` token is checked last (spec §8; [`crate::authority`]). So whether a
+//! key is enrolled, revoked or denied is told only to a request that key signed.
 
 use std::pin::Pin;
 use std::time::Duration;
@@ -155,15 +157,12 @@ pub async fn authenticate(
     // Looked up by the canonical text enrolment stored, whatever padding the header used.
     let store = state.store.clone();
     let k = key.to_b64();
-    let enrolment = tokio::task::spawn_blocking(move || store.enrolment(&k))
-        .await
-        .map_err(|_| {
-            ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "relay task failed",
-                "INTERNAL",
-            )
-        })??;
+    let fp = key.fingerprint();
+    let now = state.clock.now_ms();
+    let (enrolment, host_denied) = {
+        let fp = fp.clone();
+        blocking(move || Ok((store.enrolment(&k)?, store.denied(&fp, None, now)?))).await?
+    };
     let Some(enrolment) = enrolment else {
         return Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
@@ -178,7 +177,113 @@ pub async fn authenticate(
             "REVOKED",
         ));
     }
+    if host_denied.is_some() {
+        return Err(crate::handlers::enrol::denied(
+            crate::handlers::enrol::DENY_LISTED,
+        ));
+    }
+    check_account_token(state, headers, &key, &enrolment, now).await?;
     Ok(enrolment)
+}
+
+/// The token of `Authorization: Bearer <token>` (scheme case-insensitive); `Ok(None)` without
+/// the header, 401 for another scheme or a header that is not text.
+fn bearer(headers: &HeaderMap) -> Result<Option<&str>, ApiError> {
+    let Some(value) = headers.get(axum::http::header::AUTHORIZATION) else {
+        return Ok(None);
+    };
+    let bad = || {
+        ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "the Authorization header must be Bearer <token>",
+            "BAD_TOKEN",
+        )
+    };
+    let text = value.to_str().map_err(|_| bad())?;
+    match text.split_once(' ') {
+        Some((scheme, token))
+            if scheme.eq_ignore_ascii_case("bearer") && !token.trim().is_empty() =>
+        {
+            Ok(Some(token.trim()))
+        }
+        _ => Err(bad()),
+    }
+}
+
+/// On a relay whose authority wants hop tokens (the account authority): the bearer token must
+/// verify ([`crate::authority::EnrolmentAuthority::check_hop`]), be bound to the cloud key the
+/// enrolment recorded for this hop key, name the enrolment's account, and its client_id must
+/// not be deny-listed. Refusals: 401 `TOKEN_REQUIRED` / `BAD_TOKEN`, 401 `NOT_ENROLLED` when
+/// the key was enrolled without an account token (the host enrols again), 403 `DENIED`.
+async fn check_account_token(
+    state: &RelayState,
+    headers: &HeaderMap,
+    key: &PublicKey,
+    enrolment: &Enrolment,
+    now: i64,
+) -> Result<(), ApiError> {
+    use crate::authority::HopTokenError;
+    if !state.authority.wants_hop_token() {
+        return Ok(());
+    }
+    let token = match state.authority.check_hop(bearer(headers)?, key).await {
+        Ok(None) => return Ok(()),
+        Ok(Some(t)) => t,
+        Err(e @ HopTokenError::Missing) => {
+            return Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                e.to_string(),
+                "TOKEN_REQUIRED",
+            ))
+        }
+        Err(e @ HopTokenError::Refused(_)) => {
+            return Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                e.to_string(),
+                "BAD_TOKEN",
+            ))
+        }
+    };
+    let store = state.store.clone();
+    let (k, fp, client) = (
+        enrolment.host_pubkey.clone(),
+        key.fingerprint(),
+        token.client_id.clone(),
+    );
+    let (binding, client_denied) = blocking(move || {
+        Ok((
+            store.account_binding(&k)?,
+            store.denied(&fp, Some(&client), now)?,
+        ))
+    })
+    .await?;
+    if client_denied.is_some() {
+        return Err(crate::handlers::enrol::denied(
+            crate::handlers::enrol::DENY_LISTED,
+        ));
+    }
+    let Some(binding) = binding else {
+        return Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "not enrolled with an account token on this relay",
+            "NOT_ENROLLED",
+        ));
+    };
+    if binding.cloud_jkt != token.cnf_jkt {
+        return Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "account token refused: it is bound to another key",
+            "BAD_TOKEN",
+        ));
+    }
+    if enrolment.account.as_deref() != Some(token.account.as_str()) {
+        return Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "account token refused: it is for another account",
+            "BAD_TOKEN",
+        ));
+    }
+    Ok(())
 }
 
 /// Runs a blocking store call off the async runtime.

@@ -231,6 +231,18 @@ pub struct RelayConfig {
     pub max_connections: Option<u64>,
     /// Limits and quotas.
     pub limits: LimitsConfig,
+    /// Rate limits and the request-body budget (`[rate]`, [`crate::ratelimit`]).
+    pub rate: crate::ratelimit::RateConfig,
+    /// The enrolment authority (`[authority]`, [`crate::authority`]; default the host-key
+    /// challenge).
+    pub authority: AuthorityConfig,
+    /// File holding the admin bearer token of the operator endpoints (`/v2/relay/admin/*`),
+    /// relative to the store directory unless absolute. `MBX_RELAY_ADMIN_TOKEN` wins over it.
+    /// Neither set: the admin endpoints answer 404.
+    pub admin_token_file: Option<PathBuf>,
+    /// The admin token, loaded by [`RelayConfig::load`] (never from `relay.toml` itself).
+    #[serde(skip)]
+    pub admin_token: Option<AdminToken>,
 }
 
 /// `"<key> must be <min>..=<max>, got <value>"` when `value` is out of bounds.
@@ -244,9 +256,9 @@ fn check_range(key: &str, value: u64, (min, max): (u64, u64)) -> Result<(), Stri
 
 impl RelayConfig {
     /// Checks every bounded setting ([`LIMIT_RANGES`], `request_timeout_ms`,
-    /// `header_read_timeout_ms`, `keep_alive_timeout_ms`, `max_connections`, `lock_wait_ms`);
-    /// the error names the first key out of bounds, e.g. `limits.max_pull must be 1..=500, got
-    /// 0`.
+    /// `header_read_timeout_ms`, `keep_alive_timeout_ms`, `max_connections`, `lock_wait_ms`,
+    /// `trust_proxy`, `[rate]`); the error names the first key out of bounds, e.g.
+    /// `limits.max_pull must be 1..=500, got 0`.
     pub fn validate(&self) -> Result<(), String> {
         for ((key, value), (range_key, min, max)) in
             self.limits.by_key().into_iter().zip(LIMIT_RANGES)
@@ -269,6 +281,11 @@ impl RelayConfig {
         if let Some(ms) = self.lock_wait_ms {
             check_range("lock_wait_ms", ms, LOCK_WAIT_MS_RANGE)?;
         }
+        if let Some(tp) = &self.trust_proxy {
+            crate::ratelimit::TrustProxy::parse(tp)?;
+        }
+        self.rate.validate()?;
+        self.authority.validate()?;
         Ok(())
     }
 
@@ -287,17 +304,15 @@ impl RelayConfig {
             })?);
         }
         if let Ok(tp) = std::env::var("MBX_RELAY_TRUST_PROXY") {
-            cfg.trust_proxy = Some(tp);
+            // Empty means unset (the socket address).
+            cfg.trust_proxy = Some(tp).filter(|t| !t.is_empty());
         }
         if let Some(tp) = &cfg.trust_proxy {
-            if !matches!(tp.as_str(), "xff" | "1" | "cloudflare") {
-                return Err(ConfigError::Env(format!(
-                    "trust_proxy must be xff or cloudflare, got {tp:?}"
-                )));
-            }
+            crate::ratelimit::TrustProxy::parse(tp).map_err(ConfigError::Env)?;
         }
         cfg.validate()
             .map_err(|message| ConfigError::Invalid { path, message })?;
+        cfg.admin_token = AdminToken::load(dir, cfg.admin_token_file.as_deref())?;
         Ok(cfg)
     }
 
@@ -310,6 +325,314 @@ impl RelayConfig {
         let cfg: Self = toml::from_str(text).map_err(|e| invalid(e.to_string()))?;
         cfg.validate().map_err(invalid)?;
         Ok(cfg)
+    }
+}
+
+// ---- [authority] and the admin token (spec §8; authority/, handlers/admin.rs) ----------------
+
+/// Which enrolment authority admits hosts (`[authority] kind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+pub enum AuthorityKind {
+    /// `"host-key-challenge"` (default, self-hosted): every key that proves possession enrols.
+    #[default]
+    #[serde(rename = "host-key-challenge")]
+    HostKeyChallenge,
+    /// `"account"` (hosted relay): account tokens verified against the issuer's JWKS; every hop
+    /// also carries the token.
+    #[serde(rename = "account")]
+    Account,
+}
+
+/// `[authority]` in `relay.toml`. With `kind = "account"`, `issuer`, `jwks_url` and `audience`
+/// are required:
+///
+/// ```toml
+/// [authority]
+/// kind = "account"
+/// issuer = "https://accounts.example.org"
+/// jwks_url = "https://accounts.example.org/.well-known/jwks.json"
+/// audience = "https://relay.example.org"   # this relay's public URL
+/// max_token_ttl_ms = 900000                # optional, 60000..=900000
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthorityConfig {
+    /// Which authority.
+    pub kind: AuthorityKind,
+    /// The tokens' `iss` (exact match).
+    pub issuer: Option<String>,
+    /// Where the issuer publishes its JWKS: `https://`, or `http://` to a loopback host only.
+    pub jwks_url: Option<String>,
+    /// The tokens' `aud`: this relay's public URL (`http(s)://…`); tokens for any other audience
+    /// (e.g. the accounts API) are refused.
+    pub audience: Option<String>,
+    /// Longest token lifetime `exp − iat` accepted (ms, default and maximum 900,000 = 15 min,
+    /// minimum 60,000).
+    pub max_token_ttl_ms: Option<u64>,
+}
+
+/// `max_token_ttl_ms` bounds: 1 to 15 minutes (spec §8: "exp ≤ 15 min").
+pub const MAX_TOKEN_TTL_MS_RANGE: (u64, u64) = (60_000, 900_000);
+
+/// Whether `url` is `http(s)://<host>…` with a non-empty host; `Some(host)` when so.
+fn url_host(url: &str) -> Option<(&str, &str)> {
+    let (scheme, rest) = url
+        .strip_prefix("https://")
+        .map(|r| ("https", r))
+        .or_else(|| url.strip_prefix("http://").map(|r| ("http", r)))?;
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    let host = if let Some(bracketed) = authority.strip_prefix('[') {
+        bracketed.split(']').next().unwrap_or("")
+    } else {
+        authority.rsplit_once(':').map_or(authority, |(h, _)| h)
+    };
+    (!host.is_empty() && !authority.contains('@') && !url.chars().any(char::is_whitespace))
+        .then_some((scheme, host))
+}
+
+impl AuthorityConfig {
+    /// Checks the section: the account authority's three URLs/strings present and well formed,
+    /// `jwks_url` over https (http only to 127.0.0.0/8, `localhost` or `::1`), the TTL in
+    /// [`MAX_TOKEN_TTL_MS_RANGE`]; the host-key challenge takes no other key.
+    pub fn validate(&self) -> Result<(), String> {
+        match self.kind {
+            AuthorityKind::HostKeyChallenge => {
+                let set = [
+                    ("issuer", self.issuer.is_some()),
+                    ("jwks_url", self.jwks_url.is_some()),
+                    ("audience", self.audience.is_some()),
+                    ("max_token_ttl_ms", self.max_token_ttl_ms.is_some()),
+                ];
+                if let Some((key, _)) = set.iter().find(|(_, s)| *s) {
+                    return Err(format!(
+                        "authority.{key} applies only with authority.kind = \"account\""
+                    ));
+                }
+            }
+            AuthorityKind::Account => {
+                match self.issuer.as_deref() {
+                    Some(i) if !i.trim().is_empty() && i.len() <= 1024 => {}
+                    _ => return Err("authority.issuer is required with kind = \"account\"".into()),
+                }
+                let Some(jwks) = self.jwks_url.as_deref() else {
+                    return Err("authority.jwks_url is required with kind = \"account\"".into());
+                };
+                match url_host(jwks) {
+                    Some(("https", _)) => {}
+                    Some(("http", host))
+                        if host == "localhost"
+                            || host
+                                .parse::<IpAddr>()
+                                .is_ok_and(|ip| ip.is_loopback()) => {}
+                    Some(_) => {
+                        return Err(format!(
+                            "authority.jwks_url must be https:// (http:// only to a loopback host), got {jwks:?}"
+                        ))
+                    }
+                    None => return Err(format!("authority.jwks_url is not a URL: {jwks:?}")),
+                }
+                let Some(aud) = self.audience.as_deref() else {
+                    return Err(
+                        "authority.audience (this relay's public URL) is required with kind = \"account\""
+                            .into(),
+                    );
+                };
+                if url_host(aud).is_none() {
+                    return Err(format!(
+                        "authority.audience must be this relay's public http(s) URL, got {aud:?}"
+                    ));
+                }
+                if let Some(ms) = self.max_token_ttl_ms {
+                    check_range("authority.max_token_ttl_ms", ms, MAX_TOKEN_TTL_MS_RANGE)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Environment variable holding the admin bearer token (wins over `admin_token_file`).
+pub const ADMIN_TOKEN_ENV: &str = "MBX_RELAY_ADMIN_TOKEN";
+
+/// Shortest admin token accepted (bytes): it guards revocation and the deny-list.
+pub const MIN_ADMIN_TOKEN_BYTES: usize = 16;
+/// Longest admin token accepted (bytes).
+pub const MAX_ADMIN_TOKEN_BYTES: usize = 1024;
+
+/// The admin bearer token. Its `Debug` never shows it; compare it only with
+/// [`AdminToken::matches`] (constant time).
+#[derive(Clone, PartialEq, Eq)]
+pub struct AdminToken(String);
+
+impl std::fmt::Debug for AdminToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AdminToken(<redacted>)")
+    }
+}
+
+impl AdminToken {
+    /// A token from text (surrounding whitespace trimmed): printable ASCII without spaces,
+    /// [`MIN_ADMIN_TOKEN_BYTES`]..=[`MAX_ADMIN_TOKEN_BYTES`] bytes. The error never contains the
+    /// text.
+    pub fn new(text: &str) -> Result<Self, String> {
+        let t = text.trim();
+        if t.len() < MIN_ADMIN_TOKEN_BYTES || t.len() > MAX_ADMIN_TOKEN_BYTES {
+            return Err(format!(
+                "the admin token must be {MIN_ADMIN_TOKEN_BYTES}..={MAX_ADMIN_TOKEN_BYTES} bytes"
+            ));
+        }
+        if !t.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err("the admin token must be printable ASCII without spaces".to_owned());
+        }
+        Ok(AdminToken(t.to_owned()))
+    }
+
+    /// Whether `presented` is this token, compared in constant time (over the longer length).
+    pub fn matches(&self, presented: &str) -> bool {
+        use subtle::ConstantTimeEq as _;
+        let (a, b) = (self.0.as_bytes(), presented.as_bytes());
+        let len_ok = a.len().ct_eq(&b.len());
+        let n = a.len().max(b.len());
+        let pad = |s: &[u8]| {
+            let mut v = vec![0u8; n];
+            v[..s.len()].copy_from_slice(s);
+            v
+        };
+        (len_ok & pad(a).ct_eq(&pad(b))).into()
+    }
+
+    /// The secret text, for a client that must send it (the `--url` operator commands).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// The token from [`ADMIN_TOKEN_ENV`], else from `file` (relative to `dir`), else `None`.
+    /// Errors: the file cannot be read, or the token is malformed (never echoed).
+    pub fn load(dir: &Path, file: Option<&Path>) -> Result<Option<Self>, ConfigError> {
+        if let Ok(text) = std::env::var(ADMIN_TOKEN_ENV) {
+            return Self::new(&text)
+                .map(Some)
+                .map_err(|e| ConfigError::Env(format!("{ADMIN_TOKEN_ENV}: {e}")));
+        }
+        let Some(file) = file else {
+            return Ok(None);
+        };
+        let path = if file.is_absolute() {
+            file.to_path_buf()
+        } else {
+            dir.join(file)
+        };
+        let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Read {
+            path: path.clone(),
+            source,
+        })?;
+        Self::new(&text)
+            .map(Some)
+            .map_err(|message| ConfigError::Invalid { path, message })
+    }
+}
+
+#[cfg(test)]
+mod authority_tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<RelayConfig, String> {
+        RelayConfig::parse(text, Path::new("relay.toml")).map_err(|e| e.to_string())
+    }
+
+    const ACCOUNT: &str =
+        "[authority]\nkind = \"account\"\nissuer = \"https://accounts.example\"\n\
+        jwks_url = \"https://accounts.example/jwks\"\naudience = \"https://relay.example\"\n";
+
+    #[test]
+    fn the_default_is_the_host_key_challenge_and_account_needs_its_settings() {
+        let cfg = parse("").expect("empty");
+        assert_eq!(cfg.authority.kind, AuthorityKind::HostKeyChallenge);
+        let cfg = parse(ACCOUNT).expect("account");
+        assert_eq!(cfg.authority.kind, AuthorityKind::Account);
+        for key in ["issuer", "jwks_url", "audience"] {
+            let text: String = ACCOUNT
+                .lines()
+                .filter(|l| !l.starts_with(key))
+                .map(|l| format!("{l}\n"))
+                .collect();
+            let e = parse(&text).expect_err(key);
+            assert!(e.contains(&format!("authority.{key}")), "{e}");
+        }
+        let e = parse("[authority]\nissuer = \"x\"\n").expect_err("challenge + issuer");
+        assert!(e.contains("authority.issuer applies only"), "{e}");
+        let e = parse("[authority]\nkind = \"jwt\"\n").expect_err("unknown kind");
+        assert!(e.contains("kind"), "{e}");
+        let e = parse(&format!("{ACCOUNT}jwks = 1\n")).expect_err("unknown key");
+        assert!(e.contains("jwks"), "{e}");
+    }
+
+    #[test]
+    fn the_jwks_url_is_https_or_loopback_http_and_the_ttl_is_bounded() {
+        let with = |k: &str, v: &str| {
+            ACCOUNT.replace(
+                &format!("{k} = \"https://accounts.example/jwks\""),
+                &format!("{k} = \"{v}\""),
+            )
+        };
+        for ok in [
+            "http://127.0.0.1:9/jwks",
+            "http://localhost/jwks",
+            "http://[::1]:80/k",
+        ] {
+            parse(&with("jwks_url", ok)).unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+        for bad in [
+            "http://10.0.0.1/jwks",
+            "http://accounts.example/jwks",
+            "ftp://x/y",
+            "https://",
+            "https://u@h/x",
+        ] {
+            let e = parse(&with("jwks_url", bad)).expect_err(bad);
+            assert!(e.contains("authority.jwks_url"), "{bad}: {e}");
+        }
+        for (ttl, ok) in [
+            (60_000, true),
+            (900_000, true),
+            (59_999, false),
+            (900_001, false),
+        ] {
+            let r = parse(&format!("{ACCOUNT}max_token_ttl_ms = {ttl}\n"));
+            assert_eq!(r.is_ok(), ok, "{ttl}: {r:?}");
+            if !ok {
+                assert!(r
+                    .expect_err("bad")
+                    .contains("authority.max_token_ttl_ms must be 60000..=900000"));
+            }
+        }
+    }
+
+    #[test]
+    fn the_admin_token_is_bounded_redacted_and_compared_exactly() {
+        assert!(AdminToken::new(&"a".repeat(MIN_ADMIN_TOKEN_BYTES - 1)).is_err());
+        assert!(AdminToken::new(&"a".repeat(MAX_ADMIN_TOKEN_BYTES + 1)).is_err());
+        assert!(AdminToken::new(&format!("{} b", "a".repeat(20))).is_err());
+        AdminToken::new(&"a".repeat(MAX_ADMIN_TOKEN_BYTES)).expect("at the bound");
+        let t = AdminToken::new(" 0123456789abcdef\n").expect("trimmed");
+        assert_eq!(format!("{t:?}"), "AdminToken(<redacted>)");
+        assert!(t.matches("0123456789abcdef"));
+        for bad in [
+            "0123456789abcdeF",
+            "0123456789abcde",
+            "0123456789abcdef0",
+            "",
+        ] {
+            assert!(!t.matches(bad), "{bad}");
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        assert_eq!(AdminToken::load(dir.path(), None).expect("none"), None);
+        std::fs::write(dir.path().join("admin.token"), "0123456789abcdef\n").expect("write");
+        let loaded = AdminToken::load(dir.path(), Some(Path::new("admin.token"))).expect("load");
+        assert_eq!(loaded, Some(t));
+        std::fs::write(dir.path().join("short"), "abc").expect("write");
+        let e = AdminToken::load(dir.path(), Some(Path::new("short"))).expect_err("short");
+        assert!(!e.to_string().contains("abc"), "{e}");
     }
 }
 

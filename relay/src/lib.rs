@@ -7,16 +7,22 @@
 //!
 //! - [`store`]: the `RelayStore` trait and its SQLite implementation (one writer, group commit);
 //! - [`handlers`]: one file per HTTP resource; [`auth`]: body cap, UTF-8 and hop checks;
+//! - [`authority`]: enrolment authorities (host-key challenge, account tokens); [`admin`]:
+//!   `relay revoke` / `relay deny`, offline or through the admin endpoints;
 //! - [`server`]: state, router and `serve(listener, state, shutdown)`; [`run`]: `relay serve`;
-//! - [`config`]: `relay.toml` and environment; [`key`]: the relay key.
+//! - [`config`]: `relay.toml` and environment; [`key`]: the relay key;
+//! - [`ratelimit`]: per-address and per-sender rate limits, the request-body budget.
 //!
 //! Every successful answer is sent only after the transaction that made it true committed.
 
+pub mod admin;
 pub mod auth;
+pub mod authority;
 pub mod config;
 pub mod error;
 pub mod handlers;
 pub mod key;
+pub mod ratelimit;
 pub mod run;
 pub mod server;
 pub mod store;

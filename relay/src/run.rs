@@ -29,6 +29,9 @@ pub struct ServeOptions {
     pub port: Option<u16>,
     /// `--store-dir` (required: the flag or `MBX_RELAY_DIR`).
     pub store_dir: PathBuf,
+    /// `--trust-proxy [xff|cloudflare]`: where the client address of the rate limits comes
+    /// from (overrides `trust_proxy` and `MBX_RELAY_TRUST_PROXY`; [`crate::ratelimit`]).
+    pub trust_proxy: Option<String>,
 }
 
 /// Why `relay serve` could not start.
@@ -65,6 +68,7 @@ pub struct Prepared {
     key: HostKey,
     store: Arc<dyn RelayStore>,
     listener: std::net::TcpListener,
+    authority: Arc<dyn crate::authority::EnrolmentAuthority>,
 }
 
 impl Prepared {
@@ -101,7 +105,12 @@ pub fn prepare(opts: ServeOptions) -> Result<Prepared, ServeError> {
 fn prepare_with(opts: ServeOptions, env_seed: Option<String>) -> Result<Prepared, ServeError> {
     std::fs::create_dir_all(&opts.store_dir)
         .map_err(|e| ServeError::Io(format!("cannot create {}: {e}", opts.store_dir.display())))?;
-    let config = RelayConfig::load(&opts.store_dir)?;
+    let mut config = RelayConfig::load(&opts.store_dir)?;
+    if let Some(tp) = opts.trust_proxy {
+        crate::ratelimit::TrustProxy::parse(&tp).map_err(crate::config::ConfigError::Env)?;
+        config.trust_proxy = Some(tp);
+    }
+    tracing::info!(client_address = ?crate::ratelimit::TrustProxy::of(&config), "rate limits keyed by client address");
     let clock: SharedClock = Arc::new(SystemClock::from_env()?);
     let (relay_key, source) = key::load_or_create(&opts.store_dir, env_seed.as_deref())?;
     drop(env_seed);
@@ -139,12 +148,16 @@ fn prepare_with(opts: ServeOptions, env_seed: Option<String>) -> Result<Prepared
     let listener = std::net::TcpListener::bind(SocketAddr::new(bind, port))
         .and_then(|l| l.set_nonblocking(true).map(|()| l))
         .map_err(|e| ServeError::Io(format!("cannot bind {bind}:{port}: {e}")))?;
+    let authority = crate::authority::from_config(&config.authority, clock.clone())
+        .map_err(|e| ServeError::Io(format!("cannot set up the enrolment authority: {e}")))?;
+    tracing::info!(authority = authority.name(), "enrolment authority");
     Ok(Prepared {
         config,
         clock,
         key: relay_key,
         store,
         listener,
+        authority,
     })
 }
 
@@ -163,12 +176,15 @@ pub async fn serve_prepared_until(
     let listener = tokio::net::TcpListener::from_std(prepared.listener)
         .map_err(|e| ServeError::Io(format!("cannot use the bound listener: {e}")))?;
     let store = prepared.store.clone();
+    let rates = crate::ratelimit::RateLimits::new(&prepared.config);
     let state = Arc::new(RelayState {
+        rates,
         store: prepared.store,
         key: prepared.key,
         clock: prepared.clock,
         config: prepared.config,
         challenges: Challenges::default(),
+        authority: prepared.authority,
         version: crate::VERSION,
         in_flight: Default::default(),
     });

@@ -65,6 +65,11 @@ pub struct RelayState {
     /// Requests whose head has been read and whose answer is not yet sent (for status lines,
     /// and for tests that must know a request is in flight).
     pub in_flight: std::sync::atomic::AtomicUsize,
+    /// Rate tables and the request-body budget (`RateLimits::new(&config)`).
+    pub rates: crate::ratelimit::RateLimits,
+    /// The enrolment authority (`authority::from_config(&config.authority, clock)`), asked at
+    /// every enrolment and, for the account authority, on every hop.
+    pub authority: Arc<dyn crate::authority::EnrolmentAuthority>,
 }
 
 /// Counts a request in [`RelayState::in_flight`] for as long as it lives.
@@ -111,6 +116,19 @@ pub fn router(state: SharedRelay) -> Router {
             post(handlers::items_push::post).get(handlers::items_pull::get),
         )
         .route("/v2/relay/ack", post(handlers::ack::post))
+        .route("/v2/relay/admin/revoke", post(handlers::admin::revoke))
+        .route(
+            "/v2/relay/admin/deny",
+            get(handlers::admin::deny_list).post(handlers::admin::deny),
+        )
+        .route("/v2/relay/admin/undeny", post(handlers::admin::undeny))
+        .route("/v2/relay/senders", post(handlers::senders::post))
+        .route("/v2/relay/rotate", post(handlers::rotate::post))
+        // Per-address rate limits and the body budget, for the routes above only.
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            crate::ratelimit::guard,
+        ))
         .fallback(|| async { ApiError::not_found() })
         .method_not_allowed_fallback(|| async { ApiError::not_found() })
         .layer(middleware::from_fn({

@@ -18,6 +18,7 @@ fn options(dir: &std::path::Path) -> ServeOptions {
         bind: Some(IpAddr::V4(Ipv4Addr::LOCALHOST)),
         port: Some(0),
         store_dir: dir.to_path_buf(),
+        trust_proxy: None,
     }
 }
 

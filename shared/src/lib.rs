@@ -15,6 +15,7 @@
 pub mod b64;
 pub mod canonical;
 pub mod clock;
+pub mod cloud_key;
 pub mod envelope;
 pub mod failpoint;
 pub mod hash;

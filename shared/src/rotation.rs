@@ -164,10 +164,97 @@ impl SignedRotation {
     }
 }
 
+/// `POST /v1/rotate` body (`wire.md` §2.10, §4): `{records:[…]}`, at most
+/// [`MAX_RECORDS_PER_ANNOUNCE`] signed rotations, oldest first. Records stay raw JSON so a
+/// receiver answers each one on its own ([`SignedRotation::from_value`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RotateRequest {
+    /// The signed rotations, as `{rec, old_sig, new_sig}` values.
+    pub records: Vec<Value>,
+}
+
+/// One record's outcome in a `POST /v1/rotate` answer, a JSON string as 0.5.x sends it:
+/// `"rotated"` (the pin moved), `"current"` (already pinned to the new key) or
+/// `"rejected:<why>"`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RotateResult {
+    /// The peer moved its pin to the new key.
+    Rotated,
+    /// The peer already pins the new key (or a later one of the same chain).
+    Current,
+    /// Refused; the text after `rejected:`.
+    Rejected(String),
+}
+
+impl RotateResult {
+    /// The wire text: `rotated`, `current` or `rejected:<why>`.
+    pub fn as_text(&self) -> String {
+        match self {
+            RotateResult::Rotated => "rotated".to_owned(),
+            RotateResult::Current => "current".to_owned(),
+            RotateResult::Rejected(why) => format!("rejected:{why}"),
+        }
+    }
+
+    /// Parses a wire text; anything that is not `rotated`, `current` or `rejected:…` is a
+    /// rejection carrying the whole text.
+    pub fn from_text(text: &str) -> Self {
+        match text {
+            "rotated" => RotateResult::Rotated,
+            "current" => RotateResult::Current,
+            other => {
+                RotateResult::Rejected(other.strip_prefix("rejected:").unwrap_or(other).to_owned())
+            }
+        }
+    }
+
+    /// Whether the peer holds the new key now (`rotated` or `current`).
+    pub fn is_taken(&self) -> bool {
+        !matches!(self, RotateResult::Rejected(_))
+    }
+}
+
+impl Serialize for RotateResult {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.as_text())
+    }
+}
+
+impl<'de> Deserialize<'de> for RotateResult {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        Ok(RotateResult::from_text(&text))
+    }
+}
+
+/// `POST /v1/rotate` answer (0.5.x `{results:[…]}`): one [`RotateResult`] per record, in
+/// request order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RotateAnswer {
+    /// Outcomes in request order.
+    pub results: Vec<RotateResult>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::keys::EncKey;
+
+    #[test]
+    fn announce_answers_are_plain_strings_as_in_0_5_x() {
+        let text = r#"{"results":["rotated","current","rejected:host not paired"]}"#;
+        let a: RotateAnswer = serde_json::from_str(text).expect("parses");
+        assert_eq!(
+            a.results,
+            vec![
+                RotateResult::Rotated,
+                RotateResult::Current,
+                RotateResult::Rejected("host not paired".into())
+            ]
+        );
+        assert_eq!(serde_json::to_string(&a).expect("json"), text);
+        assert!(a.results[1].is_taken() && !a.results[2].is_taken());
+    }
 
     fn rotation() -> (HostKey, HostKey, SignedRotation) {
         let old = HostKey::generate();

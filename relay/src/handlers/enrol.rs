@@ -1,14 +1,19 @@
-//! Host-key challenge enrolment (spec §2, §8; `wire.md` §3.1–§3.2): `POST /v1/relay/challenge`
-//! then `POST /v1/relay/enrol`. Challenges live in memory, single use, 5-minute TTL, at most
-//! 10,000 open (a restart only invalidates outstanding challenges; clients retry). The default
-//! enrolment authority (host-key challenge) admits every key that proves possession.
-
-use std::collections::HashMap;
+//! Enrolment (spec §2, §8; `wire.md` §3.1–§3.2): `POST /v1/relay/challenge` then `POST
+//! /v1/relay/enrol`.
+//!
+//! Order of checks at enrol: the body (400), the pending challenge (single use, 401
+//! NO_CHALLENGE) and the host key's signature over it (401 BAD_SIGNATURE) — the possession
+//! proof, [`crate::authority::challenge`]; then the deny-list by host fingerprint (403 DENIED);
+//! then the configured [`crate::authority::EnrolmentAuthority`] with the body's `proof` (403
+//! DENIED with its reason; an authority that fails denies with "the enrolment authority is
+//! unavailable"); then the deny-list by the token's client_id (403 DENIED); then the store
+//! (403 REVOKED, 409 NAME_TAKEN, 503 FULL), which records the enrolment with the authority's
+//! account, `authorized_by` and strength — and, for the account authority, the token binding —
+//! in one transaction. `{ok:true}` is sent only after that commit.
 
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::Json;
-use rand::RngCore;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -18,25 +23,13 @@ use agentmbx_protocol::records;
 use agentmbx_protocol::wire::ChallengeResponse;
 
 use crate::auth::{blocking, read_body, utf8};
+use crate::authority::challenge::ChallengeError;
+use crate::authority::{AuthorizeRequest, UNAVAILABLE};
 use crate::error::ApiError;
 use crate::server::SharedRelay;
-use crate::store::{AuthorityStrength, EnrolOutcome, EnrolRequest};
+use crate::store::{AccountBinding, EnrolOutcome, EnrolRequest};
 
-/// Challenge lifetime (ms).
-pub const CHALLENGE_TTL_MS: i64 = 300_000;
-/// Open challenges at most.
-pub const MAX_OPEN_CHALLENGES: usize = 10_000;
-
-/// An outstanding challenge for one host key.
-#[derive(Debug, Clone)]
-pub struct Pending {
-    challenge: String,
-    expires_ms: i64,
-}
-
-/// The in-memory challenge table, keyed by host key (one pending per key; a new one replaces).
-#[derive(Debug, Default)]
-pub struct Challenges(std::sync::Mutex<HashMap<String, Pending>>);
+pub use crate::authority::challenge::{Challenges, CHALLENGE_TTL_MS, MAX_OPEN_CHALLENGES};
 
 /// HOST_RE for relay enrolment: `^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$`.
 pub fn is_host_name(host: &str) -> bool {
@@ -67,6 +60,22 @@ fn canonical_host_key(text: &str) -> Result<PublicKey, ApiError> {
     }
 }
 
+fn poisoned() -> ApiError {
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "relay state poisoned",
+        "INTERNAL",
+    )
+}
+
+/// 403 `{error, code:"DENIED"}`.
+pub fn denied(reason: impl Into<String>) -> ApiError {
+    ApiError::new(StatusCode::FORBIDDEN, reason, "DENIED")
+}
+
+/// The text of a deny-list refusal (enrolment and hops).
+pub const DENY_LISTED: &str = "this host is denied on this relay";
+
 #[derive(Deserialize)]
 struct ChallengeBody {
     host: Option<Value>,
@@ -88,36 +97,15 @@ pub async fn challenge(
         return Err(ApiError::bad_request("bad host name"));
     }
     canonical_host_key(&pubkey)?;
-    let now = state.clock.now_ms();
-    let mut raw = [0u8; 16];
-    rand::rngs::OsRng.fill_bytes(&mut raw);
-    let challenge = agentmbx_protocol::b64::encode_url(&raw);
-    {
-        let mut table = state.challenges.0.lock().map_err(|_| {
-            ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "relay state poisoned",
-                "INTERNAL",
-            )
+    let challenge = state
+        .challenges
+        .issue(&pubkey, state.clock.now_ms())
+        .map_err(|e| match e {
+            ChallengeError::Busy => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string(), "BUSY")
+            }
+            ChallengeError::Poisoned => poisoned(),
         })?;
-        if table.len() >= MAX_OPEN_CHALLENGES {
-            table.retain(|_, p| p.expires_ms > now);
-        }
-        if table.len() >= MAX_OPEN_CHALLENGES && !table.contains_key(&pubkey) {
-            return Err(ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "too many open enrolment challenges; retry later",
-                "BUSY",
-            ));
-        }
-        table.insert(
-            pubkey,
-            Pending {
-                challenge: challenge.clone(),
-                expires_ms: now + CHALLENGE_TTL_MS,
-            },
-        );
-    }
     Ok(Json(ChallengeResponse { challenge }))
 }
 
@@ -127,9 +115,12 @@ struct EnrolBody {
     pubkey: Option<String>,
     owner_fp: Option<String>,
     sig: Option<String>,
+    #[serde(default)]
+    proof: Option<Value>,
 }
 
-/// Handles `POST /v1/relay/enrol` `{host, pubkey, owner_fp, sig}` → `{ok:true}`.
+/// Handles `POST /v1/relay/enrol` `{host, pubkey, owner_fp, sig, proof?}` → `{ok:true}` (module
+/// docs: the order of checks).
 pub async fn enrol(
     State(state): State<SharedRelay>,
     req: Request,
@@ -155,27 +146,18 @@ pub async fn enrol(
     }
     let key = canonical_host_key(&pubkey)?;
     let now = state.clock.now_ms();
-    let pending = state
+    let Some(challenge) = state
         .challenges
-        .0
-        .lock()
-        .map_err(|_| {
-            ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "relay state poisoned",
-                "INTERNAL",
-            )
-        })?
-        .remove(&pubkey)
-        .filter(|p| p.expires_ms > now);
-    let Some(pending) = pending else {
+        .take(&pubkey, now)
+        .map_err(|_| poisoned())?
+    else {
         return Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
             "no pending challenge",
             "NO_CHALLENGE",
         ));
     };
-    let signed = records::enrol_canonical(&pending.challenge, &host, &pubkey, &owner_fp);
+    let signed = records::enrol_canonical(&challenge, &host, &pubkey, &owner_fp);
     if !key.verify(signed.as_bytes(), &sig) {
         return Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
@@ -183,17 +165,68 @@ pub async fn enrol(
             "BAD_SIGNATURE",
         ));
     }
+    // The deny-list by host fingerprint, before the authority is asked anything.
+    let fp = key.fingerprint();
+    {
+        let (store, fp1) = (state.store.clone(), fp.clone());
+        if blocking(move || store.denied(&fp1, None, now))
+            .await?
+            .is_some()
+        {
+            tracing::info!(host_fingerprint = %fp, "enrolment refused: deny-listed host");
+            return Err(denied(DENY_LISTED));
+        }
+    }
+    let ask = AuthorizeRequest {
+        host_name: host.clone(),
+        host_pubkey: pubkey.clone(),
+        owner_fp: owner_fp.clone(),
+        proof: b.proof,
+    };
+    let authority = state.authority.clone();
+    let answer = match authority.authorize(&ask).await {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::warn!(authority = authority.name(), error = %e, "enrolment authority failed; enrolment denied");
+            return Err(denied(UNAVAILABLE));
+        }
+    };
+    if !answer.ok {
+        let reason = answer
+            .reason
+            .unwrap_or_else(|| "enrolment denied by the enrolment authority".to_owned());
+        tracing::info!(host_fingerprint = %fp, reason = %reason, "enrolment denied by the authority");
+        return Err(denied(reason));
+    }
+    if let Some(b) = &answer.binding {
+        let (store, fp2, client) = (state.store.clone(), fp.clone(), b.client_id.clone());
+        if blocking(move || store.denied(&fp2, Some(&client), now))
+            .await?
+            .is_some()
+        {
+            tracing::info!(host_fingerprint = %fp, "enrolment refused: deny-listed client");
+            return Err(denied(DENY_LISTED));
+        }
+    }
+    let binding = answer.binding.map(|b| AccountBinding {
+        host_pubkey: pubkey.clone(),
+        cloud_jkt: b.cloud_jkt,
+        client_id: b.client_id,
+        sub: b.sub,
+        org: answer.org.clone(),
+        at_ms: now,
+    });
     let store = state.store.clone();
     let req = EnrolRequest {
         host_pubkey: pubkey,
         host_name: host,
         owner_fp,
-        account: None,
-        authorized_by: "host-key-challenge".into(),
-        strength: AuthorityStrength::HostKeyChallenge,
+        account: answer.account,
+        authorized_by: authority.name().to_owned(),
+        strength: authority.strength(),
         now_ms: now,
     };
-    match blocking(move || store.enrol(req)).await? {
+    match blocking(move || store.enrol_bound(req, binding)).await? {
         EnrolOutcome::Enrolled(_) => Ok(Json(json!({"ok": true}))),
         EnrolOutcome::Revoked => Err(ApiError::new(
             StatusCode::FORBIDDEN,

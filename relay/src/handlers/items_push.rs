@@ -1,5 +1,8 @@
 //! `POST /v2/relay/items` (spec §3; `wire.md` §3.1–§3.2): push items for target host keys.
 //!
+//! A sender over its push rate (`wire.md` §3.2 "Rate limits": requests per minute per sender
+//! key) gets every item `rejected:rate`, before any other check.
+//!
 //! Per item, checks run in the order the rejection strings are listed in `wire.md` §3.2, each
 //! one over every target before the next one, and the first failing one is reported:
 //! `bad item id` (1..300 UTF-16 units), `bad kind`, `bad targets` (none, more than
@@ -240,6 +243,19 @@ pub async fn post(
             ),
             "BAD_BATCH",
         ));
+    }
+    // Pushes per sender key (`wire.md` §3.2 "Rate limits"): one hit per request; past the
+    // limit every item is `rejected:rate` and nothing is looked at or stored.
+    if !state
+        .rates
+        .allow_push(&caller.host_pubkey, state.clock.now_ms())
+    {
+        let results = push
+            .items
+            .iter()
+            .map(|item| rejected(&item.item_id, "rate"))
+            .collect();
+        return Ok(Json(PushResponse { results }));
     }
     let sender = PublicKey::from_b64(&caller.host_pubkey).map_err(|_| ApiError::bad_hop())?;
     // Store-backed target checks: first which targets each item was already accepted for

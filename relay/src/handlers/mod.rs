@@ -3,8 +3,11 @@
 //! store call returned, i.e. after its transaction committed.
 
 pub mod ack;
+pub mod admin;
 pub mod enc_key;
 pub mod enrol;
 pub mod info;
 pub mod items_pull;
 pub mod items_push;
+pub mod rotate;
+pub mod senders;

@@ -673,6 +673,126 @@ pub enum SenderListOutcome {
     Stale,
 }
 
+/// A host rotation whose record the handler verified (spec §2 "Rotation"; `wire.md` §2.10,
+/// §3.2): both keys signed it and it starts from `old_pubkey`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RotateRequest {
+    /// The retired host key (canonical text).
+    pub old_pubkey: String,
+    /// The new host key (canonical text).
+    pub new_pubkey: String,
+    /// The record's `host`; must be the old enrolment's name (case-insensitively).
+    pub host_name: String,
+    /// Now, in ms: the revocation time and the seq floor of the moved items.
+    pub now_ms: i64,
+}
+
+/// The result of [`RelayStore::rotate`] (`wire.md` §3.1 rotate errors).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RotateOutcome {
+    /// Applied: `moved` queued items now wait for the new key.
+    Rotated {
+        /// Items moved to the new key's queue.
+        moved: u64,
+    },
+    /// This very rotation (old → new) was applied before: nothing changed (answered like a
+    /// success, so a host repeating it stops).
+    AlreadyRotated,
+    /// The old key is unknown here, or revoked other than by a rotation to this new key
+    /// (404 NOT_ENROLLED).
+    NotEnrolled,
+    /// The record names another host than the old enrolment (400 BAD_ROTATION).
+    OtherHost,
+    /// The new key is revoked on this relay (409 ROTATION_TARGET).
+    TargetRevoked,
+    /// The account the new key would carry already has another live host of this name
+    /// (409 ROTATION_TARGET).
+    TargetNameTaken,
+}
+
+// ---- Deny-list and account bindings (spec §8 "Revocation"; authority/) ----------------------
+
+/// Most deny-list entries a store keeps (expired ones are pruned first): an operator list, but
+/// every table is bounded.
+pub const MAX_DENY_ENTRIES: u64 = 100_000;
+
+/// What a deny-list entry is keyed by (spec §8: "keyed by host_fp and client_id").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum DenyKind {
+    /// A host key's fingerprint `xxxx-xxxx-xxxx-xxxx` (`wire.md` §2.1).
+    Host,
+    /// An account token's `client_id` claim.
+    Client,
+}
+
+impl DenyKind {
+    /// The text stored in `deny.kind` and shown to operators: `host` or `client`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Host => "host",
+            Self::Client => "client",
+        }
+    }
+
+    /// The kind for its text, `None` for anything else.
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "host" => Some(Self::Host),
+            "client" => Some(Self::Client),
+            _ => None,
+        }
+    }
+}
+
+/// One deny-list entry (`deny` row). A denied host's next request is refused (403 DENIED) at
+/// enrolment and on every hop while the entry is active.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DenyEntry {
+    /// What `value` names.
+    pub kind: DenyKind,
+    /// The host fingerprint or the client_id (at most 256 bytes).
+    pub value: String,
+    /// End of the entry in ms; `None` denies until removed.
+    pub until_ms: Option<i64>,
+    /// When it was (last) written, in ms.
+    pub at_ms: i64,
+}
+
+impl DenyEntry {
+    /// Whether the entry still denies at `now_ms` (no `until`, or `until` later than now).
+    pub fn is_active(&self, now_ms: i64) -> bool {
+        self.until_ms.is_none_or(|u| u > now_ms)
+    }
+}
+
+/// The result of [`RelayStore::deny`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DenyOutcome {
+    /// Written (a new entry, or a replaced one: the stored row after the write).
+    Stored(DenyEntry),
+    /// [`MAX_DENY_ENTRIES`] active entries exist and this one is new; nothing was written.
+    Full,
+}
+
+/// What the account authority proved about an enrolled host (spec §8), recorded in
+/// `account_bindings` in the enrolment's own transaction: every later hop's token must be bound
+/// to the same cloud key (`cnf.jkt == cloud_jkt`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AccountBinding {
+    /// The enrolled host key.
+    pub host_pubkey: String,
+    /// RFC 7638 thumbprint of the host's certified cloud key.
+    pub cloud_jkt: String,
+    /// The token's `client_id` (deny-list key).
+    pub client_id: String,
+    /// The token's `sub` (the host id at the issuer).
+    pub sub: String,
+    /// The token's `org`, if any.
+    pub org: Option<String>,
+    /// When it was recorded, in ms.
+    pub at_ms: i64,
+}
+
 /// One relay log entry (`wire.md` §3.4 "relay log").
 #[derive(Debug, Clone, PartialEq)]
 pub struct OpRecord {
@@ -777,6 +897,16 @@ pub trait RelayStore: Send + Sync + std::fmt::Debug {
     /// A target's stored sender allowlist.
     fn sender_list(&self, target_pubkey: &str) -> Result<Option<SenderList>, StoreError>;
 
+    /// Apply a verified host rotation in one transaction (spec §2 "Rotation"): the new key
+    /// takes the old enrolment's name, account, `authorized_by` and owner claim (a stronger
+    /// authority the new key already has keeps its account); the old key's queued items move
+    /// to the new key in order, re-sequenced after the new key's own; the old key's enc-key ads
+    /// are dropped; its allowlist becomes the new key's (unless the new key published its own)
+    /// and it is replaced by the new key in every other target's allowlist; the old key is
+    /// revoked. Refusals change nothing. Dedup rows stay under the old key, so a retry naming
+    /// the old key still settles as `duplicate`.
+    fn rotate(&self, req: RotateRequest) -> Result<RotateOutcome, StoreError>;
+
     /// Append a receipt to the relay log, keeping the last [`OPS_KEEP`]; returns its id.
     fn append_op(
         &self,
@@ -787,6 +917,45 @@ pub trait RelayStore: Send + Sync + std::fmt::Debug {
 
     /// The newest log entries first, at most `limit` (clamped to `1..=`[`OPS_KEEP`]).
     fn ops(&self, limit: i64) -> Result<Vec<OpRecord>, StoreError>;
+
+    // ---- Deny-list and account bindings (spec §8; authority/) ----
+
+    /// [`RelayStore::enrol`], and when it enrols (outcome `Enrolled`) and `binding` is given,
+    /// records the account binding for the key in the same transaction (replacing an older
+    /// one). A refused enrolment writes nothing.
+    fn enrol_bound(
+        &self,
+        req: EnrolRequest,
+        binding: Option<AccountBinding>,
+    ) -> Result<EnrolOutcome, StoreError>;
+
+    /// The account binding recorded for a key, if any.
+    fn account_binding(&self, host_pubkey: &str) -> Result<Option<AccountBinding>, StoreError>;
+
+    /// Adds or replaces a deny-list entry (expired entries are pruned in the same transaction).
+    /// [`DenyOutcome::Full`] when [`MAX_DENY_ENTRIES`] are stored and the entry is new.
+    fn deny(&self, entry: DenyEntry) -> Result<DenyOutcome, StoreError>;
+
+    /// Removes a deny-list entry; `false` when there was none.
+    fn undeny(&self, kind: DenyKind, value: &str) -> Result<bool, StoreError>;
+
+    /// Every stored deny-list entry (active or expired but not yet pruned), ordered by kind
+    /// then value.
+    fn deny_entries(&self) -> Result<Vec<DenyEntry>, StoreError>;
+
+    /// The active entry that denies a host with fingerprint `host_fp` (and, when known, token
+    /// `client_id`) at `now_ms`, if any; a host entry is reported before a client entry.
+    fn denied(
+        &self,
+        host_fp: &str,
+        client_id: Option<&str>,
+        now_ms: i64,
+    ) -> Result<Option<DenyEntry>, StoreError>;
+
+    /// Every enrolment (live or revoked) whose key has the fingerprint `fp`
+    /// (`xxxx-xxxx-xxxx-xxxx`), for `relay revoke <fingerprint>`. Scans all enrolments: an
+    /// operator command, not a request path.
+    fn enrolments_by_fingerprint(&self, fp: &str) -> Result<Vec<Enrolment>, StoreError>;
 
     /// Why the store stopped taking writes for good, if it did: a COMMIT (or the ROLLBACK after
     /// a failure) failed, so what is durable on disk may differ from what this process saw.

@@ -9,14 +9,15 @@
 //! Adding a version: append `(N, "DDL…")` to [`MIGRATIONS`] and raise [`SCHEMA_VERSION`] to N.
 //! Version 0 is an empty file.
 //!
-//! This schema is ours (the Rust relay's version 1); it is not 0.5.x's `relay.db` numbering.
+//! This schema is ours (the Rust relay's versions 1 and 2); it is not 0.5.x's `relay.db`
+//! numbering.
 
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior};
 
 use super::StoreError;
 
 /// The newest schema version this binary reads and writes.
-pub const SCHEMA_VERSION: u32 = 1;
+pub const SCHEMA_VERSION: u32 = 2;
 
 /// Version 1: every table of `wire.md` §3.3. Deviations, each for a reason:
 /// - `enrolments.authority_rank`: the strength of the authority that recorded `account`, so a
@@ -114,9 +115,35 @@ CREATE TABLE ops (
 ) STRICT;
 ";
 
+/// Version 2: the enrolment authorities (spec §8).
+/// - `deny`: the deny-list, keyed by host fingerprint (`kind = 'host'`) or token `client_id`
+///   (`kind = 'client'`); `until` in ms, NULL for "until removed". Kept in the store (not in
+///   memory) so it survives a restart and travels with backups.
+/// - `account_bindings`: what the account authority proved at enrolment — the certified cloud
+///   key's thumbprint every later hop token must be bound to, the token's `client_id`, `sub`
+///   and `org` — one row per enrolled key, written in the enrolment's transaction.
+const V2: &str = "
+CREATE TABLE deny (
+  kind  TEXT NOT NULL CHECK (kind IN ('host', 'client')),
+  value TEXT NOT NULL,
+  until INTEGER,
+  at    INTEGER NOT NULL,
+  PRIMARY KEY (kind, value)
+) STRICT;
+
+CREATE TABLE account_bindings (
+  host_pubkey TEXT PRIMARY KEY NOT NULL,
+  cloud_jkt   TEXT NOT NULL,
+  client_id   TEXT NOT NULL,
+  sub         TEXT NOT NULL,
+  org         TEXT,
+  at          INTEGER NOT NULL
+) STRICT;
+";
+
 /// Every schema step, `(version it produces, DDL)`, in increasing order without gaps. Step N
 /// turns a version N−1 store into version N.
-pub const MIGRATIONS: &[(u32, &str)] = &[(1, V1)];
+pub const MIGRATIONS: &[(u32, &str)] = &[(1, V1), (2, V2)];
 
 /// The schema version recorded in an open database: the higher of `PRAGMA user_version` and
 /// `meta.schema_version` (0 for an empty file).
@@ -235,8 +262,10 @@ mod tests {
         assert_eq!(user_version(&conn), i64::from(SCHEMA_VERSION));
         let t = tables(&conn);
         for name in [
+            "account_bindings",
             "acked",
             "dedup",
+            "deny",
             "enc_ad_records",
             "enc_ads",
             "enrolments",
@@ -262,19 +291,21 @@ mod tests {
             [],
         )
         .expect("seq");
-        let with_v2: Vec<(u32, &str)> = MIGRATIONS
+        // Steps 2 (the real one) and a further test step run in order over a version 1 store.
+        let next = SCHEMA_VERSION + 1;
+        let with_next: Vec<(u32, &str)> = MIGRATIONS
             .iter()
             .copied()
             .chain([(
-                2,
+                next,
                 "ALTER TABLE seqs ADD COLUMN note TEXT; CREATE TABLE extra (x INTEGER) STRICT;",
             )])
             .collect();
         let found = stored_version(&conn).expect("version");
         assert_eq!(found, 1);
-        migrate(&mut conn, found, 2, &with_v2).expect("to 2");
-        assert_eq!(stored_version(&conn).expect("version"), 2);
-        assert_eq!(user_version(&conn), 2);
+        migrate(&mut conn, found, next, &with_next).expect("to next");
+        assert_eq!(stored_version(&conn).expect("version"), next);
+        assert_eq!(user_version(&conn), i64::from(next));
         let epoch: String = conn
             .query_row("SELECT v FROM meta WHERE k = 'epoch'", [], |r| r.get(0))
             .expect("epoch");
@@ -287,7 +318,9 @@ mod tests {
             )
             .expect("seq");
         assert_eq!(next, 42, "data survives");
-        assert!(tables(&conn).iter().any(|t| t == "extra"));
+        let t = tables(&conn);
+        assert!(t.iter().any(|t| t == "extra"), "{t:?}");
+        assert!(t.iter().any(|t| t == "deny"), "step 2 ran: {t:?}");
     }
 
     #[test]
@@ -299,18 +332,19 @@ mod tests {
             .iter()
             .copied()
             .chain([
-                (2, "CREATE TABLE fine (x INTEGER);"),
-                (3, "THIS IS NOT SQL;"),
+                (SCHEMA_VERSION + 1, "CREATE TABLE fine (x INTEGER);"),
+                (SCHEMA_VERSION + 2, "THIS IS NOT SQL;"),
             ])
             .collect();
         assert!(matches!(
-            migrate(&mut conn, 1, 3, &broken),
+            migrate(&mut conn, 1, SCHEMA_VERSION + 2, &broken),
             Err(StoreError::Sqlite(_))
         ));
         assert_eq!(stored_version(&conn).expect("version"), 1);
+        let t = tables(&conn);
         assert!(
-            !tables(&conn).iter().any(|t| t == "fine"),
-            "step 2 was rolled back with step 3"
+            !t.iter().any(|t| t == "fine" || t == "deny"),
+            "every step was rolled back with the failing one: {t:?}"
         );
     }
 
@@ -323,12 +357,17 @@ mod tests {
             migrate(&mut conn, 0, 3, &gap),
             Err(StoreError::Corrupt(_))
         ));
+        let gap: Vec<(u32, &str)> = vec![(1, V1), (2, V2), (4, "SELECT 1;")];
+        assert!(matches!(
+            migrate(&mut conn, 0, 4, &gap),
+            Err(StoreError::Corrupt(_))
+        ));
         assert_eq!(stored_version(&conn).expect("version"), 0);
         assert!(matches!(
-            migrate(&mut conn, 5, 1, MIGRATIONS),
+            migrate(&mut conn, 5, SCHEMA_VERSION, MIGRATIONS),
             Err(StoreError::SchemaTooNew {
                 found: 5,
-                supported: 1
+                supported: SCHEMA_VERSION
             })
         ));
     }

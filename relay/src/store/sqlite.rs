@@ -22,6 +22,9 @@
 //!   committed state while the writer works, and they never see uncommitted rows. Multi-query
 //!   reads (pull, info) run in one read transaction, so they see one snapshot.
 
+mod deny;
+mod rotate;
+
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -715,6 +718,16 @@ impl RelayStore for SqliteStore {
         self.submit(JobKind::Other, move |c, _| put_sender_list(c, list))
     }
 
+    fn rotate(&self, req: super::RotateRequest) -> Result<super::RotateOutcome, StoreError> {
+        if !is_canonical_key(&req.old_pubkey) || !is_canonical_key(&req.new_pubkey) {
+            return Err(StoreError::InvalidInput(
+                "rotation keys must be in canonical form (padded standard base64 of 32 bytes)"
+                    .to_owned(),
+            ));
+        }
+        self.submit(JobKind::Other, move |c, _| rotate::rotate_apply(c, &req))
+    }
+
     fn sender_list(&self, target_pubkey: &str) -> Result<Option<SenderList>, StoreError> {
         self.read(|c| {
             let row = c
@@ -767,6 +780,46 @@ impl RelayStore for SqliteStore {
             )?;
             Ok(id)
         })
+    }
+
+    fn enrol_bound(
+        &self,
+        req: EnrolRequest,
+        binding: Option<super::AccountBinding>,
+    ) -> Result<EnrolOutcome, StoreError> {
+        deny::enrol_bound(self, req, binding)
+    }
+
+    fn account_binding(
+        &self,
+        host_pubkey: &str,
+    ) -> Result<Option<super::AccountBinding>, StoreError> {
+        deny::account_binding(self, host_pubkey)
+    }
+
+    fn deny(&self, entry: super::DenyEntry) -> Result<super::DenyOutcome, StoreError> {
+        deny::deny(self, entry)
+    }
+
+    fn undeny(&self, kind: super::DenyKind, value: &str) -> Result<bool, StoreError> {
+        deny::undeny(self, kind, value)
+    }
+
+    fn deny_entries(&self) -> Result<Vec<super::DenyEntry>, StoreError> {
+        deny::deny_entries(self)
+    }
+
+    fn denied(
+        &self,
+        host_fp: &str,
+        client_id: Option<&str>,
+        now_ms: i64,
+    ) -> Result<Option<super::DenyEntry>, StoreError> {
+        deny::denied(self, host_fp, client_id, now_ms)
+    }
+
+    fn enrolments_by_fingerprint(&self, fp: &str) -> Result<Vec<Enrolment>, StoreError> {
+        deny::enrolments_by_fingerprint(self, fp)
     }
 
     fn failed(&self) -> Option<String> {
@@ -2196,13 +2249,17 @@ mod tests {
             .query_row("PRAGMA journal_mode", [], |r| r.get(0))
             .expect("journal");
         assert_eq!(journal, "wal");
-        // A future binary's step 2 runs over our store and keeps the epoch ...
+        // A future binary's next step runs over our store and keeps the epoch ...
         let future: Vec<(u32, &str)> = MIGRATIONS
             .iter()
             .copied()
-            .chain([(2, "ALTER TABLE items ADD COLUMN future TEXT;")])
+            .chain([(
+                SCHEMA_VERSION + 1,
+                "ALTER TABLE items ADD COLUMN future TEXT;",
+            )])
             .collect();
-        schema::migrate(&mut conn, SCHEMA_VERSION, 2, &future).expect("migrate to 2");
+        schema::migrate(&mut conn, SCHEMA_VERSION, SCHEMA_VERSION + 1, &future)
+            .expect("migrate to the next version");
         let kept: String = conn
             .query_row("SELECT v FROM meta WHERE k = 'epoch'", [], |r| r.get(0))
             .expect("epoch");
@@ -2211,7 +2268,9 @@ mod tests {
         // ... and this binary then refuses it.
         let err = SqliteStore::open_with(dir.path(), &relay_key(), 1_000, options())
             .expect_err("refused");
-        assert!(matches!(err, StoreError::SchemaTooNew { found: 2, .. }));
+        assert!(
+            matches!(err, StoreError::SchemaTooNew { found, .. } if found == SCHEMA_VERSION + 1)
+        );
     }
 
     #[test]

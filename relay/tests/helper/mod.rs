@@ -176,12 +176,18 @@ impl Relay {
         .expect("open task");
         let store: Arc<dyn RelayStore> = wrap(Arc::new(store));
         let shared_clock: SharedClock = clock.clone();
+        let rates = agentmbx_relay::ratelimit::RateLimits::new(&config);
+        let authority =
+            agentmbx_relay::authority::from_config(&config.authority, shared_clock.clone())
+                .expect("enrolment authority");
         let state = Arc::new(RelayState {
+            rates,
             store,
             key,
             clock: shared_clock,
             config,
             challenges: Challenges::default(),
+            authority,
             version: agentmbx_relay::VERSION,
             in_flight: Default::default(),
         });
@@ -906,6 +912,49 @@ impl RelayStore for FailingStore {
     ) -> Result<Option<store::SenderList>, store::StoreError> {
         self.inner.sender_list(target_pubkey)
     }
+    fn rotate(&self, req: store::RotateRequest) -> Result<store::RotateOutcome, store::StoreError> {
+        self.write()?;
+        self.inner.rotate(req)
+    }
+    fn enrol_bound(
+        &self,
+        req: store::EnrolRequest,
+        binding: Option<store::AccountBinding>,
+    ) -> Result<store::EnrolOutcome, store::StoreError> {
+        self.write()?;
+        self.inner.enrol_bound(req, binding)
+    }
+    fn account_binding(
+        &self,
+        host_pubkey: &str,
+    ) -> Result<Option<store::AccountBinding>, store::StoreError> {
+        self.inner.account_binding(host_pubkey)
+    }
+    fn deny(&self, entry: store::DenyEntry) -> Result<store::DenyOutcome, store::StoreError> {
+        self.write()?;
+        self.inner.deny(entry)
+    }
+    fn undeny(&self, kind: store::DenyKind, value: &str) -> Result<bool, store::StoreError> {
+        self.write()?;
+        self.inner.undeny(kind, value)
+    }
+    fn deny_entries(&self) -> Result<Vec<store::DenyEntry>, store::StoreError> {
+        self.inner.deny_entries()
+    }
+    fn denied(
+        &self,
+        host_fp: &str,
+        client_id: Option<&str>,
+        now_ms: i64,
+    ) -> Result<Option<store::DenyEntry>, store::StoreError> {
+        self.inner.denied(host_fp, client_id, now_ms)
+    }
+    fn enrolments_by_fingerprint(
+        &self,
+        fp: &str,
+    ) -> Result<Vec<store::Enrolment>, store::StoreError> {
+        self.inner.enrolments_by_fingerprint(fp)
+    }
     fn append_op(&self, at_ms: i64, op: &str, receipt: &Value) -> Result<i64, store::StoreError> {
         self.write()?;
         self.inner.append_op(at_ms, op, receipt)
@@ -915,5 +964,103 @@ impl RelayStore for FailingStore {
     }
     fn failed(&self) -> Option<String> {
         self.failure.lock().expect("lock").clone()
+    }
+}
+
+// ---- Enrolment authorities (tests/authority.rs) ------------------------------------------------
+// A relay on a store directory the test keeps (so it can be stopped and started again on the
+// same store, with another configuration), and hops that carry extra headers (account tokens).
+
+impl Relay {
+    /// A relay with `key` and `config` over the store in `store_dir` (created when missing),
+    /// starting its clock at `now_ms`. The caller keeps the directory alive.
+    pub async fn start_at(
+        store_dir: &std::path::Path,
+        key: HostKey,
+        config: RelayConfig,
+        now_ms: i64,
+    ) -> Relay {
+        install_provider();
+        let relay_pub = key.public();
+        let clock = Arc::new(ManualClock::new(now_ms));
+        let options = OpenOptions {
+            lock_wait_ms: 0,
+            failpoint: store::no_failpoint,
+            limits: config.limits.store_limits(),
+        };
+        let (path, pk) = (store_dir.to_path_buf(), relay_pub.to_b64());
+        let store = tokio::task::spawn_blocking(move || {
+            SqliteStore::open_with(&path, &pk, now_ms, options).expect("open the relay store")
+        })
+        .await
+        .expect("open task");
+        let store: Arc<dyn RelayStore> = Arc::new(store);
+        let shared_clock: SharedClock = clock.clone();
+        let rates = agentmbx_relay::ratelimit::RateLimits::new(&config);
+        let authority =
+            agentmbx_relay::authority::from_config(&config.authority, shared_clock.clone())
+                .expect("enrolment authority");
+        let state = Arc::new(RelayState {
+            rates,
+            store,
+            key,
+            clock: shared_clock,
+            config,
+            challenges: Challenges::default(),
+            authority,
+            version: agentmbx_relay::VERSION,
+            in_flight: Default::default(),
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind 127.0.0.1:0");
+        let addr: SocketAddr = listener.local_addr().expect("local addr");
+        let (tx, rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(server::serve(listener, state.clone(), async move {
+            let _ = rx.await;
+        }));
+        let http = reqwest::Client::builder()
+            .no_proxy()
+            .timeout(std::time::Duration::from_secs(60))
+            .build()
+            .expect("http client");
+        Relay {
+            base: format!("http://{addr}"),
+            clock,
+            state,
+            relay_pub,
+            http,
+            shutdown: Some(tx),
+            task: Some(task),
+            _dir: tempfile::tempdir().expect("temp dir"),
+        }
+    }
+
+    /// A v2 hop signed by `host` at the relay's time, with `extra` headers (e.g.
+    /// `authorization`).
+    pub async fn hop_with(
+        &self,
+        host: &Host,
+        method: &str,
+        target: &str,
+        body: &str,
+        extra: &[(String, String)],
+    ) -> Resp {
+        let mut headers = host.hop_headers(method, target, body, self.now());
+        headers.extend(extra.iter().cloned());
+        self.send(method, target, &headers, body.as_bytes().to_vec())
+            .await
+    }
+
+    /// Challenge, then enrol with `proof` in the body (`None`: no `proof` field).
+    pub async fn enrol_with_proof(&self, host: &Host, proof: Option<Value>) -> Resp {
+        let challenge = self.challenge(host).await;
+        let mut body: Value =
+            serde_json::from_str(&host.enrol_body(&challenge)).expect("enrol body");
+        if let Some(p) = proof {
+            body["proof"] = p;
+        }
+        self.plain("POST", "/v1/relay/enrol", &body.to_string())
+            .await
     }
 }

@@ -1,0 +1,385 @@
+//! `agentmbx relay revoke` and `agentmbx relay deny`: the relay operator's controls over
+//! enrolments (spec §8 "Revocation"; design README "One process writes a store").
+//!
+//! Each runs one of two ways:
+//! - **offline** on `--store-dir DIR` (or `MBX_RELAY_DIR`): opens the store itself, bound to the
+//!   relay key its `relay.db` records, and refuses with exit code [`EXIT_RELAY_RUNNING`] while
+//!   `relay serve` (or any other process) holds `relay.lock`;
+//! - **online** with `--url <relay url>`: through the running relay's admin endpoints
+//!   (`/v2/relay/admin/*`), with the admin token from `MBX_RELAY_ADMIN_TOKEN` or
+//!   `--admin-token-file` (never from the command line, where other users could read it).
+//!
+//! Both run the same code in the relay crate ([`agentmbx_relay::admin`]). The next request of
+//! a revoked or denied host is refused (403 REVOKED / DENIED); revocation is permanent and
+//! survives re-enrolment and restarts, deny-list entries last until their `--until` or removal.
+//!
+//! Exit codes: 0 done, 1 failure (the relay refused, unreachable, wrong admin token), 2 usage
+//! (a malformed argument, an `--until` shorter than the longest token lifetime), 3 nothing
+//! matches (no such enrolment / deny entry, no store), 4 ([`EXIT_RELAY_RUNNING`]) the relay
+//! runs on that store. A fingerprint that matches several enrolments is refused (exit 1),
+//! listing them. This module never prints or logs the admin token.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use serde_json::{json, Value};
+
+use agentmbx_relay::admin::{self, AdminError, DenyView, RevokeReport};
+use agentmbx_relay::config::{AdminToken, ADMIN_TOKEN_ENV};
+use agentmbx_relay::store::DenyKind;
+
+use super::{NotFoundError, UsageError};
+
+/// Exit code of an offline relay command refused because a relay runs on the store.
+pub const EXIT_RELAY_RUNNING: u8 = 4;
+
+/// A running relay holds the store (exit code [`EXIT_RELAY_RUNNING`]).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct RelayRunning(pub String);
+
+/// Where an operator command runs.
+#[derive(Debug, Args)]
+pub struct Target {
+    /// Run offline on this relay store directory (refused while `relay serve` runs on it)
+    #[arg(long, value_name = "DIR", env = "MBX_RELAY_DIR")]
+    pub store_dir: Option<PathBuf>,
+    /// Run through the running relay at this URL (its admin endpoint; needs the admin token
+    /// from MBX_RELAY_ADMIN_TOKEN or --admin-token-file). Wins over --store-dir
+    #[arg(long, value_name = "URL")]
+    pub url: Option<String>,
+    /// File holding the relay's admin token (with --url; MBX_RELAY_ADMIN_TOKEN wins)
+    #[arg(long, value_name = "FILE", requires = "url")]
+    pub admin_token_file: Option<PathBuf>,
+    /// Print the result as JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Flags of `relay revoke`.
+#[derive(Debug, Args)]
+#[command(
+    after_long_help = "Exit status: 0 revoked (or already revoked), 1 failure or an \
+ambiguous fingerprint, 2 usage error, 3 no such enrolment or store, 4 a relay runs on the \
+store (use --url)."
+)]
+pub struct RevokeArgs {
+    /// The host: its key (base64) or fingerprint (16 hex digits, dashes optional)
+    #[arg(value_name = "HOST")]
+    pub host: String,
+    #[command(flatten)]
+    pub target: Target,
+}
+
+/// Flags of `relay deny`.
+#[derive(Debug, Args)]
+#[command(
+    after_long_help = "A host fingerprint (or host key) denies that host; anything else \
+is a token client_id (--client forces that reading). Exit status: 0 done, 1 failure, 2 usage \
+error, 3 nothing to remove or no store, 4 a relay runs on the store (use --url)."
+)]
+pub struct DenyArgs {
+    /// Host fingerprint (or host key) or token client_id to deny (or, with --remove, to allow
+    /// again)
+    #[arg(value_name = "HOST_FP|CLIENT_ID", required_unless_present = "list")]
+    pub subject: Option<String>,
+    /// Read the argument as a token client_id even if it looks like a fingerprint
+    #[arg(long)]
+    pub client: bool,
+    /// Deny until this time: a duration (90s, 30m, 2h, 7d, 1w) or a UTC time
+    /// (2026-01-31T12:00:00Z); at least 15 min (the longest token lifetime). Default: until
+    /// removed
+    #[arg(long, value_name = "WHEN", conflicts_with_all = ["remove", "list"])]
+    pub until: Option<String>,
+    /// Remove the entry instead
+    #[arg(long, conflicts_with = "list")]
+    pub remove: bool,
+    /// List the deny-list
+    #[arg(long, conflicts_with = "subject")]
+    pub list: bool,
+    #[command(flatten)]
+    pub target: Target,
+}
+
+/// The clock of these commands: the system clock, shifted by `MBX_CLOCK_OFFSET_MS` like every
+/// other process (drills and tests).
+fn now_ms() -> anyhow::Result<i64> {
+    use agentmbx_protocol::clock::Clock as _;
+    Ok(agentmbx_protocol::clock::SystemClock::from_env()?.now_ms())
+}
+
+/// Where the command runs, once checked.
+enum Place {
+    Offline(PathBuf),
+    Online { url: String, token: AdminToken },
+}
+
+fn place(t: &Target) -> anyhow::Result<Place> {
+    match (&t.store_dir, &t.url) {
+        (Some(dir), None) => Ok(Place::Offline(dir.clone())),
+        (_, Some(url)) => {
+            let url = url.trim_end_matches('/').to_owned();
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return Err(UsageError(format!(
+                    "--url must start with http:// or https://, got {url:?}"
+                ))
+                .into());
+            }
+            let token = match std::env::var(ADMIN_TOKEN_ENV) {
+                Ok(text) => AdminToken::new(&text)
+                    .map_err(|e| UsageError(format!("{ADMIN_TOKEN_ENV}: {e}")))?,
+                Err(_) => {
+                    let Some(file) = &t.admin_token_file else {
+                        return Err(UsageError(format!(
+                            "--url needs the relay's admin token: set {ADMIN_TOKEN_ENV} or give --admin-token-file"
+                        ))
+                        .into());
+                    };
+                    let text = std::fs::read_to_string(file)
+                        .with_context(|| format!("cannot read {}", file.display()))?;
+                    AdminToken::new(&text)
+                        .map_err(|e| UsageError(format!("{}: {e}", file.display())))?
+                }
+            };
+            Ok(Place::Online { url, token })
+        }
+        _ => Err(UsageError(
+            "give --store-dir <dir> (offline) or --url <relay url> (a running relay)".into(),
+        )
+        .into()),
+    }
+}
+
+/// Maps a refusal of the relay crate to the CLI's error kinds (exit codes, module docs).
+fn refusal(e: AdminError) -> anyhow::Error {
+    match e {
+        AdminError::Invalid(m) => UsageError(m).into(),
+        e @ (AdminError::NotFound(_) | AdminError::NoStore(_)) => {
+            NotFoundError(e.to_string()).into()
+        }
+        e @ AdminError::Running(_) => RelayRunning(e.to_string()).into(),
+        e => anyhow::Error::new(e),
+    }
+}
+
+/// Runs `f` on the store opened offline, then closes it.
+fn offline<T>(
+    dir: &std::path::Path,
+    f: impl FnOnce(&dyn agentmbx_relay::store::RelayStore, i64) -> Result<T, AdminError>,
+) -> anyhow::Result<T> {
+    let now = now_ms()?;
+    let store = admin::open_offline(dir, now).map_err(refusal)?;
+    let out = f(&store, now).map_err(refusal);
+    store.close().context("closing the relay store")?;
+    out
+}
+
+/// One admin request; a refusal becomes the matching CLI error.
+fn online(
+    url: &str,
+    token: &AdminToken,
+    method: &str,
+    path: &str,
+    body: Option<Value>,
+) -> anyhow::Result<Value> {
+    agentmbx::install_tls_provider();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let (status, answer) = runtime.block_on(async {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(30))
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .context("cannot build the HTTP client")?;
+        let mut req = match method {
+            "GET" => http.get(format!("{url}{path}")),
+            _ => http
+                .post(format!("{url}{path}"))
+                .json(&body.unwrap_or(Value::Null)),
+        };
+        req = req.bearer_auth(token.expose());
+        let resp = req.send().await.map_err(|e| {
+            anyhow::anyhow!(
+                "cannot reach the relay at {url}: {}",
+                agentmbx::transport::relay_client::describe(&e)
+            )
+        })?;
+        let status = resp.status().as_u16();
+        let bytes = resp
+            .bytes()
+            .await
+            .map_err(|e| anyhow::anyhow!("the relay's answer broke off: {e}"))?;
+        anyhow::Ok((
+            status,
+            serde_json::from_slice::<Value>(&bytes).unwrap_or(Value::Null),
+        ))
+    })?;
+    if status == 200 {
+        return Ok(answer);
+    }
+    let error = answer
+        .get("error")
+        .and_then(Value::as_str)
+        .unwrap_or("no error text")
+        .to_owned();
+    let code = answer.get("code").and_then(Value::as_str).unwrap_or("");
+    Err(match (status, code) {
+        (404, "NOT_FOUND") if path.contains("admin") && error == "not found" => anyhow::anyhow!(
+            "the relay at {url} has no admin endpoint (it runs without an admin token)"
+        ),
+        (401, _) => anyhow::anyhow!("the relay at {url} refused the admin token"),
+        (400, _) => UsageError(error).into(),
+        (404, _) => NotFoundError(error).into(),
+        _ => anyhow::anyhow!("the relay at {url} answered {status}: {error}"),
+    })
+}
+
+fn print(json_out: bool, value: &Value, text: &str) -> anyhow::Result<()> {
+    if json_out {
+        println!("{}", serde_json::to_string_pretty(value)?);
+    } else {
+        println!("{text}");
+    }
+    Ok(())
+}
+
+/// `relay revoke <HOST>`.
+pub fn revoke(args: RevokeArgs) -> anyhow::Result<()> {
+    let report: Value = match place(&args.target)? {
+        Place::Offline(dir) => {
+            let r: RevokeReport =
+                offline(&dir, |store, now| admin::revoke(store, &args.host, now))?;
+            json!({"ok": true, "newly_revoked": r.newly_revoked, "host": r.host})
+        }
+        Place::Online { url, token } => online(
+            &url,
+            &token,
+            "POST",
+            "/v2/relay/admin/revoke",
+            Some(json!({"host": args.host})),
+        )?,
+    };
+    let host = &report["host"];
+    let text = format!(
+        "{} {} ({}){}",
+        if report["newly_revoked"] == true {
+            "revoked"
+        } else {
+            "already revoked:"
+        },
+        host["fingerprint"].as_str().unwrap_or(""),
+        host["host_name"].as_str().unwrap_or(""),
+        if report["newly_revoked"] == true {
+            ": its next request is refused, and it can never enrol again on this relay"
+        } else {
+            ""
+        }
+    );
+    print(args.target.json, &report, &text)
+}
+
+/// `relay deny [<HOST_FP|CLIENT_ID>] [--until WHEN] [--remove] [--list]`.
+pub fn deny(args: DenyArgs) -> anyhow::Result<()> {
+    let place = place(&args.target)?;
+    let kind = args.client.then_some(DenyKind::Client);
+    if args.list {
+        let entries: Value = match place {
+            Place::Offline(dir) => json!(offline(&dir, |store, now| admin::deny_list(store, now))?),
+            Place::Online { url, token } => {
+                online(&url, &token, "GET", "/v2/relay/admin/deny", None)?["entries"].take()
+            }
+        };
+        let mut text = String::new();
+        for e in entries.as_array().map(Vec::as_slice).unwrap_or_default() {
+            text.push_str(&format!(
+                "{} {}  until {}{}\n",
+                e["kind"].as_str().unwrap_or(""),
+                e["value"].as_str().unwrap_or(""),
+                e["until"].as_str().unwrap_or("removed"),
+                if e["active"] == true {
+                    ""
+                } else {
+                    "  (expired)"
+                }
+            ));
+        }
+        if text.is_empty() {
+            text.push_str("the deny-list is empty\n");
+        }
+        return print(
+            args.target.json,
+            &json!({ "entries": entries }),
+            text.trim_end(),
+        );
+    }
+    let subject = args
+        .subject
+        .ok_or_else(|| UsageError("give a host fingerprint or client_id, or --list".into()))?;
+    if args.remove {
+        let out: Value = match place {
+            Place::Offline(dir) => {
+                let (k, value, removed) =
+                    offline(&dir, |store, now| admin::undeny(store, &subject, kind, now))?;
+                json!({"ok": true, "removed": removed, "kind": k.as_str(), "value": value})
+            }
+            Place::Online { url, token } => online(
+                &url,
+                &token,
+                "POST",
+                "/v2/relay/admin/undeny",
+                Some(json!({"target": subject, "kind": kind.map(DenyKind::as_str)})),
+            )?,
+        };
+        if out["removed"] != true {
+            return Err(NotFoundError(format!(
+                "no deny-list entry for {} {}",
+                out["kind"].as_str().unwrap_or(""),
+                out["value"].as_str().unwrap_or("")
+            ))
+            .into());
+        }
+        let text = format!(
+            "removed {} {} from the deny-list",
+            out["kind"].as_str().unwrap_or(""),
+            out["value"].as_str().unwrap_or("")
+        );
+        return print(args.target.json, &out, &text);
+    }
+    let now = now_ms()?;
+    let until = args
+        .until
+        .as_deref()
+        .map(|u| admin::parse_until(u, now).map_err(refusal))
+        .transpose()?;
+    let entry: Value = match place {
+        Place::Offline(dir) => {
+            let e = offline(&dir, |store, now| {
+                admin::deny(store, &subject, kind, until, now)
+            })?;
+            json!(DenyView::of(&e, now))
+        }
+        Place::Online { url, token } => online(
+            &url,
+            &token,
+            "POST",
+            "/v2/relay/admin/deny",
+            Some(json!({"target": subject, "kind": kind.map(DenyKind::as_str), "until_ms": until})),
+        )?["entry"]
+            .take(),
+    };
+    let text = format!(
+        "denied {} {} until {}: its next request is refused",
+        entry["kind"].as_str().unwrap_or(""),
+        entry["value"].as_str().unwrap_or(""),
+        entry["until"].as_str().unwrap_or("removed")
+    );
+    print(
+        args.target.json,
+        &json!({"ok": true, "entry": entry}),
+        &text,
+    )
+}

@@ -1,0 +1,205 @@
+//! The operator endpoints of a running relay (design README "One process writes a store"):
+//! `relay revoke` and `relay deny` for a relay that holds its store, guarded by the admin bearer
+//! token (`admin_token_file` in `relay.toml` or `MBX_RELAY_ADMIN_TOKEN`). The work is
+//! [`crate::admin`], the same code the offline commands run.
+//!
+//! | Method path | Request | Success |
+//! |---|---|---|
+//! | POST /v2/relay/admin/revoke | `{host}` (key or fingerprint) | `{ok:true, newly_revoked, host:{host_pubkey, fingerprint, host_name, account, revoked_at_ms}}` |
+//! | POST /v2/relay/admin/deny | `{target, kind?:"host"\|"client", until_ms?}` | `{ok:true, entry:{kind, value, until, at, active}}` |
+//! | GET /v2/relay/admin/deny | — | `{entries:[…]}` |
+//! | POST /v2/relay/admin/undeny | `{target, kind?}` | `{ok:true, removed, kind, value}` |
+//!
+//! Guard: with no admin token configured every admin route answers 404 `{error:"not found"}`,
+//! as if it did not exist; without `Authorization: Bearer <token>`, or with another token, 401
+//! `{error:"admin token required", code:"ADMIN_TOKEN"}`. The token is compared in constant
+//! time and never logged. Refusals: 400 `BAD_REQUEST`, 404 `NOT_FOUND` (no such enrolment), 409
+//! `AMBIGUOUS` with `matches` (a fingerprint of several enrolments), 507 `FULL` (deny-list).
+
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use agentmbx_protocol::limits::RELAY_SMALL_BODY;
+
+use crate::admin::{self, AdminError};
+use crate::auth::{read_body, utf8};
+use crate::error::ApiError;
+use crate::server::SharedRelay;
+use crate::store::DenyKind;
+
+/// An admin refusal: a status and its JSON body `{error, code[, matches]}`.
+#[derive(Debug)]
+pub struct Refusal(StatusCode, Value);
+
+impl From<ApiError> for Refusal {
+    fn from(e: ApiError) -> Self {
+        Refusal(e.status, json!(e.body))
+    }
+}
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        (self.0, Json(self.1)).into_response()
+    }
+}
+
+/// 404 when no admin token is configured, 401 unless the request carries it.
+fn guard(state: &SharedRelay, headers: &HeaderMap) -> Result<(), Refusal> {
+    let Some(token) = &state.config.admin_token else {
+        return Err(ApiError::not_found().into());
+    };
+    let presented = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, t)| t.trim());
+    match presented {
+        Some(t) if token.matches(t) => Ok(()),
+        _ => {
+            tracing::warn!("admin request refused: missing or wrong admin token");
+            Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "admin token required",
+                "ADMIN_TOKEN",
+            )
+            .into())
+        }
+    }
+}
+
+fn refusal(e: AdminError) -> Refusal {
+    let (status, code) = match &e {
+        AdminError::Invalid(_) => (StatusCode::BAD_REQUEST, "BAD_REQUEST"),
+        AdminError::NotFound(_) => (StatusCode::NOT_FOUND, "NOT_FOUND"),
+        AdminError::Ambiguous { .. } => (StatusCode::CONFLICT, "AMBIGUOUS"),
+        AdminError::Full => (StatusCode::INSUFFICIENT_STORAGE, "FULL"),
+        AdminError::Store(_) | AdminError::NoStore(_) | AdminError::Running(_) => {
+            tracing::error!(error = %e, "admin request failed in the store");
+            return ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "relay store unavailable",
+                "STORE",
+            )
+            .into();
+        }
+    };
+    let mut body = json!({"error": e.to_string(), "code": code});
+    if let AdminError::Ambiguous { matches, .. } = &e {
+        body["matches"] = json!(matches);
+    }
+    Refusal(status, body)
+}
+
+/// Runs an admin operation off the runtime.
+async fn run<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, AdminError> + Send + 'static,
+) -> Result<T, Refusal> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r.map_err(refusal),
+        Err(_) => Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "relay task failed",
+            "INTERNAL",
+        )
+        .into()),
+    }
+}
+
+/// The guard, then a small JSON body read into `T` (400 when it is not one).
+async fn guarded_body<T: serde::de::DeserializeOwned>(
+    state: &SharedRelay,
+    req: Request,
+) -> Result<T, Refusal> {
+    guard(state, req.headers())?;
+    let bytes = read_body(req.into_body(), RELAY_SMALL_BODY).await?;
+    serde_json::from_str(utf8(&bytes)?)
+        .map_err(|_| ApiError::bad_request("bad admin request body").into())
+}
+
+fn kind(text: Option<&str>) -> Result<Option<DenyKind>, Refusal> {
+    match text {
+        None => Ok(None),
+        Some(k) => DenyKind::parse(k)
+            .map(Some)
+            .ok_or_else(|| ApiError::bad_request("kind must be \"host\" or \"client\"").into()),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RevokeBody {
+    host: String,
+}
+
+/// `POST /v2/relay/admin/revoke {host}`.
+pub async fn revoke(
+    State(state): State<SharedRelay>,
+    req: Request,
+) -> Result<Json<Value>, Refusal> {
+    let b: RevokeBody = guarded_body(&state, req).await?;
+    let (store, now) = (state.store.clone(), state.clock.now_ms());
+    let r = run(move || admin::revoke(store.as_ref(), &b.host, now)).await?;
+    Ok(Json(
+        json!({"ok": true, "newly_revoked": r.newly_revoked, "host": r.host}),
+    ))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DenyBody {
+    target: String,
+    #[serde(default)]
+    kind: Option<String>,
+    #[serde(default)]
+    until_ms: Option<i64>,
+}
+
+/// `POST /v2/relay/admin/deny {target, kind?, until_ms?}`.
+pub async fn deny(State(state): State<SharedRelay>, req: Request) -> Result<Json<Value>, Refusal> {
+    let b: DenyBody = guarded_body(&state, req).await?;
+    let k = kind(b.kind.as_deref())?;
+    let (store, now) = (state.store.clone(), state.clock.now_ms());
+    let e = run(move || admin::deny(store.as_ref(), &b.target, k, b.until_ms, now)).await?;
+    Ok(Json(
+        json!({"ok": true, "entry": admin::DenyView::of(&e, now)}),
+    ))
+}
+
+/// `GET /v2/relay/admin/deny`.
+pub async fn deny_list(
+    State(state): State<SharedRelay>,
+    req: Request,
+) -> Result<Json<Value>, Refusal> {
+    guard(&state, req.headers())?;
+    let (store, now) = (state.store.clone(), state.clock.now_ms());
+    let entries = run(move || admin::deny_list(store.as_ref(), now)).await?;
+    Ok(Json(json!({ "entries": entries })))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UndenyBody {
+    target: String,
+    #[serde(default)]
+    kind: Option<String>,
+}
+
+/// `POST /v2/relay/admin/undeny {target, kind?}`.
+pub async fn undeny(
+    State(state): State<SharedRelay>,
+    req: Request,
+) -> Result<Json<Value>, Refusal> {
+    let b: UndenyBody = guarded_body(&state, req).await?;
+    let k = kind(b.kind.as_deref())?;
+    let (store, now) = (state.store.clone(), state.clock.now_ms());
+    let (kind, value, removed) =
+        run(move || admin::undeny(store.as_ref(), &b.target, k, now)).await?;
+    Ok(Json(
+        json!({"ok": true, "removed": removed, "kind": kind.as_str(), "value": value}),
+    ))
+}

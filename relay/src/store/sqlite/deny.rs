@@ -1,0 +1,513 @@
+//! The deny-list and account bindings in SQLite (spec §8 "Revocation"; schema step 2 in
+//! `schema.rs`): tables `deny(kind, value, until, at)` and `account_bindings(host_pubkey,
+//! cloud_jkt, client_id, sub, org, at)`.
+//!
+//! Writes go through the store's one writer like every other write (one transaction each, the
+//! answer only after COMMIT); reads use the read pool. An account binding is written in the
+//! same transaction as the enrolment it belongs to, so a host is never enrolled by the account
+//! authority without its binding. This file never decides what a token or a fingerprint means:
+//! it stores and matches the text the relay computed.
+//!
+//! It also reads which relay key a store directory is bound to
+//! ([`SqliteStore::recorded_relay_pubkey`]) for the offline operator commands.
+
+use rusqlite::{params, Connection, OptionalExtension};
+
+use super::{enrol_apply, enrolment_from_row, JobKind, SqliteStore, ENROLMENT_COLS};
+use crate::store::{
+    is_canonical_key, key_fingerprint, AccountBinding, DenyEntry, DenyKind, DenyOutcome,
+    EnrolOutcome, EnrolRequest, Enrolment, StoreError, MAX_DENY_ENTRIES,
+};
+
+/// Longest deny-list value (a fingerprint is 19 bytes; a client_id is the issuer's text).
+pub(crate) const MAX_DENY_VALUE: usize = 256;
+
+fn entry_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<DenyEntry> {
+    let kind: String = r.get(0)?;
+    let kind = DenyKind::parse(&kind).ok_or_else(|| {
+        rusqlite::Error::FromSqlConversionFailure(
+            0,
+            rusqlite::types::Type::Text,
+            format!("unknown deny kind {kind:?}").into(),
+        )
+    })?;
+    Ok(DenyEntry {
+        kind,
+        value: r.get(1)?,
+        until_ms: r.get(2)?,
+        at_ms: r.get(3)?,
+    })
+}
+
+fn binding_row(c: &Connection, host_pubkey: &str) -> Result<Option<AccountBinding>, StoreError> {
+    Ok(c.prepare_cached(
+        "SELECT host_pubkey, cloud_jkt, client_id, sub, org, at FROM account_bindings
+         WHERE host_pubkey = ?1",
+    )?
+    .query_row([host_pubkey], |r| {
+        Ok(AccountBinding {
+            host_pubkey: r.get(0)?,
+            cloud_jkt: r.get(1)?,
+            client_id: r.get(2)?,
+            sub: r.get(3)?,
+            org: r.get(4)?,
+            at_ms: r.get(5)?,
+        })
+    })
+    .optional()?)
+}
+
+impl SqliteStore {
+    /// The relay key a store directory is bound to (`meta.relay_pubkey`), read without opening
+    /// the store or taking `relay.lock` (a read-only connection; safe while `serve` runs), so an
+    /// offline operator command can open it with [`SqliteStore::open_with`] without the relay's
+    /// private key. `Ok(None)` when `dir` holds no `relay.db` or it records no key.
+    pub fn recorded_relay_pubkey(dir: &std::path::Path) -> Result<Option<String>, StoreError> {
+        let path = dir.join(crate::store::DB_FILE);
+        if !path.exists() {
+            return Ok(None);
+        }
+        let conn = Connection::open_with_flags(
+            &path,
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        let has_meta: bool = conn.query_row(
+            "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta')",
+            [],
+            |r| r.get(0),
+        )?;
+        if !has_meta {
+            return Ok(None);
+        }
+        Ok(conn
+            .query_row("SELECT v FROM meta WHERE k = 'relay_pubkey'", [], |r| {
+                r.get(0)
+            })
+            .optional()?)
+    }
+}
+
+/// [`crate::store::RelayStore::enrol_bound`].
+pub(super) fn enrol_bound(
+    store: &SqliteStore,
+    req: EnrolRequest,
+    binding: Option<AccountBinding>,
+) -> Result<EnrolOutcome, StoreError> {
+    if !is_canonical_key(&req.host_pubkey) {
+        return Err(StoreError::InvalidInput(
+            "a host key must be enrolled in canonical form (padded standard base64 of 32 bytes)"
+                .to_owned(),
+        ));
+    }
+    if binding
+        .as_ref()
+        .is_some_and(|b| b.host_pubkey != req.host_pubkey)
+    {
+        return Err(StoreError::InvalidInput(
+            "an account binding must name the enrolling key".to_owned(),
+        ));
+    }
+    store.submit(JobKind::Other, move |c, limits| {
+        let outcome = enrol_apply(c, limits, &req)?;
+        if let (EnrolOutcome::Enrolled(_), Some(b)) = (&outcome, &binding) {
+            c.prepare_cached(
+                "INSERT INTO account_bindings (host_pubkey, cloud_jkt, client_id, sub, org, at)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+                 ON CONFLICT(host_pubkey) DO UPDATE SET cloud_jkt = excluded.cloud_jkt,
+                   client_id = excluded.client_id, sub = excluded.sub, org = excluded.org,
+                   at = excluded.at",
+            )?
+            .execute(params![
+                b.host_pubkey,
+                b.cloud_jkt,
+                b.client_id,
+                b.sub,
+                b.org,
+                b.at_ms
+            ])?;
+        }
+        Ok(outcome)
+    })
+}
+
+/// [`crate::store::RelayStore::account_binding`].
+pub(super) fn account_binding(
+    store: &SqliteStore,
+    host_pubkey: &str,
+) -> Result<Option<AccountBinding>, StoreError> {
+    store.read(|c| binding_row(c, host_pubkey))
+}
+
+/// [`crate::store::RelayStore::deny`].
+pub(super) fn deny(store: &SqliteStore, entry: DenyEntry) -> Result<DenyOutcome, StoreError> {
+    if entry.value.is_empty() || entry.value.len() > MAX_DENY_VALUE {
+        return Err(StoreError::InvalidInput(format!(
+            "a deny-list value must be 1..={MAX_DENY_VALUE} bytes"
+        )));
+    }
+    store.submit(JobKind::Other, move |c, _| {
+        c.prepare_cached("DELETE FROM deny WHERE until IS NOT NULL AND until <= ?1")?
+            .execute([entry.at_ms])?;
+        let exists: bool = c
+            .prepare_cached("SELECT EXISTS (SELECT 1 FROM deny WHERE kind = ?1 AND value = ?2)")?
+            .query_row(params![entry.kind.as_str(), entry.value], |r| r.get(0))?;
+        if !exists {
+            let n: i64 = c
+                .prepare_cached("SELECT COUNT(*) FROM deny")?
+                .query_row([], |r| r.get(0))?;
+            if u64::try_from(n).unwrap_or(0) >= MAX_DENY_ENTRIES {
+                return Ok(DenyOutcome::Full);
+            }
+        }
+        c.prepare_cached(
+            "INSERT INTO deny (kind, value, until, at) VALUES (?1, ?2, ?3, ?4)
+             ON CONFLICT(kind, value) DO UPDATE SET until = excluded.until, at = excluded.at",
+        )?
+        .execute(params![
+            entry.kind.as_str(),
+            entry.value,
+            entry.until_ms,
+            entry.at_ms
+        ])?;
+        Ok(DenyOutcome::Stored(entry))
+    })
+}
+
+/// [`crate::store::RelayStore::undeny`].
+pub(super) fn undeny(store: &SqliteStore, kind: DenyKind, value: &str) -> Result<bool, StoreError> {
+    let value = value.to_owned();
+    store.submit(JobKind::Other, move |c, _| {
+        let n = c
+            .prepare_cached("DELETE FROM deny WHERE kind = ?1 AND value = ?2")?
+            .execute(params![kind.as_str(), value])?;
+        Ok(n > 0)
+    })
+}
+
+/// [`crate::store::RelayStore::deny_entries`].
+pub(super) fn deny_entries(store: &SqliteStore) -> Result<Vec<DenyEntry>, StoreError> {
+    store.read(|c| {
+        let mut st =
+            c.prepare_cached("SELECT kind, value, until, at FROM deny ORDER BY kind, value")?;
+        let rows = st
+            .query_map([], entry_from_row)?
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(rows)
+    })
+}
+
+/// [`crate::store::RelayStore::denied`].
+pub(super) fn denied(
+    store: &SqliteStore,
+    host_fp: &str,
+    client_id: Option<&str>,
+    now_ms: i64,
+) -> Result<Option<DenyEntry>, StoreError> {
+    store.read(|c| {
+        let mut st = c.prepare_cached(
+            "SELECT kind, value, until, at FROM deny
+             WHERE kind = ?1 AND value = ?2 AND (until IS NULL OR until > ?3)",
+        )?;
+        if let Some(e) = st
+            .query_row(params!["host", host_fp, now_ms], entry_from_row)
+            .optional()?
+        {
+            return Ok(Some(e));
+        }
+        match client_id {
+            Some(id) => Ok(st
+                .query_row(params!["client", id, now_ms], entry_from_row)
+                .optional()?),
+            None => Ok(None),
+        }
+    })
+}
+
+/// [`crate::store::RelayStore::enrolments_by_fingerprint`].
+pub(super) fn enrolments_by_fingerprint(
+    store: &SqliteStore,
+    fp: &str,
+) -> Result<Vec<Enrolment>, StoreError> {
+    store.read(|c| {
+        let mut st = c.prepare_cached(&format!(
+            "SELECT {ENROLMENT_COLS} FROM enrolments ORDER BY enrolled_at, host_pubkey"
+        ))?;
+        let mut out = Vec::new();
+        for row in st.query_map([], enrolment_from_row)? {
+            let e = row?;
+            if key_fingerprint(&e.host_pubkey) == fp {
+                out.push(e);
+            }
+        }
+        Ok(out)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{AuthorityStrength, OpenOptions, RelayStore};
+
+    fn key(n: u8) -> String {
+        use base64::Engine as _;
+        base64::engine::general_purpose::STANDARD.encode([n; 32])
+    }
+
+    fn open(dir: &std::path::Path) -> SqliteStore {
+        SqliteStore::open_with(
+            dir,
+            &key(250),
+            1_000,
+            OpenOptions {
+                lock_wait_ms: 0,
+                ..OpenOptions::default()
+            },
+        )
+        .expect("open")
+    }
+
+    fn request(k: &str, name: &str, account: Option<&str>, now: i64) -> EnrolRequest {
+        EnrolRequest {
+            host_pubkey: k.to_owned(),
+            host_name: name.to_owned(),
+            owner_fp: String::new(),
+            account: account.map(str::to_owned),
+            authorized_by: if account.is_some() {
+                "account-token".into()
+            } else {
+                "host-key-challenge".into()
+            },
+            strength: if account.is_some() {
+                AuthorityStrength::Account
+            } else {
+                AuthorityStrength::HostKeyChallenge
+            },
+            now_ms: now,
+        }
+    }
+
+    fn binding(k: &str, jkt: &str) -> AccountBinding {
+        AccountBinding {
+            host_pubkey: k.to_owned(),
+            cloud_jkt: jkt.to_owned(),
+            client_id: "cli-1".into(),
+            sub: "host-1".into(),
+            org: Some("org-1".into()),
+            at_ms: 5,
+        }
+    }
+
+    fn entry(kind: DenyKind, value: &str, until: Option<i64>, at: i64) -> DenyEntry {
+        DenyEntry {
+            kind,
+            value: value.to_owned(),
+            until_ms: until,
+            at_ms: at,
+        }
+    }
+
+    #[test]
+    fn a_binding_is_written_with_its_enrolment_and_only_then() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(dir.path());
+        let (a, b) = (key(1), key(2));
+        let out = store
+            .enrol_bound(
+                request(&a, "mac", Some("acct"), 10),
+                Some(binding(&a, "j1")),
+            )
+            .expect("enrol");
+        assert!(matches!(out, EnrolOutcome::Enrolled(_)), "{out:?}");
+        assert_eq!(
+            store.account_binding(&a).expect("read"),
+            Some(binding(&a, "j1"))
+        );
+        // A refused enrolment (same name in the same account) writes no binding.
+        let out = store
+            .enrol_bound(
+                request(&b, "MAC", Some("acct"), 11),
+                Some(binding(&b, "j2")),
+            )
+            .expect("enrol");
+        assert_eq!(out, EnrolOutcome::NameTaken);
+        assert_eq!(store.account_binding(&b).expect("read"), None);
+        // Re-enrolment replaces the binding; a binding for another key is a caller bug.
+        store
+            .enrol_bound(
+                request(&a, "mac", Some("acct"), 12),
+                Some(binding(&a, "j3")),
+            )
+            .expect("re-enrol");
+        assert_eq!(
+            store
+                .account_binding(&a)
+                .expect("read")
+                .map(|b| b.cloud_jkt),
+            Some("j3".to_owned())
+        );
+        assert!(matches!(
+            store.enrol_bound(request(&a, "mac", None, 13), Some(binding(&b, "j4"))),
+            Err(StoreError::InvalidInput(_))
+        ));
+        // A revoked key stays revoked and gets no new binding.
+        store.revoke(&a, 14).expect("revoke");
+        let out = store
+            .enrol_bound(
+                request(&a, "mac", Some("acct"), 15),
+                Some(binding(&a, "j5")),
+            )
+            .expect("enrol");
+        assert_eq!(out, EnrolOutcome::Revoked);
+        assert_eq!(
+            store
+                .account_binding(&a)
+                .expect("read")
+                .map(|b| b.cloud_jkt),
+            Some("j3".to_owned())
+        );
+    }
+
+    #[test]
+    fn deny_entries_match_expire_replace_and_survive_a_restart() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        {
+            let store = open(dir.path());
+            let fp = key_fingerprint(&key(1));
+            assert_eq!(store.denied(&fp, Some("cli"), 100).expect("read"), None);
+            store
+                .deny(entry(DenyKind::Host, &fp, None, 100))
+                .expect("deny host");
+            store
+                .deny(entry(DenyKind::Client, "cli", Some(200), 100))
+                .expect("deny client");
+            // The host entry is reported first; the client entry only for its client_id.
+            assert_eq!(
+                store.denied(&fp, Some("cli"), 150).expect("read"),
+                Some(entry(DenyKind::Host, &fp, None, 100))
+            );
+            let other = key_fingerprint(&key(2));
+            assert_eq!(
+                store
+                    .denied(&other, Some("cli"), 150)
+                    .expect("read")
+                    .map(|e| e.kind),
+                Some(DenyKind::Client)
+            );
+            assert_eq!(store.denied(&other, None, 150).expect("read"), None);
+            // `until` is exclusive: at 200 the client entry no longer denies.
+            assert_eq!(
+                store
+                    .denied(&other, Some("cli"), 199)
+                    .expect("read")
+                    .map(|e| e.kind),
+                Some(DenyKind::Client)
+            );
+            assert_eq!(store.denied(&other, Some("cli"), 200).expect("read"), None);
+            // Replacing keeps one row per (kind, value).
+            store
+                .deny(entry(DenyKind::Client, "cli", Some(900), 150))
+                .expect("extend");
+            assert_eq!(store.deny_entries().expect("list").len(), 2);
+        }
+        let store = open(dir.path());
+        let list = store.deny_entries().expect("list");
+        assert_eq!(list.len(), 2, "{list:?}");
+        assert_eq!(list[0].kind, DenyKind::Client);
+        assert_eq!(list[0].until_ms, Some(900));
+        // A write prunes the entries that expired by then.
+        store
+            .deny(entry(DenyKind::Client, "other", None, 1_000))
+            .expect("deny");
+        let values: Vec<String> = store
+            .deny_entries()
+            .expect("list")
+            .into_iter()
+            .map(|e| e.value)
+            .collect();
+        assert_eq!(values.len(), 2, "{values:?}");
+        assert!(!values.contains(&"cli".to_owned()), "{values:?}");
+        assert!(store.undeny(DenyKind::Client, "other").expect("undeny"));
+        assert!(!store.undeny(DenyKind::Client, "other").expect("undeny"));
+        assert!(matches!(
+            store.deny(entry(DenyKind::Client, "", None, 1)),
+            Err(StoreError::InvalidInput(_))
+        ));
+        assert!(matches!(
+            store.deny(entry(
+                DenyKind::Client,
+                &"x".repeat(MAX_DENY_VALUE + 1),
+                None,
+                1
+            )),
+            Err(StoreError::InvalidInput(_))
+        ));
+        store
+            .deny(entry(
+                DenyKind::Client,
+                &"x".repeat(MAX_DENY_VALUE),
+                None,
+                1,
+            ))
+            .expect("at the bound");
+    }
+
+    #[test]
+    fn enrolments_are_found_by_fingerprint() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(dir.path());
+        let (a, b) = (key(1), key(2));
+        for (k, n) in [(&a, "one"), (&b, "two")] {
+            store.enrol(request(k, n, None, 10)).expect("enrol");
+        }
+        store.revoke(&b, 11).expect("revoke");
+        let found = store
+            .enrolments_by_fingerprint(&key_fingerprint(&b))
+            .expect("scan");
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].host_pubkey, b);
+        assert!(found[0].is_revoked());
+        assert!(store
+            .enrolments_by_fingerprint("0000-0000-0000-0000")
+            .expect("scan")
+            .is_empty());
+    }
+
+    #[test]
+    fn the_deny_list_holds_at_most_max_entries() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        open(dir.path()).close().expect("close");
+        {
+            let mut conn = Connection::open(dir.path().join(crate::store::DB_FILE)).expect("raw");
+            let tx = conn.transaction().expect("tx");
+            {
+                let mut st = tx
+                    .prepare(
+                        "INSERT INTO deny (kind, value, until, at) VALUES ('client', ?1, NULL, 1)",
+                    )
+                    .expect("prepare");
+                for i in 0..MAX_DENY_ENTRIES - 1 {
+                    st.execute([format!("c{i}")]).expect("insert");
+                }
+            }
+            tx.commit().expect("commit");
+        }
+        let store = open(dir.path());
+        let last = entry(DenyKind::Host, "ffff-ffff-ffff-ffff", None, 2);
+        assert_eq!(
+            store.deny(last.clone()).expect("at the bound"),
+            DenyOutcome::Stored(last)
+        );
+        assert_eq!(
+            store
+                .deny(entry(DenyKind::Client, "one-more", None, 3))
+                .expect("past the bound"),
+            DenyOutcome::Full
+        );
+        // Replacing an entry that exists is still possible at the bound.
+        assert!(matches!(
+            store.deny(entry(DenyKind::Client, "c7", Some(9_999), 4)),
+            Ok(DenyOutcome::Stored(_))
+        ));
+    }
+}

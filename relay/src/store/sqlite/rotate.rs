@@ -1,0 +1,601 @@
+//! Host key rotation inside the store (spec §2 "Rotation"; `wire.md` §2.10, §3.2 "Rotation"):
+//! the SQL of [`RelayStore::rotate`](crate::store::RelayStore::rotate), run by the writer in
+//! the request's savepoint, so the whole move is one transaction.
+//!
+//! # What a rotation changes
+//! 1. The new key's enrolment takes the old one's name, owner claim, account, `authorized_by`
+//!    and authority rank — unless the new key already holds a stronger authority, whose account
+//!    it keeps (a weaker authority never overwrites a stronger one, spec §2). A new key that
+//!    was not enrolled becomes enrolled; the live count does not grow (the old key is revoked
+//!    in the same transaction), so the live cap is not checked.
+//! 2. The old key's queued items are re-inserted in seq order under seqs from the normal
+//!    allocator (`max(next_seq, now)`), i.e. after every item the new key already has; bytes,
+//!    hashes, acceptance and expiry times are kept. Quotas are not charged: both keys are the
+//!    same host, and nothing may be stranded. An item the new key already holds from the same
+//!    sender under the same id (the sender learned the new key and pushed it again) is not
+//!    moved twice.
+//! 3. Dedup rows stay where they are, under the old key: a sender that has not learned the new
+//!    key yet and retries a push naming the old key still settles as `duplicate` with its
+//!    original accept. A push naming the new key is a new dedup key (`wire.md` "Resolved details" → "Resealing":
+//!    a new target key is a new dedup key), so a copy resealed for the new key is accepted
+//!    rather than refused as a `conflict` (which the sender would take as terminal); the
+//!    receiver's message-id dedup absorbs the second copy.
+//! 4. The old key's enc-key ads (v1 and v2) are dropped.
+//! 5. The old key's own allowlist becomes the new key's, unless the new key already published
+//!    one (a list signed by the new key is the host's newer word).
+//! 6. In every other target's allowlist the old key is replaced by the new one (once). The
+//!    stored `record` and `sig` stay exactly as the target signed them — they prove what the
+//!    target published — while `senders`, the list the relay enforces, is rebound; a list whose
+//!    `senders` differ from its `record` is one the relay rebound. The target's next
+//!    publication (with a newer `iat`) replaces it as usual.
+//! 7. The old key is revoked, and `meta.rotation:<old key>` records the new key, so repeating
+//!    the same rotation answers [`RotateOutcome::AlreadyRotated`] instead of an error that
+//!    would make the host retry for ever; a rotation of the (now revoked) old key to any other
+//!    key is [`RotateOutcome::NotEnrolled`].
+//!
+//! Every refusal is decided before the first write, so a refused rotation changes nothing.
+//!
+//! # What it must never do
+//! Verify signatures (the handler checked the record against the old key) or charge quotas.
+
+use rusqlite::{params, Connection};
+
+use super::{allocate_seq, enrolment_row, meta_get, meta_put};
+use crate::store::{Enrolment, RotateOutcome, RotateRequest, StoreError};
+
+/// Prefix of the meta key that remembers an applied rotation: `rotation:<old key>` → new key.
+pub(crate) const ROTATION_META_PREFIX: &str = "rotation:";
+
+/// One queued item of the old key, as it is re-inserted.
+struct Queued {
+    kind: String,
+    item_id: String,
+    sender_pubkey: String,
+    sender_host: String,
+    wire: Vec<u8>,
+    wire_hash: String,
+    bytes: i64,
+    accepted_at: i64,
+    expires_at: Option<i64>,
+}
+
+/// Applies one verified rotation (module docs).
+pub(super) fn rotate_apply(
+    c: &Connection,
+    req: &RotateRequest,
+) -> Result<RotateOutcome, StoreError> {
+    let (old_key, new_key) = (req.old_pubkey.as_str(), req.new_pubkey.as_str());
+    let marker = format!("{ROTATION_META_PREFIX}{old_key}");
+    let Some(old) = enrolment_row(c, old_key)? else {
+        return Ok(RotateOutcome::NotEnrolled);
+    };
+    if old.is_revoked() {
+        return Ok(match meta_get(c, &marker)? {
+            Some(to) if to == new_key => RotateOutcome::AlreadyRotated,
+            _ => RotateOutcome::NotEnrolled,
+        });
+    }
+    if !old.host_name.eq_ignore_ascii_case(&req.host_name) {
+        return Ok(RotateOutcome::OtherHost);
+    }
+    let current = enrolment_row(c, new_key)?;
+    if current.as_ref().is_some_and(Enrolment::is_revoked) {
+        return Ok(RotateOutcome::TargetRevoked);
+    }
+    let (account, authorized_by, strength) = match &current {
+        Some(cur) if cur.strength > old.strength => {
+            (cur.account.clone(), cur.authorized_by.clone(), cur.strength)
+        }
+        _ => (old.account.clone(), old.authorized_by.clone(), old.strength),
+    };
+    if let Some(account) = &account {
+        let taken: bool = c
+            .prepare_cached(
+                "SELECT EXISTS (SELECT 1 FROM enrolments
+                   WHERE account = ?1 AND lower(host_name) = lower(?2) AND revoked_at IS NULL
+                     AND host_pubkey <> ?3 AND host_pubkey <> ?4)",
+            )?
+            .query_row(params![account, old.host_name, old_key, new_key], |r| {
+                r.get(0)
+            })?;
+        if taken {
+            return Ok(RotateOutcome::TargetNameTaken);
+        }
+    }
+
+    // From here on nothing refuses: every write below belongs to the rotation.
+    // Revoked first, so the new key can carry the old one's (account, name).
+    c.prepare_cached("UPDATE enrolments SET revoked_at = ?2 WHERE host_pubkey = ?1")?
+        .execute(params![old_key, req.now_ms])?;
+    c.prepare_cached(
+        "INSERT INTO enrolments
+           (host_pubkey, host_name, owner_fp, account, authorized_by, authority_rank, enrolled_at, revoked_at)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, NULL)
+         ON CONFLICT(host_pubkey) DO UPDATE SET
+           host_name = excluded.host_name, owner_fp = excluded.owner_fp,
+           account = excluded.account, authorized_by = excluded.authorized_by,
+           authority_rank = excluded.authority_rank, enrolled_at = excluded.enrolled_at",
+    )?
+    .execute(params![
+        new_key,
+        old.host_name,
+        old.owner_fp,
+        account,
+        authorized_by,
+        strength.rank(),
+        req.now_ms,
+    ])?;
+
+    let moved = move_queue(c, old_key, new_key, req.now_ms)?;
+
+    c.prepare_cached("DELETE FROM enc_ads WHERE host_pubkey = ?1")?
+        .execute([old_key])?;
+    c.prepare_cached("DELETE FROM enc_ad_records WHERE host_pubkey = ?1")?
+        .execute([old_key])?;
+
+    rebind_allowlists(c, old_key, new_key)?;
+
+    meta_put(c, &marker, new_key)?;
+    Ok(RotateOutcome::Rotated { moved })
+}
+
+/// Moves the old key's queue behind the new key's (module docs, 2); returns how many items
+/// moved.
+fn move_queue(
+    c: &Connection,
+    old_key: &str,
+    new_key: &str,
+    now_ms: i64,
+) -> Result<u64, StoreError> {
+    let queued: Vec<Queued> = {
+        let mut st = c.prepare_cached(
+            "SELECT kind, item_id, sender_pubkey, sender_host, wire, wire_hash, bytes,
+                    accepted_at, expires_at
+             FROM items WHERE target_pubkey = ?1 ORDER BY seq",
+        )?;
+        let rows = st
+            .query_map([old_key], |r| {
+                Ok(Queued {
+                    kind: r.get(0)?,
+                    item_id: r.get(1)?,
+                    sender_pubkey: r.get(2)?,
+                    sender_host: r.get(3)?,
+                    wire: r.get(4)?,
+                    wire_hash: r.get(5)?,
+                    bytes: r.get(6)?,
+                    accepted_at: r.get(7)?,
+                    expires_at: r.get(8)?,
+                })
+            })?
+            .collect::<Result<Vec<_>, _>>()?;
+        rows
+    };
+    let mut moved = 0u64;
+    for item in &queued {
+        let held: bool = c
+            .prepare_cached(
+                "SELECT EXISTS (SELECT 1 FROM dedup
+                   WHERE sender_pubkey = ?1 AND item_id = ?2 AND target_pubkey = ?3)",
+            )?
+            .query_row(params![item.sender_pubkey, item.item_id, new_key], |r| {
+                r.get(0)
+            })?;
+        if held {
+            continue;
+        }
+        let seq = allocate_seq(c, new_key, now_ms)?;
+        c.prepare_cached(
+            "INSERT INTO items (target_pubkey, seq, kind, item_id, sender_pubkey, sender_host,
+                                wire, wire_hash, bytes, accepted_at, expires_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+        )?
+        .execute(params![
+            new_key,
+            seq,
+            item.kind,
+            item.item_id,
+            item.sender_pubkey,
+            item.sender_host,
+            item.wire,
+            item.wire_hash,
+            item.bytes,
+            item.accepted_at,
+            item.expires_at,
+        ])?;
+        moved += 1;
+    }
+    c.prepare_cached("DELETE FROM items WHERE target_pubkey = ?1")?
+        .execute([old_key])?;
+    Ok(moved)
+}
+
+/// Moves the old key's allowlist to the new key and swaps the old key for the new one in every
+/// other list (module docs, 5 and 6).
+fn rebind_allowlists(c: &Connection, old_key: &str, new_key: &str) -> Result<(), StoreError> {
+    let new_has_own: bool = c
+        .prepare_cached("SELECT EXISTS (SELECT 1 FROM sender_lists WHERE target_pubkey = ?1)")?
+        .query_row([new_key], |r| r.get(0))?;
+    if new_has_own {
+        c.prepare_cached("DELETE FROM sender_lists WHERE target_pubkey = ?1")?
+            .execute([old_key])?;
+    } else {
+        c.prepare_cached("UPDATE sender_lists SET target_pubkey = ?2 WHERE target_pubkey = ?1")?
+            .execute([old_key, new_key])?;
+    }
+    let naming: Vec<(String, String)> = {
+        let mut st = c.prepare_cached(
+            "SELECT s.target_pubkey, s.senders FROM sender_lists s
+             WHERE EXISTS (SELECT 1 FROM json_each(s.senders) j WHERE j.value = ?1)",
+        )?;
+        let rows = st
+            .query_map([old_key], |r| Ok((r.get(0)?, r.get(1)?)))?
+            .collect::<Result<Vec<_>, _>>()?;
+        rows
+    };
+    for (target, senders) in naming {
+        let senders: Vec<String> = serde_json::from_str(&senders).map_err(|e| {
+            StoreError::Corrupt(format!("stored sender list is not a JSON array: {e}"))
+        })?;
+        let mut rebound: Vec<String> = Vec::with_capacity(senders.len());
+        for s in senders {
+            let s = if s == old_key { new_key.to_owned() } else { s };
+            if !rebound.contains(&s) {
+                rebound.push(s);
+            }
+        }
+        let text = serde_json::to_string(&rebound)
+            .map_err(|e| StoreError::InvalidInput(format!("sender list cannot be encoded: {e}")))?;
+        c.prepare_cached("UPDATE sender_lists SET senders = ?2 WHERE target_pubkey = ?1")?
+            .execute(params![target, text])?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{
+        AuthorityStrength, EncAdV1, EncAdV2, EnrolOutcome, EnrolRequest, ItemStatus, OpenOptions,
+        PullRequest, PushBatch, PushItem, PushTarget, RelayStore, SenderList,
+    };
+    use crate::store::{SqliteStore, DB_FILE};
+    use base64::Engine as _;
+    use rusqlite::OpenFlags;
+
+    fn key(n: u8) -> String {
+        base64::engine::general_purpose::STANDARD.encode([n; 32])
+    }
+
+    fn open(dir: &std::path::Path) -> SqliteStore {
+        let options = OpenOptions {
+            lock_wait_ms: 0,
+            ..OpenOptions::default()
+        };
+        SqliteStore::open_with(dir, &key(200), 1_000, options).expect("open store")
+    }
+
+    /// A read-only look at the raw tables.
+    fn raw(dir: &std::path::Path) -> Connection {
+        Connection::open_with_flags(dir.join(DB_FILE), OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .expect("open read-only")
+    }
+
+    fn count(c: &Connection, sql: &str, k: &str) -> i64 {
+        c.query_row(sql, [k], |r| r.get(0)).expect("count")
+    }
+
+    fn enrol(store: &SqliteStore, k: &str, name: &str, account: Option<&str>) {
+        let strength = if account.is_some() {
+            AuthorityStrength::Account
+        } else {
+            AuthorityStrength::HostKeyChallenge
+        };
+        let out = store
+            .enrol(EnrolRequest {
+                host_pubkey: k.to_owned(),
+                host_name: name.to_owned(),
+                owner_fp: format!("fp-{name}"),
+                account: account.map(str::to_owned),
+                authorized_by: if account.is_some() {
+                    "account-token".to_owned()
+                } else {
+                    "host-key-challenge".to_owned()
+                },
+                strength,
+                now_ms: 1_000,
+            })
+            .expect("enrol");
+        assert!(matches!(out, EnrolOutcome::Enrolled(_)), "{out:?}");
+    }
+
+    /// Pushes one item `id` from `sender` to `target` with `wire`; returns its seq.
+    fn push(
+        store: &SqliteStore,
+        sender: &str,
+        target: &str,
+        id: &str,
+        wire: &[u8],
+        now: i64,
+    ) -> i64 {
+        let out = store
+            .push(PushBatch {
+                sender_pubkey: sender.to_owned(),
+                sender_host: "sender".to_owned(),
+                now_ms: now,
+                expiry: Default::default(),
+                items: vec![PushItem {
+                    kind: "envelope".to_owned(),
+                    item_id: id.to_owned(),
+                    targets: vec![PushTarget {
+                        target_pubkey: target.to_owned(),
+                        wire: wire.to_vec(),
+                    }],
+                }],
+            })
+            .expect("push");
+        assert_eq!(out.items[0].status, ItemStatus::Accepted, "{out:?}");
+        out.items[0].targets[0].seq
+    }
+
+    fn queue(store: &SqliteStore, target: &str) -> Vec<(i64, String)> {
+        store
+            .pull(PullRequest {
+                target_pubkey: target.to_owned(),
+                after: 0,
+                limit: 500,
+                max_bytes: u64::MAX,
+            })
+            .expect("pull")
+            .items
+            .into_iter()
+            .map(|i| (i.seq, i.item_id))
+            .collect()
+    }
+
+    fn list(target: &str, senders: &[&str], iat_ms: i64) -> SenderList {
+        SenderList {
+            target_pubkey: target.to_owned(),
+            senders: senders.iter().map(|s| (*s).to_owned()).collect(),
+            iat_ms,
+            record: format!("{{\"signed-by\":\"{target}\"}}"),
+            sig: format!("sig-of-{target}"),
+        }
+    }
+
+    fn rotation(old: &str, new: &str, host: &str, now_ms: i64) -> RotateRequest {
+        RotateRequest {
+            old_pubkey: old.to_owned(),
+            new_pubkey: new.to_owned(),
+            host_name: host.to_owned(),
+            now_ms,
+        }
+    }
+
+    #[test]
+    fn one_transaction_moves_queue_name_account_ads_and_allowlists() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path());
+        let (old, new, a, b) = (key(1), key(2), key(3), key(4));
+        enrol(&store, &old, "laptop", Some("acct-1"));
+        enrol(&store, &a, "alpha", None);
+        enrol(&store, &b, "beta", None);
+        store
+            .put_enc_ad_v1(EncAdV1 {
+                host_pubkey: old.clone(),
+                host_name: "laptop".into(),
+                enc_pub: key(9),
+                sig: "s1".into(),
+                at_ms: 1_000,
+            })
+            .unwrap();
+        store
+            .put_enc_ad_v2(EncAdV2 {
+                host_pubkey: old.clone(),
+                enc_pub: key(9),
+                record: "{}".into(),
+                sig: "s2".into(),
+                at_ms: 1_000,
+            })
+            .unwrap();
+        store.put_sender_list(list(&old, &[&a], 1_000)).unwrap();
+        store.put_sender_list(list(&b, &[&a, &old], 1_000)).unwrap();
+        let s1 = push(&store, &a, &old, "i1", b"w1", 2_000);
+        let s2 = push(&store, &a, &old, "i2", b"w2", 2_000);
+        assert!(s1 < s2);
+
+        let out = store.rotate(rotation(&old, &new, "Laptop", 5_000)).unwrap();
+        assert_eq!(out, RotateOutcome::Rotated { moved: 2 });
+
+        // The new key carries the old enrolment; the old one is revoked.
+        let e = store.enrolment(&new).unwrap().unwrap();
+        assert_eq!(
+            (
+                e.host_name.as_str(),
+                e.owner_fp.as_str(),
+                e.account.as_deref(),
+                e.authorized_by.as_str(),
+                e.strength,
+                e.revoked_at_ms
+            ),
+            (
+                "laptop",
+                "fp-laptop",
+                Some("acct-1"),
+                "account-token",
+                AuthorityStrength::Account,
+                None
+            )
+        );
+        assert_eq!(
+            store.enrolment(&old).unwrap().unwrap().revoked_at_ms,
+            Some(5_000)
+        );
+        // Queue: in order, under new seqs at or after now.
+        let q = queue(&store, &new);
+        assert_eq!(
+            q.iter().map(|(_, id)| id.as_str()).collect::<Vec<_>>(),
+            ["i1", "i2"]
+        );
+        assert_eq!(q[0].0, 5_000);
+        assert_eq!(q[1].0, 5_001);
+        let c = raw(dir.path());
+        assert_eq!(
+            count(
+                &c,
+                "SELECT COUNT(*) FROM items WHERE target_pubkey = ?1",
+                &old
+            ),
+            0
+        );
+        // Dedup rows stay under the old key (a retry naming it settles as a duplicate).
+        assert_eq!(
+            count(
+                &c,
+                "SELECT COUNT(*) FROM dedup WHERE target_pubkey = ?1",
+                &old
+            ),
+            2
+        );
+        assert_eq!(
+            count(
+                &c,
+                "SELECT COUNT(*) FROM dedup WHERE target_pubkey = ?1",
+                &new
+            ),
+            0
+        );
+        // Ads of the old key dropped.
+        for t in ["enc_ads", "enc_ad_records"] {
+            let sql = format!("SELECT COUNT(*) FROM {t} WHERE host_pubkey = ?1");
+            assert_eq!(count(&c, &sql, &old), 0, "{t}");
+        }
+        // Allowlists: the old key's own is the new key's, beta's names the new key, and every
+        // signed record stays as it was signed.
+        let own = store.sender_list(&new).unwrap().unwrap();
+        assert_eq!(own.senders, vec![a.clone()]);
+        assert_eq!(own.record, format!("{{\"signed-by\":\"{old}\"}}"));
+        assert!(store.sender_list(&old).unwrap().is_none());
+        let bl = store.sender_list(&b).unwrap().unwrap();
+        assert_eq!(bl.senders, vec![a.clone(), new.clone()]);
+        assert_eq!(
+            (bl.record, bl.sig),
+            (format!("{{\"signed-by\":\"{b}\"}}"), format!("sig-of-{b}"))
+        );
+        // The applied rotation is remembered.
+        assert_eq!(
+            c.query_row(
+                "SELECT v FROM meta WHERE k = ?1",
+                [format!("rotation:{old}")],
+                |r| r.get::<_, String>(0)
+            )
+            .unwrap(),
+            new
+        );
+        drop(c);
+        // Repeating it changes nothing; another target for the retired key is refused.
+        assert_eq!(
+            store.rotate(rotation(&old, &new, "laptop", 6_000)).unwrap(),
+            RotateOutcome::AlreadyRotated
+        );
+        assert_eq!(
+            store
+                .rotate(rotation(&old, &key(7), "laptop", 6_000))
+                .unwrap(),
+            RotateOutcome::NotEnrolled
+        );
+        assert_eq!(queue(&store, &new), q);
+    }
+
+    #[test]
+    fn the_new_keys_own_queue_list_and_stronger_account_are_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path());
+        let (old, new, a, b) = (key(1), key(2), key(3), key(4));
+        enrol(&store, &old, "laptop", None);
+        enrol(&store, &new, "laptop-new", Some("acct-9"));
+        enrol(&store, &a, "alpha", None);
+        enrol(&store, &b, "beta", None);
+        store.put_sender_list(list(&old, &[&a], 1_000)).unwrap();
+        store.put_sender_list(list(&new, &[&b, &a], 1_500)).unwrap();
+        // A list naming both keys ends up naming the new one once.
+        store
+            .put_sender_list(list(&b, &[&old, &new], 1_000))
+            .unwrap();
+        let own = push(&store, &b, &new, "own", b"own", 3_000);
+        push(&store, &a, &old, "moved", b"m", 2_000);
+        // The sender already pushed the same id to the new key: not moved twice.
+        push(&store, &a, &old, "dup", b"d-old", 2_000);
+        push(&store, &a, &new, "dup", b"d-new", 3_000);
+        let out = store.rotate(rotation(&old, &new, "laptop", 4_000)).unwrap();
+        assert_eq!(out, RotateOutcome::Rotated { moved: 1 });
+        let q = queue(&store, &new);
+        assert_eq!(
+            q.iter().map(|(_, id)| id.as_str()).collect::<Vec<_>>(),
+            ["own", "dup", "moved"]
+        );
+        assert_eq!(q[0].0, own);
+        let e = store.enrolment(&new).unwrap().unwrap();
+        assert_eq!(
+            (e.host_name.as_str(), e.account.as_deref(), e.strength),
+            ("laptop", Some("acct-9"), AuthorityStrength::Account)
+        );
+        assert_eq!(
+            store.sender_list(&new).unwrap().unwrap().senders,
+            vec![b.clone(), a.clone()]
+        );
+        assert_eq!(
+            store.sender_list(&b).unwrap().unwrap().senders,
+            vec![new.clone()]
+        );
+        assert!(store.sender_list(&old).unwrap().is_none());
+    }
+
+    #[test]
+    fn refusals_write_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path());
+        let (old, new, other, a) = (key(1), key(2), key(3), key(4));
+        enrol(&store, &old, "laptop", None);
+        enrol(&store, &a, "alpha", None);
+        push(&store, &a, &old, "i1", b"w1", 2_000);
+        let before = queue(&store, &old);
+        assert_eq!(
+            store
+                .rotate(rotation(&key(8), &new, "laptop", 3_000))
+                .unwrap(),
+            RotateOutcome::NotEnrolled
+        );
+        assert_eq!(
+            store
+                .rotate(rotation(&old, &new, "desktop", 3_000))
+                .unwrap(),
+            RotateOutcome::OtherHost
+        );
+        // The new key's stronger account already has a live "laptop".
+        enrol(&store, &new, "n", Some("acct-2"));
+        enrol(&store, &other, "LAPTOP", Some("acct-2"));
+        assert_eq!(
+            store.rotate(rotation(&old, &new, "laptop", 3_000)).unwrap(),
+            RotateOutcome::TargetNameTaken
+        );
+        store.revoke(&new, 3_000).unwrap();
+        assert_eq!(
+            store.rotate(rotation(&old, &new, "laptop", 3_000)).unwrap(),
+            RotateOutcome::TargetRevoked
+        );
+        assert!(store
+            .rotate(rotation("not canonical", &new, "laptop", 3_000))
+            .is_err());
+        assert_eq!(queue(&store, &old), before);
+        assert_eq!(store.enrolment(&old).unwrap().unwrap().revoked_at_ms, None);
+        let c = raw(dir.path());
+        assert_eq!(
+            count(
+                &c,
+                "SELECT COUNT(*) FROM meta WHERE k = ?1",
+                &format!("rotation:{old}")
+            ),
+            0
+        );
+    }
+}
