@@ -7,9 +7,9 @@
 //! names it, never ignored. Command-line flags, where a command has them, override the result
 //! (applied by the command, after [`Config::load`]).
 //!
-//! It must never write the file except to record the host name at `init`
-//! ([`record_host`]), and never hold or print secrets: the file carries none (keys live in
-//! their own 0600 files, [`crate::identity`]).
+//! It must never write the file except to record the host name and the key store at `init`
+//! ([`record_host`], [`record_key_store`]) and the relay ([`set_relay`]), and never hold or
+//! print secrets: the file carries none (keys live in the key store, [`crate::keystore`]).
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -115,7 +115,9 @@ pub struct Config {
     /// accepted [`MIN_RELAY_PULL_INTERVAL_MS`]..=[`MAX_RELAY_PULL_INTERVAL_MS`]).
     #[serde(default = "default_relay_pull_interval_ms")]
     pub relay_pull_interval_ms: u64,
-    /// `key_store`: where private keys are kept, chosen at `init` and never switched silently.
+    /// `key_store`: where private keys are kept (`"keyring"` or `"file"`), chosen at `init`
+    /// (`MBX_KEYSTORE`, else this key, else the OS keyring when it answers) and never switched
+    /// silently afterwards ([`crate::keystore`]). Default `"file"` for a home that records none.
     #[serde(default)]
     pub key_store: KeyStore,
 }
@@ -148,7 +150,16 @@ pub struct RelayConfig {
     /// absent the key is learned on first contact (`wire.md` §3.5).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key: Option<String>,
+    /// `token_command`: for a relay run with the account authority (spec §8), a command line
+    /// (run with `sh -c`) that prints a fresh account token for this relay on stdout
+    /// ([`crate::transport::relay_client::account`]: environment, time and size limits). When
+    /// absent the host enrols with the host-key challenge only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_command: Option<String>,
 }
+
+/// Longest `relay.token_command` accepted (bytes).
+pub const MAX_TOKEN_COMMAND_BYTES: usize = 4096;
 
 /// Where the host's private keys are stored.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -157,6 +168,25 @@ pub enum KeyStore {
     /// 0600 files `host.key` and `enc.key` in the home directory.
     #[default]
     File,
+    /// The OS keyring (Secret Service, macOS Keychain, Windows Credential Manager), entries
+    /// namespaced by the home directory.
+    Keyring,
+}
+
+impl KeyStore {
+    /// The config and `MBX_KEYSTORE` spelling: `"file"` or `"keyring"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KeyStore::File => "file",
+            KeyStore::Keyring => "keyring",
+        }
+    }
+}
+
+impl std::fmt::Display for KeyStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// The configuration could not be read, parsed, validated or written.
@@ -298,7 +328,13 @@ impl Config {
                 Some(r) if r.url == url => r.key.clone(),
                 _ => None,
             };
-            self.relay = Some(RelayConfig { url, key });
+            // The token command is told which relay it serves: it stays.
+            let token_command = self.relay.as_ref().and_then(|r| r.token_command.clone());
+            self.relay = Some(RelayConfig {
+                url,
+                key,
+                token_command,
+            });
         }
         Ok(())
     }
@@ -334,6 +370,19 @@ impl Config {
                     }
                 })?;
             }
+            if let Some(cmd) = &relay.token_command {
+                if cmd.trim().is_empty()
+                    || cmd.len() > MAX_TOKEN_COMMAND_BYTES
+                    || cmd.contains('\0')
+                {
+                    return Err(ConfigError::Invalid {
+                        key: "relay.token_command",
+                        message: format!(
+                            "must be a command line of 1..={MAX_TOKEN_COMMAND_BYTES} bytes without NUL"
+                        ),
+                    });
+                }
+            }
         }
         Ok(())
     }
@@ -365,7 +414,7 @@ where
 }
 
 /// Records `host` as this host's name in `config.toml` (`init`). Creates the file when missing
-/// (with `host` and `key_store = "file"`); adds a `host` line to an existing file that has none,
+/// (with `host` only: the key store is recorded once the keys exist, [`record_key_store`]); adds a `host` line to an existing file that has none,
 /// keeping everything else byte for byte; does nothing when the file already names `host`.
 /// Errors: [`ConfigError::HostConflict`] when the file names another host; parse and I/O errors.
 pub fn record_host(paths: &Paths, host: &HostName) -> Result<(), ConfigError> {
@@ -379,7 +428,7 @@ pub fn record_host(paths: &Paths, host: &HostName) -> Result<(), ConfigError> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let text = format!(
                 "# agentmbx host configuration. Every setting has a default; unknown keys are refused.\n\
-                 host = \"{host}\"\nkey_store = \"file\"\n"
+                 host = \"{host}\"\n"
             );
             return fsutil::create_new(&path, text.as_bytes(), fsutil::PRIVATE_MODE)
                 .map_err(write_err);
@@ -401,9 +450,43 @@ pub fn record_host(paths: &Paths, host: &HostName) -> Result<(), ConfigError> {
     }
 }
 
+/// Records `store` as the home's `key_store` in `config.toml` (`init`, once the keys exist):
+/// replaces a top-level `key_store = …` line, or adds one first, keeping every other byte. The
+/// file must exist ([`record_host`] runs first). Errors: parse and I/O errors.
+pub fn record_key_store(paths: &Paths, store: KeyStore) -> Result<(), ConfigError> {
+    let path = paths.config_file();
+    let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Read {
+        path: path.clone(),
+        source,
+    })?;
+    let line = format!("key_store = \"{store}\"");
+    let mut lines: Vec<&str> = text.lines().collect();
+    let top = lines
+        .iter()
+        .position(|l| l.trim_start().starts_with('['))
+        .unwrap_or(lines.len());
+    let existing = lines[..top].iter().position(|l| {
+        l.trim_start()
+            .strip_prefix("key_store")
+            .is_some_and(|rest| rest.trim_start().starts_with('='))
+    });
+    match existing {
+        Some(i) if lines[i].trim() == line => return Ok(()),
+        Some(i) => lines[i] = &line,
+        None => lines.insert(0, &line),
+    }
+    let mut updated = lines.join("\n");
+    updated.push('\n');
+    Config::from_toml_str(&updated, &path)?;
+    fsutil::replace(&path, updated.as_bytes(), fsutil::PRIVATE_MODE)
+        .map_err(|source| ConfigError::Write { path, source })
+}
+
 /// Sets (or, with `None`, removes) the `[relay]` table of `config.toml`, keeping the other
-/// settings (comments are not kept). The result is validated before it is written; the file is
-/// replaced atomically. Errors: parse, validation and I/O errors.
+/// settings (comments are not kept). A given table without `token_command` keeps the one the
+/// file has (`relay set` changes the URL and the pin, not how tokens are obtained). The result
+/// is validated before it is written; the file is replaced atomically. Errors: parse,
+/// validation and I/O errors.
 pub fn set_relay(paths: &Paths, relay: Option<&RelayConfig>) -> Result<(), ConfigError> {
     let path = paths.config_file();
     let text = match std::fs::read_to_string(&path) {
@@ -419,7 +502,16 @@ pub fn set_relay(paths: &Paths, relay: Option<&RelayConfig>) -> Result<(), Confi
             line: None,
             message: e.to_string(),
         })?;
-    match relay {
+    let kept_command = table
+        .get("relay")
+        .and_then(|r| r.get("token_command"))
+        .and_then(toml::Value::as_str)
+        .map(str::to_owned);
+    let merged = relay.map(|r| RelayConfig {
+        token_command: r.token_command.clone().or(kept_command),
+        ..r.clone()
+    });
+    match merged.as_ref() {
         Some(r) => {
             let value = toml::Value::try_from(r).map_err(|e| ConfigError::Parse {
                 path: path.clone(),
@@ -500,9 +592,48 @@ mod tests {
             other.relay,
             Some(RelayConfig {
                 url: "http://s:2".into(),
-                key: None
+                key: None,
+                token_command: None,
             })
         );
+    }
+
+    #[test]
+    fn the_token_command_is_validated_kept_by_set_relay_and_by_the_url_override() {
+        let (_d, paths) = home_with(Some(
+            "[relay]\nurl = \"http://r:1\"\ntoken_command = \"mbx-token --relay r\"\n",
+        ));
+        let c = Config::load_with_env(&paths, env_of(&[])).unwrap();
+        let cmd = Some("mbx-token --relay r".to_owned());
+        assert_eq!(c.relay.as_ref().unwrap().token_command, cmd);
+        let other =
+            Config::load_with_env(&paths, env_of(&[(RELAY_URL_ENV, "http://s:2")])).unwrap();
+        assert_eq!(other.relay.unwrap().token_command, cmd);
+        set_relay(
+            &paths,
+            Some(&RelayConfig {
+                url: "http://t:3".into(),
+                key: None,
+                token_command: None,
+            }),
+        )
+        .unwrap();
+        let c = Config::load_with_env(&paths, env_of(&[])).unwrap();
+        assert_eq!(c.relay.unwrap().token_command, cmd, "relay set keeps it");
+        for bad in [
+            "\"\"",
+            "\"   \"",
+            &format!("\"{}\"", "x".repeat(MAX_TOKEN_COMMAND_BYTES + 1)),
+        ] {
+            let (_d, paths) = home_with(Some(&format!(
+                "[relay]\nurl = \"http://r:1\"\ntoken_command = {bad}\n"
+            )));
+            let err = Config::load_with_env(&paths, env_of(&[]))
+                .map(|_| ())
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("relay.token_command"), "{bad}: {err}");
+        }
     }
 
     #[test]
@@ -558,5 +689,23 @@ mod tests {
         assert_eq!((c.host, c.api_port), (Some(beta), 1));
         let text = std::fs::read_to_string(paths.config_file()).unwrap();
         assert!(text.ends_with("# mine\napi_port = 1\n[relay]\nurl = \"http://r\"\n"));
+    }
+
+    #[test]
+    fn record_key_store_adds_replaces_and_keeps_the_rest() {
+        let (_d, paths) = home_with(Some(
+            "# mine\nhost = \"alpha\"\n[relay]\nurl = \"http://r\"\n",
+        ));
+        record_key_store(&paths, KeyStore::Keyring).unwrap();
+        let c = Config::load_with_env(&paths, env_of(&[])).unwrap();
+        assert_eq!(c.key_store, KeyStore::Keyring);
+        record_key_store(&paths, KeyStore::File).unwrap();
+        let text = std::fs::read_to_string(paths.config_file()).unwrap();
+        assert_eq!(
+            text,
+            "key_store = \"file\"\n# mine\nhost = \"alpha\"\n[relay]\nurl = \"http://r\"\n"
+        );
+        record_key_store(&paths, KeyStore::File).unwrap();
+        assert_eq!(std::fs::read_to_string(paths.config_file()).unwrap(), text);
     }
 }

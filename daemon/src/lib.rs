@@ -29,6 +29,7 @@ pub mod discovery;
 pub mod fsutil;
 pub mod host_name;
 pub mod identity;
+pub mod keystore;
 pub mod mailbox;
 pub mod node;
 pub mod pairing;

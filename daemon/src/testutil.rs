@@ -24,6 +24,8 @@ pub fn identity(host: &str) -> Identity {
         host: HostName::parse(host).unwrap(),
         host_key: HostKey::generate(),
         enc_key: EncKey::generate(),
+        key_store: crate::keystore::Backend::File,
+        history: Default::default(),
     }
 }
 

@@ -107,7 +107,8 @@ impl Home {
 }
 
 /// `agentmbx <args>` with none of the caller's `MBX_*` variables (nor `PORT`), `MBX_NO_MDNS=1`,
-/// the LAN server on 127.0.0.1 port 0 (`MBX_LAN_BIND`, `MBX_LAN_PORT`) and `MBX_LOG=info`.
+/// keys in 0600 files (`MBX_KEYSTORE=file`: never the desktop's keyring), the LAN server on
+/// 127.0.0.1 port 0 (`MBX_LAN_BIND`, `MBX_LAN_PORT`) and `MBX_LOG=info`.
 pub fn command(args: &[&str]) -> Command {
     let mut cmd = Command::new(bin());
     for (name, _) in std::env::vars_os() {
@@ -116,6 +117,7 @@ pub fn command(args: &[&str]) -> Command {
         }
     }
     cmd.env("MBX_NO_MDNS", "1")
+        .env("MBX_KEYSTORE", "file")
         .env("MBX_LAN_BIND", "127.0.0.1")
         .env("MBX_LAN_PORT", "0")
         .env("MBX_LOG", "info")

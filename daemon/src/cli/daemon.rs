@@ -1,8 +1,9 @@
 //! `agentmbx daemon [--api-port N] [--api-bind ADDR]`: run the host daemon in the foreground.
 //!
 //! Start-up order: clock offset and failpoints (logged), home, config (defaults → file →
-//! environment → these flags), identity (created on a fresh home, as `init` with the machine's
-//! host name, so `agentmbx daemon` alone works on a new machine), API token, signal handlers,
+//! environment → these flags), the daemon lock, identity (created on a fresh home, as `init`
+//! with the machine's host name, so `agentmbx daemon` alone works on a new machine; an
+//! interrupted key rotation is completed), API token, signal handlers,
 //! then bind and serve until SIGTERM or SIGINT.
 
 use std::net::IpAddr;
@@ -54,13 +55,10 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
     if let Some(bind) = args.api_bind {
         config.api_bind = bind;
     }
-    if !identity::is_initialized(&paths) {
-        tracing::info!(home = %paths.home().display(), "no host identity yet: initializing this host");
-        let created = identity::init(&paths, config.host.as_ref())?;
-        config.host = Some(created.host);
-    }
-    let identity = identity::load(&paths, &config)?;
+    paths.ensure_home()?;
     // One daemon per home: the OS releases the lock when the process ends, even on SIGKILL.
+    // Taken before the keys are loaded, so `host rotate` (which holds it too) never swaps them
+    // under a starting daemon.
     let lock_path = paths.daemon_lock();
     let lock = std::fs::OpenOptions::new()
         .create(true)
@@ -74,6 +72,12 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
             paths.home().display()
         );
     }
+    if !identity::is_initialized(&paths) {
+        tracing::info!(home = %paths.home().display(), "no host identity yet: initializing this host");
+        let created = identity::init(&paths, config.host.as_ref())?;
+        config.host = Some(created.host);
+    }
+    let identity = identity::load(&paths, &config)?;
     let token = ApiToken::load_or_create(&paths.api_token())?;
     if !config.api_bind.is_loopback() {
         tracing::warn!(bind = %config.api_bind, "the local API is bound to a non-loopback address; it is meant for agents on this machine");
@@ -175,6 +179,12 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
             .context("cannot build the LAN client")?;
         let delivery = lan::deliver::LanDelivery::new(client.clone(), mailbox.clone(), relay_configured);
         let deliver_task = tokio::spawn(lan::deliver::run(delivery, lan_wake, stop_rx.clone()));
+        let rotate_task = tokio::spawn(lan::rotate_announce::run(
+            paths.clone(),
+            mailbox.clone(),
+            client.clone(),
+            stop_rx.clone(),
+        ));
         let directory_task = tokio::spawn(lan::directory::run(
             mailbox.clone(),
             client,
@@ -194,7 +204,7 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
         ));
         let relay_task = match relay {
             Some(r) => Some(tokio::spawn(relay_client::start(
-                r.url,
+                r.url.clone(),
                 r.key,
                 ident.clone(),
                 mailbox.clone(),
@@ -202,6 +212,14 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
                 pull_interval,
                 relay_wake,
                 Some(wake.clone()),
+                r.token_command.as_deref().map(|cmd| {
+                    std::sync::Arc::new(relay_client::account::AccountTokens::new(
+                        cmd,
+                        paths.home(),
+                        &r.url,
+                        clock.clone(),
+                    ))
+                }),
                 stop_rx.clone(),
             ))),
             None => {
@@ -218,7 +236,7 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
         if let Some(task) = relay_task {
             let _ = task.await;
         }
-        for task in [deliver_task, directory_task, presence_task, fan] {
+        for task in [deliver_task, directory_task, presence_task, rotate_task, fan] {
             let _ = task.await;
         }
         tokio::task::spawn_blocking(move || discovery.shutdown())

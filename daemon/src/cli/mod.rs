@@ -10,12 +10,15 @@
 
 pub mod daemon;
 pub mod discover;
+pub mod host;
 pub mod init;
 pub mod mail;
 pub mod man;
 pub mod pair;
 pub mod peers;
 pub mod relay;
+pub mod relay_admin;
+pub mod relay_info;
 pub mod whoami;
 
 use std::process::ExitCode;
@@ -42,10 +45,13 @@ Environment (each overrides the matching config.toml setting):
   MBX_NO_MDNS=1: no mDNS advertising or browsing (mdns = false)
   MBX_RELAY_URL: relay base URL ([relay] url)
   MBX_RELAY_PULL_INTERVAL_MS: pause between relay pulls in ms (relay_pull_interval_ms)
+  MBX_KEYSTORE: keyring|file, where init keeps the private keys (key_store; default: the OS
+    keyring when it answers, else 0600 files); an initialised home never switches
   MBX_LOG: log filter (default: info for daemon and relay, warn otherwise)
   MBX_CLOCK_OFFSET_MS, MBX_FAILPOINTS: for tests and drills only
 
-Exit status: 0 success, 1 failure, 2 usage error, 3 not found (e.g. host not initialized).";
+Exit status: 0 success, 1 failure, 2 usage error, 3 not found (e.g. host not initialized),
+4 a relay runs on the store (offline relay operator commands).";
 
 /// AgentMBX: a signed, end-to-end-sealed mailbox for AI agents.
 #[derive(Debug, Parser)]
@@ -85,6 +91,9 @@ pub enum Command {
     Pair(pair::PairArgs),
     /// Pair with the host that printed a token (`agentmbx pair` there)
     Join(pair::JoinArgs),
+    /// Manage this host's keys: `host rotate`
+    #[command(subcommand)]
+    Host(host::HostCommand),
     /// List the AgentMBX hosts that answer on the LAN (mDNS, 3 s) and whether they are paired
     Discover(discover::DiscoverArgs),
     /// Send a message from an agent on this host (through the running daemon)
@@ -165,6 +174,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Pair(args) => pair::run(args),
         Command::Join(args) => pair::join(args),
         Command::Discover(args) => discover::run(args),
+        Command::Host(cmd) => host::run(cmd),
         Command::Send(args) => mail::send(args),
         Command::Inbox(args) => mail::inbox(args),
         Command::Read(args) => mail::read(args),
@@ -186,6 +196,9 @@ pub fn exit_code(err: &anyhow::Error) -> u8 {
         }
         if cause.is::<NotFoundError>() {
             return EXIT_NOT_FOUND;
+        }
+        if cause.is::<relay_admin::RelayRunning>() {
+            return relay_admin::EXIT_RELAY_RUNNING;
         }
         if let Some(IdentityError::NotInitialized { .. }) = cause.downcast_ref::<IdentityError>() {
             return EXIT_NOT_FOUND;

@@ -127,7 +127,9 @@ pub fn run(args: PeersArgs) -> anyhow::Result<()> {
             let ident = agentmbx::identity::load(&paths, &config)?;
             let now = SystemClock::from_env()?.now_ms();
             let ended = mailbox.with(|c| {
-                let tx = c.transaction()?;
+                // Immediate: a read-then-write transaction racing the running daemon's writes
+                // would otherwise fail at once with "database is locked" (WAL snapshot).
+                let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
                 let ended = agentmbx::node::unpair::forget_peer(&tx, &ident, &host, now)?;
                 tx.commit()?;
                 Ok(ended)
@@ -148,7 +150,21 @@ pub fn run(args: PeersArgs) -> anyhow::Result<()> {
         None => {
             let list = mailbox.with(|c| peers::list(c))?;
             if args.json {
-                println!("{}", serde_json::to_string_pretty(&list)?);
+                // Each peer with the fingerprints of the keys it rotated away from, oldest
+                // first (`wire.md` §2.10).
+                let mut shown = Vec::with_capacity(list.len());
+                for p in &list {
+                    let mut v = serde_json::to_value(p)?;
+                    let prev: Vec<String> = mailbox
+                        .with(|c| peers::prev_keys(c, &p.host))?
+                        .iter()
+                        .filter_map(|k| PublicKey::from_b64(k).ok())
+                        .map(|k| k.fingerprint())
+                        .collect();
+                    v["prev_keys"] = serde_json::json!(prev);
+                    shown.push(v);
+                }
+                println!("{}", serde_json::to_string_pretty(&shown)?);
             } else if list.is_empty() {
                 println!("no peers (pair with one: `agentmbx pair` here, then `agentmbx join` on the other host)");
             } else {

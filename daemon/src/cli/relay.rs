@@ -1,6 +1,6 @@
 //! `agentmbx relay …`: the relay server and its operator commands (the work is done by the
-//! `agentmbx-relay` crate), and `relay set`, which points this host at a relay and pins its key
-//! (`wire.md` §5 "Relay", spec §1).
+//! `agentmbx-relay` crate), and the host's `relay set` and `relay info` ([`super::relay_info`]:
+//! point this host at a relay, pin its key, show where it stands; `wire.md` §5 "Relay", spec §1).
 
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -8,11 +8,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Args, Subcommand};
 
-use agentmbx::config::{self, RelayConfig};
 use agentmbx::paths::Paths;
-use agentmbx::transport::relay_client::pin;
-
-use super::UsageError;
 
 /// Subcommands of `relay`.
 #[derive(Debug, Subcommand)]
@@ -21,10 +17,20 @@ pub enum RelayCommand {
     Serve(ServeArgs),
     /// Create a relay signing key and print it as MBX_RELAY_KEY=<seed> (a deploy secret)
     Keygen,
-    /// Use the relay at URL for this host and pin its key (restart the daemon afterwards)
+    /// Use the relay at URL for this host and pin its key (trust on first use, or --key);
+    /// also confirms a changed relay key
     Set(SetArgs),
+    /// Show this host's standing with its relay: pinned key, state (a key mismatch and its
+    /// fix), epoch, enrolment, enc-key ad, allowlist, position and outbox (offline; --live)
+    Info(super::relay_info::InfoArgs),
     /// List relay items this host refused (bad signature, undecryptable, unknown sender…)
     Quarantine(QuarantineArgs),
+    /// Revoke a host key on a relay for good (offline on --store-dir, or --url with the
+    /// admin token); its next request is refused
+    Revoke(super::relay_admin::RevokeArgs),
+    /// Deny a host fingerprint or token client_id on a relay (optionally --until), list or
+    /// remove entries (offline on --store-dir, or --url with the admin token)
+    Deny(super::relay_admin::DenyArgs),
 }
 
 /// Flags of `relay quarantine`.
@@ -50,6 +56,12 @@ pub struct ServeArgs {
     /// Directory of the relay's state (relay.db, relay.key, relay.lock, optional relay.toml)
     #[arg(long, value_name = "DIR", env = "MBX_RELAY_DIR", required = true)]
     pub store_dir: PathBuf,
+    /// Rate-limit by the address a trusted proxy reports: xff (the default when no value is
+    /// given: the rightmost X-Forwarded-For entry) or cloudflare (CF-Connecting-IP). Without
+    /// it: the socket address, unless MBX_RELAY_TRUST_PROXY or relay.toml says otherwise
+    #[arg(long, value_name = "MODE", num_args = 0..=1, default_missing_value = "xff",
+          value_parser = ["xff", "cloudflare"])]
+    pub trust_proxy: Option<String>,
 }
 
 /// Flags of `relay set`.
@@ -76,8 +88,11 @@ pub fn run(cmd: RelayCommand) -> anyhow::Result<()> {
             eprintln!("relay key fingerprint: {fingerprint} (hosts pin it with `agentmbx relay set <url> --key {fingerprint}`)");
             Ok(())
         }
-        RelayCommand::Set(args) => set(args),
+        RelayCommand::Set(args) => super::relay_info::set(args),
+        RelayCommand::Info(args) => super::relay_info::info(args),
         RelayCommand::Quarantine(args) => quarantine(args),
+        RelayCommand::Revoke(args) => super::relay_admin::revoke(args),
+        RelayCommand::Deny(args) => super::relay_admin::deny(args),
     }
 }
 
@@ -94,74 +109,12 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         bind: Some(args.bind),
         port: Some(args.port),
         store_dir,
+        trust_proxy: args.trust_proxy,
     };
     // Key, config, store and listener are prepared before any thread exists (the relay key
     // is removed from the environment there).
     let prepared = agentmbx_relay::run::prepare(opts)?;
     runtime()?.block_on(agentmbx_relay::run::serve_prepared(prepared))?;
-    Ok(())
-}
-
-fn set(args: SetArgs) -> anyhow::Result<()> {
-    let url = args.url.trim_end_matches('/').to_string();
-    if !(url.starts_with("http://") || url.starts_with("https://")) {
-        return Err(UsageError(format!(
-            "relay URL must start with http:// or https://, got {url:?}"
-        ))
-        .into());
-    }
-    let expected = match &args.key {
-        Some(k) => Some(pin::parse_pin(k).ok_or_else(|| {
-            UsageError(format!(
-                "--key {k:?} is neither a 16-hex-digit fingerprint nor a base64 key"
-            ))
-        })?),
-        None => None,
-    };
-    let info = runtime()?
-        .block_on(pin::fetch_info(&url))
-        .map_err(|e| match e {
-            agentmbx::transport::relay_client::RelayError::Unreachable(why) => {
-                anyhow::anyhow!("cannot reach the relay at {url}: {why}")
-            }
-            other => anyhow::anyhow!("the relay at {url} did not answer as a relay: {other}"),
-        })?;
-    let served = agentmbx_protocol::keys::PublicKey::from_b64(&info.relay_pubkey)
-        .context("the relay presents an invalid key")?;
-    if let Some(pin) = &expected {
-        if !pin.matches(&served) {
-            anyhow::bail!(
-                "relay key mismatch: expected {}, the relay at {url} presents {}; config.toml unchanged",
-                args.key.as_deref().unwrap_or_default(),
-                served.fingerprint()
-            );
-        }
-    }
-    let paths = Paths::from_env()?;
-    paths.ensure_home()?;
-    config::set_relay(
-        &paths,
-        Some(&RelayConfig {
-            url: url.clone(),
-            key: Some(served.to_b64()),
-        }),
-    )?;
-    if args.json {
-        let out = serde_json::json!({"url": url, "relay_pubkey": served.to_b64(), "fingerprint": served.fingerprint(), "epoch": info.epoch});
-        println!("{}", serde_json::to_string_pretty(&out)?);
-    } else {
-        println!("relay: {url}");
-        println!(
-            "relay key fingerprint: {} ({})",
-            served.fingerprint(),
-            if expected.is_some() {
-                "matches --key"
-            } else {
-                "pinned on first use"
-            }
-        );
-        println!("the daemon uses it from its next start (restart a running daemon)");
-    }
     Ok(())
 }
 

@@ -29,7 +29,7 @@ pub struct WhoamiArgs {
     /// With --as: one line about the agent, ≤200 characters ("" clears it)
     #[arg(long, value_name = "TEXT", requires = "as_agent")]
     pub description: Option<String>,
-    /// Print as JSON: {host, host_pubkey, fingerprint, enc_pub, home}; with --as the agent
+    /// Print as JSON: {host, host_pubkey, fingerprint, enc_pub, keystore, home}; with --as the agent
     /// entry {name, host, role, cli, description, last_seen}
     #[arg(long)]
     pub json: bool,
@@ -84,6 +84,7 @@ pub fn run(args: WhoamiArgs) -> anyhow::Result<()> {
         println!("host_pubkey: {}", public.host_pubkey);
         println!("fingerprint: {}", public.fingerprint);
         println!("enc_pub: {}", public.enc_pub);
+        println!("keystore: {}", public.keystore);
         println!("home: {}", paths.home().display());
     }
     Ok(())

@@ -539,6 +539,27 @@ pub fn rejected_lan(
     Ok(n == 1)
 }
 
+/// The peer `host` rotated its host key from `old_pub` to `new_pub` (`wire.md` §2.10,
+/// "Resealing"): every `pending` row still aimed at `old_pub` now targets `new_pub` (a new
+/// target key, so a new dedup key at the relay), its wire bytes sealed for the old target are
+/// dropped so the next attempt seals for the new one, and it is due at `now_ms`. Rows a relay
+/// accepted (`relay-accepted`) keep their target: their receipts settle them. Returns how many
+/// rows moved; run it in the transaction that moves the pin.
+pub fn retarget(
+    conn: &Connection,
+    host: &str,
+    old_pub: &str,
+    new_pub: &str,
+    now_ms: i64,
+) -> Result<usize, MailboxError> {
+    Ok(conn.execute(
+        "UPDATE outbox SET target_pubkey = ?3, wire = NULL, wire_hash = NULL,
+           next_at = MIN(next_at, ?4)
+         WHERE host = ?1 AND target_pubkey = ?2 AND state = 'pending'",
+        params![host, old_pub, new_pub, now_ms],
+    )?)
+}
+
 /// What a failed attempt ([`fail`], [`fail_lan`]) did to its row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Failure {

@@ -4,9 +4,10 @@
 //! A receipt is checked in this order, each failure a `rejected:<why>` result with 0.5.x's
 //! texts: the record's strict shape (`invalid receipt`: extra keys, lengths, states, a signature
 //! over 200 characters) → over the LAN the hop's host must be the recipient's host, over the
-//! relay the pushing key must be that host's pinned key (`receipt for <r> did not come from
-//! <host>`) → the recipient's host is a pinned peer (`<host> is not a paired host`) → the
-//! signature verifies with its pinned key (`bad signature`) → the message is one this host sent
+//! relay the pushing key must be that host's pinned key or one it retired in a rotation
+//! (`receipt for <r> did not come from <host>`) → the recipient's host is a pinned peer
+//! (`<host> is not a paired host`) → the signature verifies with its pinned key or a retired one
+//! (a receipt signed before the rotation; `bad signature`) → the message is one this host sent
 //! (`not a message this host sent`) and routed to that host (`message was not sent to <host>`)
 //! → at most 200 recipients per host and message (`too many recipients for one message`).
 //!
@@ -68,13 +69,18 @@ pub fn accept(
     let Some(peer) = peers::by_name(conn, &host)? else {
         return Ok(format!("rejected:{host} is not a paired host"));
     };
-    if relay_sender.is_some_and(|k| k != peer.pubkey)
+    // Keys the peer rotated away from still vouch for receipts signed (and pushed) before the
+    // rotation (`wire.md` §2.10); a LAN hop is always by the pinned key.
+    let retired = peers::prev_keys(conn, &host)?;
+    if relay_sender.is_some_and(|k| k != peer.pubkey && !retired.iter().any(|r| r == k))
         || hop.is_some_and(|p| p.pubkey != peer.pubkey)
     {
         return Ok(not_from());
     }
     let signed = canonical::to_string(&rec_v).unwrap_or_default();
-    if !PublicKey::from_b64(&peer.pubkey).is_ok_and(|k| k.verify(signed.as_bytes(), &sig)) {
+    let signs =
+        |k: &String| PublicKey::from_b64(k).is_ok_and(|k| k.verify(signed.as_bytes(), &sig));
+    if !signs(&peer.pubkey) && !retired.iter().any(signs) {
         return Ok("rejected:bad signature".into());
     }
     let origin: Option<String> = conn

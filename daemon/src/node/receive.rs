@@ -50,7 +50,8 @@ pub fn receive_sealed(
     if id != item_id {
         return Ok(Err("item id is not the envelope id".into()));
     }
-    let Some(peer) = peers::by_key(conn, sender_pubkey)? else {
+    // A key the peer rotated away from still names it: mail pushed before the rotation.
+    let Some(peer) = peers::by_any_key(conn, sender_pubkey)? else {
         return Ok(Err("host not paired".into()));
     };
     receive(conn, ident, &env, &peer, now_ms)
@@ -59,8 +60,8 @@ pub fn receive_sealed(
 /// `receive(env, via)` (`wire.md` §4): every check in order, for an envelope that came from
 /// the pinned peer `via` (over the LAN: the hop's verified host; over the relay: the item's
 /// verified sender key). Shape → `sig.host` and `from` name `via` (`sender host mismatch`) →
-/// the sender's local part is a name (`bad sender address`) → host signature by the pinned key
-/// (`bad signature`) → the sealed body opens (`undecryptable body`) → dedup by id →
+/// the sender's local part is a name (`bad sender address`) → host signature by the pinned key,
+/// or by a key the peer retired in a rotation (mail signed before it; `bad signature`) → the sealed body opens (`undecryptable body`) → dedup by id →
 /// routing → store + deliveries.
 ///
 /// `Ok(Ok(verdict))` accepted or duplicate, `Ok(Err(reason))` rejected (nothing stored; the
@@ -100,7 +101,13 @@ pub fn receive(
     if !agentmbx_protocol::limits::is_name(sender_name) {
         return Ok(Err("bad sender address".into()));
     }
-    if !envelope::verify(env, &key) {
+    // Mail signed before the peer rotated verifies with a key it retired (`wire.md` §2.10).
+    if !envelope::verify(env, &key)
+        && !peers::prev_keys(conn, &via.host)?
+            .iter()
+            .filter_map(|k| PublicKey::from_b64(k).ok())
+            .any(|k| envelope::verify(env, &k))
+    {
         return Ok(Err("bad signature".into()));
     }
     let Some(enc_v) = env.get("enc").filter(|e| !e.is_null()) else {
@@ -109,7 +116,8 @@ pub fn receive(
     let Ok(enc) = serde_json::from_value::<seal::Enc>(enc_v.clone()) else {
         return Ok(Err("undecryptable body".into()));
     };
-    let Ok(plain) = seal::open(&enc, &ident.enc_key, &id) else {
+    // The current enc key, then keys this host rotated away from (`wire.md` §2.10).
+    let Ok(plain) = ident.open_sealed(&enc, &id) else {
         return Ok(Err("undecryptable body".into()));
     };
     // Dedup by id, but only against the same sender: a peer that learned an id (as a

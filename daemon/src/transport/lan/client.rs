@@ -27,6 +27,9 @@ use agentmbx_protocol::hop::{self, header};
 use agentmbx_protocol::keys::{EncPublicKey, PublicKey};
 use agentmbx_protocol::limits::is_name;
 use agentmbx_protocol::records::enc_ad_v1_canonical;
+use agentmbx_protocol::rotation::{
+    RotateAnswer, RotateRequest, RotateResult, SignedRotation, MAX_RECORDS_PER_ANNOUNCE,
+};
 
 use crate::identity::Identity;
 use crate::mailbox::peers::Peer;
@@ -399,6 +402,55 @@ impl LanClient {
             host: host.to_string(),
             agents,
         })
+    }
+
+    /// `POST /v1/rotate {records:[…]}` (`wire.md` §2.10): announces this host's key rotations,
+    /// oldest first, at most [`MAX_RECORDS_PER_ANNOUNCE`]. Unsigned, as 0.5.x sends it: each
+    /// record proves itself against the key the peer pinned, and a peer that already moved its
+    /// pin could not verify a hop by the old key anyway. Returns one result per record, in
+    /// order. Errors: [`LanError::Unreachable`], [`LanError::Status`] (404: the peer does not
+    /// support rotation), [`LanError::BadAnswer`] when the answer is not `{results:[…]}` with one
+    /// string per record or is over [`MAX_SMALL_ANSWER`] bytes.
+    pub async fn post_rotate(
+        &self,
+        addr: &str,
+        records: &[SignedRotation],
+    ) -> Result<Vec<RotateResult>, LanError> {
+        if records.len() > MAX_RECORDS_PER_ANNOUNCE {
+            return Err(LanError::BadAnswer(format!(
+                "at most {MAX_RECORDS_PER_ANNOUNCE} rotation records go in one announcement"
+            )));
+        }
+        let body = RotateRequest {
+            records: records
+                .iter()
+                .map(serde_json::to_value)
+                .collect::<Result<_, _>>()
+                .map_err(|e| LanError::BadAnswer(e.to_string()))?,
+        };
+        let body = serde_json::to_vec(&body).map_err(|e| LanError::BadAnswer(e.to_string()))?;
+        let target = "/v1/rotate";
+        let resp = self
+            .http
+            .post(format!("http://{addr}{target}"))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .map_err(|e| LanError::Unreachable(describe(&e)))?;
+        let status = resp.status().as_u16();
+        let bytes = read_capped(resp, target, MAX_SMALL_ANSWER).await?;
+        let answer = json_answer(status, &bytes)?;
+        let answer: RotateAnswer = serde_json::from_value(answer)
+            .map_err(|_| LanError::BadAnswer("malformed rotation answer".into()))?;
+        if answer.results.len() != records.len() {
+            return Err(LanError::BadAnswer(format!(
+                "{} results for {} rotation records",
+                answer.results.len(),
+                records.len()
+            )));
+        }
+        Ok(answer.results)
     }
 
     /// `POST /v1/unpair` (body `{}`): tells the peer this host removed it. Errors: as

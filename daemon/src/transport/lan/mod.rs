@@ -24,6 +24,7 @@ pub mod directory;
 pub mod handlers;
 pub mod hop;
 pub mod presence;
+pub mod rotate_announce;
 pub mod server;
 
 #[cfg(test)]

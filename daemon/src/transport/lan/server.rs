@@ -83,6 +83,8 @@ pub fn router(state: SharedLan) -> Router {
         .route_layer(middleware::from_fn(move |req: Request, next: Next| {
             cap_body(budget.clone(), req, next)
         }))
+        // Unsigned, rate-limited before it reads its own (smaller) body cap.
+        .merge(handlers::rotate::router(state.clock.clone()))
         .fallback(not_found)
         .method_not_allowed_fallback(not_found)
         .layer(middleware::from_fn(request_timeout))

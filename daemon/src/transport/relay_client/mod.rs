@@ -1,6 +1,9 @@
 //! The host side of the durable relay (spec §1, §3, §4, §8; `wire.md` §3.5).
 //!
-//! - [`session`]: signed info, relay key pinning check, enrolment and enc-key ad publishing;
+//! - [`session`]: signed info, relay key pinning check, enrolment (and its recovery) and
+//!   enc-key ad publishing;
+//! - [`allowlist`]: this host's sender allowlist at the relay;
+//! - [`state`]: the relay state, pins, enrolment cache and backoff kept in `mailbox.db`;
 //! - [`push`]: sealing each outbox row for its target once, pushing, and settling rows only on
 //!   a verified accept receipt;
 //! - [`pull`]: pulling after `received_through`, receiving in seq order with the checkpoint in
@@ -10,9 +13,13 @@
 //! trusts the relay for content: peers' enc keys come only from ads signed by their pinned host
 //! key, accepts only count when signed by the pinned relay key.
 
+pub mod account;
+pub mod allowlist;
 pub mod pull;
 pub mod push;
+pub mod rotate;
 pub mod session;
+pub mod state;
 
 #[cfg(test)]
 mod tests;
@@ -31,6 +38,16 @@ use crate::mailbox::{Mailbox, MailboxError};
 /// Longest pause between relay passes after failures (ms): 10 s, so mail waiting while the
 /// relay was down moves within seconds of its return (a new send wakes the loop at once).
 pub const MAX_RETRY_DELAY_MS: u64 = 10_000;
+
+/// Longest wait a relay's 429 can impose (ms): 1 h, so a relay that asks for more does not
+/// silence this host for longer than the enrolment backoff's ceiling.
+pub const MAX_RATE_LIMIT_WAIT_MS: u64 = 3_600_000;
+
+/// Wait after a 429 that names no usable time (ms): 0.5.x's "retry in a minute".
+pub const DEFAULT_RATE_LIMIT_WAIT_MS: u64 = 60_000;
+
+/// How often a wait on the clock (after a 429) looks at the clock again (ms).
+pub const CLOCK_WAIT_STEP_MS: u64 = 1_000;
 
 /// Client timeout of one relay request (`wire.md` §2.6: 15 s for v2).
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
@@ -62,9 +79,62 @@ pub enum RelayError {
         /// Served fingerprint.
         served: String,
     },
+    /// The relay answered 429 (`wire.md` "Rate limits"): no request to it before
+    /// `retry_after_ms` have passed ([`rate_limited`]; the relay loop waits that long, and a
+    /// new send does not cut the wait short).
+    #[error("the relay rate-limits this host: retry in {retry_after_ms} ms")]
+    RateLimited {
+        /// How long to wait (ms; 1 s to [`MAX_RATE_LIMIT_WAIT_MS`]).
+        retry_after_ms: u64,
+    },
     /// Local storage failed.
     #[error(transparent)]
     Store(#[from] MailboxError),
+    /// No account token could be had for the relay (`[relay] token_command`, spec §8); the
+    /// pass is retried like any other failure.
+    #[error("no account token for the relay: {0}")]
+    Token(String),
+    /// The relay refuses this host for now (403 `REVOKED`/`DENIED`, or a refusal right after a
+    /// fresh enrolment): no enrolment is tried before `retry_at_ms` (`wire.md` §3.5
+    /// `relay-enrol-backoff`, 1 min doubling to 1 h). The verdict is in the relay state.
+    #[error("the relay refuses this host ({standing}): {detail}")]
+    Refused {
+        /// `clock-skew`, `refused-after-enrol` or `revoked`.
+        standing: state::Standing,
+        /// What happened, for a person.
+        detail: String,
+        /// Next enrolment attempt (ms since the epoch).
+        retry_at_ms: i64,
+    },
+}
+
+impl RelayError {
+    /// The HTTP status of an error answer, if this is one.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            RelayError::Status { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+
+    /// A 401 about the caller: the relay does not (or no longer) know this host key
+    /// (`NOT_ENROLLED`), or refused the hop (`BAD_HOP`: e.g. the clocks). A 401 about a record
+    /// in the request (`BAD_SIGNATURE` of a sender list) is not one.
+    pub fn is_not_enrolled(&self) -> bool {
+        match self {
+            RelayError::Status {
+                status: 401, body, ..
+            } => body.as_ref().is_none_or(|b| b.code != "BAD_SIGNATURE"),
+            _ => false,
+        }
+    }
+
+    /// A 401 about the caller ([`Self::is_not_enrolled`]) or a 403: the answer concerns this
+    /// host's standing with the relay, not the request, so it ends the pass before any outbox
+    /// row or receipt is charged a failed attempt.
+    pub fn is_auth(&self) -> bool {
+        self.is_not_enrolled() || self.status() == Some(403)
+    }
 }
 
 /// What the relay client needs: the relay, this host, the store and the clock.
@@ -84,6 +154,12 @@ pub struct RelayClient {
     /// Notified after a pull stored new mail or queued receipts again (a duplicate), so the
     /// sender loops send the owed delivery receipts without waiting for their next timer.
     pub received: Option<Arc<tokio::sync::Notify>>,
+    /// What the relay's answers said (the `Date` header of the last one).
+    pub observed: Arc<state::Observed>,
+    /// Account tokens, for a relay run with the account authority (`[relay] token_command`,
+    /// spec §8): every call carries `Authorization: Bearer <token>` and enrolment carries the
+    /// proof. `None`: the host-key challenge only.
+    pub account: Option<Arc<account::AccountTokens>>,
 }
 
 impl RelayClient {
@@ -108,6 +184,8 @@ impl RelayClient {
             mailbox,
             clock,
             received: None,
+            observed: Arc::new(state::Observed::default()),
+            account: None,
         })
     }
 
@@ -140,15 +218,40 @@ impl RelayClient {
         for (k, v) in h.pairs() {
             req = req.header(k, v);
         }
+        if let Some(account) = &self.account {
+            let token = account
+                .bearer(&self.ident)
+                .await
+                .map_err(|e| RelayError::Token(e.to_string()))?;
+            req = req.bearer_auth(token);
+        }
         let resp = req
             .send()
             .await
             .map_err(|e| RelayError::Unreachable(describe(&e)))?;
         let status = resp.status().as_u16();
+        self.observed.note_date(
+            resp.headers()
+                .get(reqwest::header::DATE)
+                .and_then(|v| v.to_str().ok()),
+        );
+        let retry_after = resp
+            .headers()
+            .get(reqwest::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
         let bytes = resp
             .bytes()
             .await
             .map_err(|e| RelayError::Unreachable(describe(&e)))?;
+        if status == 429 {
+            return Err(rate_limited(retry_after.as_deref(), &bytes));
+        }
+        if let Some(account) = self.account.as_ref().filter(|_| status == 401) {
+            if account::refused_token(&bytes) {
+                account.invalidate().await;
+            }
+        }
         Ok((status, bytes))
     }
 
@@ -193,8 +296,49 @@ pub fn describe(e: &reqwest::Error) -> String {
     }
 }
 
-/// Turns an error answer into [`RelayError::Status`].
+/// The [`RelayError::RateLimited`] of a 429 answer: the `Retry-After` header (whole seconds)
+/// when it is one, else the body's `retry_after` (seconds), else
+/// [`DEFAULT_RATE_LIMIT_WAIT_MS`]; kept within 1 s ..= [`MAX_RATE_LIMIT_WAIT_MS`].
+pub fn rate_limited(retry_after_header: Option<&str>, body: &[u8]) -> RelayError {
+    let secs = retry_after_header
+        .and_then(|h| h.trim().parse::<u64>().ok())
+        .or_else(|| {
+            serde_json::from_slice::<ErrorBody>(body)
+                .ok()
+                .and_then(|b| b.retry_after)
+        });
+    let ms = secs.map_or(DEFAULT_RATE_LIMIT_WAIT_MS, |s| s.saturating_mul(1_000));
+    RelayError::RateLimited {
+        retry_after_ms: ms.clamp(1_000, MAX_RATE_LIMIT_WAIT_MS),
+    }
+}
+
+/// Waits until `clock` reads `until_ms` or later, looking at it at least every
+/// [`CLOCK_WAIT_STEP_MS`] (so a shifted or manual clock is followed); nothing but `shutdown`
+/// cuts it short. `false` when shutdown came first.
+pub async fn wait_until_clock(
+    clock: &SharedClock,
+    until_ms: i64,
+    shutdown: &mut tokio::sync::watch::Receiver<bool>,
+) -> bool {
+    loop {
+        let left = until_ms.saturating_sub(clock.now_ms());
+        if left <= 0 {
+            return true;
+        }
+        let step = Duration::from_millis((left as u64).min(CLOCK_WAIT_STEP_MS));
+        tokio::select! {
+            _ = tokio::time::sleep(step) => {}
+            _ = shutdown.changed() => return false,
+        }
+    }
+}
+
+/// Turns an error answer into [`RelayError::Status`] ([`RelayError::RateLimited`] for a 429).
 pub fn status_error(status: u16, bytes: &[u8]) -> RelayError {
+    if status == 429 {
+        return rate_limited(None, bytes);
+    }
     let body: Option<ErrorBody> = serde_json::from_slice(bytes).ok();
     let error = body
         .as_ref()
@@ -207,12 +351,18 @@ pub fn status_error(status: u16, bytes: &[u8]) -> RelayError {
     }
 }
 
-/// Runs the relay loop until `shutdown`: open a session, push due rows, pull and ack; then wait
-/// for `wake` (a new outbox row), the next due row or `pull_interval`, whichever comes first.
-/// Failures are logged and retried on the next pass with a doubling delay (≤ 10 s); a relay key
-/// mismatch stops relay use for good until the owner confirms the key and restarts.
+/// Runs the relay loop until `shutdown`: read the pin again, open a session, push due rows,
+/// pull and ack; then wait for `wake` (a new outbox row), the next due row or `pull_interval`,
+/// whichever comes first. Failures are logged and retried on the next pass with a doubling
+/// delay (≤ 10 s). A relay key mismatch stops all relay use except the signed info that
+/// detects it (spec §1): the loop checks again every `pull_interval` (at least 1 s) and resumes
+/// once the owner confirmed, with `relay set <url> --key <fp>`, a key the relay serves (the pin
+/// is read from the mailbox each pass, no restart needed). A [`RelayError::Refused`] waits for
+/// its backoff, checking at least once a minute whether the relay confirms this host again.
+/// A [`RelayError::RateLimited`] (a 429) waits the time the relay gave, on the clock, before
+/// the next pass; a new send does not cut that wait short.
 pub async fn run(
-    client: RelayClient,
+    mut client: RelayClient,
     pull_interval: Duration,
     wake: Arc<tokio::sync::Notify>,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
@@ -222,7 +372,11 @@ pub async fn run(
         if *shutdown.borrow() {
             return;
         }
-        let delay = match pass(&client).await {
+        let outcome = match client.reload_pin().await {
+            Ok(()) => pass(&client).await,
+            Err(e) => Err(e),
+        };
+        let delay = match outcome {
             Ok(()) => {
                 if failures > 0 {
                     tracing::info!(relay = %client.url, after_failures = failures, "relay reachable again");
@@ -245,11 +399,29 @@ pub async fn run(
                 });
                 until_due.min(pull_interval)
             }
-            Err(RelayError::KeyMismatch { pinned, served }) => {
-                tracing::error!(relay = %client.url, pinned = %pinned, served = %served,
-                    "relay key changed: relay use stopped; confirm with `agentmbx relay set {} --key {served}` and restart", client.url);
-                let _ = shutdown.changed().await;
-                return;
+            // Logged once per served key when it was recorded (session::check_relay_key).
+            Err(RelayError::KeyMismatch { .. }) => {
+                failures = 0;
+                pull_interval.max(Duration::from_secs(1))
+            }
+            // Logged once per episode when it was recorded (the relay state says the rest).
+            Err(RelayError::Refused { retry_at_ms, .. }) => {
+                failures = 0;
+                let wait = (retry_at_ms - client.clock.now_ms()).clamp(1_000, 60_000);
+                Duration::from_millis(wait as u64)
+            }
+            // Back off by the value given (`wire.md` "Rate limits"): no pass before it, whatever
+            // wakes the loop meanwhile.
+            Err(RelayError::RateLimited { retry_after_ms }) => {
+                tracing::warn!(relay = %client.url, retry_after_ms, "the relay rate-limits this host; waiting as it asks");
+                let until = client
+                    .clock
+                    .now_ms()
+                    .saturating_add(i64::try_from(retry_after_ms).unwrap_or(i64::MAX));
+                if !wait_until_clock(&client.clock, until, &mut shutdown).await {
+                    return;
+                }
+                continue;
             }
             Err(e) => {
                 failures = failures.saturating_add(1);
@@ -269,7 +441,8 @@ pub async fn run(
 /// pinned on first contact, or — when the relay cannot be reached yet — retried with a doubling
 /// delay up to 60 s, so a relay that is down at daemon start is used once it is up), then
 /// [`run`]s until `shutdown`. `received` is notified when a pull stored new mail or queued receipts again
-/// ([`RelayClient::received`]).
+/// ([`RelayClient::received`]). `account` (from `[relay] token_command`) makes every call
+/// carry the account token ([`RelayClient::account`]).
 #[allow(clippy::too_many_arguments)]
 pub async fn start(
     url: String,
@@ -280,15 +453,34 @@ pub async fn start(
     pull_interval: Duration,
     wake: Arc<tokio::sync::Notify>,
     received: Option<Arc<tokio::sync::Notify>>,
+    account: Option<Arc<account::AccountTokens>>,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
     let mut delay = Duration::from_millis(500);
     let key = loop {
-        match pin::resolve_key(&url, configured_key.as_deref(), &mailbox).await {
+        match pin::resolve_key(&url, configured_key.as_deref(), &mailbox, &clock).await {
             Ok(k) => break k,
             Err(e @ (RelayError::Malformed(_) | RelayError::Store(_))) => {
                 tracing::error!(relay = %url, error = %e, "relay transport off");
                 return;
+            }
+            // Recorded and logged once per served key by resolve_key; the owner's `relay set`
+            // (read from the mailbox on the next try) ends it.
+            Err(RelayError::KeyMismatch { .. }) => {
+                tokio::select! {
+                    _ = tokio::time::sleep(delay) => {}
+                    _ = shutdown.changed() => return,
+                }
+                delay = (delay * 2).min(Duration::from_secs(60));
+            }
+            // A 429 on first contact: wait at least as long as the relay asked.
+            Err(RelayError::RateLimited { retry_after_ms }) => {
+                delay = delay.max(Duration::from_millis(retry_after_ms));
+                tracing::warn!(relay = %url, retry_in_ms = delay.as_millis() as u64, "the relay rate-limits this host; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(delay) => {}
+                    _ = shutdown.changed() => return,
+                }
             }
             Err(e) => {
                 tracing::warn!(relay = %url, error = %e, retry_in_ms = delay.as_millis() as u64, "relay key not known yet; retrying");
@@ -304,57 +496,148 @@ pub async fn start(
     match RelayClient::new(&url, key, ident, mailbox, clock) {
         Ok(mut client) => {
             client.received = received;
+            client.account = account;
             run(client, pull_interval, wake, shutdown).await
         }
         Err(e) => tracing::error!(relay = %url, error = %e, "relay transport off"),
     }
 }
 
-async fn pass(client: &RelayClient) -> Result<(), RelayError> {
+/// One relay pass. A 401 on a signed request (push, pull, ack, enc-key) means the relay lost
+/// this host's enrolment (spec §8): challenge, enrol and enc-ad publish run again in this pass
+/// and the transfer is retried once; a second 401 is a refusal right after a fresh enrolment
+/// (backoff and classification), a 403 the `revoked` state.
+pub async fn pass(client: &RelayClient) -> Result<(), RelayError> {
     let session = client.open_session().await?;
-    client.push_due(&session).await?;
-    client.push_receipts(&session).await?;
+    let result = match transfer(client, &session).await {
+        Err(e) if e.is_not_enrolled() => {
+            tracing::warn!(relay = %client.url, error = %e, "the relay no longer knows this host: enrolling again in this pass");
+            let session = client.recover_enrolment().await?;
+            match transfer(client, &session).await {
+                Err(e) if e.is_not_enrolled() => {
+                    Err(client.refused_after_enrol(&session.epoch).await?)
+                }
+                Err(e) if e.is_auth() => Err(client.refused_by_relay(&e, &session.epoch).await?),
+                other => other,
+            }
+        }
+        Err(e) if e.is_auth() => Err(client.refused_by_relay(&e, &session.epoch).await?),
+        other => other,
+    };
+    match &result {
+        // Signed requests were accepted all through the pass: any refusal episode is over.
+        Ok(()) => client.end_backoff().await?,
+        Err(e @ RelayError::Unreachable(_)) => {
+            let mut st = state::RelayState::new(state::Standing::Unreachable);
+            st.detail = Some(e.to_string());
+            client.note(st, false).await?;
+        }
+        Err(_) => {}
+    }
+    result
+}
+
+/// Pushes due rows and receipts, retries quarantined items and pulls, in that order.
+async fn transfer(client: &RelayClient, session: &session::Session) -> Result<(), RelayError> {
+    client.push_due(session).await?;
+    client.push_receipts(session).await?;
     client.retry_quarantined().await?;
-    client.pull_pass(&session).await?;
+    client.pull_pass(session).await?;
     Ok(())
 }
 
 pub mod pin {
-    //! The relay key pin (spec §1): `relay set <url> --key <fp>` or the first contact pins it;
-    //! afterwards a different served key stops relay use until the owner confirms.
+    //! The relay key pin (spec §1; `wire.md` §3.5 "Key pinning"): `relay set <url>` (trust on
+    //! first use, or `--key <fp>` without it) writes `[relay] key` in `config.toml` and kv
+    //! `relay-key:<url>`; a daemon with neither pins the key the relay presents on first
+    //! contact, or, when `relay set --key <fp>` could not reach the relay (kv
+    //! `relay-key-expect:<url>`), only a key with that fingerprint. Afterwards a different
+    //! served key stops relay use until the owner confirms. This module never trusts a key the
+    //! owner did not name once one is pinned or expected.
 
+    use agentmbx_protocol::clock::SharedClock;
     use agentmbx_protocol::keys::PublicKey;
     use agentmbx_protocol::wire::RelayInfo;
 
-    use super::RelayError;
+    use super::{state, RelayError};
     use crate::mailbox::{relay_state, Mailbox};
 
-    /// The pinned relay key for `url`: the configured key, else the one pinned in `mailbox.db`
-    /// on first contact, else fetched now (unsigned info) and pinned (trust on first use).
+    /// The pinned relay key for `url`: the configured key (copied to kv `relay-key:<url>`, so
+    /// the running loop and `relay info` see the same pin), else the one pinned in
+    /// `mailbox.db`, else fetched now (unsigned info) and pinned: only when its fingerprint is
+    /// the expected one if `relay set --key` named one, else on first use. Errors:
+    /// [`RelayError::KeyMismatch`] (the relay serves another key than the expected one;
+    /// recorded in the relay state and audited once per served key), network and storage
+    /// errors, [`RelayError::Malformed`] for a bad configured or stored key.
     pub async fn resolve_key(
         url: &str,
         configured: Option<&str>,
         mailbox: &Mailbox,
+        clock: &SharedClock,
     ) -> Result<PublicKey, RelayError> {
+        let url = url.trim_end_matches('/').to_string();
         if let Some(k) = configured {
-            return PublicKey::from_b64(k).map_err(|_| {
+            let key = PublicKey::from_b64(k).map_err(|_| {
                 RelayError::Malformed("[relay] key in config.toml is not a relay public key".into())
-            });
+            })?;
+            let (u, text) = (url.clone(), key.to_b64());
+            mailbox
+                .run(move |c| {
+                    let tx = c.transaction()?;
+                    if relay_state::kv_get(&tx, &state::key_kv(&u))?.as_deref() != Some(&text) {
+                        relay_state::kv_set(&tx, &state::key_kv(&u), &text)?;
+                    }
+                    state::kv_delete(&tx, &state::expect_kv(&u))?;
+                    tx.commit()?;
+                    Ok(())
+                })
+                .await?;
+            return Ok(key);
         }
-        let kv_key = format!("relay-key:{}", url.trim_end_matches('/'));
-        let k2 = kv_key.clone();
-        if let Some(k) = mailbox.run(move |c| relay_state::kv_get(c, &k2)).await? {
+        let u = url.clone();
+        let (stored, expected) = mailbox
+            .run(move |c| {
+                Ok((
+                    relay_state::kv_get(c, &state::key_kv(&u))?,
+                    relay_state::kv_get(c, &state::expect_kv(&u))?,
+                ))
+            })
+            .await?;
+        if let Some(k) = stored {
             return PublicKey::from_b64(&k)
                 .map_err(|_| RelayError::Malformed("stored relay key is invalid".into()));
         }
-        let info = fetch_info(url).await?;
+        let info = fetch_info(&url).await?;
         let key = PublicKey::from_b64(&info.relay_pubkey)
             .map_err(|_| RelayError::Malformed("relay_pubkey".into()))?;
-        let text = key.to_b64();
-        mailbox
-            .run(move |c| relay_state::kv_set(c, &kv_key, &text))
+        let served = key.fingerprint();
+        if let Some(fp) = expected.filter(|fp| *fp != served) {
+            let (u, f, s) = (url.clone(), fp.clone(), served.clone());
+            let now = clock.now_ms();
+            let new = mailbox
+                .run(move |c| state::record_key_mismatch(c, &u, "expected", &f, &s, now))
+                .await?;
+            if new {
+                tracing::error!(relay = %url, expected = %fp, served = %served,
+                    "the relay presents another key than the one `relay set --key` named: not pinned, relay not used; if the operator changed it, confirm with `agentmbx relay set {url} --key {served}`");
+            }
+            return Err(RelayError::KeyMismatch { pinned: fp, served });
+        }
+        let (u, text) = (url.clone(), key.to_b64());
+        let was_expected = mailbox
+            .run(move |c| {
+                let tx = c.transaction()?;
+                relay_state::kv_set(&tx, &state::key_kv(&u), &text)?;
+                let was = state::kv_delete(&tx, &state::expect_kv(&u))?;
+                tx.commit()?;
+                Ok(was)
+            })
             .await?;
-        tracing::warn!(relay = %url, relay_fingerprint = %key.fingerprint(), "pinned the relay key on first contact; pin it explicitly with `agentmbx relay set <url> --key <fingerprint>`");
+        if was_expected {
+            tracing::info!(relay = %url, relay_fingerprint = %served, "pinned the relay key the owner named with `relay set --key`");
+        } else {
+            tracing::warn!(relay = %url, relay_fingerprint = %served, "pinned the relay key on first contact; pin it explicitly with `agentmbx relay set <url> --key <fingerprint>`");
+        }
         Ok(key)
     }
 

@@ -365,6 +365,8 @@ impl RelayClient {
                 self.rewind(epoch, "BAD_ACK").await?;
                 Ok(false)
             }
+            // This host's standing (401/403): the pass handles it.
+            Err(e) if e.is_auth() => Err(e),
             Err(e) => {
                 tracing::warn!(relay = %self.url, error = %e, "ack failed; the next ack covers it");
                 Ok(true)

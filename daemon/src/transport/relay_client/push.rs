@@ -78,31 +78,52 @@ impl RelayClient {
             Err(RelayError::Status { status: 404, .. }) => return Ok(None),
             Err(e) => return Err(e),
         };
-        let (Some(ad), Some(sig)) = (answer.ad.as_ref(), answer.ad_sig.as_deref()) else {
-            tracing::warn!(peer = %host, "relay has only an unsigned or v1 enc-key ad for the peer; not sealing with it");
-            return Ok(None);
-        };
-        let ad = match records::verify_enc_ad(ad, Some(sig), target_pubkey, self.clock.now_ms()) {
+        // Only a valid v2 ad signed by the pinned host key counts; the rollback guard per peer
+        // host key refuses an ad not newer than the newest accepted one naming another key
+        // (`wire.md` §2.8). A refusal is recorded (and audited once per reason).
+        let now = self.clock.now_ms();
+        let verdict = super::session::enc_ad_from_answer(&answer, target_pubkey, now);
+        let (h, tp) = (host.to_string(), target_pubkey.to_string());
+        let refused = self
+            .mailbox
+            .run(move |c| {
+                let ad = match verdict {
+                    Ok(ad) => ad,
+                    Err(why) => {
+                        super::state::note_enc_refusal(c, &h, &why, now)?;
+                        return Ok(Err(why));
+                    }
+                };
+                let iat = agentmbx_protocol::time::parse_iso_ms(&ad.iat).unwrap_or(0);
+                let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+                let mut why = super::state::guard_enc_ad(&tx, &tp, &ad.enc_pub, iat)?.err();
+                if why.is_none() && !peers::set_enc_key(&tx, &h, &ad.enc_pub, iat)? {
+                    why = Some(format!(
+                        "rolled back: the relay served an ad from {} naming another key than the newer one already accepted",
+                        ad.iat
+                    ));
+                }
+                match why {
+                    None => {
+                        super::state::clear_enc_refusal(&tx, &h)?;
+                        tx.commit()?;
+                        Ok(Ok(ad))
+                    }
+                    Some(why) => {
+                        drop(tx);
+                        super::state::note_enc_refusal(c, &h, &why, now)?;
+                        Ok(Err(why))
+                    }
+                }
+            })
+            .await?;
+        let ad = match refused {
             Ok(ad) => ad,
             Err(why) => {
-                tracing::warn!(peer = %host, reason = why, "enc-key ad refused");
+                tracing::warn!(peer = %host, reason = %why, "enc-key ad from the relay refused; not sealing with it");
                 return Ok(None);
             }
         };
-        if answer.enc_pub != ad.enc_pub {
-            tracing::warn!(peer = %host, "tampered: the served key differs from the signed advertisement");
-            return Ok(None);
-        }
-        let iat = agentmbx_protocol::time::parse_iso_ms(&ad.iat).unwrap_or(0);
-        let (h, e) = (host.to_string(), ad.enc_pub.clone());
-        let ok = self
-            .mailbox
-            .run(move |c| peers::set_enc_key(c, &h, &e, iat))
-            .await?;
-        if !ok {
-            tracing::warn!(peer = %host, "rolled back: an older enc-key ad names another key");
-            return Ok(None);
-        }
         Ok(EncPublicKey::from_b64(&ad.enc_pub).ok())
     }
 
@@ -157,6 +178,8 @@ impl RelayClient {
                     continue;
                 }
                 Err(RelayError::Store(e)) => return Err(RelayError::Store(e)),
+                // This host's standing (401/403), not the row's: the pass handles it.
+                Err(e) if e.is_auth() => return Err(e),
                 Err(e) => {
                     self.fail_row(&row, &e.to_string(), false, false).await?;
                     pass.failed += 1;
@@ -276,6 +299,7 @@ impl RelayClient {
         let results = match answer {
             Ok(r) => r.results,
             Err(e @ RelayError::Store(_)) => return Err(e),
+            Err(e) if e.is_auth() => return Err(e),
             Err(e) => {
                 tracing::warn!(relay = %self.url, error = %e, rows = batch.len(), "push failed; rows stay pending");
                 for (row, _) in &batch {
@@ -411,6 +435,7 @@ impl RelayClient {
         {
             Ok(r) => r.results,
             Err(e @ RelayError::Store(_)) => return Err(e),
+            Err(e) if e.is_auth() => return Err(e),
             Err(e) => {
                 tracing::warn!(relay = %self.url, error = %e, receipts = batch.len(), "receipt push failed; receipts kept");
                 let seqs: Vec<i64> = batch.iter().map(|(r, _, _)| r.seq).collect();

@@ -1868,25 +1868,32 @@ async fn the_relay_key_is_pinned_on_first_contact_and_kept() {
     s.relay.on("GET /v2/relay/info", move |_| {
         (200, info(&current.lock().unwrap(), "e1", None))
     });
-    let first = super::pin::resolve_key(&s.relay.url, None, &s.store.mailbox)
+    let clock: SharedClock = s.clock.clone();
+    let first = super::pin::resolve_key(&s.relay.url, None, &s.store.mailbox, &clock)
         .await
         .unwrap();
     assert_eq!(first, s.relay.key.public());
     // The relay now serves another key: the pin stays (a mismatch is the session's to report).
     *served.lock().unwrap() = HostKey::generate();
-    let again = super::pin::resolve_key(&format!("{}/", s.relay.url), None, &s.store.mailbox)
-        .await
-        .unwrap();
+    let again =
+        super::pin::resolve_key(&format!("{}/", s.relay.url), None, &s.store.mailbox, &clock)
+            .await
+            .unwrap();
     assert_eq!(again, first);
     assert_eq!(s.relay.seen("GET /v2/relay/info").len(), 1);
     // A configured key wins over the stored pin.
     let configured = HostKey::generate().public();
-    let k = super::pin::resolve_key(&s.relay.url, Some(&configured.to_b64()), &s.store.mailbox)
-        .await
-        .unwrap();
+    let k = super::pin::resolve_key(
+        &s.relay.url,
+        Some(&configured.to_b64()),
+        &s.store.mailbox,
+        &clock,
+    )
+    .await
+    .unwrap();
     assert_eq!(k, configured);
     assert!(
-        super::pin::resolve_key(&s.relay.url, Some("junk"), &s.store.mailbox)
+        super::pin::resolve_key(&s.relay.url, Some("junk"), &s.store.mailbox, &clock)
             .await
             .is_err()
     );
@@ -1966,7 +1973,13 @@ async fn a_new_epoch_sends_relay_accepted_rows_again_with_the_same_bytes() {
     s.client.open_session().await.unwrap();
     s.client.open_session().await.unwrap();
     assert_eq!(s.row(&id).state, "relay-accepted");
-    // The relay comes back in a new epoch (a restore): the row is due again, bytes unchanged.
+    // The relay comes back in a new epoch (a restore): the row is due again, bytes unchanged
+    // (and this host enrols again, spec §8).
+    s.relay.on("POST /v1/relay/challenge", |_| {
+        (200, json!({"challenge": "Y2hhbGxlbmdl"}))
+    });
+    s.relay
+        .on("POST /v1/relay/enrol", |_| (200, json!({"ok": true})));
     *epoch.lock().unwrap() = "e2".into();
     s.client.open_session().await.unwrap();
     let row = s.row(&id);
@@ -2772,4 +2785,1004 @@ async fn a_duplicate_from_the_relay_queues_the_delivery_receipts_again() {
         (rec.recipient.as_str(), rec.state.as_str(), rec.at.clone()),
         ("alice@home", "read", iso_ms(T0 + 1))
     );
+}
+
+// ---- relay trust: key pinning, enrolment recovery, enc-key ads, allowlist ---------------------
+
+use super::state::{self as relay_trust, Standing};
+
+const DAY_MS: i64 = 86_400_000;
+
+/// A scripted relay that behaves: it serves `served` as its key in `epoch`, shows `you` (with a
+/// fresh ad of this host) while `enrolled`, enrols on challenge + enrol, takes enc-key ads and
+/// sender lists (recorded in `lists`), accepts pushes signed by the served key, and serves
+/// `queue` for pulls and acks.
+struct Trusty {
+    served: Arc<Mutex<HostKey>>,
+    epoch: Arc<Mutex<String>>,
+    enrolled: Arc<std::sync::atomic::AtomicBool>,
+    lists: Arc<Mutex<Vec<Value>>>,
+    queue: Arc<Mutex<Queue>>,
+}
+
+impl Setup {
+    fn trusty(&self) -> Trusty {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let t = Trusty {
+            served: Arc::new(Mutex::new(self.relay.key.clone())),
+            epoch: Arc::new(Mutex::new("e1".into())),
+            enrolled: Arc::new(AtomicBool::new(true)),
+            lists: Arc::new(Mutex::new(Vec::new())),
+            queue: Arc::new(Mutex::new(Queue {
+                epoch: "e1".into(),
+                items: Vec::new(),
+                head_override: None,
+            })),
+        };
+        let (me, enc) = (self.me_pub(), self.me.enc_key.public().to_b64());
+        let (served, epoch, enrolled, clock) = (
+            t.served.clone(),
+            t.epoch.clone(),
+            t.enrolled.clone(),
+            self.clock.clone(),
+        );
+        self.relay.on("GET /v2/relay/info", move |_| {
+            let now = agentmbx_protocol::clock::Clock::now_ms(&*clock);
+            let you = enrolled.load(Ordering::SeqCst).then(|| {
+                json!({"host": "home", "pubkey": me, "head_seq": 0, "acked_through": 0,
+                       "enc_ad": {"enc_pub": enc, "exp": iso_ms(now + 30 * DAY_MS), "v1": false}})
+            });
+            let key = served.lock().unwrap().clone();
+            let ep = epoch.lock().unwrap().clone();
+            (200, info(&key, &ep, you))
+        });
+        self.relay.on("POST /v1/relay/challenge", |_| {
+            (200, json!({"challenge": "Y2hhbGxlbmdl"}))
+        });
+        let enrolled = t.enrolled.clone();
+        self.relay.on("POST /v1/relay/enrol", move |_| {
+            enrolled.store(true, Ordering::SeqCst);
+            (200, json!({"ok": true}))
+        });
+        self.relay
+            .on("POST /v2/relay/enc-key", |_| (200, json!({"ok": true})));
+        let lists = t.lists.clone();
+        self.relay.on("POST /v2/relay/senders", move |req| {
+            lists.lock().unwrap().push(req.json());
+            (200, json!({"ok": true}))
+        });
+        let (me, served, epoch) = (self.me_pub(), t.served.clone(), t.epoch.clone());
+        self.relay.on("POST /v2/relay/items", move |req| {
+            let me = me.clone();
+            let key = served.lock().unwrap().clone();
+            let ep = epoch.lock().unwrap().clone();
+            push_answer(key, &ep, "accepted", move |s| s.sender = me.clone())(req)
+        });
+        serve_queue(&self.relay, t.queue.clone());
+        t
+    }
+
+    fn url(&self) -> String {
+        self.client.url.clone()
+    }
+
+    fn relay_state(&self) -> Option<relay_trust::RelayState> {
+        let url = self.url();
+        self.store
+            .mailbox
+            .with(|c| relay_trust::state(c, &url))
+            .unwrap()
+    }
+
+    fn audits(&self, event: &str) -> Vec<crate::mailbox::audit::AuditEvent> {
+        self.store
+            .mailbox
+            .with(|c| crate::mailbox::audit::recent(c, Some(event), 100))
+            .unwrap()
+    }
+
+    /// Every request the relay saw, as `METHOD /path`, oldest first.
+    fn routes(&self) -> Vec<String> {
+        self.relay
+            .state
+            .log
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|r| format!("{} {}", r.method, r.path))
+            .collect()
+    }
+
+    /// Replaces the handler of `route` so that its first call answers `status` with `code`
+    /// (and, for 401, the relay forgets the enrolment), then behaves as before.
+    fn refuse_once(&self, route: &str, status: u16, code: &str, t: &Trusty) {
+        use std::sync::atomic::Ordering;
+        let mut inner = self
+            .relay
+            .state
+            .handlers
+            .lock()
+            .unwrap()
+            .remove(route)
+            .expect("a handler to wrap");
+        let (enrolled, code) = (t.enrolled.clone(), code.to_string());
+        let mut first = true;
+        self.relay.on(route, move |req| {
+            if std::mem::take(&mut first) {
+                if status == 401 {
+                    enrolled.store(false, Ordering::SeqCst);
+                }
+                return (status, json!({"error": "refused", "code": code}));
+            }
+            inner(req)
+        });
+    }
+}
+
+#[tokio::test]
+async fn a_relay_key_change_stops_all_relay_use_until_the_owner_confirms_the_new_key() {
+    let s = Setup::new(true).await;
+    let t = s.trusty();
+    let wake = Arc::new(tokio::sync::Notify::new());
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(super::run(
+        s.client.clone(),
+        std::time::Duration::from_millis(50),
+        wake.clone(),
+        stopped,
+    ));
+    wait_for("a first session", || {
+        s.relay_state().is_some_and(|st| st.state == Standing::Ok)
+    })
+    .await;
+    // The relay now presents another key (a different relay behind the same URL).
+    let new = HostKey::generate();
+    *t.served.lock().unwrap() = new.clone();
+    wait_for("the key mismatch", || {
+        s.relay_state()
+            .is_some_and(|st| st.state == Standing::KeyMismatch)
+    })
+    .await;
+    // (The pass that was under way when the key changed has ended with the mismatch.)
+    let seen_before = s.routes().len();
+    // Mail waits: a send wakes the loop, but nothing is pushed, pulled or enrolled.
+    let id = s.send_to_peer(ID1);
+    wake.notify_one();
+    wait_for("three more passes", || {
+        s.routes()[seen_before..]
+            .iter()
+            .filter(|r| *r == "GET /v2/relay/info")
+            .count()
+            >= 3
+    })
+    .await;
+    let after: Vec<String> = s.routes()[seen_before..].to_vec();
+    assert!(
+        after.iter().all(|r| r == "GET /v2/relay/info"),
+        "only info while the key is wrong: {after:?}"
+    );
+    assert_eq!(s.row(&id).state, "pending");
+    assert_eq!(s.row(&id).attempts, 0, "the row is not charged");
+    // Audited once for this served key, not every pass; the state names both keys and the fix.
+    let changed = s.audits("relay.key_changed");
+    assert_eq!(changed.len(), 1, "{changed:?}");
+    assert_eq!(changed[0].detail["served"], new.public().fingerprint());
+    assert_eq!(
+        changed[0].detail["pinned"],
+        s.relay.key.public().fingerprint()
+    );
+    let st = s.relay_state().unwrap();
+    assert_eq!(st.relay_fp, Some(new.public().fingerprint()));
+    assert_eq!(st.pinned_fp, Some(s.relay.key.public().fingerprint()));
+    assert_eq!(
+        st.fix(&s.url()).unwrap(),
+        format!(
+            "agentmbx relay set {} --key {}",
+            s.url(),
+            new.public().fingerprint()
+        )
+    );
+    // The owner confirms (what `relay set <url> --key <new>` writes): use resumes without a
+    // restart, with a new enrolment for the new relay key, and accepts signed by it count.
+    let (url, newpub) = (s.url(), new.public());
+    s.store
+        .mailbox
+        .with(|c| relay_trust::confirm_key(c, &url, Some(&newpub), None, T0))
+        .unwrap();
+    assert_eq!(s.audits("relay.key_confirmed").len(), 1);
+    wake.notify_one();
+    wait_for("the push through the confirmed relay", || {
+        s.row(&id).state == "relay-accepted"
+    })
+    .await;
+    assert_eq!(
+        s.relay.seen("POST /v1/relay/enrol").len(),
+        1,
+        "enrolled with the new key"
+    );
+    let enrolled = s.audits("relay.enrolled");
+    assert_eq!(enrolled[0].detail["relay_key"], newpub.fingerprint());
+    assert_eq!(enrolled[0].detail["why"], "the relay key changed");
+    assert_eq!(s.audits("relay.key_changed").len(), 1);
+    wait_for("state ok", || {
+        s.relay_state().is_some_and(|st| st.state == Standing::Ok)
+    })
+    .await;
+    s.relay.assert_hops_ok_except_plain();
+    stop.send(true).unwrap();
+    tokio::time::timeout(std::time::Duration::from_secs(10), task)
+        .await
+        .expect("the loop stops")
+        .unwrap();
+}
+
+#[tokio::test]
+async fn the_expected_key_is_the_only_one_pinned_on_first_contact() {
+    let s = Setup::new(true).await;
+    let _t = s.trusty();
+    let url = s.url();
+    let clock: SharedClock = s.clock.clone();
+    // `relay set --key <fp>` while the relay was unreachable named another key.
+    let other = HostKey::generate().public().fingerprint();
+    let o = other.clone();
+    s.store
+        .mailbox
+        .with(|c| relay_trust::confirm_key(c, &url, None, Some(&o), T0))
+        .unwrap();
+    for _ in 0..2 {
+        let err = super::pin::resolve_key(&url, None, &s.store.mailbox, &clock)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, RelayError::KeyMismatch { .. }), "{err}");
+    }
+    let st = s.relay_state().unwrap();
+    assert_eq!(
+        (st.state, st.pinned_fp.as_deref()),
+        (Standing::KeyMismatch, Some(other.as_str()))
+    );
+    let changed = s.audits("relay.key_changed");
+    assert_eq!(changed.len(), 1);
+    assert_eq!(changed[0].detail["expected"], other);
+    // The expectation names the served key: pinned, expectation gone.
+    let fp = s.relay.key.public().fingerprint();
+    s.store
+        .mailbox
+        .with(|c| relay_trust::confirm_key(c, &url, None, Some(&fp), T0))
+        .unwrap();
+    assert_eq!(
+        s.relay_state(),
+        None,
+        "the confirmation clears the mismatch"
+    );
+    let key = super::pin::resolve_key(&url, None, &s.store.mailbox, &clock)
+        .await
+        .unwrap();
+    assert_eq!(key, s.relay.key.public());
+    let (k, e) = s
+        .store
+        .mailbox
+        .with(|c| {
+            Ok((
+                relay_state::kv_get(c, &relay_trust::key_kv(&url))?,
+                relay_state::kv_get(c, &relay_trust::expect_kv(&url))?,
+            ))
+        })
+        .unwrap();
+    assert_eq!((k, e), (Some(s.relay.key.public().to_b64()), None));
+}
+
+#[tokio::test]
+async fn a_401_on_a_signed_request_re_enrols_in_the_same_pass_and_retries_once() {
+    for route in [
+        "POST /v2/relay/items",
+        "GET /v2/relay/enc-key",
+        "GET /v2/relay/items",
+        "POST /v2/relay/ack",
+    ] {
+        let s = Setup::new(route != "GET /v2/relay/enc-key").await;
+        let t = s.trusty();
+        if route == "GET /v2/relay/enc-key" {
+            let enc = s.peer.enc_key.public().to_b64();
+            let ad = EncAd::new("work", &s.peer.host_key.public(), &enc, T0 - 1_000);
+            let answer = enc_answer(&s.peer, &ad, &s.peer.host_key, &enc);
+            s.relay
+                .on("GET /v2/relay/enc-key", move |_| (200, answer.clone()));
+        }
+        if route == "POST /v2/relay/ack" {
+            let m = testutil::ids().next(T0);
+            let w = s.peer_wire(&m, "in");
+            t.queue
+                .lock()
+                .unwrap()
+                .items
+                .push(item(5, &m, &s.peer_pub(), &w));
+        }
+        // A first pass confirms the enrolment (the cache is written).
+        super::pass(&s.client).await.unwrap();
+        assert!(s.relay.seen("POST /v1/relay/enrol").is_empty(), "{route}");
+        let id = s.send_to_peer(ID1);
+        if route == "POST /v2/relay/ack" {
+            // Something new to ack.
+            let m = testutil::ids().next(T0 + 1);
+            let w = s.peer_wire(&m, "in2");
+            t.queue
+                .lock()
+                .unwrap()
+                .items
+                .push(item(6, &m, &s.peer_pub(), &w));
+        }
+        let before = s.relay.seen(route).len();
+        s.refuse_once(route, 401, "NOT_ENROLLED", &t);
+        super::pass(&s.client).await.unwrap();
+        // Challenge, enrol and enc-ad publish ran in this pass, and the request was retried once.
+        assert_eq!(s.relay.seen("POST /v1/relay/challenge").len(), 1, "{route}");
+        assert_eq!(s.relay.seen("POST /v1/relay/enrol").len(), 1, "{route}");
+        assert_eq!(s.relay.seen("POST /v2/relay/enc-key").len(), 1, "{route}");
+        assert_eq!(
+            s.relay.seen(route).len() - before,
+            2,
+            "{route}: retried once"
+        );
+        let row = s.row(&id);
+        assert_eq!(row.state, "relay-accepted", "{route}");
+        assert_eq!(row.attempts, 0, "{route}: a 401 is not the row's failure");
+        if route == "POST /v2/relay/ack" {
+            assert_eq!(s.position().acked_through, 6, "{route}");
+        }
+        assert_eq!(s.audits("relay.enrolment_lost").len(), 1, "{route}");
+        assert_eq!(s.audits("relay.enrolled").len(), 1, "{route}");
+        assert_eq!(s.relay_state().unwrap().state, Standing::Ok, "{route}");
+        s.relay.assert_hops_ok_except_plain();
+    }
+}
+
+/// The real time (ms): the fake relay's `Date` header comes from the system clock, so the
+/// tests that classify a refusal by it set the host's manual clock relative to it.
+fn wall_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+#[tokio::test]
+async fn a_refusal_right_after_enrolment_backs_off_and_is_classified_by_the_relay_date() {
+    use std::sync::atomic::Ordering;
+    // (host clock offset from the relay's, how the relay refuses, expected verdict)
+    let cases = [
+        (10 * 60_000, "no you", Standing::ClockSkew),
+        (-10 * 60_000, "401", Standing::ClockSkew),
+        (0, "no you", Standing::RefusedAfterEnrol),
+        (0, "401", Standing::RefusedAfterEnrol),
+    ];
+    for (offset, how, verdict) in cases {
+        let s = Setup::new(true).await;
+        let t = s.trusty();
+        s.clock.set(wall_ms() + offset);
+        t.enrolled.store(false, Ordering::SeqCst);
+        let refusing = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        if how == "no you" {
+            // The relay takes the enrolment but its signed info never knows this host.
+            let r = refusing.clone();
+            let e = t.enrolled.clone();
+            s.relay.on("POST /v1/relay/enrol", move |_| {
+                e.store(!r.load(Ordering::SeqCst), Ordering::SeqCst);
+                (200, json!({"ok": true}))
+            });
+        } else {
+            // The relay's info knows the host, but every signed write is refused.
+            for route in ["POST /v2/relay/enc-key", "POST /v2/relay/senders"] {
+                let r = refusing.clone();
+                s.relay.on(route, move |_| {
+                    if r.load(Ordering::SeqCst) {
+                        (401, json!({"error": "stale or bad hop timestamp (check clocks)", "code": "BAD_HOP"}))
+                    } else {
+                        (200, json!({"ok": true}))
+                    }
+                });
+            }
+        }
+        let case = format!("{offset} {how}");
+        let err = s.client.open_session().await.unwrap_err();
+        let now = s.clock_now();
+        let RelayError::Refused {
+            standing,
+            retry_at_ms,
+            ..
+        } = err
+        else {
+            panic!("{case}: {err}");
+        };
+        assert_eq!((standing, retry_at_ms), (verdict, now + 60_000), "{case}");
+        let st = s.relay_state().unwrap();
+        assert_eq!(st.state, verdict, "{case}");
+        assert_eq!(st.next_at, Some(iso_ms(now + 60_000)), "{case}");
+        assert_eq!(st.status, Some(401), "{case}");
+        if verdict == Standing::ClockSkew {
+            assert!(
+                st.detail.as_deref().unwrap().contains("10 min"),
+                "{case}: {st:?}"
+            );
+        }
+        let failed = s.audits("relay.enrol_failed");
+        assert_eq!(failed.len(), 1, "{case}");
+        assert_eq!(failed[0].detail["reason"], verdict.as_str(), "{case}");
+        // Within the backoff nothing is tried again (no hot loop).
+        s.clock.advance(59_000);
+        assert!(matches!(
+            s.client.open_session().await,
+            Err(RelayError::Refused { .. })
+        ));
+        assert_eq!(s.relay.seen("POST /v1/relay/challenge").len(), 1, "{case}");
+        // After it, one more attempt, refused again: the pause doubles, audited once per episode.
+        s.clock.advance(1_001);
+        let Err(RelayError::Refused { retry_at_ms, .. }) = s.client.open_session().await else {
+            panic!("{case}: refused again");
+        };
+        assert_eq!(retry_at_ms, s.clock_now() + 120_000, "{case}");
+        assert_eq!(s.relay.seen("POST /v1/relay/challenge").len(), 2, "{case}");
+        assert_eq!(s.audits("relay.enrol_failed").len(), 1, "{case}");
+        // The relay takes the host again: the next attempt after the pause succeeds.
+        refusing.store(false, Ordering::SeqCst);
+        s.clock.advance(120_000);
+        super::pass(&s.client).await.unwrap();
+        assert_eq!(s.relay_state().unwrap().state, Standing::Ok, "{case}");
+        let url = s.url();
+        assert_eq!(
+            s.store
+                .mailbox
+                .with(|c| relay_trust::backoff(c, &url))
+                .unwrap(),
+            None,
+            "{case}: the episode ended"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_revoked_host_is_its_own_state_and_never_a_hot_loop() {
+    use std::sync::atomic::Ordering;
+    let s = Setup::new(true).await;
+    let t = s.trusty();
+    // Revoked while enrolled: the push answers 403.
+    super::pass(&s.client).await.unwrap();
+    let id = s.send_to_peer(ID1);
+    s.relay.on("POST /v2/relay/items", |_| {
+        (
+            403,
+            json!({"error": "this host key is revoked on this relay", "code": "REVOKED"}),
+        )
+    });
+    let err = super::pass(&s.client).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            RelayError::Refused {
+                standing: Standing::Revoked,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(s.row(&id).attempts, 0, "not the row's failure");
+    let st = s.relay_state().unwrap();
+    assert_eq!((st.state, st.status), (Standing::Revoked, Some(403)));
+    assert!(st.detail.unwrap().contains("REVOKED"));
+    // The relay no longer shows `you` and refuses the enrolment: no attempt inside the pause.
+    t.enrolled.store(false, Ordering::SeqCst);
+    s.relay.on("POST /v1/relay/enrol", |_| {
+        (403, json!({"error": "revoked", "code": "REVOKED"}))
+    });
+    for _ in 0..3 {
+        assert!(matches!(
+            super::pass(&s.client).await,
+            Err(RelayError::Refused {
+                standing: Standing::Revoked,
+                ..
+            })
+        ));
+    }
+    assert!(s.relay.seen("POST /v1/relay/challenge").is_empty());
+    s.clock.advance(60_000);
+    assert!(matches!(
+        super::pass(&s.client).await,
+        Err(RelayError::Refused {
+            standing: Standing::Revoked,
+            ..
+        })
+    ));
+    assert_eq!(s.relay.seen("POST /v1/relay/enrol").len(), 1);
+    let url = s.url();
+    let b = s
+        .store
+        .mailbox
+        .with(|c| relay_trust::backoff(c, &url))
+        .unwrap()
+        .unwrap();
+    assert_eq!(b.n, 2);
+    assert_eq!(s.audits("relay.enrol_failed").len(), 1, "once per episode");
+}
+
+#[tokio::test]
+async fn an_enrolment_refusal_is_enrol_failed_and_audited() {
+    use std::sync::atomic::Ordering;
+    let s = Setup::new(true).await;
+    let t = s.trusty();
+    t.enrolled.store(false, Ordering::SeqCst);
+    s.relay.on("POST /v1/relay/enrol", |_| {
+        (409, json!({"error": "name taken", "code": "NAME_TAKEN"}))
+    });
+    for _ in 0..2 {
+        let err = s.client.open_session().await.unwrap_err();
+        assert_eq!(err.status(), Some(409), "{err}");
+    }
+    let st = s.relay_state().unwrap();
+    assert_eq!((st.state, st.status), (Standing::EnrolFailed, Some(409)));
+    assert_eq!(s.audits("relay.enrol_failed").len(), 1, "once per status");
+}
+
+#[tokio::test]
+async fn the_enc_ad_is_republished_on_a_new_epoch_daily_and_on_a_key_change() {
+    let s = Setup::new(true).await;
+    let t = s.trusty();
+    // The relay already holds a fresh ad of this host: adopted, not republished.
+    s.client.open_session().await.unwrap();
+    assert_eq!(s.relay.seen("POST /v2/relay/enc-key").len(), 0);
+    let st = s.relay_state().unwrap();
+    assert_eq!(st.enc_ad_exp, Some(iso_ms(T0 + 30 * DAY_MS)));
+    // A new epoch (a restore): challenge, enrol and enc-ad publish again, audited.
+    *t.epoch.lock().unwrap() = "e2".into();
+    t.queue.lock().unwrap().epoch = "e2".into();
+    s.client.open_session().await.unwrap();
+    assert_eq!(s.relay.seen("POST /v1/relay/enrol").len(), 1);
+    let ads = s.relay.seen("POST /v2/relay/enc-key");
+    assert_eq!(ads.len(), 1);
+    let ad = records::verify_enc_ad(
+        &ads[0].json()["ad"],
+        ads[0].json()["sig"].as_str(),
+        &s.me_pub(),
+        T0,
+    )
+    .unwrap();
+    assert_eq!(
+        (ad.iat.clone(), ad.exp.clone()),
+        (iso_ms(T0), iso_ms(T0 + 30 * DAY_MS))
+    );
+    let enrolled = s.audits("relay.enrolled");
+    assert_eq!(enrolled[0].detail["why"], "new relay epoch");
+    assert_eq!(enrolled[0].detail["epoch"], "e2");
+    // Same epoch, within the day: nothing.
+    s.clock.advance(DAY_MS - 1);
+    s.client.open_session().await.unwrap();
+    assert_eq!(s.relay.seen("POST /v2/relay/enc-key").len(), 1);
+    // A day after the last publish: refreshed (no enrolment).
+    s.clock.advance(1);
+    s.client.open_session().await.unwrap();
+    assert_eq!(s.relay.seen("POST /v2/relay/enc-key").len(), 2);
+    assert_eq!(s.relay.seen("POST /v1/relay/enrol").len(), 1);
+    // This host's enc key changed: published at once, naming the new key.
+    let mut me2 = (*s.me).clone();
+    me2.enc_key = EncKey::generate();
+    let me2 = Arc::new(me2);
+    let c2 = Setup::client_for(&s.relay.url, &s.relay.key, &me2, &s.store, &s.clock);
+    c2.open_session().await.unwrap();
+    let ads = s.relay.seen("POST /v2/relay/enc-key");
+    assert_eq!(ads.len(), 3);
+    assert_eq!(
+        ads[2].json()["ad"]["enc_pub"],
+        me2.enc_key.public().to_b64()
+    );
+    // A publish the relay refuses is its own state; receiving still works.
+    s.relay.on("POST /v2/relay/enc-key", |_| {
+        (
+            400,
+            json!({"error": "enc-key ad refused: expired", "code": "BAD_REQUEST"}),
+        )
+    });
+    s.clock.advance(DAY_MS);
+    s.client.open_session().await.unwrap();
+    let st = s.relay_state().unwrap();
+    assert_eq!((st.state, st.status), (Standing::EncAdFailed, Some(400)));
+}
+
+#[test]
+fn the_ad_is_due_exactly_when_the_rules_say() {
+    let (host, enc) = ("H", "E");
+    let rec = |iat: i64, epoch: &str| super::state::PublishedAd {
+        host_pubkey: host.into(),
+        enc_pub: enc.into(),
+        iat,
+        exp: iat + 30 * DAY_MS,
+        epoch: epoch.into(),
+    };
+    let served = |exp: i64, v1: bool, e: &str| agentmbx_protocol::wire::YouEncAd {
+        enc_pub: e.into(),
+        exp: iso_ms(exp),
+        v1,
+    };
+    let due = super::session::ad_due;
+    let now = T0;
+    let fresh = served(now + 30 * DAY_MS, false, enc);
+    // Nothing published from here, relay copy fresh: adopt. Not fresh: publish.
+    assert_eq!(due(None, Some(&fresh), host, enc, "e1", now), None);
+    assert!(due(None, None, host, enc, "e1", now).is_some());
+    assert!(due(
+        None,
+        Some(&served(now + 29 * DAY_MS, false, enc)),
+        host,
+        enc,
+        "e1",
+        now
+    )
+    .is_some());
+    assert!(due(
+        None,
+        Some(&served(now + 30 * DAY_MS, true, enc)),
+        host,
+        enc,
+        "e1",
+        now
+    )
+    .is_some());
+    assert!(due(
+        None,
+        Some(&served(now + 30 * DAY_MS, false, "X")),
+        host,
+        enc,
+        "e1",
+        now
+    )
+    .is_some());
+    // Published: key change, epoch, daily; drift only after the retry pause.
+    let r = rec(now, "e1");
+    assert_eq!(
+        due(Some(&r), Some(&fresh), host, enc, "e1", now + DAY_MS - 1),
+        None
+    );
+    assert_eq!(
+        due(Some(&r), Some(&fresh), host, enc, "e1", now + DAY_MS),
+        Some("daily refresh")
+    );
+    assert_eq!(
+        due(Some(&r), Some(&fresh), host, enc, "e2", now),
+        Some("new relay epoch")
+    );
+    assert_eq!(
+        due(Some(&r), Some(&fresh), host, "E2", "e1", now),
+        Some("this host's keys changed")
+    );
+    assert_eq!(
+        due(Some(&r), Some(&fresh), "H2", enc, "e1", now),
+        Some("this host's keys changed")
+    );
+    assert_eq!(due(Some(&r), None, host, enc, "e1", now + 59_999), None);
+    assert!(due(Some(&r), None, host, enc, "e1", now + 60_000).is_some());
+}
+
+#[test]
+fn relay_served_enc_ads_are_refused_with_the_exact_reasons() {
+    let peer = testutil::identity("work");
+    let pk = peer.host_key.public().to_b64();
+    let enc = peer.enc_key.public().to_b64();
+    let answer = |ad: Option<&EncAd>, signer: &HostKey, served: &str, v1sig: Option<&str>| {
+        agentmbx_protocol::wire::EncKeyAnswer {
+            host: "work".into(),
+            host_pubkey: pk.clone(),
+            enc_pub: served.into(),
+            sig: v1sig.map(String::from),
+            ad: ad.map(|a| a.to_value()),
+            ad_sig: ad.map(|a| a.sign(signer)),
+        }
+    };
+    let check = |a: &agentmbx_protocol::wire::EncKeyAnswer| {
+        super::session::enc_ad_from_answer(a, &pk, T0).map(|ad| ad.enc_pub)
+    };
+    let good = EncAd::new("work", &peer.host_key.public(), &enc, T0);
+    assert_eq!(
+        check(&answer(Some(&good), &peer.host_key, &enc, None)),
+        Ok(enc.clone())
+    );
+    let other = EncKey::generate().public().to_b64();
+    assert_eq!(
+        check(&answer(Some(&good), &peer.host_key, &other, None)).unwrap_err(),
+        "tampered: the served key differs from the signed advertisement"
+    );
+    let v1 = check(&answer(None, &peer.host_key, &enc, Some("c2ln"))).unwrap_err();
+    assert!(v1.starts_with("unexpiring v1 advertisement ("), "{v1}");
+    assert_eq!(
+        check(&answer(None, &peer.host_key, &enc, None)).unwrap_err(),
+        "unsigned"
+    );
+    assert_eq!(
+        check(&answer(Some(&good), &HostKey::generate(), &enc, None)).unwrap_err(),
+        "bad signature"
+    );
+    let stranger = HostKey::generate();
+    let theirs = EncAd::new("work", &stranger.public(), &enc, T0);
+    assert_eq!(
+        check(&answer(Some(&theirs), &stranger, &enc, None)).unwrap_err(),
+        "wrong peer"
+    );
+    let old = EncAd::new("work", &peer.host_key.public(), &enc, T0 - 31 * DAY_MS);
+    assert_eq!(
+        check(&answer(Some(&old), &peer.host_key, &enc, None)).unwrap_err(),
+        "expired"
+    );
+    let ahead = EncAd::new("work", &peer.host_key.public(), &enc, T0 + 300_001);
+    assert_eq!(
+        check(&answer(Some(&ahead), &peer.host_key, &enc, None)).unwrap_err(),
+        "not yet valid"
+    );
+    let mut long = EncAd::new("work", &peer.host_key.public(), &enc, T0);
+    long.exp = iso_ms(T0 + 90 * DAY_MS + 1);
+    assert_eq!(
+        check(&answer(Some(&long), &peer.host_key, &enc, None)).unwrap_err(),
+        "lifetime over the maximum"
+    );
+    let mut bad = answer(Some(&good), &peer.host_key, &enc, None);
+    bad.ad_sig = Some(String::new());
+    assert_eq!(check(&bad).unwrap_err(), "unsigned");
+}
+
+#[tokio::test]
+async fn a_rolled_back_relay_ad_is_refused_recorded_and_audited_once() {
+    let s = Setup::new(false).await;
+    let k1 = EncKey::generate().public().to_b64();
+    let k2 = s.peer.enc_key.public().to_b64();
+    let peer = s.peer_pub();
+    // The newest ad accepted for this peer host key named k1 at T0 (the peer row later lost
+    // its enc key, e.g. through a rotation); the relay now replays an older ad naming k2.
+    s.store
+        .mailbox
+        .with(|c| relay_trust::guard_enc_ad(c, &peer, &k1, T0).map(|r| r.unwrap()))
+        .unwrap();
+    let older = EncAd::new("work", &s.peer.host_key.public(), &k2, T0 - DAY_MS);
+    let answer = enc_answer(&s.peer, &older, &s.peer.host_key, &k2);
+    s.relay
+        .on("GET /v2/relay/enc-key", move |_| (200, answer.clone()));
+    s.accept_all("e1", "accepted");
+    let id = s.send_to_peer(ID1);
+    for _ in 0..2 {
+        let pass = s.client.push_due(&session("e1")).await.unwrap();
+        assert_eq!(pass.accepted, 0);
+        s.clock.advance(60_000);
+    }
+    assert_eq!(s.row(&id).wire, None, "never sealed for a rolled-back key");
+    assert!(s.relay.seen("POST /v2/relay/items").is_empty());
+    let why = s
+        .store
+        .mailbox
+        .with(|c| relay_trust::enc_refusal(c, "work"))
+        .unwrap()
+        .unwrap();
+    assert!(why.starts_with("rolled back: "), "{why}");
+    let audited = s.audits("enc_key.rejected");
+    assert_eq!(audited.len(), 1, "once per reason");
+    assert_eq!(audited[0].detail["reason"], why.as_str());
+    let p = s
+        .store
+        .mailbox
+        .with(|c| peers::by_name(c, "work"))
+        .unwrap()
+        .unwrap();
+    assert_eq!(p.enc_pub, None);
+    // A newer ad naming k2 is accepted, and the refusal record is cleared.
+    let newer = EncAd::new("work", &s.peer.host_key.public(), &k2, T0 + 1);
+    let answer = enc_answer(&s.peer, &newer, &s.peer.host_key, &k2);
+    s.relay
+        .on("GET /v2/relay/enc-key", move |_| (200, answer.clone()));
+    s.clock.advance(10 * 60_000);
+    let pass = s.client.push_due(&session("e1")).await.unwrap();
+    assert_eq!(pass.accepted, 1);
+    assert_eq!(
+        s.store
+            .mailbox
+            .with(|c| relay_trust::enc_refusal(c, "work"))
+            .unwrap(),
+        None
+    );
+}
+
+#[tokio::test]
+async fn the_allowlist_is_published_signed_and_republished_when_peers_change() {
+    let s = Setup::new(true).await;
+    let t = s.trusty();
+    s.client.open_session().await.unwrap();
+    let check = |n: usize, expect: &[String]| {
+        let lists = t.lists.lock().unwrap();
+        assert_eq!(lists.len(), n, "{lists:?}");
+        let body = lists.last().unwrap();
+        let list = &body["list"];
+        assert_eq!(list["type"], "relay-senders");
+        assert_eq!(list["v"], 1);
+        assert_eq!(list["host_pubkey"], s.me_pub());
+        assert_eq!(list["senders"], json!(expect));
+        let signed = agentmbx_protocol::canonical::to_string(list).unwrap();
+        assert!(s
+            .me
+            .host_key
+            .public()
+            .verify(signed.as_bytes(), body["sig"].as_str().unwrap()));
+        list["iat"].as_str().unwrap().to_string()
+    };
+    let iat1 = check(1, &[s.peer_pub()]);
+    assert_eq!(iat1, iso_ms(T0));
+    // Unchanged peers: not published again.
+    s.client.open_session().await.unwrap();
+    assert_eq!(t.lists.lock().unwrap().len(), 1);
+    // A new peer (pairing): republished, sorted, with a later iat.
+    let third = testutil::identity("third");
+    s.store.add_peer(&third, false);
+    s.clock.advance(1_000);
+    s.client.open_session().await.unwrap();
+    let mut both = vec![s.peer_pub(), third.host_key.public().to_b64()];
+    both.sort();
+    let iat2 = check(2, &both);
+    assert!(iat2 > iat1);
+    // Unpairing: republished without it.
+    s.store
+        .mailbox
+        .with(|c| peers::remove(c, "work").map(|_| ()))
+        .unwrap();
+    s.client.open_session().await.unwrap();
+    check(3, &[third.host_key.public().to_b64()]);
+    s.relay.assert_hops_ok_except_plain();
+}
+
+#[tokio::test]
+async fn a_stale_allowlist_is_signed_again_once_and_a_refusal_waits() {
+    let s = Setup::new(true).await;
+    let _t = s.trusty();
+    let bodies = Arc::new(Mutex::new(Vec::<Value>::new()));
+    let b = bodies.clone();
+    let mut answers = vec![
+        (409, "STALE"),
+        (409, "STALE"),
+        (404, "NOT_FOUND"),
+        (401, "BAD_SIGNATURE"),
+    ]
+    .into_iter();
+    s.relay.on("POST /v2/relay/senders", move |req| {
+        b.lock().unwrap().push(req.json());
+        match answers.next() {
+            Some((status, code)) => (status, json!({"error": "refused", "code": code})),
+            None => (200, json!({"ok": true})),
+        }
+    });
+    let iat = |n: usize| {
+        agentmbx_protocol::time::parse_iso_ms(
+            bodies.lock().unwrap()[n]["list"]["iat"].as_str().unwrap(),
+        )
+        .unwrap()
+    };
+    // 409 STALE: signed again once with iat = now + 4 min; refused again → waits a minute.
+    s.client.open_session().await.unwrap();
+    assert_eq!(bodies.lock().unwrap().len(), 2);
+    assert_eq!((iat(0), iat(1)), (T0, T0 + super::allowlist::STALE_BUMP_MS));
+    assert_eq!(s.audits("relay.senders_failed").len(), 1);
+    s.client.open_session().await.unwrap();
+    assert_eq!(bodies.lock().unwrap().len(), 2, "no retry inside the pause");
+    // After the pause: tried again (404: the relay has no allowlist endpoint), audited once.
+    s.clock.advance(super::allowlist::RETRY_AFTER_FAILURE_MS);
+    s.client.open_session().await.unwrap();
+    assert_eq!(bodies.lock().unwrap().len(), 3);
+    assert_eq!(s.audits("relay.senders_failed").len(), 1);
+    // A 401 about the list's signature is the list's failure, not a lost enrolment.
+    s.clock.advance(super::allowlist::RETRY_AFTER_FAILURE_MS);
+    s.client.open_session().await.unwrap();
+    assert_eq!(bodies.lock().unwrap().len(), 4);
+    assert!(s.relay.seen("POST /v1/relay/enrol").is_empty());
+    // Then it is taken, and recorded: nothing more.
+    s.clock.advance(super::allowlist::RETRY_AFTER_FAILURE_MS);
+    s.client.open_session().await.unwrap();
+    s.client.open_session().await.unwrap();
+    assert_eq!(bodies.lock().unwrap().len(), 5);
+    assert_eq!(s.relay_state().unwrap().state, Standing::Ok);
+}
+
+// ---- rate limits (wire.md "Rate limits": clients back off by the value given) ------------------
+
+#[test]
+fn a_429_waits_the_retry_after_header_else_the_body_else_a_minute() {
+    let ms = |header: Option<&str>, body: &str| match super::rate_limited(header, body.as_bytes()) {
+        RelayError::RateLimited { retry_after_ms } => retry_after_ms,
+        other => panic!("{other}"),
+    };
+    let body = r#"{"error":"rate_limit_exceeded","code":"RATE_LIMIT","retry_after":12}"#;
+    assert_eq!(ms(Some("7"), body), 7_000, "the header wins");
+    assert_eq!(ms(None, body), 12_000);
+    assert_eq!(ms(Some("Wed, 21 Oct 2026 07:28:00 GMT"), body), 12_000);
+    assert_eq!(ms(None, "not json"), super::DEFAULT_RATE_LIMIT_WAIT_MS);
+    // Kept within 1 s ..= 1 h.
+    assert_eq!(ms(Some("0"), body), 1_000);
+    assert_eq!(ms(Some("999999999"), body), super::MAX_RATE_LIMIT_WAIT_MS);
+    // Every error answer path turns a 429 into the same typed error.
+    assert!(matches!(
+        super::status_error(429, body.as_bytes()),
+        RelayError::RateLimited {
+            retry_after_ms: 12_000
+        }
+    ));
+}
+
+#[tokio::test]
+async fn a_429_makes_the_loop_wait_the_given_time_before_its_next_pass() {
+    let s = Setup::new(true).await;
+    let me = s.me_pub();
+    let enc = s.me.enc_key.public().to_b64();
+    let key = s.relay.key.clone();
+    let mut infos = 0;
+    s.relay.on("GET /v2/relay/info", move |_| {
+        infos += 1;
+        if infos == 1 {
+            return (
+                429,
+                json!({"error": "rate_limit_exceeded", "code": "RATE_LIMIT", "retry_after": 30}),
+            );
+        }
+        let you = json!({"host": "home", "pubkey": me, "head_seq": 0, "acked_through": 0,
+                         "enc_ad": {"enc_pub": enc, "exp": iso_ms(T0 + 30 * 86_400_000), "v1": false}});
+        (200, info(&key, "e1", Some(you)))
+    });
+    s.accept_all("e1", "accepted");
+    serve_queue(
+        &s.relay,
+        Arc::new(Mutex::new(Queue {
+            epoch: "e1".into(),
+            items: vec![],
+            head_override: None,
+        })),
+    );
+    let wake = Arc::new(tokio::sync::Notify::new());
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(super::run(
+        s.client.clone(),
+        std::time::Duration::from_millis(50),
+        wake.clone(),
+        stopped,
+    ));
+    let infos_seen = || s.relay.seen("GET /v2/relay/info").len();
+    wait_for("the refused info", || infos_seen() == 1).await;
+    // A send wakes the loop, and the relay clock runs to just before the 30 s: no new pass
+    // (the pull interval is 50 ms, so a loop that did not wait would have asked many times).
+    let id = s.send_to_peer(ID1);
+    wake.notify_one();
+    s.clock.advance(29_999);
+    let early = tokio::time::timeout(std::time::Duration::from_millis(2_500), async {
+        while infos_seen() == 1 {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(early.is_err(), "a pass ran before retry_after had passed");
+    assert!(s.relay.seen("POST /v2/relay/items").is_empty());
+    // Once it has passed, the next pass runs and the row is pushed.
+    s.clock.advance(1);
+    wait_for("the pass after the wait", || infos_seen() >= 2).await;
+    wait_for("the relay accept", || s.row(&id).state == "relay-accepted").await;
+    stop.send(true).unwrap();
+    tokio::time::timeout(std::time::Duration::from_secs(10), task)
+        .await
+        .expect("the loop stops on shutdown")
+        .unwrap();
+}
+
+#[tokio::test]
+async fn rejected_rate_keeps_the_row_queued_and_backs_it_off() {
+    let s = Setup::new(true).await;
+    let id = s.send_to_peer(ID1);
+    s.relay
+        .on("POST /v2/relay/items", push_reject("rejected:rate"));
+    let pass = s.client.push_due(&session("e1")).await.unwrap();
+    assert_eq!((pass.accepted, pass.failed), (0, 1));
+    s.assert_pending_after_one_failure(&id, T0, "rejected:rate");
+    // Not pushed again before its backoff ends; pushed again after.
+    s.clock.advance(outbox::backoff_ms(0) - 1);
+    s.client.push_due(&session("e1")).await.unwrap();
+    assert_eq!(s.relay.seen("POST /v2/relay/items").len(), 1);
+    s.clock.advance(1);
+    s.accept_all("e1", "accepted");
+    s.client.push_due(&session("e1")).await.unwrap();
+    assert_eq!(s.relay.seen("POST /v2/relay/items").len(), 2);
+    assert_eq!(s.row(&id).state, "relay-accepted");
 }

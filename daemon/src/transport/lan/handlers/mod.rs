@@ -11,6 +11,7 @@ pub mod enc_key;
 pub mod envelopes;
 pub mod presence;
 pub mod receipts;
+pub mod rotate;
 pub mod status;
 pub mod unpair;
 
