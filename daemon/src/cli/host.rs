@@ -31,7 +31,7 @@ pub enum HostCommand {
 #[derive(Debug, Args)]
 pub struct RotateArgs {
     /// Print as JSON: {host, host_pubkey, fingerprint, enc_pub, keystore, old_pubkey,
-    /// old_fingerprint, iat, rotations, peers}
+    /// old_fingerprint, iat, rotations, peers, peers_without_lan_address}
     #[arg(long)]
     pub json: bool,
 }
@@ -78,8 +78,15 @@ fn rotate(args: RotateArgs) -> anyhow::Result<()> {
         )?;
         let peers = agentmbx::mailbox::peers::list(&tx)?;
         tx.commit()?;
-        Ok(peers.into_iter().map(|p| p.host).collect::<Vec<_>>())
+        Ok(peers
+            .into_iter()
+            .map(|p| (p.host, p.addr.is_some()))
+            .collect::<Vec<_>>())
     })?;
+    let (lan, relay_only): (Vec<_>, Vec<_>) = peers.iter().partition(|(_, has_addr)| *has_addr);
+    let lan: Vec<String> = lan.into_iter().map(|(h, _)| h.clone()).collect();
+    let relay_only: Vec<String> = relay_only.into_iter().map(|(h, _)| h.clone()).collect();
+    let peers: Vec<String> = peers.into_iter().map(|(h, _)| h).collect();
     drop(lock);
     if args.json {
         let mut value = serde_json::to_value(&public)?;
@@ -88,6 +95,7 @@ fn rotate(args: RotateArgs) -> anyhow::Result<()> {
         value["iat"] = done.record.rec.iat.clone().into();
         value["rotations"] = done.identity.history.rotations.len().into();
         value["peers"] = peers.into();
+        value["peers_without_lan_address"] = relay_only.clone().into();
         println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
         println!(
@@ -98,11 +106,16 @@ fn rotate(args: RotateArgs) -> anyhow::Result<()> {
         println!("enc_pub: {}", public.enc_pub);
         if peers.is_empty() {
             println!("no paired peers to tell; a configured relay is told when the daemon starts");
-        } else {
+        } else if !lan.is_empty() {
             println!(
-                "the daemon tells {} paired peer(s) ({}) and a configured relay when it starts",
-                peers.len(),
-                peers.join(", ")
+                "the daemon tells {} paired peer(s) over the LAN ({}) and a configured relay when it starts",
+                lan.len(),
+                lan.join(", ")
+            );
+        }
+        for host in &relay_only {
+            println!(
+                "{host} has no LAN address: peers learn a new key only over the LAN (the relay does not carry it), so mail between {host} and this host waits until `agentmbx peers addr {host} <host:port>` gives one"
             );
         }
     }

@@ -51,6 +51,9 @@ pub struct PeerOutcome {
     pub error: Option<String>,
 }
 
+/// The outcome error of a peer with no LAN address: it cannot be told yet.
+pub const NO_LAN_ADDRESS: &str = "no LAN address known for this peer";
+
 /// One pass: each paired peer with an address that has not taken every record is sent the
 /// records from its count on (several requests when more than [`MAX_RECORDS_PER_ANNOUNCE`] are
 /// owed), and its count is written after each answer. Peers that owe nothing are not
@@ -82,6 +85,13 @@ pub async fn announce_once(
             continue;
         }
         let Some(addr) = peer.addr.clone() else {
+            // The relay carries no rotation notice to peers (spec §2 "Rotation": a peer learns
+            // the new key only from the LAN record), so say so instead of skipping silently.
+            out.push(PeerOutcome {
+                host: peer.host.clone(),
+                delivered,
+                error: Some(NO_LAN_ADDRESS.to_owned()),
+            });
             continue;
         };
         let mut error = None;
@@ -155,9 +165,21 @@ pub async fn run(
     if client.ident.history.rotations.is_empty() {
         return;
     }
+    let mut warned = std::collections::HashSet::new();
     loop {
-        if let Err(e) = announce_once(&paths, &mailbox, &client).await {
-            tracing::warn!(error = %e, "cannot announce key rotations");
+        match announce_once(&paths, &mailbox, &client).await {
+            Ok(outcomes) => {
+                for o in outcomes {
+                    if o.error.as_deref() == Some(NO_LAN_ADDRESS) && warned.insert(o.host.clone()) {
+                        tracing::warn!(
+                            peer = %o.host,
+                            "this peer has no LAN address, so it cannot be told of this host's new key (the relay does not carry rotations to peers); until it is, mail between the two waits. Give its address with `agentmbx peers addr {} <host:port>`",
+                            o.host
+                        );
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot announce key rotations"),
         }
         tokio::select! {
             _ = tokio::time::sleep(RETRY_INTERVAL) => {}
@@ -378,14 +400,20 @@ mod tests {
         let out = announce_once(&fx.paths, &fx.store.mailbox, &fx.client)
             .await
             .unwrap();
+        let delta = out.iter().find(|o| o.host == "delta").unwrap();
         assert_eq!(
-            out,
-            vec![PeerOutcome {
+            delta,
+            &PeerOutcome {
                 host: "delta".into(),
                 delivered: MAX_RECORDS_PER_ANNOUNCE + 1,
                 error: None
-            }]
+            }
         );
+        // The peer without an address is reported, not silently skipped.
+        let omega = out.iter().find(|o| o.host == "omega").unwrap();
+        assert_eq!(omega.delivered, 0);
+        assert_eq!(omega.error.as_deref(), Some(NO_LAN_ADDRESS));
+        assert_eq!(out.len(), 2);
         let sizes: Vec<usize> = seen
             .lock()
             .unwrap()
