@@ -370,3 +370,240 @@ fn peers_commands_use_the_documented_exit_codes() {
     assert_eq!(out.json()["added"], true);
     assert_eq!(out.json()["host"], "beta");
 }
+
+#[test]
+fn relay_set_refuses_malformed_urls_with_exit_2_and_never_echoes_control_characters() {
+    let home = Home::new();
+    assert!(home.run(&["init", "--host", "alpha"]).status.success());
+    let config = || std::fs::read_to_string(home.file("config.toml")).expect("config.toml");
+    let before = config();
+    for (url, why) in [
+        ("http://user:hunter2@127.0.0.1:9", "user name or password"),
+        ("http://127.0.0.1:99999", "1..=65535"),
+        ("http://127.0.0.1:0", "1..=65535"),
+        (
+            "http://127.0.0.1:9/\u{1b}]0;owned\u{7}",
+            "control character",
+        ),
+        ("http://127.0.0.1:9/a\u{202e}b", "non-ASCII"),
+        ("http://127.0.0.1:9/a b", "whitespace"),
+        ("http://127.0.0.1:9/?q=1", "query"),
+        ("http://127.0.0.1:9/#top", "fragment"),
+        ("http://127.0.0.1:9/mbx/../other", "plain segments"),
+        ("http://127.0.0.1:9/./mbx", "plain segments"),
+        ("ftp://127.0.0.1:9", "http://"),
+    ] {
+        let out = home.run(&["relay", "set", url]);
+        assert_eq!(out.code(), Some(2), "{url:?}: {out:#?}");
+        assert!(out.stderr.contains(why), "{url:?}: {out:#?}");
+        assert!(!out.stderr.contains("hunter2"), "{out:#?}");
+        assert!(
+            !out.stderr.contains('\u{1b}') && !out.stderr.contains('\u{202e}'),
+            "escaped: {out:#?}"
+        );
+        assert_eq!(config(), before, "{url:?}: config.toml untouched");
+    }
+}
+
+#[test]
+fn the_daemon_refuses_a_malformed_relay_url_from_the_file_or_the_environment() {
+    let home = Home::new();
+    home.write_config("[relay]\nurl = \"http://owner:s3cret@127.0.0.1:9\"\n");
+    let exited = Daemon::try_start(home.command(&["daemon", "--api-port", "0"]))
+        .err()
+        .expect("the daemon must refuse to start");
+    assert_eq!(exited.status.code(), Some(1), "{exited:#?}");
+    assert!(
+        exited.stderr.contains("relay.url") && exited.stderr.contains("user name or password"),
+        "{exited:#?}"
+    );
+    assert!(!exited.stderr.contains("s3cret"), "{exited:#?}");
+
+    let home = Home::new();
+    let mut cmd = home.command(&["daemon", "--api-port", "0"]);
+    cmd.env("MBX_RELAY_URL", "http://127.0.0.1:99999");
+    let exited = Daemon::try_start(cmd)
+        .err()
+        .expect("the daemon must refuse to start");
+    assert!(
+        exited.stderr.contains("relay.url") && exited.stderr.contains("1..=65535"),
+        "{exited:#?}"
+    );
+}
+
+#[test]
+fn relay_info_before_init_says_to_run_init() {
+    let home = Home::new();
+    let out = home.run(&["relay", "info"]);
+    assert_eq!(out.code(), Some(3), "{out:#?}");
+    assert!(
+        out.stderr
+            .contains("this host is not initialized; run `agentmbx init`"),
+        "{out:#?}"
+    );
+    // Also with a relay in config.toml but no identity.
+    home.write_config("[relay]\nurl = \"http://127.0.0.1:9\"\n");
+    let out = home.run(&["relay", "info", "--json"]);
+    assert_eq!(out.code(), Some(3), "{out:#?}");
+    assert!(out.stderr.contains("not initialized"), "{out:#?}");
+}
+
+/// Runs `agentmbx <args>` in `home` with stdout a pipe whose reading end is already closed.
+fn with_closed_stdout(home: &Home, args: &[&str]) -> (std::process::ExitStatus, String) {
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    drop(reader);
+    let out = home
+        .command(args)
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .expect("run agentmbx");
+    (
+        out.status,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn a_closed_stdout_ends_a_command_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let home = Home::new();
+    assert!(home.run(&["init", "--host", "alpha"]).status.success());
+    let mut config = std::fs::read_to_string(home.file("config.toml")).expect("config.toml");
+    config.push_str("\n[relay]\nurl = \"http://127.0.0.1:9\"\n");
+    std::fs::write(home.file("config.toml"), config).expect("write config.toml");
+    for args in [
+        &["relay", "info"][..],
+        &["openapi"][..],
+        &["whoami", "--json"][..],
+    ] {
+        let (status, stderr) = with_closed_stdout(&home, args);
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(
+            status.signal() == Some(libc::SIGPIPE) || status.success(),
+            "{args:?}: ended by SIGPIPE like other tools: {status:?} {stderr}"
+        );
+        assert_ne!(status.code(), Some(101), "{args:?}: no panic exit");
+    }
+}
+
+#[test]
+fn relay_deny_and_revoke_refuse_unprintable_and_mistyped_arguments_before_anything_else() {
+    let home = Home::new();
+    let nowhere = home.path().join("no-store");
+    let dir = nowhere.to_str().expect("UTF-8 path");
+    for subject in ["cli\u{202e}gnp", "cli\u{1b}[2J", "cli\u{200b}42"] {
+        let out = home.run(&["relay", "deny", subject, "--store-dir", dir]);
+        assert_eq!(out.code(), Some(2), "{subject:?}: {out:#?}");
+        assert!(out.stderr.contains("printable ASCII"), "{out:#?}");
+        assert!(
+            !out.stderr.contains('\u{202e}') && !out.stderr.contains('\u{1b}'),
+            "{out:#?}"
+        );
+    }
+    let out = home.run(&["relay", "deny", "abcd-ef01-2345-678", "--store-dir", dir]);
+    assert_eq!(out.code(), Some(2), "{out:#?}");
+    assert!(
+        out.stderr.contains(
+            "not a fingerprint (16 hex digits, such as 1a2b-3c4d-5e6f-7a8b); use --client"
+        ),
+        "{out:#?}"
+    );
+    // With --client it is a client_id: the store is looked for (none here: exit 3).
+    let out = home.run(&[
+        "relay",
+        "deny",
+        "abcd-ef01-2345-678",
+        "--client",
+        "--store-dir",
+        dir,
+    ]);
+    assert_eq!(out.code(), Some(3), "{out:#?}");
+    let long = format!("\u{1b}]0;{}", "k".repeat(1000));
+    let out = home.run(&["relay", "revoke", &long, "--store-dir", dir]);
+    assert_eq!(out.code(), Some(2), "{out:#?}");
+    assert!(!out.stderr.contains('\u{1b}'), "{out:#?}");
+    assert!(out.stderr.contains("\\u{1b}]0;kkk"), "{out:#?}");
+    assert!(
+        out.stderr.len() < 300,
+        "at most 64 characters echoed: {out:#?}"
+    );
+}
+
+#[test]
+fn relay_info_keeps_showing_a_key_change_after_the_pinned_key_is_back_until_the_owner_confirms() {
+    use agentmbx::mailbox::{relay_state, Mailbox};
+    use agentmbx::transport::relay_client::state::{self, RelayState, Standing};
+    use agentmbx_protocol::keys::HostKey;
+
+    let home = Home::new();
+    assert!(home.run(&["init", "--host", "alpha"]).status.success());
+    let (pinned, served) = (HostKey::generate().public(), HostKey::generate().public());
+    // Nothing listens on this port: `relay set --key` then pins from the argument alone.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let url = format!("http://127.0.0.1:{port}");
+    let mut config = std::fs::read_to_string(home.file("config.toml")).expect("config.toml");
+    config.push_str(&format!(
+        "\n[relay]\nurl = \"{url}\"\nkey = \"{}\"\n",
+        pinned.to_b64()
+    ));
+    std::fs::write(home.file("config.toml"), config).expect("write config.toml");
+    // What the daemon records: the relay served another key, then the pinned one again.
+    let mailbox = Mailbox::open(&home.file("mailbox.db")).expect("mailbox.db");
+    mailbox
+        .with(|c| {
+            relay_state::kv_set(c, &state::key_kv(&url), &pinned.to_b64())?;
+            state::record_key_mismatch(
+                c,
+                &url,
+                "pinned",
+                &pinned.fingerprint(),
+                &served.fingerprint(),
+                1_767_225_600_000,
+            )?;
+            let mut ok = RelayState::new(Standing::Ok);
+            ok.relay_fp = Some(pinned.fingerprint());
+            state::set_state(c, &url, ok, 1_767_225_660_000)?;
+            Ok(())
+        })
+        .expect("record");
+    drop(mailbox);
+
+    let out = home.run(&["relay", "info", "--json"]);
+    out.assert_success();
+    let info = out.json();
+    assert_eq!(info["state"]["state"], "ok", "{info}");
+    let change = &info["key_change"];
+    assert_eq!(change["served_fp"], served.fingerprint().as_str(), "{info}");
+    assert_eq!(change["pinned_fp"], pinned.fingerprint().as_str(), "{info}");
+    assert_eq!(change["at"], "2026-01-01T00:00:00.000Z", "{info}");
+    assert_eq!(change["resumed"], true, "{info}");
+    let keep = format!("agentmbx relay set {url} --key {}", pinned.fingerprint());
+    assert_eq!(info["fix"], keep.as_str(), "{info}");
+    let text = home.run(&["relay", "info"]);
+    text.assert_success();
+    assert!(
+        text.stdout.contains(&format!(
+            "key change: the relay served {} instead of the pinned key {}",
+            served.fingerprint(),
+            pinned.fingerprint()
+        )) && text.stdout.contains(&format!("fix: {keep}")),
+        "{text:#?}"
+    );
+
+    // The owner keeps the pinned key: the change is cleared (and audited).
+    let out = home.run(&["relay", "set", &url, "--key", &pinned.fingerprint()]);
+    out.assert_success();
+    let info = home.run(&["relay", "info", "--json"]).json();
+    assert_eq!(info["key_change"], serde_json::Value::Null, "{info}");
+    assert_eq!(info["fix"], serde_json::Value::Null, "{info}");
+    assert_eq!(
+        info["pin"]["fingerprint"],
+        pinned.fingerprint().as_str(),
+        "{info}"
+    );
+}

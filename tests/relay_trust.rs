@@ -256,12 +256,29 @@ fn relay_set_pins_on_first_use_refuses_changes_and_malformed_keys() {
         "names the fix: {out:#?}"
     );
     assert_eq!(config(), before);
+    // Recorded as the daemon records it: audited once, and `relay info` shows it with the fix.
+    let info = relay_info(&host);
+    assert_eq!(info["state"]["state"], "key-mismatch", "{info}");
+    assert_eq!(info["state"]["relay_fp"], fp2.as_str(), "{info}");
+    assert_eq!(
+        info["state"]["pinned_fp"],
+        relay.fingerprint.as_str(),
+        "{info}"
+    );
+    assert_eq!(info["key_change"]["served_fp"], fp2.as_str(), "{info}");
+    let fix = format!("agentmbx relay set {url} --key {fp2}");
+    assert_eq!(info["fix"], fix.as_str(), "{info}");
+    let changed = audits(&host, "relay.key_changed");
+    assert_eq!(changed.len(), 1, "{changed:?}");
+    assert_eq!(changed[0]["served"], fp2.as_str());
+    assert_eq!(changed[0]["pinned"], relay.fingerprint.as_str());
     let out = host
         .home
         .run(&["relay", "set", &url, "--key", &relay.fingerprint]);
     assert_eq!(out.code(), Some(1), "{out:#?}");
     assert!(out.stderr.contains(&fp2), "{out:#?}");
     assert_eq!(config(), before);
+    assert_eq!(audits(&host, "relay.key_changed").len(), 1, "not twice");
     for bad in [
         "12345",
         "g234-5678-9abc-def0",
@@ -289,7 +306,13 @@ fn relay_set_pins_on_first_use_refuses_changes_and_malformed_keys() {
     let confirmed = audits(&host, "relay.key_confirmed");
     assert_eq!(confirmed.len(), 1);
     assert_eq!(confirmed[0]["to"], fp2.as_str());
-    assert_eq!(relay_info(&host)["pin"]["fingerprint"], fp2.as_str());
+    let info = relay_info(&host);
+    assert_eq!(info["pin"]["fingerprint"], fp2.as_str());
+    assert_eq!(
+        (&info["state"], &info["key_change"], &info["fix"]),
+        (&Value::Null, &Value::Null, &Value::Null),
+        "the confirmation clears the mismatch: {info}"
+    );
 }
 
 #[test]

@@ -158,6 +158,116 @@ pub struct RelayConfig {
     pub token_command: Option<String>,
 }
 
+/// Longest relay URL accepted (bytes).
+pub const MAX_RELAY_URL_BYTES: usize = 2048;
+
+/// A relay URL that cannot be used ([`check_relay_url`]). The message shows the URL only with
+/// control and non-ASCII characters escaped and never shows user information (a password).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct BadRelayUrl(String);
+
+/// `text` for an error message: at most 100 characters, in quotes, every character outside
+/// printable ASCII (control, whitespace other than the space, bidi and other format
+/// characters, any non-ASCII) escaped as `\u{…}`, so a message never carries terminal control
+/// sequences or reordered text.
+pub fn shown(text: &str) -> String {
+    let mut out = String::from("\"");
+    for (i, c) in text.chars().enumerate() {
+        if i == 100 {
+            out.push_str("...");
+            break;
+        }
+        out.extend(c.escape_default());
+    }
+    out.push('"');
+    out
+}
+
+/// Checks a relay base URL (`[relay] url`, `MBX_RELAY_URL`, `relay set`) and returns its
+/// normal form: the text without trailing slashes. Accepted: `http://` or `https://`, a host
+/// and an optional port 1..=65535, an optional path of plain segments; at most
+/// [`MAX_RELAY_URL_BYTES`] of printable ASCII (an international host name in punycode).
+/// Refused, with a message that says why: user information (`user:password@`: it would be
+/// stored in `config.toml` and shown by `relay info` and in logs), whitespace, control,
+/// non-ASCII or format characters, a query or fragment, backslashes, percent-escapes, empty
+/// segments and dot segments (`.`/`..`: the URL must name the relay as given, not a path the
+/// HTTP client rewrites), a port that is not a number in 1..=65535.
+pub fn check_relay_url(text: &str) -> Result<String, BadRelayUrl> {
+    let bad = |why: &str| Err(BadRelayUrl(format!("relay URL {}: {why}", shown(text))));
+    if text.is_empty() {
+        return Err(BadRelayUrl("the relay URL is empty".into()));
+    }
+    if text.len() > MAX_RELAY_URL_BYTES {
+        return Err(BadRelayUrl(format!(
+            "the relay URL is longer than {MAX_RELAY_URL_BYTES} bytes"
+        )));
+    }
+    if let Some(c) = text.chars().find(|c| !c.is_ascii_graphic()) {
+        let what = if c == ' ' || c.is_whitespace() {
+            "whitespace"
+        } else if c.is_control() {
+            "a control character"
+        } else {
+            "a non-ASCII character (give an international host name in punycode)"
+        };
+        return bad(&format!("contains {what} ({})", c.escape_default()));
+    }
+    let Some(rest) = text
+        .strip_prefix("http://")
+        .or_else(|| text.strip_prefix("https://"))
+    else {
+        return bad("must start with http:// or https://");
+    };
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    if authority.contains('@') {
+        // Not shown: the text may hold a password.
+        return Err(BadRelayUrl(
+            "the relay URL must not carry a user name or password (user:password@host): they would be stored in config.toml and shown by `relay info` and in logs".into(),
+        ));
+    }
+    if authority.is_empty() {
+        return bad("names no host");
+    }
+    if text.contains('?') || text.contains('#') {
+        return bad("must not have a query (?) or fragment (#)");
+    }
+    if text.contains('\\') || text.contains('%') {
+        return bad("must not contain backslashes or percent-escapes");
+    }
+    let path = path.trim_end_matches('/');
+    if path
+        .split('/')
+        .skip(1)
+        .any(|seg| seg.is_empty() || seg == "." || seg == "..")
+    {
+        return bad("its path must be plain segments (no //, . or ..)");
+    }
+    // The port follows the last colon outside an IPv6 literal's brackets.
+    let port = match authority.rfind(':') {
+        Some(i) if !authority[i..].contains(']') => Some(&authority[i + 1..]),
+        _ => None,
+    };
+    if let Some(port) = port {
+        let number = (port.len() <= 5 && port.bytes().all(|b| b.is_ascii_digit()))
+            .then(|| port.parse::<u16>().ok())
+            .flatten();
+        if number.is_none_or(|n| n == 0) {
+            return bad("the port must be a number in 1..=65535");
+        }
+    }
+    let normal = format!(
+        "{}{}",
+        &text[..text.len() - rest.len() + authority.len()],
+        path
+    );
+    match reqwest::Url::parse(&normal) {
+        Ok(url) if url.host_str().is_none_or(str::is_empty) => bad("names no host"),
+        Ok(_) => Ok(normal),
+        Err(e) => bad(&format!("not a valid URL ({e})")),
+    }
+}
+
 /// Longest `relay.token_command` accepted (bytes).
 pub const MAX_TOKEN_COMMAND_BYTES: usize = 4096;
 
@@ -352,16 +462,10 @@ impl Config {
             });
         }
         if let Some(relay) = &self.relay {
-            let rest = relay
-                .url
-                .strip_prefix("http://")
-                .or_else(|| relay.url.strip_prefix("https://"));
-            if rest.is_none_or(|r| r.is_empty() || r.starts_with('/')) {
-                return Err(ConfigError::Invalid {
-                    key: "relay.url",
-                    message: format!("{:?} is not an http:// or https:// URL", relay.url),
-                });
-            }
+            check_relay_url(&relay.url).map_err(|e| ConfigError::Invalid {
+                key: "relay.url",
+                message: e.to_string(),
+            })?;
             if let Some(key) = &relay.key {
                 agentmbx_protocol::keys::PublicKey::from_b64(key).map_err(|e| {
                     ConfigError::Invalid {
@@ -651,6 +755,85 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("`pin`"), "{err}");
+    }
+
+    #[test]
+    fn relay_urls_are_checked_and_normalised() {
+        for (given, normal) in [
+            ("http://127.0.0.1:8787", "http://127.0.0.1:8787"),
+            ("https://relay.example/", "https://relay.example"),
+            ("https://relay.example/mbx//", "https://relay.example/mbx"),
+            ("http://[::1]:8080/a/b", "http://[::1]:8080/a/b"),
+            (
+                "http://xn--bcher-kva.example:1",
+                "http://xn--bcher-kva.example:1",
+            ),
+            ("http://r:65535", "http://r:65535"),
+        ] {
+            assert_eq!(check_relay_url(given).as_deref(), Ok(normal), "{given}");
+        }
+        let long = format!("http://r/{}", "a".repeat(MAX_RELAY_URL_BYTES - 9));
+        assert_eq!(long.len(), MAX_RELAY_URL_BYTES);
+        assert!(check_relay_url(&long).is_ok(), "at the bound");
+        assert!(
+            check_relay_url(&format!("{long}a")).is_err(),
+            "past the bound"
+        );
+        for (bad, why) in [
+            ("", "empty"),
+            ("ftp://r", "http:// or https://"),
+            ("HTTP://r", "http:// or https://"),
+            ("http://", "no host"),
+            ("http:///path", "no host"),
+            ("http://user:hunter2@r", "user name or password"),
+            ("http://@r", "user name or password"),
+            ("http://r:99999", "1..=65535"),
+            ("http://r:0", "1..=65535"),
+            ("http://r:", "1..=65535"),
+            ("http://r:8x", "1..=65535"),
+            ("http://r/a?b=c", "query"),
+            ("http://r/#frag", "fragment"),
+            ("http://r/./a", "plain segments"),
+            ("http://r/a/..", "plain segments"),
+            ("http://r//a", "plain segments"),
+            ("http://r/%2e%2e/a", "percent"),
+            ("http://r\\a", "backslash"),
+            ("http://r/a b", "whitespace"),
+            (" http://r", "whitespace"),
+            ("http://r\n", "whitespace"),
+            ("http://r/\u{1b}[31m", "control"),
+            ("http://r/\u{202e}a", "non-ASCII"),
+            ("http://bücher.example", "non-ASCII"),
+            ("http://r<>", "not a valid URL"),
+        ] {
+            let err = check_relay_url(bad).expect_err(bad).to_string();
+            assert!(err.contains(why), "{bad:?}: {err}");
+            assert!(
+                !err.chars().any(|c| c.is_control() || !c.is_ascii()),
+                "nothing raw is echoed: {err:?}"
+            );
+            assert!(!err.contains("hunter2"), "{err}");
+        }
+        // The daemon refuses such a URL at start, from the file or the environment.
+        let (_d, paths) = home_with(Some("[relay]\nurl = \"http://u:pw@r:1\"\n"));
+        let err = Config::load_with_env(&paths, env_of(&[])).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ConfigError::Invalid {
+                    key: "relay.url",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(!err.to_string().contains("pw"), "{err}");
+        let (_d, paths) = home_with(None);
+        let err = Config::load_with_env(&paths, env_of(&[(RELAY_URL_ENV, "http://r:99999")]))
+            .unwrap_err();
+        assert!(err.to_string().contains("relay.url"), "{err}");
+        let c = Config::load_with_env(&paths, env_of(&[(RELAY_URL_ENV, "http://r:1/\n")])).unwrap();
+        assert_eq!(c.relay.unwrap().url, "http://r:1/", "trimmed, as before");
     }
 
     #[test]

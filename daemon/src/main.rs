@@ -1,8 +1,9 @@
 //! The `agentmbx` binary: the CLI, the host daemon (`agentmbx daemon`) and the relay
 //! (`agentmbx relay serve`) in one executable (design README "Decisions already taken").
 //!
-//! `main` only installs the TLS crypto provider and the logger and hands over to [`cli`]; everything else lives in the
-//! library (`agentmbx::…`) so the black-box tests exercise the same code.
+//! `main` only restores the default SIGPIPE action of one-shot commands, installs the TLS crypto
+//! provider and the logger and hands over to [`cli`]; everything else lives in the library
+//! (`agentmbx::…`) so the black-box tests exercise the same code.
 
 mod cli;
 
@@ -16,9 +17,39 @@ use tracing_subscriber::EnvFilter;
 const LOG_ENV: &str = "MBX_LOG";
 
 fn main() -> ExitCode {
+    if !long_running(std::env::args_os().skip(1)) {
+        restore_sigpipe();
+    }
     agentmbx::install_tls_provider();
     cli::main(init_logging)
 }
+
+/// Whether the arguments start a long-running server (`daemon`, `relay serve`). Those keep
+/// SIGPIPE ignored: their stderr may be a log socket (journald) that goes away and comes back,
+/// and a closed log stream must not end a server.
+fn long_running(mut args: impl Iterator<Item = std::ffi::OsString>) -> bool {
+    match args.next() {
+        Some(first) if first == "daemon" => true,
+        Some(first) if first == "relay" => args.next().is_some_and(|a| a == "serve"),
+        _ => false,
+    }
+}
+
+/// Gives SIGPIPE back its default action (end the process quietly) for one-shot commands, as
+/// every Unix tool has it. The Rust runtime ignores SIGPIPE, so a write to a closed pipe
+/// (`agentmbx relay info | head -1`) would fail with EPIPE and `println!` would panic.
+#[cfg(unix)]
+#[allow(unsafe_code)]
+fn restore_sigpipe() {
+    // SAFETY: called first thing in `main`, before any other thread exists; `signal` with
+    // SIG_DFL installs no handler code, it only sets the disposition of SIGPIPE.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
+#[cfg(not(unix))]
+fn restore_sigpipe() {}
 
 /// Logs go to stderr (stdout is for command output), filtered by `MBX_LOG`. A filter that does
 /// not parse falls back to `default_level` with a warning rather than silencing the daemon.

@@ -11,9 +11,11 @@
 //!   so a token minted before the entry cannot outlive it (`wire.md` "Account tokens"). Removal
 //!   and listing too.
 //!
-//! Every change is one store transaction and is recorded in the relay log (`relay-revoke`,
-//! `relay-deny`, `relay-undeny` receipts). A revoked or denied host's next request is refused:
-//! every hop reads the enrolment and the deny-list from the store.
+//! Every change and its relay-log receipt (`relay-revoke`, `relay-deny`, `relay-undeny`) are
+//! one store transaction ([`RelayStore::revoke_logged`], [`RelayStore::deny_logged`],
+//! [`RelayStore::undeny_logged`]): never a change without its receipt or the reverse. A revoked
+//! or denied host's next request is refused: every hop reads the enrolment and the deny-list
+//! from the store.
 //!
 //! Every function here **blocks** (store calls); the endpoint runs them off the runtime.
 
@@ -23,7 +25,7 @@ use serde_json::json;
 use agentmbx_protocol::keys::PublicKey;
 
 use crate::store::{
-    DenyEntry, DenyKind, DenyOutcome, Enrolment, OpenOptions, RelayStore, RevokeOutcome,
+    DenyEntry, DenyKind, DenyOutcome, Enrolment, OpEntry, OpenOptions, RelayStore, RevokeOutcome,
     SqliteStore, StoreError, LOCK_FILE,
 };
 
@@ -179,11 +181,7 @@ pub fn revoke(
     target: &str,
     now_ms: i64,
 ) -> Result<RevokeReport, AdminError> {
-    let host = HostRef::parse(target).ok_or_else(|| {
-        AdminError::Invalid(format!(
-            "{target:?} is neither a host key (base64) nor a fingerprint (16 hex digits)"
-        ))
-    })?;
+    let host = revoke_target(target)?;
     let key = match &host {
         HostRef::Key(k) => k.clone(),
         HostRef::Fingerprint(fp) => {
@@ -200,7 +198,18 @@ pub fn revoke(
             }
         }
     };
-    let outcome = store.revoke(&key, now_ms)?;
+    let before = store
+        .enrolment(&key)?
+        .ok_or_else(|| AdminError::NotFound(host.fingerprint()))?;
+    let named = HostSummary::from(&before);
+    let log = OpEntry {
+        at_ms: now_ms,
+        op: "relay-revoke".to_owned(),
+        receipt: json!({"v": 1, "type": "relay-revoke", "host_pubkey": named.host_pubkey,
+                        "fingerprint": named.fingerprint, "host_name": named.host_name,
+                        "at": agentmbx_protocol::time::iso_ms(now_ms)}),
+    };
+    let outcome = store.revoke_logged(&key, now_ms, log)?;
     if outcome == RevokeOutcome::Unknown {
         return Err(AdminError::NotFound(host.fingerprint()));
     }
@@ -209,13 +218,6 @@ pub fn revoke(
         .ok_or_else(|| AdminError::NotFound(host.fingerprint()))?;
     let summary = HostSummary::from(&enrolment);
     if outcome == RevokeOutcome::Revoked {
-        store.append_op(
-            now_ms,
-            "relay-revoke",
-            &json!({"v": 1, "type": "relay-revoke", "host_pubkey": summary.host_pubkey,
-                    "fingerprint": summary.fingerprint, "host_name": summary.host_name,
-                    "at": agentmbx_protocol::time::iso_ms(now_ms)}),
-        )?;
         tracing::warn!(host_fingerprint = %summary.fingerprint, host = %summary.host_name, "host key revoked");
     }
     Ok(RevokeReport {
@@ -224,31 +226,84 @@ pub fn revoke(
     })
 }
 
+/// Longest client_id accepted (characters, all printable ASCII).
+pub const MAX_CLIENT_ID_CHARS: usize = 256;
+/// Most characters of an operator's argument an error message echoes.
+pub const MAX_ECHOED_CHARS: usize = 64;
+
+/// `text` for an error message: its first [`MAX_ECHOED_CHARS`] characters in quotes, every
+/// character outside printable ASCII (control, bidi and other format characters, any
+/// non-ASCII) escaped as `\u{…}`, `...` when cut.
+pub fn shown(text: &str) -> String {
+    let mut out = String::from("\"");
+    for (i, c) in text.chars().enumerate() {
+        if i == MAX_ECHOED_CHARS {
+            out.push_str("...");
+            break;
+        }
+        out.extend(c.escape_default());
+    }
+    out.push('"');
+    out
+}
+
+/// The host `relay revoke` names: a host key (base64) or a fingerprint ([`HostRef::parse`]).
+/// Errors: [`AdminError::Invalid`], echoing at most [`MAX_ECHOED_CHARS`] of `text`, escaped.
+pub fn revoke_target(text: &str) -> Result<HostRef, AdminError> {
+    HostRef::parse(text).ok_or_else(|| {
+        AdminError::Invalid(format!(
+            "{} is neither a host key (base64) nor a fingerprint (16 hex digits)",
+            shown(text)
+        ))
+    })
+}
+
 /// What a deny-list argument names: a host (by fingerprint, or by key turned into its
 /// fingerprint) or a client_id. `kind` forces the reading; without it a fingerprint or a host
-/// key is a host and anything else a client_id.
+/// key is a host, text that looks like a mistyped fingerprint (only hex digits, dashes, colons
+/// and spaces, but not 16 hex digits) is refused ("not a fingerprint; use --client …"), and
+/// anything else is a client_id: 1..=[`MAX_CLIENT_ID_CHARS`] printable ASCII characters
+/// (OAuth's `client_id` alphabet, RFC 6749 Appendix A.1; no control, bidi or other format
+/// characters). Errors: [`AdminError::Invalid`], echoing at most [`MAX_ECHOED_CHARS`] of
+/// `text`, escaped.
 pub fn deny_target(text: &str, kind: Option<DenyKind>) -> Result<(DenyKind, String), AdminError> {
     let text = text.trim();
     let as_host = || HostRef::parse(text).map(|h| h.fingerprint());
     match kind {
         Some(DenyKind::Host) => as_host().map(|fp| (DenyKind::Host, fp)).ok_or_else(|| {
             AdminError::Invalid(format!(
-                "{text:?} is neither a host fingerprint nor a host key"
+                "{} is neither a host fingerprint nor a host key",
+                shown(text)
             ))
         }),
         Some(DenyKind::Client) => client_id(text).map(|c| (DenyKind::Client, c)),
         None => match as_host() {
             Some(fp) => Ok((DenyKind::Host, fp)),
+            None if looks_like_fingerprint(text) => Err(AdminError::Invalid(format!(
+                "{} is not a fingerprint (16 hex digits, such as 1a2b-3c4d-5e6f-7a8b); use --client to deny a client_id of that form",
+                shown(text)
+            ))),
             None => client_id(text).map(|c| (DenyKind::Client, c)),
         },
     }
 }
 
+/// Only hex digits, dashes, colons and spaces, with at least one hex digit: what a fingerprint
+/// is written with ([`parse_fingerprint`] already refused it as one).
+fn looks_like_fingerprint(text: &str) -> bool {
+    text.chars().any(|c| c.is_ascii_hexdigit())
+        && text
+            .chars()
+            .all(|c| c.is_ascii_hexdigit() || matches!(c, '-' | ':' | ' '))
+}
+
 fn client_id(text: &str) -> Result<String, AdminError> {
-    if text.is_empty() || text.len() > 256 || text.chars().any(char::is_control) {
-        return Err(AdminError::Invalid(
-            "a client_id must be 1..=256 bytes without control characters".to_owned(),
-        ));
+    let printable = text.chars().all(|c| (' '..='~').contains(&c));
+    if text.is_empty() || text.chars().count() > MAX_CLIENT_ID_CHARS || !printable {
+        return Err(AdminError::Invalid(format!(
+            "a client_id must be 1..={MAX_CLIENT_ID_CHARS} printable ASCII characters (no control, bidi or other format characters), got {}",
+            shown(text)
+        )));
     }
     Ok(text.to_owned())
 }
@@ -273,22 +328,22 @@ pub fn deny(
             )));
         }
     }
+    let log = OpEntry {
+        at_ms: now_ms,
+        op: "relay-deny".to_owned(),
+        receipt: json!({"v": 1, "type": "relay-deny", "kind": kind.as_str(), "value": value,
+                        "until": until_ms.map(agentmbx_protocol::time::iso_ms),
+                        "at": agentmbx_protocol::time::iso_ms(now_ms)}),
+    };
     let entry = DenyEntry {
         kind,
         value,
         until_ms,
         at_ms: now_ms,
     };
-    match store.deny(entry)? {
+    match store.deny_logged(entry, log)? {
         DenyOutcome::Full => Err(AdminError::Full),
         DenyOutcome::Stored(e) => {
-            store.append_op(
-                now_ms,
-                "relay-deny",
-                &json!({"v": 1, "type": "relay-deny", "kind": e.kind.as_str(), "value": e.value,
-                        "until": e.until_ms.map(agentmbx_protocol::time::iso_ms),
-                        "at": agentmbx_protocol::time::iso_ms(now_ms)}),
-            )?;
             tracing::warn!(kind = e.kind.as_str(), value = %e.value, until_ms = ?e.until_ms, "deny-list entry added");
             Ok(e)
         }
@@ -303,15 +358,13 @@ pub fn undeny(
     now_ms: i64,
 ) -> Result<(DenyKind, String, bool), AdminError> {
     let (kind, value) = deny_target(target, kind)?;
-    let removed = store.undeny(kind, &value)?;
-    if removed {
-        store.append_op(
-            now_ms,
-            "relay-undeny",
-            &json!({"v": 1, "type": "relay-undeny", "kind": kind.as_str(), "value": value,
-                    "at": agentmbx_protocol::time::iso_ms(now_ms)}),
-        )?;
-    }
+    let log = OpEntry {
+        at_ms: now_ms,
+        op: "relay-undeny".to_owned(),
+        receipt: json!({"v": 1, "type": "relay-undeny", "kind": kind.as_str(), "value": value,
+                        "at": agentmbx_protocol::time::iso_ms(now_ms)}),
+    };
+    let removed = store.undeny_logged(kind, &value, log)?;
     Ok((kind, value, removed))
 }
 
@@ -420,9 +473,60 @@ mod tests {
         );
         assert!(deny_target("cli-42", Some(DenyKind::Host)).is_err());
         assert!(deny_target("", None).is_err());
-        assert!(deny_target(&"c".repeat(257), None).is_err());
+        assert!(deny_target(&"z".repeat(257), None).is_err());
         assert!(deny_target("a\nb", None).is_err());
-        deny_target(&"c".repeat(256), None).expect("at the bound");
+        deny_target(&"z".repeat(256), None).expect("at the bound");
+    }
+
+    #[test]
+    fn client_ids_are_printable_ascii_and_mistyped_fingerprints_are_refused() {
+        for bad in [
+            "cli\u{202e}gnp.exe",
+            "cli\u{200b}42",
+            "cli\u{1b}[31m",
+            "cli\t42",
+            "clï",
+        ] {
+            let err = deny_target(bad, None).unwrap_err().to_string();
+            assert!(err.contains("printable ASCII"), "{bad:?}: {err}");
+            assert!(
+                err.is_ascii() && !err.chars().any(|c| c.is_control()),
+                "{err:?}"
+            );
+            assert!(deny_target(bad, Some(DenyKind::Client)).is_err(), "{bad:?}");
+        }
+        deny_target("my client 42", Some(DenyKind::Client)).expect("spaces are VSCHARs");
+        // Hex digits and separators, but not 16 hex digits: a mistyped fingerprint.
+        for typo in [
+            "abcd-ef01-2345-678",
+            "abcd:ef01:2345:6789:0",
+            "1234",
+            "dead beef",
+        ] {
+            let err = deny_target(typo, None).unwrap_err().to_string();
+            assert!(
+                err.contains("not a fingerprint") && err.contains("use --client"),
+                "{typo}: {err}"
+            );
+            // Forced as a client_id it is one.
+            assert_eq!(
+                deny_target(typo, Some(DenyKind::Client)).unwrap(),
+                (DenyKind::Client, typo.to_owned())
+            );
+        }
+        // Errors echo at most 64 characters, escaped.
+        let long = format!("\u{1b}]0;{}", "x".repeat(500));
+        let err = deny_target(&long, Some(DenyKind::Host))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("\\u{1b}]0;xxx") && err.contains("...\""),
+            "{err}"
+        );
+        assert!(err.len() < 200 && !err.contains('\u{1b}'), "{err}");
+        let err = revoke_target(&long).unwrap_err().to_string();
+        assert!(err.len() < 200 && !err.contains('\u{1b}'), "{err}");
+        assert!(err.contains("neither a host key"), "{err}");
     }
 
     #[test]
@@ -515,5 +619,96 @@ mod tests {
             open_offline(&dir.path().join("none"), 5),
             Err(AdminError::NoStore(_))
         ));
+    }
+
+    /// A change and its relay-log receipt commit together: when the receipt cannot be written
+    /// (a trigger refuses every insert into `ops`), the change is not committed either; when it
+    /// can, both are there.
+    #[test]
+    fn a_change_and_its_log_receipt_are_one_transaction() {
+        use crate::store::{AuthorityStrength, EnrolRequest};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let relay = agentmbx_protocol::keys::HostKey::generate()
+            .public()
+            .to_b64();
+        let key = agentmbx_protocol::keys::HostKey::generate().public();
+        let store = SqliteStore::open(dir.path(), &relay, 1).expect("open");
+        store
+            .enrol(EnrolRequest {
+                host_pubkey: key.to_b64(),
+                host_name: "one".into(),
+                owner_fp: String::new(),
+                account: None,
+                authorized_by: "host-key-challenge".into(),
+                strength: AuthorityStrength::HostKeyChallenge,
+                now_ms: 1,
+            })
+            .expect("enrol");
+        deny(&store, "cli-old", Some(DenyKind::Client), None, 1).expect("deny");
+        let ops_before = store.ops(100).expect("ops").len();
+        store.close().expect("close");
+        let raw = rusqlite::Connection::open(dir.path().join(crate::store::DB_FILE)).expect("raw");
+        raw.execute_batch(
+            "CREATE TRIGGER no_log BEFORE INSERT ON ops BEGIN SELECT RAISE(ABORT, 'no log'); END;",
+        )
+        .expect("trigger");
+
+        let store = open_offline(dir.path(), 2).expect("offline");
+        assert!(revoke(&store, &key.to_b64(), 2).is_err());
+        assert!(deny(&store, "cli-new", Some(DenyKind::Client), None, 2).is_err());
+        assert!(undeny(&store, "cli-old", Some(DenyKind::Client), 2).is_err());
+        // Nothing changed: not revoked, no new entry, the old entry still there.
+        assert!(!store
+            .enrolment(&key.to_b64())
+            .expect("read")
+            .expect("row")
+            .is_revoked());
+        let values: Vec<String> = store
+            .deny_entries()
+            .expect("list")
+            .into_iter()
+            .map(|e| e.value)
+            .collect();
+        assert_eq!(values, vec!["cli-old".to_owned()]);
+        store.close().expect("close");
+
+        raw.execute_batch("DROP TRIGGER no_log;")
+            .expect("drop trigger");
+        let store = open_offline(dir.path(), 3).expect("offline");
+        assert!(
+            revoke(&store, &key.to_b64(), 3)
+                .expect("revoke")
+                .newly_revoked
+        );
+        deny(&store, "cli-new", Some(DenyKind::Client), None, 3).expect("deny");
+        assert!(
+            undeny(&store, "cli-old", Some(DenyKind::Client), 3)
+                .expect("undeny")
+                .2
+        );
+        // Already revoked / nothing to remove: no change, no receipt.
+        assert!(
+            !revoke(&store, &key.to_b64(), 4)
+                .expect("again")
+                .newly_revoked
+        );
+        assert!(
+            !undeny(&store, "cli-old", Some(DenyKind::Client), 4)
+                .expect("again")
+                .2
+        );
+        let ops: Vec<String> = store
+            .ops(100)
+            .expect("ops")
+            .into_iter()
+            .map(|o| o.op)
+            .collect();
+        assert_eq!(ops.len(), ops_before + 3, "{ops:?}");
+        assert_eq!(ops[..3], ["relay-undeny", "relay-deny", "relay-revoke"]);
+        assert!(store
+            .enrolment(&key.to_b64())
+            .expect("read")
+            .expect("row")
+            .is_revoked());
     }
 }

@@ -12,6 +12,13 @@
 //! deny-listed fingerprint → 403 `DENIED`; on a relay with the account authority the
 //! `Authorization: Bearer` token is checked last (spec §8; [`crate::authority`]). So whether a
 //! key is enrolled, revoked or denied is told only to a request that key signed.
+//!
+//! Signed `GET /v2/relay/info` is the one exception to "every hop carries the token"
+//! ([`authenticate_info`]): a host sends its first signed info of a pass without the token,
+//! because it must see the relay's key before it hands the token to anyone. Without a bearer
+//! the info still counts as the host's when the key was enrolled with an account token (a
+//! binding is recorded); a bearer that is present is checked in full. Info reveals only the
+//! caller's own queue position and ad, and every other request still needs the token.
 
 use std::pin::Pin;
 use std::time::Duration;
@@ -120,6 +127,15 @@ pub fn signed_target(uri: &Uri) -> String {
     hop::normalize_target(uri.path_and_query().map_or(uri.path(), |pq| pq.as_str()))
 }
 
+/// Whether a hop must carry the account token (on a relay whose authority wants one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TokenRule {
+    /// Every request but signed info.
+    Required,
+    /// Signed info: checked when present; when absent the key must have an account binding.
+    IfPresent,
+}
+
 /// Authenticates a v2 hop and returns the caller's live enrolment. The signature and its time
 /// window are checked before the store is asked anything (module docs: order).
 pub async fn authenticate(
@@ -128,6 +144,29 @@ pub async fn authenticate(
     uri: &Uri,
     headers: &HeaderMap,
     raw_body: &str,
+) -> Result<Enrolment, ApiError> {
+    authenticate_as(state, method, uri, headers, raw_body, TokenRule::Required).await
+}
+
+/// [`authenticate`] for signed `GET /v2/relay/info`: on an account relay a hop without
+/// `Authorization` is still the caller's when its key was enrolled with an account token
+/// (module docs); a bearer that is present must pass every check.
+pub async fn authenticate_info(
+    state: &RelayState,
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+) -> Result<Enrolment, ApiError> {
+    authenticate_as(state, method, uri, headers, "", TokenRule::IfPresent).await
+}
+
+async fn authenticate_as(
+    state: &RelayState,
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+    raw_body: &str,
+    rule: TokenRule,
 ) -> Result<Enrolment, ApiError> {
     let key_text = header_str(headers, header::KEY)?;
     let ts = header_str(headers, header::TS)?;
@@ -182,7 +221,7 @@ pub async fn authenticate(
             crate::handlers::enrol::DENY_LISTED,
         ));
     }
-    check_account_token(state, headers, &key, &enrolment, now).await?;
+    check_account_token(state, headers, &key, &enrolment, now, rule).await?;
     Ok(enrolment)
 }
 
@@ -212,21 +251,38 @@ fn bearer(headers: &HeaderMap) -> Result<Option<&str>, ApiError> {
 
 /// On a relay whose authority wants hop tokens (the account authority): the bearer token must
 /// verify ([`crate::authority::EnrolmentAuthority::check_hop`]), be bound to the cloud key the
-/// enrolment recorded for this hop key, name the enrolment's account, and its client_id must
-/// not be deny-listed. Refusals: 401 `TOKEN_REQUIRED` / `BAD_TOKEN`, 401 `NOT_ENROLLED` when
-/// the key was enrolled without an account token (the host enrols again), 403 `DENIED`.
+/// enrolment recorded for this hop key, carry the client_id and name the account recorded at
+/// enrolment, and its client_id must not be deny-listed. Refusals: 401 `TOKEN_REQUIRED` /
+/// `BAD_TOKEN`, 401 `NOT_ENROLLED` when the key was enrolled without an account token (the host
+/// enrols again), 403 `DENIED`, 503 `AUTHORITY_UNAVAILABLE` when the issuer's keys were never
+/// fetched. Under [`TokenRule::IfPresent`] (signed info) a hop without `Authorization` needs
+/// only the recorded binding.
 async fn check_account_token(
     state: &RelayState,
     headers: &HeaderMap,
     key: &PublicKey,
     enrolment: &Enrolment,
     now: i64,
+    rule: TokenRule,
 ) -> Result<(), ApiError> {
     use crate::authority::HopTokenError;
     if !state.authority.wants_hop_token() {
         return Ok(());
     }
-    let token = match state.authority.check_hop(bearer(headers)?, key).await {
+    let presented = bearer(headers)?;
+    if presented.is_none() && rule == TokenRule::IfPresent {
+        let store = state.store.clone();
+        let k = enrolment.host_pubkey.clone();
+        return match blocking(move || store.account_binding(&k)).await? {
+            Some(_) => Ok(()),
+            None => Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "not enrolled with an account token on this relay",
+                "NOT_ENROLLED",
+            )),
+        };
+    }
+    let token = match state.authority.check_hop(presented, key).await {
         Ok(None) => return Ok(()),
         Ok(Some(t)) => t,
         Err(e @ HopTokenError::Missing) => {
@@ -242,6 +298,9 @@ async fn check_account_token(
                 e.to_string(),
                 "BAD_TOKEN",
             ))
+        }
+        Err(HopTokenError::Unavailable) => {
+            return Err(crate::handlers::enrol::authority_unavailable())
         }
     };
     let store = state.store.clone();
@@ -273,6 +332,13 @@ async fn check_account_token(
         return Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
             "account token refused: it is bound to another key",
+            "BAD_TOKEN",
+        ));
+    }
+    if binding.client_id != token.client_id {
+        return Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "account token refused: it is for another client",
             "BAD_TOKEN",
         ));
     }

@@ -53,6 +53,12 @@ impl ApiError {
     pub fn not_found() -> Self {
         Self::new(StatusCode::NOT_FOUND, "not found", "NOT_FOUND")
     }
+    /// Adds `retry_after` (whole seconds) to the body; the answer then also carries a
+    /// `Retry-After` header with the same value (e.g. 503 `AUTHORITY_UNAVAILABLE`).
+    pub fn with_retry_after(mut self, secs: u64) -> Self {
+        self.body.retry_after = Some(secs);
+        self
+    }
     /// Adds the current epoch and head seq (EPOCH, BAD_ACK).
     pub fn with_epoch(mut self, epoch: String, head_seq: i64) -> Self {
         self.body.epoch = Some(epoch);
@@ -74,6 +80,14 @@ impl From<StoreError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.body)).into_response()
+        match self.body.retry_after {
+            Some(secs) => (
+                self.status,
+                [(axum::http::header::RETRY_AFTER, secs.to_string())],
+                Json(self.body),
+            )
+                .into_response(),
+            None => (self.status, Json(self.body)).into_response(),
+        }
     }
 }

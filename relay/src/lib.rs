@@ -11,7 +11,8 @@
 //!   `relay revoke` / `relay deny`, offline or through the admin endpoints;
 //! - [`server`]: state, router and `serve(listener, state, shutdown)`; [`run`]: `relay serve`;
 //! - [`config`]: `relay.toml` and environment; [`key`]: the relay key;
-//! - [`ratelimit`]: per-address and per-sender rate limits, the request-body budget.
+//! - [`ratelimit`]: per-address and per-sender rate limits, the request-body budget;
+//!   [`log_gate`]: at most one WARN a minute per address for events anyone can cause.
 //!
 //! Every successful answer is sent only after the transaction that made it true committed.
 
@@ -22,6 +23,7 @@ pub mod config;
 pub mod error;
 pub mod handlers;
 pub mod key;
+pub mod log_gate;
 pub mod ratelimit;
 pub mod run;
 pub mod server;

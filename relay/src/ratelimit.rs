@@ -8,7 +8,9 @@
 //!     share one bucket per address, as 0.5.x does (one enrolment costs a challenge and an
 //!     enrol; default 30 calls per minute);
 //!   - `info`: `GET /v2/relay/info` (default 600 per minute: a host asks for info on every
-//!     pass, by default every 2 s, so twenty hosts behind one address pass unthrottled).
+//!     pass, by default every 2 s, so twenty hosts behind one address pass unthrottled);
+//!   - `admin`: the operator endpoints `/v2/relay/admin/*` ([`ADMIN_PER_MIN`] per minute: an
+//!     operator issues a few commands, a token guesser many).
 //!
 //!   Past its bucket a caller gets HTTP 429 `{error:"rate_limit_exceeded", code:"RATE_LIMIT",
 //!   retry_after}` with a `Retry-After` header, both in whole seconds (at least 1).
@@ -19,14 +21,19 @@
 //!   `MBX_RELAY_TRUST_PROXY=xff|1`) the rightmost `X-Forwarded-For` entry — the one the trusted
 //!   proxy appended; earlier entries are client-controlled — or with `"cloudflare"`
 //!   `CF-Connecting-IP`. A missing or garbled header falls back to the socket address. The
-//!   value is read as an IP address (so two spellings of one address are one bucket) and cut
-//!   to 64 characters.
+//!   value is read as an IP address (so two spellings of one address are one bucket); an IPv6
+//!   address counts by its /64 network (`2001:db8:1:2::/64`: one subscriber's allocation, in
+//!   which a caller can pick fresh addresses at will), an IPv4-mapped IPv6 address as the IPv4
+//!   address it maps. The text is cut to 64 characters.
 //! - **The body budget**: at most `body_budget_bytes` (default 64 MiB) of request bodies are
-//!   held at once over all connections. A request reserves its share (its declared length, or
-//!   the 8 MiB body cap when it declares none) before its body is read — that is, before it is
-//!   authenticated — and keeps it until its answer is made; when no room is left it is answered
-//!   503 `{error, code:"BUSY"}` with `Retry-After: 1` at once. So many concurrent 8 MiB uploads
-//!   cannot exhaust the relay's memory.
+//!   held at once over all connections, and at most `body_per_address_bytes` (default 16 MiB)
+//!   by the requests of one client address. A request reserves its share (its declared length,
+//!   or the 8 MiB body cap when it declares none — also counted against its address) before
+//!   its body is read — that is, before it is authenticated — and keeps it until its answer is
+//!   made; when no room is left, relay-wide or for its address, it is answered 503
+//!   `{error, code:"BUSY"}` with `Retry-After: 1` at once. So many concurrent 8 MiB uploads
+//!   cannot exhaust the relay's memory, and one address's slow uploads hold at most its own
+//!   share: other addresses are still served.
 //!
 //! # Bounds
 //! Every rate table holds at most `max_keys` keys (default 50,000). An entry whose bucket has
@@ -36,6 +43,10 @@
 //! or an existing bucket being dropped (dropping one would let a flood of fake addresses reset
 //! a real caller's bucket). A full table is swept at most once per earliest-refill time, so a
 //! flood cannot make every request pay for a sweep.
+//!
+//! The per-address body reservations are kept only while a reservation is held; each holds at
+//! least one 1 KiB unit of the relay-wide budget, so there are never more addresses in that
+//! table than units in the budget (65,536 for 64 MiB).
 //!
 //! # Time
 //! Buckets run on the relay's clock ([`agentmbx_protocol::clock`]), so tests drive them with
@@ -68,6 +79,8 @@ use crate::server::SharedRelay;
 pub const DEFAULT_ENROL_PER_MIN: u64 = 30;
 /// Default `GET /v2/relay/info` calls per minute per client address.
 pub const DEFAULT_INFO_PER_MIN: u64 = 600;
+/// Admin endpoint calls (`/v2/relay/admin/*`) per minute per client address.
+pub const ADMIN_PER_MIN: u64 = 30;
 /// Default push requests per minute per sender key (`wire.md` §3.2: 120/min, 0.5.x's
 /// `pushesPerMinute`).
 pub const DEFAULT_PUSH_PER_MIN: u64 = 120;
@@ -75,6 +88,11 @@ pub const DEFAULT_PUSH_PER_MIN: u64 = 120;
 pub const DEFAULT_MAX_KEYS: u64 = 50_000;
 /// Default request-body budget over all connections, bytes (64 MiB).
 pub const DEFAULT_BODY_BUDGET_BYTES: u64 = 64 * 1024 * 1024;
+/// Default request-body bytes one client address may hold at once (16 MiB: two full-size
+/// pushes).
+pub const DEFAULT_BODY_PER_ADDRESS_BYTES: u64 = 16 * 1024 * 1024;
+/// Prefix length IPv6 client addresses are counted by (a /64 is one subscriber's network).
+pub const IPV6_PREFIX_BITS: u32 = 64;
 /// Longest client address kept (characters; 0.5.x cuts at 64).
 pub const MAX_ADDRESS_CHARS: usize = 64;
 /// Granularity of body-budget reservations (1 KiB).
@@ -83,8 +101,8 @@ const BUDGET_UNIT: u64 = 1024;
 /// Bounds of the `[rate]` keys, `(key, min, max)`:
 /// - the per-minute rates are 1..=1,000,000 (a zero rate would refuse everything);
 /// - `max_keys` is 1..=10,000,000 (each key costs about a hundred bytes);
-/// - `body_budget_bytes` is at least the 8 MiB body cap (else a full-size push could never be
-///   admitted) and at most 16 GiB.
+/// - `body_budget_bytes` and `body_per_address_bytes` are at least the 8 MiB body cap (else a
+///   full-size push could never be admitted) and at most 16 GiB.
 pub const RATE_RANGES: &[(&str, u64, u64)] = &[
     ("enrol_per_min", 1, 1_000_000),
     ("info_per_min", 1, 1_000_000),
@@ -92,6 +110,11 @@ pub const RATE_RANGES: &[(&str, u64, u64)] = &[
     ("max_keys", 1, 10_000_000),
     (
         "body_budget_bytes",
+        RELAY_MAX_BODY as u64,
+        16 * 1024 * 1024 * 1024,
+    ),
+    (
+        "body_per_address_bytes",
         RELAY_MAX_BODY as u64,
         16 * 1024 * 1024 * 1024,
     ),
@@ -113,6 +136,9 @@ pub struct RateConfig {
     pub max_keys: u64,
     /// Request-body bytes held at once over all connections (default 64 MiB).
     pub body_budget_bytes: u64,
+    /// Request-body bytes the requests of one client address hold at once (default 16 MiB);
+    /// past it that address is answered 503 `BUSY` while others are still served.
+    pub body_per_address_bytes: u64,
 }
 
 impl Default for RateConfig {
@@ -123,6 +149,7 @@ impl Default for RateConfig {
             push_per_min: DEFAULT_PUSH_PER_MIN,
             max_keys: DEFAULT_MAX_KEYS,
             body_budget_bytes: DEFAULT_BODY_BUDGET_BYTES,
+            body_per_address_bytes: DEFAULT_BODY_PER_ADDRESS_BYTES,
         }
     }
 }
@@ -137,6 +164,7 @@ impl RateConfig {
             self.push_per_min,
             self.max_keys,
             self.body_budget_bytes,
+            self.body_per_address_bytes,
         ];
         for ((key, min, max), value) in RATE_RANGES.iter().zip(values) {
             if !(*min..=*max).contains(&value) {
@@ -183,16 +211,28 @@ impl TrustProxy {
     }
 }
 
-/// The address text one header value names, if it is an address: an IP, or an IP with a port
-/// (`1.2.3.4:5678`, `[::1]:80`); written in canonical form (an IPv4-mapped IPv6 address as
-/// IPv4).
+/// The key an IP address is counted by (module docs): an IPv4 address (also one mapped into
+/// IPv6) as itself, `203.0.113.7`; an IPv6 address by its /64 network, `2001:db8:1:2::/64`.
+pub fn address_key(ip: IpAddr) -> String {
+    match ip.to_canonical() {
+        IpAddr::V4(v4) => v4.to_string(),
+        IpAddr::V6(v6) => {
+            let mask = u128::MAX << (128 - IPV6_PREFIX_BITS);
+            let net = std::net::Ipv6Addr::from(u128::from(v6) & mask);
+            format!("{net}/{IPV6_PREFIX_BITS}")
+        }
+    }
+}
+
+/// The address key one header value names, if it is an address: an IP, or an IP with a port
+/// (`1.2.3.4:5678`, `[::1]:80`); see [`address_key`].
 fn parse_address(text: &str) -> Option<String> {
     let text = text.trim();
     let ip = text
         .parse::<IpAddr>()
         .ok()
         .or_else(|| text.parse::<SocketAddr>().ok().map(|s| s.ip()))?;
-    Some(ip.to_canonical().to_string())
+    Some(address_key(ip))
 }
 
 /// Cuts `text` to [`MAX_ADDRESS_CHARS`] characters.
@@ -206,7 +246,8 @@ fn cut(mut text: String) -> String {
 /// The client address a request is rate-limited by (module docs): with
 /// [`TrustProxy::Xff`] the rightmost entry of all `X-Forwarded-For` lines, with
 /// [`TrustProxy::Cloudflare`] `CF-Connecting-IP`; a missing or garbled header (not text, not
-/// an address) falls back to the socket address; `unknown` without one.
+/// an address) falls back to the socket address; `unknown` without one. Written as
+/// [`address_key`] writes it (IPv6 by its /64).
 pub fn client_address(headers: &HeaderMap, socket: Option<SocketAddr>, mode: TrustProxy) -> String {
     let from_header = match mode {
         TrustProxy::Socket => None,
@@ -223,7 +264,7 @@ pub fn client_address(headers: &HeaderMap, socket: Option<SocketAddr>, mode: Tru
             .and_then(parse_address),
     };
     let address = from_header
-        .or_else(|| socket.map(|s| s.ip().to_canonical().to_string()))
+        .or_else(|| socket.map(|s| address_key(s.ip())))
         .unwrap_or_else(|| "unknown".to_owned());
     cut(address)
 }
@@ -362,6 +403,8 @@ pub enum Class {
     Enrol,
     /// `GET` (and `HEAD`) `/v2/relay/info`.
     Info,
+    /// The admin endpoints, `/v2/relay/admin/*`.
+    Admin,
 }
 
 impl Class {
@@ -373,6 +416,7 @@ impl Class {
             }
             // axum answers HEAD with the GET handler: it costs the same.
             (&Method::GET | &Method::HEAD, "/v2/relay/info") => Some(Class::Info),
+            (_, p) if p.starts_with("/v2/relay/admin/") => Some(Class::Admin),
             _ => None,
         }
     }
@@ -390,10 +434,53 @@ pub struct RateLimits {
     pub info: RateTable,
     /// Push requests, per sender key.
     pub push: RateTable,
+    /// Admin endpoint calls, per client address ([`ADMIN_PER_MIN`]).
+    pub admin: RateTable,
+    /// Warnings anyone can cause (a wrong admin token, a full challenge table), at most one a
+    /// minute per key.
+    pub warn_gate: crate::log_gate::LogGate,
     /// Request-body budget, in [`BUDGET_UNIT`]s.
     budget: Arc<tokio::sync::Semaphore>,
     /// The budget's size in units.
     budget_units: u32,
+    /// Units one client address may hold at once.
+    per_address_units: u32,
+    /// Units held per client address, only while held (module docs, "Bounds").
+    held: Arc<Mutex<HashMap<String, u32>>>,
+}
+
+/// Why a body could not be admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refusal {
+    /// The relay-wide budget is spent.
+    Relay,
+    /// The caller's address holds its share.
+    Address,
+}
+
+/// A body reservation: its units of the relay-wide budget and of its address's share, given
+/// back when it is dropped (after the answer is made).
+#[derive(Debug)]
+struct Reservation {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    held: Arc<Mutex<HashMap<String, u32>>>,
+    address: String,
+    units: u32,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        let mut held = self
+            .held
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(n) = held.get_mut(&self.address) {
+            *n = n.saturating_sub(self.units);
+            if *n == 0 {
+                held.remove(&self.address);
+            }
+        }
+    }
 }
 
 impl RateLimits {
@@ -403,13 +490,19 @@ impl RateLimits {
         let units = (r.body_budget_bytes / BUDGET_UNIT)
             .clamp(1, tokio::sync::Semaphore::MAX_PERMITS as u64);
         let budget_units = u32::try_from(units).unwrap_or(u32::MAX);
+        let per_address_units =
+            u32::try_from((r.body_per_address_bytes / BUDGET_UNIT).max(1)).unwrap_or(u32::MAX);
         RateLimits {
             trust_proxy: TrustProxy::of(config),
             enrol: RateTable::new(r.enrol_per_min, r.max_keys),
             info: RateTable::new(r.info_per_min, r.max_keys),
             push: RateTable::new(r.push_per_min, r.max_keys),
+            admin: RateTable::new(ADMIN_PER_MIN, r.max_keys),
+            warn_gate: crate::log_gate::LogGate::default(),
             budget: Arc::new(tokio::sync::Semaphore::new(budget_units as usize)),
             budget_units,
+            per_address_units,
+            held: Arc::new(Mutex::new(HashMap::new())),
         }
     }
 
@@ -425,10 +518,50 @@ impl RateLimits {
         (u64::from(self.budget_units).saturating_sub(free)) * BUDGET_UNIT
     }
 
+    /// Request-body bytes the requests of client address `address` (as [`client_address`]
+    /// writes it) hold right now.
+    pub fn body_bytes_reserved_by(&self, address: &str) -> u64 {
+        let held = self
+            .held
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        u64::from(held.get(address).copied().unwrap_or(0)) * BUDGET_UNIT
+    }
+
+    /// Reserves `bytes` (rounded up to whole units) for a request of `address`, from the
+    /// address's share and the relay-wide budget together, or neither.
+    fn reserve(&self, address: &str, bytes: u64) -> Result<Reservation, Refusal> {
+        let units = u32::try_from(bytes.div_ceil(BUDGET_UNIT).max(1))
+            .unwrap_or(u32::MAX)
+            .min(self.budget_units)
+            .min(self.per_address_units);
+        let mut held = self
+            .held
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mine = held.get(address).copied().unwrap_or(0);
+        if mine.saturating_add(units) > self.per_address_units {
+            return Err(Refusal::Address);
+        }
+        let permit = self
+            .budget
+            .clone()
+            .try_acquire_many_owned(units)
+            .map_err(|_| Refusal::Relay)?;
+        held.insert(address.to_owned(), mine + units);
+        Ok(Reservation {
+            _permit: permit,
+            held: self.held.clone(),
+            address: address.to_owned(),
+            units,
+        })
+    }
+
     fn table(&self, class: Class) -> &RateTable {
         match class {
             Class::Enrol => &self.enrol,
             Class::Info => &self.info,
+            Class::Admin => &self.admin,
         }
     }
 }
@@ -454,10 +587,17 @@ pub fn too_many(retry_after_ms: i64) -> Response {
         .into_response()
 }
 
-/// 503 `{error, code:"BUSY"}` with `Retry-After: 1`: the body budget is spent.
-fn busy() -> Response {
+/// 503 `{error, code:"BUSY"}` with `Retry-After: 1`: the body budget is spent, relay-wide or
+/// for the caller's address.
+fn busy(refusal: Refusal) -> Response {
+    let error = match refusal {
+        Refusal::Relay => "relay busy: too many request bodies in flight; retry shortly",
+        Refusal::Address => {
+            "relay busy: too many request bodies in flight from this address; retry shortly"
+        }
+    };
     let body = ErrorBody {
-        error: "relay busy: too many request bodies in flight; retry shortly".into(),
+        error: error.into(),
         code: "BUSY".into(),
         epoch: None,
         head_seq: None,
@@ -472,16 +612,17 @@ fn busy() -> Response {
 }
 
 /// The router layer over every relay route: the per-address bucket of the request's class
-/// (429 past it), then the body budget (503 when spent; the reservation lives until the answer
-/// is made). Requests of routes that do not exist never reach it.
+/// (429 past it), then the body budget, relay-wide and per client address (503 when spent;
+/// the reservation lives until the answer is made). Requests of routes that do not exist never
+/// reach it.
 pub async fn guard(State(state): State<SharedRelay>, req: Request, next: Next) -> Response {
     let limits = &state.rates;
+    let socket = req
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0);
+    let address = client_address(req.headers(), socket, limits.trust_proxy);
     if let Some(class) = Class::of(req.method(), req.uri().path()) {
-        let socket = req
-            .extensions()
-            .get::<ConnectInfo<SocketAddr>>()
-            .map(|c| c.0);
-        let address = client_address(req.headers(), socket, limits.trust_proxy);
         let verdict = limits.table(class).hit(&address, state.clock.now_ms());
         match verdict {
             Verdict::Allowed => {}
@@ -499,15 +640,19 @@ pub async fn guard(State(state): State<SharedRelay>, req: Request, next: Next) -
     if share == 0 {
         return next.run(req).await;
     }
-    let units = u32::try_from(share.div_ceil(BUDGET_UNIT))
-        .unwrap_or(u32::MAX)
-        .min(limits.budget_units);
-    let Ok(_reserved) = limits.budget.clone().try_acquire_many_owned(units) else {
-        tracing::warn!(
-            reserved_bytes = limits.body_bytes_reserved(),
-            "relay body budget spent: answering 503"
-        );
-        return busy();
+    let _reserved = match limits.reserve(&address, share) {
+        Ok(r) => r,
+        Err(Refusal::Relay) => {
+            tracing::warn!(
+                reserved_bytes = limits.body_bytes_reserved(),
+                "relay body budget spent: answering 503"
+            );
+            return busy(Refusal::Relay);
+        }
+        Err(Refusal::Address) => {
+            tracing::debug!(address = %address, "the body share of one address is spent: answering 503");
+            return busy(Refusal::Address);
+        }
     };
     next.run(req).await
 }
@@ -614,9 +759,9 @@ mod tests {
             client_address(&two, Some(sock), TrustProxy::Xff),
             "198.51.100.4"
         );
-        // Spellings of one address are one key.
+        // Spellings of one address are one key (an IPv6 one counted by its /64).
         let v6 = headers(&[("x-forwarded-for", "[0:0::1]:80")]);
-        assert_eq!(client_address(&v6, Some(sock), TrustProxy::Xff), "::1");
+        assert_eq!(client_address(&v6, Some(sock), TrustProxy::Xff), "::/64");
         let mapped = headers(&[("cf-connecting-ip", " ::ffff:10.0.0.1 ")]);
         assert_eq!(
             client_address(&mapped, Some(sock), TrustProxy::Cloudflare),
@@ -638,6 +783,84 @@ mod tests {
             "unknown"
         );
         assert_eq!(cut("x".repeat(100)).len(), 64);
+    }
+
+    #[test]
+    fn ipv6_addresses_count_by_their_64_and_mapped_ones_as_ipv4() {
+        let key = |t: &str| address_key(t.parse().unwrap());
+        assert_eq!(key("2001:db8:1:2::1"), "2001:db8:1:2::/64");
+        assert_eq!(
+            key("2001:db8:1:2:ffff:ffff:ffff:ffff"),
+            key("2001:db8:1:2:abcd::9")
+        );
+        assert_ne!(key("2001:db8:1:2::1"), key("2001:db8:1:3::1"));
+        assert_eq!(key("::ffff:203.0.113.7"), "203.0.113.7");
+        assert_eq!(key("203.0.113.7"), "203.0.113.7");
+        // The same through every source of the address.
+        let sock: SocketAddr = "[2001:db8:aa:bb:1:2:3:4]:443".parse().unwrap();
+        assert_eq!(
+            client_address(&headers(&[]), Some(sock), TrustProxy::Socket),
+            "2001:db8:aa:bb::/64"
+        );
+        let mapped: SocketAddr = "[::ffff:192.0.2.1]:443".parse().unwrap();
+        assert_eq!(
+            client_address(&headers(&[]), Some(mapped), TrustProxy::Socket),
+            "192.0.2.1"
+        );
+        let cf = headers(&[("cf-connecting-ip", "2001:db8:aa:bb::77")]);
+        assert_eq!(
+            client_address(&cf, Some(mapped), TrustProxy::Cloudflare),
+            "2001:db8:aa:bb::/64"
+        );
+        // One bucket for the whole /64: fresh addresses inside it do not get fresh tokens.
+        let t = RateTable::new(2, 10);
+        let ip = |n: u16| {
+            let h = headers(&[("x-forwarded-for", &format!("2001:db8:5:6::{n:x}") as &str)]);
+            client_address(&h, None, TrustProxy::Xff)
+        };
+        assert!(t.hit(&ip(1), 0).allowed());
+        assert!(t.hit(&ip(2), 0).allowed());
+        assert!(!t.hit(&ip(3), 0).allowed());
+        assert_eq!(t.len(), 1);
+        let other = headers(&[("x-forwarded-for", "2001:db8:5:7::1")]);
+        assert!(t
+            .hit(&client_address(&other, None, TrustProxy::Xff), 0)
+            .allowed());
+    }
+
+    #[test]
+    fn an_address_holding_its_body_share_leaves_the_rest_of_the_budget_to_others() {
+        const MIB: u64 = 1024 * 1024;
+        let limits = RateLimits::new(&RelayConfig {
+            rate: RateConfig {
+                body_budget_bytes: 40 * MIB,
+                body_per_address_bytes: 16 * MIB,
+                ..RateConfig::default()
+            },
+            ..RelayConfig::default()
+        });
+        let a1 = limits.reserve("a", 8 * MIB).unwrap();
+        let a2 = limits.reserve("a", 8 * MIB).unwrap();
+        // At its share exactly; one byte more is refused for this address only.
+        assert_eq!(limits.body_bytes_reserved_by("a"), 16 * MIB);
+        assert_eq!(limits.reserve("a", 1).unwrap_err(), Refusal::Address);
+        let b1 = limits.reserve("b", 8 * MIB).unwrap();
+        let b2 = limits.reserve("b", 8 * MIB).unwrap();
+        // 32 of 40 MiB are held: the relay-wide budget refuses past its end, for anyone.
+        let c1 = limits.reserve("c", 8 * MIB).unwrap();
+        assert_eq!(limits.reserve("d", 1).unwrap_err(), Refusal::Relay);
+        assert_eq!(limits.body_bytes_reserved(), 40 * MIB);
+        // A refused reservation took nothing.
+        assert_eq!(limits.body_bytes_reserved_by("d"), 0);
+        drop(a1);
+        assert_eq!(limits.body_bytes_reserved_by("a"), 8 * MIB);
+        let a3 = limits.reserve("a", 8 * MIB).unwrap();
+        drop((a2, a3, b1, b2, c1));
+        assert_eq!(limits.body_bytes_reserved(), 0);
+        assert!(
+            limits.held.lock().unwrap().is_empty(),
+            "no entry outlives its reservations"
+        );
     }
 
     #[test]
@@ -665,7 +888,8 @@ mod tests {
                     1 => &mut c.info_per_min,
                     2 => &mut c.push_per_min,
                     3 => &mut c.max_keys,
-                    _ => &mut c.body_budget_bytes,
+                    4 => &mut c.body_budget_bytes,
+                    _ => &mut c.body_per_address_bytes,
                 };
                 *field = value;
                 let got = c.validate();

@@ -148,7 +148,7 @@ fn prepare_with(opts: ServeOptions, env_seed: Option<String>) -> Result<Prepared
     let listener = std::net::TcpListener::bind(SocketAddr::new(bind, port))
         .and_then(|l| l.set_nonblocking(true).map(|()| l))
         .map_err(|e| ServeError::Io(format!("cannot bind {bind}:{port}: {e}")))?;
-    let authority = crate::authority::from_config(&config.authority, clock.clone())
+    let authority = crate::authority::from_config(&config.authority, clock.clone(), store.clone())
         .map_err(|e| ServeError::Io(format!("cannot set up the enrolment authority: {e}")))?;
     tracing::info!(authority = authority.name(), "enrolment authority");
     Ok(Prepared {

@@ -17,7 +17,7 @@ use axum::response::IntoResponse;
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
 use serde_json::{json, Value};
 
-use agentmbx_protocol::cloud_key::{self, CloudCert};
+use agentmbx_protocol::cloud_key::{self, CloudCert, CloudPop};
 use agentmbx_protocol::keys::HostKey;
 
 use agentmbx_relay::config::{AdminToken, AuthorityConfig, AuthorityKind, RelayConfig};
@@ -188,8 +188,34 @@ impl CloudHost {
         })
     }
 
-    fn proof(&self, token: &str) -> Value {
-        json!({"token": token, "cloud_cert": self.cert.to_value()})
+    /// The enrolment proof for `challenge`: the token, the certificate and the cloud key's
+    /// proof of possession over the challenge.
+    fn proof(&self, token: &str, challenge: &str) -> Value {
+        json!({"token": token, "cloud_cert": self.cert.to_value(),
+               "cloud_pop": CloudPop::sign(&self.cloud, &self.host.key.public(), challenge).to_value()})
+    }
+}
+
+/// Challenge, then enrol `h` with `token` and its full proof.
+async fn enrol_try(relay: &Relay, h: &CloudHost, token: &str) -> Resp {
+    relay
+        .enrol_with_challenge_proof(&h.host, |c| Some(h.proof(token, c)))
+        .await
+}
+
+trait Unavailable {
+    /// 503 AUTHORITY_UNAVAILABLE with `retry_after` 60 (and the same `Retry-After` header).
+    fn assert_unavailable(&self);
+}
+
+impl Unavailable for Resp {
+    fn assert_unavailable(&self) {
+        self.assert_error(
+            503,
+            "the enrolment authority is unavailable",
+            "AUTHORITY_UNAVAILABLE",
+        );
+        assert_eq!(self.json["retry_after"], 60, "{self:#?}");
     }
 }
 
@@ -199,7 +225,7 @@ fn bearer(token: &str) -> Vec<(String, String)> {
 
 /// Enrols `h` with `token` and asserts success.
 async fn enrol_ok(relay: &Relay, h: &CloudHost, token: &str) {
-    let r = relay.enrol_with_proof(&h.host, Some(h.proof(token))).await;
+    let r = enrol_try(relay, h, token).await;
     assert_eq!(r.json, json!({"ok": true}), "{r:#?}");
 }
 
@@ -304,9 +330,15 @@ async fn an_account_token_enrols_with_its_account_and_every_hop_carries_it() {
             "account token refused: not a token of 1..=8192 bytes",
             "BAD_TOKEN",
         );
-    // Signed info without a valid token: no `you` (the host enrols again).
+    // Signed info without a token (a host's first info of a pass, sent before it has seen the
+    // relay key): `you` all the same, for a key enrolled with an account token; with a token
+    // that fails: no `you` (the host enrols again).
     let r = relay
         .hop_with(&a.host, "GET", "/v2/relay/info", "", &[])
+        .await;
+    assert_eq!(r.assert_ok()["you"]["pubkey"], a.host.pubkey().as_str());
+    let r = relay
+        .hop_with(&a.host, "GET", "/v2/relay/info", "", &bearer("a.b.c"))
         .await;
     assert!(r.assert_ok().get("you").is_none(), "{r:#?}");
     let r = relay
@@ -338,6 +370,10 @@ async fn an_account_token_enrols_with_its_account_and_every_hop_carries_it() {
     // A host enrolled before without an account token (host-key challenge) must enrol again.
     let c = CloudHost::new("gamma");
     relay.enrol_direct(&c.host).await;
+    let r = relay
+        .hop_with(&c.host, "GET", "/v2/relay/info", "", &[])
+        .await;
+    assert!(r.assert_ok().get("you").is_none(), "no binding: {r:#?}");
     let tc = ed.sign(&c.claims(&relay, "acct-1"));
     pull(&relay, &c, Some(&tc)).await.assert_error(
         401,
@@ -477,7 +513,7 @@ async fn bad_tokens_and_bad_bindings_are_denied_at_enrolment() {
         ),
     ];
     for (want, token) in cases {
-        let r = relay.enrol_with_proof(&h.host, Some(h.proof(&token))).await;
+        let r = enrol_try(&relay, &h, &token).await;
         if token.len() > 8000 {
             // The enrol body cap (8 KiB) stops an oversized token before the authority.
             assert_eq!(r.status, 413, "{r:#?}");
@@ -495,23 +531,28 @@ async fn bad_tokens_and_bad_bindings_are_denied_at_enrolment() {
     // The proof itself: missing, or a certificate that is not this host's.
     let h2 = CloudHost::new("beta");
     let t2 = ed.sign(&h2.claims(&relay, "acct-1"));
-    relay.enrol_with_proof(&h2.host, None).await.assert_error(
-        403,
-        "this relay enrols with an account token: proof {token, cloud_cert} is required",
-        "DENIED",
-    );
+    let required =
+        "this relay enrols with an account token: proof {token, cloud_cert, cloud_pop} is required";
+    relay
+        .enrol_with_proof(&h2.host, None)
+        .await
+        .assert_error(403, required, "DENIED");
     relay
         .enrol_with_proof(&h2.host, Some(json!({"token": t2})))
         .await
-        .assert_error(
-            403,
-            "this relay enrols with an account token: proof {token, cloud_cert} is required",
-            "DENIED",
-        );
+        .assert_error(403, required, "DENIED");
+    // Token and certificate without the proof of possession.
+    relay
+        .enrol_with_proof(
+            &h2.host,
+            Some(json!({"token": t2, "cloud_cert": h2.cert.to_value()})),
+        )
+        .await
+        .assert_error(403, required, "DENIED");
     // The certificate of another host (h's), presented by h2 with a token bound to h's cloud key.
     let stolen = ed.sign(&h.claims(&relay, "acct-1"));
     relay
-        .enrol_with_proof(&h2.host, Some(h.proof(&stolen)))
+        .enrol_with_challenge_proof(&h2.host, |c| Some(h.proof(&stolen, c)))
         .await
         .assert_error(
             403,
@@ -521,11 +562,11 @@ async fn bad_tokens_and_bad_bindings_are_denied_at_enrolment() {
     // A certificate naming h2 but signed by another host key.
     let mut forged = CloudCert::sign(&HostKey::generate(), &h2.cloud.public(), T0);
     forged.rec.host_pubkey = h2.host.pubkey();
+    let pop2 = |c: &str| CloudPop::sign(&h2.cloud, &h2.host.key.public(), c).to_value();
     relay
-        .enrol_with_proof(
-            &h2.host,
-            Some(json!({"token": t2, "cloud_cert": forged.to_value()})),
-        )
+        .enrol_with_challenge_proof(&h2.host, |c| {
+            Some(json!({"token": t2, "cloud_cert": forged.to_value(), "cloud_pop": pop2(c)}))
+        })
         .await
         .assert_error(
             403,
@@ -533,12 +574,29 @@ async fn bad_tokens_and_bad_bindings_are_denied_at_enrolment() {
             "DENIED",
         );
     relay
-        .enrol_with_proof(
-            &h2.host,
-            Some(json!({"token": t2, "cloud_cert": {"rec": 1}})),
-        )
+        .enrol_with_challenge_proof(&h2.host, |c| {
+            Some(json!({"token": t2, "cloud_cert": {"rec": 1}, "cloud_pop": pop2(c)}))
+        })
         .await
         .assert_error(403, "not a cloud-key certificate", "DENIED");
+    // A proof of possession over another challenge (a replay), or that is not one.
+    relay
+        .enrol_with_challenge_proof(&h2.host, |_| {
+            Some(json!({"token": t2, "cloud_cert": h2.cert.to_value(),
+                        "cloud_pop": pop2("an earlier challenge")}))
+        })
+        .await
+        .assert_error(
+            403,
+            "the cloud-key proof of possession does not verify",
+            "DENIED",
+        );
+    relay
+        .enrol_with_challenge_proof(&h2.host, |_| {
+            Some(json!({"token": t2, "cloud_cert": h2.cert.to_value(), "cloud_pop": {"sig": "x"}}))
+        })
+        .await
+        .assert_error(403, "not a cloud-key proof of possession", "DENIED");
     let pk = h2.host.pubkey();
     assert!(relay
         .with_store(move |s| s.enrolment(&pk).unwrap())
@@ -572,10 +630,11 @@ async fn a_denied_client_id_or_host_fingerprint_is_refused_at_once_and_after_a_r
         "this host is denied on this relay",
         "DENIED",
     );
-    relay
-        .enrol_with_proof(&a.host, Some(a.proof(&ta)))
-        .await
-        .assert_error(403, "this host is denied on this relay", "DENIED");
+    enrol_try(&relay, &a, &ta).await.assert_error(
+        403,
+        "this host is denied on this relay",
+        "DENIED",
+    );
     pull(&relay, &b, Some(&tb)).await.assert_ok();
 
     // Host fingerprint: the same.
@@ -595,10 +654,11 @@ async fn a_denied_client_id_or_host_fingerprint_is_refused_at_once_and_after_a_r
         "this host is denied on this relay",
         "DENIED",
     );
-    relay
-        .enrol_with_proof(&b.host, Some(b.proof(&tb)))
-        .await
-        .assert_error(403, "this host is denied on this relay", "DENIED");
+    enrol_try(&relay, &b, &tb).await.assert_error(
+        403,
+        "this host is denied on this relay",
+        "DENIED",
+    );
 
     // Both survive a restart (they live in relay.db).
     relay.stop().await;
@@ -728,13 +788,9 @@ async fn an_unreachable_jwks_serves_cached_keys_for_an_hour_then_new_enrolments_
 
     // Past the hour: new enrolments fail closed ...
     relay.clock.set(t0 + 60 * MIN_MS + 1);
-    relay
-        .enrol_with_proof(
-            &c.host,
-            Some(c.proof(&k1.sign(&c.claims(&relay, "acct-1")))),
-        )
+    enrol_try(&relay, &c, &k1.sign(&c.claims(&relay, "acct-1")))
         .await
-        .assert_error(403, "the enrolment authority is unavailable", "DENIED");
+        .assert_unavailable();
     // ... while an enrolled host keeps pulling and pushing with the token it holds ...
     pull(&relay, &a, Some(&held)).await.assert_ok();
     let (id, wire) = sealed_wire(&a.host, &b.host, "still here", relay.now());
@@ -773,13 +829,9 @@ async fn a_jwks_that_was_never_fetched_denies_enrolment_as_unavailable() {
     jwks.fail();
     let relay = Relay::start_with_config(account_config(&jwks)).await;
     let h = CloudHost::new("alpha");
-    relay
-        .enrol_with_proof(
-            &h.host,
-            Some(h.proof(&k1.sign(&h.claims(&relay, "acct-1")))),
-        )
+    enrol_try(&relay, &h, &k1.sign(&h.claims(&relay, "acct-1")))
         .await
-        .assert_error(403, "the enrolment authority is unavailable", "DENIED");
+        .assert_unavailable();
 }
 
 #[tokio::test]
@@ -800,11 +852,7 @@ async fn names_are_unique_per_account_and_a_weaker_authority_keeps_the_account()
     );
     enrol_ok(&relay, &m1, &ed.sign(&m1.claims(&relay, "acct-1"))).await;
     enrol_ok(&relay, &m2, &ed.sign(&m2.claims(&relay, "acct-2"))).await;
-    relay
-        .enrol_with_proof(
-            &m3.host,
-            Some(m3.proof(&ed.sign(&m3.claims(&relay, "acct-1")))),
-        )
+    enrol_try(&relay, &m3, &ed.sign(&m3.claims(&relay, "acct-1")))
         .await
         .assert_error(409, "host name taken in this account", "NAME_TAKEN");
     // Revoked through the admin endpoint: the name is free again, the key stays out.
@@ -1017,4 +1065,256 @@ async fn the_admin_endpoints_need_the_admin_token_and_do_not_exist_without_one()
     .await;
     assert_eq!(r.status, 400, "{r:#?}");
     relay.pull(&g, "after=0").await.assert_ok();
+}
+
+// ---- proof of possession, bindings, restarts, challenges ---------------------------------------
+
+/// A thief holding a victim's token (bound to the victim's cloud key) cannot enrol its own host
+/// key with it: a certificate its own host key made for the victim's thumbprint is not enough,
+/// and neither is a proof of possession by another cloud key or a forged one.
+#[tokio::test]
+async fn a_stolen_token_does_not_enrol_another_host_key() {
+    let ed = SigningKey::ed("ed-1");
+    let jwks = JwksServer::start(&[&ed]).await;
+    let relay = Relay::start_with_config(account_config(&jwks)).await;
+    let victim = CloudHost::new("victim");
+    let stolen = ed.sign(&victim.claims(&relay, "acct-1"));
+    enrol_ok(&relay, &victim, &stolen).await;
+
+    let thief = Host::new("thief");
+    // The thief's host key certifies the victim's cloud key (its public half is no secret).
+    let cert = CloudCert::sign(&thief.key, &victim.cloud.public(), T0).to_value();
+    assert_eq!(cert["rec"]["cloud_jkt"], victim.jkt().as_str());
+    // 1. No proof of possession at all.
+    relay
+        .enrol_with_proof(&thief, Some(json!({"token": stolen, "cloud_cert": cert})))
+        .await
+        .assert_error(
+            403,
+            "this relay enrols with an account token: proof {token, cloud_cert, cloud_pop} is required",
+            "DENIED",
+        );
+    // 2. A valid proof by the thief's own cloud key: its thumbprint is not the certified one.
+    let own = HostKey::generate();
+    relay
+        .enrol_with_challenge_proof(&thief, |c| {
+            Some(json!({"token": stolen, "cloud_cert": cert,
+                        "cloud_pop": CloudPop::sign(&own, &thief.key.public(), c).to_value()}))
+        })
+        .await
+        .assert_error(
+            403,
+            "the cloud-key proof of possession is for another cloud key than the certificate",
+            "DENIED",
+        );
+    // 3. Naming the victim's cloud key, signed by another key.
+    relay
+        .enrol_with_challenge_proof(&thief, |c| {
+            let mut pop = CloudPop::sign(&own, &thief.key.public(), c);
+            pop.cloud_pubkey = victim.cloud.public().to_b64();
+            Some(json!({"token": stolen, "cloud_cert": cert, "cloud_pop": pop.to_value()}))
+        })
+        .await
+        .assert_error(
+            403,
+            "the cloud-key proof of possession does not verify",
+            "DENIED",
+        );
+    // 4. A proof the victim made for its own enrolment, replayed.
+    relay
+        .enrol_with_challenge_proof(&thief, |_| {
+            let pop = CloudPop::sign(&victim.cloud, &victim.host.key.public(), "ch");
+            Some(json!({"token": stolen, "cloud_cert": cert, "cloud_pop": pop.to_value()}))
+        })
+        .await
+        .assert_error(
+            403,
+            "the cloud-key proof of possession does not verify",
+            "DENIED",
+        );
+    let pk = thief.pubkey();
+    assert!(relay
+        .with_store(move |s| s.enrolment(&pk).unwrap())
+        .await
+        .is_none());
+    // The victim is untouched.
+    pull(&relay, &victim, Some(&stolen)).await.assert_ok();
+}
+
+/// One cloud key serves one live host key: a second host key proving the same cloud key is
+/// refused 409 CLOUD_KEY_TAKEN until the first is revoked (a rotation revokes the old key).
+#[tokio::test]
+async fn a_cloud_key_bound_to_another_live_host_key_is_refused() {
+    let ed = SigningKey::ed("ed-1");
+    let jwks = JwksServer::start(&[&ed]).await;
+    let relay = Relay::start_with_config(account_config(&jwks)).await;
+    let first = CloudHost::new("alpha");
+    enrol_ok(&relay, &first, &ed.sign(&first.claims(&relay, "acct-1"))).await;
+    // Another host key with the same cloud key (it holds the private half).
+    let host = Host::new("alpha-2");
+    let second = CloudHost {
+        cert: CloudCert::sign(&host.key, &first.cloud.public(), T0),
+        cloud: HostKey::from_seed_b64(&first.cloud.seed_b64_secret()).unwrap(),
+        host,
+    };
+    let token = ed.sign(&second.claims(&relay, "acct-1"));
+    enrol_try(&relay, &second, &token).await.assert_error(
+        409,
+        "this cloud key is bound to another live host key on this relay",
+        "CLOUD_KEY_TAKEN",
+    );
+    let pk = second.host.pubkey();
+    assert!(relay
+        .with_store(move |s| s.enrolment(&pk).unwrap())
+        .await
+        .is_none());
+    // The first host re-enrolling with its own cloud key is fine.
+    enrol_ok(&relay, &first, &ed.sign(&first.claims(&relay, "acct-1"))).await;
+    // Once the first key is revoked, the cloud key is free.
+    relay.revoke(&first.host).await;
+    enrol_ok(&relay, &second, &token).await;
+    pull(&relay, &second, Some(&token)).await.assert_ok();
+}
+
+/// A hop token must carry the client_id recorded at enrolment.
+#[tokio::test]
+async fn a_hop_token_for_another_client_id_is_refused() {
+    let ed = SigningKey::ed("ed-1");
+    let jwks = JwksServer::start(&[&ed]).await;
+    let relay = Relay::start_with_config(account_config(&jwks)).await;
+    let h = CloudHost::new("alpha");
+    enrol_ok(&relay, &h, &ed.sign(&h.claims(&relay, "acct-1"))).await;
+    let mut other = h.claims(&relay, "acct-1");
+    other["client_id"] = json!("client-elsewhere");
+    let other = ed.sign(&other);
+    pull(&relay, &h, Some(&other)).await.assert_error(
+        401,
+        "account token refused: it is for another client",
+        "BAD_TOKEN",
+    );
+    pull(&relay, &h, Some(&ed.sign(&h.claims(&relay, "acct-1"))))
+        .await
+        .assert_ok();
+    // Enrolling again with the new client's token moves the binding to it.
+    enrol_ok(&relay, &h, &other).await;
+    pull(&relay, &h, Some(&other)).await.assert_ok();
+}
+
+/// The last good JWKS survives a restart: with the issuer down, an enrolled host keeps working
+/// with a token issued before the keys went stale, new enrolments work until an hour after the
+/// persisted fetch time, then fail closed.
+#[tokio::test]
+async fn a_restart_during_an_issuer_outage_keeps_the_persisted_jwks_for_an_hour() {
+    let k1 = SigningKey::ed("k1");
+    let jwks = JwksServer::start(&[&k1]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let store_dir = dir.path().join("store");
+    let relay_key = HostKey::generate();
+    let seed = relay_key.seed_b64_secret();
+    let relay = Relay::start_at(&store_dir, relay_key, account_config(&jwks), T0).await;
+    let (a, b, c) = (
+        CloudHost::new("alpha"),
+        CloudHost::new("beta"),
+        CloudHost::new("gamma"),
+    );
+    enrol_ok(&relay, &a, &k1.sign(&a.claims(&relay, "acct-1"))).await;
+    assert_eq!(jwks.fetches(), 1);
+    let kept = relay
+        .with_store(|s| s.meta("jwks_cache").unwrap())
+        .await
+        .expect("the JWKS is kept in relay.db");
+    let kept: Value = serde_json::from_str(&kept).unwrap();
+    assert_eq!(kept["fetched_at_ms"], T0);
+    assert_eq!(kept["url"], jwks.url.as_str());
+    relay.stop().await;
+
+    // The issuer goes down; the relay restarts 30 minutes later.
+    jwks.fail();
+    let relay = Relay::start_at(
+        &store_dir,
+        HostKey::from_seed_b64(&seed).unwrap(),
+        account_config(&jwks),
+        T0 + 30 * MIN_MS,
+    )
+    .await;
+    pull(&relay, &a, Some(&k1.sign(&a.claims(&relay, "acct-1"))))
+        .await
+        .assert_ok();
+    assert_eq!(jwks.fetches(), 2, "a refresh was tried and failed");
+    enrol_ok(&relay, &b, &k1.sign(&b.claims(&relay, "acct-1"))).await;
+    // A token the host gets at 55 minutes, valid until 65.
+    relay.clock.set(T0 + 55 * MIN_MS);
+    let held = k1.sign(&a.claims(&relay, "acct-1"));
+    pull(&relay, &a, Some(&held)).await.assert_ok();
+
+    // An hour after the persisted fetch (not after the restart): new enrolments fail closed,
+    // while the token held from before keeps working until it expires.
+    relay.clock.set(T0 + 60 * MIN_MS + 1);
+    enrol_try(&relay, &c, &k1.sign(&c.claims(&relay, "acct-1")))
+        .await
+        .assert_unavailable();
+    pull(&relay, &a, Some(&held)).await.assert_ok();
+    pull(&relay, &a, Some(&k1.sign(&a.claims(&relay, "acct-1")))).await.assert_error(
+        401,
+        "account token refused: the issuer's keys could not be refreshed; tokens issued since are not accepted",
+        "BAD_TOKEN",
+    );
+}
+
+/// A hop of a host enrolled with an account token is answered 503 AUTHORITY_UNAVAILABLE (not a
+/// token refusal) when the relay has no JWKS at all, so the host keeps its token and retries.
+#[tokio::test]
+async fn a_hop_without_any_jwks_is_unavailable_not_refused() {
+    let k1 = SigningKey::ed("k1");
+    let jwks = JwksServer::start(&[&k1]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let store_dir = dir.path().join("store");
+    let relay_key = HostKey::generate();
+    let seed = relay_key.seed_b64_secret();
+    let relay = Relay::start_at(&store_dir, relay_key, account_config(&jwks), T0).await;
+    let a = CloudHost::new("alpha");
+    enrol_ok(&relay, &a, &k1.sign(&a.claims(&relay, "acct-1"))).await;
+    relay.stop().await;
+    // A store without the kept document (as after an upgrade), the issuer down.
+    {
+        let conn = rusqlite::Connection::open(store_dir.join("relay.db")).unwrap();
+        conn.execute("DELETE FROM meta WHERE k = 'jwks_cache'", [])
+            .unwrap();
+    }
+    jwks.fail();
+    let relay = Relay::start_at(
+        &store_dir,
+        HostKey::from_seed_b64(&seed).unwrap(),
+        account_config(&jwks),
+        T0 + MIN_MS,
+    )
+    .await;
+    pull(&relay, &a, Some(&k1.sign(&a.claims(&relay, "acct-1"))))
+        .await
+        .assert_unavailable();
+}
+
+/// A junk signature cannot burn a host's pending challenge: the challenge is used up only by an
+/// enrolment whose signature verified, and then only once.
+#[tokio::test]
+async fn a_junk_signature_does_not_burn_the_pending_challenge() {
+    let relay = Relay::start().await;
+    let h = Host::new("alpha");
+    let challenge = relay.challenge(&h).await;
+    let mut junk: Value = serde_json::from_str(&h.enrol_body(&challenge)).unwrap();
+    junk["sig"] = json!(HostKey::generate().sign(b"not the challenge"));
+    for _ in 0..3 {
+        relay
+            .plain("POST", "/v1/relay/enrol", &junk.to_string())
+            .await
+            .assert_error(401, "bad enrolment signature", "BAD_SIGNATURE");
+    }
+    let good = h.enrol_body(&challenge);
+    let r = relay.plain("POST", "/v1/relay/enrol", &good).await;
+    assert_eq!(r.assert_ok(), &json!({"ok": true}));
+    // Single use: the same signed body again finds no challenge.
+    relay
+        .plain("POST", "/v1/relay/enrol", &good)
+        .await
+        .assert_error(401, "no pending challenge", "NO_CHALLENGE");
 }

@@ -1635,7 +1635,12 @@ async fn enrol_refusals() {
         )
         .await;
     r.assert_error(401, "bad enrolment signature", "BAD_SIGNATURE");
-    // The challenge was used up by that attempt.
+    // That attempt did not use up the challenge (only a valid signature does): the good body
+    // enrols, once.
+    let r = relay
+        .plain("POST", "/v1/relay/enrol", &good.to_string())
+        .await;
+    assert_eq!(r.assert_ok(), &json!({"ok": true}));
     let r = relay
         .plain("POST", "/v1/relay/enrol", &good.to_string())
         .await;

@@ -1022,3 +1022,181 @@ async fn rotation_refusals_change_nothing() {
     assert_eq!(relay.queue_ids(&old).await, vec![id]);
     relay.stop().await;
 }
+
+// ---- rotation and the deny-list ---------------------------------------------------------------
+
+/// Deny-lists (or, with `on = false`, lifts the entry of) `host` by its fingerprint.
+async fn deny_fp(relay: &Relay, host: &Host, on: bool) {
+    let fp = host.key.public().fingerprint();
+    let now = relay.now();
+    relay
+        .with_store(move |s| {
+            if on {
+                let entry = relay_store::DenyEntry {
+                    kind: relay_store::DenyKind::Host,
+                    value: fp,
+                    until_ms: None,
+                    at_ms: now,
+                };
+                assert!(matches!(
+                    s.deny(entry).unwrap(),
+                    relay_store::DenyOutcome::Stored(_)
+                ));
+            } else {
+                assert!(s.undeny(relay_store::DenyKind::Host, &fp).unwrap());
+            }
+        })
+        .await;
+}
+
+/// The old key's revocation time (`Some(None)`: live) and the new key's enrolment, if any.
+async fn enrolments_of(
+    relay: &Relay,
+    old: &Host,
+    new: &Host,
+) -> (Option<Option<i64>>, Option<relay_store::Enrolment>) {
+    let (old_k, new_k) = (old.pubkey(), new.pubkey());
+    relay
+        .with_store(move |s| {
+            (
+                s.enrolment(&old_k).unwrap().map(|e| e.revoked_at_ms),
+                s.enrolment(&new_k).unwrap(),
+            )
+        })
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deny_listed_host_cannot_rotate_away_from_its_entry() {
+    let relay = Relay::start().await;
+    let (old, new, a) = (Host::new("laptop"), Host::new("laptop"), Host::new("alpha"));
+    for h in [&old, &a] {
+        relay.enrol(h).await;
+    }
+    let (status, id, _) = push_env(&relay, &a, &old, "waits").await;
+    assert_eq!(status, "accepted");
+    let rotation =
+        SignedRotation::sign("laptop", &old.key, &new.key, &new.enc.public(), relay.now());
+    // The old key is denied: 403 DENIED, nothing moves.
+    deny_fp(&relay, &old, true).await;
+    let r = rotate(&relay, &rotation).await;
+    r.assert_error(403, "this host is denied on this relay", "DENIED");
+    assert_eq!(enrolments_of(&relay, &old, &new).await, (Some(None), None));
+    let old_k = old.pubkey();
+    let queued = relay
+        .with_store(move |s| {
+            s.pull(relay_store::PullRequest {
+                target_pubkey: old_k,
+                after: 0,
+                limit: 500,
+                max_bytes: u64::MAX,
+            })
+            .unwrap()
+            .items
+            .len()
+        })
+        .await;
+    assert_eq!(queued, 1);
+    // The new key is denied: the same.
+    deny_fp(&relay, &old, false).await;
+    deny_fp(&relay, &new, true).await;
+    let r = rotate(&relay, &rotation).await;
+    r.assert_error(403, "this host is denied on this relay", "DENIED");
+    assert_eq!(enrolments_of(&relay, &old, &new).await, (Some(None), None));
+    // Neither denied: the rotation is applied.
+    deny_fp(&relay, &new, false).await;
+    let r = rotate(&relay, &rotation).await;
+    assert_eq!(r.assert_ok(), &json!({"moved": 1}));
+    assert_eq!(relay.queue_ids(&new).await, vec![id]);
+    relay.stop().await;
+}
+
+// ---- body budget per client address -----------------------------------------------------------
+
+/// A request head for `POST <path>` from `xff` (the trusted proxy's X-Forwarded-For) with a
+/// declared length, or chunked without one.
+fn upload_head(path: &str, xff: &str, length: Option<u64>) -> String {
+    let framing = match length {
+        Some(n) => format!("content-length: {n}"),
+        None => "transfer-encoding: chunked".to_owned(),
+    };
+    format!(
+        "POST {path} HTTP/1.1\r\nhost: relay\r\ncontent-type: application/json\r\n\
+         x-forwarded-for: {xff}\r\n{framing}\r\n\r\n"
+    )
+}
+
+/// Sends `head` (and `body`) on a new connection and reads the answer.
+async fn answer_of(addr: &str, head: String, body: &'static [u8]) -> (u16, String, String) {
+    let addr = addr.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let mut conn = RawConn::connect(&addr);
+        conn.send(head.as_bytes()).unwrap();
+        conn.send(body).unwrap();
+        conn.response()
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_address_holding_its_body_share_does_not_block_another() {
+    const MIB: u64 = 1024 * 1024;
+    // The relay-wide budget (64 MiB) is far from spent: only the per-address cap refuses.
+    let relay = relay_with(RateConfig::default(), Some("xff")).await;
+    assert_eq!(RateConfig::default().body_per_address_bytes, 16 * MIB);
+    let addr = relay.addr();
+    let rates = &relay.state.rates;
+    let (a, b) = ("192.0.2.10", "198.51.100.20");
+    // Address A: two slow 8 MiB uploads hold its 16 MiB.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut conn = RawConn::connect(&addr);
+        conn.send(upload_head("/v2/relay/items", a, Some(8 * MIB)).as_bytes())
+            .unwrap();
+        held.push(conn);
+    }
+    wait_until("A holds its cap", || {
+        rates.body_bytes_reserved_by(a) == 16 * MIB
+    })
+    .await;
+    // A third body from A, however small: 503 BUSY with Retry-After, its body never read.
+    let (status, head, body) =
+        answer_of(&addr, upload_head("/v2/relay/ack", a, Some(2)), b"{}").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(head.contains("retry-after: 1"), "{head}");
+    let j: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(j["code"], "BUSY");
+    assert_eq!(rates.body_bytes_reserved(), 16 * MIB);
+    // Address B is served as usual (the request reaches the handler: an unsigned ack is 401).
+    let (status, _, body) = answer_of(&addr, upload_head("/v2/relay/ack", b, Some(2)), b"{}").await;
+    assert_eq!(status, 401, "{body}");
+    // Bodies without a declared length are counted at the 8 MiB body cap against B's share.
+    let mut chunked = Vec::new();
+    for n in 1..=2u64 {
+        let mut conn = RawConn::connect(&addr);
+        conn.send(upload_head("/v2/relay/items", b, None).as_bytes())
+            .unwrap();
+        chunked.push(conn);
+        wait_until("B's chunked upload reserved the body cap", || {
+            rates.body_bytes_reserved_by(b) == n * 8 * MIB
+        })
+        .await;
+    }
+    let (status, _, _) =
+        answer_of(&addr, upload_head("/v2/relay/items", b, None), b"0\r\n\r\n").await;
+    assert_eq!(status, 503);
+    // A gives up one upload: its share comes back and A is served again.
+    drop(held.pop());
+    wait_until("A's share came back", || {
+        rates.body_bytes_reserved_by(a) == 8 * MIB
+    })
+    .await;
+    let (status, _, _) = answer_of(&addr, upload_head("/v2/relay/ack", a, Some(2)), b"{}").await;
+    assert_eq!(status, 401);
+    drop(held);
+    drop(chunked);
+    wait_until("every share came back", || rates.body_bytes_reserved() == 0).await;
+    assert_eq!(rates.body_bytes_reserved_by(a), 0);
+    relay.stop().await;
+}

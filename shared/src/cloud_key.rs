@@ -1,5 +1,5 @@
-//! Cloud-key certificates for account tokens (spec §8; `wire.md` "Resolved details" → "Account
-//! tokens").
+//! Cloud-key certificates and proofs of possession for account tokens (spec §8; `wire.md`
+//! "Resolved details" → "Account tokens").
 //!
 //! A host that enrols on a relay run with the account authority holds a second Ed25519 key, its
 //! *cloud key*, used only for account use. The account issuer binds each access token to that
@@ -10,14 +10,29 @@
 //! cloud_cert = {rec: {v:1, type:"cloud-key", host_pubkey, cloud_jkt, iat}, sig}
 //! ```
 //!
-//! `sig` is the host key's Ed25519 signature (standard base64) over canonical(`rec`). The relay
-//! admits a token for a hop key only when `cnf.jkt == rec.cloud_jkt`, `rec.host_pubkey` is that
-//! hop key and `sig` verifies with it, so a token stolen from one host is useless with another
-//! host's key.
+//! `sig` is the host key's Ed25519 signature (standard base64) over canonical(`rec`).
 //!
-//! This module only builds, signs and checks certificates and computes thumbprints. It never
-//! reads key files or talks to an issuer, and never handles private key bytes other than
-//! through [`HostKey`].
+//! A certificate alone proves only what the host key claims: anyone can certify any thumbprint
+//! with their own host key. So an enrolment also carries a **proof of possession** of the cloud
+//! key, fresh and bound to that one enrolment:
+//!
+//! ```text
+//! cloud_pop = {cloud_pubkey, sig}
+//! sig over canonical({v:1, type:"cloud-key-pop", host_pubkey, cloud_jkt, challenge})
+//! ```
+//!
+//! `cloud_pubkey` is the cloud key (standard base64 with padding, the canonical text), `sig` the
+//! cloud key's signature, `challenge` the relay's single-use enrolment challenge. The relay
+//! computes the thumbprint itself from `cloud_pubkey` ([`CloudPop::check`]) and admits a token
+//! for a host key only when `cnf.jkt`, `cloud_cert.rec.cloud_jkt` and that thumbprint are the
+//! same, `cloud_cert` is signed by the enrolling host key and `cloud_pop` verifies for that host
+//! key and the enrolment's challenge. A token stolen from one host is therefore useless with
+//! another host's key: enrolling it needs the private cloud key the token is bound to, and the
+//! relay refuses a cloud key already bound to another live host key.
+//!
+//! This module only builds, signs and checks certificates and proofs and computes thumbprints.
+//! It never reads key files or talks to an issuer, and never handles private key bytes other
+//! than through [`HostKey`].
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -27,6 +42,9 @@ use crate::keys::{HostKey, PublicKey};
 
 /// The record's `type`.
 pub const CLOUD_KEY_TYPE: &str = "cloud-key";
+
+/// The `type` of the record a proof of possession signs.
+pub const CLOUD_POP_TYPE: &str = "cloud-key-pop";
 
 /// How far in the future a certificate's `iat` may lie (ms): 5 minutes, the tolerance the relay
 /// gives every signed record's clock (`wire.md` §2.12).
@@ -103,6 +121,13 @@ pub enum CloudCertError {
     /// `iat` is more than [`MAX_IAT_AHEAD_MS`] ahead of the checker's clock.
     #[error("cloud-key certificate is issued in the future")]
     FromTheFuture,
+    /// Not `{cloud_pubkey, sig}` with those exact fields and a canonical key text.
+    #[error("not a cloud-key proof of possession")]
+    NotAPop,
+    /// The proof's signature does not verify with its cloud key over this host key and
+    /// challenge.
+    #[error("the cloud-key proof of possession does not verify")]
+    BadPop,
 }
 
 impl CloudCert {
@@ -162,6 +187,80 @@ impl CloudCert {
     /// `rec.iat` in ms (0 if unparseable, which [`CloudCert::from_value`] refuses).
     pub fn iat_ms(&self) -> i64 {
         crate::time::parse_iso_ms(&self.rec.iat).unwrap_or(0)
+    }
+}
+
+/// What a proof of possession signs: canonical(`{v:1, type:"cloud-key-pop", host_pubkey,
+/// cloud_jkt, challenge}`), `host_pubkey` the canonical text of the enrolling host key,
+/// `cloud_jkt` the cloud key's thumbprint, `challenge` the relay's enrolment challenge.
+pub fn pop_canonical(host_pubkey: &str, cloud_jkt: &str, challenge: &str) -> String {
+    #[derive(Serialize)]
+    struct PopRecord<'a> {
+        v: u8,
+        #[serde(rename = "type")]
+        kind: &'a str,
+        host_pubkey: &'a str,
+        cloud_jkt: &'a str,
+        challenge: &'a str,
+    }
+    canonical::of(&PopRecord {
+        v: 1,
+        kind: CLOUD_POP_TYPE,
+        host_pubkey,
+        cloud_jkt,
+        challenge,
+    })
+    .unwrap_or_default()
+}
+
+/// A proof of possession of the cloud key for one enrolment, as it travels: `{cloud_pubkey,
+/// sig}` (module docs).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CloudPop {
+    /// The cloud public key, standard base64 with padding (44 characters).
+    pub cloud_pubkey: String,
+    /// The cloud key's signature over [`pop_canonical`], standard base64.
+    pub sig: String,
+}
+
+impl CloudPop {
+    /// Signs the proof that the holder of `cloud` lets `host` enrol with it against `challenge`.
+    pub fn sign(cloud: &HostKey, host: &PublicKey, challenge: &str) -> Self {
+        let cloud_pub = cloud.public();
+        let signed = pop_canonical(&host.to_b64(), &thumbprint(&cloud_pub), challenge);
+        CloudPop {
+            cloud_pubkey: cloud_pub.to_b64(),
+            sig: cloud.sign(signed.as_bytes()),
+        }
+    }
+
+    /// The JSON form `{cloud_pubkey, sig}`.
+    pub fn to_value(&self) -> Value {
+        serde_json::to_value(self).unwrap_or(Value::Null)
+    }
+
+    /// Parses a received value: exactly `{cloud_pubkey, sig}`, both strings; else
+    /// [`CloudCertError::NotAPop`].
+    pub fn from_value(value: &Value) -> Result<Self, CloudCertError> {
+        serde_json::from_value(value.clone()).map_err(|_| CloudCertError::NotAPop)
+    }
+
+    /// Checks the proof for the enrolling `host` and the enrolment's `challenge` and returns
+    /// the thumbprint of the cloud key it proves, computed here from `cloud_pubkey` (never
+    /// taken from the sender). Errors: [`CloudCertError::NotAPop`] (the key is not an Ed25519
+    /// key in its canonical text), [`CloudCertError::BadPop`] (the signature does not verify).
+    pub fn check(&self, host: &PublicKey, challenge: &str) -> Result<String, CloudCertError> {
+        let cloud = PublicKey::from_b64(&self.cloud_pubkey)
+            .ok()
+            .filter(|k| k.to_b64() == self.cloud_pubkey)
+            .ok_or(CloudCertError::NotAPop)?;
+        let jkt = thumbprint(&cloud);
+        let signed = pop_canonical(&host.to_b64(), &jkt, challenge);
+        if signed.is_empty() || !cloud.verify(signed.as_bytes(), &self.sig) {
+            return Err(CloudCertError::BadPop);
+        }
+        Ok(jkt)
     }
 }
 
@@ -238,6 +337,59 @@ mod tests {
         assert_eq!(
             moved.check(&host.public(), T),
             Err(CloudCertError::BadSignature)
+        );
+    }
+
+    #[test]
+    fn a_proof_of_possession_names_its_own_thumbprint_and_binds_host_and_challenge() {
+        let host = HostKey::generate();
+        let cloud = HostKey::generate();
+        let pop = CloudPop::sign(&cloud, &host.public(), "ch-1");
+        assert_eq!(pop.cloud_pubkey, cloud.public().to_b64());
+        let back = CloudPop::from_value(&pop.to_value()).expect("parse");
+        assert_eq!(
+            back.check(&host.public(), "ch-1"),
+            Ok(thumbprint(&cloud.public()))
+        );
+        // Another challenge or another host key: the signature covers both.
+        assert_eq!(
+            back.check(&host.public(), "ch-2"),
+            Err(CloudCertError::BadPop)
+        );
+        assert_eq!(
+            back.check(&HostKey::generate().public(), "ch-1"),
+            Err(CloudCertError::BadPop)
+        );
+        // A victim's cloud public key with a signature by another key does not verify.
+        let thief = HostKey::generate();
+        let mut stolen = CloudPop::sign(&thief, &host.public(), "ch-1");
+        stolen.cloud_pubkey = cloud.public().to_b64();
+        assert_eq!(
+            stolen.check(&host.public(), "ch-1"),
+            Err(CloudCertError::BadPop)
+        );
+        // Not canonical, not a key, extra or missing fields: not a proof.
+        let mut alias = pop.clone();
+        alias.cloud_pubkey = alias.cloud_pubkey.trim_end_matches('=').to_owned();
+        assert_eq!(
+            alias.check(&host.public(), "ch-1"),
+            Err(CloudCertError::NotAPop)
+        );
+        for bad in [
+            json!({"cloud_pubkey": pop.cloud_pubkey, "sig": pop.sig, "jkt": "x"}),
+            json!({"cloud_pubkey": pop.cloud_pubkey}),
+            json!({"cloud_pubkey": 1, "sig": pop.sig}),
+            json!("pop"),
+        ] {
+            assert_eq!(
+                CloudPop::from_value(&bad),
+                Err(CloudCertError::NotAPop),
+                "{bad}"
+            );
+        }
+        assert_eq!(
+            pop_canonical("h", "j", "c"),
+            r#"{"challenge":"c","cloud_jkt":"j","host_pubkey":"h","type":"cloud-key-pop","v":1}"#
         );
     }
 

@@ -8,7 +8,7 @@
 //! and [`KeyFile`]; `Debug` of a private key prints only its public half, and errors never echo
 //! the text they were given.
 
-use ed25519_dalek::{Signer, Verifier};
+use ed25519_dalek::Signer;
 use serde::{Deserialize, Serialize};
 
 use crate::{b64, hash};
@@ -25,6 +25,10 @@ pub enum KeyError {
     /// The bytes are not a valid Ed25519 public key (not a curve point).
     #[error("not a valid Ed25519 public key")]
     NotOnCurve,
+    /// The bytes are a small-order ("weak") point: a key for which forged signatures verify,
+    /// so no honest host can hold it.
+    #[error("weak Ed25519 public key (small-order point)")]
+    Weak,
     /// The key file's public key does not belong to its private key.
     #[error("the key file's publicKey does not match its privateKey")]
     Mismatch,
@@ -47,12 +51,17 @@ pub fn fingerprint(raw_public: &[u8]) -> String {
 pub struct PublicKey(ed25519_dalek::VerifyingKey);
 
 impl PublicKey {
-    /// Parses standard base64 of the raw 32 bytes. Errors: [`KeyError`].
+    /// Parses standard base64 of the raw 32 bytes. Errors: [`KeyError`]; a small-order
+    /// ("weak") point is refused with [`KeyError::Weak`], since any signature made without a
+    /// private key can verify under it.
     pub fn from_b64(text: &str) -> Result<Self, KeyError> {
         let raw = decode32(text)?;
-        ed25519_dalek::VerifyingKey::from_bytes(&raw)
-            .map(PublicKey)
-            .map_err(|_| KeyError::NotOnCurve)
+        let key =
+            ed25519_dalek::VerifyingKey::from_bytes(&raw).map_err(|_| KeyError::NotOnCurve)?;
+        if key.is_weak() {
+            return Err(KeyError::Weak);
+        }
+        Ok(PublicKey(key))
     }
 
     /// Standard base64 with padding of the raw 32 bytes (44 characters).
@@ -70,8 +79,9 @@ impl PublicKey {
         fingerprint(self.0.as_bytes())
     }
 
-    /// Verifies a base64 Ed25519 signature over `message`. Returns false on any error (bad
-    /// base64, wrong length, non-canonical S, wrong key); never panics (`wire.md` §2.1).
+    /// Verifies a base64 Ed25519 signature over `message` with strict rules (canonical S, R
+    /// not of small order, as `verify_strict`). Returns false on any error (bad base64, wrong
+    /// length, non-canonical S, small-order R, wrong key); never panics (`wire.md` §2.1).
     pub fn verify(&self, message: &[u8], signature_b64: &str) -> bool {
         let Ok(bytes) = b64::decode(signature_b64) else {
             return false;
@@ -79,7 +89,7 @@ impl PublicKey {
         let Ok(sig) = ed25519_dalek::Signature::from_slice(&bytes) else {
             return false;
         };
-        self.0.verify_strict(message, &sig).is_ok() || self.0.verify(message, &sig).is_ok()
+        self.0.verify_strict(message, &sig).is_ok()
     }
 }
 
@@ -307,5 +317,42 @@ mod tests {
             KeyError::Length(2)
         );
         assert_eq!(PublicKey::from_b64("!!").unwrap_err(), KeyError::Encoding);
+    }
+
+    /// The identity point (y = 1) is of small order: with it, the signature (R = identity,
+    /// S = 0) "verifies" for every message under the lenient rules. It must never parse.
+    #[test]
+    fn weak_public_keys_are_refused_and_forgeries_do_not_verify() {
+        let mut identity = [0u8; 32];
+        identity[0] = 1;
+        let text = b64::encode(&identity);
+        assert_eq!(PublicKey::from_b64(&text).unwrap_err(), KeyError::Weak);
+        // Another small-order point: the point of order 2 (y = -1).
+        let mut minus_one = [0xffu8; 32];
+        minus_one[0] = 0xec;
+        minus_one[31] = 0x7f;
+        assert_eq!(
+            PublicKey::from_b64(&b64::encode(&minus_one)).unwrap_err(),
+            KeyError::Weak
+        );
+
+        // Strict verification also refuses a small-order R under a weak key that slipped in
+        // some other way (the lenient check accepts this forgery).
+        use ed25519_dalek::Verifier;
+        let weak = PublicKey(ed25519_dalek::VerifyingKey::from_bytes(&identity).unwrap());
+        let mut forged = [0u8; 64];
+        forged[..32].copy_from_slice(&identity);
+        let forged = b64::encode(&forged);
+        let sig = ed25519_dalek::Signature::from_slice(&b64::decode(&forged).unwrap()).unwrap();
+        assert!(
+            weak.0.verify(b"any message", &sig).is_ok(),
+            "the lenient check accepts the forgery"
+        );
+        assert!(!weak.verify(b"any message", &forged));
+
+        // An honest key still parses and verifies.
+        let k = HostKey::generate();
+        let again = PublicKey::from_b64(&k.public().to_b64()).unwrap();
+        assert!(again.verify(b"m", &k.sign(b"m")));
     }
 }

@@ -40,8 +40,9 @@ pub struct RotationRecord {
 }
 
 /// A rotation as it travels: `{rec, old_sig, new_sig}`, both base64 Ed25519 signatures over
-/// canonical(`rec`).
+/// canonical(`rec`). Any other top-level field is refused when parsing.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct SignedRotation {
     /// The record.
     pub rec: RotationRecord,
@@ -70,7 +71,18 @@ pub enum RotationError {
     /// `new_sig` does not verify with `new_pub`.
     #[error("rotation is not signed by the new host key")]
     BadNewSignature,
+    /// `iat` is not the fixed `YYYY-MM-DDTHH:MM:SS.mmmZ` form.
+    #[error("rotation iat is not an ISO time with milliseconds")]
+    BadIat,
+    /// `iat` is more than [`FUTURE_SKEW_MS`] ahead of the checker's clock
+    /// ([`SignedRotation::check_time`]).
+    #[error("rotation is dated more than 5 minutes ahead")]
+    FromTheFuture,
 }
+
+/// How far ahead of the checker's clock a rotation's `iat` may be (ms; 5 minutes, the skew
+/// every other signed record is allowed, `wire.md` §2.8).
+pub const FUTURE_SKEW_MS: i64 = crate::records::FUTURE_SKEW_MS;
 
 impl SignedRotation {
     /// Builds and signs a rotation of `host` from `old` to `new` (with the new enc key
@@ -115,12 +127,17 @@ impl SignedRotation {
     }
 
     /// Checks the record against the host key the checker pinned (`wire.md` §2.10 order: shape,
-    /// pinned start, key change, old signature, new signature). `pinned` is compared by key
-    /// bytes, so padding variants of the same key are the same key.
+    /// pinned start, key change, old signature, new signature; an `iat` not in the fixed ISO ms
+    /// form is [`RotationError::BadIat`], after the shape). `pinned` is compared by key bytes,
+    /// so padding variants of the same key are the same key. Receivers also call
+    /// [`SignedRotation::check_time`].
     pub fn check(&self, pinned: &PublicKey) -> Result<(), RotationError> {
         let r = &self.rec;
         if r.v != 1 || r.kind != "host-rotation" {
             return Err(RotationError::NotARecord);
+        }
+        if crate::time::parse_iso_ms(&r.iat).is_none() {
+            return Err(RotationError::BadIat);
         }
         let old = PublicKey::from_b64(&r.old_pub).map_err(|_| RotationError::NotARecord)?;
         let new = self.new_key()?;
@@ -141,10 +158,23 @@ impl SignedRotation {
         Ok(())
     }
 
+    /// Checks `iat` against the receiver's clock `now_ms` (ms): [`RotationError::BadIat`] when it
+    /// is not the fixed ISO ms form, [`RotationError::FromTheFuture`] when it is more than
+    /// [`FUTURE_SKEW_MS`] ahead (a record dated ahead would order after the rotations its host
+    /// really makes next). Any age is accepted: a peer may hear of a rotation long after.
+    pub fn check_time(&self, now_ms: i64) -> Result<(), RotationError> {
+        let iat = crate::time::parse_iso_ms(&self.rec.iat).ok_or(RotationError::BadIat)?;
+        if iat > now_ms.saturating_add(FUTURE_SKEW_MS) {
+            return Err(RotationError::FromTheFuture);
+        }
+        Ok(())
+    }
+
     /// Parses a received JSON value. Anything that is not `{rec:{…}, old_sig, new_sig}` with
     /// the record's fields as strings is [`RotationError::NotARecord`]. The record is checked
     /// over its canonical form *as received* re-built from the typed fields: an added field in
-    /// `rec` is refused (it would not be covered by the signature check otherwise).
+    /// `rec` is refused (it would not be covered by the signature check otherwise), and so is
+    /// one next to `rec`, `old_sig` and `new_sig`.
     pub fn from_value(value: &Value) -> Result<Self, RotationError> {
         let rec = value.get("rec").ok_or(RotationError::NotARecord)?;
         let fields = rec.as_object().ok_or(RotationError::NotARecord)?;
@@ -329,5 +359,55 @@ mod tests {
             SignedRotation::from_value(&serde_json::json!([1])),
             Err(RotationError::NotARecord)
         );
+    }
+
+    #[test]
+    fn a_field_next_to_rec_and_the_signatures_is_refused() {
+        let (old, _, r) = rotation();
+        let mut v = serde_json::to_value(&r).expect("json");
+        assert_eq!(
+            SignedRotation::from_value(&v).map(|p| p.check(&old.public())),
+            Ok(Ok(()))
+        );
+        v["note"] = "x".into();
+        assert_eq!(
+            SignedRotation::from_value(&v),
+            Err(RotationError::NotARecord)
+        );
+    }
+
+    #[test]
+    fn iat_must_be_iso_ms_and_at_most_5_minutes_ahead() {
+        let (old, new, r) = rotation();
+        let iat = 1_767_225_650_123;
+        // At the bound and in the past: fine; 1 ms past the bound: refused.
+        assert_eq!(r.check_time(iat - FUTURE_SKEW_MS), Ok(()));
+        assert_eq!(r.check_time(iat + 86_400_000 * 365), Ok(()));
+        assert_eq!(
+            r.check_time(iat - FUTURE_SKEW_MS - 1),
+            Err(RotationError::FromTheFuture)
+        );
+        assert_eq!(
+            RotationError::FromTheFuture.to_string(),
+            "rotation is dated more than 5 minutes ahead"
+        );
+        // Other spellings of a time, signed by both keys all the same, are refused.
+        for bad in [
+            "2026-01-01T00:00:50Z",
+            "2026-01-01T00:00:50.123+00:00",
+            "2026-01-01 00:00:50.123Z",
+            "1767225650123",
+            "9999-99-99T00:00:00.000Z",
+            "",
+        ] {
+            let enc = EncKey::generate();
+            let mut s = SignedRotation::sign("laptop", &old, &new, &enc.public(), iat);
+            s.rec.iat = bad.into();
+            let text = s.canonical();
+            s.old_sig = old.sign(text.as_bytes());
+            s.new_sig = new.sign(text.as_bytes());
+            assert_eq!(s.check(&old.public()), Err(RotationError::BadIat), "{bad}");
+            assert_eq!(s.check_time(iat), Err(RotationError::BadIat), "{bad}");
+        }
     }
 }

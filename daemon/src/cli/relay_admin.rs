@@ -14,7 +14,8 @@
 //! survives re-enrolment and restarts, deny-list entries last until their `--until` or removal.
 //!
 //! Exit codes: 0 done, 1 failure (the relay refused, unreachable, wrong admin token), 2 usage
-//! (a malformed argument, an `--until` shorter than the longest token lifetime), 3 nothing
+//! (a malformed argument — a client_id that is not printable ASCII, a mistyped fingerprint
+//! without `--client` — or an `--until` shorter than the longest token lifetime), 3 nothing
 //! matches (no such enrolment / deny entry, no store), 4 ([`EXIT_RELAY_RUNNING`]) the relay
 //! runs on that store. A fingerprint that matches several enrolments is refused (exit 1),
 //! listing them. This module never prints or logs the admin token.
@@ -120,13 +121,9 @@ fn place(t: &Target) -> anyhow::Result<Place> {
     match (&t.store_dir, &t.url) {
         (Some(dir), None) => Ok(Place::Offline(dir.clone())),
         (_, Some(url)) => {
-            let url = url.trim_end_matches('/').to_owned();
-            if !(url.starts_with("http://") || url.starts_with("https://")) {
-                return Err(UsageError(format!(
-                    "--url must start with http:// or https://, got {url:?}"
-                ))
-                .into());
-            }
+            // The admin token goes to this URL: the same checks as `relay set`.
+            let url = agentmbx::config::check_relay_url(url)
+                .map_err(|e| UsageError(format!("--url: {e}")))?;
             let token = match std::env::var(ADMIN_TOKEN_ENV) {
                 Ok(text) => AdminToken::new(&text)
                     .map_err(|e| UsageError(format!("{ADMIN_TOKEN_ENV}: {e}")))?,
@@ -221,11 +218,13 @@ fn online(
     if status == 200 {
         return Ok(answer);
     }
-    let error = answer
-        .get("error")
-        .and_then(Value::as_str)
-        .unwrap_or("no error text")
-        .to_owned();
+    // The relay's words, never its control or format characters.
+    let error = clean(
+        answer
+            .get("error")
+            .and_then(Value::as_str)
+            .unwrap_or("no error text"),
+    );
     let code = answer.get("code").and_then(Value::as_str).unwrap_or("");
     Err(match (status, code) {
         (404, "NOT_FOUND") if path.contains("admin") && error == "not found" => anyhow::anyhow!(
@@ -236,6 +235,24 @@ fn online(
         (404, _) => NotFoundError(error).into(),
         _ => anyhow::anyhow!("the relay at {url} answered {status}: {error}"),
     })
+}
+
+/// A relay's error text as it may be printed: at most 300 characters, control and bidi or
+/// other format characters escaped (`\u{…}`).
+fn clean(text: &str) -> String {
+    let format = |c: char| {
+        matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2069}'
+            | '\u{061c}' | '\u{feff}')
+    };
+    let mut out = String::new();
+    for c in text.chars().take(300) {
+        if c.is_control() || format(c) {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 fn print(json_out: bool, value: &Value, text: &str) -> anyhow::Result<()> {
@@ -249,6 +266,8 @@ fn print(json_out: bool, value: &Value, text: &str) -> anyhow::Result<()> {
 
 /// `relay revoke <HOST>`.
 pub fn revoke(args: RevokeArgs) -> anyhow::Result<()> {
+    // Checked here too, so a malformed argument never reaches a relay (exit 2).
+    admin::revoke_target(&args.host).map_err(refusal)?;
     let report: Value = match place(&args.target)? {
         Place::Offline(dir) => {
             let r: RevokeReport =
@@ -319,6 +338,8 @@ pub fn deny(args: DenyArgs) -> anyhow::Result<()> {
     let subject = args
         .subject
         .ok_or_else(|| UsageError("give a host fingerprint or client_id, or --list".into()))?;
+    // Checked here too, so a malformed argument never reaches a relay (exit 2).
+    admin::deny_target(&subject, kind).map_err(refusal)?;
     if args.remove {
         let out: Value = match place {
             Place::Offline(dir) => {

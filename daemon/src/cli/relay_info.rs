@@ -6,15 +6,20 @@
 //! that key. It is also the only way to confirm a changed relay key. It writes `[relay] url,
 //! key` in `config.toml` and the pin in `mailbox.db` (kv `relay-key:<url>`, which a running
 //! daemon reads each pass, so a confirmation takes effect without a restart), audits
-//! `relay.key_confirmed` and clears a `key-mismatch` state. When the relay cannot be reached,
-//! a full `--key` is pinned as given, and a fingerprint is stored as the expectation (kv
-//! `relay-key-expect:<url>`): the daemon then pins only a key with that fingerprint.
+//! `relay.key_confirmed` and clears a `key-mismatch` state and the recorded key change (also
+//! when the owner confirms the pinned key after the relay served another one). When the relay
+//! cannot be reached, a full `--key` is pinned as given, and a fingerprint is stored as the
+//! expectation (kv `relay-key-expect:<url>`): the daemon then pins only a key with that
+//! fingerprint. The URL is checked first ([`config::check_relay_url`]: no user information,
+//! query, fragment, dot segments, whitespace or control characters, a port in 1..=65535).
 //! Exit codes: 2 for a malformed URL or `--key` (nothing read or written), 1 for a key
-//! mismatch or an unreachable relay without `--key` (config and pin untouched).
+//! mismatch (recorded and audited `relay.key_changed` as the daemon does; config and pin
+//! untouched) or an unreachable relay without `--key`.
 //!
 //! `relay info` reads `config.toml` and `mailbox.db` only (no daemon needed): the pin, the
 //! relay state (with a key mismatch the pinned and served fingerprints and the exact fix
-//! command), epoch, enrolment cache, enc-key ad, allowlist, position and outbox counts. With
+//! command), an unconfirmed key change (`key_change`: which key was served and when, kept after
+//! the relay serves the pinned key again, with both confirm commands), epoch, enrolment cache, enc-key ad, allowlist, position and outbox counts. With
 //! `--live` it also asks the relay (unsigned info) which key it presents now.
 //!
 //! Neither command prints private key material.
@@ -38,8 +43,8 @@ use super::{NotFoundError, UsageError};
 /// Flags of `relay info`.
 #[derive(Debug, Args)]
 pub struct InfoArgs {
-    /// Print as JSON: {url, source, pin, state, fix, epoch, enrolment, backoff, enc_ad,
-    /// allowlist, position, outbox, live?}
+    /// Print as JSON: {url, source, pin, state, key_change, fix, epoch, enrolment, backoff,
+    /// enc_ad, allowlist, position, outbox, live?}
     #[arg(long)]
     pub json: bool,
     /// Also ask the relay now (unsigned GET /v2/relay/info) which key and epoch it presents
@@ -60,20 +65,12 @@ fn fp_of(b64: &str) -> String {
 
 /// Runs `relay set` (module docs).
 pub fn set(args: SetArgs) -> anyhow::Result<()> {
-    let url = args.url.trim().trim_end_matches('/').to_string();
-    let rest = url
-        .strip_prefix("http://")
-        .or_else(|| url.strip_prefix("https://"));
-    if rest.is_none_or(|r| r.is_empty() || r.starts_with('/')) {
-        return Err(UsageError(format!(
-            "relay URL must start with http:// or https:// and name a host, got {url:?}"
-        ))
-        .into());
-    }
+    let url = config::check_relay_url(&args.url).map_err(|e| UsageError(e.to_string()))?;
     let expected = match &args.key {
         Some(k) => Some(pin::parse_pin(k).ok_or_else(|| {
             UsageError(format!(
-                "--key {k:?} is neither a relay key fingerprint (16 hex digits such as 1a2b-3c4d-5e6f-7a8b, as `agentmbx relay serve` and `relay keygen` print it) nor a base64 key"
+                "--key {} is neither a relay key fingerprint (16 hex digits such as 1a2b-3c4d-5e6f-7a8b, as `agentmbx relay serve` and `relay keygen` print it) nor a base64 key",
+                config::shown(k)
             ))
         })?),
         None => None,
@@ -105,6 +102,26 @@ pub fn set(args: SetArgs) -> anyhow::Result<()> {
     };
     let served = PublicKey::from_b64(&info.relay_pubkey)
         .context("the relay presents an invalid key; nothing was pinned")?;
+    let refused = match &expected {
+        Some(p) => !p.matches(&served),
+        None => pinned_fp
+            .as_deref()
+            .is_some_and(|fp| fp != served.fingerprint()),
+    };
+    if let Some(fp) = pinned_fp
+        .as_deref()
+        .filter(|fp| refused && *fp != served.fingerprint())
+    {
+        // A changed key, found here rather than by the daemon: recorded and audited the same
+        // way (`relay.key_changed`, the key-mismatch state), so `relay info` shows it.
+        let how = if pinned.is_some() {
+            "pinned"
+        } else {
+            "expected"
+        };
+        let served_fp = served.fingerprint();
+        mailbox.with(|c| state::record_key_mismatch(c, &url, how, fp, &served_fp, now))?;
+    }
     if let Some(p) = &expected {
         if !p.matches(&served) {
             anyhow::bail!(
@@ -131,9 +148,16 @@ pub fn set(args: SetArgs) -> anyhow::Result<()> {
             token_command: None,
         }),
     )?;
+    let change = mailbox.with(|c| state::key_change(c, &url))?;
     let done = mailbox.with(|c| state::confirm_key(c, &url, Some(&served), None, now))?;
-    let how = if done.changed && done.previous.is_some() {
+    let replaced = done
+        .previous
+        .as_ref()
+        .is_some_and(|p| *p != served.fingerprint());
+    let how = if done.changed && replaced {
         "confirmed: replaces the pinned key"
+    } else if done.changed && change.is_some() {
+        "confirmed: keeps the pinned key; the recorded key change is cleared"
     } else if expected.is_some() {
         "matches --key"
     } else if pinned.is_some() {
@@ -152,8 +176,11 @@ pub fn set(args: SetArgs) -> anyhow::Result<()> {
         if expected.is_none() && pinned.is_none() {
             println!("compare it with the fingerprint the relay operator published, or pin it explicitly: agentmbx relay set {url} --key {}", served.fingerprint());
         }
-        if let (true, Some(prev)) = (done.changed, &done.previous) {
+        if let (true, Some(prev)) = (done.changed && replaced, &done.previous) {
             println!("the previous key {prev} is no longer trusted");
+        }
+        if let Some(c) = change.filter(|c| c.served != served.fingerprint()) {
+            println!("the key {} the relay served is not trusted", c.served);
         }
         println!(
             "a running daemon uses it from its next relay pass (a stopped one from its next start)"
@@ -239,6 +266,11 @@ fn set_unreachable(
 /// Runs `relay info` (module docs).
 pub fn info(args: InfoArgs) -> anyhow::Result<()> {
     let paths = Paths::from_env()?;
+    if !agentmbx::identity::is_initialized(&paths) {
+        return Err(
+            NotFoundError("this host is not initialized; run `agentmbx init`".into()).into(),
+        );
+    }
     let config = Config::load(&paths)?;
     let Some(relay) = config.relay else {
         return Err(NotFoundError(
@@ -267,11 +299,12 @@ pub fn info(args: InfoArgs) -> anyhow::Result<()> {
                 allowlist::published(c, &u)?,
                 relay_state::position(c, &u)?,
                 state::outbox_counts(c, &u)?,
+                state::key_change(c, &u)?,
             ))
         })?),
         None => None,
     };
-    let (kv_key, expected, st, epoch, enrolment, backoff, ad, senders, position, counts) =
+    let (kv_key, expected, st, epoch, enrolment, backoff, ad, senders, position, counts, change) =
         gathered.unwrap_or_default();
     let (pin_key, pin_from) = match (&relay.key, &kv_key) {
         (Some(k), _) => (Some(k.clone()), Some("config.toml")),
@@ -279,7 +312,13 @@ pub fn info(args: InfoArgs) -> anyhow::Result<()> {
         (None, None) => (None, None),
     };
     let pin_fp = pin_key.as_deref().map(fp_of);
-    let fix = st.as_ref().and_then(|s| s.fix(&url));
+    // While the relay serves another key, confirming that key is the fix; once it serves the
+    // pinned key again, confirming the pinned key (or, if the operator moved, the other one).
+    let fix = st.as_ref().and_then(|s| s.fix(&url)).or_else(|| {
+        change
+            .as_ref()
+            .map(|c| format!("agentmbx relay set {url} --key {}", c.pinned))
+    });
     let live = if args.live {
         Some(match runtime()?.block_on(pin::fetch_info(&url)) {
             Ok(i) => {
@@ -297,6 +336,12 @@ pub fn info(args: InfoArgs) -> anyhow::Result<()> {
         "source": if args.live { "mailbox.db and the relay (live)" } else { "mailbox.db (offline)" },
         "pin": {"fingerprint": pin_fp, "relay_pubkey": pin_key, "from": pin_from, "expected": expected},
         "state": st,
+        "key_change": change.as_ref().map(|c| json!({
+            "how": c.how, "pinned_fp": c.pinned, "served_fp": c.served, "at": c.at,
+            "resumed": st.as_ref().is_some_and(|s| s.state != state::Standing::KeyMismatch),
+            "confirm_served": format!("agentmbx relay set {url} --key {}", c.served),
+            "confirm_pinned": format!("agentmbx relay set {url} --key {}", c.pinned),
+        })),
         "fix": fix,
         "epoch": epoch,
         "enrolment": enrolment.as_ref().map(|e| json!({
@@ -368,9 +413,26 @@ fn print_text(o: &Value) {
         if let Some(n) = st["next_at"].as_str() {
             println!("  next attempt: {n}");
         }
-        if let Some(f) = o["fix"].as_str() {
-            println!("  fix: {f}");
+    }
+    let change = &o["key_change"];
+    if !change.is_null() {
+        println!(
+            "key change: the relay served {} instead of the {} key {} (first {})",
+            s(&change["served_fp"]),
+            s(&change["how"]),
+            s(&change["pinned_fp"]),
+            s(&change["at"])
+        );
+        if change["resumed"] == true {
+            println!("  it serves the pinned key again: relay use resumed with the pinned key; the change stays recorded until the owner confirms a key");
+            println!(
+                "  to trust the other key instead (only if its operator moved to it): {}",
+                s(&change["confirm_served"])
+            );
         }
+    }
+    if let Some(f) = o["fix"].as_str() {
+        println!("  fix: {f}");
     }
     println!("epoch: {}", o["epoch"].as_str().unwrap_or("none seen yet"));
     let e = &o["enrolment"];

@@ -7,9 +7,11 @@
 //! relay the pushing key must be that host's pinned key or one it retired in a rotation
 //! (`receipt for <r> did not come from <host>`) → the recipient's host is a pinned peer
 //! (`<host> is not a paired host`) → the signature verifies with its pinned key or a retired one
-//! (a receipt signed before the rotation; `bad signature`) → the message is one this host sent
-//! (`not a message this host sent`) and routed to that host (`message was not sent to <host>`)
-//! → at most 200 recipients per host and message (`too many recipients for one message`).
+//! (a receipt signed before the rotation, dated at most 15 days after it; `bad signature`,
+//! `signed by a key <host> retired at <iso>: not valid for a receipt dated after <iso>`) → the
+//! message is one this host sent (`not a message this host sent`) and routed to that host
+//! (`message was not sent to <host>`) → at most 200 recipients per host and message (`too many
+//! recipients for one message`).
 //!
 //! It never trusts a relay: the record is verified with the recipient host's pinned key either
 //! way, so a relay cannot forge or alter one.
@@ -20,6 +22,7 @@ use serde_json::Value;
 use agentmbx_protocol::canonical;
 use agentmbx_protocol::keys::{HostKey, PublicKey};
 use agentmbx_protocol::records::{self, Receipt, RECEIPT_STATES};
+use agentmbx_protocol::time::parse_iso_ms;
 
 use crate::mailbox::{outbox, peers, peers::Peer, MailboxError};
 
@@ -70,18 +73,21 @@ pub fn accept(
         return Ok(format!("rejected:{host} is not a paired host"));
     };
     // Keys the peer rotated away from still vouch for receipts signed (and pushed) before the
-    // rotation (`wire.md` §2.10); a LAN hop is always by the pinned key.
-    let retired = peers::prev_keys(conn, &host)?;
-    if relay_sender.is_some_and(|k| k != peer.pubkey && !retired.iter().any(|r| r == k))
+    // rotation (`wire.md` §2.10), dated (`at`) no later than the rotation plus the grace
+    // (`peers::check_retired`); a LAN hop is always by the pinned key.
+    let retired = peers::retired_keys(conn, &host)?;
+    if relay_sender.is_some_and(|k| k != peer.pubkey && !retired.iter().any(|r| r.key == k))
         || hop.is_some_and(|p| p.pubkey != peer.pubkey)
     {
         return Ok(not_from());
     }
     let signed = canonical::to_string(&rec_v).unwrap_or_default();
-    let signs =
-        |k: &String| PublicKey::from_b64(k).is_ok_and(|k| k.verify(signed.as_bytes(), &sig));
-    if !signs(&peer.pubkey) && !retired.iter().any(signs) {
-        return Ok("rejected:bad signature".into());
+    let signs = |k: &PublicKey| k.verify(signed.as_bytes(), &sig);
+    if !PublicKey::from_b64(&peer.pubkey).is_ok_and(|k| signs(&k)) {
+        let at = parse_iso_ms(&rec.at);
+        if let Err(why) = peers::check_retired(&retired, &host, "a receipt", at, signs) {
+            return Ok(format!("rejected:{why}"));
+        }
     }
     let origin: Option<String> = conn
         .query_row(
@@ -521,5 +527,58 @@ mod tests {
             "accepted"
         );
         assert_eq!(f.s.scalar::<String>("SELECT state FROM outbox"), "rejected");
+    }
+
+    #[test]
+    fn a_retired_key_signs_receipts_only_up_to_15_days_after_the_rotation() {
+        let f = fx();
+        let new = testutil::identity("work");
+        let pk = |i: &Identity| i.host_key.public().to_b64();
+        f.s.mailbox
+            .with(|c| {
+                peers::rotate(
+                    c,
+                    "work",
+                    &pk(&f.work),
+                    &pk(&new),
+                    &new.enc_key.public().to_b64(),
+                    Some(T0),
+                    T0,
+                )
+            })
+            .unwrap()
+            .unwrap();
+        let last_ok = T0 + peers::RETIRED_KEY_GRACE_MS;
+        let now = last_ok + 1_000;
+        let dated = |recipient: &str, seq: u64, at: i64, key: &Identity| {
+            let mut rec = receipt(recipient, "delivered", seq);
+            rec.at = agentmbx_protocol::time::iso_ms(at);
+            wire(&rec, key)
+        };
+        let relay = |w: &Value, sender: &str| {
+            f.s.mailbox
+                .with(|c| accept(c, "home", w, None, Some(sender), now))
+                .unwrap()
+        };
+        let old = pk(&f.work);
+        assert_eq!(
+            relay(&dated("bob@work", 1, last_ok, &f.work), &old),
+            "accepted"
+        );
+        let refused = relay(&dated("carol@work", 1, last_ok + 1, &f.work), &old);
+        assert_eq!(
+            refused,
+            format!(
+                "rejected:signed by a key work retired at {}: not valid for a receipt dated after {}",
+                agentmbx_protocol::time::iso_ms(T0),
+                agentmbx_protocol::time::iso_ms(last_ok)
+            )
+        );
+        assert_eq!(stored(&f, "carol@work"), None, "nothing stored");
+        // Signed by the new key, the same record is taken.
+        assert_eq!(
+            relay(&dated("carol@work", 1, last_ok + 1, &new), &pk(&new)),
+            "accepted"
+        );
     }
 }

@@ -10,6 +10,7 @@
 use rusqlite::Connection;
 use serde_json::Value;
 
+use agentmbx_protocol::time::parse_iso_ms;
 use agentmbx_protocol::{canonical, envelope, keys::PublicKey, seal};
 
 use crate::identity::Identity;
@@ -61,8 +62,10 @@ pub fn receive_sealed(
 /// the pinned peer `via` (over the LAN: the hop's verified host; over the relay: the item's
 /// verified sender key). Shape → `sig.host` and `from` name `via` (`sender host mismatch`) →
 /// the sender's local part is a name (`bad sender address`) → host signature by the pinned key,
-/// or by a key the peer retired in a rotation (mail signed before it; `bad signature`) → the sealed body opens (`undecryptable body`) → dedup by id →
-/// routing → store + deliveries.
+/// or by a key the peer retired in a rotation for mail whose `ts` is at most
+/// [`peers::RETIRED_KEY_GRACE_MS`] after it (`bad signature`; `signed by a key <host> retired at
+/// <iso>: not valid for mail dated after <iso>`) → the sealed body opens (`undecryptable body`)
+/// → dedup by id → routing → store + deliveries.
 ///
 /// `Ok(Ok(verdict))` accepted or duplicate, `Ok(Err(reason))` rejected (nothing stored; the
 /// reason is the text after `rejected:`), `Err(_)` a storage fault (retry later).
@@ -101,14 +104,16 @@ pub fn receive(
     if !agentmbx_protocol::limits::is_name(sender_name) {
         return Ok(Err("bad sender address".into()));
     }
-    // Mail signed before the peer rotated verifies with a key it retired (`wire.md` §2.10).
-    if !envelope::verify(env, &key)
-        && !peers::prev_keys(conn, &via.host)?
-            .iter()
-            .filter_map(|k| PublicKey::from_b64(k).ok())
-            .any(|k| envelope::verify(env, &k))
-    {
-        return Ok(Err("bad signature".into()));
+    // Mail signed before the peer rotated verifies with a key it retired (`wire.md` §2.10),
+    // when it is dated no later than the rotation plus the grace (`peers::check_retired`).
+    if !envelope::verify(env, &key) {
+        let retired = peers::retired_keys(conn, &via.host)?;
+        let ts = env.get("ts").and_then(Value::as_str).and_then(parse_iso_ms);
+        if let Err(why) = peers::check_retired(&retired, &via.host, "mail", ts, |k| {
+            envelope::verify(env, k)
+        }) {
+            return Ok(Err(why));
+        }
     }
     let Some(enc_v) = env.get("enc").filter(|e| !e.is_null()) else {
         return Ok(Err("envelope body is not sealed".into()));
@@ -250,6 +255,82 @@ mod tests {
         assert_eq!(
             store.scalar::<String>("SELECT name || '@' || host FROM agents"),
             "ann@work"
+        );
+    }
+
+    #[test]
+    fn a_retired_key_signs_mail_only_up_to_15_days_after_the_rotation() {
+        let store = testutil::store();
+        let me = testutil::identity("home");
+        let old = testutil::identity("work");
+        let new = testutil::identity("work");
+        store.add_peer(&old, true);
+        let pk = |i: &Identity| i.host_key.public().to_b64();
+        // work rotated at T0 (the record's iat); this host accepted it a minute later.
+        store
+            .mailbox
+            .with(|c| {
+                peers::rotate(
+                    c,
+                    "work",
+                    &pk(&old),
+                    &pk(&new),
+                    &new.enc_key.public().to_b64(),
+                    Some(T0),
+                    T0 + 60_000,
+                )
+            })
+            .unwrap()
+            .unwrap();
+        let mut ids = testutil::ids();
+        let my_enc = me.enc_key.public();
+        let last_ok = T0 + peers::RETIRED_KEY_GRACE_MS;
+        let now = last_ok + 1_000;
+        let mut got = |signer: &Identity, ts: i64| {
+            let id = ids.next(ts);
+            let wire =
+                testutil::sealed_wire(signer, &my_enc, &id, "ann@work", &["bob@home"], "s", ts);
+            let sender = pk(signer);
+            store
+                .mailbox
+                .with(|c| receive_sealed(c, &me, &wire, &id, &sender, now))
+                .unwrap()
+        };
+        // Signed by the retired key before the rotation, and up to the end of the grace.
+        let stored = Ok(Verdict::Stored {
+            delivered: vec!["bob".into()],
+        });
+        assert_eq!(got(&old, T0 - 1), stored);
+        assert_eq!(got(&old, last_ok), stored);
+        // Dated past it: refused, saying why, and nothing stored.
+        assert_eq!(
+            got(&old, last_ok + 1),
+            Err(format!(
+                "signed by a key work retired at {}: not valid for mail dated after {}",
+                agentmbx_protocol::time::iso_ms(T0),
+                agentmbx_protocol::time::iso_ms(last_ok)
+            ))
+        );
+        assert_eq!(store.scalar::<i64>("SELECT COUNT(*) FROM messages"), 2);
+        // The pinned key has no such bound.
+        assert_eq!(got(&new, last_ok + 1), stored);
+        // A key work never held is no signer of its mail at all.
+        let stranger = testutil::identity("work");
+        let id = ids.next(T0);
+        let wire =
+            testutil::sealed_wire(&stranger, &my_enc, &id, "ann@work", &["bob@home"], "s", T0);
+        let via = store
+            .mailbox
+            .with(|c| peers::by_name(c, "work"))
+            .unwrap()
+            .unwrap();
+        let env = canonical::parse(&wire).unwrap();
+        assert_eq!(
+            store
+                .mailbox
+                .with(|c| receive(c, &me, &env, &via, now))
+                .unwrap(),
+            Err("bad signature".into())
         );
     }
 }

@@ -13,20 +13,30 @@
 //! - `sub`, `account`, `client_id`, `jti`: non-empty strings (≤ 256 bytes); `org` optional;
 //! - `cnf.jkt`: an RFC 7638 SHA-256 thumbprint (43 base64url characters);
 //! - `iat`, `exp`: integer seconds; `exp > now`, `iat ≤ now + 60 s`, `0 < exp − iat ≤
-//!   max_token_ttl` (15 min by default and at most); `nbf`, when present, `≤ now + 60 s`.
+//!   max_token_ttl` (15 min by default and at most); `nbf`, when present, `≤ now + 60 s`. All
+//!   arithmetic on these token-controlled integers is checked: an overflow is a refusal.
 //!
 //! # Enrolment
-//! `proof = {token, cloud_cert}`: the token as above, and the host key's certificate of its
-//! cloud key (`agentmbx_protocol::cloud_key`): `cloud_cert.rec.host_pubkey` is the enrolling
-//! key, its signature verifies with that key, and `cnf.jkt == cloud_cert.rec.cloud_jkt`. The
+//! `proof = {token, cloud_cert, cloud_pop}` (`agentmbx_protocol::cloud_key`):
+//! - the token as above;
+//! - `cloud_cert`: the host key's certificate of its cloud key — `rec.host_pubkey` is the
+//!   enrolling key and its signature verifies with that key;
+//! - `cloud_pop`: the cloud key itself and its signature over canonical(`{v:1,
+//!   type:"cloud-key-pop", host_pubkey, cloud_jkt, challenge}`) with this enrolment's
+//!   challenge — proof that whoever enrols holds the private cloud key, fresh and usable once.
+//!
+//! The relay computes the thumbprint from `cloud_pop.cloud_pubkey` itself and requires it to
+//! equal both `cnf.jkt` and `cloud_cert.rec.cloud_jkt`. So a stolen token with a certificate
+//! the thief's own host key signed is refused: the thief lacks the cloud key. The store then
+//! refuses a cloud key already bound to another live host key (409 CLOUD_KEY_TAKEN). The
 //! answer carries the token's `account` and `org`, and the binding (`cnf.jkt`, `client_id`,
 //! `sub`) the relay records with the enrolment. While the JWKS is stale (no successful fetch
-//! for an hour) enrolments fail closed: the authority reports itself unavailable.
+//! for an hour) enrolments fail closed: the authority reports itself unavailable (503).
 //!
 //! # Hops
 //! Every later hop carries `Authorization: Bearer <token>`, verified by the same rules
 //! ([`EnrolmentAuthority::check_hop`]); `auth::authenticate` then compares it with the recorded
-//! binding and account and with the deny-list. While the JWKS is stale a hop token is accepted
+//! binding (cloud key and client_id) and account and with the deny-list. While the JWKS is stale a hop token is accepted
 //! only if it was issued before the cache went stale: enrolled hosts keep working until the
 //! token they held then expires, and no token minted later is accepted on keys the relay could
 //! not re-check.
@@ -38,7 +48,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use agentmbx_protocol::clock::SharedClock;
-use agentmbx_protocol::cloud_key::{self, CloudCert};
+use agentmbx_protocol::cloud_key::{self, CloudCert, CloudPop};
 use agentmbx_protocol::keys::PublicKey;
 
 use super::jwks::{Jwks, Lookup};
@@ -47,7 +57,7 @@ use super::{
     HopTokenError, TokenBinding,
 };
 use crate::config::AuthorityConfig;
-use crate::store::AuthorityStrength;
+use crate::store::{AuthorityStrength, RelayStore};
 
 /// The `authorized_by` text of this authority.
 pub const NAME: &str = "account-token";
@@ -64,6 +74,10 @@ pub const CLOCK_SKEW_S: i64 = 60;
 
 /// Longest text claim (bytes).
 pub const MAX_CLAIM_BYTES: usize = 256;
+
+/// The refusal of an enrolment without the three parts of the proof.
+pub const PROOF_REQUIRED: &str =
+    "this relay enrols with an account token: proof {token, cloud_cert, cloud_pop} is required";
 
 /// What a verification is for: enrolments need a fresh JWKS, hops accept tokens issued before
 /// it went stale.
@@ -145,9 +159,14 @@ pub struct AccountAuthority {
 }
 
 impl AccountAuthority {
-    /// From a validated `[authority]` with `kind = "account"`. Errors: a missing setting (the
-    /// configuration check refuses these first) or the JWKS client cannot be built.
-    pub fn new(config: &AuthorityConfig, clock: SharedClock) -> Result<Self, AuthorityError> {
+    /// From a validated `[authority]` with `kind = "account"`; the last good JWKS is kept in
+    /// `store` when given ([`Jwks::new`]). Errors: a missing setting (the configuration check
+    /// refuses these first) or the JWKS client cannot be built.
+    pub fn new(
+        config: &AuthorityConfig,
+        clock: SharedClock,
+        store: Option<std::sync::Arc<dyn RelayStore>>,
+    ) -> Result<Self, AuthorityError> {
         let need = |v: &Option<String>, key: &str| {
             v.clone()
                 .filter(|s| !s.is_empty())
@@ -157,7 +176,7 @@ impl AccountAuthority {
         let audience = need(&config.audience, "audience")?;
         let jwks_url = need(&config.jwks_url, "jwks_url")?;
         let max_ttl_ms = config.max_token_ttl_ms.unwrap_or(MAX_TOKEN_TTL_MS);
-        let jwks = Jwks::new(&jwks_url, clock.clone()).map_err(AuthorityError)?;
+        let jwks = Jwks::new(&jwks_url, clock.clone(), store).map_err(AuthorityError)?;
         Ok(AccountAuthority {
             issuer,
             audience,
@@ -201,7 +220,9 @@ impl AccountAuthority {
             if let Some(since) = stale_since {
                 return Err(Failure::Unavailable(format!(
                     "the issuer's signing keys could not be refreshed since {}",
-                    agentmbx_protocol::time::iso_ms(since - super::jwks::STALE_AFTER_MS)
+                    agentmbx_protocol::time::iso_ms(
+                        since.saturating_sub(super::jwks::STALE_AFTER_MS)
+                    )
                 )));
             }
         }
@@ -267,24 +288,40 @@ impl AccountAuthority {
         if c.exp <= now_s {
             return Err(refused("expired"));
         }
-        if c.iat > now_s + CLOCK_SKEW_S || c.nbf.is_some_and(|n| n > now_s + CLOCK_SKEW_S) {
+        let latest = now_s.saturating_add(CLOCK_SKEW_S);
+        if c.iat > latest || c.nbf.is_some_and(|n| n > latest) {
             return Err(refused("not valid yet"));
         }
-        let ttl_ms = (c.exp - c.iat).saturating_mul(1000);
-        if ttl_ms <= 0 || ttl_ms > self.max_ttl_ms {
-            return Err(refused(format!(
+        let lifetime = || {
+            refused(format!(
                 "lifetime must be at most {} s",
                 self.max_ttl_ms / 1000
-            )));
+            ))
+        };
+        // Token-controlled integers: every step checked (an `iat` far in the past would
+        // overflow `exp − iat`).
+        let ttl_ms = c
+            .exp
+            .checked_sub(c.iat)
+            .and_then(|s| s.checked_mul(1000))
+            .ok_or_else(lifetime)?;
+        if ttl_ms <= 0 || ttl_ms > self.max_ttl_ms {
+            return Err(lifetime());
         }
+        // exp > now and 0 < exp − iat ≤ 15 min bound both, so these cannot overflow; checked
+        // all the same.
+        let (Some(iat_ms), Some(exp_ms)) = (c.iat.checked_mul(1000), c.exp.checked_mul(1000))
+        else {
+            return Err(lifetime());
+        };
         Ok(Claims {
             sub: c.sub,
             account: c.account,
             org: c.org,
             cnf_jkt: c.cnf.jkt,
             client_id: c.client_id,
-            iat_ms: c.iat.saturating_mul(1000),
-            exp_ms: c.exp.saturating_mul(1000),
+            iat_ms,
+            exp_ms,
         })
     }
 
@@ -293,13 +330,12 @@ impl AccountAuthority {
         req: &AuthorizeRequest,
     ) -> Result<Authorization, AuthorityError> {
         let proof = req.proof.as_ref().and_then(Value::as_object);
-        let (Some(Value::String(token)), Some(cert)) = (
+        let (Some(Value::String(token)), Some(cert), Some(pop)) = (
             proof.and_then(|p| p.get("token")),
             proof.and_then(|p| p.get("cloud_cert")),
+            proof.and_then(|p| p.get("cloud_pop")),
         ) else {
-            return Ok(Authorization::deny(
-                "this relay enrols with an account token: proof {token, cloud_cert} is required",
-            ));
+            return Ok(Authorization::deny(PROOF_REQUIRED));
         };
         let claims = match self.verify(token, Purpose::Enrol).await {
             Ok(c) => c,
@@ -317,7 +353,19 @@ impl AccountAuthority {
         if let Err(e) = cert.check(&host, self.clock.now_ms()) {
             return Ok(Authorization::deny(e.to_string()));
         }
-        if cert.rec.cloud_jkt != claims.cnf_jkt {
+        // Possession of the cloud key, over this enrolment's challenge; the thumbprint is the
+        // relay's own computation from the key presented.
+        let proven_jkt =
+            match CloudPop::from_value(pop).and_then(|p| p.check(&host, &req.challenge)) {
+                Ok(jkt) => jkt,
+                Err(e) => return Ok(Authorization::deny(e.to_string())),
+            };
+        if proven_jkt != cert.rec.cloud_jkt {
+            return Ok(Authorization::deny(
+                "the cloud-key proof of possession is for another cloud key than the certificate",
+            ));
+        }
+        if proven_jkt != claims.cnf_jkt {
             return Ok(Authorization::deny(
                 "account token refused: it is bound to another key",
             ));
@@ -373,11 +421,66 @@ impl EnrolmentAuthority for AccountAuthority {
                 Err(Failure::Refused(why)) => Err(HopTokenError::Refused(why)),
                 Err(Failure::Unavailable(why)) => {
                     tracing::warn!(error = %why, "hop token not verifiable: the issuer's keys are unavailable");
-                    Err(HopTokenError::Refused(
-                        "the issuer's signing keys are unavailable".to_owned(),
-                    ))
+                    Err(HopTokenError::Unavailable)
                 }
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::AuthorityKind;
+    use serde_json::json;
+
+    const NOW_MS: i64 = 1_767_225_600_000;
+
+    fn authority() -> AccountAuthority {
+        let config = AuthorityConfig {
+            kind: AuthorityKind::Account,
+            issuer: Some("https://accounts.test".into()),
+            jwks_url: Some("http://127.0.0.1:9/jwks".into()),
+            audience: Some("https://relay.test".into()),
+            max_token_ttl_ms: None,
+        };
+        let clock: SharedClock =
+            std::sync::Arc::new(agentmbx_protocol::clock::ManualClock::new(NOW_MS));
+        AccountAuthority::new(&config, clock, None).expect("authority")
+    }
+
+    fn claims(iat: Value, exp: Value) -> Value {
+        json!({"iss": "https://accounts.test", "aud": "https://relay.test", "sub": "s",
+               "account": "a", "cnf": {"jkt": "kPrK_qmxVWaYVA9wwBF6Iuo3vVzz7TxHCTwXBygrS4k"},
+               "client_id": "c", "iat": iat, "exp": exp, "jti": "j"})
+    }
+
+    /// Token-controlled integers at the edges of i64 are refused, never overflowed.
+    #[test]
+    fn extreme_iat_and_exp_are_refused_without_overflow() {
+        let a = authority();
+        let now_s = NOW_MS / 1000;
+        let lifetime = Failure::Refused("lifetime must be at most 900 s".into());
+        for (iat, exp) in [
+            (i64::MIN, now_s + 600),
+            (i64::MIN, i64::MAX),
+            (-1, i64::MAX),
+            (now_s, i64::MAX),
+        ] {
+            assert_eq!(
+                a.check_claims(claims(json!(iat), json!(exp))),
+                Err(lifetime.clone()),
+                "iat {iat}, exp {exp}"
+            );
+        }
+        // The bound itself is fine.
+        let ok = a
+            .check_claims(claims(json!(now_s), json!(now_s + 900)))
+            .expect("at the bound");
+        assert_eq!((ok.iat_ms, ok.exp_ms), (now_s * 1000, (now_s + 900) * 1000));
+        assert_eq!(
+            a.check_claims(claims(json!(now_s), json!(now_s + 901))),
+            Err(lifetime)
+        );
     }
 }

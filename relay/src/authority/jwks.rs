@@ -14,6 +14,14 @@
 //!   account authority refuses new enrolments (fail closed) while hops from enrolled hosts are
 //!   judged by [`Lookup::Found::stale_since_ms`] (see `account.rs`).
 //!
+//! # Across restarts
+//! The last good JWKS document and its fetch time are kept in `relay.db` (meta
+//! [`CACHE_META_KEY`], `{v:1, url, fetched_at_ms, jwks}`), written after every successful
+//! fetch and loaded on the first lookup after a start (before any fetch). So a relay restarted
+//! while the issuer is down keeps serving enrolled hosts, and the one-hour rule counts from the
+//! persisted fetch time, not from the restart. A document for another JWKS URL, or one that no
+//! longer parses, is ignored. A fetch time later than the relay's clock counts as now.
+//!
 //! # Fetch limits
 //! One fetch at a time (others wait for it and reuse its result); [`FETCH_TIMEOUT`]; no
 //! redirects; a body over [`MAX_JWKS_BYTES`] is refused; at most [`MAX_KEYS`] usable keys are
@@ -25,13 +33,19 @@
 //! This module never logs key material or response bodies; errors name the URL's failure only.
 
 use std::collections::HashMap;
-use std::sync::RwLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, Jwk, KeyAlgorithm, PublicKeyUse};
 use jsonwebtoken::{Algorithm, DecodingKey};
 
 use agentmbx_protocol::clock::SharedClock;
+
+use crate::store::RelayStore;
+
+/// The meta key of the persisted JWKS document (module docs, "Across restarts").
+pub const CACHE_META_KEY: &str = "jwks_cache";
 
 /// Periodic refresh (ms): 10 minutes.
 pub const REFRESH_EVERY_MS: i64 = 600_000;
@@ -97,9 +111,22 @@ pub struct Jwks {
     http: reqwest::Client,
     clock: SharedClock,
     state: RwLock<State>,
-    /// Held while a fetch runs, so concurrent lookups wait for one fetch instead of each
-    /// starting their own.
+    /// Held while a fetch (or the load of the persisted document) runs, so concurrent lookups
+    /// wait for one fetch instead of each starting their own.
     fetching: tokio::sync::Mutex<()>,
+    /// Where the last good document is kept (`None`: memory only).
+    store: Option<Arc<dyn RelayStore>>,
+    /// Whether the persisted document was looked at (once, on the first lookup).
+    loaded: AtomicBool,
+}
+
+/// The persisted form: `{v:1, url, fetched_at_ms, jwks}`.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct Persisted {
+    v: u8,
+    url: String,
+    fetched_at_ms: i64,
+    jwks: serde_json::Value,
 }
 
 /// Why a fetch failed (for logs and `Lookup::Unavailable`).
@@ -111,9 +138,14 @@ pub struct FetchError {
 }
 
 impl Jwks {
-    /// A cache for the JWKS at `url` (nothing is fetched yet). Errors: the HTTP client cannot
-    /// be built.
-    pub fn new(url: &str, clock: SharedClock) -> Result<Self, String> {
+    /// A cache for the JWKS at `url` (nothing is fetched or read yet), keeping its last good
+    /// document in `store` when given (module docs, "Across restarts"). Errors: the HTTP client
+    /// cannot be built.
+    pub fn new(
+        url: &str,
+        clock: SharedClock,
+        store: Option<Arc<dyn RelayStore>>,
+    ) -> Result<Self, String> {
         // reqwest is built without a default TLS provider (dependencies.md); idempotent.
         let _ = rustls::crypto::ring::default_provider().install_default();
         let http = reqwest::Client::builder()
@@ -128,12 +160,93 @@ impl Jwks {
             clock,
             state: RwLock::new(State::default()),
             fetching: tokio::sync::Mutex::new(()),
+            store,
+            loaded: AtomicBool::new(false),
         })
+    }
+
+    /// Loads the persisted document once (first lookup after a start): its keys and fetch time
+    /// become the cache unless a fetch already succeeded. A missing, foreign or unreadable
+    /// document changes nothing.
+    async fn load_persisted(&self) {
+        if self.loaded.load(Ordering::Acquire) {
+            return;
+        }
+        let _one = self.fetching.lock().await;
+        if self.loaded.load(Ordering::Acquire) {
+            return;
+        }
+        self.read_persisted().await;
+        // Set only once the cache holds what was read: a lookup that sees `loaded` finds it.
+        self.loaded.store(true, Ordering::Release);
+    }
+
+    /// [`Self::load_persisted`]'s read (the caller holds `fetching`).
+    async fn read_persisted(&self) {
+        let Some(store) = self.store.clone() else {
+            return;
+        };
+        let text = match tokio::task::spawn_blocking(move || store.meta(CACHE_META_KEY)).await {
+            Ok(Ok(Some(text))) => text,
+            Ok(Ok(None)) => return,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "cannot read the persisted JWKS; starting without it");
+                return;
+            }
+            Err(_) => return,
+        };
+        let Ok(doc) = serde_json::from_str::<Persisted>(&text) else {
+            tracing::warn!("the persisted JWKS is unreadable; ignored");
+            return;
+        };
+        if doc.v != 1 || doc.url != self.url {
+            tracing::info!("the persisted JWKS is for another JWKS URL; ignored");
+            return;
+        }
+        let keys = match parse_jwks(doc.jwks.to_string().as_bytes()) {
+            Ok(keys) => keys,
+            Err(e) => {
+                tracing::warn!(error = %e, "the persisted JWKS does not parse; ignored");
+                return;
+            }
+        };
+        let fetched_at = doc.fetched_at_ms.min(self.clock.now_ms());
+        let mut s = self.state.write().unwrap_or_else(|p| p.into_inner());
+        if s.last_success_ms.is_none() {
+            tracing::info!(jwks = %self.url, keys = keys.len(), fetched_at = %agentmbx_protocol::time::iso_ms(fetched_at), "JWKS loaded from relay.db");
+            s.keys = keys;
+            s.last_success_ms = Some(fetched_at);
+        }
+    }
+
+    /// Keeps `body` (a document that parsed) as the last good JWKS fetched at `at_ms`. A
+    /// failure is logged; the in-memory cache is what serves.
+    async fn persist(&self, body: serde_json::Value, at_ms: i64) {
+        let Some(store) = self.store.clone() else {
+            return;
+        };
+        let doc = Persisted {
+            v: 1,
+            url: self.url.clone(),
+            fetched_at_ms: at_ms,
+            jwks: body,
+        };
+        let Ok(text) = serde_json::to_string(&doc) else {
+            return;
+        };
+        match tokio::task::spawn_blocking(move || store.set_meta(CACHE_META_KEY, &text)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "cannot keep the JWKS in relay.db; a restart during an issuer outage will not have it")
+            }
+            Err(_) => tracing::warn!("cannot keep the JWKS in relay.db"),
+        }
     }
 
     /// The key for `kid`, fetching the JWKS first when the refresh rules (module docs) call for
     /// it.
     pub async fn lookup(&self, kid: &str) -> Lookup {
+        self.load_persisted().await;
         let now = self.clock.now_ms();
         let (due, may_retry) = {
             let s = self.read();
@@ -211,23 +324,32 @@ impl Jwks {
             return; // Another lookup fetched while this one waited: use its result.
         }
         let result = self.fetch().await;
-        let mut s = self.state.write().unwrap_or_else(|p| p.into_inner());
-        s.last_attempt_ms = Some(now);
-        match result {
-            Ok(keys) => {
-                tracing::info!(jwks = %self.url, keys = keys.len(), "JWKS refreshed");
-                s.keys = keys;
-                s.last_success_ms = Some(now);
-                s.last_error = None;
+        let body = {
+            let mut s = self.state.write().unwrap_or_else(|p| p.into_inner());
+            s.last_attempt_ms = Some(now);
+            match result {
+                Ok((keys, body)) => {
+                    tracing::info!(jwks = %self.url, keys = keys.len(), "JWKS refreshed");
+                    s.keys = keys;
+                    s.last_success_ms = Some(now);
+                    s.last_error = None;
+                    Some(body)
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, cached_keys = s.keys.len(), "JWKS refresh failed; keeping the cached keys");
+                    s.last_error = Some(e.to_string());
+                    None
+                }
             }
-            Err(e) => {
-                tracing::warn!(error = %e, cached_keys = s.keys.len(), "JWKS refresh failed; keeping the cached keys");
-                s.last_error = Some(e.to_string());
-            }
+        };
+        if let Some(body) = body {
+            self.persist(body, now).await;
         }
     }
 
-    async fn fetch(&self) -> Result<HashMap<String, CachedKey>, FetchError> {
+    /// Fetches and parses the JWKS: the usable keys and the document as JSON (for
+    /// [`Self::persist`]).
+    async fn fetch(&self) -> Result<(HashMap<String, CachedKey>, serde_json::Value), FetchError> {
         let fail = |why: String| FetchError {
             url: self.url.clone(),
             why,
@@ -255,7 +377,9 @@ impl Jwks {
             }
             body.extend_from_slice(&chunk);
         }
-        parse_jwks(&body).map_err(fail)
+        let keys = parse_jwks(&body).map_err(fail)?;
+        let doc = serde_json::from_slice(&body).map_err(|_| fail("the JWKS is not JSON".into()))?;
+        Ok((keys, doc))
     }
 }
 
@@ -414,14 +538,14 @@ mod tests {
             ("/redirect", "HTTP 302"),
             ("/big", "body over 262144 bytes"),
         ] {
-            let jwks = Jwks::new(&format!("{base}{path}"), clock.clone()).expect("client");
+            let jwks = Jwks::new(&format!("{base}{path}"), clock.clone(), None).expect("client");
             match jwks.lookup("k").await {
                 Lookup::Unavailable(e) => assert!(e.contains(why), "{path}: {e}"),
                 other => panic!("{path}: {other:?}"),
             }
             assert!(jwks.kids().is_empty());
         }
-        let jwks = Jwks::new(&format!("{base}/good"), clock).expect("client");
+        let jwks = Jwks::new(&format!("{base}/good"), clock, None).expect("client");
         assert!(matches!(
             jwks.lookup("k").await,
             Lookup::Found {

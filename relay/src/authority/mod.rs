@@ -7,23 +7,26 @@
 //! `authorize({host_name, host_pubkey, owner_fp, proof}) → {ok, account?, org?, reason?}`.
 //! The answer is stored with the enrolment (`account`, `authorized_by`, its
 //! [`AuthorityStrength`]), and quotas and name uniqueness then use the account. An authority
-//! that fails (its issuer cannot be reached, …) denies with "the enrolment authority is
-//! unavailable".
+//! that fails (its issuer cannot be reached, …) refuses with 503 `AUTHORITY_UNAVAILABLE` and a
+//! `Retry-After` ([`UNAVAILABLE`], [`UNAVAILABLE_RETRY_S`]): the host retries later and never
+//! takes it for a denial.
 //!
 //! Two implementations:
 //! - [`challenge::HostKeyChallenge`] (default, self-hosted relays): admits every key that proved
 //!   possession; `authorized_by = "host-key-challenge"`, no account.
 //! - [`account::AccountAuthority`] (hosted relays): a short-lived JWT from the account issuer,
-//!   verified offline against the issuer's JWKS ([`jwks`]) and bound to the host through its
-//!   certified cloud key; `authorized_by = "account-token"`, the token's `account`. On such a
-//!   relay every later hop also carries `Authorization: Bearer <token>`
+//!   verified offline against the issuer's JWKS ([`jwks`], cached in `relay.db` across
+//!   restarts) and bound to the host through its certified cloud key and a proof of possession
+//!   of that key over the enrolment's challenge; `authorized_by = "account-token"`, the token's
+//!   `account`. On such a relay every later hop also carries `Authorization: Bearer <token>`
 //!   ([`EnrolmentAuthority::check_hop`], called by `auth::authenticate`).
 //!
 //! The deny-list (host fingerprint or client_id) is not an authority: it is checked by the
 //! enrol handler and `authenticate` against the store, whichever authority is configured.
 //!
-//! This module decides and verifies; it never writes the store, and it never logs or returns a
-//! token, a key or a body (refusal reasons name the failed check only).
+//! This module decides and verifies; it never writes enrolments or bindings (the only thing it
+//! keeps in the store is the last good JWKS document, `meta.jwks_cache`), and it never logs or
+//! returns a token, a key or a body (refusal reasons name the failed check only).
 
 pub mod account;
 pub mod challenge;
@@ -37,14 +40,22 @@ use agentmbx_protocol::clock::SharedClock;
 use agentmbx_protocol::keys::PublicKey;
 
 use crate::config::{AuthorityConfig, AuthorityKind};
-use crate::store::AuthorityStrength;
+use crate::store::{AuthorityStrength, RelayStore};
 
 /// A boxed, sendable future (the trait is used as `Arc<dyn EnrolmentAuthority>`).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// The reason given when an authority fails rather than answers (spec §8, `wire.md` §3.2: "a
-/// throw = deny").
+/// throw = deny"): 503 `{error, code:"AUTHORITY_UNAVAILABLE", retry_after}` with `Retry-After`,
+/// so a host backs off and retries instead of taking it for a denial.
 pub const UNAVAILABLE: &str = "the enrolment authority is unavailable";
+
+/// The code of an [`UNAVAILABLE`] answer (HTTP 503).
+pub const UNAVAILABLE_CODE: &str = "AUTHORITY_UNAVAILABLE";
+
+/// The `Retry-After` (s) of an [`UNAVAILABLE`] answer: the JWKS is fetched again at most once
+/// a minute (`jwks::UNKNOWN_KID_MIN_INTERVAL_MS`), so an earlier retry cannot succeed sooner.
+pub const UNAVAILABLE_RETRY_S: u64 = 60;
 
 /// What an enrolment asks the authority (`authorize({host_name, host_pubkey, owner_fp,
 /// proof})`, spec §8). The host key already proved possession (challenge signature).
@@ -56,8 +67,11 @@ pub struct AuthorizeRequest {
     pub host_pubkey: String,
     /// The host's unproven owner claim ("" when none).
     pub owner_fp: String,
+    /// The challenge this enrolment consumed (already signed by the host key): fresh and single
+    /// use, so a proof bound to it cannot be replayed into another enrolment.
+    pub challenge: String,
     /// The enrolment body's `proof`, as sent (`None` when absent). The account authority expects
-    /// `{token, cloud_cert}`.
+    /// `{token, cloud_cert, cloud_pop}`.
     pub proof: Option<serde_json::Value>,
 }
 
@@ -96,7 +110,7 @@ impl Authorization {
 pub struct TokenBinding {
     /// `cnf.jkt`, equal to the certified cloud key's thumbprint.
     pub cloud_jkt: String,
-    /// The token's `client_id` (deny-list key).
+    /// The token's `client_id` (deny-list key; every later hop token must carry the same).
     pub client_id: String,
     /// The token's `sub` (the host id at the issuer).
     pub sub: String,
@@ -125,6 +139,10 @@ pub enum HopTokenError {
     /// The token failed a check; the text names the check, never the token.
     #[error("account token refused: {0}")]
     Refused(String),
+    /// The token cannot be checked now: the issuer's signing keys were never fetched (503
+    /// `AUTHORITY_UNAVAILABLE`; the host retries, its token stays valid).
+    #[error("{}", UNAVAILABLE)]
+    Unavailable,
 }
 
 /// An authority that failed instead of answering; the relay denies with [`UNAVAILABLE`] and
@@ -169,13 +187,18 @@ pub trait EnrolmentAuthority: Send + Sync + std::fmt::Debug {
 }
 
 /// Builds the authority `relay.toml`'s `[authority]` asks for (validated by
-/// `RelayConfig::validate`). Errors: the HTTP client for the JWKS cannot be built.
+/// `RelayConfig::validate`). The account authority keeps its last good JWKS in `store`
+/// (`meta.jwks_cache`, [`jwks`]), so a restart while the issuer is down keeps enrolled hosts
+/// working. Errors: the HTTP client for the JWKS cannot be built.
 pub fn from_config(
     config: &AuthorityConfig,
     clock: SharedClock,
+    store: Arc<dyn RelayStore>,
 ) -> Result<Arc<dyn EnrolmentAuthority>, AuthorityError> {
     Ok(match config.kind {
         AuthorityKind::HostKeyChallenge => Arc::new(challenge::HostKeyChallenge),
-        AuthorityKind::Account => Arc::new(account::AccountAuthority::new(config, clock)?),
+        AuthorityKind::Account => {
+            Arc::new(account::AccountAuthority::new(config, clock, Some(store))?)
+        }
     })
 }

@@ -13,11 +13,13 @@
 //! Guard: with no admin token configured every admin route answers 404 `{error:"not found"}`,
 //! as if it did not exist; without `Authorization: Bearer <token>`, or with another token, 401
 //! `{error:"admin token required", code:"ADMIN_TOKEN"}`. The token is compared in constant
-//! time and never logged. Refusals: 400 `BAD_REQUEST`, 404 `NOT_FOUND` (no such enrolment), 409
+//! time and never logged; a refusal is logged at WARN at most once a minute per client
+//! address. Every admin route is rate-limited per client address
+//! ([`crate::ratelimit::ADMIN_PER_MIN`] a minute, 429 `RATE_LIMIT` past it). Refusals: 400 `BAD_REQUEST`, 404 `NOT_FOUND` (no such enrolment), 409
 //! `AMBIGUOUS` with `matches` (a fingerprint of several enrolments), 507 `FULL` (deny-list).
 
 use axum::extract::{Request, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
@@ -28,6 +30,7 @@ use agentmbx_protocol::limits::RELAY_SMALL_BODY;
 use crate::admin::{self, AdminError};
 use crate::auth::{read_body, utf8};
 use crate::error::ApiError;
+use crate::ratelimit::client_address;
 use crate::server::SharedRelay;
 use crate::store::DenyKind;
 
@@ -47,11 +50,13 @@ impl IntoResponse for Refusal {
     }
 }
 
-/// 404 when no admin token is configured, 401 unless the request carries it.
-fn guard(state: &SharedRelay, headers: &HeaderMap) -> Result<(), Refusal> {
+/// 404 when no admin token is configured, 401 unless the request carries it. A refusal is
+/// logged at WARN at most once a minute per client address, else at DEBUG.
+fn guard(state: &SharedRelay, req: &Request) -> Result<(), Refusal> {
     let Some(token) = &state.config.admin_token else {
         return Err(ApiError::not_found().into());
     };
+    let headers = req.headers();
     let presented = headers
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -61,7 +66,17 @@ fn guard(state: &SharedRelay, headers: &HeaderMap) -> Result<(), Refusal> {
     match presented {
         Some(t) if token.matches(t) => Ok(()),
         _ => {
-            tracing::warn!("admin request refused: missing or wrong admin token");
+            let socket = req
+                .extensions()
+                .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+                .map(|c| c.0);
+            let address = client_address(headers, socket, state.rates.trust_proxy);
+            let gate = &state.rates.warn_gate;
+            if gate.warn(&format!("admin-token:{address}"), state.clock.now_ms()) {
+                tracing::warn!(client = %address, "admin request refused: missing or wrong admin token (further refusals from this address in the next minute are logged at debug)");
+            } else {
+                tracing::debug!(client = %address, "admin request refused: missing or wrong admin token");
+            }
             Err(ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "admin token required",
@@ -115,7 +130,7 @@ async fn guarded_body<T: serde::de::DeserializeOwned>(
     state: &SharedRelay,
     req: Request,
 ) -> Result<T, Refusal> {
-    guard(state, req.headers())?;
+    guard(state, &req)?;
     let bytes = read_body(req.into_body(), RELAY_SMALL_BODY).await?;
     serde_json::from_str(utf8(&bytes)?)
         .map_err(|_| ApiError::bad_request("bad admin request body").into())
@@ -175,7 +190,7 @@ pub async fn deny_list(
     State(state): State<SharedRelay>,
     req: Request,
 ) -> Result<Json<Value>, Refusal> {
-    guard(&state, req.headers())?;
+    guard(&state, &req)?;
     let (store, now) = (state.store.clone(), state.clock.now_ms());
     let entries = run(move || admin::deny_list(store.as_ref(), now)).await?;
     Ok(Json(json!({ "entries": entries })))

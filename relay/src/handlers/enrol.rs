@@ -1,15 +1,17 @@
 //! Enrolment (spec §2, §8; `wire.md` §3.1–§3.2): `POST /v1/relay/challenge` then `POST
 //! /v1/relay/enrol`.
 //!
-//! Order of checks at enrol: the body (400), the pending challenge (single use, 401
-//! NO_CHALLENGE) and the host key's signature over it (401 BAD_SIGNATURE) — the possession
-//! proof, [`crate::authority::challenge`]; then the deny-list by host fingerprint (403 DENIED);
-//! then the configured [`crate::authority::EnrolmentAuthority`] with the body's `proof` (403
-//! DENIED with its reason; an authority that fails denies with "the enrolment authority is
-//! unavailable"); then the deny-list by the token's client_id (403 DENIED); then the store
-//! (403 REVOKED, 409 NAME_TAKEN, 503 FULL), which records the enrolment with the authority's
-//! account, `authorized_by` and strength — and, for the account authority, the token binding —
-//! in one transaction. `{ok:true}` is sent only after that commit.
+//! Order of checks at enrol: the body (400), the pending challenge (401 NO_CHALLENGE) and the
+//! host key's signature over it (401 BAD_SIGNATURE) — the possession proof,
+//! [`crate::authority::challenge`]; the challenge is used up (single use) only once that
+//! signature verified, so a junk signature cannot burn a host's challenge. Then the deny-list by
+//! host fingerprint (403 DENIED); then the configured [`crate::authority::EnrolmentAuthority`]
+//! with the body's `proof` and the challenge (403 DENIED with its reason; an authority that
+//! fails answers 503 `AUTHORITY_UNAVAILABLE` with `Retry-After`); then the deny-list by the
+//! token's client_id (403 DENIED); then the store (403 REVOKED, 409 NAME_TAKEN, 409
+//! CLOUD_KEY_TAKEN, 503 FULL), which records the enrolment with the authority's account,
+//! `authorized_by` and strength — and, for the account authority, the token binding — in one
+//! transaction. `{ok:true}` is sent only after that commit.
 
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
@@ -24,7 +26,7 @@ use agentmbx_protocol::wire::ChallengeResponse;
 
 use crate::auth::{blocking, read_body, utf8};
 use crate::authority::challenge::ChallengeError;
-use crate::authority::{AuthorizeRequest, UNAVAILABLE};
+use crate::authority::{AuthorizeRequest, UNAVAILABLE, UNAVAILABLE_CODE, UNAVAILABLE_RETRY_S};
 use crate::error::ApiError;
 use crate::server::SharedRelay;
 use crate::store::{AccountBinding, EnrolOutcome, EnrolRequest};
@@ -76,17 +78,38 @@ pub fn denied(reason: impl Into<String>) -> ApiError {
 /// The text of a deny-list refusal (enrolment and hops).
 pub const DENY_LISTED: &str = "this host is denied on this relay";
 
+/// 503 `{error:"the enrolment authority is unavailable", code:"AUTHORITY_UNAVAILABLE",
+/// retry_after}` with `Retry-After` ([`crate::authority::UNAVAILABLE`]): the authority could
+/// not decide (its issuer's keys cannot be had); not a denial.
+pub fn authority_unavailable() -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        UNAVAILABLE,
+        UNAVAILABLE_CODE,
+    )
+    .with_retry_after(UNAVAILABLE_RETRY_S)
+}
+
 #[derive(Deserialize)]
 struct ChallengeBody {
     host: Option<Value>,
     pubkey: Option<Value>,
 }
 
-/// Handles `POST /v1/relay/challenge` `{host, pubkey}` → `{challenge}`.
+/// Handles `POST /v1/relay/challenge` `{host, pubkey}` → `{challenge}`; 503 `BUSY` with
+/// `Retry-After` when the challenge table is full or the client address
+/// ([`crate::ratelimit::client_address`]) holds
+/// [`MAX_CHALLENGES_PER_ADDRESS`](crate::authority::challenge::MAX_CHALLENGES_PER_ADDRESS)
+/// open challenges.
 pub async fn challenge(
     State(state): State<SharedRelay>,
     req: Request,
 ) -> Result<Json<ChallengeResponse>, ApiError> {
+    let socket = req
+        .extensions()
+        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+        .map(|c| c.0);
+    let address = crate::ratelimit::client_address(req.headers(), socket, state.rates.trust_proxy);
     let body = read_body(req.into_body(), RELAY_SMALL_BODY).await?;
     let b: ChallengeBody = serde_json::from_str(utf8(&body)?)
         .map_err(|_| ApiError::bad_request("missing host or pubkey"))?;
@@ -99,10 +122,23 @@ pub async fn challenge(
     canonical_host_key(&pubkey)?;
     let challenge = state
         .challenges
-        .issue(&pubkey, state.clock.now_ms())
+        .issue(&pubkey, &address, state.clock.now_ms())
         .map_err(|e| match e {
-            ChallengeError::Busy => {
+            ChallengeError::Busy { retry_after_ms }
+            | ChallengeError::AddressBusy { retry_after_ms } => {
+                let now = state.clock.now_ms();
+                if matches!(e, ChallengeError::Busy { .. })
+                    && state.rates.warn_gate.warn("challenge-table", now)
+                {
+                    tracing::warn!("the enrolment challenge table is full: answering 503 BUSY");
+                } else {
+                    tracing::debug!(client = %address, error = %e, "challenge refused: 503 BUSY");
+                }
+                let secs = u64::try_from(retry_after_ms.max(1))
+                    .unwrap_or(1)
+                    .div_ceil(1_000);
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string(), "BUSY")
+                    .with_retry_after(secs)
             }
             ChallengeError::Poisoned => poisoned(),
         })?;
@@ -146,24 +182,36 @@ pub async fn enrol(
     }
     let key = canonical_host_key(&pubkey)?;
     let now = state.clock.now_ms();
-    let Some(challenge) = state
-        .challenges
-        .take(&pubkey, now)
-        .map_err(|_| poisoned())?
-    else {
-        return Err(ApiError::new(
+    let no_challenge = || {
+        ApiError::new(
             StatusCode::UNAUTHORIZED,
             "no pending challenge",
             "NO_CHALLENGE",
-        ));
+        )
+    };
+    let Some(challenge) = state
+        .challenges
+        .pending(&pubkey, now)
+        .map_err(|_| poisoned())?
+    else {
+        return Err(no_challenge());
     };
     let signed = records::enrol_canonical(&challenge, &host, &pubkey, &owner_fp);
     if !key.verify(signed.as_bytes(), &sig) {
+        // The challenge stays pending: only its key's signature may use it up.
         return Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
             "bad enrolment signature",
             "BAD_SIGNATURE",
         ));
+    }
+    // Single use: a concurrent enrolment that verified the same challenge first wins.
+    if !state
+        .challenges
+        .consume(&pubkey, &challenge, now)
+        .map_err(|_| poisoned())?
+    {
+        return Err(no_challenge());
     }
     // The deny-list by host fingerprint, before the authority is asked anything.
     let fp = key.fingerprint();
@@ -181,14 +229,15 @@ pub async fn enrol(
         host_name: host.clone(),
         host_pubkey: pubkey.clone(),
         owner_fp: owner_fp.clone(),
+        challenge,
         proof: b.proof,
     };
     let authority = state.authority.clone();
     let answer = match authority.authorize(&ask).await {
         Ok(a) => a,
         Err(e) => {
-            tracing::warn!(authority = authority.name(), error = %e, "enrolment authority failed; enrolment denied");
-            return Err(denied(UNAVAILABLE));
+            tracing::warn!(authority = authority.name(), error = %e, "enrolment authority failed; enrolment refused for now (503)");
+            return Err(authority_unavailable());
         }
     };
     if !answer.ok {
@@ -238,10 +287,36 @@ pub async fn enrol(
             "host name taken in this account",
             "NAME_TAKEN",
         )),
+        EnrolOutcome::CloudKeyTaken => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "this cloud key is bound to another live host key on this relay",
+            "CLOUD_KEY_TAKEN",
+        )),
         EnrolOutcome::Full => Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "relay enrolment capacity reached",
             "FULL",
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::response::IntoResponse;
+
+    #[test]
+    fn an_unavailable_authority_is_503_with_retry_after() {
+        let e = authority_unavailable();
+        assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(e.body.code, "AUTHORITY_UNAVAILABLE");
+        assert_eq!(e.body.retry_after, Some(60));
+        let resp = e.into_response();
+        assert_eq!(
+            resp.headers()
+                .get(axum::http::header::RETRY_AFTER)
+                .and_then(|v| v.to_str().ok()),
+            Some("60")
+        );
     }
 }

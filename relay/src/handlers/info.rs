@@ -1,13 +1,15 @@
 //! `GET /v2/relay/info` (spec §1): the relay key, epoch, version and limits; with a valid hop
 //! from an enrolled key also `you` (head_seq, acked_through, enc_ad). A caller whose hop does
-//! not verify, or whose key is not enrolled, simply gets no `you`.
+//! not verify, or whose key is not enrolled, simply gets no `you`. On an account relay a hop
+//! without the token still gets `you` (`auth::authenticate_info`): hosts send their first info
+//! of a pass without it, to see the relay key before the token leaves the host.
 
 use axum::extract::{Request, State};
 use axum::Json;
 
 use agentmbx_protocol::wire::{RelayInfo, You, YouEncAd};
 
-use crate::auth::{authenticate, blocking};
+use crate::auth::{authenticate_info, blocking};
 use crate::error::ApiError;
 use crate::server::SharedRelay;
 
@@ -32,7 +34,7 @@ pub async fn get(
         .contains_key(agentmbx_protocol::hop::header::KEY)
     {
         if let Ok(enrolment) =
-            authenticate(&state, &parts.method, &parts.uri, &parts.headers, "").await
+            authenticate_info(&state, &parts.method, &parts.uri, &parts.headers).await
         {
             let store = state.store.clone();
             let pk = enrolment.host_pubkey.clone();

@@ -6,13 +6,19 @@
 //! rate-limited per client address with challenge and enrol ([`crate::ratelimit`]) and its
 //! body is at most 8,192 bytes.
 //!
-//! Order of checks (0.5.x's): the old key must be enrolled and live, else 404
-//! `NOT_ENROLLED`; the record must check against it
-//! ([`SignedRotation::check`](agentmbx_protocol::rotation::SignedRotation::check)), else 400
-//! `BAD_ROTATION` with the reason; it must name the old enrolment's host, else 400
-//! `BAD_ROTATION` `rotation names another host`; the new key must not be revoked, else 409
-//! `ROTATION_TARGET`. Then the store applies it in one transaction
-//! ([`RelayStore::rotate`](crate::store::RelayStore::rotate)) and `{moved:n}` is answered.
+//! Order of checks (0.5.x's): a body whose `rotation` is not an object is 400 `BAD_ROTATION`;
+//! the old key must be enrolled and live, else 404 `NOT_ENROLLED`; the record must check
+//! against it ([`SignedRotation::check`](agentmbx_protocol::rotation::SignedRotation::check))
+//! and be dated at most 5 minutes ahead of the relay's clock
+//! ([`SignedRotation::check_time`](agentmbx_protocol::rotation::SignedRotation::check_time)),
+//! else 400 `BAD_ROTATION` with the reason; it must name the old enrolment's host, else 400
+//! `BAD_ROTATION` `rotation names another host`; neither key may be deny-listed — by host
+//! fingerprint, or the old key by the `client_id` of its account binding — else 403 `DENIED`
+//! (spec §8: a denied host must not escape its entry by moving to a key the deny-list does not
+//! name); the new key must not be revoked, else 409 `ROTATION_TARGET`. Then the store applies
+//! it in one transaction ([`RelayStore::rotate`](crate::store::RelayStore::rotate)), which
+//! also copies the old fingerprint's active deny entries to the new one (closing the window
+//! between this check and the transaction), and `{moved:n}` is answered.
 //!
 //! Repeating a rotation that was already applied (the host did not see the answer) answers
 //! 200 `{moved:0, already_rotated:true}`: the record still checks against the old key and the
@@ -55,7 +61,7 @@ pub async fn post(State(state): State<SharedRelay>, req: Request) -> Result<Json
     let raw = utf8(&body)?;
     let post: Value =
         serde_json::from_str(raw).map_err(|_| bad_rotation("not a rotation record"))?;
-    let Some(record) = post.get("rotation") else {
+    let Some(record) = post.get("rotation").filter(|r| r.is_object()) else {
         return Err(bad_rotation("not a rotation record"));
     };
     // The old key first: an unknown key is 404 whatever the rest of the record says.
@@ -71,8 +77,10 @@ pub async fn post(State(state): State<SharedRelay>, req: Request) -> Result<Json
     let Some(old) = blocking(move || store.enrolment(&lookup)).await? else {
         return Err(not_enrolled());
     };
+    let now = state.clock.now_ms();
     let checked = SignedRotation::from_value(record).and_then(|r| {
         r.check(&old_key)?;
+        r.check_time(now)?;
         Ok(r)
     });
     let rotation = match checked {
@@ -84,11 +92,37 @@ pub async fn post(State(state): State<SharedRelay>, req: Request) -> Result<Json
     let new_key = rotation
         .new_key()
         .map_err(|why| bad_rotation(&why.to_string()))?;
+    // Only a request both keys signed learns that a key is denied.
+    let (old_fp, new_fp) = (old_key.fingerprint(), new_key.fingerprint());
+    let (store, lookup, fps) = (
+        state.store.clone(),
+        old_text.clone(),
+        (old_fp.clone(), new_fp.clone()),
+    );
+    let deny = blocking(move || {
+        let client = store.account_binding(&lookup)?.map(|b| b.client_id);
+        match store.denied(&fps.0, client.as_deref(), now)? {
+            Some(entry) => Ok(Some(entry)),
+            None => store.denied(&fps.1, None, now),
+        }
+    })
+    .await?;
+    if let Some(entry) = deny {
+        tracing::info!(
+            old = %old_fp,
+            new = %new_fp,
+            kind = entry.kind.as_str(),
+            "rotation refused: deny-listed host"
+        );
+        return Err(crate::handlers::enrol::denied(
+            crate::handlers::enrol::DENY_LISTED,
+        ));
+    }
     let req = RotateRequest {
         old_pubkey: old_text,
         new_pubkey: new_key.to_b64(),
         host_name: rotation.rec.host.clone(),
-        now_ms: state.clock.now_ms(),
+        now_ms: now,
     };
     let store = state.store.clone();
     match blocking(move || store.rotate(req)).await? {

@@ -321,6 +321,9 @@ pub enum EnrolOutcome {
     NameTaken,
     /// The live-enrolment cap is reached and the key is new (503 FULL).
     Full,
+    /// The account binding names a cloud key already bound to another live host key (409
+    /// CLOUD_KEY_TAKEN; [`RelayStore::enrol_bound`]).
+    CloudKeyTaken,
 }
 
 /// The result of [`RelayStore::revoke`].
@@ -793,6 +796,20 @@ pub struct AccountBinding {
     pub at_ms: i64,
 }
 
+/// A relay log entry to append in the same transaction as the change it records (the operator
+/// controls: [`RelayStore::revoke_logged`], [`RelayStore::deny_logged`],
+/// [`RelayStore::undeny_logged`]), so a change is never committed without its entry or the
+/// reverse.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpEntry {
+    /// When, in ms.
+    pub at_ms: i64,
+    /// The operation name (e.g. `relay-revoke`).
+    pub op: String,
+    /// The receipt.
+    pub receipt: serde_json::Value,
+}
+
 /// One relay log entry (`wire.md` §3.4 "relay log").
 #[derive(Debug, Clone, PartialEq)]
 pub struct OpRecord {
@@ -850,8 +867,9 @@ pub trait RelayStore: Send + Sync + std::fmt::Debug {
     /// The enrolment of a key, live or revoked.
     fn enrolment(&self, host_pubkey: &str) -> Result<Option<Enrolment>, StoreError>;
 
-    /// Live enrolments carrying a name (case-insensitive), newest first (v1 name lookups, spec
-    /// §2).
+    /// Live enrolments carrying a name (case-insensitive), newest first, at most
+    /// [`MAX_LIVE_BY_NAME`] of them (v1 name lookups, spec §2): a lookup only needs to know
+    /// whether the name is crowded, so a crowded name never loads all its carriers.
     fn live_enrolments_by_name(&self, host_name: &str) -> Result<Vec<Enrolment>, StoreError>;
 
     /// How many enrolments are live.
@@ -903,7 +921,9 @@ pub trait RelayStore: Send + Sync + std::fmt::Debug {
     /// to the new key in order, re-sequenced after the new key's own; the old key's enc-key ads
     /// are dropped; its allowlist becomes the new key's (unless the new key published its own)
     /// and it is replaced by the new key in every other target's allowlist; the old key is
-    /// revoked. Refusals change nothing. Dedup rows stay under the old key, so a retry naming
+    /// revoked; the old key's active host deny-list entries are copied to the new key's
+    /// fingerprint. Moved items are not charged to quotas (they may take the new key past
+    /// them). Refusals change nothing. Dedup rows stay under the old key, so a retry naming
     /// the old key still settles as `duplicate`.
     fn rotate(&self, req: RotateRequest) -> Result<RotateOutcome, StoreError>;
 
@@ -922,7 +942,8 @@ pub trait RelayStore: Send + Sync + std::fmt::Debug {
 
     /// [`RelayStore::enrol`], and when it enrols (outcome `Enrolled`) and `binding` is given,
     /// records the account binding for the key in the same transaction (replacing an older
-    /// one). A refused enrolment writes nothing.
+    /// one). A binding whose `cloud_jkt` is already bound to another live (not revoked) host key
+    /// is refused with [`EnrolOutcome::CloudKeyTaken`]. A refused enrolment writes nothing.
     fn enrol_bound(
         &self,
         req: EnrolRequest,
@@ -938,6 +959,23 @@ pub trait RelayStore: Send + Sync + std::fmt::Debug {
 
     /// Removes a deny-list entry; `false` when there was none.
     fn undeny(&self, kind: DenyKind, value: &str) -> Result<bool, StoreError>;
+
+    /// [`RelayStore::revoke`], and when it revokes ([`RevokeOutcome::Revoked`]) appends `log`
+    /// to the relay log in the same transaction.
+    fn revoke_logged(
+        &self,
+        host_pubkey: &str,
+        now_ms: i64,
+        log: OpEntry,
+    ) -> Result<RevokeOutcome, StoreError>;
+
+    /// [`RelayStore::deny`], and when it stores the entry appends `log` to the relay log in the
+    /// same transaction.
+    fn deny_logged(&self, entry: DenyEntry, log: OpEntry) -> Result<DenyOutcome, StoreError>;
+
+    /// [`RelayStore::undeny`], and when it removed an entry appends `log` to the relay log in
+    /// the same transaction.
+    fn undeny_logged(&self, kind: DenyKind, value: &str, log: OpEntry) -> Result<bool, StoreError>;
 
     /// Every stored deny-list entry (active or expired but not yet pruned), ordered by kind
     /// then value.
@@ -965,6 +1003,13 @@ pub trait RelayStore: Send + Sync + std::fmt::Debug {
         None
     }
 }
+
+/// Most rows [`RelayStore::live_enrolments_by_name`] returns: the crowded threshold (a name
+/// carried by more than 16 live enrolments, spec §2,
+/// [`crate::handlers::enc_key::MAX_PER_NAME`]) plus one, enough to tell a crowded name.
+pub const MAX_LIVE_BY_NAME: usize = 17;
+
+const _: () = assert!(MAX_LIVE_BY_NAME == crate::handlers::enc_key::MAX_PER_NAME + 1);
 
 /// Whether `text` is a host key in its one canonical form: standard base64 **with padding** of
 /// exactly 32 bytes (what `PublicKey::to_b64` produces). The store keys every row by this text,

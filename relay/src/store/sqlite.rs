@@ -610,10 +610,12 @@ impl RelayStore for SqliteStore {
             let mut st = c.prepare_cached(&format!(
                 "SELECT {ENROLMENT_COLS} FROM enrolments
                  WHERE lower(host_name) = lower(?1) AND revoked_at IS NULL
-                 ORDER BY enrolled_at DESC, rowid DESC"
+                 ORDER BY enrolled_at DESC, rowid DESC
+                 LIMIT ?2"
             ))?;
+            let limit = i64::try_from(super::MAX_LIVE_BY_NAME).unwrap_or(i64::MAX);
             let rows = st
-                .query_map([host_name], enrolment_from_row)?
+                .query_map(params![host_name, limit], enrolment_from_row)?
                 .collect::<Result<Vec<_>, _>>()?;
             Ok(rows)
         })
@@ -625,19 +627,7 @@ impl RelayStore for SqliteStore {
 
     fn revoke(&self, host_pubkey: &str, now_ms: i64) -> Result<RevokeOutcome, StoreError> {
         let key = host_pubkey.to_owned();
-        self.submit(JobKind::Other, move |c, _| {
-            Ok(match enrolment_row(c, &key)? {
-                None => RevokeOutcome::Unknown,
-                Some(e) if e.is_revoked() => RevokeOutcome::AlreadyRevoked,
-                Some(_) => {
-                    c.execute(
-                        "UPDATE enrolments SET revoked_at = ?2 WHERE host_pubkey = ?1",
-                        params![key, now_ms],
-                    )?;
-                    RevokeOutcome::Revoked
-                }
-            })
-        })
+        self.submit(JobKind::Other, move |c, _| revoke_apply(c, &key, now_ms))
     }
 
     fn put_enc_ad_v1(&self, ad: EncAdV1) -> Result<(), StoreError> {
@@ -765,20 +755,10 @@ impl RelayStore for SqliteStore {
         op: &str,
         receipt: &serde_json::Value,
     ) -> Result<i64, StoreError> {
-        let receipt = serde_json::to_string(receipt)
-            .map_err(|e| StoreError::InvalidInput(format!("op receipt is not JSON: {e}")))?;
+        let receipt = op_receipt_text(receipt)?;
         let op = op.to_owned();
         self.submit(JobKind::Other, move |c, _| {
-            c.execute(
-                "INSERT INTO ops (at, op, receipt) VALUES (?1, ?2, ?3)",
-                params![at_ms, op, receipt],
-            )?;
-            let id = c.last_insert_rowid();
-            c.execute(
-                "DELETE FROM ops WHERE id <= ?1",
-                [id.saturating_sub(OPS_KEEP)],
-            )?;
-            Ok(id)
+            append_op_apply(c, at_ms, &op, &receipt)
         })
     }
 
@@ -807,6 +787,32 @@ impl RelayStore for SqliteStore {
 
     fn deny_entries(&self) -> Result<Vec<super::DenyEntry>, StoreError> {
         deny::deny_entries(self)
+    }
+
+    fn revoke_logged(
+        &self,
+        host_pubkey: &str,
+        now_ms: i64,
+        log: super::OpEntry,
+    ) -> Result<RevokeOutcome, StoreError> {
+        deny::revoke_logged(self, host_pubkey, now_ms, log)
+    }
+
+    fn deny_logged(
+        &self,
+        entry: super::DenyEntry,
+        log: super::OpEntry,
+    ) -> Result<super::DenyOutcome, StoreError> {
+        deny::deny_logged(self, entry, log)
+    }
+
+    fn undeny_logged(
+        &self,
+        kind: super::DenyKind,
+        value: &str,
+        log: super::OpEntry,
+    ) -> Result<bool, StoreError> {
+        deny::undeny_logged(self, kind, value, log)
     }
 
     fn denied(
@@ -937,6 +943,41 @@ fn other_relay_key(stored: &str, given: &str) -> StoreError {
         stored_fingerprint: key_fingerprint(stored),
         given_fingerprint: key_fingerprint(given),
     }
+}
+
+/// Revokes `key` in the caller's transaction ([`RelayStore::revoke`]).
+fn revoke_apply(c: &Connection, key: &str, now_ms: i64) -> Result<RevokeOutcome, StoreError> {
+    Ok(match enrolment_row(c, key)? {
+        None => RevokeOutcome::Unknown,
+        Some(e) if e.is_revoked() => RevokeOutcome::AlreadyRevoked,
+        Some(_) => {
+            c.execute(
+                "UPDATE enrolments SET revoked_at = ?2 WHERE host_pubkey = ?1",
+                params![key, now_ms],
+            )?;
+            RevokeOutcome::Revoked
+        }
+    })
+}
+
+/// A log receipt as stored text. Errors: [`StoreError::InvalidInput`].
+fn op_receipt_text(receipt: &serde_json::Value) -> Result<String, StoreError> {
+    serde_json::to_string(receipt)
+        .map_err(|e| StoreError::InvalidInput(format!("op receipt is not JSON: {e}")))
+}
+
+/// Appends a log entry in the caller's transaction, keeping the last [`OPS_KEEP`]; its id.
+fn append_op_apply(c: &Connection, at_ms: i64, op: &str, receipt: &str) -> Result<i64, StoreError> {
+    c.execute(
+        "INSERT INTO ops (at, op, receipt) VALUES (?1, ?2, ?3)",
+        params![at_ms, op, receipt],
+    )?;
+    let id = c.last_insert_rowid();
+    c.execute(
+        "DELETE FROM ops WHERE id <= ?1",
+        [id.saturating_sub(OPS_KEEP)],
+    )?;
+    Ok(id)
 }
 
 fn new_epoch() -> String {
@@ -3409,6 +3450,31 @@ mod tests {
                 ("v2".to_owned(), Some(1_000 + 14 * DAY_MS)),
                 ("v1".to_owned(), None)
             ]
+        );
+    }
+
+    #[test]
+    fn a_name_lookup_loads_at_most_the_crowded_threshold_plus_one() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(dir.path());
+        for n in 1..=20u8 {
+            enrol(&store, &key(n), "MacBook");
+        }
+        let found = store.live_enrolments_by_name("macbook").expect("by name");
+        assert_eq!(found.len(), super::super::MAX_LIVE_BY_NAME);
+        // Newest first: the last 17 enrolled.
+        let keys: Vec<String> = found.into_iter().map(|e| e.host_pubkey).collect();
+        let want: Vec<String> = (4..=20u8).rev().map(key).collect();
+        assert_eq!(keys, want);
+        // At the bound exactly all are returned.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(dir.path());
+        for n in 1..=17u8 {
+            enrol(&store, &key(n), "pi");
+        }
+        assert_eq!(
+            store.live_enrolments_by_name("PI").expect("by name").len(),
+            17
         );
     }
 }

@@ -177,9 +177,12 @@ impl Relay {
         let store: Arc<dyn RelayStore> = wrap(Arc::new(store));
         let shared_clock: SharedClock = clock.clone();
         let rates = agentmbx_relay::ratelimit::RateLimits::new(&config);
-        let authority =
-            agentmbx_relay::authority::from_config(&config.authority, shared_clock.clone())
-                .expect("enrolment authority");
+        let authority = agentmbx_relay::authority::from_config(
+            &config.authority,
+            shared_clock.clone(),
+            store.clone(),
+        )
+        .expect("enrolment authority");
         let state = Arc::new(RelayState {
             rates,
             store,
@@ -941,6 +944,32 @@ impl RelayStore for FailingStore {
     fn deny_entries(&self) -> Result<Vec<store::DenyEntry>, store::StoreError> {
         self.inner.deny_entries()
     }
+    fn revoke_logged(
+        &self,
+        host_pubkey: &str,
+        now_ms: i64,
+        log: store::OpEntry,
+    ) -> Result<store::RevokeOutcome, store::StoreError> {
+        self.write()?;
+        self.inner.revoke_logged(host_pubkey, now_ms, log)
+    }
+    fn deny_logged(
+        &self,
+        entry: store::DenyEntry,
+        log: store::OpEntry,
+    ) -> Result<store::DenyOutcome, store::StoreError> {
+        self.write()?;
+        self.inner.deny_logged(entry, log)
+    }
+    fn undeny_logged(
+        &self,
+        kind: store::DenyKind,
+        value: &str,
+        log: store::OpEntry,
+    ) -> Result<bool, store::StoreError> {
+        self.write()?;
+        self.inner.undeny_logged(kind, value, log)
+    }
     fn denied(
         &self,
         host_fp: &str,
@@ -997,9 +1026,12 @@ impl Relay {
         let store: Arc<dyn RelayStore> = Arc::new(store);
         let shared_clock: SharedClock = clock.clone();
         let rates = agentmbx_relay::ratelimit::RateLimits::new(&config);
-        let authority =
-            agentmbx_relay::authority::from_config(&config.authority, shared_clock.clone())
-                .expect("enrolment authority");
+        let authority = agentmbx_relay::authority::from_config(
+            &config.authority,
+            shared_clock.clone(),
+            store.clone(),
+        )
+        .expect("enrolment authority");
         let state = Arc::new(RelayState {
             rates,
             store,
@@ -1054,10 +1086,20 @@ impl Relay {
 
     /// Challenge, then enrol with `proof` in the body (`None`: no `proof` field).
     pub async fn enrol_with_proof(&self, host: &Host, proof: Option<Value>) -> Resp {
+        self.enrol_with_challenge_proof(host, |_| proof).await
+    }
+
+    /// Challenge, then enrol with the `proof` built from that challenge (`None`: no `proof`
+    /// field), e.g. an account proof whose cloud-key signature covers the challenge.
+    pub async fn enrol_with_challenge_proof(
+        &self,
+        host: &Host,
+        proof: impl FnOnce(&str) -> Option<Value>,
+    ) -> Resp {
         let challenge = self.challenge(host).await;
         let mut body: Value =
             serde_json::from_str(&host.enrol_body(&challenge)).expect("enrol body");
-        if let Some(p) = proof {
+        if let Some(p) = proof(&challenge) {
             body["proof"] = p;
         }
         self.plain("POST", "/v1/relay/enrol", &body.to_string())

@@ -2,19 +2,29 @@
 //! what a host needs to enrol on, and talk to, a relay run with the account authority.
 //!
 //! # What it owns
-//! - **The cloud key**: a separate Ed25519 key for account use, in `cloud.key` in the home (the
-//!   0.5.x key-file text, mode 0600, created on first use with [`crate::fsutil::create_new`], so
-//!   a race or a crash never leaves a torn or replaced key). The account issuer binds tokens to
-//!   it (`cnf.jkt`, its RFC 7638 thumbprint).
+//! - **The cloud key**: a separate Ed25519 key for account use, entry `cloud.key` of the home's
+//!   key store ([`crate::keystore`]), the same store as the host keys: the OS keyring in a
+//!   keyring home, else the 0600 file `cloud.key` in the home (the 0.5.x key-file text). It is
+//!   created on first use with [`KeyStore::create`], which never replaces an entry, so a race or
+//!   a crash never leaves a torn or replaced key. A keyring home that still has a `cloud.key`
+//!   file from before moves it into the keyring once (same key, so tokens stay bound) and
+//!   removes the file. The account issuer binds tokens to it (`cnf.jkt`, its RFC 7638
+//!   thumbprint).
 //! - **Its certificate**: `{rec:{v:1, type:"cloud-key", host_pubkey, cloud_jkt, iat}, sig}`
 //!   signed by the current host key ([`agentmbx_protocol::cloud_key`]), made in memory when
 //!   needed (again after a host key rotation).
+//! - **Its proof of possession** for each enrolment: `{cloud_pubkey, sig}`, the cloud key's
+//!   signature over canonical(`{v:1, type:"cloud-key-pop", host_pubkey, cloud_jkt,
+//!   challenge}`) with the relay's enrolment challenge, so a token stolen from this host cannot
+//!   enrol another host key.
 //! - **The token**: obtained from `[relay] token_command`, run as `sh -c <command>` with stdin
 //!   closed and this environment (nothing secret in it):
 //!   - `MBX_RELAY_URL`: the relay (the token's audience / RFC 8707 resource);
 //!   - `MBX_CLOUD_JKT`: the thumbprint the token must carry in `cnf.jkt`;
-//!   - `MBX_CLOUD_PUBKEY`: the cloud key's public `x` (base64url), `MBX_CLOUD_KEY_FILE`: its key
-//!     file, for an issuer that wants proof of possession;
+//!   - `MBX_CLOUD_PUBKEY`: the cloud key's public `x` (base64url);
+//!   - `MBX_CLOUD_KEY_FILE`: its key file, for an issuer that wants proof of possession — set
+//!     only in a file-store home; in a keyring home `MBX_CLOUD_KEY_STORE` names where the entry
+//!     is instead (the command reads it from the keyring itself if it needs it);
 //!   - `MBX_HOST`, `MBX_HOST_PUBKEY`: this host.
 //!
 //!   The command must print the token (a JWT, at most [`MAX_TOKEN_BYTES`]) on stdout and exit
@@ -26,23 +36,25 @@
 //!
 //! # What it must never do
 //! Log, print or put in an error the token or the cloud key's private half; write anything but
-//! `cloud.key`; replace an existing `cloud.key`.
+//! the `cloud.key` entry; replace an existing one; send the token to a relay whose key was not
+//! confirmed (the relay client's rule, `super::session`).
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
 use tokio::io::AsyncReadExt;
 
 use agentmbx_protocol::clock::SharedClock;
-use agentmbx_protocol::cloud_key::{self, CloudCert};
+use agentmbx_protocol::cloud_key::{self, CloudCert, CloudPop};
 use agentmbx_protocol::keys::{HostKey, KeyFile, PublicKey};
 
-use crate::fsutil;
 use crate::identity::Identity;
+use crate::keystore::{self, Backend, KeyStore, KeyStoreError, Secret};
 
-/// File name of the cloud key in the home directory.
+/// Entry name of the cloud key in the home's key store (in a file-store home, the file name).
 pub const CLOUD_KEY_FILE: &str = "cloud.key";
 
 /// Longest a token command may run.
@@ -67,12 +79,12 @@ const STDERR_SUMMARY_CHARS: usize = 200;
 /// Why no token or proof could be produced. The texts never hold a token or key material.
 #[derive(Debug, thiserror::Error)]
 pub enum AccountError {
-    /// `cloud.key` could not be read, parsed or created.
-    #[error("{}: {message}", .path.display())]
+    /// The `cloud.key` entry could not be read, parsed or created.
+    #[error("{CLOUD_KEY_FILE} in {location}: {message}")]
     CloudKey {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong.
+        /// Where the entry is ([`KeyStore::location`]).
+        location: String,
+        /// What is wrong (never key bytes).
         message: String,
     },
     /// The token command could not be started, failed, timed out or printed no usable token.
@@ -112,20 +124,30 @@ pub struct AccountTokens {
     home: PathBuf,
     relay_url: String,
     clock: SharedClock,
+    /// The key store of the cloud key; `None`: the home's own, found on first use.
+    store: Option<Arc<dyn KeyStore>>,
     state: tokio::sync::Mutex<State>,
 }
 
 impl AccountTokens {
     /// Tokens for `relay_url` from `command` (`[relay] token_command`), with the cloud key in
-    /// `home`. Nothing runs and no file is touched until a token or proof is asked for.
+    /// the key store of `home` (the one its host keys are in: [`keystore::recorded`]). Nothing
+    /// runs and nothing is read or written until a token or proof is asked for.
     pub fn new(command: &str, home: &Path, relay_url: &str, clock: SharedClock) -> Self {
         AccountTokens {
             command: command.to_owned(),
             home: home.to_path_buf(),
             relay_url: relay_url.trim_end_matches('/').to_owned(),
             clock,
+            store: None,
             state: tokio::sync::Mutex::new(State::default()),
         }
+    }
+
+    /// Keeps the cloud key in `store` instead of the home's own (tests: a mock store).
+    pub fn with_key_store(mut self, store: Arc<dyn KeyStore>) -> Self {
+        self.store = Some(store);
+        self
     }
 
     /// The token for `Authorization: Bearer` (cached until shortly before its `exp`, else
@@ -137,21 +159,28 @@ impl AccountTokens {
             return Ok(c.token.clone());
         }
         state.token = None;
-        let cloud = self.cloud_key(&mut state)?.public();
+        let cloud = self.cloud_key(&mut state).await?.public();
         let (token, exp_ms) = self.run_command(ident, &cloud).await?;
         state.token = Some(Cached {
             token: token.clone(),
-            renew_at_ms: exp_ms - REFRESH_BEFORE_MS,
+            renew_at_ms: exp_ms.saturating_sub(REFRESH_BEFORE_MS),
         });
         Ok(token)
     }
 
-    /// The enrolment `proof`: `{token, cloud_cert}` with the cloud key certified by the
-    /// current host key. Errors: [`AccountError`].
-    pub async fn enrol_proof(&self, ident: &Identity) -> Result<Value, AccountError> {
+    /// The enrolment `proof` for the relay's `challenge`: `{token, cloud_cert, cloud_pop}` —
+    /// the cloud key certified by the current host key, and the cloud key's proof of
+    /// possession over the challenge (module docs). Errors: [`AccountError`].
+    pub async fn enrol_proof(
+        &self,
+        ident: &Identity,
+        challenge: &str,
+    ) -> Result<Value, AccountError> {
         let token = self.bearer(ident).await?;
         let mut state = self.state.lock().await;
-        let cloud = self.cloud_key(&mut state)?.public();
+        let cloud_key = self.cloud_key(&mut state).await?;
+        let cloud = cloud_key.public();
+        let pop = CloudPop::sign(cloud_key, &ident.host_key.public(), challenge);
         let host = ident.host_key.public().to_b64();
         let cert = match &state.cert {
             Some((signer, cert)) if *signer == host => cert.clone(),
@@ -161,7 +190,7 @@ impl AccountTokens {
                 cert
             }
         };
-        Ok(json!({"token": token, "cloud_cert": cert.to_value()}))
+        Ok(json!({"token": token, "cloud_cert": cert.to_value(), "cloud_pop": pop.to_value()}))
     }
 
     /// Forgets the cached token (the relay refused it); the next call runs the command.
@@ -172,20 +201,55 @@ impl AccountTokens {
     /// The cloud key's thumbprint (creating the key on first use).
     pub async fn cloud_jkt(&self) -> Result<String, AccountError> {
         let mut state = self.state.lock().await;
-        Ok(cloud_key::thumbprint(&self.cloud_key(&mut state)?.public()))
+        Ok(cloud_key::thumbprint(
+            &self.cloud_key(&mut state).await?.public(),
+        ))
     }
 
-    /// The path of `cloud.key`.
+    /// The path of the `cloud.key` file of a file-store home (a keyring home has no such file
+    /// once the key moved into the keyring).
     pub fn cloud_key_path(&self) -> PathBuf {
         self.home.join(CLOUD_KEY_FILE)
     }
 
-    fn cloud_key<'s>(&self, state: &'s mut State) -> Result<&'s HostKey, AccountError> {
+    /// The key store of the cloud key: the one given, else the home's ([`keystore::recorded`]:
+    /// the OS keyring in a keyring home, else 0600 files in the home).
+    fn key_store(&self) -> Result<Arc<dyn KeyStore>, AccountError> {
+        if let Some(store) = &self.store {
+            return Ok(store.clone());
+        }
+        let paths = crate::paths::Paths::at(&self.home);
+        Ok(match keystore::recorded(&paths) {
+            Some(Backend::Keyring) => Arc::new(
+                keystore::keyring::KeyringStore::for_home(&self.home).map_err(|e| {
+                    AccountError::CloudKey {
+                        location: "the OS keyring".into(),
+                        message: e.to_string(),
+                    }
+                })?,
+            ),
+            _ => Arc::new(keystore::file::FileStore::new(&self.home)),
+        })
+    }
+
+    async fn cloud_key<'s>(&self, state: &'s mut State) -> Result<&'s HostKey, AccountError> {
         if state.cloud.is_none() {
-            state.cloud = Some(load_or_create_cloud_key(&self.cloud_key_path())?);
+            let store = self.key_store()?;
+            let legacy = self.cloud_key_path();
+            let location = store.location();
+            // Key stores block (files, D-Bus): off the runtime.
+            let key = tokio::task::spawn_blocking(move || {
+                load_or_create_cloud_key(store.as_ref(), &legacy)
+            })
+            .await
+            .map_err(|_| AccountError::CloudKey {
+                location,
+                message: "the key store task failed".into(),
+            })??;
+            state.cloud = Some(key);
         }
         state.cloud.as_ref().ok_or_else(|| AccountError::CloudKey {
-            path: self.cloud_key_path(),
+            location: "memory".into(),
             message: "not loaded".into(),
         })
     }
@@ -197,7 +261,15 @@ impl AccountTokens {
         cloud: &PublicKey,
     ) -> Result<(String, i64), AccountError> {
         let fail = |m: String| AccountError::Command(m);
-        let mut child = tokio::process::Command::new("sh")
+        let store = self.key_store()?;
+        let mut command = tokio::process::Command::new("sh");
+        match store.backend() {
+            Backend::File => command.env("MBX_CLOUD_KEY_FILE", self.cloud_key_path()),
+            Backend::Keyring => command
+                .env_remove("MBX_CLOUD_KEY_FILE")
+                .env("MBX_CLOUD_KEY_STORE", store.location()),
+        };
+        let mut child = command
             .arg("-c")
             .arg(&self.command)
             .env("MBX_RELAY_URL", &self.relay_url)
@@ -206,7 +278,6 @@ impl AccountTokens {
                 "MBX_CLOUD_PUBKEY",
                 agentmbx_protocol::b64::encode_url(cloud.as_bytes()),
             )
-            .env("MBX_CLOUD_KEY_FILE", self.cloud_key_path())
             .env("MBX_HOST", ident.host.as_str())
             .env("MBX_HOST_PUBKEY", ident.host_key.public().to_b64())
             .stdin(Stdio::null())
@@ -335,34 +406,70 @@ pub fn token_exp_ms(token: &str) -> Result<i64, String> {
         .ok_or_else(|| "a JWT without an integer exp".to_owned())
 }
 
-/// Loads `cloud.key`, creating it (0600, never replacing) when it does not exist yet.
-pub fn load_or_create_cloud_key(path: &Path) -> Result<HostKey, AccountError> {
+/// Loads the `cloud.key` entry of `store`, creating it (never replacing) when it does not exist
+/// yet. In a keyring store without the entry, a `legacy_file` left from before (the home's
+/// `cloud.key`) is moved in first, so the key — and every token bound to it — stays the same;
+/// the file is removed once the keyring holds the key. Blocks (key store I/O).
+pub fn load_or_create_cloud_key(
+    store: &dyn KeyStore,
+    legacy_file: &Path,
+) -> Result<HostKey, AccountError> {
     let bad = |message: String| AccountError::CloudKey {
-        path: path.to_path_buf(),
+        location: store.location(),
         message,
     };
-    let read = |path: &Path| -> Result<HostKey, AccountError> {
-        let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
-        let file = KeyFile::parse(&text).map_err(|e| bad(e.to_string()))?;
+    let parse = |secret: &Secret| -> Result<HostKey, AccountError> {
+        let file = KeyFile::parse(secret.expose()).map_err(|e| bad(e.to_string()))?;
         HostKey::from_key_file(&file).map_err(|e| bad(e.to_string()))
     };
-    if path.exists() {
-        return read(path);
-    }
-    let key = HostKey::generate();
-    match fsutil::create_new(
-        path,
-        key.to_key_file().to_text().as_bytes(),
-        fsutil::PRIVATE_MODE,
-    ) {
-        Ok(()) => {
-            tracing::info!(path = %path.display(), cloud_jkt = %cloud_key::thumbprint(&key.public()), "created the cloud key for account tokens");
-            Ok(key)
+    let get = || -> Result<Option<HostKey>, AccountError> {
+        match store.get(CLOUD_KEY_FILE) {
+            Ok(Some(secret)) => parse(&secret).map(Some),
+            Ok(None) => Ok(None),
+            Err(e) => Err(bad(e.to_string())),
         }
-        // Another process created it first: use theirs.
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => read(path),
-        Err(e) => Err(bad(format!("cannot create: {e}"))),
+    };
+    if let Some(key) = get()? {
+        return Ok(key);
     }
+    let legacy = (store.backend() == Backend::Keyring)
+        .then(|| std::fs::read_to_string(legacy_file).ok())
+        .flatten();
+    let (secret, moved) = match legacy {
+        Some(text) => {
+            let secret = Secret::new(text);
+            let key = parse(&secret)?;
+            (secret, Some(key.public()))
+        }
+        None => (
+            Secret::new(HostKey::generate().to_key_file().to_text()),
+            None,
+        ),
+    };
+    match store.create(CLOUD_KEY_FILE, &secret) {
+        // Another process created it first: use theirs.
+        Ok(()) | Err(KeyStoreError::Exists { .. }) => {}
+        Err(e) => return Err(bad(format!("cannot create: {e}"))),
+    }
+    let key = get()?.ok_or_else(|| bad("missing right after it was written".into()))?;
+    if let Some(moved) = moved {
+        if moved != key.public() {
+            // Another process stored another key first; keep the file for the owner to judge.
+            tracing::warn!(path = %legacy_file.display(), "the key store holds another cloud key than the old file; the file is kept");
+            return Ok(key);
+        }
+        match std::fs::remove_file(legacy_file) {
+            Ok(()) => {
+                tracing::info!(from = %legacy_file.display(), to = %store.location(), "moved the cloud key into the key store")
+            }
+            Err(e) => {
+                tracing::warn!(path = %legacy_file.display(), error = %e, "the cloud key is in the key store now; remove its old file")
+            }
+        }
+    } else {
+        tracing::info!(store = %store.location(), cloud_jkt = %cloud_key::thumbprint(&key.public()), "created the cloud key for account tokens");
+    }
+    Ok(key)
 }
 
 #[cfg(test)]
@@ -416,18 +523,63 @@ mod tests {
     fn the_cloud_key_is_created_once_0600_and_kept() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(CLOUD_KEY_FILE);
-        let a = load_or_create_cloud_key(&path).unwrap();
+        let store = crate::keystore::file::FileStore::new(dir.path());
+        let a = load_or_create_cloud_key(&store, &path).unwrap();
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt as _;
             let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
             assert_eq!(mode, 0o600);
         }
-        let b = load_or_create_cloud_key(&path).unwrap();
+        let b = load_or_create_cloud_key(&store, &path).unwrap();
         assert_eq!(a.public(), b.public());
         std::fs::write(&path, "junk").unwrap();
-        let e = load_or_create_cloud_key(&path).unwrap_err().to_string();
+        let e = load_or_create_cloud_key(&store, &path)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("cloud.key"), "{e}");
+    }
+
+    /// In a keyring home the cloud key is an entry of the keyring (here a mock), never a file;
+    /// a file left from before is moved in once, so the key (and its thumbprint) stays.
+    #[tokio::test]
+    async fn in_a_keyring_home_the_cloud_key_lives_in_the_key_store() {
+        use crate::keystore::mock::MockStore;
+        let dir = tempfile::tempdir().unwrap();
+        let clock = Arc::new(ManualClock::new(T0));
+        let store = Arc::new(MockStore::new(Backend::Keyring));
+        let t = tokens(dir.path(), "exit 1", &clock).with_key_store(store.clone());
+        let jkt = t.cloud_jkt().await.unwrap();
+        assert_eq!(store.names(), vec![CLOUD_KEY_FILE.to_owned()]);
+        assert!(!dir.path().join(CLOUD_KEY_FILE).exists(), "no key file");
+        // Kept: a new client of the same store has the same key.
+        let again = tokens(dir.path(), "exit 1", &clock).with_key_store(store.clone());
+        assert_eq!(again.cloud_jkt().await.unwrap(), jkt);
+
+        // A home with the old file: moved into the keyring, same key, file gone.
+        let old = tempfile::tempdir().unwrap();
+        let legacy = load_or_create_cloud_key(
+            &crate::keystore::file::FileStore::new(old.path()),
+            &old.path().join(CLOUD_KEY_FILE),
+        )
+        .unwrap();
+        let fresh = Arc::new(MockStore::new(Backend::Keyring));
+        let t = tokens(old.path(), "exit 1", &clock).with_key_store(fresh.clone());
+        assert_eq!(
+            t.cloud_jkt().await.unwrap(),
+            cloud_key::thumbprint(&legacy.public())
+        );
+        assert_eq!(fresh.names(), vec![CLOUD_KEY_FILE.to_owned()]);
+        assert!(!old.path().join(CLOUD_KEY_FILE).exists(), "moved");
+        // An unavailable keyring is an error naming the entry, never a silent new key.
+        let down = Arc::new(MockStore::new(Backend::Keyring));
+        down.set_unavailable(Some("no D-Bus session"));
+        let t = tokens(dir.path(), "exit 1", &clock).with_key_store(down);
+        let e = t.cloud_jkt().await.unwrap_err().to_string();
+        assert!(
+            e.contains("cloud.key") && e.contains("no D-Bus session"),
+            "{e}"
+        );
     }
 
     #[tokio::test]
@@ -467,12 +619,19 @@ mod tests {
         t.bearer(&me).await.unwrap();
         assert_eq!(std::fs::read_to_string(&log).unwrap().lines().count(), 3);
 
-        // The proof: the token and a certificate of the cloud key by the host key.
-        let proof = t.enrol_proof(&me).await.unwrap();
+        // The proof: the token, a certificate of the cloud key by the host key, and the cloud
+        // key's proof of possession over the relay's challenge.
+        let proof = t.enrol_proof(&me, "the-challenge").await.unwrap();
         assert_eq!(proof["token"], token.as_str());
         let cert = CloudCert::from_value(&proof["cloud_cert"]).unwrap();
         cert.check(&me.host_key.public(), clock.now_ms()).unwrap();
         assert_eq!(cert.rec.cloud_jkt, jkt);
+        let pop = CloudPop::from_value(&proof["cloud_pop"]).unwrap();
+        assert_eq!(
+            pop.check(&me.host_key.public(), "the-challenge").unwrap(),
+            jkt
+        );
+        assert!(pop.check(&me.host_key.public(), "another").is_err());
     }
 
     #[tokio::test]

@@ -3,6 +3,7 @@
 //! - [`session`]: signed info, relay key pinning check, enrolment (and its recovery) and
 //!   enc-key ad publishing;
 //! - [`allowlist`]: this host's sender allowlist at the relay;
+//! - [`answer`]: every relay answer is read under a size cap;
 //! - [`state`]: the relay state, pins, enrolment cache and backoff kept in `mailbox.db`;
 //! - [`push`]: sealing each outbox row for its target once, pushing, and settling rows only on
 //!   a verified accept receipt;
@@ -15,6 +16,7 @@
 
 pub mod account;
 pub mod allowlist;
+pub mod answer;
 pub mod pull;
 pub mod push;
 pub mod rotate;
@@ -24,6 +26,7 @@ pub mod state;
 #[cfg(test)]
 mod tests;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -87,6 +90,15 @@ pub enum RelayError {
         /// How long to wait (ms; 1 s to [`MAX_RATE_LIMIT_WAIT_MS`]).
         retry_after_ms: u64,
     },
+    /// The relay's enrolment authority cannot decide now (503 `AUTHORITY_UNAVAILABLE`, spec §8:
+    /// the account issuer's keys cannot be had): not a denial. The relay loop records
+    /// `enrol-failed` with this reason and waits `retry_after_ms` before the next pass.
+    #[error("the relay's enrolment authority is unavailable: retry in {retry_after_ms} ms")]
+    AuthorityUnavailable {
+        /// How long to wait (ms; 1 s to [`MAX_RATE_LIMIT_WAIT_MS`]; the relay's `retry_after`,
+        /// else [`DEFAULT_RATE_LIMIT_WAIT_MS`]).
+        retry_after_ms: u64,
+    },
     /// Local storage failed.
     #[error(transparent)]
     Store(#[from] MailboxError),
@@ -113,6 +125,7 @@ impl RelayError {
     pub fn status(&self) -> Option<u16> {
         match self {
             RelayError::Status { status, .. } => Some(*status),
+            RelayError::AuthorityUnavailable { .. } => Some(503),
             _ => None,
         }
     }
@@ -134,6 +147,18 @@ impl RelayError {
     /// row or receipt is charged a failed attempt.
     pub fn is_auth(&self) -> bool {
         self.is_not_enrolled() || self.status() == Some(403)
+    }
+
+    /// An answer about this host rather than about one row, receipt or page: its standing
+    /// ([`Self::is_auth`]) or a 429 ([`RelayError::RateLimited`], `wire.md` "Rate limits").
+    /// It ends the pass at once, without charging any outbox row or receipt a failed attempt,
+    /// and [`run`] handles it (a 429 waits the time the relay gave before the next pass).
+    pub fn ends_pass(&self) -> bool {
+        self.is_auth()
+            || matches!(
+                self,
+                RelayError::RateLimited { .. } | RelayError::AuthorityUnavailable { .. }
+            )
     }
 }
 
@@ -157,9 +182,14 @@ pub struct RelayClient {
     /// What the relay's answers said (the `Date` header of the last one).
     pub observed: Arc<state::Observed>,
     /// Account tokens, for a relay run with the account authority (`[relay] token_command`,
-    /// spec §8): every call carries `Authorization: Bearer <token>` and enrolment carries the
-    /// proof. `None`: the host-key challenge only.
+    /// spec §8): every call after the relay key was confirmed in this pass carries
+    /// `Authorization: Bearer <token>` and enrolment carries the proof. `None`: the host-key
+    /// challenge only.
     pub account: Option<Arc<account::AccountTokens>>,
+    /// Whether the relay presented the pinned key in this pass ([`Self::confirm_relay_key`]).
+    /// The account token is sent only while it is true: the first signed info of a pass goes
+    /// without it, and a relay presenting another key never receives it.
+    key_confirmed: Arc<AtomicBool>,
 }
 
 impl RelayClient {
@@ -186,16 +216,49 @@ impl RelayClient {
             received: None,
             observed: Arc::new(state::Observed::default()),
             account: None,
+            key_confirmed: Arc::new(AtomicBool::new(false)),
         })
     }
 
+    /// Records that the relay's signed info in this pass served the pinned key: from now on
+    /// calls carry the account token.
+    pub fn confirm_relay_key(&self) {
+        self.key_confirmed.store(true, Ordering::SeqCst);
+    }
+
+    /// Forgets the confirmation (a new pass, or another key served): calls carry no account
+    /// token until the pinned key is seen again.
+    pub fn unconfirm_relay_key(&self) {
+        self.key_confirmed.store(false, Ordering::SeqCst);
+    }
+
+    /// Whether the pinned key was seen in this pass ([`Self::confirm_relay_key`]).
+    pub fn relay_key_confirmed(&self) -> bool {
+        self.key_confirmed.load(Ordering::SeqCst)
+    }
+
     /// Sends a signed v2 hop `method target` with `body` (empty for GET) and returns the status
-    /// and raw body. `target` must already be normalised (path + query).
+    /// and raw body, read up to [`answer::MAX_ANSWER`] bytes ([`Self::call_capped`]). `target`
+    /// must already be normalised (path + query).
     pub async fn call(
         &self,
         method: &str,
         target: &str,
         body: &str,
+    ) -> Result<(u16, bytes::Bytes), RelayError> {
+        self.call_capped(method, target, body, answer::MAX_ANSWER)
+            .await
+    }
+
+    /// Like [`Self::call`], with the answer read up to `cap` bytes (a pull page:
+    /// [`answer::pull_answer_cap`]). Errors: [`RelayError::Malformed`] `answer over <cap>
+    /// bytes` past it, and those of [`Self::call`].
+    pub async fn call_capped(
+        &self,
+        method: &str,
+        target: &str,
+        body: &str,
+        cap: usize,
     ) -> Result<(u16, bytes::Bytes), RelayError> {
         let target = hop::normalize_target(target);
         let h = hop::sign_relay_hop(
@@ -218,7 +281,8 @@ impl RelayClient {
         for (k, v) in h.pairs() {
             req = req.header(k, v);
         }
-        if let Some(account) = &self.account {
+        // The token only to a relay that presented the pinned key in this pass (spec §1, §8).
+        if let Some(account) = self.account.as_ref().filter(|_| self.relay_key_confirmed()) {
             let token = account
                 .bearer(&self.ident)
                 .await
@@ -240,10 +304,7 @@ impl RelayClient {
             .get(reqwest::header::RETRY_AFTER)
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
-        let bytes = resp
-            .bytes()
-            .await
-            .map_err(|e| RelayError::Unreachable(describe(&e)))?;
+        let bytes = answer::read_capped(resp, cap).await?;
         if status == 429 {
             return Err(rate_limited(retry_after.as_deref(), &bytes));
         }
@@ -263,7 +324,20 @@ impl RelayClient {
         target: &str,
         body: &str,
     ) -> Result<T, RelayError> {
-        let (status, bytes) = self.call(method, target, body).await?;
+        self.call_json_capped(method, target, body, answer::MAX_ANSWER)
+            .await
+    }
+
+    /// Like [`Self::call_json`], with the answer read up to `cap` bytes
+    /// ([`Self::call_capped`]).
+    pub async fn call_json_capped<T: serde::de::DeserializeOwned>(
+        &self,
+        method: &str,
+        target: &str,
+        body: &str,
+        cap: usize,
+    ) -> Result<T, RelayError> {
+        let (status, bytes) = self.call_capped(method, target, body, cap).await?;
         if !(200..300).contains(&status) {
             return Err(status_error(status, &bytes));
         }
@@ -334,12 +408,25 @@ pub async fn wait_until_clock(
     }
 }
 
-/// Turns an error answer into [`RelayError::Status`] ([`RelayError::RateLimited`] for a 429).
+/// Turns an error answer into [`RelayError::Status`] ([`RelayError::RateLimited`] for a 429,
+/// [`RelayError::AuthorityUnavailable`] for a 503 `AUTHORITY_UNAVAILABLE`, its wait from the
+/// body's `retry_after`).
 pub fn status_error(status: u16, bytes: &[u8]) -> RelayError {
     if status == 429 {
         return rate_limited(None, bytes);
     }
     let body: Option<ErrorBody> = serde_json::from_slice(bytes).ok();
+    if let Some(b) = body
+        .as_ref()
+        .filter(|b| status == 503 && b.code == "AUTHORITY_UNAVAILABLE")
+    {
+        let ms = b
+            .retry_after
+            .map_or(DEFAULT_RATE_LIMIT_WAIT_MS, |s| s.saturating_mul(1_000));
+        return RelayError::AuthorityUnavailable {
+            retry_after_ms: ms.clamp(1_000, MAX_RATE_LIMIT_WAIT_MS),
+        };
+    }
     let error = body
         .as_ref()
         .map(|b| b.error.clone())
@@ -359,8 +446,9 @@ pub fn status_error(status: u16, bytes: &[u8]) -> RelayError {
 /// once the owner confirmed, with `relay set <url> --key <fp>`, a key the relay serves (the pin
 /// is read from the mailbox each pass, no restart needed). A [`RelayError::Refused`] waits for
 /// its backoff, checking at least once a minute whether the relay confirms this host again.
-/// A [`RelayError::RateLimited`] (a 429) waits the time the relay gave, on the clock, before
-/// the next pass; a new send does not cut that wait short.
+/// A [`RelayError::RateLimited`] (a 429 on any request of the pass: session, push, enc-key
+/// lookup, receipts, pull or ack) waits the time the relay gave, on the clock, before the next
+/// pass; a new send does not cut that wait short.
 pub async fn run(
     mut client: RelayClient,
     pull_interval: Duration,
@@ -414,6 +502,19 @@ pub async fn run(
             // wakes the loop meanwhile.
             Err(RelayError::RateLimited { retry_after_ms }) => {
                 tracing::warn!(relay = %client.url, retry_after_ms, "the relay rate-limits this host; waiting as it asks");
+                let until = client
+                    .clock
+                    .now_ms()
+                    .saturating_add(i64::try_from(retry_after_ms).unwrap_or(i64::MAX));
+                if !wait_until_clock(&client.clock, until, &mut shutdown).await {
+                    return;
+                }
+                continue;
+            }
+            // Not a denial (recorded as `enrol-failed` with the reason): wait as the relay asks.
+            Err(RelayError::AuthorityUnavailable { retry_after_ms }) => {
+                failures = 0;
+                tracing::warn!(relay = %client.url, retry_after_ms, "the relay's enrolment authority is unavailable; retrying when it asks");
                 let until = client
                     .clock
                     .now_ms()
@@ -641,7 +742,8 @@ pub mod pin {
         Ok(key)
     }
 
-    /// Unsigned `GET /v2/relay/info` (used by `relay set` and first contact).
+    /// Unsigned `GET /v2/relay/info` (used by `relay set` and first contact), the answer read
+    /// up to [`super::answer::MAX_ANSWER`] bytes.
     pub async fn fetch_info(url: &str) -> Result<RelayInfo, RelayError> {
         let client = reqwest::Client::builder()
             .timeout(std::time::Duration::from_secs(10))
@@ -654,10 +756,7 @@ pub mod pin {
             .await
             .map_err(|e| RelayError::Unreachable(super::describe(&e)))?;
         let status = resp.status().as_u16();
-        let bytes = resp
-            .bytes()
-            .await
-            .map_err(|e| RelayError::Unreachable(super::describe(&e)))?;
+        let bytes = super::answer::read_capped(resp, super::answer::MAX_ANSWER).await?;
         if status != 200 {
             return Err(super::status_error(status, &bytes));
         }

@@ -6,6 +6,8 @@
 //! in the transaction of the last item of the page, so it only ever covers a prefix processed in
 //! order (a crash mid-page re-pulls the rest, and receiver dedup absorbs the repeats). Only after
 //! that commit is `POST /v2/relay/ack {epoch, through}` sent; a lost ack is covered by the next.
+//! A 429 on the pull or on the ack ends the pass ([`RelayError::ends_pass`]) so the relay loop
+//! waits the time the relay gave; the checkpoint already written stays.
 //!
 //! An envelope item goes to `node::receive`; a repeat of a stored one (a duplicate) queues the
 //! delivery receipts of its current deliveries again in the same transaction
@@ -175,13 +177,15 @@ impl RelayClient {
         let mut pass = PullPass::default();
         let mut epoch = session.epoch.clone();
         let limit = session.limits.max_pull.clamp(1, 500);
+        // A page may be larger than other answers (`answer::pull_answer_cap`).
+        let cap = super::answer::pull_answer_cap(&session.limits);
         for _ in 0..MAX_PAGES_PER_PASS {
             let through = self.position(&epoch).await?;
             let target = format!(
                 "/v2/relay/items?after={through}&limit={limit}&epoch={}",
                 super::push::urlencode(&epoch)
             );
-            let page: PullResponse = match self.call_json("GET", &target, "").await {
+            let page: PullResponse = match self.call_json_capped("GET", &target, "", cap).await {
                 Ok(p) => p,
                 Err(RelayError::Status {
                     status: 409, body, ..
@@ -365,8 +369,8 @@ impl RelayClient {
                 self.rewind(epoch, "BAD_ACK").await?;
                 Ok(false)
             }
-            // This host's standing (401/403): the pass handles it.
-            Err(e) if e.is_auth() => Err(e),
+            // This host's standing (401/403) or a 429: the pass ends and the loop handles it.
+            Err(e) if e.ends_pass() => Err(e),
             Err(e) => {
                 tracing::warn!(relay = %self.url, error = %e, "ack failed; the next ack covers it");
                 Ok(true)

@@ -7,7 +7,9 @@
 //! accept, lost response) leaves it pending with backoff, or `rejected` when retrying cannot
 //! help (design README "Rejections"), or `undelivered` when the row is more than 72 h old and
 //! no relay ever accepted it (`wire.md` §4 "Outbox client"); each of the last two alerts the
-//! sender in the transaction that ends the row. A refusal showing the target is not enrolled
+//! sender in the transaction that ends the row. An answer about this host rather than the row
+//! — 401/403 or a 429 on the push or on an enc-key lookup — charges no row and ends the pass
+//! ([`RelayError::ends_pass`]). A refusal showing the target is not enrolled
 //! on the relay, or no usable enc-key ad for it there, hands the row back to the LAN when the
 //! peer has a LAN address (spec §10, [`crate::transport::select`]).
 
@@ -178,8 +180,9 @@ impl RelayClient {
                     continue;
                 }
                 Err(RelayError::Store(e)) => return Err(RelayError::Store(e)),
-                // This host's standing (401/403), not the row's: the pass handles it.
-                Err(e) if e.is_auth() => return Err(e),
+                // This host's standing (401/403) or a 429, not the row's: the pass handles it
+                // and the row is not charged an attempt.
+                Err(e) if e.ends_pass() => return Err(e),
                 Err(e) => {
                     self.fail_row(&row, &e.to_string(), false, false).await?;
                     pass.failed += 1;
@@ -299,7 +302,8 @@ impl RelayClient {
         let results = match answer {
             Ok(r) => r.results,
             Err(e @ RelayError::Store(_)) => return Err(e),
-            Err(e) if e.is_auth() => return Err(e),
+            // Standing or a 429: no row is charged; the pass ends and the loop waits.
+            Err(e) if e.ends_pass() => return Err(e),
             Err(e) => {
                 tracing::warn!(relay = %self.url, error = %e, rows = batch.len(), "push failed; rows stay pending");
                 for (row, _) in &batch {
@@ -435,7 +439,8 @@ impl RelayClient {
         {
             Ok(r) => r.results,
             Err(e @ RelayError::Store(_)) => return Err(e),
-            Err(e) if e.is_auth() => return Err(e),
+            // Standing or a 429: no receipt is charged; the pass ends and the loop waits.
+            Err(e) if e.ends_pass() => return Err(e),
             Err(e) => {
                 tracing::warn!(relay = %self.url, error = %e, receipts = batch.len(), "receipt push failed; receipts kept");
                 let seqs: Vec<i64> = batch.iter().map(|(r, _, _)| r.seq).collect();

@@ -12,7 +12,9 @@
 //!
 //! Called at the start of every session ([`RelayClient::open_session`]): when nothing is owed it
 //! costs one kv read. Records go only to a relay that presents the pinned key; otherwise the
-//! session reports the mismatch and nothing is sent.
+//! session reports the mismatch and nothing is sent. The signed info that checks the key is
+//! the pass's first and carries no account token (`session.rs`); a match confirms the key for
+//! the rest of the pass.
 
 use serde_json::json;
 
@@ -71,8 +73,12 @@ impl RelayClient {
             .call_json::<RelayInfo>("GET", "/v2/relay/info", "")
             .await
         {
-            Ok(info) if info.relay_pubkey == self.relay_key.to_b64() => {}
-            Ok(_) => return Ok(0), // the session stops on the key mismatch
+            // The pinned key: the account token may go with later requests of this pass.
+            Ok(info) if info.relay_pubkey == self.relay_key.to_b64() => self.confirm_relay_key(),
+            Ok(_) => {
+                self.unconfirm_relay_key();
+                return Ok(0); // the session stops on the key mismatch
+            }
             Err(e) => {
                 self.defer_rotations(RETRY_MS, &e.to_string()).await?;
                 return Ok(0);
@@ -129,7 +135,8 @@ impl RelayClient {
         Ok(answered)
     }
 
-    /// Plain `POST /v2/relay/rotate` (the record authenticates itself; no hop).
+    /// Plain `POST /v2/relay/rotate` (the record authenticates itself; no hop); the answer is
+    /// read up to [`super::answer::MAX_ANSWER`] bytes (else [`RelayError::Malformed`]).
     async fn post_rotation(&self, body: &str) -> Result<(u16, bytes::Bytes), RelayError> {
         let resp = self
             .http
@@ -140,10 +147,7 @@ impl RelayClient {
             .await
             .map_err(|e| RelayError::Unreachable(describe(&e)))?;
         let status = resp.status().as_u16();
-        let bytes = resp
-            .bytes()
-            .await
-            .map_err(|e| RelayError::Unreachable(describe(&e)))?;
+        let bytes = super::answer::read_capped(resp, super::answer::MAX_ANSWER).await?;
         Ok((status, bytes))
     }
 
@@ -472,5 +476,50 @@ mod tests {
                 .any(|r| r.contains("rotate") || r.contains("enrol")),
             "{routes:?}"
         );
+    }
+
+    #[tokio::test]
+    async fn an_oversized_answer_to_the_rotation_is_no_answer() {
+        use crate::transport::relay_client::answer::{raw, MAX_ANSWER};
+        crate::install_tls_provider();
+        let (ident, _, _) = rotated();
+        let relay_key = HostKey::generate();
+        let info = json!({"v": 2, "relay_pubkey": relay_key.public().to_b64(), "epoch": "e1",
+                          "version": "t", "limits": limits()})
+        .to_string()
+        .into_bytes();
+        // A 200 whose body streams past the cap: the relay cannot fill this host's memory, and
+        // the record counts as not answered.
+        let (url, task) = raw::serve(move |route| {
+            if route.starts_with("POST /v2/relay/rotate") {
+                raw::RawAnswer::ok(raw::json_of_len(MAX_ANSWER + 1), true)
+            } else {
+                raw::RawAnswer::ok(info.clone(), false)
+            }
+        })
+        .await;
+        let store = testutil::store();
+        let clock = Arc::new(ManualClock::new(T0));
+        let client = RelayClient::new(
+            &url,
+            relay_key.public(),
+            Arc::new(ident),
+            store.mailbox.clone(),
+            clock.clone(),
+        )
+        .unwrap();
+        assert_eq!(client.announce_rotations().await.unwrap(), 0);
+        let (counter, next) = store
+            .mailbox
+            .with(|c| {
+                Ok((
+                    relay_state::kv_get(c, &counter_key(&url))?,
+                    relay_state::kv_get(c, &next_try_key(&url))?,
+                ))
+            })
+            .unwrap();
+        assert_eq!(counter, None, "not counted as answered");
+        assert_eq!(next, Some((T0 + RETRY_MS).to_string()), "tried again later");
+        task.abort();
     }
 }

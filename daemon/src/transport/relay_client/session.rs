@@ -8,9 +8,18 @@
 //! 401 on a signed request runs challenge, enrol and enc-ad publish again in the same pass. A
 //! refusal right after a fresh enrolment (no `you`, or a 401) backs off 1 min doubling to 1 h
 //! and is classified from the relay's `Date` header as `clock-skew` or `refused-after-enrol`;
-//! a 403 `REVOKED`/`DENIED` is the `revoked` state with the same backoff. Every verdict is
-//! written to the relay state ([`state`]) and the trust events are audited (`relay.enrolled`,
-//! `relay.enrolment_lost`, `relay.enrol_failed`, `relay.key_changed`).
+//! a 403 `REVOKED`/`DENIED` is the `revoked` state with the same backoff. A 503
+//! `AUTHORITY_UNAVAILABLE` at enrolment (the relay's enrolment authority cannot decide now) is
+//! no denial: it is recorded as `enrol-failed` with that reason and the loop waits the
+//! `retry_after` the relay gave. Every verdict is written to the relay state ([`state`]) and
+//! the trust events are audited (`relay.enrolled`, `relay.enrolment_lost`,
+//! `relay.enrol_failed`, `relay.key_changed`).
+//!
+//! On a relay run with the account authority the token goes only to a relay that presented the
+//! pinned key in this pass: [`RelayClient::open_session`] forgets the last pass's confirmation,
+//! so the first signed info of a pass carries no token, and [`RelayClient::confirm_relay_key`]
+//! is called only once the served key equals the pinned one (the relay answers that info with
+//! `you` all the same; the later requests carry the token).
 //!
 //! The v2 enc-key ad (`wire.md` §2.8) is valid 30 days and republished when the relay's copy is
 //! missing, v1-only, names another key or is older than a day, once a day, when this host's
@@ -144,6 +153,8 @@ impl RelayClient {
     /// Errors: [`RelayError`]; [`RelayError::KeyMismatch`] means relay use must stop until the
     /// owner confirms; [`RelayError::Refused`] that no enrolment is tried before its time.
     pub async fn open_session(&self) -> Result<Session, RelayError> {
+        // A new pass: no account token until this pass's signed info showed the pinned key.
+        self.unconfirm_relay_key();
         self.announce_rotations().await?;
         self.session_with(None).await
     }
@@ -213,11 +224,10 @@ impl RelayClient {
             Err(e) if e.is_auth() => return Err(self.refused_by_relay(&e, &info.epoch).await?),
             Err(e) => return Err(e),
         };
-        if fresh {
-            // The fresh enrolment was followed by an accepted signed request (the ad): the
-            // refusal episode, if any, is over.
-            self.end_backoff().await?;
-        }
+        // A refusal episode (`relay-enrol-backoff`) is not over here even after a fresh
+        // enrolment's ad was accepted: a 401 later in this pass is still a refusal right after
+        // that enrolment, and its pause must double. Only a whole successful pass ends it
+        // (`super::pass`).
         let mut st = RelayState::new(Standing::Ok);
         st.relay_fp = Some(self.relay_key.fingerprint());
         st.epoch = Some(info.epoch.clone());
@@ -246,8 +256,9 @@ impl RelayClient {
         })
     }
 
-    /// Ends a refusal episode (`relay-enrol-backoff:<url>`) after signed requests were
-    /// accepted: a fresh enrolment's ad publish, or a whole pass. Errors: storage failures.
+    /// Ends a refusal episode (`relay-enrol-backoff:<url>`) once a whole pass of signed requests
+    /// was accepted ([`super::pass`]); an accepted request inside a pass that is refused later
+    /// does not end it. Errors: storage failures.
     pub async fn end_backoff(&self) -> Result<(), RelayError> {
         let url = self.url.clone();
         self.mailbox
@@ -281,8 +292,10 @@ impl RelayClient {
     /// (audited once per served key) and ends the session before any other request.
     async fn check_relay_key(&self, info: &RelayInfo) -> Result<(), RelayError> {
         if info.relay_pubkey == self.relay_key.to_b64() {
+            self.confirm_relay_key();
             return Ok(());
         }
+        self.unconfirm_relay_key();
         let served = PublicKey::from_b64(&info.relay_pubkey)
             .map(|k| k.fingerprint())
             .unwrap_or_else(|_| "unparseable".into());
@@ -304,18 +317,54 @@ impl RelayClient {
         Err(RelayError::KeyMismatch { pinned, served })
     }
 
-    /// Reads the pin again (`relay set --key` may have confirmed a new key while the daemon
-    /// runs) and uses it from now on. Errors: storage failures.
+    /// Reads the pin again (`relay set --key` may have confirmed another key while the daemon
+    /// runs) and uses it from now on (spec §1). A stored pin replaces the one in memory. With no
+    /// stored pin but an expected fingerprint (`relay set --key <fp>` while the relay was
+    /// unreachable, kv `relay-key-expect:<url>`), the key in memory is trusted no longer, even
+    /// when its fingerprint is the expected one: the relay's served key is fetched and pinned
+    /// only when it has that fingerprint ([`super::pin::resolve_key`]), and until then no pass
+    /// runs. Errors: [`RelayError::KeyMismatch`] (the relay serves another key than the expected
+    /// one: recorded and audited once per served key), [`RelayError::Unreachable`] and other
+    /// network errors (the expected key could not be checked yet; the relay state says
+    /// `unreachable`), storage failures.
     pub async fn reload_pin(&mut self) -> Result<(), RelayError> {
-        let k = state::key_kv(&self.url);
-        let stored = self.mailbox.run(move |c| kv_get(c, &k)).await?;
+        let (k, e) = (state::key_kv(&self.url), state::expect_kv(&self.url));
+        let (stored, expected) = self
+            .mailbox
+            .run(move |c| Ok((kv_get(c, &k)?, kv_get(c, &e)?)))
+            .await?;
         if let Some(key) = stored.and_then(|s| PublicKey::from_b64(&s).ok()) {
             if key != self.relay_key {
                 tracing::warn!(relay = %self.url, from = %self.relay_key.fingerprint(), to = %key.fingerprint(), "the owner confirmed another relay key; using it");
                 self.relay_key = key;
             }
+            return Ok(());
         }
-        Ok(())
+        let Some(fp) = expected else {
+            return Ok(());
+        };
+        if self.relay_key.fingerprint() != fp {
+            tracing::debug!(relay = %self.url, dropped = %self.relay_key.fingerprint(), expected = %fp, "the owner named another relay key: the one in use is no longer trusted");
+        }
+        match super::pin::resolve_key(&self.url, None, &self.mailbox, &self.clock).await {
+            Ok(key) => {
+                if key != self.relay_key {
+                    tracing::warn!(relay = %self.url, from = %self.relay_key.fingerprint(), to = %key.fingerprint(), "pinned the relay key the owner named; using it");
+                }
+                self.relay_key = key;
+                Ok(())
+            }
+            Err(e) => {
+                let status = e.status();
+                if matches!(e, RelayError::Unreachable(_)) || status.is_some_and(|s| s >= 500) {
+                    let mut st = RelayState::new(Standing::Unreachable);
+                    st.detail = Some(e.to_string());
+                    st.status = status;
+                    self.note(st, false).await?;
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Records the relay epoch; on a change, re-pushes every relay-accepted row of this relay
@@ -545,8 +594,10 @@ impl RelayClient {
     }
 
     /// A 403 `REVOKED`/`DENIED` (or any 403) from the relay: state `revoked`, with the
-    /// enrolment backoff so it never becomes a hot loop. Returns the error that ends the pass.
-    /// Errors: storage failures.
+    /// enrolment backoff so it never becomes a hot loop. An enrolment authority that cannot
+    /// decide is not a 403 but a 503 `AUTHORITY_UNAVAILABLE`
+    /// ([`RelayError::AuthorityUnavailable`]), recorded as `enrol-failed` instead. Returns the
+    /// error that ends the pass. Errors: storage failures.
     pub async fn refused_by_relay(
         &self,
         e: &RelayError,
@@ -682,8 +733,18 @@ impl RelayClient {
     }
 
     /// Host-key challenge enrolment: `POST /v1/relay/challenge` then `POST /v1/relay/enrol`
-    /// with the signature over canonical(`{v:1, challenge, host, pubkey, owner_fp}`).
+    /// with the signature over canonical(`{v:1, challenge, host, pubkey, owner_fp}`). On an
+    /// account relay the body also carries `proof = {token, cloud_cert, cloud_pop}` (the cloud
+    /// key's proof of possession signs the challenge), and only once the relay key was
+    /// confirmed in this pass: called before that, it sends nothing and answers
+    /// [`RelayError::Token`].
     pub async fn enrol(&self) -> Result<(), RelayError> {
+        if self.account.is_some() && !self.relay_key_confirmed() {
+            return Err(RelayError::Token(
+                "the relay key was not confirmed in this pass; the account token is not sent"
+                    .into(),
+            ));
+        }
         let host = self.ident.host.as_str();
         let pubkey = self.ident.host_key.public().to_b64();
         let body = json!({"host": host, "pubkey": pubkey}).to_string();
@@ -694,9 +755,10 @@ impl RelayClient {
             .sign(records::enrol_canonical(&ch.challenge, host, &pubkey, "").as_bytes());
         let mut body = json!({"host": host, "pubkey": pubkey, "owner_fp": "", "sig": sig});
         if let Some(account) = &self.account {
-            // Account relays (spec §8): the token and the host-certified cloud key.
+            // Account relays (spec §8): the token, the host-certified cloud key and its proof of
+            // possession over this challenge.
             body["proof"] = account
-                .enrol_proof(&self.ident)
+                .enrol_proof(&self.ident, &ch.challenge)
                 .await
                 .map_err(|e| RelayError::Token(e.to_string()))?;
         }
@@ -751,10 +813,7 @@ impl RelayClient {
             .await
             .map_err(|e| RelayError::Unreachable(super::describe(&e)))?;
         let status = resp.status().as_u16();
-        let bytes = resp
-            .bytes()
-            .await
-            .map_err(|e| RelayError::Unreachable(super::describe(&e)))?;
+        let bytes = super::answer::read_capped(resp, super::answer::MAX_ANSWER).await?;
         if !(200..300).contains(&status) {
             return Err(status_error(status, &bytes));
         }

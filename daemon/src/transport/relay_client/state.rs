@@ -9,6 +9,8 @@
 //! - `relay-key:<url>` (the pinned relay key, base64) and `relay-key-expect:<url>` (the
 //!   fingerprint `relay set --key` named while the relay was unreachable: only that key may be
 //!   pinned on first contact);
+//! - `relay-key-mismatch:<url>`: [`KeyChange`], the relay served another key than the pinned
+//!   one; kept until the owner confirms a key, even after the relay serves the pinned key again;
 //! - `relay-enrolled:<url>`: the enrolment cache [`Enrolment`], valid only for the same relay
 //!   key, epoch and host key (spec §8: a cache, never a permanent "enrolled" flag);
 //! - `relay-enrol-backoff:<url>`: [`Backoff`] after a refusal right after a fresh enrolment or a
@@ -177,6 +179,10 @@ pub fn enc_ad_kv(url: &str) -> String {
 pub fn senders_kv(url: &str) -> String {
     format!("relay-senders:{}", norm(url))
 }
+/// kv key of the record of a served relay key other than the pinned one ([`KeyChange`]).
+pub fn mismatch_kv(url: &str) -> String {
+    format!("relay-key-mismatch:{}", norm(url))
+}
 /// kv key of the rollback guard of a peer host key (newest accepted `{iat, enc_pub}`).
 pub fn enc_newest_kv(peer_pubkey: &str) -> String {
     format!("relay-enc-newest:{peer_pubkey}")
@@ -276,10 +282,32 @@ pub fn note_state(
     set_state(conn, url, st, now_ms)
 }
 
+/// kv `relay-key-mismatch:<url>` (`wire.md` §3.5): the relay served `served` where `pinned`
+/// was pinned (`how` = `pinned`) or expected (`how` = `expected`), first at `at` (ISO ms). It
+/// stays when the relay serves the pinned key again (relay use then resumes with the pinned
+/// key, which is safe), and only the owner's [`confirm_key`] ends it: with the served key, or
+/// with the pinned one to keep it (spec §1).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyChange {
+    /// `pinned` or `expected`.
+    pub how: String,
+    /// Fingerprint of the pinned (or expected) key.
+    pub pinned: String,
+    /// Fingerprint of the key the relay served instead.
+    pub served: String,
+    /// When that key was first served (ISO ms).
+    pub at: String,
+}
+
+/// The unconfirmed relay key change of `url`, if any. Errors: SQLite failures.
+pub fn key_change(conn: &Connection, url: &str) -> Result<Option<KeyChange>, MailboxError> {
+    get_json(conn, &mismatch_kv(url))
+}
+
 /// Records that `url` serves `served_fp` where `pinned_fp` was pinned (`how` = `pinned`) or
 /// expected (`how` = `expected`): state `key-mismatch` and, once per distinct served key, the
-/// audit event `relay.key_changed {relay, pinned|expected, served}`, in one transaction.
-/// Nothing is recorded when the stored pin already names the served key (the owner confirmed
+/// audit event `relay.key_changed {relay, pinned|expected, served}`, and the [`KeyChange`]
+/// record, in one transaction. Nothing is recorded when the stored pin already names the served key (the owner confirmed
 /// it while the pass ran). Returns true when the event was recorded now (the caller logs it).
 /// Errors: SQLite failures.
 pub fn record_key_mismatch(
@@ -305,7 +333,21 @@ pub fn record_key_mismatch(
             && p.relay_fp.as_deref() == Some(served_fp)
             && p.pinned_fp.as_deref() == Some(pinned_fp)
     });
-    if !known {
+    // The unconfirmed change outlives the state (the relay may serve the pinned key in
+    // between): the same served key is audited once until the owner confirms.
+    let record = key_change(&tx, url)?
+        .filter(|r| r.served == served_fp && r.pinned == pinned_fp && r.how == how);
+    if record.is_none() {
+        let change = KeyChange {
+            how: how.to_string(),
+            pinned: pinned_fp.to_string(),
+            served: served_fp.to_string(),
+            at: iso_ms(now_ms),
+        };
+        set_json(&tx, &mismatch_kv(url), &change)?;
+    }
+    let audited = !known && record.is_none();
+    if audited {
         let mut detail = serde_json::Map::new();
         detail.insert("relay".into(), json!(norm(url)));
         detail.insert(how.into(), json!(pinned_fp));
@@ -327,7 +369,7 @@ pub fn record_key_mismatch(
         set_state(&tx, url, st, now_ms)?;
     }
     tx.commit()?;
-    Ok(!known)
+    Ok(audited)
 }
 
 /// What [`confirm_key`] did.
@@ -342,8 +384,10 @@ pub struct Confirmation {
 /// The owner's pin for `url` (`relay set`, spec §1): with `key`, pins it (`relay-key:<url>`)
 /// and drops any expectation; with only `expect_fp` (the relay was unreachable), drops the pin
 /// and records the expectation, so the daemon later pins only a key with that fingerprint. A
-/// `key-mismatch` state is cleared; a change of pin is audited `relay.key_confirmed {relay,
-/// from, to[, pending]}`. One transaction. Errors: SQLite failures.
+/// `key-mismatch` state and the [`KeyChange`] record are cleared; a change of pin is audited
+/// `relay.key_confirmed {relay, from, to[, pending]}`, and keeping the pinned key after a
+/// recorded change `relay.key_confirmed {relay, from, to, kept: true, served}`. One
+/// transaction. Errors: SQLite failures.
 pub fn confirm_key(
     conn: &mut Connection,
     url: &str,
@@ -358,6 +402,7 @@ pub fn confirm_key(
         .map(|k| PublicKey::from_b64(k).map_or_else(|_| "unparseable".into(), |k| k.fingerprint()));
     let previous_expect = kv_get(&tx, &expect_kv(url))?;
     let mismatch = state(&tx, url)?.filter(|s| s.state == Standing::KeyMismatch);
+    let change = key_change(&tx, url)?;
     let (to, pending) = match (key, expect_fp) {
         (Some(k), _) => {
             kv_set(&tx, &key_kv(url), &k.to_b64())?;
@@ -380,20 +425,29 @@ pub fn confirm_key(
     let before = previous.clone().or(previous_expect);
     let changed =
         before.as_deref() != Some(to.as_str()) && (before.is_some() || mismatch.is_some());
-    if changed {
+    // The owner keeps the pinned key after the relay served another one: also a decision.
+    let kept = change.as_ref().filter(|_| !changed);
+    if changed || kept.is_some() {
         let mut detail = json!({"relay": norm(url), "from": before, "to": to});
         if pending {
             detail["pending"] = json!(true);
+        }
+        if let Some(c) = kept {
+            detail["kept"] = json!(true);
+            detail["served"] = json!(c.served);
         }
         audit::record(&tx, now_ms, "relay.key_confirmed", &detail)?;
     }
     if mismatch.is_some() {
         kv_delete(&tx, &state_kv(url))?;
     }
+    if change.is_some() {
+        kv_delete(&tx, &mismatch_kv(url))?;
+    }
     tx.commit()?;
     Ok(Confirmation {
         previous,
-        changed: changed || mismatch.is_some(),
+        changed: changed || mismatch.is_some() || change.is_some(),
     })
 }
 

@@ -27,6 +27,9 @@ use crate::identity::Identity;
 use crate::mailbox::{outbox, peers, relay_state};
 use crate::testutil::{self, Store, T0};
 
+mod account_tokens;
+mod pins_and_caps;
+
 // ---- the fake relay ---------------------------------------------------------------------------
 
 /// One request as the fake relay saw it.
@@ -38,6 +41,8 @@ struct Req {
     body: String,
     /// The v2 hop verified with the client's host key over the exact path + query and body.
     hop_ok: bool,
+    /// The `Authorization` header as sent ("" when absent).
+    authorization: String,
 }
 
 impl Req {
@@ -133,6 +138,7 @@ async fn fake_handle(
         query,
         body,
         hop_ok,
+        authorization: header("authorization"),
     };
     s.log.lock().unwrap().push(req.clone());
     let route = format!("{} {}", req.method, req.path);
@@ -3785,4 +3791,257 @@ async fn rejected_rate_keeps_the_row_queued_and_backs_it_off() {
     s.client.push_due(&session("e1")).await.unwrap();
     assert_eq!(s.relay.seen("POST /v2/relay/items").len(), 2);
     assert_eq!(s.row(&id).state, "relay-accepted");
+}
+
+/// A relay's 429 answer asking for `secs` seconds.
+fn too_many(secs: u64) -> Answer {
+    (
+        429,
+        json!({"error": "rate_limit_exceeded", "code": "RATE_LIMIT", "retry_after": secs}),
+    )
+}
+
+#[track_caller]
+fn assert_rate_limited<T: std::fmt::Debug>(got: Result<T, RelayError>, ms: u64) {
+    match got {
+        Err(RelayError::RateLimited { retry_after_ms }) => assert_eq!(retry_after_ms, ms),
+        other => panic!("expected RateLimited({ms} ms), got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_429_on_push_or_enc_key_lookup_ends_the_pass_and_charges_no_row() {
+    // On the push itself: the row keeps its attempts, error and due time.
+    let s = Setup::new(true).await;
+    let id = s.send_to_peer(ID1);
+    let before = s.row(&id);
+    s.relay.on("POST /v2/relay/items", |_| too_many(30));
+    assert_rate_limited(s.client.push_due(&session("e1")).await, 30_000);
+    let after = s.row(&id);
+    assert_eq!(
+        (
+            after.state.as_str(),
+            after.attempts,
+            after.next_at,
+            after.last_error.as_deref()
+        ),
+        (
+            before.state.as_str(),
+            0,
+            before.next_at,
+            before.last_error.as_deref()
+        )
+    );
+    assert_eq!(s.relay.seen("POST /v2/relay/items").len(), 1);
+    // Still due: the next pass pushes it (the same sealed bytes).
+    s.accept_all("e1", "accepted");
+    s.client.push_due(&session("e1")).await.unwrap();
+    assert_eq!(s.row(&id).state, "relay-accepted");
+
+    // On the enc-key lookup: nothing is sealed, pushed or charged.
+    let s = Setup::new(false).await;
+    let id = s.send_to_peer(ID1);
+    s.relay.on("GET /v2/relay/enc-key", |_| too_many(7));
+    assert_rate_limited(s.client.push_due(&session("e1")).await, 7_000);
+    let row = s.row(&id);
+    assert_eq!((row.attempts, row.wire, row.last_error), (0, None, None));
+    assert!(s.relay.seen("POST /v2/relay/items").is_empty());
+}
+
+#[tokio::test]
+async fn a_429_on_receipts_pull_or_ack_ends_the_pass_and_charges_nothing() {
+    // Receipts keep their attempts.
+    let s = Setup::new(true).await;
+    s.receive_and_read(ID1);
+    let before = s.receipt_rows();
+    s.relay.on("POST /v2/relay/items", |_| too_many(12));
+    assert_rate_limited(s.client.push_receipts(&session("e1")).await, 12_000);
+    assert_eq!(s.receipt_rows(), before);
+    assert!(before.iter().all(|r| r.2 == 0), "{before:?}");
+
+    // A 429 on the pull.
+    let s = Setup::new(true).await;
+    s.relay.on("GET /v2/relay/items", |_| too_many(5));
+    assert_rate_limited(s.client.pull_pass(&session("e1")).await, 5_000);
+    assert_eq!(s.messages(), 0);
+
+    // A 429 on the ack: the checkpoint already written stays, the pass ends.
+    let s = Setup::new(true).await;
+    let mut g = testutil::ids();
+    let peer = s.peer_pub();
+    let id = g.next(T0);
+    let q = Arc::new(Mutex::new(Queue {
+        epoch: "e1".into(),
+        items: vec![item(10, &id, &peer, &s.peer_wire(&id, "m"))],
+        head_override: None,
+    }));
+    serve_queue(&s.relay, q);
+    s.relay.on("POST /v2/relay/ack", |_| too_many(9));
+    assert_rate_limited(s.client.pull_pass(&session("e1")).await, 9_000);
+    let pos = s.position();
+    assert_eq!((pos.received_through, pos.acked_through), (10, 0));
+    assert_eq!(s.messages(), 1);
+    assert_eq!(s.relay.seen("GET /v2/relay/items").len(), 1);
+}
+
+#[tokio::test]
+async fn a_429_on_push_makes_the_loop_wait_the_given_time_before_its_next_pass() {
+    let s = Setup::new(true).await;
+    let me = s.me_pub();
+    let enc = s.me.enc_key.public().to_b64();
+    let key = s.relay.key.clone();
+    s.relay.on("GET /v2/relay/info", move |_| {
+        let you = json!({"host": "home", "pubkey": me, "head_seq": 0, "acked_through": 0,
+                         "enc_ad": {"enc_pub": enc, "exp": iso_ms(T0 + 30 * 86_400_000), "v1": false}});
+        (200, info(&key, "e1", Some(you)))
+    });
+    serve_queue(
+        &s.relay,
+        Arc::new(Mutex::new(Queue {
+            epoch: "e1".into(),
+            items: vec![],
+            head_override: None,
+        })),
+    );
+    // The first push is answered 429 (30 s); later ones are accepted.
+    let me = s.me_pub();
+    let mut accept = push_answer(s.relay.key.clone(), "e1", "accepted", move |a| {
+        a.sender = me.clone()
+    });
+    let mut pushes = 0;
+    s.relay.on("POST /v2/relay/items", move |req| {
+        pushes += 1;
+        if pushes == 1 {
+            return too_many(30);
+        }
+        accept(req)
+    });
+    let id = s.send_to_peer(ID1);
+    let wake = Arc::new(tokio::sync::Notify::new());
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(super::run(
+        s.client.clone(),
+        std::time::Duration::from_millis(50),
+        wake.clone(),
+        stopped,
+    ));
+    let pushes_seen = || s.relay.seen("POST /v2/relay/items").len();
+    wait_for("the refused push", || pushes_seen() == 1).await;
+    let infos = s.relay.seen("GET /v2/relay/info").len();
+    // No pass runs before the 30 s have passed on the clock, whatever wakes the loop (the pull
+    // interval is 50 ms, so a loop that did not wait would have passed many times).
+    wake.notify_one();
+    s.clock.advance(29_999);
+    let early = tokio::time::timeout(std::time::Duration::from_millis(2_500), async {
+        while s.relay.seen("GET /v2/relay/info").len() == infos {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(early.is_err(), "a pass ran before retry_after had passed");
+    assert_eq!(pushes_seen(), 1);
+    let row = s.row(&id);
+    assert_eq!((row.state.as_str(), row.attempts), ("pending", 0));
+    // Then the next pass pushes the row again and it settles.
+    s.clock.advance(1);
+    wait_for("the relay accept", || s.row(&id).state == "relay-accepted").await;
+    assert_eq!(pushes_seen(), 2);
+    stop.send(true).unwrap();
+    tokio::time::timeout(std::time::Duration::from_secs(10), task)
+        .await
+        .expect("the loop stops on shutdown")
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_key_change_stays_recorded_after_the_relay_serves_the_pinned_key_again() {
+    let s = Setup::new(true).await;
+    let t = s.trusty();
+    let wake = Arc::new(tokio::sync::Notify::new());
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(super::run(
+        s.client.clone(),
+        std::time::Duration::from_millis(50),
+        wake.clone(),
+        stopped,
+    ));
+    wait_for("a first session", || {
+        s.relay_state().is_some_and(|st| st.state == Standing::Ok)
+    })
+    .await;
+    let url = s.url();
+    let change = |s: &Setup| {
+        s.store
+            .mailbox
+            .with(|c| relay_trust::key_change(c, &url))
+            .unwrap()
+    };
+    assert_eq!(change(&s), None);
+    // Another key for a while, then the pinned one again.
+    let other = HostKey::generate();
+    *t.served.lock().unwrap() = other.clone();
+    wait_for("the key mismatch", || {
+        s.relay_state()
+            .is_some_and(|st| st.state == Standing::KeyMismatch)
+    })
+    .await;
+    *t.served.lock().unwrap() = s.relay.key.clone();
+    wake.notify_one();
+    wait_for("use resumed with the pinned key", || {
+        s.relay_state().is_some_and(|st| st.state == Standing::Ok)
+    })
+    .await;
+    let id = s.send_to_peer(ID1);
+    wake.notify_one();
+    wait_for("the push through the pinned key", || {
+        s.row(&id).state == "relay-accepted"
+    })
+    .await;
+    // The change is still on record: which key, since when; audited once.
+    let c = change(&s).expect("the key change is kept");
+    assert_eq!(
+        (c.how.as_str(), c.pinned.as_str(), c.served.as_str()),
+        (
+            "pinned",
+            s.relay.key.public().fingerprint().as_str(),
+            other.public().fingerprint().as_str()
+        )
+    );
+    assert_eq!(c.at, iso_ms(T0));
+    assert_eq!(s.audits("relay.key_changed").len(), 1);
+    // The other key again: the same change, not audited twice.
+    *t.served.lock().unwrap() = other.clone();
+    wake.notify_one();
+    wait_for("the key mismatch again", || {
+        s.relay_state()
+            .is_some_and(|st| st.state == Standing::KeyMismatch)
+    })
+    .await;
+    assert_eq!(s.audits("relay.key_changed").len(), 1);
+    assert_eq!(change(&s), Some(c));
+    *t.served.lock().unwrap() = s.relay.key.clone();
+    wake.notify_one();
+    wait_for("use resumed again", || {
+        s.relay_state().is_some_and(|st| st.state == Standing::Ok)
+    })
+    .await;
+    // The owner keeps the pinned key: the record goes, the decision is audited.
+    let pinned = s.relay.key.public();
+    let done = s
+        .store
+        .mailbox
+        .with(|c| relay_trust::confirm_key(c, &url, Some(&pinned), None, T0))
+        .unwrap();
+    assert!(done.changed);
+    assert_eq!(change(&s), None);
+    let confirmed = s.audits("relay.key_confirmed");
+    assert_eq!(confirmed.len(), 1);
+    assert_eq!(confirmed[0].detail["kept"], true);
+    assert_eq!(confirmed[0].detail["served"], other.public().fingerprint());
+    assert_eq!(confirmed[0].detail["to"], pinned.fingerprint());
+    stop.send(true).unwrap();
+    tokio::time::timeout(std::time::Duration::from_secs(10), task)
+        .await
+        .expect("the loop stops")
+        .unwrap();
 }

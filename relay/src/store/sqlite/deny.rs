@@ -5,18 +5,23 @@
 //! Writes go through the store's one writer like every other write (one transaction each, the
 //! answer only after COMMIT); reads use the read pool. An account binding is written in the
 //! same transaction as the enrolment it belongs to, so a host is never enrolled by the account
-//! authority without its binding. This file never decides what a token or a fingerprint means:
-//! it stores and matches the text the relay computed.
+//! authority without its binding, and a cloud key bound to another live host key is refused in
+//! that transaction. The operator controls (revoke, deny, undeny) write their change and its
+//! relay-log entry in one transaction. This file never decides what a token or a fingerprint
+//! means: it stores and matches the text the relay computed.
 //!
 //! It also reads which relay key a store directory is bound to
 //! ([`SqliteStore::recorded_relay_pubkey`]) for the offline operator commands.
 
 use rusqlite::{params, Connection, OptionalExtension};
 
-use super::{enrol_apply, enrolment_from_row, JobKind, SqliteStore, ENROLMENT_COLS};
+use super::{
+    append_op_apply, enrol_apply, enrolment_from_row, op_receipt_text, revoke_apply, JobKind,
+    SqliteStore, ENROLMENT_COLS,
+};
 use crate::store::{
     is_canonical_key, key_fingerprint, AccountBinding, DenyEntry, DenyKind, DenyOutcome,
-    EnrolOutcome, EnrolRequest, Enrolment, StoreError, MAX_DENY_ENTRIES,
+    EnrolOutcome, EnrolRequest, Enrolment, OpEntry, RevokeOutcome, StoreError, MAX_DENY_ENTRIES,
 };
 
 /// Longest deny-list value (a fingerprint is 19 bytes; a client_id is the issuer's text).
@@ -109,6 +114,18 @@ pub(super) fn enrol_bound(
         ));
     }
     store.submit(JobKind::Other, move |c, limits| {
+        if let Some(b) = &binding {
+            let taken: bool = c
+                .prepare_cached(
+                    "SELECT EXISTS (SELECT 1 FROM account_bindings b
+                       JOIN enrolments e ON e.host_pubkey = b.host_pubkey
+                     WHERE b.cloud_jkt = ?1 AND b.host_pubkey <> ?2 AND e.revoked_at IS NULL)",
+                )?
+                .query_row(params![b.cloud_jkt, b.host_pubkey], |r| r.get(0))?;
+            if taken {
+                return Ok(EnrolOutcome::CloudKeyTaken);
+            }
+        }
         let outcome = enrol_apply(c, limits, &req)?;
         if let (EnrolOutcome::Enrolled(_), Some(b)) = (&outcome, &binding) {
             c.prepare_cached(
@@ -139,49 +156,113 @@ pub(super) fn account_binding(
     store.read(|c| binding_row(c, host_pubkey))
 }
 
-/// [`crate::store::RelayStore::deny`].
-pub(super) fn deny(store: &SqliteStore, entry: DenyEntry) -> Result<DenyOutcome, StoreError> {
-    if entry.value.is_empty() || entry.value.len() > MAX_DENY_VALUE {
+fn check_deny_value(value: &str) -> Result<(), StoreError> {
+    if value.is_empty() || value.len() > MAX_DENY_VALUE {
         return Err(StoreError::InvalidInput(format!(
             "a deny-list value must be 1..={MAX_DENY_VALUE} bytes"
         )));
     }
-    store.submit(JobKind::Other, move |c, _| {
-        c.prepare_cached("DELETE FROM deny WHERE until IS NOT NULL AND until <= ?1")?
-            .execute([entry.at_ms])?;
-        let exists: bool = c
-            .prepare_cached("SELECT EXISTS (SELECT 1 FROM deny WHERE kind = ?1 AND value = ?2)")?
-            .query_row(params![entry.kind.as_str(), entry.value], |r| r.get(0))?;
-        if !exists {
-            let n: i64 = c
-                .prepare_cached("SELECT COUNT(*) FROM deny")?
-                .query_row([], |r| r.get(0))?;
-            if u64::try_from(n).unwrap_or(0) >= MAX_DENY_ENTRIES {
-                return Ok(DenyOutcome::Full);
-            }
+    Ok(())
+}
+
+/// Adds or replaces `entry` in the caller's transaction ([`crate::store::RelayStore::deny`]).
+fn deny_apply(c: &Connection, entry: DenyEntry) -> Result<DenyOutcome, StoreError> {
+    c.prepare_cached("DELETE FROM deny WHERE until IS NOT NULL AND until <= ?1")?
+        .execute([entry.at_ms])?;
+    let exists: bool = c
+        .prepare_cached("SELECT EXISTS (SELECT 1 FROM deny WHERE kind = ?1 AND value = ?2)")?
+        .query_row(params![entry.kind.as_str(), entry.value], |r| r.get(0))?;
+    if !exists {
+        let n: i64 = c
+            .prepare_cached("SELECT COUNT(*) FROM deny")?
+            .query_row([], |r| r.get(0))?;
+        if u64::try_from(n).unwrap_or(0) >= MAX_DENY_ENTRIES {
+            return Ok(DenyOutcome::Full);
         }
-        c.prepare_cached(
-            "INSERT INTO deny (kind, value, until, at) VALUES (?1, ?2, ?3, ?4)
-             ON CONFLICT(kind, value) DO UPDATE SET until = excluded.until, at = excluded.at",
-        )?
-        .execute(params![
-            entry.kind.as_str(),
-            entry.value,
-            entry.until_ms,
-            entry.at_ms
-        ])?;
-        Ok(DenyOutcome::Stored(entry))
-    })
+    }
+    c.prepare_cached(
+        "INSERT INTO deny (kind, value, until, at) VALUES (?1, ?2, ?3, ?4)
+         ON CONFLICT(kind, value) DO UPDATE SET until = excluded.until, at = excluded.at",
+    )?
+    .execute(params![
+        entry.kind.as_str(),
+        entry.value,
+        entry.until_ms,
+        entry.at_ms
+    ])?;
+    Ok(DenyOutcome::Stored(entry))
+}
+
+/// Removes an entry in the caller's transaction ([`crate::store::RelayStore::undeny`]).
+fn undeny_apply(c: &Connection, kind: DenyKind, value: &str) -> Result<bool, StoreError> {
+    let n = c
+        .prepare_cached("DELETE FROM deny WHERE kind = ?1 AND value = ?2")?
+        .execute(params![kind.as_str(), value])?;
+    Ok(n > 0)
+}
+
+/// [`crate::store::RelayStore::deny`].
+pub(super) fn deny(store: &SqliteStore, entry: DenyEntry) -> Result<DenyOutcome, StoreError> {
+    check_deny_value(&entry.value)?;
+    store.submit(JobKind::Other, move |c, _| deny_apply(c, entry))
 }
 
 /// [`crate::store::RelayStore::undeny`].
 pub(super) fn undeny(store: &SqliteStore, kind: DenyKind, value: &str) -> Result<bool, StoreError> {
     let value = value.to_owned();
+    store.submit(JobKind::Other, move |c, _| undeny_apply(c, kind, &value))
+}
+
+/// [`crate::store::RelayStore::revoke_logged`].
+pub(super) fn revoke_logged(
+    store: &SqliteStore,
+    host_pubkey: &str,
+    now_ms: i64,
+    log: OpEntry,
+) -> Result<RevokeOutcome, StoreError> {
+    let receipt = op_receipt_text(&log.receipt)?;
+    let key = host_pubkey.to_owned();
     store.submit(JobKind::Other, move |c, _| {
-        let n = c
-            .prepare_cached("DELETE FROM deny WHERE kind = ?1 AND value = ?2")?
-            .execute(params![kind.as_str(), value])?;
-        Ok(n > 0)
+        let outcome = revoke_apply(c, &key, now_ms)?;
+        if outcome == RevokeOutcome::Revoked {
+            append_op_apply(c, log.at_ms, &log.op, &receipt)?;
+        }
+        Ok(outcome)
+    })
+}
+
+/// [`crate::store::RelayStore::deny_logged`].
+pub(super) fn deny_logged(
+    store: &SqliteStore,
+    entry: DenyEntry,
+    log: OpEntry,
+) -> Result<DenyOutcome, StoreError> {
+    check_deny_value(&entry.value)?;
+    let receipt = op_receipt_text(&log.receipt)?;
+    store.submit(JobKind::Other, move |c, _| {
+        let outcome = deny_apply(c, entry)?;
+        if matches!(outcome, DenyOutcome::Stored(_)) {
+            append_op_apply(c, log.at_ms, &log.op, &receipt)?;
+        }
+        Ok(outcome)
+    })
+}
+
+/// [`crate::store::RelayStore::undeny_logged`].
+pub(super) fn undeny_logged(
+    store: &SqliteStore,
+    kind: DenyKind,
+    value: &str,
+    log: OpEntry,
+) -> Result<bool, StoreError> {
+    let receipt = op_receipt_text(&log.receipt)?;
+    let value = value.to_owned();
+    store.submit(JobKind::Other, move |c, _| {
+        let removed = undeny_apply(c, kind, &value)?;
+        if removed {
+            append_op_apply(c, log.at_ms, &log.op, &receipt)?;
+        }
+        Ok(removed)
     })
 }
 
@@ -366,6 +447,38 @@ mod tests {
                 .map(|b| b.cloud_jkt),
             Some("j3".to_owned())
         );
+    }
+
+    #[test]
+    fn a_cloud_key_serves_one_live_host_key() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(dir.path());
+        let (a, b) = (key(1), key(2));
+        let enrol = |k: &str, name: &str, at: i64| {
+            store
+                .enrol_bound(request(k, name, Some("acct"), at), Some(binding(k, "j1")))
+                .expect("enrol")
+        };
+        assert!(matches!(enrol(&a, "one", 10), EnrolOutcome::Enrolled(_)));
+        // Another key with the same cloud key: refused, nothing written.
+        assert_eq!(enrol(&b, "two", 11), EnrolOutcome::CloudKeyTaken);
+        assert_eq!(store.enrolment(&b).expect("read"), None);
+        assert_eq!(store.account_binding(&b).expect("read"), None);
+        // The same key again is a re-enrolment; another cloud key for b is fine.
+        assert!(matches!(enrol(&a, "one", 12), EnrolOutcome::Enrolled(_)));
+        assert!(matches!(
+            store
+                .enrol_bound(
+                    request(&b, "two", Some("acct"), 13),
+                    Some(binding(&b, "j2"))
+                )
+                .expect("enrol"),
+            EnrolOutcome::Enrolled(_)
+        ));
+        // Once a is revoked its cloud key is free for another key.
+        store.revoke(&a, 14).expect("revoke");
+        let c = key(3);
+        assert!(matches!(enrol(&c, "three", 15), EnrolOutcome::Enrolled(_)));
     }
 
     #[test]

@@ -8,18 +8,36 @@
 //!    it keeps (a weaker authority never overwrites a stronger one, spec §2). A new key that
 //!    was not enrolled becomes enrolled; the live count does not grow (the old key is revoked
 //!    in the same transaction), so the live cap is not checked.
-//! 2. The old key's queued items are re-inserted in seq order under seqs from the normal
-//!    allocator (`max(next_seq, now)`), i.e. after every item the new key already has; bytes,
-//!    hashes, acceptance and expiry times are kept. Quotas are not charged: both keys are the
-//!    same host, and nothing may be stranded. An item the new key already holds from the same
-//!    sender under the same id (the sender learned the new key and pushed it again) is not
-//!    moved twice.
-//! 3. Dedup rows stay where they are, under the old key: a sender that has not learned the new
-//!    key yet and retries a push naming the old key still settles as `duplicate` with its
-//!    original accept. A push naming the new key is a new dedup key (`wire.md` "Resolved details" → "Resealing":
-//!    a new target key is a new dedup key), so a copy resealed for the new key is accepted
-//!    rather than refused as a `conflict` (which the sender would take as terminal); the
-//!    receiver's message-id dedup absorbs the second copy.
+//! 2. The old key's queued items move behind the new key's in seq order, with one
+//!    `INSERT … SELECT` inside SQLite (the queue is never loaded into the relay's memory; a
+//!    queue may hold 10,000 items of up to 768 KiB each). They get consecutive seqs from the
+//!    normal allocator's start (`max(next_seq, now)`), i.e. after every item the new key
+//!    already has, and `next_seq` moves past them; bytes, hashes, acceptance and expiry times
+//!    are kept. An item the new key already holds from the same sender under the same id (the
+//!    sender learned the new key and pushed it again) is not moved twice.
+//!
+//!    **Quotas are not charged, and the move may take the new key's queue past them** (items,
+//!    bytes, sender share, account): both keys signed the rotation, they are the same host,
+//!    and the spec says nothing may be stranded, so refusing or dropping the excess would lose
+//!    mail the relay already accepted (and signed an accept for). The excess is bounded — it
+//!    is at most one full queue, which the old key was itself held to — and it only delays new
+//!    mail: pushes to the new key are refused `rejected:quota:…` until the host pulled and
+//!    acked enough.
+//! 3. **Dedup rows stay where they are, under the old key**, although `wire.md` §3.2 says they
+//!    move. This is deliberate:
+//!    - a sender that has not learned the new key yet and retries a push naming the old key
+//!      still settles as `duplicate` with its original accept (the handler skips its
+//!      enrolment check for a target that has a dedup row), instead of being told the target
+//!      is not enrolled;
+//!    - a push naming the new key is a new dedup key (`wire.md` "Resolved details" →
+//!      "Resealing": a new target key is a new dedup key), so a copy resealed for the new key
+//!      is accepted rather than refused as a `conflict`, which the sender would take as
+//!      terminal; moving the rows would put the old wire hash under the new key and turn every
+//!      such resealed push into a conflict. The receiver's message-id dedup absorbs the second
+//!      copy.
+//!
+//!    Dedup rows are never re-keyed; the retention sweep (`wire.md` §3.2 "Sweep"), once it
+//!    exists, prunes them by age wherever they are.
 //! 4. The old key's enc-key ads (v1 and v2) are dropped.
 //! 5. The old key's own allowlist becomes the new key's, unless the new key already published
 //!    one (a list signed by the new key is the host's newer word).
@@ -28,36 +46,48 @@
 //!    target published — while `senders`, the list the relay enforces, is rebound; a list whose
 //!    `senders` differ from its `record` is one the relay rebound. The target's next
 //!    publication (with a newer `iat`) replaces it as usual.
-//! 7. The old key is revoked, and `meta.rotation:<old key>` records the new key, so repeating
+//! 7. Every deny-list entry keyed by the old key's fingerprint that is active now is copied to
+//!    the new key's fingerprint (same `until`; an entry the new fingerprint already has keeps
+//!    the longer of the two). The rotate handler refuses a rotation of a denied key (403
+//!    `DENIED`) before it gets here; the copy closes the window between that check and this
+//!    transaction, so a deny written meanwhile cannot be escaped by rotating. Each copy
+//!    replaces a key that is revoked in the same transaction, so it adds at most one row per
+//!    deny entry already stored and is not refused at
+//!    [`MAX_DENY_ENTRIES`](crate::store::MAX_DENY_ENTRIES) (a deny must never
+//!    be lost).
+//! 8. The old key is revoked, and `meta.rotation:<old key>` records the new key, so repeating
 //!    the same rotation answers [`RotateOutcome::AlreadyRotated`] instead of an error that
 //!    would make the host retry for ever; a rotation of the (now revoked) old key to any other
 //!    key is [`RotateOutcome::NotEnrolled`].
 //!
 //! Every refusal is decided before the first write, so a refused rotation changes nothing.
 //!
+//! # Bounds of the rotation markers
+//! A marker is kept only while the enrolment row of its old key exists: every applied
+//! rotation drops the markers whose old key has no enrolment row any more. The old key's row
+//! stays (revoked stays revoked, spec §2), and one rotation revokes exactly one live row, so
+//! there is at most one marker per revoked enrolment row: the markers are bounded by the
+//! enrolments table and shrink with it if enrolments are ever pruned.
+//!
+//! # Expiry notices for moved items
+//! The relay has no retention sweep yet (`wire.md` §3.2 "Sweep"). When it has one, the expiry
+//! notice of an envelope that a rotation moved must name the target key the *sender* used —
+//! the old key — not the key the item waits under now, or the sender could not match it to
+//! its row. The moved item's row carries the new key; the original target is the one of the
+//! dedup row with the item's sender, id and wire hash (kept under the old key, point 3; a
+//! sealed copy for another target has another hash), and `meta.rotation:<old key>` links the
+//! two keys.
+//!
 //! # What it must never do
 //! Verify signatures (the handler checked the record against the old key) or charge quotas.
 
-use rusqlite::{params, Connection};
+use rusqlite::{params, Connection, OptionalExtension};
 
-use super::{allocate_seq, enrolment_row, meta_get, meta_put};
-use crate::store::{Enrolment, RotateOutcome, RotateRequest, StoreError};
+use super::{enrolment_row, meta_get, meta_put};
+use crate::store::{key_fingerprint, Enrolment, RotateOutcome, RotateRequest, StoreError};
 
 /// Prefix of the meta key that remembers an applied rotation: `rotation:<old key>` → new key.
 pub(crate) const ROTATION_META_PREFIX: &str = "rotation:";
-
-/// One queued item of the old key, as it is re-inserted.
-struct Queued {
-    kind: String,
-    item_id: String,
-    sender_pubkey: String,
-    sender_host: String,
-    wire: Vec<u8>,
-    wire_hash: String,
-    bytes: i64,
-    accepted_at: i64,
-    expires_at: Option<i64>,
-}
 
 /// Applies one verified rotation (module docs).
 pub(super) fn rotate_apply(
@@ -134,79 +164,92 @@ pub(super) fn rotate_apply(
         .execute([old_key])?;
 
     rebind_allowlists(c, old_key, new_key)?;
+    carry_deny_entries(c, old_key, new_key, req.now_ms)?;
 
     meta_put(c, &marker, new_key)?;
+    prune_markers(c)?;
     Ok(RotateOutcome::Rotated { moved })
 }
 
-/// Moves the old key's queue behind the new key's (module docs, 2); returns how many items
-/// moved.
+/// Moves the old key's queue behind the new key's (module docs, 2) without loading it; returns
+/// how many items moved.
 fn move_queue(
     c: &Connection,
     old_key: &str,
     new_key: &str,
     now_ms: i64,
 ) -> Result<u64, StoreError> {
-    let queued: Vec<Queued> = {
-        let mut st = c.prepare_cached(
-            "SELECT kind, item_id, sender_pubkey, sender_host, wire, wire_hash, bytes,
-                    accepted_at, expires_at
-             FROM items WHERE target_pubkey = ?1 ORDER BY seq",
-        )?;
-        let rows = st
-            .query_map([old_key], |r| {
-                Ok(Queued {
-                    kind: r.get(0)?,
-                    item_id: r.get(1)?,
-                    sender_pubkey: r.get(2)?,
-                    sender_host: r.get(3)?,
-                    wire: r.get(4)?,
-                    wire_hash: r.get(5)?,
-                    bytes: r.get(6)?,
-                    accepted_at: r.get(7)?,
-                    expires_at: r.get(8)?,
-                })
-            })?
-            .collect::<Result<Vec<_>, _>>()?;
-        rows
-    };
-    let mut moved = 0u64;
-    for item in &queued {
-        let held: bool = c
-            .prepare_cached(
-                "SELECT EXISTS (SELECT 1 FROM dedup
-                   WHERE sender_pubkey = ?1 AND item_id = ?2 AND target_pubkey = ?3)",
-            )?
-            .query_row(params![item.sender_pubkey, item.item_id, new_key], |r| {
-                r.get(0)
-            })?;
-        if held {
-            continue;
-        }
-        let seq = allocate_seq(c, new_key, now_ms)?;
-        c.prepare_cached(
+    // The normal allocator's start (`allocate_seq`): max(next_seq, now), at least 1.
+    let next: Option<i64> = c
+        .prepare_cached("SELECT next_seq FROM seqs WHERE target_pubkey = ?1")?
+        .query_row([new_key], |r| r.get(0))
+        .optional()?;
+    let first = next.unwrap_or(1).max(now_ms).max(1);
+    let moved = c
+        .prepare_cached(
             "INSERT INTO items (target_pubkey, seq, kind, item_id, sender_pubkey, sender_host,
                                 wire, wire_hash, bytes, accepted_at, expires_at)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+             SELECT ?2, ?3 + ROW_NUMBER() OVER (ORDER BY i.seq) - 1, i.kind, i.item_id,
+                    i.sender_pubkey, i.sender_host, i.wire, i.wire_hash, i.bytes,
+                    i.accepted_at, i.expires_at
+             FROM items i
+             WHERE i.target_pubkey = ?1
+               AND NOT EXISTS (SELECT 1 FROM dedup d
+                                WHERE d.sender_pubkey = i.sender_pubkey
+                                  AND d.item_id = i.item_id AND d.target_pubkey = ?2)
+             ORDER BY i.seq",
         )?
-        .execute(params![
-            new_key,
-            seq,
-            item.kind,
-            item.item_id,
-            item.sender_pubkey,
-            item.sender_host,
-            item.wire,
-            item.wire_hash,
-            item.bytes,
-            item.accepted_at,
-            item.expires_at,
-        ])?;
-        moved += 1;
+        .execute(params![old_key, new_key, first])?;
+    let moved = u64::try_from(moved).unwrap_or(u64::MAX);
+    if moved > 0 {
+        let following = i64::try_from(moved)
+            .ok()
+            .and_then(|n| first.checked_add(n))
+            .ok_or_else(|| {
+                StoreError::Corrupt("the sequence space of a target is exhausted".to_owned())
+            })?;
+        c.prepare_cached(
+            "INSERT INTO seqs (target_pubkey, next_seq) VALUES (?1, ?2)
+             ON CONFLICT(target_pubkey) DO UPDATE SET next_seq = excluded.next_seq",
+        )?
+        .execute(params![new_key, following])?;
     }
     c.prepare_cached("DELETE FROM items WHERE target_pubkey = ?1")?
         .execute([old_key])?;
     Ok(moved)
+}
+
+/// Copies the deny-list entries of the old key's fingerprint that are active at `now_ms` to the
+/// new key's fingerprint (module docs, 7); returns how many were copied.
+fn carry_deny_entries(
+    c: &Connection,
+    old_key: &str,
+    new_key: &str,
+    now_ms: i64,
+) -> Result<usize, StoreError> {
+    let (old_fp, new_fp) = (key_fingerprint(old_key), key_fingerprint(new_key));
+    Ok(c.prepare_cached(
+        "INSERT INTO deny (kind, value, until, at)
+         SELECT 'host', ?2, until, ?3 FROM deny
+          WHERE kind = 'host' AND value = ?1 AND (until IS NULL OR until > ?3)
+         ON CONFLICT(kind, value) DO UPDATE SET
+           until = CASE WHEN deny.until IS NULL OR excluded.until IS NULL THEN NULL
+                        ELSE max(deny.until, excluded.until) END,
+           at = excluded.at",
+    )?
+    .execute(params![old_fp, new_fp, now_ms])?)
+}
+
+/// Drops the rotation markers whose old key has no enrolment row (module docs, "Bounds").
+fn prune_markers(c: &Connection) -> Result<usize, StoreError> {
+    // `rotation:` sorts right before `rotation;`: a range scan of the meta primary key.
+    Ok(c.prepare_cached(
+        "DELETE FROM meta
+          WHERE k >= 'rotation:' AND k < 'rotation;'
+            AND NOT EXISTS (SELECT 1 FROM enrolments e
+                             WHERE e.host_pubkey = substr(meta.k, 10))",
+    )?
+    .execute([])?)
 }
 
 /// Moves the old key's allowlist to the new key and swaps the old key for the new one in every
@@ -255,8 +298,9 @@ fn rebind_allowlists(c: &Connection, old_key: &str, new_key: &str) -> Result<(),
 mod tests {
     use super::*;
     use crate::store::{
-        AuthorityStrength, EncAdV1, EncAdV2, EnrolOutcome, EnrolRequest, ItemStatus, OpenOptions,
-        PullRequest, PushBatch, PushItem, PushTarget, RelayStore, SenderList,
+        AuthorityStrength, DenyEntry, DenyKind, EncAdV1, EncAdV2, EnrolOutcome, EnrolRequest,
+        ItemStatus, OpenOptions, PullRequest, PushBatch, PushItem, PushTarget, RelayStore,
+        SenderList, StoreLimits,
     };
     use crate::store::{SqliteStore, DB_FILE};
     use base64::Engine as _;
@@ -596,6 +640,245 @@ mod tests {
                 &format!("rotation:{old}")
             ),
             0
+        );
+    }
+
+    fn open_limited(dir: &std::path::Path, limits: StoreLimits) -> SqliteStore {
+        let options = OpenOptions {
+            lock_wait_ms: 0,
+            limits,
+            ..OpenOptions::default()
+        };
+        SqliteStore::open_with(dir, &key(200), 1_000, options).expect("open store")
+    }
+
+    /// Pushes `n` items `<prefix><i>` from `sender` to `target` in batches of 200.
+    fn push_many(store: &SqliteStore, sender: &str, target: &str, prefix: &str, n: usize) {
+        let ids: Vec<String> = (0..n).map(|i| format!("{prefix}{i:05}")).collect();
+        for chunk in ids.chunks(200) {
+            let out = store
+                .push(PushBatch {
+                    sender_pubkey: sender.to_owned(),
+                    sender_host: "sender".to_owned(),
+                    now_ms: 2_000,
+                    expiry: Default::default(),
+                    items: chunk
+                        .iter()
+                        .map(|id| PushItem {
+                            kind: "envelope".to_owned(),
+                            item_id: id.clone(),
+                            targets: vec![PushTarget {
+                                target_pubkey: target.to_owned(),
+                                wire: id.as_bytes().to_vec(),
+                            }],
+                        })
+                        .collect(),
+                })
+                .expect("push");
+            assert!(
+                out.items.iter().all(|i| i.status == ItemStatus::Accepted),
+                "{out:?}"
+            );
+        }
+    }
+
+    fn deny_host(store: &SqliteStore, k: &str, until: Option<i64>, at: i64) {
+        store
+            .deny(DenyEntry {
+                kind: DenyKind::Host,
+                value: key_fingerprint(k),
+                until_ms: until,
+                at_ms: at,
+            })
+            .expect("deny");
+    }
+
+    fn host_entry(store: &SqliteStore, k: &str) -> Option<(Option<i64>, i64)> {
+        let fp = key_fingerprint(k);
+        store
+            .deny_entries()
+            .expect("deny entries")
+            .into_iter()
+            .find(|e| e.kind == DenyKind::Host && e.value == fp)
+            .map(|e| (e.until_ms, e.at_ms))
+    }
+
+    #[test]
+    fn the_old_keys_active_deny_entries_are_carried_to_the_new_fingerprint() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path());
+        let (old, new) = (key(1), key(2));
+        enrol(&store, &old, "laptop", None);
+        // Written after the handler's check, before the rotation's transaction.
+        deny_host(&store, &old, None, 3_000);
+        assert_eq!(
+            store.rotate(rotation(&old, &new, "laptop", 4_000)).unwrap(),
+            RotateOutcome::Rotated { moved: 0 }
+        );
+        assert_eq!(host_entry(&store, &new), Some((None, 4_000)));
+        assert!(store
+            .denied(&key_fingerprint(&new), None, 10_000_000)
+            .unwrap()
+            .is_some());
+        // The old key's entry stays as the operator wrote it.
+        assert_eq!(host_entry(&store, &old), Some((None, 3_000)));
+
+        // A timed entry keeps its end; an entry the new fingerprint has keeps the longer one.
+        let (old2, new2) = (key(3), key(4));
+        enrol(&store, &old2, "desk", None);
+        deny_host(&store, &old2, Some(9_000), 3_000);
+        deny_host(&store, &new2, Some(7_000), 3_000);
+        store.rotate(rotation(&old2, &new2, "desk", 5_000)).unwrap();
+        assert_eq!(host_entry(&store, &new2), Some((Some(9_000), 5_000)));
+        let (old3, new3) = (key(5), key(6));
+        enrol(&store, &old3, "box", None);
+        deny_host(&store, &old3, Some(6_000), 3_000);
+        deny_host(&store, &new3, None, 3_000);
+        store.rotate(rotation(&old3, &new3, "box", 5_000)).unwrap();
+        assert_eq!(host_entry(&store, &new3), Some((None, 5_000)));
+
+        // An entry that ended before the rotation is not carried.
+        let (old4, new4) = (key(7), key(8));
+        enrol(&store, &old4, "pi", None);
+        deny_host(&store, &old4, Some(5_000), 3_000);
+        store.rotate(rotation(&old4, &new4, "pi", 5_000)).unwrap();
+        assert_eq!(host_entry(&store, &new4), None);
+        // Nor is anything when the old key was never denied.
+        let (old5, new5) = (key(9), key(10));
+        enrol(&store, &old5, "nas", None);
+        store.rotate(rotation(&old5, &new5, "nas", 5_000)).unwrap();
+        assert_eq!(host_entry(&store, &new5), None);
+    }
+
+    #[test]
+    fn a_long_queue_moves_in_order_with_consecutive_seqs_after_the_new_keys_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path());
+        let (old, new, a) = (key(1), key(2), key(3));
+        enrol(&store, &old, "laptop", None);
+        enrol(&store, &new, "laptop-2", None);
+        enrol(&store, &a, "alpha", None);
+        push_many(&store, &a, &old, "o", 450);
+        let own = push(&store, &a, &new, "own", b"own", 9_000);
+        let out = store.rotate(rotation(&old, &new, "laptop", 5_000)).unwrap();
+        assert_eq!(out, RotateOutcome::Rotated { moved: 450 });
+        let mut q = Vec::new();
+        let mut after = 0;
+        loop {
+            let page = store
+                .pull(PullRequest {
+                    target_pubkey: new.clone(),
+                    after,
+                    limit: 500,
+                    max_bytes: u64::MAX,
+                })
+                .unwrap();
+            let Some(last) = page.items.last() else { break };
+            after = last.seq;
+            q.extend(page.items.into_iter().map(|i| (i.seq, i.item_id)));
+        }
+        assert_eq!(q.len(), 451);
+        assert_eq!(q[0], (own, "own".to_owned()));
+        for (n, (seq, id)) in q[1..].iter().enumerate() {
+            assert_eq!(id, &format!("o{n:05}"));
+            assert_eq!(
+                *seq,
+                own + 1 + n as i64,
+                "consecutive after the new key's own"
+            );
+        }
+        // The allocator continues after the moved items.
+        let next = push(&store, &a, &new, "next", b"next", 5_000);
+        assert_eq!(next, q[450].0 + 1);
+        let c = raw(dir.path());
+        assert_eq!(
+            count(
+                &c,
+                "SELECT COUNT(*) FROM items WHERE target_pubkey = ?1",
+                &old
+            ),
+            0
+        );
+    }
+
+    #[test]
+    fn moved_items_may_take_the_new_key_past_its_quota_and_new_pushes_wait() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open_limited(
+            dir.path(),
+            StoreLimits {
+                max_queue_items: 3,
+                ..StoreLimits::default()
+            },
+        );
+        let (old, new, a) = (key(1), key(2), key(3));
+        enrol(&store, &old, "laptop", None);
+        enrol(&store, &new, "laptop-2", None);
+        enrol(&store, &a, "alpha", None);
+        push_many(&store, &a, &old, "o", 3);
+        push_many(&store, &a, &new, "n", 3);
+        // Both queues are at the cap: nothing is stranded, the new key holds all six.
+        assert_eq!(
+            store.rotate(rotation(&old, &new, "laptop", 5_000)).unwrap(),
+            RotateOutcome::Rotated { moved: 3 }
+        );
+        assert_eq!(queue(&store, &new).len(), 6);
+        // A new push waits until the host drained its queue.
+        let out = store
+            .push(PushBatch {
+                sender_pubkey: a.clone(),
+                sender_host: "alpha".to_owned(),
+                now_ms: 6_000,
+                expiry: Default::default(),
+                items: vec![PushItem {
+                    kind: "envelope".to_owned(),
+                    item_id: "late".to_owned(),
+                    targets: vec![PushTarget {
+                        target_pubkey: new.clone(),
+                        wire: b"late".to_vec(),
+                    }],
+                }],
+            })
+            .unwrap();
+        assert!(
+            out.items[0].status.wire().starts_with("rejected:quota:"),
+            "{out:?}"
+        );
+    }
+
+    #[test]
+    fn markers_live_only_while_their_old_keys_enrolment_row_exists() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path());
+        let (k1, k2, k3, k4, gone) = (key(1), key(2), key(3), key(4), key(50));
+        enrol(&store, &k1, "one", None);
+        enrol(&store, &k3, "three", None);
+        store.rotate(rotation(&k1, &k2, "one", 2_000)).unwrap();
+        // A marker whose old key has no enrolment row (e.g. pruned) is dropped by the next
+        // rotation; the markers of kept rows stay.
+        store
+            .set_meta(&format!("{ROTATION_META_PREFIX}{gone}"), &key(51))
+            .unwrap();
+        store.rotate(rotation(&k3, &k4, "three", 3_000)).unwrap();
+        let c = raw(dir.path());
+        let markers: Vec<String> = c
+            .prepare("SELECT k FROM meta WHERE k LIKE 'rotation:%' ORDER BY k")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        let mut want = vec![
+            format!("{ROTATION_META_PREFIX}{k1}"),
+            format!("{ROTATION_META_PREFIX}{k3}"),
+        ];
+        want.sort();
+        assert_eq!(markers, want);
+        drop(c);
+        // The kept markers still answer a repeated rotation.
+        assert_eq!(
+            store.rotate(rotation(&k1, &k2, "one", 4_000)).unwrap(),
+            RotateOutcome::AlreadyRotated
         );
     }
 }

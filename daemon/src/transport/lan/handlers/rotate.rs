@@ -9,12 +9,17 @@
 //! (400) → `records` an array of at most [`MAX_RECORDS_PER_ANNOUNCE`] (400 `bad batch`) → each
 //! record in order, in its own transaction ([`accept_record`]). The answer `{results:[…]}`
 //! (0.5.x: one string per record, `rotated`, `current` or `rejected:<why>`) is sent after the
-//! last commit.
+//! last commit. The refused records of a request are logged as one line (how many, the first
+//! reason), at WARN at most once a minute per client address, else at DEBUG.
 //!
 //! A record is matched by key: the peer pinned to `old_pub` (its name must be `rec.host`), or
 //! the peer already pinned to `new_pub` (`current`), or a peer named `rec.host` whose retired
 //! keys hold both keys (a step of a chain it already took: `current`); anything else is refused
 //! with 0.5.x's texts (`host not paired`, `rotation does not start from the pinned host key`, …).
+//! A record dated more than 5 minutes ahead of this host's clock, or whose `iat` is not an ISO
+//! ms time, is refused ([`SignedRotation::check_time`]), and so is a rotation back to one of
+//! the peer's retired keys ([`peers::ROTATION_TO_RETIRED`]: the earlier records are public, and
+//! replaying them would flip the pin back and forth).
 //! An accepted record moves the pin, the enc key and the retired keys ([`peers::rotate`]),
 //! retargets the mail still waiting for the old key ([`outbox::retarget`]) and is audited
 //! `peer.rotated` (fingerprints only), all in one transaction; then the sender loops are woken.
@@ -42,6 +47,7 @@ use agentmbx_protocol::rotation::{
     RotateAnswer, RotateResult, RotationError, SignedRotation, MAX_RECORDS_PER_ANNOUNCE,
 };
 use agentmbx_relay::auth::{read_capped, BodyError};
+use agentmbx_relay::log_gate::LogGate;
 
 use super::{parse_json, HttpError};
 use crate::mailbox::peers::{self, Rotated};
@@ -67,6 +73,9 @@ pub const NOT_PAIRED: &str = "host not paired";
 pub const WRONG_HOST: &str = "rotation names another host than the one its key is pinned for";
 /// Refusal of a record whose new key is already pinned as another peer.
 pub const NEW_KEY_TAKEN: &str = "the new host key is already pinned as another peer";
+/// A request's refused records are summed up in one log line, at WARN at most once per this
+/// many ms per client address (else at DEBUG), so a flood of bad records cannot flood the log.
+pub const REFUSAL_WARN_EVERY_MS: i64 = 60_000;
 
 /// The route, merged into the LAN router outside the shared body cap (this route reads its
 /// own, smaller one after the rate check).
@@ -76,11 +85,12 @@ pub fn router(clock: SharedClock) -> Router<SharedLan> {
         ROTATE_REQS_PER_MIN,
         MAX_ROTATE_CLIENTS,
     ));
+    let gate = Arc::new(LogGate::new(REFUSAL_WARN_EVERY_MS, MAX_ROTATE_CLIENTS));
     Router::new().route(
         "/v1/rotate",
         post(move |State(state): State<SharedLan>, req: Request| {
-            let limiter = limiter.clone();
-            async move { handle(state, &limiter, req).await }
+            let (limiter, gate) = (limiter.clone(), gate.clone());
+            async move { handle(state, &limiter, &gate, req).await }
         }),
     )
 }
@@ -223,18 +233,29 @@ pub fn accept_record(
         if peer.host != rec.host {
             return Ok(Outcome::refused(WRONG_HOST));
         }
-        if let Err(why) = signed.check(&old) {
+        if let Err(why) = signed.check(&old).and_then(|()| signed.check_time(now_ms)) {
             return Ok(Outcome::refused(why.to_string()));
         }
+        if peers::prev_keys(conn, &peer.host)?.contains(&new_b64) {
+            // Its earlier records are public: anyone could replay them to flip the pin back.
+            return Ok(Outcome::refused(peers::ROTATION_TO_RETIRED));
+        }
         let iat = agentmbx_protocol::time::parse_iso_ms(&rec.iat);
-        let moved =
-            match peers::rotate(conn, &peer.host, &old_b64, &new_b64, &new_enc.to_b64(), iat) {
-                Ok(Some(moved)) => moved,
-                // The pin changed between the lookup and the update: not from the pinned key.
-                Ok(None) => return Ok(Outcome::refused(RotationError::NotFromPinned.to_string())),
-                Err(MailboxError::Conflict(_)) => return Ok(Outcome::refused(NEW_KEY_TAKEN)),
-                Err(e) => return Err(e),
-            };
+        let moved = match peers::rotate(
+            conn,
+            &peer.host,
+            &old_b64,
+            &new_b64,
+            &new_enc.to_b64(),
+            iat,
+            now_ms,
+        ) {
+            Ok(Some(moved)) => moved,
+            // The pin changed between the lookup and the update: not from the pinned key.
+            Ok(None) => return Ok(Outcome::refused(RotationError::NotFromPinned.to_string())),
+            Err(MailboxError::Conflict(_)) => return Ok(Outcome::refused(NEW_KEY_TAKEN)),
+            Err(e) => return Err(e),
+        };
         let retargeted = outbox::retarget(conn, &peer.host, &old_b64, &new_b64, now_ms)?;
         audit::record(
             conn,
@@ -294,7 +315,12 @@ fn records(body: Value) -> Result<Vec<Value>, HttpError> {
     }
 }
 
-async fn handle(state: SharedLan, limiter: &AddressLimiter, req: Request) -> Response {
+async fn handle(
+    state: SharedLan,
+    limiter: &AddressLimiter,
+    gate: &LogGate,
+    req: Request,
+) -> Response {
     let remote = req
         .extensions()
         .get::<ConnectInfo<SocketAddr>>()
@@ -311,13 +337,18 @@ async fn handle(state: SharedLan, limiter: &AddressLimiter, req: Request) -> Res
             return HttpError::bad_request("request body could not be read").into_response()
         }
     };
-    match answer(&state, &body).await {
+    match answer(&state, &body, remote, gate).await {
         Ok(a) => Json(a).into_response(),
         Err(e) => e.into_response(),
     }
 }
 
-async fn answer(state: &SharedLan, body: &[u8]) -> Result<RotateAnswer, HttpError> {
+async fn answer(
+    state: &SharedLan,
+    body: &[u8],
+    remote: IpAddr,
+    gate: &LogGate,
+) -> Result<RotateAnswer, HttpError> {
     let records = records(parse_json(body)?)?;
     let now = state.clock.now_ms();
     let outcomes = state
@@ -336,6 +367,7 @@ async fn answer(state: &SharedLan, body: &[u8]) -> Result<RotateAnswer, HttpErro
         })
         .await?;
     let mut moved = false;
+    let (mut refused, mut first_reason) = (0usize, None::<&str>);
     for o in &outcomes {
         match (&o.result, &o.rotated) {
             (RotateResult::Rotated, Some(r)) => {
@@ -349,9 +381,23 @@ async fn answer(state: &SharedLan, body: &[u8]) -> Result<RotateAnswer, HttpErro
                 );
             }
             (RotateResult::Rejected(why), _) => {
-                tracing::warn!(reason = %why, "key rotation record refused");
+                refused += 1;
+                first_reason.get_or_insert(why.as_str());
             }
             _ => {}
+        }
+    }
+    if let Some(first) = first_reason {
+        // One line per request; at WARN at most once a minute per address (anyone can send
+        // bad records).
+        let client = match remote {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+            v4 => v4,
+        };
+        if gate.warn(&client.to_string(), now) {
+            tracing::warn!(%client, refused, first_reason = %first, "key rotation records refused (further refusals from this address in the next minute are logged at debug)");
+        } else {
+            tracing::debug!(%client, refused, first_reason = %first, "key rotation records refused");
         }
     }
     if moved {
@@ -723,6 +769,132 @@ mod tests {
         );
         assert_eq!(f.alpha().0, b64(&f.alpha_old));
         assert_eq!(f.audits(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_rotation_back_to_a_retired_key_is_refused_so_old_records_cannot_be_replayed() {
+        let f = fx().await;
+        let forward = f.rotation();
+        assert_eq!(
+            f.announce(std::slice::from_ref(&forward)).await,
+            vec!["rotated"]
+        );
+        // Back to the retired key, signed by both keys (the peer itself, or whoever holds the
+        // old key): refused, the pin stays.
+        let back = serde_json::to_value(SignedRotation::sign(
+            "alpha",
+            &f.alpha_new.host_key,
+            &f.alpha_old.host_key,
+            &f.alpha_old.enc_key.public(),
+            T0 + 1,
+        ))
+        .unwrap();
+        assert_eq!(
+            f.announce(std::slice::from_ref(&back)).await,
+            vec![format!("rejected:{}", peers::ROTATION_TO_RETIRED)]
+        );
+        let (pin, enc, _, prev) = f.alpha();
+        assert_eq!(pin, b64(&f.alpha_new));
+        assert_eq!(enc, Some(f.alpha_new.enc_key.public().to_b64()));
+        assert_eq!(prev, vec![b64(&f.alpha_old)]);
+        // Replaying the public records in any order never moves the pin again.
+        assert_eq!(
+            f.announce(&[forward.clone(), back.clone(), forward, back])
+                .await,
+            vec![
+                "current".to_string(),
+                format!("rejected:{}", peers::ROTATION_TO_RETIRED),
+                "current".to_string(),
+                format!("rejected:{}", peers::ROTATION_TO_RETIRED),
+            ]
+        );
+        assert_eq!(f.alpha().0, b64(&f.alpha_new));
+        assert_eq!(f.audits(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_record_dated_more_than_5_minutes_ahead_is_refused() {
+        use agentmbx_protocol::clock::Clock as _;
+        let f = fx().await;
+        let now = f.clock.now_ms();
+        let at = |iat: i64| {
+            serde_json::to_value(SignedRotation::sign(
+                "alpha",
+                &f.alpha_old.host_key,
+                &f.alpha_new.host_key,
+                &f.alpha_new.enc_key.public(),
+                iat,
+            ))
+            .unwrap()
+        };
+        let skew = agentmbx_protocol::rotation::FUTURE_SKEW_MS;
+        let mut no_ms = at(now);
+        no_ms["rec"]["iat"] = "2026-01-01T00:00:00Z".into();
+        assert_eq!(
+            f.announce(&[at(now + skew + 1), no_ms]).await,
+            vec![
+                "rejected:rotation is dated more than 5 minutes ahead",
+                "rejected:rotation iat is not an ISO time with milliseconds",
+            ]
+        );
+        assert_eq!(f.alpha().0, b64(&f.alpha_old));
+        assert_eq!(f.announce(&[at(now + skew)]).await, vec!["rotated"]);
+    }
+
+    /// Log lines written while `f` runs on this thread (the server tasks of a current-thread
+    /// test runtime run here too).
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl Captured {
+        fn lines(&self, level: &str) -> Vec<String> {
+            String::from_utf8_lossy(&self.0.lock().unwrap())
+                .lines()
+                .filter(|l| l.contains(level) && l.contains("key rotation records refused"))
+                .map(str::to_owned)
+                .collect()
+        }
+    }
+
+    #[tokio::test]
+    async fn refused_records_are_logged_as_one_line_per_request_and_warned_once_a_minute() {
+        let log = Captured::default();
+        let writer = log.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        let _guard = tracing::subscriber::set_default(subscriber);
+        let f = fx().await;
+        let flood = vec![json!({}); MAX_RECORDS_PER_ANNOUNCE];
+        for _ in 0..3 {
+            assert_eq!(f.announce(&flood).await.len(), MAX_RECORDS_PER_ANNOUNCE);
+        }
+        let warned = log.lines("WARN");
+        assert_eq!(warned.len(), 1, "{warned:#?}");
+        assert!(warned[0].contains("refused=50"), "{}", warned[0]);
+        assert!(
+            warned[0].contains("first_reason=not a rotation record"),
+            "{}",
+            warned[0]
+        );
+        assert!(warned[0].contains("client=127.0.0.1"), "{}", warned[0]);
+        assert_eq!(log.lines("DEBUG").len(), 2, "the other requests, at debug");
+        // A minute later the address is warned about again.
+        f.clock.advance(REFUSAL_WARN_EVERY_MS);
+        f.announce(&flood).await;
+        assert_eq!(log.lines("WARN").len(), 2);
     }
 
     #[tokio::test]
