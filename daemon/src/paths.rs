@@ -100,6 +100,18 @@ impl Paths {
         self.home.join("daemon.lock")
     }
 
+    /// Takes the daemon lock ([`Paths::daemon_lock`]) without waiting: `Ok(Some(file))` holds it
+    /// until the file is dropped (the OS releases it when the process ends, even on SIGKILL),
+    /// `Ok(None)` when another process holds it. Errors: the lock file cannot be opened.
+    pub fn try_lock_daemon(&self) -> std::io::Result<Option<std::fs::File>> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(self.daemon_lock())?;
+        Ok(file.try_lock().is_ok().then_some(file))
+    }
+
     /// `mailbox.db`: the host store.
     pub fn mailbox_db(&self) -> PathBuf {
         self.home.join("mailbox.db")

@@ -59,19 +59,16 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
     // One daemon per home: the OS releases the lock when the process ends, even on SIGKILL.
     // Taken before the keys are loaded, so `host rotate` (which holds it too) never swaps them
     // under a starting daemon.
-    let lock_path = paths.daemon_lock();
-    let lock = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&lock_path)
-        .with_context(|| format!("cannot open {}", lock_path.display()))?;
-    if lock.try_lock().is_err() {
+    let lock = paths
+        .try_lock_daemon()
+        .with_context(|| format!("cannot open {}", paths.daemon_lock().display()))?;
+    // Held (not dropped) until the daemon returns.
+    let Some(_lock) = lock else {
         anyhow::bail!(
             "another agentmbx daemon is already running for {}",
             paths.home().display()
         );
-    }
+    };
     if !identity::is_initialized(&paths) {
         tracing::info!(home = %paths.home().display(), "no host identity yet: initializing this host");
         let created = identity::init(&paths, config.host.as_ref())?;

@@ -50,19 +50,15 @@ fn rotate(args: RotateArgs) -> anyhow::Result<()> {
         // The same error (and exit code 3) as every command that needs the identity.
         agentmbx::identity::load(&paths, &config)?;
     }
-    let lock_path = paths.daemon_lock();
-    let lock = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&lock_path)
-        .with_context(|| format!("cannot open {}", lock_path.display()))?;
-    if lock.try_lock().is_err() {
+    let lock = paths
+        .try_lock_daemon()
+        .with_context(|| format!("cannot open {}", paths.daemon_lock().display()))?;
+    let Some(lock) = lock else {
         anyhow::bail!(
-            "the agentmbx daemon is running for {} and signs with the current keys: stop it, run `agentmbx host rotate`, then start it again (it announces the rotation to peers and the relay)",
-            paths.home().display()
-        );
-    }
+                "the agentmbx daemon is running for {} and signs with the current keys: stop it, run `agentmbx host rotate`, then start it again (it announces the rotation to peers and the relay)",
+                paths.home().display()
+            );
+    };
     let now = SystemClock::from_env()?.now_ms();
     let done = rotation::rotate(&paths, &config, now)?;
     let old_fp = done.old_key.fingerprint();
