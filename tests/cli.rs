@@ -448,6 +448,145 @@ fn relay_info_before_init_says_to_run_init() {
     assert!(out.stderr.contains("not initialized"), "{out:#?}");
 }
 
+#[test]
+fn relay_set_before_init_says_to_run_init_and_creates_nothing() {
+    let home = Home::new();
+    for args in [
+        &["relay", "set", "http://127.0.0.1:9"][..],
+        &[
+            "relay",
+            "set",
+            "http://127.0.0.1:9",
+            "--key",
+            "1a2b-3c4d-5e6f-7a8b",
+        ][..],
+    ] {
+        let out = home.run(args);
+        assert_eq!(out.code(), Some(3), "{args:?}: {out:#?}");
+        assert!(
+            out.stderr
+                .contains("this host is not initialized; run `agentmbx init`"),
+            "{out:#?}"
+        );
+        for f in ["config.toml", "mailbox.db"] {
+            assert!(!home.file(f).exists(), "{args:?}: {f} was created");
+        }
+    }
+    // A malformed argument is still a usage error first (exit 2), before anything is read.
+    let out = home.run(&["relay", "set", "ftp://127.0.0.1:9"]);
+    assert_eq!(out.code(), Some(2), "{out:#?}");
+}
+
+#[test]
+fn relay_set_and_info_help_say_when_the_daemon_uses_a_change_and_what_the_exit_status_means() {
+    let home = Home::new();
+    let set = home.run(&["relay", "set", "--help"]);
+    set.assert_success();
+    let text = set.stdout.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        text.contains("from its next pass")
+            && text.contains("restart the daemon to use the new relay"),
+        "{text}"
+    );
+    let info = home.run(&["relay", "info", "--help"]);
+    info.assert_success();
+    let text = info.stdout.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        text.contains("Exit status: 0 the relay state is ok; 1 any other state"),
+        "{text}"
+    );
+    let deny = home.run(&["relay", "deny", "--help"]);
+    let text = deny.stdout.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        text.contains("--admin-token-file, else from MBX_RELAY_ADMIN_TOKEN (the flag wins)")
+            && text.contains("--insecure-http"),
+        "{text}"
+    );
+}
+
+#[test]
+fn relay_info_exits_1_unless_the_state_is_ok_and_explains_a_deny_and_a_revocation() {
+    use agentmbx::mailbox::Mailbox;
+    use agentmbx::transport::relay_client::state::{self, RelayState, Standing};
+
+    let home = Home::new();
+    assert!(home.run(&["init", "--host", "alpha"]).status.success());
+    let url = "http://127.0.0.1:9";
+    let mut config = std::fs::read_to_string(home.file("config.toml")).expect("config.toml");
+    config.push_str(&format!("\n[relay]\nurl = \"{url}\"\n"));
+    std::fs::write(home.file("config.toml"), config).expect("write config.toml");
+    // No pass recorded yet: not ok.
+    let out = home.run(&["relay", "info", "--json"]);
+    assert_eq!(out.code(), Some(1), "{out:#?}");
+    assert_eq!(out.json()["state"], serde_json::Value::Null);
+    assert!(
+        out.stderr.contains("no relay pass recorded yet"),
+        "{out:#?}"
+    );
+    let text = home.run(&["relay", "info"]);
+    assert!(
+        text.stdout
+            .contains("enrolment: none cached (the daemon enrols on its next pass)"),
+        "{text:#?}"
+    );
+
+    let record = |st: RelayState| {
+        let mailbox = Mailbox::open(&home.file("mailbox.db")).expect("mailbox.db");
+        mailbox
+            .with(|c| {
+                state::kv_delete(c, &state::state_kv(url))?;
+                state::set_state(c, url, st, 1_767_225_600_000)?;
+                Ok(())
+            })
+            .expect("record");
+    };
+    let mut ok = RelayState::new(Standing::Ok);
+    ok.relay_fp = Some("1a2b-3c4d-5e6f-7a8b".into());
+    record(ok);
+    let out = home.run(&["relay", "info", "--json"]);
+    out.assert_success();
+    assert_eq!(out.json()["state"]["state"], "ok");
+    home.run(&["relay", "info"]).assert_success();
+
+    for (standing, name, fix, enrolment) in [
+        (
+            Standing::Denied,
+            "denied",
+            state::DENIED_FIX,
+            "enrolment: none cached (the relay refuses this host; the daemon tries again at 2026-01-01T00:01:00.000Z)",
+        ),
+        (
+            Standing::Revoked,
+            "revoked",
+            state::REVOKED_FIX,
+            "enrolment: none cached (this host key is revoked on this relay for good)",
+        ),
+    ] {
+        let mut st = RelayState::new(standing);
+        st.status = Some(403);
+        st.detail = Some(format!("{name} detail"));
+        st.next_at = Some("2026-01-01T00:01:00.000Z".into());
+        record(st);
+        let out = home.run(&["relay", "info", "--json"]);
+        assert_eq!(out.code(), Some(1), "{name}: {out:#?}");
+        let info = out.json();
+        assert_eq!(info["state"]["state"], name, "{info}");
+        assert_eq!(info["fix"], fix, "{info}");
+        assert!(out.stderr.contains(&format!("the relay state is {name}, not ok")), "{out:#?}");
+        let text = home.run(&["relay", "info"]);
+        assert_eq!(text.code(), Some(1), "{name}: {text:#?}");
+        assert!(
+            text.stdout.contains(&format!("state: {name} since ")),
+            "{text:#?}"
+        );
+        assert!(text.stdout.contains(&format!("  fix: {fix}")), "{text:#?}");
+        assert!(text.stdout.contains(enrolment), "{text:#?}");
+        assert!(!text.stdout.contains("enrols on its next pass"), "{text:#?}");
+    }
+    assert!(state::REVOKED_FIX
+        .contains("this host key can never use this relay again; ask its operator"));
+}
+
 /// Runs `agentmbx <args>` in `home` with stdout a pipe whose reading end is already closed.
 fn with_closed_stdout(home: &Home, args: &[&str]) -> (std::process::ExitStatus, String) {
     let (reader, writer) = std::io::pipe().expect("pipe");

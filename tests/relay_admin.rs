@@ -1,8 +1,10 @@
 //! `agentmbx relay revoke` and `agentmbx relay deny` against a real `agentmbx relay serve`
 //! child process (spec §8 "Revocation"; design README "One process writes a store"): offline on
 //! `--store-dir` (refused with exit code 4 while the relay runs on it) and through the running
-//! relay's admin endpoint with and without the right admin token. Hosts here are bare keys
-//! that enrol and sign hops over plain HTTP, so the test sees the relay's exact answers.
+//! relay's admin endpoint with and without the right admin token (`--admin-token-file` beats
+//! `MBX_RELAY_ADMIN_TOKEN`; plain `http://` only to this machine unless `--insecure-http`).
+//! Hosts here are bare keys that enrol and sign hops over plain HTTP, so the test sees the
+//! relay's exact answers.
 
 mod helper;
 
@@ -337,4 +339,77 @@ fn through_the_admin_endpoint_with_and_without_the_right_token() {
         "has no admin endpoint",
     );
     assert_eq!(c.pull(plain.proc().addr).0, 200);
+}
+
+#[test]
+fn the_admin_token_file_beats_the_environment_and_plain_http_goes_only_to_this_machine() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = dir.path().join("store");
+    let relay = serve(&store, &[("MBX_RELAY_ADMIN_TOKEN", ADMIN)]);
+    let url = format!("http://{}", relay.addr);
+    let a = Bare::new("alpha");
+    assert_eq!(a.enrol(relay.addr), 200);
+    let right_file = dir.path().join("right.token");
+    std::fs::write(&right_file, format!("{ADMIN}\n")).expect("write token");
+    let wrong_file = dir.path().join("wrong.token");
+    std::fs::write(&wrong_file, "wrong-token-0123456789abcdef\n").expect("write token");
+    let (right, wrong) = (
+        right_file.to_str().expect("UTF-8"),
+        wrong_file.to_str().expect("UTF-8"),
+    );
+    let env_right = [("MBX_RELAY_ADMIN_TOKEN", ADMIN)];
+    let env_wrong = [("MBX_RELAY_ADMIN_TOKEN", "wrong-token-0123456789abcdef")];
+    let list = |extra: &[&str], env: &[(&str, &str)]| {
+        let mut args = vec!["deny", "--list", "--url", url.as_str()];
+        args.extend_from_slice(extra);
+        relay_cli(&args, env)
+    };
+
+    // A wrong file with the right variable: the file is used, and the error says so.
+    let out = list(&["--admin-token-file", wrong], &env_right);
+    assert_exit(
+        &out,
+        1,
+        &format!("refused the admin token from --admin-token-file {wrong}"),
+    );
+    // The right file with a wrong variable: the file wins.
+    list(&["--admin-token-file", right], &env_wrong).assert_success();
+    // Only a wrong variable: refused, naming it.
+    let out = list(&[], &env_wrong);
+    assert_exit(
+        &out,
+        1,
+        "refused the admin token from MBX_RELAY_ADMIN_TOKEN",
+    );
+    // A malformed token names its source, never the text.
+    let short = dir.path().join("short.token");
+    std::fs::write(&short, "short-secret\n").expect("write token");
+    let out = list(
+        &["--admin-token-file", short.to_str().expect("UTF-8")],
+        &env_right,
+    );
+    assert_exit(&out, 2, "--admin-token-file");
+    assert!(!out.stderr.contains("short-secret"), "{out:#?}");
+    let out = list(&[], &[("MBX_RELAY_ADMIN_TOKEN", "short-secret")]);
+    assert_exit(&out, 2, "MBX_RELAY_ADMIN_TOKEN: the admin token must be");
+    assert!(!out.stderr.contains("short-secret"), "{out:#?}");
+
+    // Plain http:// to an address that is not loopback: refused before anything is sent (the
+    // deny is not made). 192.0.2.1 (TEST-NET-1) is never contacted: the refusal comes first.
+    // That `--insecure-http` lifts it is a unit test of `plain_http_allowed` (no traffic).
+    let far = format!("http://192.0.2.1:{}", relay.addr.port());
+    let out = relay_cli(
+        &["deny", &a.fp(), "--until", "1h", "--url", &far],
+        &env_right,
+    );
+    assert_exit(&out, 2, "--insecure-http");
+    assert!(out.stderr.contains("unencrypted"), "{out:#?}");
+    assert_eq!(a.pull(relay.addr).0, 200, "nothing was sent");
+    // Loopback by name is fine without the flag (refused here only by the token).
+    let local = format!("http://localhost:{}", relay.addr.port());
+    let out = relay_cli(&["deny", "--list", "--url", &local], &env_wrong);
+    assert!(
+        !out.stderr.contains("--insecure-http"),
+        "loopback needs no flag: {out:#?}"
+    );
 }

@@ -13,7 +13,13 @@
 //! - a host whose clock is 10 minutes ahead is refused right after its enrolment: backoff and
 //!   the `clock-skew` state, audited once;
 //! - the sender allowlist is published and republished when peers change, and the relay
-//!   refuses pushes from keys not on it.
+//!   refuses pushes from keys not on it;
+//! - a host whose key the operator revoked is `revoked` (for good), a deny-listed one `denied`,
+//!   each with its fix and no claim that the daemon enrols on its next pass, `relay info` exits
+//!   1 for them, neither is logged as a lost enrolment, and mail to the revoked host shows
+//!   `queued (<last error>)` in `agentmbx sent`;
+//! - `relay set` says whether a running daemon uses the result from its next pass (the same
+//!   relay) or after a restart (another relay URL).
 //!
 //! State is read from the stores (read-only) and through `relay info --json`.
 
@@ -61,11 +67,13 @@ fn spawn_relay(port: u16, dir: &Path, seed: Option<&str>) -> (Daemon, String) {
     (proc, fp)
 }
 
-/// `relay info --json` of `host`.
+/// `relay info --json` of `host`; its exit status must be 0 exactly when the state is `ok`.
 fn relay_info(host: &Host) -> Value {
     let out = host.home.run(&["relay", "info", "--json"]);
-    out.assert_success();
-    out.json()
+    let info = out.json();
+    let want = if info["state"]["state"] == "ok" { 0 } else { 1 };
+    assert_eq!(out.code(), Some(want), "{out:#?}");
+    info
 }
 
 /// Audit rows named `event` in `host`'s mailbox.
@@ -160,8 +168,14 @@ fn a_relay_key_change_stops_relay_use_until_the_owner_confirms_the_new_key() {
         let fix = format!("agentmbx relay set {url} --key {fp2}");
         assert_eq!(info["fix"], fix.as_str(), "{info}");
         let text = host.home.run(&["relay", "info"]);
-        text.assert_success();
+        assert_eq!(text.code(), Some(1), "not ok: {text:#?}");
         assert!(text.stdout.contains(&format!("fix: {fix}")), "{text:#?}");
+        assert!(
+            text.stdout
+                .contains("enrolment: none cached (none while the relay key is not confirmed)")
+                || text.stdout.contains("enrolment: relay key"),
+            "{text:#?}"
+        );
         assert!(
             text.stdout
                 .contains(&format!("pinned {}, served {fp2}", mesh.relay.fingerprint)),
@@ -224,6 +238,13 @@ fn relay_set_pins_on_first_use_refuses_changes_and_malformed_keys() {
         )),
         "{out:#?}"
     );
+    // No relay before: a running daemon needs a restart to use one.
+    assert!(
+        out.stdout
+            .contains("restart the daemon to use the new relay")
+            && !out.stdout.contains("next relay pass"),
+        "{out:#?}"
+    );
     let info = relay_info(&host);
     assert_eq!(
         info["pin"]["fingerprint"],
@@ -236,8 +257,19 @@ fn relay_set_pins_on_first_use_refuses_changes_and_malformed_keys() {
     let out = host.home.run(&["relay", "set", &format!("{url}/")]);
     out.assert_success();
     assert!(out.stdout.contains("already pinned"), "{out:#?}");
+    // The same relay: used from the daemon's next pass, no restart.
+    assert!(
+        out.stdout
+            .contains("a running daemon uses it from its next relay pass")
+            && !out.stdout.contains("restart"),
+        "{out:#?}"
+    );
+    let out = host.home.run(&["relay", "set", &url, "--json"]);
+    out.assert_success();
+    assert_eq!(out.json()["restart_needed"], false, "{out:#?}");
+    // No daemon ran yet: no state recorded, so `relay info` reports it and exits 1.
     let live = host.home.run(&["relay", "info", "--json", "--live"]);
-    live.assert_success();
+    assert_eq!(live.code(), Some(1), "{live:#?}");
     assert_eq!(live.json()["live"]["matches_pin"], true, "{live:#?}");
 
     // Another relay at the same URL: refused without --key and with the old key (exit 1,
@@ -346,6 +378,26 @@ fn an_unreachable_relay_named_by_fingerprint_is_pinned_only_with_that_key() {
             .contains(&format!("only a key with fingerprint {fp}")),
         "{out:#?}"
     );
+    assert!(
+        out.stdout
+            .contains("restart the daemon to use the new relay"),
+        "{out:#?}"
+    );
+    // Another URL than the configured one: the running daemon keeps the old one until restarted.
+    let other = format!("http://127.0.0.1:{}", free_port());
+    let out = host
+        .home
+        .run(&["relay", "set", &other, "--key", &fp, "--json"]);
+    out.assert_success();
+    assert_eq!(out.json()["restart_needed"], true, "{out:#?}");
+    let out = host.home.run(&["relay", "set", &url, "--key", &fp]);
+    out.assert_success();
+    assert!(
+        out.stdout.contains(&format!(
+            "restart the daemon to use the new relay: a running daemon keeps using {other} until it restarts"
+        )),
+        "{out:#?}"
+    );
     let info = relay_info(&host);
     assert_eq!(info["pin"]["expected"], fp.as_str(), "{info}");
     assert_eq!(info["pin"]["fingerprint"], Value::Null, "{info}");
@@ -383,6 +435,17 @@ fn a_relay_that_lost_every_enrolment_gets_the_hosts_again_in_the_same_pass() {
             host.name
         );
         assert_eq!(audits(host, "relay.enrolled").len(), 2, "{}", host.name);
+        // Said when the relay answered 401, or once the host was enrolled again.
+        assert!(
+            host.log()
+                .contains("the relay had lost this host's enrolment: enrolled again")
+                || host
+                    .log()
+                    .contains("the relay lost this host's enrolment: enrolling again"),
+            "{}: {}",
+            host.name,
+            host.log()
+        );
         let info = wait_state(host, "ok");
         let epoch = mesh
             .relay
@@ -480,4 +543,146 @@ fn the_allowlist_follows_the_peers_and_the_relay_refuses_other_senders() {
     wait_for("B's allowlist without A", || {
         (senders(&mesh.b.pubkey)? == vec![c.pubkey.clone()]).then_some(())
     });
+}
+
+#[test]
+fn a_revoked_host_and_a_denied_one_each_say_so_and_mail_to_them_shows_why_it_waits() {
+    let mut mesh = Mesh::start(None);
+    let first = send_to_bob(&mesh, "before the operator acts");
+    wait_inbox(&mesh, &first);
+    wait_state(&mesh.a, "ok");
+    wait_state(&mesh.b, "ok");
+    let store = mesh.relay.store_dir();
+    let dir = store.to_str().expect("UTF-8 path").to_owned();
+
+    // The operator revokes B's key (relay stopped, on its store) and starts the relay again.
+    mesh.relay.kill();
+    mesh.b
+        .home
+        .run(&["relay", "revoke", &mesh.b.pubkey, "--store-dir", &dir])
+        .assert_success();
+    mesh.relay.launch(None);
+    let info = wait_state(&mesh.b, "revoked");
+    let st = &info["state"];
+    assert_eq!(st["status"], 403, "{info}");
+    let detail = st["detail"].as_str().unwrap_or("");
+    assert!(
+        detail.contains("revoked this host key for good (REVOKED")
+            && detail.contains("this host key can never use this relay again")
+            && !detail.contains("until it accepts"),
+        "{info}"
+    );
+    assert_eq!(
+        info["fix"],
+        "none on this relay: this host key can never use this relay again; ask its operator",
+        "{info}"
+    );
+    let text = mesh.b.home.run(&["relay", "info"]);
+    assert_eq!(text.code(), Some(1), "{text:#?}");
+    assert!(text.stdout.contains("state: revoked since "), "{text:#?}");
+    assert!(
+        text.stdout
+            .contains("enrolment: none cached (this host key is revoked on this relay for good)"),
+        "{text:#?}"
+    );
+    assert!(
+        !text.stdout.contains("enrols on its next pass"),
+        "{text:#?}"
+    );
+    assert_eq!(
+        audits(&mesh.b, "relay.enrol_failed")[0]["reason"],
+        "revoked"
+    );
+
+    // Mail to B now waits at A, and `sent` says why.
+    let id = send_to_bob(&mesh, "to a revoked host");
+    let row = wait_for("A's row to B with a last error", || {
+        mesh.a
+            .outbox(&id)
+            .filter(|r| r.state == "pending" && r.last_error.is_some())
+    });
+    let last_error = row.last_error.expect("last_error");
+    let shown: String = if last_error.chars().count() > 120 {
+        last_error.chars().take(119).chain(['…']).collect()
+    } else {
+        last_error.clone()
+    };
+    let out = mesh.a.home.run(&["sent", "--as", "alice", "--json"]);
+    out.assert_success();
+    let page = out.json();
+    let bob = &page["messages"][0]["recipients"][0];
+    assert_eq!(bob["recipient"], "bob@hostb", "{page}");
+    assert_eq!(bob["state"], "queued", "{page}");
+    // (the row may have been tried again in between: then its error is the same text)
+    assert_eq!(bob["last_error"], shown.as_str(), "{page}");
+    let text = mesh.a.home.run(&["sent", "--as", "alice"]);
+    text.assert_success();
+    assert!(
+        text.stdout
+            .contains(&format!("  bob@hostb: queued ({shown})")),
+        "{text:#?}"
+    );
+    // The delivered one shows no error.
+    assert!(
+        page["messages"][1]["recipients"][0]
+            .get("last_error")
+            .is_none(),
+        "{page}"
+    );
+
+    // The operator deny-lists A for two hours: A is denied, not revoked.
+    mesh.relay.kill();
+    mesh.a
+        .home
+        .run(&[
+            "relay",
+            "deny",
+            &mesh.a.pubkey,
+            "--until",
+            "2h",
+            "--store-dir",
+            &dir,
+        ])
+        .assert_success();
+    mesh.relay.launch(None);
+    let info = wait_state(&mesh.a, "denied");
+    let st = &info["state"];
+    assert_eq!(st["status"], 403, "{info}");
+    let detail = st["detail"].as_str().unwrap_or("");
+    assert!(
+        detail.contains("refuses this host for now (DENIED") && !detail.contains("for good"),
+        "{info}"
+    );
+    assert!(
+        info["fix"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with("ask the relay's operator to lift the deny"),
+        "{info}"
+    );
+    let text = mesh.a.home.run(&["relay", "info"]);
+    assert_eq!(text.code(), Some(1), "{text:#?}");
+    assert!(text.stdout.contains("state: denied since "), "{text:#?}");
+    assert!(
+        text.stdout.contains(
+            "enrolment: none cached (the relay refuses this host; the daemon tries again at "
+        ),
+        "{text:#?}"
+    );
+    assert_eq!(audits(&mesh.a, "relay.enrol_failed")[0]["reason"], "denied");
+
+    // Neither refusal was announced as a lost enrolment.
+    for host in [&mesh.a, &mesh.b] {
+        let log = host.log();
+        assert!(
+            !log.contains("lost this host's enrolment"),
+            "{}: {log}",
+            host.name
+        );
+        assert!(
+            log.contains("the relay refuses this host") || log.contains("revoked this host key"),
+            "{}: {log}",
+            host.name
+        );
+    }
 }

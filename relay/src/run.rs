@@ -103,8 +103,7 @@ pub fn prepare(opts: ServeOptions) -> Result<Prepared, ServeError> {
 }
 
 fn prepare_with(opts: ServeOptions, env_seed: Option<String>) -> Result<Prepared, ServeError> {
-    std::fs::create_dir_all(&opts.store_dir)
-        .map_err(|e| ServeError::Io(format!("cannot create {}: {e}", opts.store_dir.display())))?;
+    crate::store::prepare_store_dir(&opts.store_dir)?;
     let mut config = RelayConfig::load(&opts.store_dir)?;
     if let Some(tp) = opts.trust_proxy {
         crate::ratelimit::TrustProxy::parse(&tp).map_err(crate::config::ConfigError::Env)?;
@@ -150,7 +149,19 @@ fn prepare_with(opts: ServeOptions, env_seed: Option<String>) -> Result<Prepared
         .map_err(|e| ServeError::Io(format!("cannot bind {bind}:{port}: {e}")))?;
     let authority = crate::authority::from_config(&config.authority, clock.clone(), store.clone())
         .map_err(|e| ServeError::Io(format!("cannot set up the enrolment authority: {e}")))?;
-    tracing::info!(authority = authority.name(), "enrolment authority");
+    match (config.authority.kind, config.authority.issuer.as_deref()) {
+        (crate::config::AuthorityKind::Account, Some(issuer)) => tracing::info!(
+            authority = authority.name(),
+            issuer,
+            audience = config.authority.audience.as_deref().unwrap_or(""),
+            "enrolment authority: account tokens"
+        ),
+        _ => tracing::info!(
+            authority = authority.name(),
+            "enrolment authority: every host that proves its key enrols"
+        ),
+    }
+    log_admin_endpoint(&config);
     Ok(Prepared {
         config,
         clock,
@@ -159,6 +170,28 @@ fn prepare_with(opts: ServeOptions, env_seed: Option<String>) -> Result<Prepared
         listener,
         authority,
     })
+}
+
+/// Says at start whether the admin endpoints (`/v2/relay/admin/*`) are on and where their token
+/// comes from; never the token.
+fn log_admin_endpoint(config: &RelayConfig) {
+    if config.admin_token.is_none() {
+        tracing::info!(
+            "admin endpoint off (no {} and no admin_token_file in relay.toml): revoke and deny \
+             run offline on the store only",
+            crate::config::ADMIN_TOKEN_ENV
+        );
+        return;
+    }
+    let source = if std::env::var_os(crate::config::ADMIN_TOKEN_ENV).is_some() {
+        crate::config::ADMIN_TOKEN_ENV.to_owned()
+    } else {
+        config
+            .admin_token_file
+            .as_deref()
+            .map_or_else(String::new, |f| format!("admin_token_file {}", f.display()))
+    };
+    tracing::info!(token_from = %source, "admin endpoint on at /v2/relay/admin/*");
 }
 
 /// The async second half of `relay serve`: serves a [`Prepared`] relay until SIGTERM or SIGINT

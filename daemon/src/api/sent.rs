@@ -24,8 +24,9 @@ pub struct SentQuery {
 
 /// Lists an agent's sent messages, newest first, each with its per-recipient state: local
 /// recipients `delivered`, `read` or `acked`; remote ones from the newest delivery receipt
-/// (`delivered`, `notified`, `read`, `acked`), else from the outbox (`queued`,
-/// `relay-accepted`, `delivered`, `undelivered` with its reason).
+/// (`delivered`, `notified`, `read`, `acked`), else from the outbox (`queued` with the last
+/// attempt's error in `last_error` once one failed, `relay-accepted`, `delivered`,
+/// `undelivered` with its reason).
 #[utoipa::path(get, path = "/v1/sent", operation_id = "list_sent", params(SentQuery),
     responses((status = 200, body = SentPage), (status = 400, body = super::ErrorBody)),
     security(("bearer" = [])))]
@@ -75,6 +76,20 @@ mod tests {
                 "01KDVDNA3VG2MH8KWSQRCWJZ0S",
                 T0,
             )
+            .unwrap();
+        // One failed relay attempt to work: the queued row says why.
+        store
+            .mailbox
+            .with(|c| {
+                crate::mailbox::outbox::fail(
+                    c,
+                    "01KDVDNA3VG2MH8KWSQRCWJZ0S",
+                    "work",
+                    "relay unreachable: connection refused",
+                    false,
+                    T0 + 1,
+                )
+            })
             .unwrap();
         let token = ApiToken::generate();
         let secret = token.expose_secret().to_string();
@@ -133,6 +148,12 @@ mod tests {
                 ("dan@work".to_string(), "queued".to_string())
             ]
         );
+        let recipients = &body["messages"][0]["recipients"];
+        assert_eq!(
+            recipients[1]["last_error"], "relay unreachable: connection refused",
+            "{body}"
+        );
+        assert!(recipients[0].get("last_error").is_none(), "{body}");
         task.abort();
     }
 }

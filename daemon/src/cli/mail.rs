@@ -339,7 +339,8 @@ pub fn ack(args: AckArgs) -> anyhow::Result<()> {
 }
 
 /// `sent`: each message newest first, then one line per recipient with its state (and the
-/// reason when undelivered).
+/// reason when undelivered, the last error when queued: `queued (<last error>)`; both with
+/// anything but printable text escaped).
 pub fn sent(args: SentArgs) -> anyhow::Result<()> {
     let mut path = format!("/v1/sent?as={}&limit={}", enc(&args.as_agent), args.limit);
     if let Some(c) = &args.cursor {
@@ -368,11 +369,14 @@ pub fn sent(args: SentArgs) -> anyhow::Result<()> {
                 r["recipient"].as_str().unwrap_or_default(),
                 r["state"].as_str().unwrap_or_default()
             );
+            if let Some(err) = r["last_error"].as_str() {
+                line.push_str(&format!(" ({})", printable(err)));
+            }
             if let Some(via) = r["via"].as_str() {
                 line.push_str(&format!(" (via {via})"));
             }
             if let Some(why) = r["reason"].as_str() {
-                line.push_str(&format!(": {why}"));
+                line.push_str(&format!(": {}", printable(why)));
             }
             println!("{line}");
         }
@@ -381,4 +385,22 @@ pub fn sent(args: SentArgs) -> anyhow::Result<()> {
         println!("more: agentmbx sent --as {} --cursor {c}", args.as_agent);
     }
     Ok(())
+}
+
+/// A relay's, a peer's or a LAN error text as a line may show it: control, bidi and other
+/// format characters escaped (`\u{…}`), so it never drives the terminal.
+fn printable(text: &str) -> String {
+    let format = |c: char| {
+        matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2069}'
+            | '\u{061c}' | '\u{feff}')
+    };
+    let mut out = String::new();
+    for c in text.chars() {
+        if c.is_control() || format(c) {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }

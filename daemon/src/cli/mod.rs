@@ -2,7 +2,9 @@
 //! exit codes and the error line (`wire.md` §5).
 //!
 //! One file per command group, each thin: parse flags, call the library (`agentmbx::…`), print.
-//! Exit codes: 0 success, 1 other failure, 2 usage, 3 not found. Errors go to stderr as one line
+//! Exit codes: 0 success, 1 other failure, 2 usage, 3 not found, 4 a relay runs on the store
+//! (offline relay operator commands, and a `relay serve` that gave up waiting for
+//! `relay.lock`). Errors go to stderr as one line
 //! `agentmbx: <msg>`, usage errors followed by `(see: agentmbx <cmd> --help)`.
 //!
 //! This is the only place (with `main.rs`) that uses `anyhow`, prints to stdout, or decides the
@@ -51,7 +53,8 @@ Environment (each overrides the matching config.toml setting):
   MBX_CLOCK_OFFSET_MS, MBX_FAILPOINTS: for tests and drills only
 
 Exit status: 0 success, 1 failure, 2 usage error, 3 not found (e.g. host not initialized),
-4 a relay runs on the store (offline relay operator commands).";
+4 a relay runs on the store (offline relay operator commands; relay serve when another
+relay still holds relay.lock after lock_wait_ms).";
 
 /// AgentMBX: a signed, end-to-end-sealed mailbox for AI agents.
 #[derive(Debug, Parser)]
@@ -130,11 +133,12 @@ pub fn command() -> clap::Command {
 }
 
 impl Cli {
-    /// The log level when `MBX_LOG` is unset: `info` for the long-running servers, `warn` for
-    /// one-shot commands, whose results go to stdout.
+    /// The log level when `MBX_LOG` is unset: `info` for the long-running servers (`daemon`,
+    /// `relay serve`), `warn` for one-shot commands (the other `relay` subcommands included),
+    /// whose results go to stdout.
     pub fn default_log_level(&self) -> &'static str {
         match self.command {
-            Command::Daemon(_) | Command::Relay(_) => "info",
+            Command::Daemon(_) | Command::Relay(relay::RelayCommand::Serve(_)) => "info",
             _ => "warn",
         }
     }
@@ -197,7 +201,7 @@ pub fn exit_code(err: &anyhow::Error) -> u8 {
         if cause.is::<NotFoundError>() {
             return EXIT_NOT_FOUND;
         }
-        if cause.is::<relay_admin::RelayRunning>() {
+        if cause.is::<relay_admin::RelayRunning>() || relay_lock_held(cause) {
             return relay_admin::EXIT_RELAY_RUNNING;
         }
         if let Some(IdentityError::NotInitialized { .. }) = cause.downcast_ref::<IdentityError>() {
@@ -210,6 +214,20 @@ pub fn exit_code(err: &anyhow::Error) -> u8 {
         }
     }
     EXIT_FAILURE
+}
+
+/// Whether `cause` says another relay process holds the store's `relay.lock` (`relay serve`
+/// gave up waiting for it).
+fn relay_lock_held(cause: &(dyn std::error::Error + 'static)) -> bool {
+    use agentmbx_relay::run::ServeError;
+    use agentmbx_relay::store::StoreError;
+    matches!(
+        cause.downcast_ref::<ServeError>(),
+        Some(ServeError::Store(StoreError::Locked { .. }))
+    ) || matches!(
+        cause.downcast_ref::<StoreError>(),
+        Some(StoreError::Locked { .. })
+    )
 }
 
 /// The error chain on one line, `outer: inner`, skipping a cause whose text the line already
@@ -320,5 +338,47 @@ mod tests {
             EXIT_USAGE
         );
         assert_eq!(exit_code(&anyhow::anyhow!("other")), EXIT_FAILURE);
+        let locked = agentmbx_relay::store::StoreError::Locked {
+            path: "relay.lock".into(),
+            holder: None,
+            waited_ms: 60_000,
+        };
+        assert_eq!(
+            exit_code(&anyhow::Error::new(agentmbx_relay::run::ServeError::Store(
+                locked
+            ))),
+            relay_admin::EXIT_RELAY_RUNNING
+        );
+        let other = agentmbx_relay::store::StoreError::WriterStopped;
+        assert_eq!(
+            exit_code(&anyhow::Error::new(agentmbx_relay::run::ServeError::Store(
+                other
+            ))),
+            EXIT_FAILURE
+        );
+    }
+
+    #[test]
+    fn only_the_servers_log_at_info_by_default() {
+        let level = |args: &[&str]| {
+            let mut full = vec!["agentmbx"];
+            full.extend_from_slice(args);
+            Cli::try_parse_from(full)
+                .expect("parse")
+                .default_log_level()
+        };
+        assert_eq!(level(&["daemon"]), "info");
+        assert_eq!(level(&["relay", "serve", "--store-dir", "/x"]), "info");
+        assert_eq!(level(&["relay", "keygen"]), "warn");
+        assert_eq!(
+            level(&["relay", "revoke", "x", "--store-dir", "/x"]),
+            "warn"
+        );
+        assert_eq!(
+            level(&["relay", "deny", "--list", "--store-dir", "/x"]),
+            "warn"
+        );
+        assert_eq!(level(&["relay", "quarantine"]), "warn");
+        assert_eq!(level(&["whoami"]), "warn");
     }
 }

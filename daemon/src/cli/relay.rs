@@ -14,14 +14,17 @@ use agentmbx::paths::Paths;
 #[derive(Debug, Subcommand)]
 pub enum RelayCommand {
     /// Run a relay: stores sealed items until their target host pulls and acknowledges them
+    #[command(after_long_help = SERVE_HELP)]
     Serve(ServeArgs),
     /// Create a relay signing key and print it as MBX_RELAY_KEY=<seed> (a deploy secret)
     Keygen,
     /// Use the relay at URL for this host and pin its key (trust on first use, or --key);
-    /// also confirms a changed relay key
+    /// also confirms a changed relay key (from the daemon's next pass; another URL needs a
+    /// daemon restart)
     Set(SetArgs),
-    /// Show this host's standing with its relay: pinned key, state (a key mismatch and its
-    /// fix), epoch, enrolment, enc-key ad, allowlist, position and outbox (offline; --live)
+    /// Show this host's standing with its relay: pinned key, state (a key mismatch, a deny or
+    /// a revocation and its fix), epoch, enrolment, enc-key ad, allowlist, position and outbox
+    /// (offline; --live); exits 1 unless the state is ok
     Info(super::relay_info::InfoArgs),
     /// List relay items this host refused (bad signature, undecryptable, unknown sender…)
     Quarantine(QuarantineArgs),
@@ -44,15 +47,54 @@ pub struct QuarantineArgs {
     pub json: bool,
 }
 
+/// Shown after `relay serve --help` and in `agentmbx-relay-serve(1)`: the relay's environment
+/// and files.
+const SERVE_HELP: &str = "\
+Environment:
+  MBX_RELAY_KEY: the relay signing key (a seed from `agentmbx relay keygen`); read once at
+    start and removed from the environment. Without it the key is relay.key in the store
+    directory (created on first start)
+  MBX_RELAY_ADMIN_TOKEN: bearer token of the admin endpoints (/v2/relay/admin/*: revoke, deny);
+    wins over admin_token_file. Neither set: the admin endpoints are off (404)
+  MBX_RELAY_DIR: the store directory (--store-dir)
+  PORT: the port (--port); platforms such as Railway or Heroku set it
+  MBX_RELAY_TRUST_PROXY: xff|cloudflare, like --trust-proxy
+  MBX_LOG: log filter (default info)
+
+Files in the store directory (created 0700 when missing; the files are 0600):
+  relay.db (+ -wal, -shm while running): the store. A clean stop leaves everything in relay.db
+  relay.key: the relay key, unless MBX_RELAY_KEY is set
+  relay.lock: one relay process per store; a second one waits lock_wait_ms (default 60000)
+    for it, then exits with status 4
+  relay.toml (optional; unknown keys are refused):
+    lock_wait_ms, request_timeout_ms, header_read_timeout_ms, keep_alive_timeout_ms,
+    max_connections
+    trust_proxy = \"xff\" | \"cloudflare\"
+    admin_token_file = \"admin.token\" (relative to the store directory)
+    [limits] max_item_bytes, max_batch, max_pull, max_pull_bytes, max_targets, retention_days,
+      max_queue_items, max_queue_bytes, max_sender_items, max_sender_bytes, max_owner_items,
+      max_owner_bytes, max_live_enrolments
+    [rate] enrol_per_min, info_per_min, push_per_min, max_keys, body_budget_bytes,
+      body_per_address_bytes
+    [authority] kind = \"host-key-challenge\" (default: every host that proves its key
+      enrols) or \"account\" with issuer, jwks_url, audience (this relay's public URL) and
+      optionally max_token_ttl_ms
+
+At start the relay logs its key fingerprint, the bound address, whether the admin endpoint is
+on (never the token) and which enrolment authority admits hosts. SIGTERM or SIGINT stops it
+cleanly (exit 0).";
+
 /// Flags of `relay serve`.
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// IP address to listen on
-    #[arg(long, value_name = "ADDR", default_value = "0.0.0.0")]
-    pub bind: IpAddr,
-    /// TCP port to listen on (0 picks a free port; the bound address is logged)
-    #[arg(long, value_name = "N", env = "PORT", default_value_t = 7374)]
-    pub port: u16,
+    /// IP address to listen on [default: `bind` in relay.toml, else 0.0.0.0]
+    #[arg(long, value_name = "ADDR")]
+    pub bind: Option<IpAddr>,
+    /// TCP port to listen on (0 picks a free port; the bound address is logged). Read from
+    /// PORT when the flag is not given, as platforms such as Railway set it [default: `port` in
+    /// relay.toml, else 7374]
+    #[arg(long, value_name = "N", env = "PORT")]
+    pub port: Option<u16>,
     /// Directory of the relay's state (relay.db, relay.key, relay.lock, optional relay.toml)
     #[arg(long, value_name = "DIR", env = "MBX_RELAY_DIR", required = true)]
     pub store_dir: PathBuf,
@@ -66,6 +108,7 @@ pub struct ServeArgs {
 
 /// Flags of `relay set`.
 #[derive(Debug, Args)]
+#[command(after_long_help = super::relay_info::SET_HELP)]
 pub struct SetArgs {
     /// Relay base URL, e.g. https://relay.example.org or http://127.0.0.1:7374
     pub url: String,
@@ -73,7 +116,8 @@ pub struct SetArgs {
     /// Without it the key the relay presents now is pinned (trust on first use).
     #[arg(long, value_name = "FINGERPRINT")]
     pub key: Option<String>,
-    /// Print the result as JSON: {url, relay_pubkey, fingerprint, epoch}
+    /// Print the result as JSON: {url, relay_pubkey, fingerprint, epoch, reachable, pinned,
+    /// previous?, restart_needed}
     #[arg(long)]
     pub json: bool,
 }
@@ -106,8 +150,8 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let store_dir = args.store_dir;
     let opts = agentmbx_relay::run::ServeOptions {
-        bind: Some(args.bind),
-        port: Some(args.port),
+        bind: args.bind,
+        port: args.port,
         store_dir,
         trust_proxy: args.trust_proxy,
     };

@@ -6,8 +6,12 @@
 //!   relay key its `relay.db` records, and refuses with exit code [`EXIT_RELAY_RUNNING`] while
 //!   `relay serve` (or any other process) holds `relay.lock`;
 //! - **online** with `--url <relay url>`: through the running relay's admin endpoints
-//!   (`/v2/relay/admin/*`), with the admin token from `MBX_RELAY_ADMIN_TOKEN` or
-//!   `--admin-token-file` (never from the command line, where other users could read it).
+//!   (`/v2/relay/admin/*`), with the admin token from `--admin-token-file`, else from
+//!   `MBX_RELAY_ADMIN_TOKEN` (a flag beats the environment; never from the command line, where
+//!   other users could read it). Errors name the token's source, never the token. The token
+//!   goes over plain `http://` only to a loopback host (`localhost`, 127.0.0.0/8, `::1`);
+//!   another host needs `https://`, or `--insecure-http` to send it anyway (exit 2 otherwise,
+//!   before anything is sent).
 //!
 //! Both run the same code in the relay crate ([`agentmbx_relay::admin`]). The next request of
 //! a revoked or denied host is refused (403 REVOKED / DENIED); revocation is permanent and
@@ -33,6 +37,15 @@ use agentmbx_relay::store::DenyKind;
 
 use super::{NotFoundError, UsageError};
 
+/// The admin token's sources and transport, shown after the flags of `revoke` and `deny`.
+macro_rules! token_help {
+    () => {
+        " With --url the admin token comes from --admin-token-file, else from \
+MBX_RELAY_ADMIN_TOKEN (the flag wins). It is sent over plain http:// only to this machine \
+(localhost, 127.0.0.0/8, ::1); another host needs https://, or --insecure-http."
+    };
+}
+
 /// Exit code of an offline relay command refused because a relay runs on the store.
 pub const EXIT_RELAY_RUNNING: u8 = 4;
 
@@ -48,12 +61,17 @@ pub struct Target {
     #[arg(long, value_name = "DIR", env = "MBX_RELAY_DIR")]
     pub store_dir: Option<PathBuf>,
     /// Run through the running relay at this URL (its admin endpoint; needs the admin token
-    /// from MBX_RELAY_ADMIN_TOKEN or --admin-token-file). Wins over --store-dir
+    /// from --admin-token-file or MBX_RELAY_ADMIN_TOKEN). Wins over --store-dir. Plain http://
+    /// only to this machine (loopback) unless --insecure-http
     #[arg(long, value_name = "URL")]
     pub url: Option<String>,
-    /// File holding the relay's admin token (with --url; MBX_RELAY_ADMIN_TOKEN wins)
+    /// File holding the relay's admin token (with --url; wins over MBX_RELAY_ADMIN_TOKEN)
     #[arg(long, value_name = "FILE", requires = "url")]
     pub admin_token_file: Option<PathBuf>,
+    /// Send the admin token over plain http:// to a host that is not this machine (only on a
+    /// network path you trust: anyone on it can read the token)
+    #[arg(long, requires = "url")]
+    pub insecure_http: bool,
     /// Print the result as JSON
     #[arg(long)]
     pub json: bool,
@@ -62,9 +80,9 @@ pub struct Target {
 /// Flags of `relay revoke`.
 #[derive(Debug, Args)]
 #[command(
-    after_long_help = "Exit status: 0 revoked (or already revoked), 1 failure or an \
+    after_long_help = concat!("Exit status: 0 revoked (or already revoked), 1 failure or an \
 ambiguous fingerprint, 2 usage error, 3 no such enrolment or store, 4 a relay runs on the \
-store (use --url)."
+store (use --url).", token_help!())
 )]
 pub struct RevokeArgs {
     /// The host: its key (base64) or fingerprint (16 hex digits, dashes optional)
@@ -77,9 +95,9 @@ pub struct RevokeArgs {
 /// Flags of `relay deny`.
 #[derive(Debug, Args)]
 #[command(
-    after_long_help = "A host fingerprint (or host key) denies that host; anything else \
+    after_long_help = concat!("A host fingerprint (or host key) denies that host; anything else \
 is a token client_id (--client forces that reading). Exit status: 0 done, 1 failure, 2 usage \
-error, 3 nothing to remove or no store, 4 a relay runs on the store (use --url)."
+error, 3 nothing to remove or no store, 4 a relay runs on the store (use --url).", token_help!())
 )]
 pub struct DenyArgs {
     /// Host fingerprint (or host key) or token client_id to deny (or, with --remove, to allow
@@ -114,7 +132,69 @@ fn now_ms() -> anyhow::Result<i64> {
 /// Where the command runs, once checked.
 enum Place {
     Offline(PathBuf),
-    Online { url: String, token: AdminToken },
+    Online(Online),
+}
+
+/// A running relay's admin endpoint and the token for it.
+struct Online {
+    url: String,
+    token: AdminToken,
+    /// Where the token came from, for messages (`--admin-token-file <path>` or the variable's
+    /// name; never the token).
+    source: String,
+}
+
+/// True when `url` (checked by [`agentmbx::config::check_relay_url`]) names this machine:
+/// `localhost`, an IPv4 address in 127.0.0.0/8 or `::1`.
+fn is_loopback(url: &str) -> bool {
+    let Some(parsed) = reqwest::Url::parse(url).ok() else {
+        return false;
+    };
+    let host = parsed.host_str().unwrap_or("");
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    host.eq_ignore_ascii_case("localhost")
+        || bare
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// Refuses to send the admin token over plain `http://` to a host that is not this machine
+/// unless `insecure` (`--insecure-http`). Errors: [`UsageError`] saying so (nothing was sent).
+fn plain_http_allowed(url: &str, insecure: bool) -> Result<(), UsageError> {
+    if url.starts_with("http://") && !is_loopback(url) && !insecure {
+        return Err(UsageError(format!(
+            "--url {url}: plain http:// to a host that is not this machine would send the admin token unencrypted; use https://, or --insecure-http if you trust the network path"
+        )));
+    }
+    Ok(())
+}
+
+/// The admin token and its source: `--admin-token-file` wins over [`ADMIN_TOKEN_ENV`].
+/// Errors: neither given or unreadable (usage, or the file's read error), malformed (usage);
+/// they name the source, never the token.
+fn admin_token(file: Option<&std::path::Path>) -> anyhow::Result<(AdminToken, String)> {
+    if let Some(file) = file {
+        let source = format!("--admin-token-file {}", file.display());
+        let text =
+            std::fs::read_to_string(file).with_context(|| format!("cannot read {source}"))?;
+        let token = AdminToken::new(&text).map_err(|e| UsageError(format!("{source}: {e}")))?;
+        return Ok((token, source));
+    }
+    match std::env::var(ADMIN_TOKEN_ENV) {
+        Ok(text) => {
+            let token = AdminToken::new(&text)
+                .map_err(|e| UsageError(format!("{ADMIN_TOKEN_ENV}: {e}")))?;
+            Ok((token, ADMIN_TOKEN_ENV.to_string()))
+        }
+        Err(std::env::VarError::NotUnicode(_)) => Err(UsageError(format!(
+            "{ADMIN_TOKEN_ENV}: the admin token must be printable ASCII without spaces"
+        ))
+        .into()),
+        Err(std::env::VarError::NotPresent) => Err(UsageError(format!(
+            "--url needs the relay's admin token: give --admin-token-file or set {ADMIN_TOKEN_ENV}"
+        ))
+        .into()),
+    }
 }
 
 fn place(t: &Target) -> anyhow::Result<Place> {
@@ -124,23 +204,9 @@ fn place(t: &Target) -> anyhow::Result<Place> {
             // The admin token goes to this URL: the same checks as `relay set`.
             let url = agentmbx::config::check_relay_url(url)
                 .map_err(|e| UsageError(format!("--url: {e}")))?;
-            let token = match std::env::var(ADMIN_TOKEN_ENV) {
-                Ok(text) => AdminToken::new(&text)
-                    .map_err(|e| UsageError(format!("{ADMIN_TOKEN_ENV}: {e}")))?,
-                Err(_) => {
-                    let Some(file) = &t.admin_token_file else {
-                        return Err(UsageError(format!(
-                            "--url needs the relay's admin token: set {ADMIN_TOKEN_ENV} or give --admin-token-file"
-                        ))
-                        .into());
-                    };
-                    let text = std::fs::read_to_string(file)
-                        .with_context(|| format!("cannot read {}", file.display()))?;
-                    AdminToken::new(&text)
-                        .map_err(|e| UsageError(format!("{}: {e}", file.display())))?
-                }
-            };
-            Ok(Place::Online { url, token })
+            plain_http_allowed(&url, t.insecure_http)?;
+            let (token, source) = admin_token(t.admin_token_file.as_deref())?;
+            Ok(Place::Online(Online { url, token, source }))
         }
         _ => Err(UsageError(
             "give --store-dir <dir> (offline) or --url <relay url> (a running relay)".into(),
@@ -174,13 +240,8 @@ fn offline<T>(
 }
 
 /// One admin request; a refusal becomes the matching CLI error.
-fn online(
-    url: &str,
-    token: &AdminToken,
-    method: &str,
-    path: &str,
-    body: Option<Value>,
-) -> anyhow::Result<Value> {
+fn online(target: &Online, method: &str, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
+    let Online { url, token, source } = target;
     agentmbx::install_tls_provider();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -230,7 +291,7 @@ fn online(
         (404, "NOT_FOUND") if path.contains("admin") && error == "not found" => anyhow::anyhow!(
             "the relay at {url} has no admin endpoint (it runs without an admin token)"
         ),
-        (401, _) => anyhow::anyhow!("the relay at {url} refused the admin token"),
+        (401, _) => anyhow::anyhow!("the relay at {url} refused the admin token from {source}"),
         (400, _) => UsageError(error).into(),
         (404, _) => NotFoundError(error).into(),
         _ => anyhow::anyhow!("the relay at {url} answered {status}: {error}"),
@@ -274,9 +335,8 @@ pub fn revoke(args: RevokeArgs) -> anyhow::Result<()> {
                 offline(&dir, |store, now| admin::revoke(store, &args.host, now))?;
             json!({"ok": true, "newly_revoked": r.newly_revoked, "host": r.host})
         }
-        Place::Online { url, token } => online(
-            &url,
-            &token,
+        Place::Online(target) => online(
+            &target,
             "POST",
             "/v2/relay/admin/revoke",
             Some(json!({"host": args.host})),
@@ -308,8 +368,8 @@ pub fn deny(args: DenyArgs) -> anyhow::Result<()> {
     if args.list {
         let entries: Value = match place {
             Place::Offline(dir) => json!(offline(&dir, |store, now| admin::deny_list(store, now))?),
-            Place::Online { url, token } => {
-                online(&url, &token, "GET", "/v2/relay/admin/deny", None)?["entries"].take()
+            Place::Online(target) => {
+                online(&target, "GET", "/v2/relay/admin/deny", None)?["entries"].take()
             }
         };
         let mut text = String::new();
@@ -347,9 +407,8 @@ pub fn deny(args: DenyArgs) -> anyhow::Result<()> {
                     offline(&dir, |store, now| admin::undeny(store, &subject, kind, now))?;
                 json!({"ok": true, "removed": removed, "kind": k.as_str(), "value": value})
             }
-            Place::Online { url, token } => online(
-                &url,
-                &token,
+            Place::Online(target) => online(
+                &target,
                 "POST",
                 "/v2/relay/admin/undeny",
                 Some(json!({"target": subject, "kind": kind.map(DenyKind::as_str)})),
@@ -383,9 +442,8 @@ pub fn deny(args: DenyArgs) -> anyhow::Result<()> {
             })?;
             json!(DenyView::of(&e, now))
         }
-        Place::Online { url, token } => online(
-            &url,
-            &token,
+        Place::Online(target) => online(
+            &target,
             "POST",
             "/v2/relay/admin/deny",
             Some(json!({"target": subject, "kind": kind.map(DenyKind::as_str), "until_ms": until})),
@@ -403,4 +461,35 @@ pub fn deny(args: DenyArgs) -> anyhow::Result<()> {
         &json!({"ok": true, "entry": entry}),
         &text,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_http_carries_the_admin_token_only_to_this_machine_unless_insecure() {
+        for ok in [
+            "http://127.0.0.1:7374",
+            "http://127.8.9.10",
+            "http://localhost:7374",
+            "http://LOCALHOST",
+            "http://[::1]:7374",
+            "https://relay.example.org",
+            "https://192.0.2.1:443",
+        ] {
+            assert!(plain_http_allowed(ok, false).is_ok(), "{ok}");
+        }
+        for far in [
+            "http://relay.example.org",
+            "http://192.0.2.1:7374",
+            "http://[2001:db8::1]:7374",
+            "http://localhost.example.org",
+            "http://128.0.0.1",
+        ] {
+            let e = plain_http_allowed(far, false).unwrap_err();
+            assert!(e.0.contains("--insecure-http"), "{far}: {e}");
+            assert!(plain_http_allowed(far, true).is_ok(), "{far}");
+        }
+    }
 }

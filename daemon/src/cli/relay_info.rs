@@ -3,9 +3,12 @@
 //!
 //! `relay set` shows the relay key fingerprint and pins it: trust on first use, or `--key`
 //! (16 hex digits in any case, dashes/colons/spaces optional, or the base64 key) to pin only
-//! that key. It is also the only way to confirm a changed relay key. It writes `[relay] url,
-//! key` in `config.toml` and the pin in `mailbox.db` (kv `relay-key:<url>`, which a running
-//! daemon reads each pass, so a confirmation takes effect without a restart), audits
+//! that key. It is also the only way to confirm a changed relay key. It needs an initialized
+//! host (exit 3 otherwise, nothing written). It writes `[relay] url, key` in `config.toml` and
+//! the pin in `mailbox.db` (kv `relay-key:<url>`, which a running daemon reads each pass, so a
+//! key confirmed for the relay it uses takes effect without a restart; a running daemon reads
+//! the relay URL only at start, so another URL takes effect when it restarts, and `relay set`
+//! says which of the two applies: `restart_needed` in JSON), audits
 //! `relay.key_confirmed` and clears a `key-mismatch` state and the recorded key change (also
 //! when the owner confirms the pinned key after the relay served another one). When the relay
 //! cannot be reached, a full `--key` is pinned as given, and a fingerprint is stored as the
@@ -18,9 +21,12 @@
 //!
 //! `relay info` reads `config.toml` and `mailbox.db` only (no daemon needed): the pin, the
 //! relay state (with a key mismatch the pinned and served fingerprints and the exact fix
-//! command), an unconfirmed key change (`key_change`: which key was served and when, kept after
+//! command; for `denied` and `revoked` what the owner can do), an unconfirmed key change (`key_change`: which key was served and when, kept after
 //! the relay serves the pinned key again, with both confirm commands), epoch, enrolment cache, enc-key ad, allowlist, position and outbox counts. With
-//! `--live` it also asks the relay (unsigned info) which key it presents now.
+//! `--live` it also asks the relay (unsigned info) which key it presents now. It exits 0 only
+//! when the recorded state is `ok`; any other state (also none recorded yet) prints the same
+//! report and exits 1 ([`NOT_OK_HELP`]), like `systemctl is-active`, so a script can test the
+//! relay with the exit status alone.
 //!
 //! Neither command prints private key material.
 
@@ -40,8 +46,23 @@ use agentmbx_protocol::time::iso_ms;
 use super::relay::SetArgs;
 use super::{NotFoundError, UsageError};
 
+/// The exit status of `relay info`, shown in its `--help`.
+pub const NOT_OK_HELP: &str = "Exit status: 0 the relay state is ok; 1 any other state (none \
+recorded yet, unreachable, key-mismatch, enrol-failed, enc-ad-failed, clock-skew, \
+refused-after-enrol, denied, revoked) or a failure: the report is printed all the same and \
+--json gives the state; 3 this host is not initialized or no relay is configured.";
+
+/// The `relay set` help after the flags: when a running daemon uses the result.
+pub const SET_HELP: &str = "A running daemon reads the pin of the relay it uses on each relay \
+pass: confirming a key for that relay takes effect from its next pass. It reads the relay URL \
+only at start: after `relay set` with another URL (or the first one), restart the daemon to use \
+the new relay; `relay set` says which applies (restart_needed in --json). Exit status: 0 \
+pinned, 1 key mismatch or unreachable relay without --key, 2 malformed URL or --key, 3 this \
+host is not initialized (run `agentmbx init`).";
+
 /// Flags of `relay info`.
 #[derive(Debug, Args)]
+#[command(after_long_help = NOT_OK_HELP)]
 pub struct InfoArgs {
     /// Print as JSON: {url, source, pin, state, key_change, fix, epoch, enrolment, backoff,
     /// enc_ad, allowlist, position, outbox, live?}
@@ -76,9 +97,20 @@ pub fn set(args: SetArgs) -> anyhow::Result<()> {
         None => None,
     };
     let paths = Paths::from_env()?;
+    // Nothing is created in a home without an identity (no config.toml, no mailbox.db).
+    if !agentmbx::identity::is_initialized(&paths) {
+        return Err(
+            NotFoundError("this host is not initialized; run `agentmbx init`".into()).into(),
+        );
+    }
     paths.ensure_home()?;
     let now = SystemClock::from_env()?.now_ms();
     let file = Config::read_file(&paths.config_file())?;
+    let previous_url = file
+        .as_ref()
+        .and_then(|c| c.relay.as_ref())
+        .map(|r| r.url.trim_end_matches('/').to_string());
+    let restart_needed = previous_url.as_deref() != Some(url.as_str());
     let file_key = file
         .and_then(|c| c.relay)
         .filter(|r| r.url.trim_end_matches('/') == url)
@@ -98,7 +130,14 @@ pub fn set(args: SetArgs) -> anyhow::Result<()> {
 
     let info = match runtime()?.block_on(pin::fetch_info(&url)) {
         Ok(info) => info,
-        Err(e) => return set_unreachable(&args, &url, expected, pinned, &mailbox, &paths, now, e),
+        Err(e) => {
+            let pinning = Pinning {
+                expected,
+                pinned,
+                previous_url,
+            };
+            return set_unreachable(&args, &url, pinning, &mailbox, &paths, now, e);
+        }
     };
     let served = PublicKey::from_b64(&info.relay_pubkey)
         .context("the relay presents an invalid key; nothing was pinned")?;
@@ -168,7 +207,7 @@ pub fn set(args: SetArgs) -> anyhow::Result<()> {
     if args.json {
         let out = json!({"url": url, "relay_pubkey": served.to_b64(), "fingerprint": served.fingerprint(),
                          "epoch": info.epoch, "reachable": true, "pinned": how,
-                         "previous": done.previous});
+                         "previous": done.previous, "restart_needed": restart_needed});
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         println!("relay: {url}");
@@ -182,25 +221,52 @@ pub fn set(args: SetArgs) -> anyhow::Result<()> {
         if let Some(c) = change.filter(|c| c.served != served.fingerprint()) {
             println!("the key {} the relay served is not trusted", c.served);
         }
-        println!(
-            "a running daemon uses it from its next relay pass (a stopped one from its next start)"
-        );
+        println!("{}", daemon_note(previous_url.as_deref(), &url));
     }
     Ok(())
 }
 
+/// When a running daemon uses what `relay set` wrote (module docs): the pin of the relay it
+/// uses from its next pass; another relay URL only after a restart.
+fn daemon_note(previous_url: Option<&str>, url: &str) -> String {
+    match previous_url {
+        Some(p) if p == url => {
+            "a running daemon uses it from its next relay pass (a stopped one from its next start)"
+                .to_string()
+        }
+        Some(p) => format!(
+            "restart the daemon to use the new relay: a running daemon keeps using {p} until it restarts"
+        ),
+        None => "restart the daemon to use the new relay: a running daemon started without a relay uses none until it restarts".to_string(),
+    }
+}
+
+/// What `relay set` knew before contacting the relay.
+struct Pinning {
+    /// `--key`, parsed.
+    expected: Option<pin::Pin>,
+    /// The key pinned for this URL, if any.
+    pinned: Option<PublicKey>,
+    /// The relay URL `config.toml` named before, if any.
+    previous_url: Option<String>,
+}
+
 /// `relay set` when the relay cannot be reached (module docs).
-#[allow(clippy::too_many_arguments)]
 fn set_unreachable(
     args: &SetArgs,
     url: &str,
-    expected: Option<pin::Pin>,
-    pinned: Option<PublicKey>,
+    pinning: Pinning,
     mailbox: &Mailbox,
     paths: &Paths,
     now: i64,
     e: RelayError,
 ) -> anyhow::Result<()> {
+    let Pinning {
+        expected,
+        pinned,
+        previous_url,
+    } = pinning;
+    let restart_needed = previous_url.as_deref() != Some(url);
     let why = match &e {
         RelayError::Unreachable(why) => format!("cannot be reached ({why})"),
         other => format!("did not answer as a relay ({other})"),
@@ -245,7 +311,8 @@ fn set_unreachable(
     };
     if args.json {
         let out = json!({"url": url, "relay_pubkey": key.map(|k| k.to_b64()), "fingerprint": fp,
-                         "epoch": null, "reachable": false, "pinned": if key.is_some() { "--key" } else { "expected" }});
+                         "epoch": null, "reachable": false, "pinned": if key.is_some() { "--key" } else { "expected" },
+                         "restart_needed": restart_needed});
         println!("{}", serde_json::to_string_pretty(&out)?);
         eprintln!("agentmbx: {message}");
     } else {
@@ -259,6 +326,7 @@ fn set_unreachable(
             }
         );
         println!("{message}");
+        println!("{}", daemon_note(previous_url.as_deref(), url));
     }
     Ok(())
 }
@@ -373,10 +441,19 @@ pub fn info(args: InfoArgs) -> anyhow::Result<()> {
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&out)?);
-        return Ok(());
+    } else {
+        print_text(&out);
     }
-    print_text(&out);
-    Ok(())
+    // Exit 1 unless the state is ok ([`NOT_OK_HELP`]); the report is out already.
+    match st.as_ref().map(|s| s.state) {
+        Some(state::Standing::Ok) => Ok(()),
+        Some(other) => Err(anyhow::anyhow!(
+            "the relay state is {other}, not ok (exit status 1; the report above says why)"
+        )),
+        None => Err(anyhow::anyhow!(
+            "no relay pass recorded yet, so the relay state is not ok (exit status 1)"
+        )),
+    }
 }
 
 fn s(v: &Value) -> &str {
@@ -437,7 +514,17 @@ fn print_text(o: &Value) {
     println!("epoch: {}", o["epoch"].as_str().unwrap_or("none seen yet"));
     let e = &o["enrolment"];
     if e.is_null() {
-        println!("enrolment: none cached (the daemon enrols on its next pass)");
+        let next = st["next_at"].as_str().unwrap_or("after its pause");
+        let why = match s(&st["state"]) {
+            "revoked" => "this host key is revoked on this relay for good".to_string(),
+            "denied" => format!("the relay refuses this host; the daemon tries again at {next}"),
+            "key-mismatch" => "none while the relay key is not confirmed".to_string(),
+            "clock-skew" | "refused-after-enrol" => {
+                format!("refused right after enrolling; the daemon tries again at {next}")
+            }
+            _ => "the daemon enrols on its next pass".to_string(),
+        };
+        println!("enrolment: none cached ({why})");
     } else {
         println!(
             "enrolment: relay key {}, epoch {}, host key {} (confirmed {}){}",

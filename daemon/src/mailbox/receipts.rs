@@ -333,7 +333,15 @@ pub struct RecipientState {
     /// The transport that delivered it to the host: `lan`, `relay` (remote recipients).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub via: Option<String>,
+    /// `queued` only: why the last attempt did not get it through (the outbox row's last
+    /// error: a relay or LAN error text, never a secret), at most 120 characters (a longer
+    /// one is cut and ends with `…`); absent before any failed attempt.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
 }
+
+/// Longest `last_error` a sent page shows (characters; longer ones are cut and end with `…`).
+pub const MAX_SENT_ERROR_CHARS: usize = 120;
 
 /// One sent message with its per-recipient state.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
@@ -382,13 +390,31 @@ fn local_state(state: &str) -> &str {
     }
 }
 
-/// The outbox state as the sender sees it, with the reason for an undelivered row.
-fn outbox_state(state: &str, last_error: Option<String>) -> (String, Option<String>) {
+/// The outbox state as the sender sees it: `(state, reason, last_error)`, with the reason for
+/// an undelivered row and the last error of a queued one (cut to [`MAX_SENT_ERROR_CHARS`]).
+fn outbox_state(
+    state: &str,
+    last_error: Option<String>,
+) -> (String, Option<String>, Option<String>) {
     match state {
-        "pending" => ("queued".into(), None),
-        "rejected" | "undelivered" => ("undelivered".into(), last_error),
-        other => (other.to_string(), None),
+        "pending" => (
+            "queued".into(),
+            None,
+            last_error.filter(|e| !e.is_empty()).map(|e| cut_shown(&e)),
+        ),
+        "rejected" | "undelivered" => ("undelivered".into(), last_error, None),
+        other => (other.to_string(), None, None),
     }
+}
+
+/// `text` cut to [`MAX_SENT_ERROR_CHARS`] characters, ending with `…` when cut.
+fn cut_shown(text: &str) -> String {
+    if text.chars().count() <= MAX_SENT_ERROR_CHARS {
+        return text.to_string();
+    }
+    let mut out: String = text.chars().take(MAX_SENT_ERROR_CHARS - 1).collect();
+    out.push('…');
+    out
 }
 
 /// The outbox columns the sender's view reads.
@@ -446,6 +472,7 @@ fn recipients_of(
             at: Some(iso_ms(at)),
             reason: None,
             via: None,
+            last_error: None,
         });
     };
     for addr in to {
@@ -471,11 +498,12 @@ fn recipients_of(
                 at: Some(at.clone()),
                 reason: None,
                 via: via_of(h),
+                last_error: None,
             });
             continue;
         }
         if let Some(row) = rows.iter().find(|r| r.host == host) {
-            let (state, reason) = outbox_state(&row.state, row.last_error.clone());
+            let (state, reason, last_error) = outbox_state(&row.state, row.last_error.clone());
             out.push(RecipientState {
                 recipient: label,
                 host: row.host.clone(),
@@ -483,6 +511,7 @@ fn recipients_of(
                 at: row.settled_at.map(iso_ms),
                 reason,
                 via: row.via.clone().filter(|v| v == "lan" || v == "relay"),
+                last_error,
             });
         }
     }
@@ -501,6 +530,7 @@ fn recipients_of(
                 at: Some(at.clone()),
                 reason: None,
                 via: via_of(h),
+                last_error: None,
             });
         }
     }
@@ -510,7 +540,7 @@ fn recipients_of(
     let covered: BTreeSet<String> = out.iter().map(|r| r.host.clone()).collect();
     let delivered_here: BTreeSet<&str> = deliveries.iter().map(|d| d.0.as_str()).collect();
     for row in rows.iter().filter(|r| !covered.contains(&r.host)) {
-        let (state, reason) = outbox_state(&row.state, row.last_error.clone());
+        let (state, reason, last_error) = outbox_state(&row.state, row.last_error.clone());
         for label in unqualified_labels(conn, to, &row.host, &delivered_here)? {
             if seen.insert(label.clone()) {
                 out.push(RecipientState {
@@ -520,6 +550,7 @@ fn recipients_of(
                     at: row.settled_at.map(iso_ms),
                     reason: reason.clone(),
                     via: row.via.clone().filter(|v| v == "lan" || v == "relay"),
+                    last_error: last_error.clone(),
                 });
             }
         }
@@ -775,6 +806,107 @@ mod tests {
                 Ok(())
             })
             .unwrap();
+    }
+
+    #[test]
+    fn a_queued_recipient_shows_the_last_error_cut_to_120_characters() {
+        let s = testutil::store();
+        let me = testutil::identity("home");
+        for h in ["work", "lab", "sea"] {
+            s.add_peer(&testutil::identity(h), true);
+        }
+        let m1 = testutil::ids().next(T0);
+        s.send(
+            &me,
+            "alice",
+            &["dan@work", "fay@lab", "gus@sea"],
+            "one",
+            &m1,
+            T0,
+        )
+        .unwrap();
+        let at_limit = "e".repeat(MAX_SENT_ERROR_CHARS);
+        let past = format!("{}é", "x".repeat(MAX_SENT_ERROR_CHARS));
+        s.mailbox
+            .with(|c| {
+                // work: one failed relay attempt; lab: an error exactly at the limit; sea: a
+                // longer one (cut), and the row then ends undelivered (the reason, no last_error).
+                outbox::fail(
+                    c,
+                    &m1,
+                    "work",
+                    "rejected:target not enrolled",
+                    false,
+                    T0 + 1,
+                )?;
+                c.execute(
+                    "UPDATE outbox SET last_error = ?1 WHERE host = 'lab'",
+                    [&at_limit],
+                )?;
+                c.execute(
+                    "UPDATE outbox SET last_error = ?1 WHERE host = 'sea'",
+                    [&past],
+                )?;
+                Ok(())
+            })
+            .unwrap();
+        let page = s
+            .mailbox
+            .with(|c| sent_page(c, "alice", "home", None, 20))
+            .unwrap();
+        let got: Vec<(&str, &str, Option<&str>)> = page.messages[0]
+            .recipients
+            .iter()
+            .map(|r| {
+                (
+                    r.recipient.as_str(),
+                    r.state.as_str(),
+                    r.last_error.as_deref(),
+                )
+            })
+            .collect();
+        let cut = format!("{}…", "x".repeat(MAX_SENT_ERROR_CHARS - 1));
+        assert_eq!(
+            got,
+            vec![
+                ("dan@work", "queued", Some("rejected:target not enrolled")),
+                ("fay@lab", "queued", Some(at_limit.as_str())),
+                ("gus@sea", "queued", Some(cut.as_str())),
+            ]
+        );
+        assert_eq!(cut.chars().count(), MAX_SENT_ERROR_CHARS);
+        let json = serde_json::to_value(&page.messages[0].recipients[0]).unwrap();
+        assert_eq!(json["last_error"], "rejected:target not enrolled");
+        // Undelivered: the reason, and no last_error; no failure yet: no last_error at all.
+        s.mailbox
+            .with(|c| {
+                c.execute(
+                    "UPDATE outbox SET state = 'undelivered', last_error = 'gave up after 72 h (x)' WHERE host = 'sea'",
+                    [],
+                )?;
+                c.execute("UPDATE outbox SET last_error = NULL WHERE host = 'lab'", [])?;
+                Ok(())
+            })
+            .unwrap();
+        let page = s
+            .mailbox
+            .with(|c| sent_page(c, "alice", "home", None, 20))
+            .unwrap();
+        let r = &page.messages[0].recipients;
+        assert_eq!(
+            (r[1].state.as_str(), r[1].last_error.as_deref()),
+            ("queued", None)
+        );
+        let json = serde_json::to_value(&r[1]).unwrap();
+        assert!(json.get("last_error").is_none(), "{json}");
+        assert_eq!(
+            (
+                r[2].state.as_str(),
+                r[2].reason.as_deref(),
+                r[2].last_error.as_deref()
+            ),
+            ("undelivered", Some("gave up after 72 h (x)"), None)
+        );
     }
 
     #[test]

@@ -51,7 +51,7 @@ mod schema;
 mod sqlite;
 
 pub use schema::SCHEMA_VERSION;
-pub use sqlite::{SqliteStore, StoreStats};
+pub use sqlite::{prepare_store_dir, SqliteStore, StoreStats};
 
 use std::path::PathBuf;
 
@@ -103,11 +103,16 @@ pub enum StoreError {
         /// Fingerprint of the relay public key the caller opened it with.
         given_fingerprint: String,
     },
-    /// Another process (or another open store in this process) holds `relay.lock`.
-    #[error("another relay process holds {}", path.display())]
+    /// Another process (or another open store in this process) holds `relay.lock`; the text
+    /// names the holder its lock file records (pid, since when) and how long this open waited.
+    #[error("{}", locked_text(path, holder.as_ref(), *waited_ms))]
     Locked {
         /// Path of the lock file.
         path: PathBuf,
+        /// The holder `relay.lock` records, when it could be read.
+        holder: Option<LockHolder>,
+        /// How long this open waited for the lock before giving up (ms; 0: it did not wait).
+        waited_ms: u64,
     },
     /// A file-system operation on the store directory failed.
     #[error("relay store I/O error at {}: {source}", path.display())]
@@ -151,6 +156,71 @@ pub enum StoreError {
         /// The failure that stopped the writer.
         reason: String,
     },
+}
+
+/// The process holding `relay.lock`, as the lock file's holder row records it (`wire.md` §3.4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LockHolder {
+    /// Its process id.
+    pub pid: u32,
+    /// When it took the lock (Unix ms, its clock).
+    pub since_ms: i64,
+}
+
+impl std::fmt::Display for LockHolder {
+    /// `pid 1234, since 2026-01-01T00:00:00.000Z`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "pid {}, since {}", self.pid, iso_utc(self.since_ms))
+    }
+}
+
+/// The text of [`StoreError::Locked`].
+fn locked_text(path: &std::path::Path, holder: Option<&LockHolder>, waited_ms: u64) -> String {
+    let who = match holder {
+        Some(h) => format!("another relay process ({h})"),
+        None => "another relay process".to_owned(),
+    };
+    let mut text = format!("{who} holds {}", path.display());
+    if waited_ms > 0 {
+        text.push_str(&format!(
+            "; gave up after waiting {}: stop that process first, or give each relay its own \
+             store directory",
+            duration_text(waited_ms)
+        ));
+    }
+    text
+}
+
+/// `60 s` for whole seconds, `250 ms` otherwise.
+pub(crate) fn duration_text(ms: u64) -> String {
+    if ms.is_multiple_of(1_000) {
+        format!("{} s", ms / 1_000)
+    } else {
+        format!("{ms} ms")
+    }
+}
+
+/// Unix ms as `YYYY-MM-DDTHH:MM:SS.mmmZ` (UTC, proleptic Gregorian), for operator messages.
+/// The store does not depend on the protocol crate, whose `time` module does the same.
+pub(crate) fn iso_utc(ms: i64) -> String {
+    let (days, ms_of_day) = (ms.div_euclid(DAY_MS), ms.rem_euclid(DAY_MS));
+    // Days since 1970-01-01 to a civil date (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let (h, m, s, milli) = (
+        ms_of_day / 3_600_000,
+        ms_of_day / 60_000 % 60,
+        ms_of_day / 1_000 % 60,
+        ms_of_day % 1_000,
+    );
+    format!("{year:04}-{month:02}-{day:02}T{h:02}:{m:02}:{s:02}.{milli:03}Z")
 }
 
 /// Options for [`SqliteStore::open_with`].

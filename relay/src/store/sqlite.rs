@@ -21,6 +21,17 @@
 //! - **Readers** use a small pool of read-only connections; WAL lets them read the last
 //!   committed state while the writer works, and they never see uncommitted rows. Multi-query
 //!   reads (pull, info) run in one read transaction, so they see one snapshot.
+//! - **A clean close leaves everything in `relay.db`**: the idle readers are closed, the writer
+//!   finishes the queued requests and then runs `PRAGMA wal_checkpoint(TRUNCATE)`, so a copy of
+//!   `relay.db` alone is the whole store (a failed checkpoint is logged, never fatal; after a
+//!   failed COMMIT no checkpoint is tried, recovery at the next start decides).
+//!
+//! # Files
+//! The store directory is created 0700 (one that exists is never changed; a warning says when
+//! group or others can read it), and `relay.db`, its `-wal` and `-shm` and `relay.lock` are
+//! 0600 whatever the umask: `relay.db` and `relay.lock` are created 0600 before SQLite opens
+//! them (SQLite gives `-wal` and `-shm` the main file's mode), and every one of them that
+//! exists is set to 0600 after the open. They hold routing metadata (who talks to whom).
 
 mod deny;
 mod rotate;
@@ -161,6 +172,35 @@ struct Writer {
 
 impl Writer {
     fn run(self, jobs: mpsc::Receiver<Box<dyn WriteJob>>) {
+        self.serve(jobs);
+        if self.failure.get().is_none() {
+            self.checkpoint();
+        }
+        tracing::debug!("relay store writer stopped");
+    }
+
+    /// Moves everything from the WAL into `relay.db` and empties the WAL, so the database file
+    /// alone holds the store. Only logs when it cannot: a shutdown never fails for it.
+    fn checkpoint(&self) {
+        match self
+            .conn
+            .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
+                r.get::<_, i64>(0)
+            }) {
+            Ok(0) => tracing::debug!("relay store checkpointed: the WAL is empty"),
+            Ok(_) => tracing::warn!(
+                "relay store checkpoint incomplete (a reader was still busy): part of the data \
+                 stays in relay.db-wal; copy relay.db together with relay.db-wal"
+            ),
+            Err(e) => tracing::warn!(
+                error = %e,
+                "relay store checkpoint failed: part of the data stays in relay.db-wal; copy \
+                 relay.db together with relay.db-wal"
+            ),
+        }
+    }
+
+    fn serve(&self, jobs: mpsc::Receiver<Box<dyn WriteJob>>) {
         while let Ok(first) = jobs.recv() {
             let mut group = Vec::with_capacity(8);
             group.push(first);
@@ -179,7 +219,6 @@ impl Writer {
                 None => self.run_group(group),
             }
         }
-        tracing::debug!("relay store writer stopped");
     }
 
     fn run_group(&self, mut group: Vec<Box<dyn WriteJob>>) {
@@ -363,8 +402,9 @@ impl SqliteStore {
     /// Open (or create) the store in `dir` for the relay whose public key (standard base64) is
     /// `relay_pubkey`; `now_ms` is recorded in `relay.lock`'s holder row.
     ///
-    /// Steps: create `dir`; take `relay.lock` (waiting up to `options.lock_wait_ms`); open
-    /// `relay.db` with WAL, `synchronous=FULL`, `foreign_keys=ON`, `busy_timeout=5000`; refuse a
+    /// Steps: create `dir` (0700) if missing; take `relay.lock` (waiting up to
+    /// `options.lock_wait_ms`, logging the holder once when it has to wait); open `relay.db`
+    /// (files 0600, module docs "Files") with WAL, `synchronous=FULL`, `foreign_keys=ON`, `busy_timeout=5000`; refuse a
     /// newer schema; refuse a store bound to another relay key; migrate an older schema in one
     /// transaction; on a fresh store record `relay_pubkey` and a new random epoch; start the
     /// writer thread. A fresh store has no heartbeat yet.
@@ -383,12 +423,10 @@ impl SqliteStore {
                 "the relay public key is empty".to_owned(),
             ));
         }
-        std::fs::create_dir_all(dir).map_err(|source| StoreError::Io {
-            path: dir.to_path_buf(),
-            source,
-        })?;
+        create_private_dir(dir)?;
         let lock = acquire_lock(&dir.join(LOCK_FILE), options.lock_wait_ms, now_ms)?;
         let db_path = dir.join(DB_FILE);
+        create_private_file(&db_path)?;
         let mut conn = open_write_connection(&db_path)?;
 
         let found = schema::stored_version(&conn)?;
@@ -408,6 +446,7 @@ impl SqliteStore {
         }
         schema::migrate(&mut conn, found, SCHEMA_VERSION, MIGRATIONS)?;
         bind_identity(&mut conn, relay_pubkey)?;
+        restrict_store_files(dir);
         let epoch = read_epoch(&conn)?;
         tracing::info!(
             store = %dir.display(),
@@ -475,9 +514,9 @@ impl SqliteStore {
         self.counters.commits.load(Ordering::SeqCst)
     }
 
-    /// Stop the writer after the requests already queued, close the database and release
-    /// `relay.lock`. Dropping the store does the same; this one reports a writer that panicked
-    /// ([`StoreError::WriterStopped`]).
+    /// Stop the writer after the requests already queued, checkpoint the WAL into `relay.db`
+    /// (module docs), close the database and release `relay.lock`. Dropping the store does the
+    /// same; this one reports a writer that panicked ([`StoreError::WriterStopped`]).
     pub fn close(mut self) -> Result<(), StoreError> {
         if self.shutdown() {
             Ok(())
@@ -488,6 +527,12 @@ impl SqliteStore {
 
     /// Returns false if the writer thread had panicked.
     fn shutdown(&mut self) -> bool {
+        // Idle readers closed first, so the writer's checkpoint can empty the WAL.
+        self.readers
+            .idle
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clear();
         drop(self.jobs.take());
         match self.writer.take() {
             Some(handle) => handle.join().is_ok(),
@@ -868,19 +913,44 @@ impl RelayStore for SqliteStore {
 // Opening
 
 /// Take `relay.lock`: an exclusive SQLite lock held by the returned connection until it is
-/// dropped (`wire.md` §3.4).
+/// dropped (`wire.md` §3.4). When another process holds it, logs once who (the holder row) and
+/// how long this waits, then waits up to `wait_ms`; [`StoreError::Locked`] names the holder.
 fn acquire_lock(path: &Path, wait_ms: u64, now_ms: i64) -> Result<Connection, StoreError> {
+    create_private_file(path)?;
     let conn = Connection::open(path)?;
-    conn.busy_timeout(Duration::from_millis(wait_ms))?;
     let _mode: String = conn.query_row("PRAGMA locking_mode = EXCLUSIVE", [], |r| r.get(0))?;
-    if let Err(e) = conn.execute_batch("BEGIN EXCLUSIVE") {
-        return Err(if is_busy(&e) {
-            StoreError::Locked {
-                path: path.to_path_buf(),
-            }
-        } else {
-            StoreError::Sqlite(e)
-        });
+    conn.busy_timeout(Duration::ZERO)?;
+    if let Err(e) = begin_exclusive(&conn) {
+        if !is_busy(&e) {
+            return Err(StoreError::Sqlite(e));
+        }
+        let holder = read_lock_holder(path);
+        let locked = |holder, waited_ms| StoreError::Locked {
+            path: path.to_path_buf(),
+            holder,
+            waited_ms,
+        };
+        if wait_ms == 0 {
+            return Err(locked(holder, 0));
+        }
+        let who = holder.map_or_else(
+            || "another relay process".to_owned(),
+            |h| format!("another relay process ({h})"),
+        );
+        tracing::warn!(
+            "{who} holds {}; waiting up to {}",
+            path.display(),
+            super::duration_text(wait_ms)
+        );
+        conn.busy_timeout(Duration::from_millis(wait_ms))?;
+        if let Err(e) = begin_exclusive(&conn) {
+            return Err(if is_busy(&e) {
+                locked(read_lock_holder(path).or(holder), wait_ms)
+            } else {
+                StoreError::Sqlite(e)
+            });
+        }
+        tracing::info!("{} released; taking it", path.display());
     }
     conn.execute_batch(
         "CREATE TABLE IF NOT EXISTS holder (pid INTEGER NOT NULL, at INTEGER NOT NULL);
@@ -894,6 +964,130 @@ fn acquire_lock(path: &Path, wait_ms: u64, now_ms: i64) -> Result<Connection, St
     // connection closes (or the process dies).
     conn.execute_batch("COMMIT")?;
     Ok(conn)
+}
+
+/// `BEGIN EXCLUSIVE`; a refused one leaves no transaction open, so it can be tried again.
+fn begin_exclusive(conn: &Connection) -> Result<(), rusqlite::Error> {
+    let begun = conn.execute_batch("BEGIN EXCLUSIVE");
+    if begun.is_err() && !conn.is_autocommit() {
+        let _ = conn.execute_batch("ROLLBACK");
+    }
+    begun
+}
+
+/// The holder row of `relay.lock` while another process holds it. That process keeps an
+/// exclusive lock, so the file is read as immutable (no locking at all); its row was committed
+/// to the file when the lock was taken and never changes after. `None` when it cannot be read
+/// (the holder is still writing it, an old lock file).
+fn read_lock_holder(path: &Path) -> Option<super::LockHolder> {
+    let uri = format!("file:{}?immutable=1", uri_path(path));
+    let conn = Connection::open_with_flags(
+        uri,
+        OpenFlags::SQLITE_OPEN_READ_ONLY
+            | OpenFlags::SQLITE_OPEN_URI
+            | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .ok()?;
+    let (pid, since_ms): (i64, i64) = conn
+        .query_row("SELECT pid, at FROM holder LIMIT 1", [], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
+        .ok()?;
+    Some(super::LockHolder {
+        pid: u32::try_from(pid).ok()?,
+        since_ms,
+    })
+}
+
+/// A path as the path part of an SQLite `file:` URI: every byte outside `[A-Za-z0-9/._~-]`
+/// percent-encoded.
+fn uri_path(path: &Path) -> String {
+    use std::os::unix::ffi::OsStrExt as _;
+    let mut out = String::new();
+    for &b in path.as_os_str().as_bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'/' | b'.' | b'_' | b'~' | b'-') {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// Creates the store directory for `relay serve`: 0700 with its missing parents when it does
+/// not exist. One that exists is left as the operator made it, with a warning when group or
+/// others can read it (the store holds routing metadata). Errors: [`StoreError::Io`].
+pub fn prepare_store_dir(dir: &Path) -> Result<(), StoreError> {
+    use std::os::unix::fs::PermissionsExt as _;
+    if let Ok(meta) = std::fs::metadata(dir) {
+        let mode = meta.permissions().mode() & 0o777;
+        if meta.is_dir() && mode & 0o044 != 0 {
+            tracing::warn!(
+                store = %dir.display(),
+                mode = %format!("{mode:04o}"),
+                "the relay store directory can be read by group or others; its files are 0600, \
+                 but `chmod 700` it to keep even their names private"
+            );
+        }
+    }
+    create_private_dir(dir)
+}
+
+/// Creates `dir` (and missing parents) 0700 if it does not exist; an existing one is not
+/// changed.
+fn create_private_dir(dir: &Path) -> Result<(), StoreError> {
+    use std::os::unix::fs::DirBuilderExt as _;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|source| StoreError::Io {
+            path: dir.to_path_buf(),
+            source,
+        })
+}
+
+/// Creates `path` empty with mode 0600 (umask-independent: the mode is set after creation too)
+/// unless it exists, so SQLite opens a file it did not create with its default 0644.
+fn create_private_file(path: &Path) -> Result<(), StoreError> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    use std::os::unix::fs::PermissionsExt as _;
+    let io = |source| StoreError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+    {
+        Ok(file) => file
+            .set_permissions(std::fs::Permissions::from_mode(0o600))
+            .map_err(io),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(io(e)),
+    }
+}
+
+/// Sets `relay.db`, `-wal`, `-shm` and `relay.lock` in `dir` to 0600 where they exist with a
+/// wider mode (stores made before the files were created private). Logs what it cannot change.
+fn restrict_store_files(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt as _;
+    let wal = format!("{DB_FILE}-wal");
+    let shm = format!("{DB_FILE}-shm");
+    for name in [DB_FILE, wal.as_str(), shm.as_str(), LOCK_FILE] {
+        let path = dir.join(name);
+        let Ok(meta) = std::fs::metadata(&path) else {
+            continue;
+        };
+        if meta.permissions().mode() & 0o077 == 0 {
+            continue;
+        }
+        if let Err(e) = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)) {
+            tracing::warn!(file = %path.display(), error = %e, "cannot make a relay store file private (0600)");
+        }
+    }
 }
 
 fn is_busy(e: &rusqlite::Error) -> bool {
@@ -2342,15 +2536,45 @@ mod tests {
         let first = open(dir.path());
         let err =
             SqliteStore::open_with(dir.path(), &relay_key(), 1_000, options()).expect_err("locked");
-        assert!(matches!(err, StoreError::Locked { .. }), "{err:?}");
+        // It names the holder its lock file records: this process, since it opened (1 s).
+        let holder = crate::store::LockHolder {
+            pid: std::process::id(),
+            since_ms: 1_000,
+        };
+        assert!(
+            matches!(err, StoreError::Locked { holder: Some(h), waited_ms: 0, .. } if h == holder),
+            "{err:?}"
+        );
         assert_eq!(
             err.to_string(),
             format!(
-                "another relay process holds {}",
+                "another relay process (pid {}, since 1970-01-01T00:00:01.000Z) holds {}",
+                std::process::id(),
                 dir.path().join(LOCK_FILE).display()
             )
         );
-        // The holder row names this process.
+        // Waiting: it gives up after the wait, saying how long it waited.
+        let started = Instant::now();
+        let err = SqliteStore::open_with(
+            dir.path(),
+            &relay_key(),
+            2_000,
+            OpenOptions {
+                lock_wait_ms: 300,
+                ..OpenOptions::default()
+            },
+        )
+        .expect_err("still locked");
+        assert!(started.elapsed() >= Duration::from_millis(300), "it waited");
+        assert!(
+            matches!(err, StoreError::Locked { holder: Some(h), waited_ms: 300, .. } if h == holder),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string()
+                .contains("; gave up after waiting 300 ms: stop that process first"),
+            "{err}"
+        );
         drop(first);
         let store = open(dir.path());
         drop(store);
@@ -2387,6 +2611,113 @@ mod tests {
             .expect("holder");
         assert_eq!(pid, i64::from(std::process::id()));
         assert_eq!(at, 1_000);
+    }
+
+    #[test]
+    fn iso_utc_formats_unix_ms() {
+        use crate::store::iso_utc;
+        assert_eq!(iso_utc(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(iso_utc(1_767_225_600_000), "2026-01-01T00:00:00.000Z");
+        assert_eq!(iso_utc(951_782_400_000), "2000-02-29T00:00:00.000Z");
+        assert_eq!(iso_utc(1_709_251_199_999), "2024-02-29T23:59:59.999Z");
+        assert_eq!(iso_utc(-1), "1969-12-31T23:59:59.999Z");
+        assert_eq!(crate::store::duration_text(60_000), "60 s");
+        assert_eq!(crate::store::duration_text(1_500), "1500 ms");
+    }
+
+    // --- shutdown and files ---------------------------------------------------------------
+
+    /// The item `m1` from `alpha` for `beta`, as a copy of `relay.db` alone holds it.
+    fn assert_db_alone_holds_the_item(dir: &Path, beta: &str) {
+        let wal = dir.join(format!("{DB_FILE}-wal"));
+        let wal_len = std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0);
+        assert_eq!(wal_len, 0, "the WAL is empty or gone after a clean close");
+        let copy = tempfile::tempdir().expect("tempdir");
+        std::fs::copy(dir.join(DB_FILE), copy.path().join(DB_FILE)).expect("copy relay.db");
+        let conn = Connection::open(copy.path().join(DB_FILE)).expect("open the copy");
+        let (id, wire): (String, Vec<u8>) = conn
+            .query_row(
+                "SELECT item_id, wire FROM items WHERE target_pubkey = ?1",
+                [beta],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .expect("the item is in the copy");
+        assert_eq!((id.as_str(), wire.as_slice()), ("m1", &b"sealed-1"[..]));
+    }
+
+    #[test]
+    fn a_clean_close_checkpoints_the_wal_into_relay_db() {
+        let (alpha, beta) = (key(1), key(2));
+        for by_drop in [false, true] {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let store = open(dir.path());
+            enrol(&store, &alpha, "alpha");
+            enrol(&store, &beta, "beta");
+            let out = push_one(&store, &alpha, 5_000, item("m1", &[(&beta, b"sealed-1")]));
+            assert_eq!(out.status, ItemStatus::Accepted);
+            // Readers are open (pooled) while the writer stops.
+            assert_eq!(pull_all(&store, &beta).items.len(), 1);
+            let wal = dir.path().join(format!("{DB_FILE}-wal"));
+            assert!(
+                std::fs::metadata(&wal).expect("a WAL while open").len() > 0,
+                "the data is in the WAL while the store is open"
+            );
+            if by_drop {
+                drop(store);
+            } else {
+                store.close().expect("close");
+            }
+            assert_db_alone_holds_the_item(dir.path(), &beta);
+        }
+    }
+
+    fn mode(path: &Path) -> u32 {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::metadata(path)
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+            .permissions()
+            .mode()
+            & 0o777
+    }
+
+    #[test]
+    fn store_files_are_private_and_an_operators_directory_is_left_alone() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let tmp = tempfile::tempdir().expect("tempdir");
+        // Created by the store (with a missing parent): 0700; the files 0600.
+        let dir = tmp.path().join("new").join("store");
+        prepare_store_dir(&dir).expect("prepare");
+        let store = open(&dir);
+        enrol(&store, &key(1), "alpha");
+        assert_eq!(mode(&dir), 0o700);
+        for name in [DB_FILE, "relay.db-wal", "relay.db-shm", LOCK_FILE] {
+            assert_eq!(mode(&dir.join(name)), 0o600, "{name}");
+        }
+        drop(store);
+
+        // A store made before (files 0644) is made private at the next open; a directory the
+        // operator made is never changed.
+        let chmod = |p: &Path, m: u32| {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).expect("chmod")
+        };
+        let own = tmp.path().join("operator");
+        std::fs::create_dir(&own).expect("mkdir");
+        chmod(&own, 0o755);
+        drop(open(&own));
+        for name in [DB_FILE, LOCK_FILE] {
+            chmod(&own.join(name), 0o644);
+        }
+        prepare_store_dir(&own).expect("prepare");
+        let store = open(&own);
+        enrol(&store, &key(1), "alpha");
+        assert_eq!(
+            mode(&own),
+            0o755,
+            "the operator's directory is left as it was"
+        );
+        for name in [DB_FILE, "relay.db-wal", "relay.db-shm", LOCK_FILE] {
+            assert_eq!(mode(&own.join(name)), 0o600, "{name}");
+        }
     }
 
     // --- quotas and allowlists -----------------------------------------------------------

@@ -106,12 +106,12 @@ pub enum RelayError {
     /// pass is retried like any other failure.
     #[error("no account token for the relay: {0}")]
     Token(String),
-    /// The relay refuses this host for now (403 `REVOKED`/`DENIED`, or a refusal right after a
-    /// fresh enrolment): no enrolment is tried before `retry_at_ms` (`wire.md` §3.5
+    /// The relay refuses this host (403 `DENIED` for now or `REVOKED` for good, or a refusal
+    /// right after a fresh enrolment): no enrolment is tried before `retry_at_ms` (`wire.md` §3.5
     /// `relay-enrol-backoff`, 1 min doubling to 1 h). The verdict is in the relay state.
     #[error("the relay refuses this host ({standing}): {detail}")]
     Refused {
-        /// `clock-skew`, `refused-after-enrol` or `revoked`.
+        /// `clock-skew`, `refused-after-enrol`, `denied` or `revoked`.
         standing: state::Standing,
         /// What happened, for a person.
         detail: String,
@@ -607,7 +607,7 @@ pub async fn start(
 /// One relay pass. A 401 on a signed request (push, pull, ack, enc-key) means the relay lost
 /// this host's enrolment (spec §8): challenge, enrol and enc-ad publish run again in this pass
 /// and the transfer is retried once; a second 401 is a refusal right after a fresh enrolment
-/// (backoff and classification), a 403 the `revoked` state.
+/// (backoff and classification), a 403 the `denied` or `revoked` state.
 pub async fn pass(client: &RelayClient) -> Result<(), RelayError> {
     let session = client.open_session().await?;
     let result = match transfer(client, &session).await {

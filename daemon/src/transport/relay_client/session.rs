@@ -8,12 +8,15 @@
 //! 401 on a signed request runs challenge, enrol and enc-ad publish again in the same pass. A
 //! refusal right after a fresh enrolment (no `you`, or a 401) backs off 1 min doubling to 1 h
 //! and is classified from the relay's `Date` header as `clock-skew` or `refused-after-enrol`;
-//! a 403 `REVOKED`/`DENIED` is the `revoked` state with the same backoff. A 503
+//! a 403 `REVOKED` is the `revoked` state (for good) and a 403 `DENIED` (or a 403 with no known
+//! code) the `denied` state (until the operator lifts it), both with the same backoff. A 503
 //! `AUTHORITY_UNAVAILABLE` at enrolment (the relay's enrolment authority cannot decide now) is
 //! no denial: it is recorded as `enrol-failed` with that reason and the loop waits the
 //! `retry_after` the relay gave. Every verdict is written to the relay state ([`state`]) and
 //! the trust events are audited (`relay.enrolled`, `relay.enrolment_lost`,
-//! `relay.enrol_failed`, `relay.key_changed`).
+//! `relay.enrol_failed`, `relay.key_changed`). The warning that the relay lost this host's
+//! enrolment is logged when the relay answered 401 `NOT_ENROLLED`, or once a re-enrolment for
+//! another reason succeeded; never before a 403 refusal.
 //!
 //! On a relay run with the account authority the token goes only to a relay that presented the
 //! pinned key in this pass: [`RelayClient::open_session`] forgets the last pass's confirmation,
@@ -43,6 +46,10 @@ pub const ENC_AD_REFRESH_MS: i64 = 86_400_000;
 /// After a publish, a relay copy that still looks wrong is published again no sooner than this
 /// (ms), so a relay that does not keep the ad cannot turn every pass into a publish.
 pub const ENC_AD_DRIFT_RETRY_MS: i64 = 60_000;
+
+/// Why a session enrols again after the relay answered 401 `NOT_ENROLLED` to a signed request
+/// (the only reason that is announced as a lost enrolment before the attempt).
+const NOT_ENROLLED_401: &str = "the relay answered 401 (not enrolled) to a signed request";
 
 /// What a session learned from the relay.
 #[derive(Debug, Clone)]
@@ -163,10 +170,7 @@ impl RelayClient {
     /// the enrolment cache is dropped and challenge, enrol and enc-ad publish run again now.
     /// Errors: as [`Self::open_session`].
     pub async fn recover_enrolment(&self) -> Result<Session, RelayError> {
-        self.session_with(Some(
-            "the relay answered 401 (not enrolled) to a signed request",
-        ))
-        .await
+        self.session_with(Some(NOT_ENROLLED_401)).await
     }
 
     async fn signed_info(&self) -> Result<RelayInfo, RelayError> {
@@ -206,12 +210,7 @@ impl RelayClient {
         }
         let ad = match self.publish_owned(&info, fresh).await {
             Err(e) if e.is_not_enrolled() && !fresh => {
-                info = self
-                    .enrol_and_confirm(
-                        &info,
-                        "the relay answered 401 (not enrolled) to a signed request",
-                    )
-                    .await?;
+                info = self.enrol_and_confirm(&info, NOT_ENROLLED_401).await?;
                 self.publish_owned(&info, true).await
             }
             other => other,
@@ -451,8 +450,8 @@ impl RelayClient {
     /// not yet. The cache, this host's published ad and allowlist records are dropped first (a
     /// store that enrols this host anew holds nothing of it); a lost enrolment is audited
     /// `relay.enrolment_lost`, a new one `relay.enrolled`, a refusal `relay.enrol_failed`.
-    /// Returns the confirming info. Errors: [`RelayError::Refused`] (backoff, revoked, refused
-    /// right after enrolment), the enrolment's own errors, storage failures.
+    /// Returns the confirming info. Errors: [`RelayError::Refused`] (backoff, denied, revoked,
+    /// refused right after enrolment), the enrolment's own errors, storage failures.
     async fn enrol_and_confirm(
         &self,
         info: &RelayInfo,
@@ -471,7 +470,10 @@ impl RelayClient {
             let st = st.filter(|s| {
                 matches!(
                     s.state,
-                    Standing::ClockSkew | Standing::RefusedAfterEnrol | Standing::Revoked
+                    Standing::ClockSkew
+                        | Standing::RefusedAfterEnrol
+                        | Standing::Denied
+                        | Standing::Revoked
                 )
             });
             return Err(RelayError::Refused {
@@ -503,7 +505,12 @@ impl RelayClient {
                 Ok(had.is_some())
             })
             .await?;
-        if lost {
+        // Said at once only when the relay answered 401 NOT_ENROLLED; for the other reasons
+        // (no `you` in signed info, a new epoch…) only once the relay took this host again, so
+        // that a deny or a revocation (403 to the enrolment) is never announced as a lost
+        // enrolment.
+        let after_401 = why == NOT_ENROLLED_401;
+        if lost && after_401 {
             tracing::warn!(relay = %self.url, reason = why, "the relay lost this host's enrolment: enrolling again");
         }
         if let Err(e) = self.enrol().await {
@@ -517,6 +524,9 @@ impl RelayClient {
                     e
                 }
             });
+        }
+        if lost && !after_401 {
+            tracing::warn!(relay = %self.url, reason = why, "the relay had lost this host's enrolment: enrolled again");
         }
         let (url, now) = (self.url.clone(), self.clock.now_ms());
         let record = Enrolment {
@@ -593,9 +603,10 @@ impl RelayClient {
         self.back_off(standing, Some(401), detail, off, epoch).await
     }
 
-    /// A 403 `REVOKED`/`DENIED` (or any 403) from the relay: state `revoked`, with the
-    /// enrolment backoff so it never becomes a hot loop. An enrolment authority that cannot
-    /// decide is not a 403 but a 503 `AUTHORITY_UNAVAILABLE`
+    /// A 403 from the relay: `REVOKED` is the state `revoked` (the operator revoked this host
+    /// key for good), `DENIED` or a 403 with another or no code the state `denied` (for now),
+    /// each with the enrolment backoff so it never becomes a hot loop. An enrolment authority
+    /// that cannot decide is not a 403 but a 503 `AUTHORITY_UNAVAILABLE`
     /// ([`RelayError::AuthorityUnavailable`]), recorded as `enrol-failed` instead. Returns the
     /// error that ends the pass. Errors: storage failures.
     pub async fn refused_by_relay(
@@ -603,15 +614,8 @@ impl RelayClient {
         e: &RelayError,
         epoch: &str,
     ) -> Result<RelayError, RelayError> {
-        let code = match e {
-            RelayError::Status { body: Some(b), .. } => b.code.clone(),
-            _ => String::new(),
-        };
-        let detail = format!(
-            "the relay refuses this host key ({}): ask its operator; nothing is pushed or pulled until it accepts this host again",
-            if code.is_empty() { "403" } else { code.as_str() }
-        );
-        self.back_off(Standing::Revoked, Some(403), detail, None, epoch)
+        let (standing, detail) = refusal_of(e);
+        self.back_off(standing, Some(403), detail, None, epoch)
             .await
     }
 
@@ -819,6 +823,53 @@ impl RelayClient {
         }
         serde_json::from_slice(&bytes).map_err(|e| RelayError::Malformed(e.to_string()))
     }
+}
+
+/// The verdict and the sentence for a person on a 403 from the relay
+/// ([`RelayClient::refused_by_relay`]): code `REVOKED` is [`Standing::Revoked`], anything else
+/// [`Standing::Denied`]. The relay's own words are kept (at most 120 characters, anything but
+/// printable ASCII escaped).
+pub fn refusal_of(e: &RelayError) -> (Standing, String) {
+    let (code, said) = match e {
+        RelayError::Status { body: Some(b), .. } => (b.code.as_str(), printable(&b.error, 120)),
+        RelayError::Status { error, .. } => ("", printable(error, 120)),
+        _ => ("", String::new()),
+    };
+    let said = if said.is_empty() {
+        String::new()
+    } else {
+        format!(": {said}")
+    };
+    if code == "REVOKED" {
+        (
+            Standing::Revoked,
+            format!("the relay's operator revoked this host key for good (REVOKED{said}): this host key can never use this relay again; nothing is pushed to or pulled from it"),
+        )
+    } else {
+        let code = if code.is_empty() {
+            "403".to_string()
+        } else {
+            printable(code, 40)
+        };
+        (
+            Standing::Denied,
+            format!("the relay refuses this host for now ({code}{said}): nothing is pushed or pulled until its operator lifts the deny"),
+        )
+    }
+}
+
+/// `text` cut to `max` characters, every character outside printable ASCII escaped (`\u{…}`),
+/// so a relay's words never carry control sequences into a terminal.
+fn printable(text: &str, max: usize) -> String {
+    let mut out = String::new();
+    for c in text.chars().take(max) {
+        if c == ' ' || c.is_ascii_graphic() {
+            out.push(c);
+        } else {
+            out.extend(c.escape_default());
+        }
+    }
+    out
 }
 
 /// An error text cut to 300 characters for the relay state and audit (never a body).

@@ -4,8 +4,8 @@
 //!
 //! - `relay-state:<url>`: the last verdict of the relay loop, JSON [`RelayState`] `{state:
 //!   ok|unreachable|key-mismatch|enrol-failed|enc-ad-failed|clock-skew|refused-after-enrol|
-//!   revoked, at, detail?, status?, relay_fp?, pinned_fp?, epoch?, next_at?, enc_ad_exp?}`; `at`
-//!   is when that state began and is kept while the state stays the same;
+//!   denied|revoked, at, detail?, status?, relay_fp?, pinned_fp?, epoch?, next_at?,
+//!   enc_ad_exp?}`; `at` is when that state began and is kept while the state stays the same;
 //! - `relay-key:<url>` (the pinned relay key, base64) and `relay-key-expect:<url>` (the
 //!   fingerprint `relay set --key` named while the relay was unreachable: only that key may be
 //!   pinned on first contact);
@@ -13,8 +13,8 @@
 //!   one; kept until the owner confirms a key, even after the relay serves the pinned key again;
 //! - `relay-enrolled:<url>`: the enrolment cache [`Enrolment`], valid only for the same relay
 //!   key, epoch and host key (spec §8: a cache, never a permanent "enrolled" flag);
-//! - `relay-enrol-backoff:<url>`: [`Backoff`] after a refusal right after a fresh enrolment or a
-//!   revocation (1 min doubling to 1 h);
+//! - `relay-enrol-backoff:<url>`: [`Backoff`] after a refusal right after a fresh enrolment, a
+//!   deny or a revocation (1 min doubling to 1 h);
 //! - `relay-enc-ad:<url>`: [`PublishedAd`], this host's last published v2 enc-key ad;
 //! - `relay-senders:<url>`: the last published sender allowlist ([`super::allowlist`]);
 //! - `relay-enc-newest:<peer host key>` and `relay-enc-rejected:<peer>`: the enc-key ad rollback
@@ -43,8 +43,8 @@ pub const ENROL_BACKOFF_BASE_MS: i64 = 60_000;
 /// Longest such pause (ms): 1 hour.
 pub const ENROL_BACKOFF_MAX_MS: i64 = 3_600_000;
 
-/// Where this host stands with a relay (`wire.md` §3.5 relay-state; `revoked` is ours: the
-/// relay answered 403 `REVOKED`/`DENIED`).
+/// Where this host stands with a relay (`wire.md` §3.5 relay-state; `denied` and `revoked` are
+/// ours: the relay answered 403 `DENIED` or `REVOKED`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Standing {
@@ -64,7 +64,12 @@ pub enum Standing {
     ClockSkew,
     /// Refused right after a fresh enrolment with clocks that agree.
     RefusedAfterEnrol,
-    /// The relay refuses this host key (403 `REVOKED` or `DENIED`).
+    /// The relay refuses this host for now (403 `DENIED`: a deny-list entry of its operator, or
+    /// its enrolment authority said no; also a 403 with no known code). It may end: the daemon
+    /// tries again after its backoff.
+    Denied,
+    /// The relay's operator revoked this host key (403 `REVOKED`): for good, this key can never
+    /// use that relay again (re-enrolment and rotation from it are refused).
     Revoked,
 }
 
@@ -79,6 +84,7 @@ impl Standing {
             Standing::EncAdFailed => "enc-ad-failed",
             Standing::ClockSkew => "clock-skew",
             Standing::RefusedAfterEnrol => "refused-after-enrol",
+            Standing::Denied => "denied",
             Standing::Revoked => "revoked",
         }
     }
@@ -112,7 +118,8 @@ pub struct RelayState {
     /// The relay epoch seen.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub epoch: Option<String>,
-    /// clock-skew, refused-after-enrol, revoked: when the next enrolment attempt is due (ISO ms).
+    /// clock-skew, refused-after-enrol, denied, revoked: when the next enrolment attempt is due
+    /// (ISO ms).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub next_at: Option<String>,
     /// Expiry of this host's v2 enc-key ad at the relay (ISO ms).
@@ -136,16 +143,29 @@ impl RelayState {
         }
     }
 
-    /// The command that confirms the served key, for a key mismatch.
+    /// What the owner can do, for the states that need a person: for a key mismatch the command
+    /// that confirms the served key; for `denied` and `revoked` a sentence (only the relay's
+    /// operator can act). `None` for the others.
     pub fn fix(&self, url: &str) -> Option<String> {
-        (self.state == Standing::KeyMismatch).then(|| {
-            format!(
+        match self.state {
+            Standing::KeyMismatch => Some(format!(
                 "agentmbx relay set {url} --key {}",
                 self.relay_fp.as_deref().unwrap_or("<fingerprint>")
-            )
-        })
+            )),
+            Standing::Denied => Some(DENIED_FIX.to_string()),
+            Standing::Revoked => Some(REVOKED_FIX.to_string()),
+            _ => None,
+        }
     }
 }
+
+/// The `fix` of the `denied` state ([`RelayState::fix`]).
+pub const DENIED_FIX: &str = "ask the relay's operator to lift the deny for this host (`agentmbx whoami` shows its fingerprint); the daemon tries again by itself, 1 min doubling to 1 h";
+
+/// The `fix` of the `revoked` state ([`RelayState::fix`]): revocation is for good, and the relay
+/// also refuses a rotation away from a revoked key.
+pub const REVOKED_FIX: &str =
+    "none on this relay: this host key can never use this relay again; ask its operator";
 
 /// kv key of the relay state of `url`.
 pub fn state_kv(url: &str) -> String {

@@ -3273,7 +3273,16 @@ async fn a_revoked_host_is_its_own_state_and_never_a_hot_loop() {
     assert_eq!(s.row(&id).attempts, 0, "not the row's failure");
     let st = s.relay_state().unwrap();
     assert_eq!((st.state, st.status), (Standing::Revoked, Some(403)));
-    assert!(st.detail.unwrap().contains("REVOKED"));
+    let detail = st.detail.clone().unwrap();
+    assert!(detail.contains("REVOKED"), "{detail}");
+    assert!(detail.contains("for good"), "{detail}");
+    assert!(!detail.contains("until it accepts"), "{detail}");
+    assert_eq!(
+        st.fix(&s.url()).as_deref(),
+        Some(relay_trust::REVOKED_FIX),
+        "revocation is for good: no command can undo it"
+    );
+    assert!(relay_trust::REVOKED_FIX.contains("can never use this relay again"));
     // The relay no longer shows `you` and refuses the enrolment: no attempt inside the pause.
     t.enrolled.store(false, Ordering::SeqCst);
     s.relay.on("POST /v1/relay/enrol", |_| {
@@ -3307,6 +3316,100 @@ async fn a_revoked_host_is_its_own_state_and_never_a_hot_loop() {
         .unwrap();
     assert_eq!(b.n, 2);
     assert_eq!(s.audits("relay.enrol_failed").len(), 1, "once per episode");
+}
+
+#[tokio::test]
+async fn a_denied_host_is_denied_not_revoked_and_resumes_when_the_relay_takes_it_again() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let s = Setup::new(true).await;
+    let t = s.trusty();
+    super::pass(&s.client).await.unwrap();
+    // The operator deny-lists this host: signed info no longer shows `you`, the enrolment is
+    // refused with 403 DENIED.
+    t.enrolled.store(false, Ordering::SeqCst);
+    let denying = Arc::new(AtomicBool::new(true));
+    let (d, enrolled) = (denying.clone(), t.enrolled.clone());
+    s.relay.on("POST /v1/relay/enrol", move |_| {
+        if d.load(Ordering::SeqCst) {
+            return (
+                403,
+                json!({"error": "this host is denied on this relay\u{1b}[2J", "code": "DENIED"}),
+            );
+        }
+        enrolled.store(true, Ordering::SeqCst);
+        (200, json!({"ok": true}))
+    });
+    let err = super::pass(&s.client).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            RelayError::Refused {
+                standing: Standing::Denied,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let st = s.relay_state().unwrap();
+    assert_eq!((st.state, st.status), (Standing::Denied, Some(403)));
+    assert_eq!(st.state.as_str(), "denied");
+    let detail = st.detail.clone().unwrap();
+    assert!(
+        detail.contains("(DENIED: this host is denied on this relay\\u{1b}[2J)"),
+        "the relay's words, escaped: {detail}"
+    );
+    assert!(
+        !detail.contains("for good") && !detail.contains('\u{1b}'),
+        "{detail}"
+    );
+    assert_eq!(st.fix(&s.url()).as_deref(), Some(relay_trust::DENIED_FIX));
+    assert!(st.next_at.is_some());
+    let failed = s.audits("relay.enrol_failed");
+    assert_eq!(failed.len(), 1);
+    assert_eq!(failed[0].detail["reason"], "denied");
+    // Within the pause nothing is tried; the same standing is reported.
+    assert!(matches!(
+        super::pass(&s.client).await,
+        Err(RelayError::Refused {
+            standing: Standing::Denied,
+            ..
+        })
+    ));
+    assert_eq!(s.relay.seen("POST /v1/relay/enrol").len(), 1);
+    // The operator lifts the deny: after the pause the host enrols again and is ok.
+    denying.store(false, Ordering::SeqCst);
+    s.clock.advance(60_000);
+    super::pass(&s.client).await.unwrap();
+    assert_eq!(s.relay_state().unwrap().state, Standing::Ok);
+}
+
+#[test]
+fn a_403_is_revoked_only_with_the_code_revoked() {
+    let status = |code: Option<&str>| RelayError::Status {
+        status: 403,
+        error: "no".into(),
+        body: code.map(|c| {
+            Box::new(agentmbx_protocol::wire::ErrorBody {
+                error: "no".into(),
+                code: c.into(),
+                epoch: None,
+                head_seq: None,
+                retry_after: None,
+            })
+        }),
+    };
+    assert_eq!(
+        super::session::refusal_of(&status(Some("REVOKED"))).0,
+        Standing::Revoked
+    );
+    for code in [Some("DENIED"), Some("SOMETHING_ELSE"), None] {
+        let (standing, detail) = super::session::refusal_of(&status(code));
+        assert_eq!(standing, Standing::Denied, "{code:?}");
+        assert!(detail.contains("for now"), "{detail}");
+    }
+    assert!(super::session::refusal_of(&status(None))
+        .1
+        .contains("(403: no)"));
 }
 
 #[tokio::test]
