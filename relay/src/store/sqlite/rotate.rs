@@ -165,6 +165,16 @@ pub(super) fn rotate_apply(
 
     rebind_allowlists(c, old_key, new_key)?;
     carry_deny_entries(c, old_key, new_key, req.now_ms)?;
+    // The account moved with the enrolment, and so does what proved it (the cloud key and
+    // client bound at enrolment): both keys signed the record, so the new key's hops carry the
+    // same account token. A binding the new key already had (it enrolled with a token itself)
+    // is kept.
+    if account == old.account {
+        c.prepare_cached(
+            "UPDATE OR IGNORE account_bindings SET host_pubkey = ?2 WHERE host_pubkey = ?1",
+        )?
+        .execute(params![old_key, new_key])?;
+    }
 
     meta_put(c, &marker, new_key)?;
     prune_markers(c)?;
@@ -880,5 +890,43 @@ mod tests {
             store.rotate(rotation(&k1, &k2, "one", 4_000)).unwrap(),
             RotateOutcome::AlreadyRotated
         );
+    }
+
+    #[test]
+    fn the_account_binding_moves_with_the_account() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store = open(dir.path());
+        let (old, new) = (key(1), key(2));
+        let binding = crate::store::AccountBinding {
+            host_pubkey: old.clone(),
+            cloud_jkt: "jkt-of-the-cloud-key".into(),
+            client_id: "client-1".into(),
+            sub: "host-1".into(),
+            org: None,
+            at_ms: 1,
+        };
+        let out = store
+            .enrol_bound(
+                EnrolRequest {
+                    host_pubkey: old.clone(),
+                    host_name: "laptop".into(),
+                    owner_fp: String::new(),
+                    account: Some("acct".into()),
+                    authorized_by: "account-token".into(),
+                    strength: AuthorityStrength::Account,
+                    now_ms: 1,
+                },
+                Some(binding),
+            )
+            .expect("enrol");
+        assert!(matches!(out, crate::store::EnrolOutcome::Enrolled(_)));
+        let out = store
+            .rotate(rotation(&old, &new, "laptop", 10))
+            .expect("rotate");
+        assert!(matches!(out, RotateOutcome::Rotated { .. }), "{out:?}");
+        assert!(store.account_binding(&old).expect("read").is_none());
+        let moved = store.account_binding(&new).expect("read").expect("moved");
+        assert_eq!(moved.cloud_jkt, "jkt-of-the-cloud-key");
+        assert_eq!(moved.client_id, "client-1");
     }
 }
