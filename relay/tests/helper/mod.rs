@@ -175,6 +175,19 @@ impl Relay {
         .await
         .expect("open task");
         let store: Arc<dyn RelayStore> = wrap(Arc::new(store));
+        Relay::serve_over(store, key, clock, config, dir).await
+    }
+
+    /// Serves `store` with `key`, `clock` and `config` on 127.0.0.1 (a free port); `dir` lives
+    /// as long as the relay.
+    async fn serve_over(
+        store: Arc<dyn RelayStore>,
+        key: HostKey,
+        clock: Arc<ManualClock>,
+        config: RelayConfig,
+        dir: tempfile::TempDir,
+    ) -> Relay {
+        let relay_pub = key.public();
         let shared_clock: SharedClock = clock.clone();
         let rates = agentmbx_relay::ratelimit::RateLimits::new(&config);
         let authority = agentmbx_relay::authority::from_config(
@@ -1024,48 +1037,14 @@ impl Relay {
         .await
         .expect("open task");
         let store: Arc<dyn RelayStore> = Arc::new(store);
-        let shared_clock: SharedClock = clock.clone();
-        let rates = agentmbx_relay::ratelimit::RateLimits::new(&config);
-        let authority = agentmbx_relay::authority::from_config(
-            &config.authority,
-            shared_clock.clone(),
-            store.clone(),
-        )
-        .expect("enrolment authority");
-        let state = Arc::new(RelayState {
-            rates,
+        Relay::serve_over(
             store,
             key,
-            clock: shared_clock,
-            config,
-            challenges: Challenges::default(),
-            authority,
-            version: agentmbx_relay::VERSION,
-            in_flight: Default::default(),
-        });
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind 127.0.0.1:0");
-        let addr: SocketAddr = listener.local_addr().expect("local addr");
-        let (tx, rx) = oneshot::channel::<()>();
-        let task = tokio::spawn(server::serve(listener, state.clone(), async move {
-            let _ = rx.await;
-        }));
-        let http = reqwest::Client::builder()
-            .no_proxy()
-            .timeout(std::time::Duration::from_secs(60))
-            .build()
-            .expect("http client");
-        Relay {
-            base: format!("http://{addr}"),
             clock,
-            state,
-            relay_pub,
-            http,
-            shutdown: Some(tx),
-            task: Some(task),
-            _dir: tempfile::tempdir().expect("temp dir"),
-        }
+            config,
+            tempfile::tempdir().expect("temp dir"),
+        )
+        .await
     }
 
     /// A v2 hop signed by `host` at the relay's time, with `extra` headers (e.g.
