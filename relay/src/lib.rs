@@ -8,7 +8,8 @@
 //! - [`store`]: the `RelayStore` trait and its SQLite implementation (one writer, group commit);
 //! - [`handlers`]: one file per HTTP resource; [`auth`]: body cap, UTF-8 and hop checks;
 //! - [`authority`]: enrolment authorities (host-key challenge, account tokens); [`admin`]:
-//!   `relay revoke` / `relay deny`, offline or through the admin endpoints;
+//!   `relay revoke` / `relay deny`, offline or through the admin endpoints; [`ops`]: the
+//!   heartbeat epoch rotation, `relay rotate-epoch`, `relay backup`, `relay log`;
 //! - [`server`]: state, router and `serve(listener, state, shutdown)`; [`run`]: `relay serve`;
 //! - [`config`]: `relay.toml` and environment; [`key`]: the relay key;
 //! - [`ratelimit`]: per-address and per-sender rate limits, the request-body budget;
@@ -24,6 +25,7 @@ pub mod error;
 pub mod handlers;
 pub mod key;
 pub mod log_gate;
+pub mod ops;
 pub mod ratelimit;
 pub mod run;
 pub mod server;

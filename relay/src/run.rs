@@ -3,7 +3,8 @@
 //! `relay serve` comes in two halves: [`prepare`] (synchronous, before the async runtime
 //! starts: configuration, relay key — `MBX_RELAY_KEY` is removed from the environment, which is
 //! only safe while no other thread runs — store and listener) and [`serve_prepared`] (on the
-//! runtime).
+//! runtime). At start, [`prepare`] rotates the epoch when the stored heartbeat is more than
+//! 10 min old or in the future ([`crate::ops::rotate_if_stale`], spec §5).
 
 use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -69,6 +70,7 @@ pub struct Prepared {
     store: Arc<dyn RelayStore>,
     listener: std::net::TcpListener,
     authority: Arc<dyn crate::authority::EnrolmentAuthority>,
+    store_dir: PathBuf,
 }
 
 impl Prepared {
@@ -138,6 +140,13 @@ fn prepare_with(opts: ServeOptions, env_seed: Option<String>) -> Result<Prepared
         open,
     )?;
     let store: Arc<dyn RelayStore> = Arc::new(store);
+    // Spec §5: a heartbeat more than 10 min old or in the future means old data came back (a
+    // volume restore) or a long outage: a new epoch before anything is served.
+    crate::ops::rotate_if_stale(
+        store.as_ref(),
+        &crate::ops::store_db(&opts.store_dir),
+        clock.now_ms(),
+    )?;
     tracing::info!(epoch = %store.epoch()?, store = %opts.store_dir.display(), "relay store open");
     let bind = opts
         .bind
@@ -169,6 +178,7 @@ fn prepare_with(opts: ServeOptions, env_seed: Option<String>) -> Result<Prepared
         store,
         listener,
         authority,
+        store_dir: opts.store_dir,
     })
 }
 
@@ -220,6 +230,7 @@ pub async fn serve_prepared_until(
         authority: prepared.authority,
         version: crate::VERSION,
         in_flight: Default::default(),
+        store_db: crate::ops::store_db(&prepared.store_dir),
     });
     let served = server::serve(listener, state, shutdown).await;
     if let Some(reason) = store.failed() {

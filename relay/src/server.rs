@@ -70,6 +70,9 @@ pub struct RelayState {
     /// The enrolment authority (`authority::from_config(&config.authority, clock)`), asked at
     /// every enrolment and, for the account authority, on every hop.
     pub authority: Arc<dyn crate::authority::EnrolmentAuthority>,
+    /// The absolute path of the store's `relay.db`: the `store` of the operation receipts the
+    /// relay writes ([`crate::ops::store_db`]).
+    pub store_db: String,
 }
 
 /// Counts a request in [`RelayState::in_flight`] for as long as it lives.
@@ -122,6 +125,14 @@ pub fn router(state: SharedRelay) -> Router {
             get(handlers::admin::deny_list).post(handlers::admin::deny),
         )
         .route("/v2/relay/admin/undeny", post(handlers::admin::undeny))
+        .route(
+            "/v2/relay/admin/rotate-epoch",
+            post(handlers::admin::rotate_epoch),
+        )
+        .route(
+            "/v2/relay/admin/backup-receipt",
+            post(handlers::admin::backup_receipt),
+        )
         .route("/v2/relay/senders", post(handlers::senders::post))
         .route("/v2/relay/rotate", post(handlers::rotate::post))
         // Per-address rate limits and the body budget, for the routes above only.

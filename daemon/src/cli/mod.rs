@@ -21,6 +21,7 @@ pub mod peers;
 pub mod relay;
 pub mod relay_admin;
 pub mod relay_info;
+pub mod relay_ops;
 pub mod whoami;
 
 use std::process::ExitCode;

@@ -34,6 +34,14 @@ pub enum RelayCommand {
     /// Deny a host fingerprint or token client_id on a relay (optionally --until), list or
     /// remove entries (offline on --store-dir, or --url with the admin token)
     Deny(super::relay_admin::DenyArgs),
+    /// Switch the relay store to a new epoch (offline on --store-dir, or --url with the admin
+    /// token): hosts re-push and re-pull; run it after restoring a store by other means
+    RotateEpoch(super::relay_ops::RotateEpochArgs),
+    /// Show the relay log (operator receipts), newest first; read-only, also while serving
+    Log(super::relay_ops::LogArgs),
+    /// Copy the relay store to a new file with SQLite's online backup (also while serving);
+    /// never overwrites; the receipt goes to the relay log
+    Backup(super::relay_ops::BackupArgs),
 }
 
 /// Flags of `relay quarantine`.
@@ -54,7 +62,8 @@ Environment:
   MBX_RELAY_KEY: the relay signing key (a seed from `agentmbx relay keygen`); read once at
     start and removed from the environment. Without it the key is relay.key in the store
     directory (created on first start)
-  MBX_RELAY_ADMIN_TOKEN: bearer token of the admin endpoints (/v2/relay/admin/*: revoke, deny);
+  MBX_RELAY_ADMIN_TOKEN: bearer token of the admin endpoints (/v2/relay/admin/*: revoke, deny,
+    rotate-epoch, backup receipts);
     wins over admin_token_file. Neither set: the admin endpoints are off (404)
   MBX_RELAY_DIR: the store directory (--store-dir)
   PORT: the port (--port); platforms such as Railway or Heroku set it
@@ -81,8 +90,10 @@ Files in the store directory (created 0700 when missing; the files are 0600):
       optionally max_token_ttl_ms
 
 At start the relay logs its key fingerprint, the bound address, whether the admin endpoint is
-on (never the token) and which enrolment authority admits hosts. SIGTERM or SIGINT stops it
-cleanly (exit 0).";
+on (never the token) and which enrolment authority admits hosts. It rotates the epoch when the
+heartbeat it writes every 30 s is more than 10 min old or in the future (old data came back, or
+a long outage), with a log line and a receipt in the relay log (`agentmbx relay log`). SIGTERM
+or SIGINT stops it cleanly (exit 0).";
 
 /// Flags of `relay serve`.
 #[derive(Debug, Args)]
@@ -137,6 +148,9 @@ pub fn run(cmd: RelayCommand) -> anyhow::Result<()> {
         RelayCommand::Quarantine(args) => quarantine(args),
         RelayCommand::Revoke(args) => super::relay_admin::revoke(args),
         RelayCommand::Deny(args) => super::relay_admin::deny(args),
+        RelayCommand::RotateEpoch(args) => super::relay_ops::rotate_epoch(args),
+        RelayCommand::Log(args) => super::relay_ops::log(args),
+        RelayCommand::Backup(args) => super::relay_ops::backup(args),
     }
 }
 

@@ -124,19 +124,19 @@ pub struct DenyArgs {
 
 /// The clock of these commands: the system clock, shifted by `MBX_CLOCK_OFFSET_MS` like every
 /// other process (drills and tests).
-fn now_ms() -> anyhow::Result<i64> {
+pub(super) fn now_ms() -> anyhow::Result<i64> {
     use agentmbx_protocol::clock::Clock as _;
     Ok(agentmbx_protocol::clock::SystemClock::from_env()?.now_ms())
 }
 
 /// Where the command runs, once checked.
-enum Place {
+pub(super) enum Place {
     Offline(PathBuf),
     Online(Online),
 }
 
 /// A running relay's admin endpoint and the token for it.
-struct Online {
+pub(super) struct Online {
     url: String,
     token: AdminToken,
     /// Where the token came from, for messages (`--admin-token-file <path>` or the variable's
@@ -197,7 +197,7 @@ fn admin_token(file: Option<&std::path::Path>) -> anyhow::Result<(AdminToken, St
     }
 }
 
-fn place(t: &Target) -> anyhow::Result<Place> {
+pub(super) fn place(t: &Target) -> anyhow::Result<Place> {
     match (&t.store_dir, &t.url) {
         (Some(dir), None) => Ok(Place::Offline(dir.clone())),
         (_, Some(url)) => {
@@ -216,7 +216,7 @@ fn place(t: &Target) -> anyhow::Result<Place> {
 }
 
 /// Maps a refusal of the relay crate to the CLI's error kinds (exit codes, module docs).
-fn refusal(e: AdminError) -> anyhow::Error {
+pub(super) fn refusal(e: AdminError) -> anyhow::Error {
     match e {
         AdminError::Invalid(m) => UsageError(m).into(),
         e @ (AdminError::NotFound(_) | AdminError::NoStore(_)) => {
@@ -228,7 +228,7 @@ fn refusal(e: AdminError) -> anyhow::Error {
 }
 
 /// Runs `f` on the store opened offline, then closes it.
-fn offline<T>(
+pub(super) fn offline<T>(
     dir: &std::path::Path,
     f: impl FnOnce(&dyn agentmbx_relay::store::RelayStore, i64) -> Result<T, AdminError>,
 ) -> anyhow::Result<T> {
@@ -240,7 +240,12 @@ fn offline<T>(
 }
 
 /// One admin request; a refusal becomes the matching CLI error.
-fn online(target: &Online, method: &str, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
+pub(super) fn online(
+    target: &Online,
+    method: &str,
+    path: &str,
+    body: Option<Value>,
+) -> anyhow::Result<Value> {
     let Online { url, token, source } = target;
     agentmbx::install_tls_provider();
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -316,7 +321,7 @@ fn clean(text: &str) -> String {
     out
 }
 
-fn print(json_out: bool, value: &Value, text: &str) -> anyhow::Result<()> {
+pub(super) fn print(json_out: bool, value: &Value, text: &str) -> anyhow::Result<()> {
     if json_out {
         println!("{}", serde_json::to_string_pretty(value)?);
     } else {

@@ -9,6 +9,12 @@
 //! | POST /v2/relay/admin/deny | `{target, kind?:"host"\|"client", until_ms?}` | `{ok:true, entry:{kind, value, until, at, active}}` |
 //! | GET /v2/relay/admin/deny | — | `{entries:[…]}` |
 //! | POST /v2/relay/admin/undeny | `{target, kind?}` | `{ok:true, removed, kind, value}` |
+//! | POST /v2/relay/admin/rotate-epoch | `{}` | the receipt `{v:1, type:"relay-epoch-rotated", at, store, from, to, by:"operator"}` |
+//! | POST /v2/relay/admin/backup-receipt | `{receipt}` (a `relay-backup` receipt of this relay's store, [`crate::ops::check_backup_receipt`]) | `{ok:true, id}` (its relay-log id) |
+//!
+//! `backup-receipt` exists because `relay backup` copies the store from its own process (a
+//! read-only connection, allowed while the relay serves) but only the relay may write its
+//! store: the CLI hands the receipt over to be appended to the relay log.
 //!
 //! Guard: with no admin token configured every admin route answers 404 `{error:"not found"}`,
 //! as if it did not exist; without `Authorization: Bearer <token>`, or with another token, 401
@@ -217,4 +223,55 @@ pub async fn undeny(
     Ok(Json(
         json!({"ok": true, "removed": removed, "kind": kind.as_str(), "value": value}),
     ))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RotateEpochBody {}
+
+/// `POST /v2/relay/admin/rotate-epoch {}`: a new epoch now (`wire.md` §3.4); answers the
+/// receipt, already in the relay log.
+pub async fn rotate_epoch(
+    State(state): State<SharedRelay>,
+    req: Request,
+) -> Result<Json<Value>, Refusal> {
+    let RotateEpochBody {} = guarded_body(&state, req).await?;
+    let (store, now) = (state.store.clone(), state.clock.now_ms());
+    let store_db = state.store_db.clone();
+    let receipt = run(move || {
+        crate::ops::rotate_epoch(
+            store.as_ref(),
+            &store_db,
+            crate::ops::RotatedBy::Operator,
+            now,
+        )
+        .map_err(AdminError::from)
+    })
+    .await?;
+    Ok(Json(receipt))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BackupReceiptBody {
+    receipt: Value,
+}
+
+/// `POST /v2/relay/admin/backup-receipt {receipt}`: appends a `relay backup` receipt of this
+/// relay's store to the relay log; 400 when it is not one.
+pub async fn backup_receipt(
+    State(state): State<SharedRelay>,
+    req: Request,
+) -> Result<Json<Value>, Refusal> {
+    let b: BackupReceiptBody = guarded_body(&state, req).await?;
+    crate::ops::check_backup_receipt(&b.receipt, &state.key.public().fingerprint())
+        .map_err(|e| Refusal::from(ApiError::bad_request(&e)))?;
+    let (store, now) = (state.store.clone(), state.clock.now_ms());
+    let id = run(move || {
+        store
+            .append_op(now, crate::ops::OP_BACKUP, &b.receipt)
+            .map_err(AdminError::from)
+    })
+    .await?;
+    Ok(Json(json!({"ok": true, "id": id})))
 }

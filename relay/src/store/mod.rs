@@ -50,6 +50,7 @@
 mod schema;
 mod sqlite;
 
+pub(crate) use schema::stored_version;
 pub use schema::SCHEMA_VERSION;
 pub use sqlite::{prepare_store_dir, SqliteStore, StoreStats};
 
@@ -919,6 +920,16 @@ pub trait RelayStore: Send + Sync + std::fmt::Debug {
     /// Switch to a new random epoch (spec §5: `relay rotate-epoch`, startup after a stale
     /// heartbeat, restore).
     fn rotate_epoch(&self) -> Result<EpochRotation, StoreError>;
+
+    /// [`RelayStore::rotate_epoch`] with its relay-log receipt in the same transaction (spec
+    /// §5, `wire.md` §3.4): `log.receipt` (a JSON object) gets the fields `from` and `to`, is
+    /// appended to the relay log under `log.op`, and is written to `meta.epoch_rotated` — never
+    /// a new epoch without its receipt or the reverse. Returns the rotation and the receipt as
+    /// stored. Errors: [`StoreError::InvalidInput`] when the receipt is not an object.
+    fn rotate_epoch_logged(
+        &self,
+        log: OpEntry,
+    ) -> Result<(EpochRotation, serde_json::Value), StoreError>;
 
     /// Read a free-form meta value (e.g. `epoch_rotated`, `restored`).
     fn meta(&self, key: &str) -> Result<Option<String>, StoreError>;

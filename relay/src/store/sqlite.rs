@@ -620,6 +620,29 @@ impl RelayStore for SqliteStore {
         })
     }
 
+    fn rotate_epoch_logged(
+        &self,
+        log: super::OpEntry,
+    ) -> Result<(EpochRotation, serde_json::Value), StoreError> {
+        if !log.receipt.is_object() {
+            return Err(StoreError::InvalidInput(
+                "an epoch rotation receipt must be a JSON object".to_owned(),
+            ));
+        }
+        self.submit(JobKind::Other, move |c, _| {
+            let from = read_epoch(c)?;
+            let to = new_epoch();
+            meta_put(c, "epoch", &to)?;
+            let mut receipt = log.receipt;
+            receipt["from"] = serde_json::Value::String(from.clone());
+            receipt["to"] = serde_json::Value::String(to.clone());
+            let text = op_receipt_text(&receipt)?;
+            meta_put(c, "epoch_rotated", &text)?;
+            append_op_apply(c, log.at_ms, &log.op, &text)?;
+            Ok((EpochRotation { from, to }, receipt))
+        })
+    }
+
     fn meta(&self, key: &str) -> Result<Option<String>, StoreError> {
         self.read(|c| meta_get(c, key))
     }

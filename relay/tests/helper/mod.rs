@@ -206,6 +206,7 @@ impl Relay {
             authority,
             version: agentmbx_relay::VERSION,
             in_flight: Default::default(),
+            store_db: agentmbx_relay::ops::store_db(&dir.path().join("store")),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
@@ -851,6 +852,13 @@ impl RelayStore for FailingStore {
     fn rotate_epoch(&self) -> Result<store::EpochRotation, store::StoreError> {
         self.write()?;
         self.inner.rotate_epoch()
+    }
+    fn rotate_epoch_logged(
+        &self,
+        log: store::OpEntry,
+    ) -> Result<(store::EpochRotation, serde_json::Value), store::StoreError> {
+        self.write()?;
+        self.inner.rotate_epoch_logged(log)
     }
     fn meta(&self, key: &str) -> Result<Option<String>, store::StoreError> {
         self.inner.meta(key)

@@ -1,0 +1,746 @@
+//! Relay operations on a store (spec §5 "Restore from backup", "Backup"; `wire.md` §3.4):
+//! the start-up epoch rotation after a stale or future heartbeat, `relay rotate-epoch`,
+//! `relay backup` and `relay log`.
+//!
+//! # What it owns
+//! - **The heartbeat rule**: at start, a stored heartbeat more than [`HEARTBEAT_STALE_MS`]
+//!   (10 min) old or in the future rotates the epoch (a volume restore or a long outage brought
+//!   old data back), with one log line and a receipt `{v:1, type:"relay-epoch-rotated", at,
+//!   store, from, to, by:"heartbeat"}`. `relay rotate-epoch` writes the same receipt with
+//!   `by:"operator"`. The new epoch, `meta.epoch_rotated` and the relay-log entry are one
+//!   transaction ([`RelayStore::rotate_epoch_logged`]).
+//! - **The online backup** ([`backup`]): the SQLite online backup API in one step (one
+//!   consistent snapshot, safe while `relay serve` writes: a read-only source connection, WAL)
+//!   into `<file>.partial-<pid>` (created 0600), switched to the rollback journal, checked
+//!   (`PRAGMA integrity_check`), fsynced, then linked to `<file>` — which never overwrites: an
+//!   existing file is refused ([`OpsError::Exists`]) and left untouched — and the directory
+//!   fsynced. The partial file never remains, whatever fails. The receipt
+//!   ([`backup`]'s answer) is the caller's to log: the backup itself never writes the store.
+//! - **Reading the relay log** ([`read_log`]) read-only, without the lock, so it works while the
+//!   relay serves; [`summary`] is the text line's summary.
+//!
+//! # What it must never do
+//! - Write the source store from [`backup`] or [`read_log`] (one process writes a store; only
+//!   the open [`RelayStore`] appends receipts).
+//! - Overwrite an existing file, or leave a partial backup under the final name.
+//! - Print key material: a backup holds public keys, ciphertext and routing metadata only.
+
+use std::io::Read as _;
+use std::path::{Path, PathBuf};
+
+use rusqlite::{Connection, OpenFlags, OptionalExtension};
+use serde_json::{json, Value};
+
+use agentmbx_protocol::time::iso_ms;
+
+use crate::store::{OpEntry, OpRecord, RelayStore, StoreError, DB_FILE, OPS_KEEP};
+
+/// A heartbeat further than this from now (either way) rotates the epoch at start: 10 min in
+/// ms (spec §5).
+pub const HEARTBEAT_STALE_MS: i64 = 600_000;
+
+/// Relay-log operation name (and receipt `type`) of an epoch rotation.
+pub const OP_EPOCH_ROTATED: &str = "relay-epoch-rotated";
+
+/// Relay-log operation name (and receipt `type`) of a backup.
+pub const OP_BACKUP: &str = "relay-backup";
+
+/// Who rotated the epoch (the receipt's `by`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RotatedBy {
+    /// `relay serve` at start, after a stale or future heartbeat.
+    Heartbeat,
+    /// `relay rotate-epoch` (offline or through the admin endpoint).
+    Operator,
+}
+
+impl RotatedBy {
+    /// `heartbeat` or `operator`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Heartbeat => "heartbeat",
+            Self::Operator => "operator",
+        }
+    }
+}
+
+/// Why a relay operation did nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum OpsError {
+    /// The directory holds no relay store.
+    #[error("{} holds no relay store (relay.db)", .0.display())]
+    NoStore(PathBuf),
+    /// The backup file exists already: a backup never overwrites a file.
+    #[error("EXISTS: {} already exists; a backup never overwrites a file: choose another name", .0.display())]
+    Exists(PathBuf),
+    /// The copy failed its integrity check (the source store is damaged).
+    #[error("the backup copy fails its integrity check: {0}")]
+    Integrity(String),
+    /// The source store stayed busy for the whole backup step.
+    #[error("the relay store stayed busy during the backup; try again")]
+    Busy,
+    /// A file operation failed.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The path involved.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// SQLite failed.
+    #[error("relay store database error: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> OpsError + '_ {
+    move |source| OpsError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// `path` made absolute against the current directory (not resolving links); `path` itself
+/// when the current directory is unknown.
+pub fn absolute(path: &Path) -> PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
+}
+
+/// The receipts' `store`: the absolute path of `relay.db` in `dir`.
+pub fn store_db(dir: &Path) -> String {
+    absolute(&dir.join(DB_FILE)).display().to_string()
+}
+
+/// Whether a stored heartbeat rotates the epoch at `now_ms`: more than
+/// [`HEARTBEAT_STALE_MS`] old or in the future. A store without a heartbeat (never served)
+/// does not.
+pub fn heartbeat_stale(heartbeat_ms: Option<i64>, now_ms: i64) -> bool {
+    heartbeat_ms.is_some_and(|h| now_ms.abs_diff(h) > HEARTBEAT_STALE_MS.unsigned_abs())
+}
+
+/// Rotates the epoch with its receipt `{v:1, type:"relay-epoch-rotated", at, store, from, to,
+/// by}` in one store transaction (relay log and `meta.epoch_rotated`); returns the receipt.
+/// `store_db` is the receipt's `store` ([`store_db`]). Errors: the store's.
+pub fn rotate_epoch(
+    store: &dyn RelayStore,
+    store_db: &str,
+    by: RotatedBy,
+    now_ms: i64,
+) -> Result<Value, StoreError> {
+    let log = OpEntry {
+        at_ms: now_ms,
+        op: OP_EPOCH_ROTATED.to_owned(),
+        receipt: json!({"v": 1, "type": OP_EPOCH_ROTATED, "at": iso_ms(now_ms),
+                        "store": store_db, "by": by.as_str()}),
+    };
+    let (rotation, receipt) = store.rotate_epoch_logged(log)?;
+    tracing::info!(from = %rotation.from, to = %rotation.to, by = by.as_str(), "relay epoch rotated");
+    Ok(receipt)
+}
+
+/// The start-up rule (spec §5): when the stored heartbeat is more than 10 min old or in the
+/// future ([`heartbeat_stale`]), rotates the epoch (`by:"heartbeat"`), logs one WARN line with
+/// the heartbeat, its age and both epochs, and returns the receipt; otherwise `None`.
+pub fn rotate_if_stale(
+    store: &dyn RelayStore,
+    store_db: &str,
+    now_ms: i64,
+) -> Result<Option<Value>, StoreError> {
+    let heartbeat = store.heartbeat()?;
+    let Some(beat) = heartbeat.filter(|_| heartbeat_stale(heartbeat, now_ms)) else {
+        return Ok(None);
+    };
+    let log = OpEntry {
+        at_ms: now_ms,
+        op: OP_EPOCH_ROTATED.to_owned(),
+        receipt: json!({"v": 1, "type": OP_EPOCH_ROTATED, "at": iso_ms(now_ms),
+                        "store": store_db, "by": RotatedBy::Heartbeat.as_str()}),
+    };
+    let (rotation, receipt) = store.rotate_epoch_logged(log)?;
+    let age_ms = now_ms.saturating_sub(beat);
+    tracing::warn!(
+        heartbeat = %iso_ms(beat),
+        age_ms,
+        from = %rotation.from,
+        to = %rotation.to,
+        "the stored heartbeat is {} (more than 10 min from now): rotated the epoch, so senders \
+         re-push and receivers re-pull (dedup absorbs the repeats)",
+        if age_ms < 0 { "in the future".to_owned() } else { format!("{} s old", age_ms / 1_000) },
+    );
+    Ok(Some(receipt))
+}
+
+/// Removes the partial backup file (and any journal next to it) unless disarmed.
+struct Partial {
+    path: PathBuf,
+    armed: bool,
+}
+
+impl Drop for Partial {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        for suffix in ["", "-journal", "-wal", "-shm"] {
+            let mut p = self.path.clone().into_os_string();
+            p.push(suffix);
+            let _ = std::fs::remove_file(PathBuf::from(p));
+        }
+    }
+}
+
+/// `fsync` of a file or directory.
+fn fsync(path: &Path) -> Result<(), OpsError> {
+    std::fs::File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(io(path))
+}
+
+/// Lowercase hex SHA-256 of a file's bytes.
+fn sha256_file(path: &Path) -> Result<String, OpsError> {
+    use sha2::{Digest, Sha256};
+    let mut f = std::fs::File::open(path).map_err(io(path))?;
+    let mut hash = Sha256::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = f.read(&mut buf).map_err(io(path))?;
+        if n == 0 {
+            break;
+        }
+        hash.update(&buf[..n]);
+    }
+    Ok(hex::encode(hash.finalize()))
+}
+
+/// A store's facts for the backup receipt: `(epoch, relay_pubkey, schema_version, heartbeat ms,
+/// counts)`.
+type Facts = (
+    Option<String>,
+    Option<String>,
+    u32,
+    Option<i64>,
+    serde_json::Map<String, Value>,
+);
+
+fn facts(c: &Connection) -> Result<Facts, OpsError> {
+    let meta = |k: &str| -> Result<Option<String>, OpsError> {
+        Ok(
+            c.query_row("SELECT v FROM meta WHERE k = ?1", [k], |r| r.get(0))
+                .optional()?,
+        )
+    };
+    let n = |sql: &str| -> Result<i64, OpsError> { Ok(c.query_row(sql, [], |r| r.get(0))?) };
+    let mut counts = serde_json::Map::new();
+    for (name, sql) in [
+        (
+            "enrolments",
+            "SELECT COUNT(*) FROM enrolments WHERE revoked_at IS NULL",
+        ),
+        (
+            "revoked",
+            "SELECT COUNT(*) FROM enrolments WHERE revoked_at IS NOT NULL",
+        ),
+        ("items", "SELECT COUNT(*) FROM items"),
+        ("bytes", "SELECT COALESCE(SUM(bytes), 0) FROM items"),
+        ("dedup", "SELECT COUNT(*) FROM dedup"),
+        ("targets", "SELECT COUNT(DISTINCT target_pubkey) FROM items"),
+    ] {
+        counts.insert(name.to_owned(), json!(n(sql)?));
+    }
+    let heartbeat = meta("heartbeat")?.and_then(|v| v.trim().parse::<i64>().ok());
+    Ok((
+        meta("epoch")?,
+        meta("relay_pubkey")?,
+        crate::store::stored_version(c)?,
+        heartbeat,
+        counts,
+    ))
+}
+
+/// `relay backup <file>` (spec §5 "Backup", `wire.md` §3.4): copies the store in `dir` to
+/// `file` (module docs for the steps) and returns the receipt `{v:1, type:"relay-backup", at,
+/// store, file, bytes, sha256, epoch, relay_fingerprint, schema_version, heartbeat,
+/// counts:{enrolments, revoked, items, bytes, dedup, targets}, restore}` (`bytes`: the file's
+/// size; `counts.bytes`: the queued wire bytes; `heartbeat`: ISO ms or null). Works while the
+/// relay serves; never writes the source store (the caller logs the receipt). `file` is made
+/// absolute; its directory must exist.
+///
+/// Errors: [`OpsError::NoStore`], [`OpsError::Exists`] (nothing touched),
+/// [`OpsError::Integrity`], [`OpsError::Busy`], I/O and SQLite errors. On every error no
+/// partial file remains.
+pub fn backup(dir: &Path, file: &Path, now_ms: i64) -> Result<Value, OpsError> {
+    let src_path = dir.join(DB_FILE);
+    if !src_path.is_file() {
+        return Err(OpsError::NoStore(dir.to_path_buf()));
+    }
+    let dest = absolute(file);
+    if dest.symlink_metadata().is_ok() {
+        return Err(OpsError::Exists(dest));
+    }
+    let mut partial_name = dest.clone().into_os_string();
+    partial_name.push(format!(".partial-{}", std::process::id()));
+    let partial = Partial {
+        path: PathBuf::from(partial_name),
+        armed: true,
+    };
+    // A leftover of an earlier run with this pid is ours to replace.
+    drop(Partial {
+        path: partial.path.clone(),
+        armed: true,
+    });
+    {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&partial.path)
+            .map_err(io(&partial.path))?;
+    }
+
+    let src = Connection::open_with_flags(
+        &src_path,
+        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )?;
+    src.busy_timeout(std::time::Duration::from_secs(5))?;
+    let mut copy = Connection::open(&partial.path)?;
+    {
+        use rusqlite::backup::{Backup, StepResult};
+        let b = Backup::new_with_names(&src, rusqlite::MAIN_DB, &mut copy, rusqlite::MAIN_DB)?;
+        // One step of every page: one consistent snapshot even while the relay writes.
+        match b.step(-1)? {
+            StepResult::Done => {}
+            StepResult::Busy | StepResult::Locked => return Err(OpsError::Busy),
+            StepResult::More => return Err(OpsError::Busy),
+            _ => return Err(OpsError::Busy),
+        }
+    }
+    drop(src);
+    let _mode: String = copy.query_row("PRAGMA journal_mode = DELETE", [], |r| r.get(0))?;
+    let problems: Vec<String> = copy
+        .prepare("PRAGMA integrity_check")?
+        .query_map([], |r| r.get::<_, String>(0))?
+        .collect::<Result<_, _>>()?;
+    if problems != ["ok"] {
+        return Err(OpsError::Integrity(problems.join("; ")));
+    }
+    let (epoch, relay_pubkey, schema_version, heartbeat, counts) = facts(&copy)?;
+    copy.close().map_err(|(_, e)| OpsError::Sqlite(e))?;
+    agentmbx_protocol::failpoint::hit("backup:before-rename");
+    fsync(&partial.path)?;
+    // A hard link never replaces an existing name (EEXIST), unlike rename.
+    match std::fs::hard_link(&partial.path, &dest) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            return Err(OpsError::Exists(dest))
+        }
+        Err(e) => return Err(io(&dest)(e)),
+    }
+    drop(partial);
+    let parent = dest.parent().unwrap_or(Path::new("/"));
+    fsync(parent)?;
+    let bytes = dest.metadata().map_err(io(&dest))?.len();
+    let sha256 = sha256_file(&dest)?;
+    let relay_fingerprint = relay_pubkey.as_deref().map(|k| {
+        agentmbx_protocol::keys::PublicKey::from_b64(k)
+            .map(|p| p.fingerprint())
+            .unwrap_or_default()
+    });
+    let dir_abs = absolute(dir);
+    Ok(json!({
+        "v": 1,
+        "type": OP_BACKUP,
+        "at": iso_ms(now_ms),
+        "store": store_db(dir),
+        "file": dest.display().to_string(),
+        "bytes": bytes,
+        "sha256": sha256,
+        "epoch": epoch,
+        "relay_fingerprint": relay_fingerprint,
+        "schema_version": schema_version,
+        "heartbeat": heartbeat.map(iso_ms),
+        "counts": counts,
+        "restore": format!("agentmbx relay restore {} --store-dir {}", dest.display(), dir_abs.display()),
+    }))
+}
+
+/// Checks that `receipt` is a backup receipt of this relay before the admin endpoint logs it:
+/// `v:1`, `type:"relay-backup"`, `relay_fingerprint` equal to `relay_fingerprint`, a 64-hex
+/// `sha256`, a string `file`, at most 8 KiB of JSON. Errors name the first problem.
+pub fn check_backup_receipt(receipt: &Value, relay_fingerprint: &str) -> Result<(), String> {
+    if receipt.to_string().len() > 8 * 1024 {
+        return Err("the backup receipt is larger than 8 KiB".to_owned());
+    }
+    if receipt["v"] != 1 || receipt["type"] != OP_BACKUP {
+        return Err("not a relay-backup receipt (v:1, type:\"relay-backup\")".to_owned());
+    }
+    if receipt["relay_fingerprint"] != relay_fingerprint {
+        return Err("the backup receipt is of another relay's store".to_owned());
+    }
+    let sha_ok = receipt["sha256"]
+        .as_str()
+        .is_some_and(|s| s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit()));
+    if !sha_ok || !receipt["file"].is_string() || !receipt["at"].is_string() {
+        return Err("the backup receipt needs at, file and a 64-hex sha256".to_owned());
+    }
+    Ok(())
+}
+
+/// The relay log of the store in `dir`, newest first, at most `limit` entries (clamped to
+/// `1..=`[`OPS_KEEP`]); read-only and without `relay.lock`, so it works while the relay serves.
+/// Errors: [`OpsError::NoStore`], SQLite errors, a receipt that is not JSON.
+pub fn read_log(dir: &Path, limit: i64) -> Result<Vec<OpRecord>, OpsError> {
+    let path = dir.join(DB_FILE);
+    if !path.is_file() {
+        return Err(OpsError::NoStore(dir.to_path_buf()));
+    }
+    let c = Connection::open_with_flags(
+        &path,
+        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )?;
+    c.busy_timeout(std::time::Duration::from_secs(5))?;
+    let mut st = c.prepare("SELECT id, at, op, receipt FROM ops ORDER BY id DESC LIMIT ?1")?;
+    let rows = st
+        .query_map([limit.clamp(1, OPS_KEEP)], |r| {
+            Ok((
+                r.get::<_, i64>(0)?,
+                r.get::<_, i64>(1)?,
+                r.get::<_, String>(2)?,
+                r.get::<_, String>(3)?,
+            ))
+        })?
+        .collect::<Result<Vec<_>, _>>()?;
+    rows.into_iter()
+        .map(|(id, at_ms, op, receipt)| {
+            let receipt = serde_json::from_str(&receipt).map_err(|e| {
+                OpsError::Store(StoreError::Corrupt(format!(
+                    "op receipt {id} is not JSON: {e}"
+                )))
+            })?;
+            Ok(OpRecord {
+                id,
+                at_ms,
+                op,
+                receipt,
+            })
+        })
+        .collect()
+}
+
+/// The summary of a relay-log entry for `relay log`'s text line `<at>  <op>  <summary>`.
+pub fn summary(op: &OpRecord) -> String {
+    let r = &op.receipt;
+    let s = |k: &str| r[k].as_str().unwrap_or("").to_owned();
+    match op.op.as_str() {
+        OP_EPOCH_ROTATED => format!("{} -> {} (by {})", s("from"), s("to"), s("by")),
+        OP_BACKUP => format!(
+            "{} ({} bytes, {} items, sha256 {})",
+            s("file"),
+            r["bytes"],
+            r["counts"]["items"],
+            s("sha256").get(..16).unwrap_or("")
+        ),
+        "relay-revoke" => format!("{} ({})", s("fingerprint"), s("host_name")),
+        "relay-deny" => format!(
+            "{} {} until {}",
+            s("kind"),
+            s("value"),
+            r["until"].as_str().unwrap_or("removed")
+        ),
+        "relay-undeny" => format!("{} {}", s("kind"), s("value")),
+        _ => {
+            let mut text = r.to_string();
+            if text.len() > 200 {
+                let cut = (0..=200)
+                    .rev()
+                    .find(|&i| text.is_char_boundary(i))
+                    .unwrap_or(0);
+                text.truncate(cut);
+                text.push('…');
+            }
+            text
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::SqliteStore;
+
+    fn relay_key() -> String {
+        agentmbx_protocol::keys::HostKey::generate()
+            .public()
+            .to_b64()
+    }
+
+    #[test]
+    fn the_heartbeat_rule_holds_at_ten_minutes_and_rotates_past_it_either_way() {
+        let now = 1_800_000_000_000;
+        assert!(!heartbeat_stale(None, now));
+        assert!(!heartbeat_stale(Some(now), now));
+        assert!(!heartbeat_stale(Some(now - HEARTBEAT_STALE_MS), now));
+        assert!(heartbeat_stale(Some(now - HEARTBEAT_STALE_MS - 1), now));
+        assert!(!heartbeat_stale(Some(now + HEARTBEAT_STALE_MS), now));
+        assert!(heartbeat_stale(Some(now + HEARTBEAT_STALE_MS + 1), now));
+        assert!(heartbeat_stale(Some(i64::MIN), now));
+        assert!(heartbeat_stale(Some(i64::MAX), i64::MIN));
+    }
+
+    #[test]
+    fn a_stale_or_future_heartbeat_rotates_the_epoch_with_its_receipt() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = SqliteStore::open(dir.path(), &relay_key(), 1).expect("open");
+        let db = store_db(dir.path());
+        let now = 1_800_000_000_000;
+        // No heartbeat, a fresh one, one at the bound: nothing.
+        assert_eq!(rotate_if_stale(&store, &db, now).expect("none"), None);
+        for beat in [
+            now - 1_000,
+            now - HEARTBEAT_STALE_MS,
+            now + HEARTBEAT_STALE_MS,
+        ] {
+            store.set_heartbeat(beat).expect("beat");
+            assert_eq!(rotate_if_stale(&store, &db, now).expect("fresh"), None);
+        }
+        assert!(store.ops(10).expect("ops").is_empty());
+        let epoch0 = store.epoch().expect("epoch");
+
+        // Past the bound, old then in the future: rotated each time, logged, meta written.
+        let mut last = epoch0;
+        for beat in [now - HEARTBEAT_STALE_MS - 1, now + HEARTBEAT_STALE_MS + 1] {
+            store.set_heartbeat(beat).expect("beat");
+            let r = rotate_if_stale(&store, &db, now)
+                .expect("rotate")
+                .expect("rotated");
+            let epoch = store.epoch().expect("epoch");
+            assert_ne!(epoch, last);
+            assert_eq!(r["v"], 1);
+            assert_eq!(r["type"], "relay-epoch-rotated");
+            assert_eq!(r["by"], "heartbeat");
+            assert_eq!(r["from"], last.as_str());
+            assert_eq!(r["to"], epoch.as_str());
+            assert_eq!(r["store"], db.as_str());
+            assert_eq!(r["at"], iso_ms(now).as_str());
+            let logged = &store.ops(1).expect("ops")[0];
+            assert_eq!(logged.op, "relay-epoch-rotated");
+            assert_eq!(logged.receipt, r);
+            let meta: Value =
+                serde_json::from_str(&store.meta("epoch_rotated").expect("meta").expect("set"))
+                    .expect("json");
+            assert_eq!(meta, r);
+            last = epoch;
+        }
+        let r = rotate_epoch(&store, &db, RotatedBy::Operator, now + 5).expect("operator");
+        assert_eq!(r["by"], "operator");
+        assert_eq!(r["from"], last.as_str());
+        assert_eq!(store.ops(10).expect("ops").len(), 3);
+    }
+
+    #[test]
+    fn an_epoch_rotation_and_its_receipt_are_one_transaction() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = SqliteStore::open(dir.path(), &relay_key(), 1).expect("open");
+        let epoch = store.epoch().expect("epoch");
+        store.close().expect("close");
+        let raw = Connection::open(dir.path().join(DB_FILE)).expect("raw");
+        raw.execute_batch(
+            "CREATE TRIGGER no_log BEFORE INSERT ON ops BEGIN SELECT RAISE(ABORT, 'no log'); END;",
+        )
+        .expect("trigger");
+        let store = SqliteStore::open(dir.path(), &relay_key_of(dir.path()), 2).expect("open");
+        assert!(rotate_epoch(&store, "x", RotatedBy::Operator, 2).is_err());
+        assert_eq!(store.epoch().expect("epoch"), epoch);
+        assert_eq!(store.meta("epoch_rotated").expect("meta"), None);
+    }
+
+    fn relay_key_of(dir: &Path) -> String {
+        SqliteStore::recorded_relay_pubkey(dir)
+            .expect("read")
+            .expect("key")
+    }
+
+    fn enrol_and_push(store: &SqliteStore, n: usize) -> String {
+        use crate::store::{AuthorityStrength, EnrolRequest, PushBatch, PushItem, PushTarget};
+        let target = relay_key();
+        store
+            .enrol(EnrolRequest {
+                host_pubkey: target.clone(),
+                host_name: "beta".into(),
+                owner_fp: String::new(),
+                account: None,
+                authorized_by: "host-key-challenge".into(),
+                strength: AuthorityStrength::HostKeyChallenge,
+                now_ms: 1,
+            })
+            .expect("enrol");
+        for i in 0..n {
+            store
+                .push(PushBatch {
+                    sender_pubkey: relay_key(),
+                    sender_host: "alpha".into(),
+                    now_ms: 10 + i as i64,
+                    expiry: crate::store::Expiry::Never,
+                    items: vec![PushItem {
+                        item_id: format!("item-{i}"),
+                        kind: "envelope".into(),
+                        targets: vec![PushTarget {
+                            target_pubkey: target.clone(),
+                            wire: format!("wire {i}").into_bytes(),
+                        }],
+                    }],
+                })
+                .expect("push");
+        }
+        target
+    }
+
+    #[test]
+    fn a_backup_is_a_checked_store_with_the_same_items_and_a_matching_receipt() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let out = tempfile::tempdir().expect("out");
+        let store = SqliteStore::open(dir.path(), &relay_key(), 1).expect("open");
+        let target = enrol_and_push(&store, 5);
+        store.set_heartbeat(1_234).expect("beat");
+        let file = out.path().join("b.db");
+        // While the store is open (as while serving).
+        let r = backup(dir.path(), &file, 99).expect("backup");
+        assert_eq!(r["type"], "relay-backup");
+        assert_eq!(r["file"], file.display().to_string().as_str());
+        assert_eq!(r["epoch"], store.epoch().expect("epoch").as_str());
+        assert_eq!(r["heartbeat"], iso_ms(1_234).as_str());
+        assert_eq!(r["schema_version"], crate::store::SCHEMA_VERSION);
+        let bytes = std::fs::read(&file).expect("read");
+        assert_eq!(r["bytes"], bytes.len());
+        assert_eq!(r["sha256"], crate::store::wire_hash(&bytes).as_str());
+        assert_eq!(
+            r["counts"],
+            json!({"enrolments": 1, "revoked": 0, "items": 5, "bytes": 30, "dedup": 5, "targets": 1})
+        );
+        assert!(r["restore"]
+            .as_str()
+            .expect("restore")
+            .starts_with("agentmbx relay restore "));
+        // The copy is self-contained (rollback journal) and holds the same items.
+        let c = Connection::open(&file).expect("open copy");
+        let mode: String = c
+            .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+            .expect("mode");
+        assert_eq!(mode, "delete");
+        let wires: Vec<Vec<u8>> = c
+            .prepare("SELECT wire FROM items WHERE target_pubkey = ?1 ORDER BY seq")
+            .expect("prep")
+            .query_map([&target], |r| r.get(0))
+            .expect("q")
+            .collect::<Result<_, _>>()
+            .expect("rows");
+        let want: Vec<Vec<u8>> = (0..5).map(|i| format!("wire {i}").into_bytes()).collect();
+        assert_eq!(wires, want);
+        drop(c);
+        // It opens as a store of this relay.
+        let copy_dir = tempfile::tempdir().expect("copy dir");
+        std::fs::copy(&file, copy_dir.path().join(DB_FILE)).expect("copy");
+        let opened =
+            SqliteStore::open(copy_dir.path(), &relay_key_of(dir.path()), 5).expect("opens");
+        assert_eq!(
+            opened.epoch().expect("epoch"),
+            store.epoch().expect("epoch")
+        );
+        assert_eq!(opened.info_for(&target).expect("info").head_seq, {
+            store.info_for(&target).expect("info").head_seq
+        });
+        // Nothing else left behind.
+        let names: Vec<String> = std::fs::read_dir(out.path())
+            .expect("ls")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, ["b.db"]);
+    }
+
+    #[test]
+    fn an_existing_file_is_refused_and_untouched_and_no_partial_file_remains_on_failure() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let out = tempfile::tempdir().expect("out");
+        let store = SqliteStore::open(dir.path(), &relay_key(), 1).expect("open");
+        enrol_and_push(&store, 1);
+        let file = out.path().join("taken.db");
+        std::fs::write(&file, b"mine").expect("write");
+        match backup(dir.path(), &file, 1) {
+            Err(e @ OpsError::Exists(_)) => assert!(e.to_string().starts_with("EXISTS"), "{e}"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(std::fs::read(&file).expect("read"), b"mine");
+        // A dangling symlink is a name that exists too.
+        let link = out.path().join("link.db");
+        std::os::unix::fs::symlink(out.path().join("nowhere"), &link).expect("symlink");
+        assert!(matches!(
+            backup(dir.path(), &link, 1),
+            Err(OpsError::Exists(_))
+        ));
+        // No store.
+        assert!(matches!(
+            backup(&dir.path().join("none"), &out.path().join("x.db"), 1),
+            Err(OpsError::NoStore(_))
+        ));
+        // A source that is not a database fails after the partial file was created: it is gone.
+        let bad = tempfile::tempdir().expect("bad");
+        std::fs::write(bad.path().join(DB_FILE), vec![7u8; 8192]).expect("junk");
+        assert!(backup(bad.path(), &out.path().join("y.db"), 1).is_err());
+        let mut names: Vec<String> = std::fs::read_dir(out.path())
+            .expect("ls")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["link.db", "taken.db"]);
+        // A missing directory: an I/O error, nothing created.
+        assert!(matches!(
+            backup(dir.path(), &out.path().join("no/such/dir.db"), 1),
+            Err(OpsError::Io { .. })
+        ));
+    }
+
+    #[test]
+    fn the_log_reads_newest_first_without_the_lock_and_summarises_each_op() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = SqliteStore::open(dir.path(), &relay_key(), 1).expect("open");
+        for i in 0..3 {
+            rotate_epoch(&store, "s", RotatedBy::Operator, 10 + i).expect("rotate");
+        }
+        // The store (holding relay.lock) is open: the log still reads.
+        let log = read_log(dir.path(), 2).expect("log");
+        assert_eq!(log.len(), 2);
+        assert!(log[0].id > log[1].id);
+        assert_eq!(log[0].at_ms, 12);
+        let text = summary(&log[0]);
+        assert!(
+            text.contains(" -> ") && text.ends_with("(by operator)"),
+            "{text}"
+        );
+        assert_eq!(read_log(dir.path(), 0).expect("clamped").len(), 1);
+        assert_eq!(read_log(dir.path(), 5_000).expect("clamped").len(), 3);
+        assert!(matches!(
+            read_log(&dir.path().join("none"), 5),
+            Err(OpsError::NoStore(_))
+        ));
+    }
+
+    #[test]
+    fn only_this_relays_backup_receipts_pass_the_admin_check() {
+        let good = json!({"v": 1, "type": "relay-backup", "relay_fingerprint": "abcd-ef01-2345-6789",
+                          "sha256": "a".repeat(64), "file": "/b.db", "at": "2026-01-01T00:00:00.000Z"});
+        check_backup_receipt(&good, "abcd-ef01-2345-6789").expect("good");
+        assert!(check_backup_receipt(&good, "0000-0000-0000-0000").is_err());
+        let mut bad = good.clone();
+        bad["type"] = json!("relay-restore");
+        assert!(check_backup_receipt(&bad, "abcd-ef01-2345-6789").is_err());
+        let mut bad = good.clone();
+        bad["sha256"] = json!("zz");
+        assert!(check_backup_receipt(&bad, "abcd-ef01-2345-6789").is_err());
+        let mut big = good;
+        big["pad"] = json!("x".repeat(9_000));
+        assert!(check_backup_receipt(&big, "abcd-ef01-2345-6789").is_err());
+    }
+}

@@ -1,0 +1,381 @@
+//! Relay store operations against the real binary (spec §5; `wire.md` §3.4): the start-up
+//! epoch rotation after a stale or future heartbeat (time moved with `MBX_CLOCK_OFFSET_MS`),
+//! `relay rotate-epoch` offline (refused with exit 4 while the relay serves) and through the
+//! admin endpoint, `relay log`, and `relay backup` while a relay serves under traffic.
+
+mod helper;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use serde_json::Value;
+
+use helper::mesh::{free_port, open_read_only, Mesh};
+use helper::{command, run, wait_for, Daemon, Output, RELAY_LISTENING};
+
+const ADMIN: &str = "admin-token-0123456789abcdef";
+
+fn relay_cli(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut full = vec!["relay"];
+    full.extend_from_slice(args);
+    let mut cmd = command(&full);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    run(cmd)
+}
+
+/// `relay serve` on 127.0.0.1 and a free port over `store`, with `env`.
+fn serve(store: &Path, env: &[(&str, &str)]) -> Daemon {
+    let port = free_port().to_string();
+    let mut cmd = command(&[
+        "relay",
+        "serve",
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        &port,
+        "--store-dir",
+        store.to_str().expect("UTF-8 path"),
+    ]);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    Daemon::spawn(cmd, RELAY_LISTENING).expect("relay started")
+}
+
+fn meta(store: &Path, key: &str) -> Option<String> {
+    open_read_only(&store.join("relay.db"))
+        .query_row("SELECT v FROM meta WHERE k = ?1", [key], |r| r.get(0))
+        .ok()
+}
+
+fn log_json(dir: &str, limit: &str) -> Vec<Value> {
+    let out = relay_cli(
+        &["log", "--json", "--limit", limit, "--store-dir", dir],
+        &[],
+    );
+    out.assert_success();
+    out.json().as_array().expect("array").clone()
+}
+
+#[test]
+fn a_stale_or_future_heartbeat_rotates_the_epoch_at_start_and_operators_rotate_it_too() {
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let store = tmp.path().join("store");
+    let dir = store.to_str().expect("UTF-8").to_owned();
+    let env = [("MBX_RELAY_ADMIN_TOKEN", ADMIN)];
+
+    // First start: a heartbeat is written; no rotation.
+    let relay = serve(&store, &env);
+    wait_for("the first heartbeat", || meta(&store, "heartbeat"));
+    let epoch0 = meta(&store, "epoch").expect("epoch");
+    let log = relay.kill();
+    assert!(!log.contains("rotated the epoch"), "{log}");
+
+    // 9 minutes later (fresh enough): the same epoch.
+    let relay = serve(&store, &[("MBX_CLOCK_OFFSET_MS", "540000")]);
+    assert_eq!(meta(&store, "epoch").as_deref(), Some(epoch0.as_str()));
+    wait_for("the heartbeat of the second start", || {
+        meta(&store, "heartbeat")
+            .and_then(|h| h.parse::<i64>().ok())
+            .filter(|h| *h > helper_now() + 500_000)
+    });
+    relay.kill();
+
+    // 11 minutes past that heartbeat: rotated at start, one log line, one receipt.
+    let relay = serve(&store, &[("MBX_CLOCK_OFFSET_MS", "1200000")]);
+    let epoch1 = meta(&store, "epoch").expect("epoch");
+    assert_ne!(epoch1, epoch0);
+    let stderr = relay.stderr();
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("rotated the epoch"))
+        .unwrap_or_else(|| panic!("no rotation line:\n{stderr}"));
+    for part in ["heartbeat=", "age_ms=", &epoch0, &epoch1] {
+        assert!(line.contains(part), "{part} missing in {line}");
+    }
+    // `relay log` reads while the relay serves.
+    let entries = log_json(&dir, "50");
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    let r = &entries[0]["receipt"];
+    assert_eq!(entries[0]["op"], "relay-epoch-rotated");
+    assert_eq!(r["type"], "relay-epoch-rotated");
+    assert_eq!(r["by"], "heartbeat");
+    assert_eq!(r["from"], epoch0.as_str());
+    assert_eq!(r["to"], epoch1.as_str());
+    assert!(r["store"]
+        .as_str()
+        .expect("store")
+        .ends_with("/store/relay.db"));
+    let rotated: Value =
+        serde_json::from_str(&meta(&store, "epoch_rotated").expect("meta")).expect("json");
+    assert_eq!(&rotated, r);
+    relay.kill();
+
+    // A heartbeat in the future (the clock went back 11 minutes): rotated again.
+    let relay = serve(&store, &[("MBX_CLOCK_OFFSET_MS", "500000")]);
+    let epoch2 = meta(&store, "epoch").expect("epoch");
+    assert_ne!(epoch2, epoch1);
+
+    // rotate-epoch offline is refused while the relay serves, and changes nothing.
+    let out = relay_cli(&["rotate-epoch", "--store-dir", &dir], &[]);
+    assert_eq!(out.code(), Some(4), "{out:#?}");
+    assert!(out.stderr.contains("a running relay holds"), "{out:#?}");
+    assert_eq!(meta(&store, "epoch").as_deref(), Some(epoch2.as_str()));
+    let relay_log = relay.kill();
+    assert!(relay_log.contains("rotated the epoch"), "{relay_log}");
+
+    // Through the admin endpoint.
+    let relay = serve(
+        &store,
+        &[
+            ("MBX_RELAY_ADMIN_TOKEN", ADMIN),
+            ("MBX_CLOCK_OFFSET_MS", "500000"),
+        ],
+    );
+    let url = format!("http://{}", relay.addr);
+    let out = relay_cli(
+        &["rotate-epoch", "--url", &url, "--json"],
+        &[("MBX_RELAY_ADMIN_TOKEN", "wrong-token-0123456789abcdef")],
+    );
+    assert_eq!(out.code(), Some(1), "{out:#?}");
+    assert!(out.stderr.contains("refused the admin token"), "{out:#?}");
+    let out = relay_cli(&["rotate-epoch", "--url", &url, "--json"], &env);
+    out.assert_success();
+    let r = out.json();
+    assert_eq!(r["type"], "relay-epoch-rotated");
+    assert_eq!(r["by"], "operator");
+    assert_eq!(r["from"], epoch2.as_str());
+    let epoch3 = meta(&store, "epoch").expect("epoch");
+    assert_eq!(r["to"], epoch3.as_str());
+    assert_ne!(epoch3, epoch2);
+    let _ = relay.stderr();
+    relay.kill();
+
+    // Offline.
+    let out = relay_cli(&["rotate-epoch", "--store-dir", &dir, "--json"], &[]);
+    out.assert_success();
+    let r = out.json();
+    assert_eq!(r["by"], "operator");
+    assert_eq!(r["from"], epoch3.as_str());
+    assert_eq!(meta(&store, "epoch").as_deref(), r["to"].as_str());
+
+    // The log: newest first, text lines `<at>  <op>  <summary>`, --limit bounds.
+    let entries = log_json(&dir, "1000");
+    let bys: Vec<&str> = entries
+        .iter()
+        .map(|e| e["receipt"]["by"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(bys, ["operator", "operator", "heartbeat", "heartbeat"]);
+    assert_eq!(log_json(&dir, "1").len(), 1);
+    let out = relay_cli(&["log", "--store-dir", &dir, "--limit", "2"], &[]);
+    out.assert_success();
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    assert_eq!(lines.len(), 2, "{out:#?}");
+    let fields: Vec<&str> = lines[0].split("  ").collect();
+    assert_eq!(fields.len(), 3, "{}", lines[0]);
+    assert!(fields[0].ends_with('Z'), "{}", lines[0]);
+    assert_eq!(fields[1], "relay-epoch-rotated");
+    assert!(fields[2].ends_with("(by operator)"), "{}", lines[0]);
+    for bad in ["0", "1001"] {
+        let out = relay_cli(&["log", "--store-dir", &dir, "--limit", bad], &[]);
+        assert_eq!(out.code(), Some(2), "{out:#?}");
+    }
+    let empty = tempfile::tempdir().expect("temp dir");
+    let out = relay_cli(
+        &["log", "--store-dir", empty.path().to_str().expect("UTF-8")],
+        &[],
+    );
+    assert_eq!(out.code(), Some(3), "{out:#?}");
+}
+
+/// Milliseconds since the epoch.
+fn helper_now() -> i64 {
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock after 1970");
+    i64::try_from(since.as_millis()).expect("ms fit i64")
+}
+
+/// `(target, seq) -> wire_hash` of the items in a store file.
+fn items_of(db: &Path) -> HashMap<(String, i64), String> {
+    let c = open_read_only(db);
+    let mut st = c
+        .prepare("SELECT target_pubkey, seq, wire_hash FROM items")
+        .expect("prepare");
+    st.query_map([], |r| Ok(((r.get(0)?, r.get(1)?), r.get(2)?)))
+        .expect("query")
+        .collect::<Result<_, _>>()
+        .expect("rows")
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    hex::encode(Sha256::digest(bytes))
+}
+
+#[test]
+fn a_backup_while_the_relay_serves_under_traffic_is_a_store_with_the_same_items() {
+    let mut mesh = Mesh::start(None);
+    // The receiver is stopped, so what the relay accepts stays queued.
+    mesh.b.stop();
+    let dir = mesh.relay.store_dir();
+    let dir_s = dir.to_str().expect("UTF-8").to_owned();
+    let out_dir = tempfile::tempdir().expect("out");
+    let file = out_dir.path().join("relay-backup.db");
+    let file_s = file.to_str().expect("UTF-8").to_owned();
+
+    // Traffic: mail flows from a through the relay while the backup runs.
+    for i in 0..5 {
+        mesh.a
+            .send("alice", "bob@hostb", &format!("before {i}"), "x");
+    }
+    wait_for("some items at the relay", || {
+        (!mesh.relay.items_for(&mesh.b.pubkey).is_empty()).then_some(())
+    });
+    let (a_addr, a_token) = (mesh.a.daemon().addr, mesh.a.home.token());
+    let sender = std::thread::spawn(move || {
+        for i in 0..10 {
+            let body = serde_json::json!({"from": "alice", "to": ["bob@hostb"],
+                                          "subject": format!("during {i}"), "body": "y"})
+            .to_string();
+            let r = helper::request(
+                a_addr,
+                "POST",
+                "/v1/messages",
+                Some(&a_token),
+                &[],
+                Some(&body),
+            );
+            assert_eq!(r.status, 201, "{r:#?}");
+        }
+    });
+    let out = relay_cli(&["backup", &file_s, "--store-dir", &dir_s, "--json"], &[]);
+    sender.join().expect("sender");
+    out.assert_success();
+    let r = out.json();
+    assert!(
+        out.stderr.contains("not added to the relay log"),
+        "{out:#?}"
+    );
+
+    // The receipt matches the file.
+    let bytes = std::fs::read(&file).expect("read backup");
+    assert_eq!(r["type"], "relay-backup");
+    assert_eq!(r["file"], file_s.as_str());
+    assert_eq!(r["bytes"], bytes.len());
+    assert_eq!(r["sha256"], sha256_hex(&bytes).as_str());
+    assert_eq!(r["relay_fingerprint"], mesh.relay.fingerprint.as_str());
+    let backup_items = items_of(&file);
+    assert!(!backup_items.is_empty());
+    assert_eq!(r["counts"]["items"], backup_items.len());
+    assert_eq!(r["counts"]["targets"], 1);
+    assert_eq!(r["counts"]["enrolments"], 2);
+    let c = open_read_only(&file);
+    let dedup: i64 = c
+        .query_row("SELECT COUNT(*) FROM dedup", [], |r| r.get(0))
+        .expect("dedup");
+    assert_eq!(r["counts"]["dedup"], dedup);
+    let epoch: String = c
+        .query_row("SELECT v FROM meta WHERE k = 'epoch'", [], |r| r.get(0))
+        .expect("epoch");
+    assert_eq!(r["epoch"], epoch.as_str());
+    drop(c);
+
+    // Every item of the backup is at the live relay with the same seq and bytes (nothing was
+    // acked: the receiver is stopped).
+    let live = items_of(&dir.join("relay.db"));
+    for (k, hash) in &backup_items {
+        assert_eq!(live.get(k), Some(hash), "{k:?}");
+    }
+
+    // It opens as a store: a relay serves it.
+    let copy = tempfile::tempdir().expect("copy");
+    std::fs::copy(&file, copy.path().join("relay.db")).expect("copy");
+    let out = relay_cli(
+        &["log", "--store-dir", copy.path().to_str().expect("UTF-8")],
+        &[],
+    );
+    out.assert_success();
+
+    // An existing file is refused and untouched; no partial file remains.
+    let out = relay_cli(&["backup", &file_s, "--store-dir", &dir_s], &[]);
+    assert_eq!(out.code(), Some(1), "{out:#?}");
+    assert!(out.stderr.contains("EXISTS"), "{out:#?}");
+    assert_eq!(std::fs::read(&file).expect("read"), bytes);
+    let names: Vec<String> = std::fs::read_dir(out_dir.path())
+        .expect("ls")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["relay-backup.db"]);
+
+    // Offline, the receipt goes to the relay log.
+    mesh.relay.kill();
+    let second = out_dir.path().join("second.db");
+    let out = relay_cli(
+        &[
+            "backup",
+            second.to_str().expect("UTF-8"),
+            "--store-dir",
+            &dir_s,
+            "--json",
+        ],
+        &[],
+    );
+    out.assert_success();
+    let r2 = out.json();
+    let entries = log_json(&dir_s, "5");
+    assert_eq!(entries[0]["op"], "relay-backup");
+    assert_eq!(entries[0]["receipt"], r2);
+    let out = relay_cli(&["log", "--store-dir", &dir_s, "--limit", "1"], &[]);
+    assert!(out.stdout.contains("  relay-backup  "), "{out:#?}");
+    assert!(out.stdout.contains("second.db"), "{out:#?}");
+}
+
+#[test]
+fn a_backup_receipt_is_logged_through_the_admin_endpoint_while_the_relay_serves() {
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let store = tmp.path().join("store");
+    let dir = store.to_str().expect("UTF-8").to_owned();
+    let env = [("MBX_RELAY_ADMIN_TOKEN", ADMIN)];
+    let relay = serve(&store, &env);
+    let url = format!("http://{}", relay.addr);
+    let file = tmp.path().join("b.db");
+    let out = relay_cli(
+        &[
+            "backup",
+            file.to_str().expect("UTF-8"),
+            "--store-dir",
+            &dir,
+            "--url",
+            &url,
+            "--json",
+        ],
+        &env,
+    );
+    out.assert_success();
+    let r = out.json();
+    assert!(!out.stderr.contains("not added"), "{out:#?}");
+    let entries = log_json(&dir, "5");
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    assert_eq!(entries[0]["op"], "relay-backup");
+    assert_eq!(entries[0]["receipt"], r);
+    // A wrong token: the backup is written, the receipt not logged, exit 1.
+    let out = relay_cli(
+        &[
+            "backup",
+            tmp.path().join("c.db").to_str().expect("UTF-8"),
+            "--store-dir",
+            &dir,
+            "--url",
+            &url,
+        ],
+        &[("MBX_RELAY_ADMIN_TOKEN", "wrong-token-0123456789abcdef")],
+    );
+    assert_eq!(out.code(), Some(1), "{out:#?}");
+    assert!(out.stderr.contains("not logged"), "{out:#?}");
+    assert!(tmp.path().join("c.db").exists());
+    assert_eq!(log_json(&dir, "5").len(), 1);
+    relay.kill();
+}
