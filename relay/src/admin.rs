@@ -25,23 +25,23 @@ use serde_json::json;
 use agentmbx_protocol::keys::PublicKey;
 
 use crate::store::{
-    DenyEntry, DenyKind, DenyOutcome, Enrolment, OpEntry, OpenOptions, RelayStore, RevokeOutcome,
-    SqliteStore, StoreError, LOCK_FILE,
+    DenyEntry, DenyKind, DenyOutcome, Enrolment, OpEntry, RelayStore, RevokeOutcome, SqliteStore,
+    StoreError, LOCK_FILE,
 };
 
-/// Opens the store in `dir` for an offline operator command: bound to the relay key its
-/// `relay.db` records (the relay's private key is not needed), `relay.lock` taken without
-/// waiting. Errors: [`AdminError::NoStore`], [`AdminError::Running`] while `serve` (or another
-/// command) holds the lock, store errors (a newer schema…).
+/// Opens the store in `dir` for an offline operator command: `relay.lock` taken without
+/// waiting, signing its relay-log receipts with the relay key
+/// ([`crate::ops::offline_relay_key`]: `MBX_RELAY_KEY` or `relay.key` in `dir`), which must be
+/// the one its `relay.db` records. Errors: [`AdminError::NoStore`], [`AdminError::RelayKey`]
+/// (no relay key), [`AdminError::Running`] while `serve` (or another command) holds the lock,
+/// store errors (a newer schema, another relay's key…).
 pub fn open_offline(dir: &std::path::Path, now_ms: i64) -> Result<SqliteStore, AdminError> {
-    let Some(relay_pubkey) = SqliteStore::recorded_relay_pubkey(dir)? else {
+    if SqliteStore::recorded_relay_pubkey(dir)?.is_none() {
         return Err(AdminError::NoStore(dir.to_path_buf()));
-    };
-    let options = OpenOptions {
-        lock_wait_ms: 0,
-        ..OpenOptions::default()
-    };
-    match SqliteStore::open_with(dir, &relay_pubkey, now_ms, options) {
+    }
+    let key =
+        crate::ops::offline_relay_key(dir).map_err(|e| AdminError::RelayKey(e.to_string()))?;
+    match crate::ops::open_offline_signed(dir, key, now_ms) {
         Ok(store) => Ok(store),
         Err(StoreError::Locked { .. }) => Err(AdminError::Running(dir.join(LOCK_FILE))),
         Err(e) => Err(e.into()),
@@ -81,6 +81,9 @@ pub enum AdminError {
     /// (`--url`) or stop it first.
     #[error("a running relay holds {}: stop it first, or run this through its admin endpoint (--url <relay url> with the admin token)", .0.display())]
     Running(std::path::PathBuf),
+    /// The relay key that signs the relay-log receipt is missing or malformed.
+    #[error("{0}")]
+    RelayKey(String),
     /// The store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -558,13 +561,19 @@ mod tests {
         }
     }
 
+    /// A new relay key in `dir/relay.key` (what the offline commands sign with); its public
+    /// key.
+    fn relay_key_file(dir: &std::path::Path) -> String {
+        let key = agentmbx_protocol::keys::HostKey::generate();
+        std::fs::write(dir.join("relay.key"), key.to_key_file().to_text()).expect("relay.key");
+        key.public().to_b64()
+    }
+
     #[test]
     fn a_fingerprint_of_several_enrolments_is_refused_with_the_list() {
         use crate::store::{AuthorityStrength, EnrolRequest};
         let dir = tempfile::tempdir().expect("tempdir");
-        let relay = agentmbx_protocol::keys::HostKey::generate()
-            .public()
-            .to_b64();
+        let relay = relay_key_file(dir.path());
         let key = agentmbx_protocol::keys::HostKey::generate().public();
         let store = SqliteStore::open(dir.path(), &relay, 1).expect("open");
         store
@@ -628,9 +637,7 @@ mod tests {
     fn a_change_and_its_log_receipt_are_one_transaction() {
         use crate::store::{AuthorityStrength, EnrolRequest};
         let dir = tempfile::tempdir().expect("tempdir");
-        let relay = agentmbx_protocol::keys::HostKey::generate()
-            .public()
-            .to_b64();
+        let relay = relay_key_file(dir.path());
         let key = agentmbx_protocol::keys::HostKey::generate().public();
         let store = SqliteStore::open(dir.path(), &relay, 1).expect("open");
         store

@@ -41,6 +41,13 @@ pub const MAX_CONNECTIONS_RANGE: (u64, u64) = (1, 1_000_000);
 /// `lock_wait_ms` bounds: 0 (fail at once) to 1 h (SQLite's busy timeout is an `int` of ms).
 pub const LOCK_WAIT_MS_RANGE: (u64, u64) = (0, 3_600_000);
 
+/// Default period of the retention sweep (ms): 10 min (`wire.md` §3.2 "Sweep": at start and
+/// every 10 min).
+pub const DEFAULT_SWEEP_INTERVAL_MS: u64 = 600_000;
+
+/// `sweep_interval_ms` bounds: 1 s to 1 day (retention is at least one day).
+pub const SWEEP_INTERVAL_MS_RANGE: (u64, u64) = (1_000, 86_400_000);
+
 /// The largest quota or capacity value: JavaScript's `Number.MAX_SAFE_INTEGER` (2^53 − 1), so
 /// every published limit reads back exactly in any JSON client and fits SQLite's `i64`.
 pub const MAX_QUOTA: u64 = (1 << 53) - 1;
@@ -229,6 +236,9 @@ pub struct RelayConfig {
     /// Most client connections open at once (default 4,096); past it new connections wait in
     /// the listen backlog until one closes, so a flood cannot exhaust file descriptors.
     pub max_connections: Option<u64>,
+    /// How often the retention sweep runs after the one at start (ms, default 600,000 =
+    /// 10 min, `wire.md` §3.2 "Sweep"; [`crate::retention`]).
+    pub sweep_interval_ms: Option<u64>,
     /// Limits and quotas.
     pub limits: LimitsConfig,
     /// Rate limits and the request-body budget (`[rate]`, [`crate::ratelimit`]).
@@ -257,8 +267,8 @@ fn check_range(key: &str, value: u64, (min, max): (u64, u64)) -> Result<(), Stri
 impl RelayConfig {
     /// Checks every bounded setting ([`LIMIT_RANGES`], `request_timeout_ms`,
     /// `header_read_timeout_ms`, `keep_alive_timeout_ms`, `max_connections`, `lock_wait_ms`,
-    /// `trust_proxy`, `[rate]`); the error names the first key out of bounds, e.g.
-    /// `limits.max_pull must be 1..=500, got 0`.
+    /// `sweep_interval_ms`, `trust_proxy`, `[rate]`); the error names the first key out of
+    /// bounds, e.g. `limits.max_pull must be 1..=500, got 0`.
     pub fn validate(&self) -> Result<(), String> {
         for ((key, value), (range_key, min, max)) in
             self.limits.by_key().into_iter().zip(LIMIT_RANGES)
@@ -280,6 +290,9 @@ impl RelayConfig {
         }
         if let Some(ms) = self.lock_wait_ms {
             check_range("lock_wait_ms", ms, LOCK_WAIT_MS_RANGE)?;
+        }
+        if let Some(ms) = self.sweep_interval_ms {
+            check_range("sweep_interval_ms", ms, SWEEP_INTERVAL_MS_RANGE)?;
         }
         if let Some(tp) = &self.trust_proxy {
             crate::ratelimit::TrustProxy::parse(tp)?;

@@ -9,8 +9,11 @@
 //! - [`handlers`]: one file per HTTP resource; [`auth`]: body cap, UTF-8 and hop checks;
 //! - [`authority`]: enrolment authorities (host-key challenge, account tokens); [`admin`]:
 //!   `relay revoke` / `relay deny`, offline or through the admin endpoints; [`ops`]: the
-//!   heartbeat epoch rotation, `relay rotate-epoch`, `relay backup`, `relay log`;
+//!   heartbeat epoch rotation, `relay rotate-epoch`, `relay backup`, `relay restore`,
+//!   `relay log` and the relay-key signatures of its receipts;
+//! - [`retention`]: the retention sweep (expired items, signed expiry notices, dedup horizon);
 //! - [`server`]: state, router and `serve(listener, state, shutdown)`; [`run`]: `relay serve`;
+//! - [`status`]: `relay status`, an operator's read-only facts about a store;
 //! - [`config`]: `relay.toml` and environment; [`key`]: the relay key;
 //! - [`ratelimit`]: per-address and per-sender rate limits, the request-body budget;
 //!   [`log_gate`]: at most one WARN a minute per address for events anyone can cause.
@@ -27,8 +30,10 @@ pub mod key;
 pub mod log_gate;
 pub mod ops;
 pub mod ratelimit;
+pub mod retention;
 pub mod run;
 pub mod server;
+pub mod status;
 pub mod store;
 
 /// Relay software version (reported by `GET /v2/relay/info`).

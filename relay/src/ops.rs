@@ -1,8 +1,16 @@
 //! Relay operations on a store (spec §5 "Restore from backup", "Backup"; `wire.md` §3.4):
 //! the start-up epoch rotation after a stale or future heartbeat, `relay rotate-epoch`,
-//! `relay backup` and `relay log`.
+//! `relay backup`, `relay restore` (and `MBX_RELAY_RESTORE_FROM`, [`restore`]), `relay log`, and
+//! the signatures of the relay log's receipts.
 //!
 //! # What it owns
+//! - **Signed op receipts** (spec §5 "Each writes its signed op receipt"; ours, 0.5.x's are
+//!   unsigned): [`RelayOpSigner`] is the relay key as the store's [`OpSigner`]; a store opened
+//!   with it ([`SqliteStore::open_signed`]: `relay serve`, [`open_offline_signed`]) signs every
+//!   receipt it appends (`sig` = base64 Ed25519 over the canonical JSON of the receipt without
+//!   `sig`). [`verify_receipt`] checks one against the store's `relay_pubkey`;
+//!   [`read_verified_log`] is `relay log`'s view. The offline commands sign with
+//!   [`offline_relay_key`]: `MBX_RELAY_KEY` or `relay.key` in the store directory.
 //! - **The heartbeat rule**: at start, a stored heartbeat more than [`HEARTBEAT_STALE_MS`]
 //!   (10 min) old or in the future rotates the epoch (a volume restore or a long outage brought
 //!   old data back), with one log line and a receipt `{v:1, type:"relay-epoch-rotated", at,
@@ -31,9 +39,20 @@ use std::path::{Path, PathBuf};
 use rusqlite::{Connection, OpenFlags, OptionalExtension};
 use serde_json::{json, Value};
 
+use agentmbx_protocol::keys::{HostKey, KeyFile, PublicKey};
 use agentmbx_protocol::time::iso_ms;
 
-use crate::store::{OpEntry, OpRecord, RelayStore, StoreError, DB_FILE, OPS_KEEP};
+use crate::store::{
+    OpEntry, OpRecord, OpSigner, OpenOptions, RelayStore, SqliteStore, StoreError, StoreLock,
+    DB_FILE, OPS_KEEP,
+};
+
+mod restore;
+
+pub use restore::{
+    restore, restored_from, RestoreError, RestoreOptions, LIVE_HEARTBEAT_MS, OP_RESTORE,
+    RESTORE_FROM_ENV, ROLLBACK_DIR,
+};
 
 /// A heartbeat further than this from now (either way) rotates the epoch at start: 10 min in
 /// ms (spec §5).
@@ -62,6 +81,100 @@ impl RotatedBy {
             Self::Operator => "operator",
         }
     }
+}
+
+/// The relay key as the store's op-receipt signer ([`OpSigner`]): `sig` over the canonical
+/// JSON (`wire.md` §2.2) of the receipt without `sig`. Its `Debug` shows the fingerprint only.
+pub struct RelayOpSigner {
+    key: HostKey,
+}
+
+impl RelayOpSigner {
+    /// A signer over `key`, shared as the store wants it.
+    pub fn shared(key: HostKey) -> std::sync::Arc<dyn OpSigner> {
+        std::sync::Arc::new(Self { key })
+    }
+}
+
+impl std::fmt::Debug for RelayOpSigner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayOpSigner")
+            .field("fingerprint", &self.key.public().fingerprint())
+            .finish()
+    }
+}
+
+impl OpSigner for RelayOpSigner {
+    fn relay_pubkey(&self) -> String {
+        self.key.public().to_b64()
+    }
+
+    fn sign_receipt(&self, receipt: &Value) -> Result<String, String> {
+        let text = agentmbx_protocol::canonical::to_string(receipt).map_err(|e| e.to_string())?;
+        Ok(self.key.sign(text.as_bytes()))
+    }
+}
+
+/// Whether `receipt` carries a `sig` that `relay_pubkey` made over the canonical JSON of the
+/// receipt without `sig` ([`RelayOpSigner`]). False for an unsigned, altered or foreign receipt.
+pub fn verify_receipt(receipt: &Value, relay_pubkey: &PublicKey) -> bool {
+    let Some(sig) = receipt.get("sig").and_then(Value::as_str) else {
+        return false;
+    };
+    let mut unsigned = receipt.clone();
+    if let Some(fields) = unsigned.as_object_mut() {
+        fields.remove("sig");
+    }
+    agentmbx_protocol::canonical::to_string(&unsigned)
+        .is_ok_and(|text| relay_pubkey.verify(text.as_bytes(), sig))
+}
+
+/// The relay key an offline operator command signs its receipts with: `MBX_RELAY_KEY` (the
+/// seed `relay keygen` printed; read, not removed) when set, else `relay.key` in `dir` — never
+/// created here. Errors: [`OpsError::RelayKey`] (none, or malformed; never key material).
+pub fn offline_relay_key(dir: &Path) -> Result<HostKey, OpsError> {
+    if let Some(seed) = crate::key::read_env_seed() {
+        return HostKey::from_seed_b64(seed.trim()).map_err(|_| {
+            OpsError::RelayKey(format!(
+                "{} is not a valid relay key (expected the base64 seed printed by `agentmbx relay keygen`)",
+                crate::key::RELAY_KEY_ENV
+            ))
+        });
+    }
+    let path = dir.join("relay.key");
+    match std::fs::read_to_string(&path) {
+        Ok(text) => KeyFile::parse(&text)
+            .ok()
+            .and_then(|f| HostKey::from_key_file(&f).ok())
+            .ok_or_else(|| {
+                OpsError::RelayKey(format!("{} is not a valid relay key file", path.display()))
+            }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(OpsError::RelayKey(format!(
+            "the relay key signs this command's receipt in the relay log, and there is none: \
+             set {} (the seed from `agentmbx relay keygen` the relay runs with) or keep \
+             relay.key in {}",
+            crate::key::RELAY_KEY_ENV,
+            dir.display()
+        ))),
+        Err(e) => Err(io(&path)(e)),
+    }
+}
+
+/// Opens the store in `dir` for an offline operator command: `relay.lock` taken without
+/// waiting, bound to and signing with `key` ([`SqliteStore::open_signed`]). Errors: the
+/// store's ([`StoreError::Locked`] while a relay serves the store,
+/// [`StoreError::OtherRelayKey`] for another relay's key…).
+pub fn open_offline_signed(
+    dir: &Path,
+    key: HostKey,
+    now_ms: i64,
+) -> Result<SqliteStore, StoreError> {
+    let lock = StoreLock::acquire(dir, 0, now_ms)?;
+    let options = OpenOptions {
+        lock_wait_ms: 0,
+        ..OpenOptions::default()
+    };
+    SqliteStore::open_signed(lock, RelayOpSigner::shared(key), now_ms, options)
 }
 
 /// Why a relay operation did nothing.
@@ -94,9 +207,12 @@ pub enum OpsError {
     /// The store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The relay key that signs the receipt is missing or malformed ([`offline_relay_key`]).
+    #[error("RELAY_KEY: {0}")]
+    RelayKey(String),
 }
 
-fn io(path: &Path) -> impl FnOnce(std::io::Error) -> OpsError + '_ {
+pub(crate) fn io(path: &Path) -> impl FnOnce(std::io::Error) -> OpsError + '_ {
     move |source| OpsError::Io {
         path: path.to_path_buf(),
         source,
@@ -193,14 +309,14 @@ impl Drop for Partial {
 }
 
 /// `fsync` of a file or directory.
-fn fsync(path: &Path) -> Result<(), OpsError> {
+pub(crate) fn fsync(path: &Path) -> Result<(), OpsError> {
     std::fs::File::open(path)
         .and_then(|f| f.sync_all())
         .map_err(io(path))
 }
 
 /// Lowercase hex SHA-256 of a file's bytes.
-fn sha256_file(path: &Path) -> Result<String, OpsError> {
+pub(crate) fn sha256_file(path: &Path) -> Result<String, OpsError> {
     use sha2::{Digest, Sha256};
     let mut f = std::fs::File::open(path).map_err(io(path))?;
     let mut hash = Sha256::new();
@@ -217,7 +333,7 @@ fn sha256_file(path: &Path) -> Result<String, OpsError> {
 
 /// A store's facts for the backup receipt: `(epoch, relay_pubkey, schema_version, heartbeat ms,
 /// counts)`.
-type Facts = (
+pub(crate) type Facts = (
     Option<String>,
     Option<String>,
     u32,
@@ -225,7 +341,7 @@ type Facts = (
     serde_json::Map<String, Value>,
 );
 
-fn facts(c: &Connection) -> Result<Facts, OpsError> {
+pub(crate) fn facts(c: &Connection) -> Result<Facts, OpsError> {
     let meta = |k: &str| -> Result<Option<String>, OpsError> {
         Ok(
             c.query_row("SELECT v FROM meta WHERE k = ?1", [k], |r| r.get(0))
@@ -277,71 +393,14 @@ pub fn backup(dir: &Path, file: &Path, now_ms: i64) -> Result<Value, OpsError> {
         return Err(OpsError::NoStore(dir.to_path_buf()));
     }
     let dest = absolute(file);
-    if dest.symlink_metadata().is_ok() {
-        return Err(OpsError::Exists(dest));
-    }
-    let mut partial_name = dest.clone().into_os_string();
-    partial_name.push(format!(".partial-{}", std::process::id()));
-    let partial = Partial {
-        path: PathBuf::from(partial_name),
-        armed: true,
-    };
-    // A leftover of an earlier run with this pid is ours to replace.
-    drop(Partial {
-        path: partial.path.clone(),
-        armed: true,
-    });
-    {
-        use std::os::unix::fs::OpenOptionsExt as _;
-        std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&partial.path)
-            .map_err(io(&partial.path))?;
-    }
-
     let src = Connection::open_with_flags(
         &src_path,
         OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
     )?;
     src.busy_timeout(std::time::Duration::from_secs(5))?;
-    let mut copy = Connection::open(&partial.path)?;
-    {
-        use rusqlite::backup::{Backup, StepResult};
-        let b = Backup::new_with_names(&src, rusqlite::MAIN_DB, &mut copy, rusqlite::MAIN_DB)?;
-        // One step of every page: one consistent snapshot even while the relay writes.
-        match b.step(-1)? {
-            StepResult::Done => {}
-            StepResult::Busy | StepResult::Locked => return Err(OpsError::Busy),
-            StepResult::More => return Err(OpsError::Busy),
-            _ => return Err(OpsError::Busy),
-        }
-    }
+    let (epoch, relay_pubkey, schema_version, heartbeat, counts) =
+        online_copy(&src, &dest, Some("backup:before-rename"))?;
     drop(src);
-    let _mode: String = copy.query_row("PRAGMA journal_mode = DELETE", [], |r| r.get(0))?;
-    let problems: Vec<String> = copy
-        .prepare("PRAGMA integrity_check")?
-        .query_map([], |r| r.get::<_, String>(0))?
-        .collect::<Result<_, _>>()?;
-    if problems != ["ok"] {
-        return Err(OpsError::Integrity(problems.join("; ")));
-    }
-    let (epoch, relay_pubkey, schema_version, heartbeat, counts) = facts(&copy)?;
-    copy.close().map_err(|(_, e)| OpsError::Sqlite(e))?;
-    agentmbx_protocol::failpoint::hit("backup:before-rename");
-    fsync(&partial.path)?;
-    // A hard link never replaces an existing name (EEXIST), unlike rename.
-    match std::fs::hard_link(&partial.path, &dest) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-            return Err(OpsError::Exists(dest))
-        }
-        Err(e) => return Err(io(&dest)(e)),
-    }
-    drop(partial);
-    let parent = dest.parent().unwrap_or(Path::new("/"));
-    fsync(parent)?;
     let bytes = dest.metadata().map_err(io(&dest))?.len();
     let sha256 = sha256_file(&dest)?;
     let relay_fingerprint = relay_pubkey.as_deref().map(|k| {
@@ -365,6 +424,79 @@ pub fn backup(dir: &Path, file: &Path, now_ms: i64) -> Result<Value, OpsError> {
         "counts": counts,
         "restore": format!("agentmbx relay restore {} --store-dir {}", dest.display(), dir_abs.display()),
     }))
+}
+
+/// Copies the database `src` is connected to into the new file `dest` (absolute; its directory
+/// must exist) with the SQLite online backup API in one step: `<dest>.partial-<pid>` (0600),
+/// switched to the rollback journal, integrity-checked, fsynced, hard-linked to `dest` (never
+/// replacing a name), directory fsynced; returns the copy's facts. `failpoint` is hit just
+/// before the copy gets its name. Errors: [`OpsError::Exists`] (nothing touched),
+/// [`OpsError::Integrity`], [`OpsError::Busy`], I/O and SQLite errors; no partial file remains
+/// on any error.
+pub(crate) fn online_copy(
+    src: &Connection,
+    dest: &Path,
+    failpoint: Option<&str>,
+) -> Result<Facts, OpsError> {
+    if dest.symlink_metadata().is_ok() {
+        return Err(OpsError::Exists(dest.to_path_buf()));
+    }
+    let mut partial_name = dest.to_path_buf().into_os_string();
+    partial_name.push(format!(".partial-{}", std::process::id()));
+    let partial = Partial {
+        path: PathBuf::from(partial_name),
+        armed: true,
+    };
+    // A leftover of an earlier run with this pid is ours to replace.
+    drop(Partial {
+        path: partial.path.clone(),
+        armed: true,
+    });
+    {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&partial.path)
+            .map_err(io(&partial.path))?;
+    }
+    let mut copy = Connection::open(&partial.path)?;
+    {
+        use rusqlite::backup::{Backup, StepResult};
+        let b = Backup::new_with_names(src, rusqlite::MAIN_DB, &mut copy, rusqlite::MAIN_DB)?;
+        // One step of every page: one consistent snapshot even while the relay writes.
+        match b.step(-1)? {
+            StepResult::Done => {}
+            _ => return Err(OpsError::Busy),
+        }
+    }
+    let _mode: String = copy.query_row("PRAGMA journal_mode = DELETE", [], |r| r.get(0))?;
+    let problems: Vec<String> = copy
+        .prepare("PRAGMA integrity_check")?
+        .query_map([], |r| r.get::<_, String>(0))?
+        .collect::<Result<_, _>>()?;
+    if problems != ["ok"] {
+        return Err(OpsError::Integrity(problems.join("; ")));
+    }
+    let facts = facts(&copy)?;
+    copy.close().map_err(|(_, e)| OpsError::Sqlite(e))?;
+    if let Some(name) = failpoint {
+        agentmbx_protocol::failpoint::hit(name);
+    }
+    fsync(&partial.path)?;
+    // A hard link never replaces an existing name (EEXIST), unlike rename.
+    match std::fs::hard_link(&partial.path, dest) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            return Err(OpsError::Exists(dest.to_path_buf()))
+        }
+        Err(e) => return Err(io(dest)(e)),
+    }
+    drop(partial);
+    let parent = dest.parent().unwrap_or(Path::new("/"));
+    fsync(parent)?;
+    Ok(facts)
 }
 
 /// Checks that `receipt` is a backup receipt of this relay before the admin endpoint logs it:
@@ -430,6 +562,33 @@ pub fn read_log(dir: &Path, limit: i64) -> Result<Vec<OpRecord>, OpsError> {
         .collect()
 }
 
+/// A relay-log entry and whether its receipt verifies with the store's relay key.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VerifiedOp {
+    /// The entry.
+    pub record: OpRecord,
+    /// Its `sig` verifies with `meta.relay_pubkey` ([`verify_receipt`]); false when unsigned,
+    /// altered, or the store records no usable key.
+    pub verified: bool,
+}
+
+/// [`read_log`] with each receipt checked against the store's own `relay_pubkey`
+/// ([`verify_receipt`]): `relay log`'s view. Read-only, works while the relay serves. Errors:
+/// as [`read_log`].
+pub fn read_verified_log(dir: &Path, limit: i64) -> Result<Vec<VerifiedOp>, OpsError> {
+    let records = read_log(dir, limit)?;
+    let key = SqliteStore::recorded_relay_pubkey(dir)?.and_then(|k| PublicKey::from_b64(&k).ok());
+    Ok(records
+        .into_iter()
+        .map(|record| VerifiedOp {
+            verified: key
+                .as_ref()
+                .is_some_and(|k| verify_receipt(&record.receipt, k)),
+            record,
+        })
+        .collect())
+}
+
 /// The summary of a relay-log entry for `relay log`'s text line `<at>  <op>  <summary>`.
 pub fn summary(op: &OpRecord) -> String {
     let r = &op.receipt;
@@ -443,6 +602,17 @@ pub fn summary(op: &OpRecord) -> String {
             r["counts"]["items"],
             s("sha256").get(..16).unwrap_or("")
         ),
+        OP_RESTORE => {
+            let undo = r["rollback"]
+                .as_str()
+                .map_or_else(String::new, |u| format!("; undo: {u}"));
+            format!(
+                "{} epoch {} -> {}{undo}",
+                r["backup"]["file"].as_str().unwrap_or(""),
+                r["epoch"]["from"].as_str().unwrap_or(""),
+                r["epoch"]["to"].as_str().unwrap_or("")
+            )
+        }
         "relay-revoke" => format!("{} ({})", s("fingerprint"), s("host_name")),
         "relay-deny" => format!(
             "{} {} until {}",
@@ -452,7 +622,11 @@ pub fn summary(op: &OpRecord) -> String {
         ),
         "relay-undeny" => format!("{} {}", s("kind"), s("value")),
         _ => {
-            let mut text = r.to_string();
+            let mut shown = r.clone();
+            if let Some(fields) = shown.as_object_mut() {
+                fields.remove("sig");
+            }
+            let mut text = shown.to_string();
             if text.len() > 200 {
                 let cut = (0..=200)
                     .rev()
@@ -725,6 +899,152 @@ mod tests {
             read_log(&dir.path().join("none"), 5),
             Err(OpsError::NoStore(_))
         ));
+    }
+
+    #[test]
+    fn every_receipt_a_signed_store_appends_verifies_and_an_altered_one_does_not() {
+        use crate::store::{DenyEntry, DenyKind};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let key = HostKey::generate();
+        std::fs::write(dir.path().join("relay.key"), key.to_key_file().to_text()).expect("key");
+        // A store that never saw the key: created unsigned, then opened offline with it.
+        let first = SqliteStore::open(dir.path(), &key.public().to_b64(), 1).expect("open");
+        first
+            .append_op(1, "relay-backup", &json!({"v": 1}))
+            .expect("unsigned");
+        first.close().expect("close");
+        let loaded = offline_relay_key(dir.path()).expect("relay.key");
+        assert_eq!(loaded.public(), key.public());
+        let store = open_offline_signed(dir.path(), loaded, 2).expect("signed");
+        let rotated = rotate_epoch(&store, "s", RotatedBy::Operator, 3).expect("rotate");
+        assert!(verify_receipt(&rotated, &key.public()), "{rotated}");
+        // A caller's `sig` is never kept: the store signs.
+        store
+            .append_op(
+                4,
+                OP_BACKUP,
+                &json!({"v": 1, "type": OP_BACKUP, "sig": "forged"}),
+            )
+            .expect("append");
+        store
+            .deny_logged(
+                DenyEntry {
+                    kind: DenyKind::Client,
+                    value: "c".into(),
+                    until_ms: None,
+                    at_ms: 5,
+                },
+                OpEntry {
+                    at_ms: 5,
+                    op: "relay-deny".into(),
+                    receipt: json!({"v": 1, "type": "relay-deny"}),
+                },
+            )
+            .expect("deny");
+        let meta: Value =
+            serde_json::from_str(&store.meta("epoch_rotated").expect("meta").expect("set"))
+                .expect("json");
+        assert_eq!(meta, rotated, "meta keeps the signed receipt");
+        store.close().expect("close");
+
+        let log = read_verified_log(dir.path(), 10).expect("log");
+        let seen: Vec<(&str, bool)> = log
+            .iter()
+            .map(|e| (e.record.op.as_str(), e.verified))
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                ("relay-deny", true),
+                (OP_BACKUP, true),
+                (OP_EPOCH_ROTATED, true),
+                (OP_BACKUP, false)
+            ]
+        );
+        assert_ne!(log[1].record.receipt["sig"], "forged");
+        assert!(!summary(&log[1].record).contains("sig"));
+
+        // One changed byte of a receipt, or another key: no longer verified.
+        let raw = Connection::open(dir.path().join(DB_FILE)).expect("raw");
+        raw.execute(
+            "UPDATE ops SET receipt = replace(receipt, '\"v\":1', '\"v\":2') WHERE op = 'relay-deny'",
+            [],
+        )
+        .expect("tamper");
+        let log = read_verified_log(dir.path(), 10).expect("log");
+        assert!(!log[0].verified);
+        assert!(log[1].verified);
+        assert!(!verify_receipt(
+            &log[1].record.receipt,
+            &HostKey::generate().public()
+        ));
+    }
+
+    /// The retention sweep appends its `relay-sweep` receipt through the store like every
+    /// other operation: signed too, without knowing about signatures.
+    #[test]
+    fn the_sweep_receipt_is_signed_like_every_other() {
+        use crate::store::{
+            AuthorityStrength, EnrolRequest, Expiry, PushBatch, PushItem, PushTarget, DAY_MS,
+        };
+        let dir = tempfile::tempdir().expect("tempdir");
+        let key = HostKey::generate();
+        let store = open_offline_signed(dir.path(), key.clone(), 1).expect("signed");
+        let (target, sender) = (relay_key(), relay_key());
+        store
+            .enrol(EnrolRequest {
+                host_pubkey: target.clone(),
+                host_name: "beta".into(),
+                owner_fp: String::new(),
+                account: None,
+                authorized_by: "host-key-challenge".into(),
+                strength: AuthorityStrength::HostKeyChallenge,
+                now_ms: 1,
+            })
+            .expect("enrol");
+        store
+            .push(PushBatch {
+                sender_pubkey: sender,
+                sender_host: "alpha".into(),
+                now_ms: 10,
+                expiry: Expiry::Retention,
+                items: vec![PushItem {
+                    item_id: "old".into(),
+                    kind: "receipt".into(),
+                    targets: vec![PushTarget {
+                        target_pubkey: target,
+                        wire: b"wire".to_vec(),
+                    }],
+                }],
+            })
+            .expect("push");
+        let notices: std::sync::Arc<dyn crate::store::NoticeSigner> =
+            std::sync::Arc::new(crate::retention::RelayNoticeSigner::new(key.clone()));
+        let report = store.sweep(10 + 15 * DAY_MS, notices).expect("sweep");
+        assert!(report.logged, "{report:?}");
+        store.close().expect("close");
+        let log = read_verified_log(dir.path(), 5).expect("log");
+        assert_eq!(log[0].record.op, crate::store::OP_SWEEP);
+        assert!(log[0].verified, "{:?}", log[0]);
+        assert!(verify_receipt(&log[0].record.receipt, &key.public()));
+    }
+
+    #[test]
+    fn the_offline_relay_key_is_never_created() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        if crate::key::read_env_seed().is_some() {
+            return; // The environment names a key: that one wins, nothing to check here.
+        }
+        match offline_relay_key(dir.path()) {
+            Err(e @ OpsError::RelayKey(_)) => {
+                assert!(e.to_string().contains("MBX_RELAY_KEY"), "{e}")
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(!dir.path().join("relay.key").exists());
+        std::fs::write(dir.path().join("relay.key"), "{\"publicKey\":\"x\"}").expect("bad");
+        let e = offline_relay_key(dir.path()).expect_err("malformed");
+        assert!(e.to_string().contains("not a valid relay key file"), "{e}");
     }
 
     #[test]

@@ -3,8 +3,11 @@
 //! `relay serve` comes in two halves: [`prepare`] (synchronous, before the async runtime
 //! starts: configuration, relay key — `MBX_RELAY_KEY` is removed from the environment, which is
 //! only safe while no other thread runs — store and listener) and [`serve_prepared`] (on the
-//! runtime). At start, [`prepare`] rotates the epoch when the stored heartbeat is more than
-//! 10 min old or in the future ([`crate::ops::rotate_if_stale`], spec §5).
+//! runtime). At start, [`prepare`] takes `relay.lock`, restores the backup
+//! `MBX_RELAY_RESTORE_FROM` names under it (once per path; [`restore_at_start`]), opens the
+//! store signing every relay-log receipt with the relay key, and rotates the epoch when the
+//! stored heartbeat is more than 10 min old or in the future ([`crate::ops::rotate_if_stale`],
+//! spec §5).
 
 use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -19,7 +22,7 @@ use crate::handlers::enrol::Challenges;
 use crate::key::{self, KeySource};
 use crate::server::{self, RelayState};
 use crate::store::SqliteStore;
-use crate::store::{OpenOptions, RelayStore};
+use crate::store::{OpenOptions, RelayStore, StoreLock};
 
 /// Flags of `relay serve` (each overrides `relay.toml` and the environment).
 #[derive(Debug, Clone, Default)]
@@ -133,9 +136,16 @@ fn prepare_with(opts: ServeOptions, env_seed: Option<String>) -> Result<Prepared
         failpoint: agentmbx_protocol::failpoint::hit,
         limits: config.limits.store_limits(),
     };
-    let store = SqliteStore::open_with(
-        &opts.store_dir,
-        &relay_key.public().to_b64(),
+    let lock = StoreLock::acquire(&opts.store_dir, open.lock_wait_ms, clock.now_ms())?;
+    restore_at_start(
+        &lock,
+        std::env::var_os(crate::ops::RESTORE_FROM_ENV),
+        &relay_key,
+        clock.now_ms(),
+    );
+    let store = SqliteStore::open_signed(
+        lock,
+        crate::ops::RelayOpSigner::shared(relay_key.clone()),
         clock.now_ms(),
         open,
     )?;
@@ -180,6 +190,54 @@ fn prepare_with(opts: ServeOptions, env_seed: Option<String>) -> Result<Prepared
         authority,
         store_dir: opts.store_dir,
     })
+}
+
+/// `MBX_RELAY_RESTORE_FROM=<backup>` (`wire.md` §3.4): a hosted relay cannot run `relay
+/// restore` beside itself, so `relay serve` restores the backup at start, under its own
+/// `lock`, before it opens the store. The path is consumed: once this store (or one it was
+/// restored over) was restored from it ([`crate::ops::restored_from`]), it is ignored with one
+/// log line, whatever the file there holds now. A failed restore is logged and the relay serves
+/// the current store unchanged (a restore is all or nothing). Never fails.
+pub fn restore_at_start(
+    lock: &StoreLock,
+    from: Option<std::ffi::OsString>,
+    relay_key: &HostKey,
+    now_ms: i64,
+) {
+    let Some(from) = from.filter(|v| !v.to_string_lossy().trim().is_empty()) else {
+        return;
+    };
+    let path = crate::ops::absolute(std::path::Path::new(from.to_string_lossy().trim()));
+    let env = crate::ops::RESTORE_FROM_ENV;
+    if let Ok(Some(at)) = crate::ops::restored_from(lock.dir(), &path) {
+        tracing::info!(
+            "{env} ignored: already restored from {} at {at}; unset {env}",
+            path.display()
+        );
+        return;
+    }
+    let opts = crate::ops::RestoreOptions {
+        force: false,
+        now_ms,
+        signer: crate::ops::RelayOpSigner::shared(relay_key.clone()),
+    };
+    match crate::ops::restore(lock.dir(), &path, &opts, Some(lock)) {
+        Ok(receipt) => {
+            let kept = receipt["replaced"]["rollback"]
+                .as_str()
+                .map_or_else(String::new, |r| format!("; replaced store kept at {r}"));
+            tracing::warn!(
+                "restored {} at start: epoch {} -> {}{kept}; unset {env}",
+                path.display(),
+                receipt["epoch"]["from"].as_str().unwrap_or(""),
+                receipt["epoch"]["to"].as_str().unwrap_or("")
+            );
+        }
+        Err(e) => tracing::error!(
+            "{env}={} was not restored ({e}); serving the current store unchanged",
+            path.display()
+        ),
+    }
 }
 
 /// Says at start whether the admin endpoints (`/v2/relay/admin/*`) are on and where their token

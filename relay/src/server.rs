@@ -1,7 +1,8 @@
 //! The relay server: shared state, the router and `serve(listener, state, shutdown)`.
 //!
 //! `serve` takes an already-bound listener (tests bind port 0) and a shutdown future; it logs
-//! the address it actually bound, writes the store heartbeat every 30 s, and on shutdown stops
+//! the address it actually bound, writes the store heartbeat every 30 s, runs the retention
+//! sweep at start and every `sweep_interval_ms` ([`crate::retention`]), and on shutdown stops
 //! accepting, lets requests in flight finish (their commits included) and returns.
 //!
 //! Connections are accepted by our own loop and served by hyper's HTTP/1 server (axum::serve
@@ -270,6 +271,8 @@ pub async fn serve(
             }
         })
     };
+    // The retention sweep: once now, then every `sweep_interval_ms` (crate::retention).
+    let sweeper = tokio::spawn(crate::retention::run(state.clone()));
     tracing::info!("relay listening on {addr}");
     let stop = {
         let store_failed = failed(failed_rx.clone());
@@ -295,6 +298,7 @@ pub async fn serve(
         () = deadline => {}
     }
     heartbeat.abort();
+    sweeper.abort();
     watcher.abort();
     let reason = failed_rx.borrow().clone();
     if let Some(reason) = reason {

@@ -74,6 +74,11 @@ impl Relay {
     /// (Re)starts the process on the same port and store. A bind that fails (the port is
     /// briefly held by something else) is retried under [`TIMEOUT`].
     pub fn launch(&mut self, failpoints: Option<&str>) {
+        self.launch_with(failpoints, &[]);
+    }
+
+    /// [`Relay::launch`] with extra environment variables (e.g. `MBX_CLOCK_OFFSET_MS`).
+    pub fn launch_with(&mut self, failpoints: Option<&str>, env: &[(&str, &str)]) {
         assert!(self.proc.is_none(), "the relay is already running");
         let store = self.store_dir();
         let port = self.port.to_string();
@@ -91,6 +96,9 @@ impl Relay {
             ]);
             if let Some(fp) = failpoints {
                 cmd.env("MBX_FAILPOINTS", fp);
+            }
+            for (k, v) in env {
+                cmd.env(k, v);
             }
             match Daemon::spawn(cmd, RELAY_LISTENING) {
                 Ok(d) => Some(d),

@@ -25,8 +25,8 @@ pub struct SentQuery {
 /// Lists an agent's sent messages, newest first, each with its per-recipient state: local
 /// recipients `delivered`, `read` or `acked`; remote ones from the newest delivery receipt
 /// (`delivered`, `notified`, `read`, `acked`), else from the outbox (`queued` with the last
-/// attempt's error in `last_error` once one failed, `relay-accepted`, `delivered`,
-/// `undelivered` with its reason).
+/// attempt's error in `last_error` once one failed, `relay-accepted`, `repush` with its last
+/// error, `delivered`, `undelivered`, `expired` and `unconfirmed` with their reason).
 #[utoipa::path(get, path = "/v1/sent", operation_id = "list_sent", params(SentQuery),
     responses((status = 200, body = SentPage), (status = 400, body = super::ErrorBody)),
     security(("bearer" = [])))]

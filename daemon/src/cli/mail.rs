@@ -338,9 +338,11 @@ pub fn ack(args: AckArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `sent`: each message newest first, then one line per recipient with its state (and the
-/// reason when undelivered, the last error when queued: `queued (<last error>)`; both with
-/// anything but printable text escaped).
+/// `sent`: each message newest first, then one line per recipient with its state: `queued`,
+/// `relay-accepted`, `repush`, `delivered` (or the receipt's `notified`, `read`, `acked`),
+/// `undelivered`, `expired`, `unconfirmed`; with the reason when undelivered, expired or
+/// unconfirmed (`: <reason>`), the last error when queued or re-pushed (`queued (<last
+/// error>)`); both with anything but printable text escaped.
 pub fn sent(args: SentArgs) -> anyhow::Result<()> {
     let mut path = format!("/v1/sent?as={}&limit={}", enc(&args.as_agent), args.limit);
     if let Some(c) = &args.cursor {

@@ -22,6 +22,7 @@ pub mod relay;
 pub mod relay_admin;
 pub mod relay_info;
 pub mod relay_ops;
+pub mod relay_status;
 pub mod whoami;
 
 use std::process::ExitCode;

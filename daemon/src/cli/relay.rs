@@ -39,9 +39,16 @@ pub enum RelayCommand {
     RotateEpoch(super::relay_ops::RotateEpochArgs),
     /// Show the relay log (operator receipts), newest first; read-only, also while serving
     Log(super::relay_ops::LogArgs),
+    /// Show a relay store for its operator: hosts, queued items and bytes (deepest targets,
+    /// oldest item), epoch, last heartbeat, last backup; read-only, also while serving
+    Status(super::relay_status::StatusArgs),
     /// Copy the relay store to a new file with SQLite's online backup (also while serving);
     /// never overwrites; the receipt goes to the relay log
     Backup(super::relay_ops::BackupArgs),
+    /// Replace a stopped relay's store with a backup: keeps the replaced store as a rollback
+    /// copy, carries revocations, deny-list and newer allowlists and ads forward, and rotates
+    /// the epoch (refused while a relay runs on the store)
+    Restore(super::relay_ops::RestoreArgs),
 }
 
 /// Flags of `relay quarantine`.
@@ -66,6 +73,10 @@ Environment:
     rotate-epoch, backup receipts);
     wins over admin_token_file. Neither set: the admin endpoints are off (404)
   MBX_RELAY_DIR: the store directory (--store-dir)
+  MBX_RELAY_RESTORE_FROM: a backup file to restore at start, under the relay's lock, like
+    `agentmbx relay restore` (for hosted relays that cannot run it beside themselves); once
+    per path: a path restored from before is ignored with a log line. A failed restore is
+    logged and the current store is served unchanged
   PORT: the port (--port); platforms such as Railway or Heroku set it
   MBX_RELAY_TRUST_PROXY: xff|cloudflare, like --trust-proxy
   MBX_LOG: log filter (default info)
@@ -78,6 +89,9 @@ Files in the store directory (created 0700 when missing; the files are 0600):
   relay.toml (optional; unknown keys are refused):
     lock_wait_ms, request_timeout_ms, header_read_timeout_ms, keep_alive_timeout_ms,
     max_connections
+    sweep_interval_ms: how often the retention sweep runs after the one at start (default
+      600000 = 10 min, 1000..=86400000): it deletes items older than retention_days and
+      queues a signed expiry notice for the sender of each expired envelope
     trust_proxy = \"xff\" | \"cloudflare\"
     admin_token_file = \"admin.token\" (relative to the store directory)
     [limits] max_item_bytes, max_batch, max_pull, max_pull_bytes, max_targets, retention_days,
@@ -150,7 +164,9 @@ pub fn run(cmd: RelayCommand) -> anyhow::Result<()> {
         RelayCommand::Deny(args) => super::relay_admin::deny(args),
         RelayCommand::RotateEpoch(args) => super::relay_ops::rotate_epoch(args),
         RelayCommand::Log(args) => super::relay_ops::log(args),
+        RelayCommand::Status(args) => super::relay_status::status(args),
         RelayCommand::Backup(args) => super::relay_ops::backup(args),
+        RelayCommand::Restore(args) => super::relay_ops::restore(args),
     }
 }
 

@@ -366,7 +366,7 @@ pub fn info(args: InfoArgs) -> anyhow::Result<()> {
                 state::published_ad(c, &u)?,
                 allowlist::published(c, &u)?,
                 relay_state::position(c, &u)?,
-                state::outbox_counts(c, &u)?,
+                agentmbx::mailbox::outbox::relay_counts(c, &u)?,
                 state::key_change(c, &u)?,
             ))
         })?),
@@ -433,7 +433,7 @@ pub fn info(args: InfoArgs) -> anyhow::Result<()> {
             "retry_at": senders.retry_at.map(iso_ms),
         })),
         "position": position,
-        "outbox": {"queued": counts.0, "relay_accepted": counts.1},
+        "outbox": counts,
     });
     let mut out = out;
     if let Some(l) = live {
@@ -574,8 +574,12 @@ fn print_text(o: &Value) {
         );
     }
     println!(
-        "outbox: {} queued, {} relay-accepted (waiting for the target's receipt)",
-        o["outbox"]["queued"], o["outbox"]["relay_accepted"]
+        "outbox: {} queued, {} relay-accepted (waiting for the target's receipt), {} to re-push (new epoch), {} unconfirmed, {} expired",
+        o["outbox"]["queued"],
+        o["outbox"]["relay_accepted"],
+        o["outbox"]["repush"],
+        o["outbox"]["unconfirmed"],
+        o["outbox"]["expired"]
     );
     match o.get("live") {
         Some(l) if l["reachable"] == true => println!(

@@ -1,22 +1,33 @@
-//! `agentmbx relay rotate-epoch`, `agentmbx relay log` and `agentmbx relay backup`: the relay
-//! operator's store operations (spec §5 "Restore from backup", "Backup"; `wire.md` §3.4). The
-//! work is [`agentmbx_relay::ops`].
+//! `agentmbx relay rotate-epoch`, `agentmbx relay log`, `agentmbx relay backup` and
+//! `agentmbx relay restore`: the relay operator's store operations (spec §5 "Restore from
+//! backup", "Backup"; `wire.md` §3.4). The work is [`agentmbx_relay::ops`].
 //!
 //! - **rotate-epoch**: offline on `--store-dir` (refused with exit code 4 while a relay serves
 //!   the store), or with `--url` through the running relay's admin endpoint (admin token as for
 //!   `relay revoke`). Prints the receipt `{v:1, type:"relay-epoch-rotated", at, store, from, to,
 //!   by:"operator"}`, which is in the relay log.
 //! - **log**: the relay log, newest first, read-only (allowed while the relay serves); a text
-//!   line `<at>  <op>  <summary>` per entry, or `--json`.
+//!   line `<at>  <op>  <mark><summary>` per entry, or `--json` (`verified`). Every receipt is
+//!   signed with the relay key: the mark is [`SIGNED_MARK`], or [`UNVERIFIED_MARK`]
+//!   (`"verified": false`) for one that does not verify with the store's relay key, which a
+//!   warning on stderr also counts.
 //! - **backup**: an online copy of the store to `<file>` (never overwrites: an existing file is
 //!   refused with `EXISTS`, exit 1), allowed while the relay serves. The receipt is printed and
 //!   appended to the relay log: offline directly; while a relay serves the store, through its
 //!   admin endpoint when `--url` is given, else it is printed only and a note on stderr says
 //!   it was not logged (only the serving relay may write its store); the backup itself is
 //!   complete either way.
+//! - **restore**: replaces the store with a backup while no relay runs on it
+//!   ([`agentmbx_relay::ops::restore`]): refused while a relay holds the store (`RELAY_RUNNING`,
+//!   exit 4) and for a file that is not this relay's store; the replaced store is kept under
+//!   `rollback/` and the receipt's `rollback` is the command that undoes it.
 //!
-//! Exit codes: 0 done, 1 failure (also `EXISTS`), 2 usage, 3 no store, 4 a relay runs on the
-//! store (rotate-epoch without `--url`). Never prints or logs the admin token.
+//! The offline commands sign their receipts with the relay key: `MBX_RELAY_KEY` when set, else
+//! `relay.key` in the store directory (never created here).
+//!
+//! Exit codes: 0 done, 1 failure (also `EXISTS`, `NOT_A_STORE`, `OTHER_RELAY`,
+//! `CURRENT_UNREADABLE`), 2 usage, 3 no store (no backup file for restore), 4 a relay runs on
+//! the store (rotate-epoch without `--url`, restore). Never prints or logs the admin token.
 
 use std::path::PathBuf;
 
@@ -25,11 +36,20 @@ use clap::Args;
 use serde_json::{json, Value};
 
 use agentmbx_relay::admin::{self, AdminError};
-use agentmbx_relay::ops::{self, OpsError, RotatedBy};
+use agentmbx_relay::ops::{self, OpsError, RestoreError, RotatedBy};
 use agentmbx_relay::store::RelayStore as _;
 
-use super::relay_admin::{now_ms, offline, online, place, print, refusal, Place, Target};
+use super::relay_admin::{
+    now_ms, offline, online, place, print, refusal, Place, RelayRunning, Target,
+};
 use super::NotFoundError;
+
+/// Starts the summary of a `relay log` line whose receipt verifies with the relay key.
+pub const SIGNED_MARK: &str = "✔ ";
+
+/// Starts the summary of a `relay log` line whose receipt does not verify (unsigned, altered,
+/// or signed by another key).
+pub const UNVERIFIED_MARK: &str = "✗ NOT VERIFIED: ";
 
 /// Flags of `relay rotate-epoch`.
 #[derive(Debug, Args)]
@@ -59,7 +79,40 @@ pub struct LogArgs {
     /// How many of the newest entries to show (1..=1000)
     #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub limit: u32,
-    /// Print as JSON: [{id, at, op, receipt}]
+    /// Print as JSON: [{id, at, op, receipt, verified}]
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Flags of `relay restore`.
+#[derive(Debug, Args)]
+#[command(
+    after_long_help = "Stop the relay first: a restore never replaces a store a relay \
+holds (RELAY_RUNNING, exit 4). The backup is copied and checked (a relay store of this relay's \
+key, a schema this agentmbx reads), the current store is kept as rollback/relay-<time>.db in \
+the store directory, and what the current store took away or learned since the backup is \
+carried forward: revocations, deny-list entries, newer sender allowlists and enc-key ads, \
+sequence floors, the relay log. Enrolments made after the backup are not: those hosts enrol \
+again by themselves. The epoch rotates, so senders re-push what the relay accepted and the \
+recipient has not confirmed and receivers re-pull from 0; dedup absorbs the repeats. The \
+receipt (signed with the relay key: MBX_RELAY_KEY, else relay.key in the store directory) \
+goes to the relay log and names the command that undoes the restore. Exit status: 0 \
+restored, 1 failure (NOT_A_STORE, SCHEMA, OTHER_RELAY, CURRENT_UNREADABLE…), 2 usage error, \
+3 no such backup file, 4 a relay runs on the store."
+)]
+pub struct RestoreArgs {
+    /// The backup file (`agentmbx relay backup` wrote it; never changed)
+    #[arg(value_name = "FILE")]
+    pub file: PathBuf,
+    /// The relay store directory
+    #[arg(long, value_name = "DIR", env = "MBX_RELAY_DIR", required = true)]
+    pub store_dir: PathBuf,
+    /// Restore although the current store cannot be read: its revocations, deny-list and log
+    /// are then not carried forward (its files are kept in rollback/); also skips the check
+    /// for a relay without relay.lock that wrote a heartbeat less than 90 s ago
+    #[arg(long)]
+    pub force: bool,
+    /// Print the receipt as JSON
     #[arg(long)]
     pub json: bool,
 }
@@ -133,30 +186,109 @@ fn ops_refusal(e: OpsError) -> anyhow::Error {
 
 /// `relay log`.
 pub fn log(args: LogArgs) -> anyhow::Result<()> {
-    let entries = ops::read_log(&args.store_dir, i64::from(args.limit)).map_err(ops_refusal)?;
+    let entries =
+        ops::read_verified_log(&args.store_dir, i64::from(args.limit)).map_err(ops_refusal)?;
+    let unverified = entries.iter().filter(|e| !e.verified).count();
     if args.json {
         let list: Vec<Value> = entries
             .iter()
-            .map(|e| {
+            .map(|v| {
+                let e = &v.record;
                 json!({"id": e.id, "at": agentmbx_protocol::time::iso_ms(e.at_ms),
-                       "op": e.op, "receipt": e.receipt})
+                       "op": e.op, "receipt": e.receipt, "verified": v.verified})
             })
             .collect();
         println!("{}", serde_json::to_string_pretty(&list)?);
-        return Ok(());
+    } else {
+        if entries.is_empty() {
+            println!("the relay log is empty");
+        }
+        for v in &entries {
+            let e = &v.record;
+            println!(
+                "{}  {}  {}{}",
+                agentmbx_protocol::time::iso_ms(e.at_ms),
+                e.op,
+                if v.verified {
+                    SIGNED_MARK
+                } else {
+                    UNVERIFIED_MARK
+                },
+                ops::summary(e)
+            );
+        }
     }
-    if entries.is_empty() {
-        println!("the relay log is empty");
-    }
-    for e in &entries {
-        println!(
-            "{}  {}  {}",
-            agentmbx_protocol::time::iso_ms(e.at_ms),
-            e.op,
-            ops::summary(e)
+    if unverified > 0 {
+        eprintln!(
+            "warning: {unverified} receipt(s) shown do not verify with this store's relay key \
+             (unsigned, altered, or written by another key)"
         );
     }
     Ok(())
+}
+
+/// Maps a restore refusal to the CLI's error kinds (exit codes, module docs).
+fn restore_refusal(e: RestoreError) -> anyhow::Error {
+    match e {
+        e @ (RestoreError::RelayRunning(_) | RestoreError::FreshHeartbeat { .. }) => {
+            RelayRunning(e.to_string()).into()
+        }
+        e @ RestoreError::NoBackup(_) => NotFoundError(e.to_string()).into(),
+        e => anyhow::Error::new(e),
+    }
+}
+
+/// `relay restore <file>`.
+pub fn restore(args: RestoreArgs) -> anyhow::Result<()> {
+    let now = now_ms()?;
+    let key = ops::offline_relay_key(&args.store_dir)?;
+    let opts = ops::RestoreOptions {
+        force: args.force,
+        now_ms: now,
+        signer: ops::RelayOpSigner::shared(key),
+    };
+    let receipt =
+        ops::restore(&args.store_dir, &args.file, &opts, None).map_err(restore_refusal)?;
+    let c = &receipt["carried"];
+    let mut text = format!(
+        "restored {} into {}: epoch {} -> {}\ncarried forward from the replaced store: \
+         revocations {}, deny-list entries {}, sender allowlists {}, enc-key ads {}, v2 ad \
+         records {}, seq floors {}, account bindings {}, relay-log entries {}\n\
+         now: {} items for {} targets, {} enrolments ({} revoked)",
+        receipt["backup"]["file"].as_str().unwrap_or(""),
+        receipt["store"].as_str().unwrap_or(""),
+        receipt["epoch"]["from"].as_str().unwrap_or(""),
+        receipt["epoch"]["to"].as_str().unwrap_or(""),
+        c["revocations"],
+        c["deny"],
+        c["sender_lists"],
+        c["enc_ads"],
+        c["enc_ad_records"],
+        c["seq_floors"],
+        c["account_bindings"],
+        c["ops"],
+        receipt["counts"]["items"],
+        receipt["counts"]["targets"],
+        receipt["counts"]["enrolments"],
+        receipt["counts"]["revoked"],
+    );
+    match receipt["rollback"].as_str() {
+        Some(undo) => text.push_str(&format!(
+            "\nthe replaced store is kept at {}{}; undo with: {undo}",
+            receipt["replaced"]["rollback"].as_str().unwrap_or(""),
+            if receipt["replaced"]["readable"] == true {
+                ""
+            } else {
+                " (it could not be read: nothing was carried forward)"
+            }
+        )),
+        None => text.push_str("\nthere was no store to replace"),
+    }
+    text.push_str(&format!(
+        "\nnext: {}",
+        receipt["next"].as_str().unwrap_or("")
+    ));
+    print(args.json, &receipt, &text)
 }
 
 /// `relay backup <file>`.
@@ -180,44 +312,71 @@ pub fn backup(args: BackupArgs) -> anyhow::Result<()> {
     };
     let now = now_ms()?;
     let receipt = ops::backup(&args.store_dir, &args.file, now).map_err(ops_refusal)?;
+    // The backup is complete; now its receipt goes to the relay log, which signs it. What is
+    // printed is the receipt as logged (signed), or as made when it could not be logged.
+    let (shown, logged) = log_backup_receipt(&args, online_target, &receipt, now);
     let text = format!(
         "backup written to {} ({} bytes, sha256 {}): {} items for {} targets, {} enrolments, \
          epoch {}\nrestore it with: {}",
-        receipt["file"].as_str().unwrap_or(""),
-        receipt["bytes"],
-        receipt["sha256"].as_str().unwrap_or(""),
-        receipt["counts"]["items"],
-        receipt["counts"]["targets"],
-        receipt["counts"]["enrolments"],
-        receipt["epoch"].as_str().unwrap_or(""),
-        receipt["restore"].as_str().unwrap_or("")
+        shown["file"].as_str().unwrap_or(""),
+        shown["bytes"],
+        shown["sha256"].as_str().unwrap_or(""),
+        shown["counts"]["items"],
+        shown["counts"]["targets"],
+        shown["counts"]["enrolments"],
+        shown["epoch"].as_str().unwrap_or(""),
+        shown["restore"].as_str().unwrap_or("")
     );
-    print(args.json, &receipt, &text)?;
-    // The backup is complete; now its receipt goes to the relay log.
+    print(args.json, &shown, &text)?;
+    logged.context("the backup is complete, but its receipt was not logged")
+}
+
+/// Appends a backup receipt to the relay log: through the running relay's admin endpoint when
+/// `online` is given, else directly on the store (a note on stderr when a running relay holds
+/// it). Returns the receipt to show (as logged when it was) and whether logging worked.
+fn log_backup_receipt(
+    args: &BackupArgs,
+    online_target: Option<super::relay_admin::Online>,
+    receipt: &Value,
+    now: i64,
+) -> (Value, anyhow::Result<()>) {
     if let Some(target) = online_target {
-        online(
+        return match online(
             &target,
             "POST",
             "/v2/relay/admin/backup-receipt",
             Some(json!({ "receipt": receipt })),
-        )
-        .context("the backup is complete, but its receipt was not logged")?;
-        return Ok(());
+        ) {
+            Ok(answer) if answer["receipt"].is_object() => (answer["receipt"].clone(), Ok(())),
+            Ok(_) => (receipt.clone(), Ok(())),
+            Err(e) => (receipt.clone(), Err(e)),
+        };
     }
     match admin::open_offline(&args.store_dir, now) {
         Ok(store) => {
-            let logged = store.append_op(now, ops::OP_BACKUP, &receipt);
-            store.close().context("closing the relay store")?;
-            logged.context("the backup is complete, but its receipt was not logged")?;
+            let logged = store
+                .append_op(now, ops::OP_BACKUP, receipt)
+                .and_then(|id| {
+                    Ok(store
+                        .ops(1)?
+                        .into_iter()
+                        .find(|o| o.id == id)
+                        .map_or_else(|| receipt.clone(), |o| o.receipt))
+                });
+            let closed = store.close().context("closing the relay store");
+            match (logged, closed) {
+                (Ok(shown), Ok(())) => (shown, Ok(())),
+                (Ok(_), Err(e)) => (receipt.clone(), Err(e)),
+                (Err(e), _) => (receipt.clone(), Err(e.into())),
+            }
         }
-        Err(AdminError::Running(_)) => eprintln!(
-            "note: the receipt was not added to the relay log, because a running relay holds the \
-             store; give --url <relay url> with the admin token to log it through the relay"
-        ),
-        Err(e) => {
-            return Err(refusal(e))
-                .context("the backup is complete, but its receipt was not logged")
+        Err(AdminError::Running(_)) => {
+            eprintln!(
+                "note: the receipt was not added to the relay log, because a running relay holds \
+                 the store; give --url <relay url> with the admin token to log it through the relay"
+            );
+            (receipt.clone(), Ok(()))
         }
+        Err(e) => (receipt.clone(), Err(refusal(e))),
     }
-    Ok(())
 }

@@ -1,17 +1,30 @@
-//! The outbox: one row per (message, target host). A row is `pending` until the peer's verdict
-//! over the LAN settles it (`delivered`, or `rejected` with an alert), or a verified relay accept
-//! moves it to `relay-accepted` (spec §3 sender side), which the peer's delivery receipt later
-//! settles (`delivered`, spec §9). A rejection that retrying cannot help moves it to `rejected`
-//! (design README "Rejections").
+//! The outbox: one row per (message, target host). States (`wire.md` §3.5 "Settle"):
+//! - `pending`: no relay accepted it yet; the LAN or the relay takes it when due. The peer's
+//!   verdict over the LAN settles it (`delivered`, or `rejected` with an alert), a verified relay
+//!   accept moves it to `relay-accepted` (spec §3 sender side), a rejection that retrying cannot
+//!   help to `rejected` (design README "Rejections").
+//! - `relay-accepted`: a relay holds it; the peer's delivery receipt settles it (`delivered`,
+//!   spec §9). Its `accepted_at` and `deadline_at` (accepted_at + retention + 24 h) are kept for
+//!   good from the first accept.
+//! - `repush`: a relay accepted it, then showed a new epoch or went back in time (spec §5, `wire.md`
+//!   §3.5 "Epoch change / rewind", [`repush_for_epoch`]): it is pushed again with the same wire
+//!   bytes (relay dedup answers `duplicate` where the item survived), and may go over the LAN when
+//!   the peer is reachable. A relay accept moves it back to `relay-accepted`, a receipt or a LAN
+//!   delivery to `delivered`, a LAN refusal to `rejected`. It keeps its accept time and deadline.
+//! - `expired`: the relay's signed expiry notice said the target never collected it (spec §6);
+//!   `unconfirmed`: `relay-accepted` or `repush` with no delivery receipt by its deadline. Both
+//!   alert the sender in the transaction that ends the row (`crate::node::settle`), and a later
+//!   delivery receipt still settles either as `delivered`.
+//! - `delivered`, `rejected`, `undelivered`: final.
 //!
-//! The 72 h rule (`wire.md` §4 "Outbox client"): a `pending` row that no relay ever accepted
-//! (`accepted_at` unset, so not a re-push) ends `undelivered` once it is more than
-//! [`GIVE_UP_MS`] old, with `last_error` `gave up after 72 h (<last error>)` and an alert to the
-//! sender in the same transaction. A failed attempt over either transport applies it
-//! ([`fail_lan`], [`fail`]), and [`give_up_stale`] (run by the LAN delivery pass, at least once a
-//! minute) ends the rows no transport is trying, e.g. for a peer with no LAN address and no
-//! relay. A row a relay accepted is never ended by this rule. A row is never deleted by a
-//! failure.
+//! The 72 h rule (`wire.md` §4 "Outbox client"): a `pending` row (never `repush`: no relay ever
+//! accepted it) ends `undelivered` once it is more than [`GIVE_UP_MS`] old, with `last_error`
+//! `gave up after 72 h (<last error>)` and an alert to the sender in the same transaction. A
+//! failed attempt over either transport applies it ([`fail_lan`], [`fail`]), and
+//! [`give_up_stale`] (run by the LAN delivery pass, at least once a minute) ends the rows no
+//! transport is trying, e.g. for a peer with no LAN address and no relay. A row a relay accepted
+//! (`relay-accepted`, `repush`) is never ended by this rule: its deadline is. A row is never
+//! deleted by a failure.
 //!
 //! Which transport takes a due row is decided by [`crate::transport::select`]; the queries
 //! [`due_for_lan`] and [`due_for_relay`] are that rule in SQL, and [`back_to_lan`] is its
@@ -62,11 +75,15 @@ pub fn gave_up_reason(error: &str) -> String {
     cut_error(&format!("gave up after 72 h ({error})"))
 }
 
-/// Whether the 72 h rule ends a pending row created at `created_at` (ms) at `now_ms`: more
-/// than [`GIVE_UP_MS`] old and never accepted by a relay (`accepted_at` unset).
-pub fn past_give_up(created_at: i64, accepted_at: Option<i64>, now_ms: i64) -> bool {
-    accepted_at.is_none() && now_ms.saturating_sub(created_at) > GIVE_UP_MS
+/// Whether the 72 h rule ends a row in `state` created at `created_at` (ms) at `now_ms`: a
+/// `pending` row more than [`GIVE_UP_MS`] old that no relay ever accepted (`accepted_at`
+/// unset). A `repush` row (a relay accepted it once) never ends by this rule.
+pub fn past_give_up(state: &str, created_at: i64, accepted_at: Option<i64>, now_ms: i64) -> bool {
+    state == "pending" && accepted_at.is_none() && now_ms.saturating_sub(created_at) > GIVE_UP_MS
 }
+
+/// The outbox states a transport may still send: `pending` and `repush` (SQL list).
+pub const SENDABLE_SQL: &str = "('pending', 'repush')";
 
 /// An outbox row.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -77,7 +94,8 @@ pub struct Row {
     pub host: String,
     /// Pinned target host key.
     pub target_pubkey: String,
-    /// `pending`, `relay-accepted`, `rejected`, `delivered` or `undelivered`.
+    /// `pending`, `repush`, `relay-accepted`, `rejected`, `delivered`, `undelivered`,
+    /// `expired` or `unconfirmed` (module doc).
     pub state: String,
     /// Failed attempts so far (both transports).
     pub attempts: u32,
@@ -98,13 +116,16 @@ pub struct Row {
     pub seq: Option<i64>,
     /// Relay epoch once accepted.
     pub epoch: Option<String>,
-    /// When a relay accepted the row (ms); kept through a re-push.
+    /// When a relay first accepted the row (ms); kept through a re-push.
     pub accepted_at: Option<i64>,
+    /// The sender's own deadline (ms): `accepted_at` + retention + 24 h, set by the first
+    /// accept and kept through a re-push; past it a row without a receipt is `unconfirmed`.
+    pub deadline_at: Option<i64>,
     /// The transport that settled the row: `lan`, `relay` or `receipt`.
     pub via: Option<String>,
 }
 
-const COLS: &str = "o.msg_id, o.host, o.target_pubkey, o.state, o.attempts, o.lan_failures, o.next_at, o.last_error, o.created_at, o.wire, o.wire_hash, o.seq, o.epoch, o.accepted_at, o.via";
+const COLS: &str = "o.msg_id, o.host, o.target_pubkey, o.state, o.attempts, o.lan_failures, o.next_at, o.last_error, o.created_at, o.wire, o.wire_hash, o.seq, o.epoch, o.accepted_at, o.via, o.deadline_at";
 
 fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Row> {
     Ok(Row {
@@ -123,6 +144,7 @@ fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Row> {
         epoch: r.get(12)?,
         accepted_at: r.get(13)?,
         via: r.get(14)?,
+        deadline_at: r.get(15)?,
     })
 }
 
@@ -141,11 +163,11 @@ pub fn enqueue(
     Ok(())
 }
 
-/// Every pending row due at `now_ms`, whichever transport takes it, soonest first, at most
-/// `limit` (the transports use [`due_for_lan`] and [`due_for_relay`]).
+/// Every `pending` or `repush` row due at `now_ms`, whichever transport takes it, soonest
+/// first, at most `limit` (the transports use [`due_for_lan`] and [`due_for_relay`]).
 pub fn due(conn: &Connection, now_ms: i64, limit: usize) -> Result<Vec<Row>, MailboxError> {
     let mut st = conn.prepare(&format!(
-        "SELECT {COLS} FROM outbox o WHERE o.state = 'pending' AND o.next_at <= ?1 ORDER BY o.next_at, o.created_at, o.msg_id LIMIT ?2"
+        "SELECT {COLS} FROM outbox o WHERE o.state IN {SENDABLE_SQL} AND o.next_at <= ?1 ORDER BY o.next_at, o.created_at, o.msg_id LIMIT ?2"
     ))?;
     let rows = st
         .query_map(params![now_ms, limit as i64], row)?
@@ -153,32 +175,30 @@ pub fn due(conn: &Connection, now_ms: i64, limit: usize) -> Result<Vec<Row>, Mai
     Ok(rows)
 }
 
-/// The earliest `next_at` among all pending rows (ms); each sender loop sleeps on its own
-/// ([`next_due_for_lan`], [`next_due_for_relay`]).
+/// The earliest `next_at` among all `pending` and `repush` rows (ms); each sender loop sleeps
+/// on its own ([`next_due_for_lan`], [`next_due_for_relay`]).
 pub fn next_due_at(conn: &Connection) -> Result<Option<i64>, MailboxError> {
     Ok(conn.query_row(
-        "SELECT MIN(next_at) FROM outbox WHERE state = 'pending'",
+        &format!("SELECT MIN(next_at) FROM outbox WHERE state IN {SENDABLE_SQL}"),
         [],
         |r| r.get(0),
     )?)
 }
 
 /// The LAN part of the selection rule ([`crate::transport::select::choose`]) over `outbox o`
-/// joined with `peers p`: never accepted by a relay, the peer is pinned with this row's key and
-/// has a LAN address, and fewer than `:t` LAN failures unless no relay is configured (`:r`
-/// false). Shared with the receipt queries (without the relay-accepted part).
+/// joined with `peers p`: the peer is pinned with this row's key and has a LAN address, and
+/// fewer than `:t` LAN failures unless no relay is configured (`:r` false). A `repush` row
+/// follows the same rule as a `pending` one. Shared with the receipt queries.
 pub(crate) const LAN_PEER_SQL: &str =
     "p.pubkey IS NOT NULL AND p.addr IS NOT NULL AND p.addr <> ''";
 
 fn lan_sql() -> String {
-    format!(
-        "o.accepted_at IS NULL AND p.pubkey = o.target_pubkey AND {LAN_PEER_SQL} AND (o.lan_failures < :t OR NOT :r)"
-    )
+    format!("p.pubkey = o.target_pubkey AND {LAN_PEER_SQL} AND (o.lan_failures < :t OR NOT :r)")
 }
 
-/// Pending rows due at `now_ms` that the LAN takes (spec §10, [`crate::transport::select`]):
-/// oldest first, at most `limit`. `relay_configured` false lets the LAN keep every row whose
-/// peer has an address, however often it failed.
+/// `pending` and `repush` rows due at `now_ms` that the LAN takes (spec §10,
+/// [`crate::transport::select`]): oldest first, at most `limit`. `relay_configured` false lets
+/// the LAN keep every row whose peer has an address, however often it failed.
 pub fn due_for_lan(
     conn: &Connection,
     now_ms: i64,
@@ -187,17 +207,16 @@ pub fn due_for_lan(
 ) -> Result<Vec<Row>, MailboxError> {
     let sql = format!(
         "SELECT {COLS} FROM outbox o JOIN peers p ON p.host = o.host
-         WHERE o.state = 'pending' AND o.next_at <= :now AND {}
+         WHERE o.state IN {SENDABLE_SQL} AND o.next_at <= :now AND {}
          ORDER BY o.created_at, o.msg_id LIMIT :limit",
         lan_sql()
     );
     super::select_due(conn, &sql, now_ms, limit, relay_configured, row)
 }
 
-/// Pending rows due at `now_ms` that the relay takes (spec §10): every due pending row the LAN
-/// does not take with a relay configured — the LAN failed twice, the peer has no LAN address
-/// (or is no longer pinned with the row's key), or a relay accepted the row before (a re-push).
-/// Oldest first, at most `limit`.
+/// `pending` and `repush` rows due at `now_ms` that the relay takes (spec §10): every due row
+/// the LAN does not take with a relay configured — the LAN failed twice, or the peer has no LAN
+/// address (or is no longer pinned with the row's key). Oldest first, at most `limit`.
 pub fn due_for_relay(
     conn: &Connection,
     now_ms: i64,
@@ -205,22 +224,22 @@ pub fn due_for_relay(
 ) -> Result<Vec<Row>, MailboxError> {
     let sql = format!(
         "SELECT {COLS} FROM outbox o LEFT JOIN peers p ON p.host = o.host
-         WHERE o.state = 'pending' AND o.next_at <= :now AND NOT COALESCE(({}), 0)
+         WHERE o.state IN {SENDABLE_SQL} AND o.next_at <= :now AND NOT COALESCE(({}), 0)
          ORDER BY o.next_at, o.created_at, o.msg_id LIMIT :limit",
         lan_sql()
     );
     super::select_due(conn, &sql, now_ms, limit, true, row)
 }
 
-/// The earliest `next_at` (ms) among pending rows the LAN takes (due or not), for the LAN
-/// loop's sleep.
+/// The earliest `next_at` (ms) among `pending` and `repush` rows the LAN takes (due or not),
+/// for the LAN loop's sleep.
 pub fn next_due_for_lan(
     conn: &Connection,
     relay_configured: bool,
 ) -> Result<Option<i64>, MailboxError> {
     let sql = format!(
         "SELECT MIN(o.next_at) FROM outbox o JOIN peers p ON p.host = o.host
-         WHERE o.state = 'pending' AND {}",
+         WHERE o.state IN {SENDABLE_SQL} AND {}",
         lan_sql()
     );
     Ok(conn.query_row(
@@ -230,11 +249,12 @@ pub fn next_due_for_lan(
     )?)
 }
 
-/// The earliest `next_at` (ms) among pending rows the relay takes, for the relay loop's sleep.
+/// The earliest `next_at` (ms) among `pending` and `repush` rows the relay takes, for the relay
+/// loop's sleep.
 pub fn next_due_for_relay(conn: &Connection) -> Result<Option<i64>, MailboxError> {
     let sql = format!(
         "SELECT MIN(o.next_at) FROM outbox o LEFT JOIN peers p ON p.host = o.host
-         WHERE o.state = 'pending' AND NOT COALESCE(({}), 0)",
+         WHERE o.state IN {SENDABLE_SQL} AND NOT COALESCE(({}), 0)",
         lan_sql()
     );
     Ok(conn.query_row(
@@ -309,8 +329,10 @@ pub struct Accepted<'a> {
     pub deadline_at: i64,
 }
 
-/// Moves a pending row to `relay-accepted`. Only called with an accept verified for this row's
-/// target and wire hash.
+/// Moves a `pending` or `repush` row to `relay-accepted`, recording the relay, epoch, seq and
+/// accept. A re-pushed row keeps its first `accepted_at` and `deadline_at` (spec §3: retries
+/// never move the sender's deadline). Only called with an accept verified for this row's target
+/// and wire hash. Returns whether the row changed.
 pub fn settle_accepted(
     conn: &Connection,
     msg_id: &str,
@@ -319,10 +341,12 @@ pub fn settle_accepted(
     now_ms: i64,
 ) -> Result<bool, MailboxError> {
     let n = conn.execute(
-        "UPDATE outbox SET state = 'relay-accepted', relay = ?3, epoch = ?4, seq = ?5, accept = ?6, accept_sig = ?7,
-           accepted_at = ?8, deadline_at = COALESCE(deadline_at, ?9), settled_at = ?10, last_error = NULL,
-           via = 'relay'
-         WHERE msg_id = ?1 AND host = ?2 AND state = 'pending'",
+        &format!(
+            "UPDATE outbox SET state = 'relay-accepted', relay = ?3, epoch = ?4, seq = ?5, accept = ?6, accept_sig = ?7,
+           accepted_at = COALESCE(accepted_at, ?8), deadline_at = COALESCE(deadline_at, ?9),
+           settled_at = ?10, last_error = NULL, via = 'relay'
+         WHERE msg_id = ?1 AND host = ?2 AND state IN {SENDABLE_SQL}"
+        ),
         params![msg_id, host, a.relay, a.epoch, a.seq, a.accept, a.sig, a.accepted_at, a.deadline_at, now_ms],
     )?;
     Ok(n == 1)
@@ -330,10 +354,12 @@ pub fn settle_accepted(
 
 /// Records a failed relay attempt (`wire.md` §3.5 "Push"): `attempts` + 1, next attempt after
 /// [`backoff_ms`], `last_error` cut to 300 characters. `terminal` (a rejection retrying cannot
-/// help) moves the row to `rejected` instead; otherwise the 72 h rule ([`past_give_up`]) may
-/// end it `undelivered` with `last_error` [`gave_up_reason`]. The caller alerts the sender for
-/// [`Failure::Rejected`] and [`Failure::GaveUp`] in the same transaction. Only a `pending` row
-/// changes ([`Failure::Gone`] otherwise).
+/// help) moves a `pending` row to `rejected` instead; otherwise the 72 h rule ([`past_give_up`])
+/// may end it `undelivered` with `last_error` [`gave_up_reason`]. The caller alerts the sender
+/// for [`Failure::Rejected`] and [`Failure::GaveUp`] in the same transaction. A `repush` row is
+/// only ever retried: a relay already accepted it once, so its receipt or its deadline ends it
+/// (`unconfirmed`, with an alert), never a refusal of the copy. Only a `pending` or `repush`
+/// row changes ([`Failure::Gone`] otherwise).
 pub fn fail(
     conn: &Connection,
     msg_id: &str,
@@ -342,11 +368,11 @@ pub fn fail(
     terminal: bool,
     now_ms: i64,
 ) -> Result<Failure, MailboxError> {
-    let Some((attempts, created_at, accepted_at)) = pending_facts(conn, msg_id, host)? else {
+    let Some(f) = pending_facts(conn, msg_id, host)? else {
         return Ok(Failure::Gone);
     };
-    let next_at = now_ms + backoff_ms(attempts);
-    if terminal {
+    let next_at = now_ms + backoff_ms(f.attempts);
+    if terminal && f.state == "pending" {
         conn.execute(
             "UPDATE outbox SET state = 'rejected', attempts = attempts + 1, next_at = ?3,
                last_error = ?4, settled_at = ?5
@@ -355,30 +381,49 @@ pub fn fail(
         )?;
         return Ok(Failure::Rejected);
     }
-    if past_give_up(created_at, accepted_at, now_ms) {
+    if past_give_up(&f.state, f.created_at, f.accepted_at, now_ms) {
         give_up(conn, msg_id, host, error, false, now_ms)?;
         return Ok(Failure::GaveUp);
     }
     conn.execute(
-        "UPDATE outbox SET attempts = attempts + 1, next_at = ?3, last_error = ?4
-         WHERE msg_id = ?1 AND host = ?2 AND state = 'pending'",
+        &format!(
+            "UPDATE outbox SET attempts = attempts + 1, next_at = ?3, last_error = ?4
+         WHERE msg_id = ?1 AND host = ?2 AND state IN {SENDABLE_SQL}"
+        ),
         params![msg_id, host, next_at, cut_error(error)],
     )?;
     Ok(Failure::Retry)
 }
 
-/// `(attempts, created_at, accepted_at)` of a pending row.
+/// What a failed attempt needs to know of a `pending` or `repush` row.
+struct SendableFacts {
+    state: String,
+    attempts: u32,
+    created_at: i64,
+    accepted_at: Option<i64>,
+}
+
+/// The facts of a `pending` or `repush` row, if it is one.
 fn pending_facts(
     conn: &Connection,
     msg_id: &str,
     host: &str,
-) -> Result<Option<(u32, i64, Option<i64>)>, MailboxError> {
+) -> Result<Option<SendableFacts>, MailboxError> {
     Ok(conn
         .query_row(
-            "SELECT attempts, created_at, accepted_at FROM outbox
-             WHERE msg_id = ?1 AND host = ?2 AND state = 'pending'",
+            &format!(
+                "SELECT state, attempts, created_at, accepted_at FROM outbox
+             WHERE msg_id = ?1 AND host = ?2 AND state IN {SENDABLE_SQL}"
+            ),
             params![msg_id, host],
-            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            |r| {
+                Ok(SendableFacts {
+                    state: r.get(0)?,
+                    attempts: r.get(1)?,
+                    created_at: r.get(2)?,
+                    accepted_at: r.get(3)?,
+                })
+            },
         )
         .optional()?)
 }
@@ -406,13 +451,13 @@ fn give_up(
 /// ([`crate::transport::select::relay_cannot_reach`]; spec §10: a row moves to the relay only
 /// once the target is enrolled): when the peer is pinned with the row's key and has a LAN
 /// address, the row's LAN failures drop to one below the handover threshold, so the LAN takes
-/// its next attempt (when due: its backoff stays). Only a pending row no relay ever accepted
-/// changes. Returns whether it changed.
+/// its next attempt (when due: its backoff stays). Only a `pending` or `repush` row changes.
+/// Returns whether it changed.
 pub fn back_to_lan(conn: &Connection, msg_id: &str, host: &str) -> Result<bool, MailboxError> {
     let n = conn.execute(
         &format!(
             "UPDATE outbox SET lan_failures = ?3
-             WHERE msg_id = ?1 AND host = ?2 AND state = 'pending' AND accepted_at IS NULL
+             WHERE msg_id = ?1 AND host = ?2 AND state IN {SENDABLE_SQL}
                AND lan_failures > ?3
                AND EXISTS (SELECT 1 FROM peers p WHERE p.host = outbox.host
                            AND p.pubkey = outbox.target_pubkey AND {LAN_PEER_SQL})"
@@ -506,7 +551,8 @@ pub fn seal_once(
 }
 
 /// The peer accepted the row over the LAN (`accepted` or `duplicate`): `delivered`, via `lan`.
-/// A row a relay accepted meanwhile is settled too (the peer has it). Returns whether it changed.
+/// A `repush` row, or one a relay accepted meanwhile, is settled too (the peer has it). Returns
+/// whether it changed.
 pub fn delivered_lan(
     conn: &Connection,
     msg_id: &str,
@@ -515,15 +561,16 @@ pub fn delivered_lan(
 ) -> Result<bool, MailboxError> {
     let n = conn.execute(
         "UPDATE outbox SET state = 'delivered', via = 'lan', settled_at = ?3, last_error = NULL
-         WHERE msg_id = ?1 AND host = ?2 AND state IN ('pending', 'relay-accepted')",
+         WHERE msg_id = ?1 AND host = ?2 AND state IN ('pending', 'repush', 'relay-accepted')",
         params![msg_id, host, now_ms],
     )?;
     Ok(n == 1)
 }
 
 /// The peer refused the row over the LAN (`rejected:<why>`): state `rejected` with the reason
-/// (`wire.md` §4: the sender is alerted by the caller, in the same transaction). Returns whether
-/// it changed.
+/// (`wire.md` §4: the sender is alerted by the caller, in the same transaction); a `repush`
+/// row too (`wire.md` §3.5 "Settle": `rejected` is the LAN rejection of a re-push). Returns
+/// whether it changed.
 pub fn rejected_lan(
     conn: &Connection,
     msg_id: &str,
@@ -532,8 +579,10 @@ pub fn rejected_lan(
     now_ms: i64,
 ) -> Result<bool, MailboxError> {
     let n = conn.execute(
-        "UPDATE outbox SET state = 'rejected', via = 'lan', settled_at = ?3, last_error = ?4
-         WHERE msg_id = ?1 AND host = ?2 AND state = 'pending'",
+        &format!(
+            "UPDATE outbox SET state = 'rejected', via = 'lan', settled_at = ?3, last_error = ?4
+         WHERE msg_id = ?1 AND host = ?2 AND state IN {SENDABLE_SQL}"
+        ),
         params![msg_id, host, now_ms, cut_error(why)],
     )?;
     Ok(n == 1)
@@ -543,8 +592,10 @@ pub fn rejected_lan(
 /// "Resealing"): every `pending` row still aimed at `old_pub` now targets `new_pub` (a new
 /// target key, so a new dedup key at the relay), its wire bytes sealed for the old target are
 /// dropped so the next attempt seals for the new one, and it is due at `now_ms`. Rows a relay
-/// accepted (`relay-accepted`) keep their target: their receipts settle them. Returns how many
-/// rows moved; run it in the transaction that moves the pin.
+/// accepted (`relay-accepted`, `repush`) keep their target and bytes (the relay moves its
+/// queued copy to the new key, and a re-push must stay byte-identical for dedup): their
+/// receipts or deadlines settle them. Returns how many rows moved; run it in the transaction
+/// that moves the pin.
 pub fn retarget(
     conn: &Connection,
     host: &str,
@@ -570,15 +621,15 @@ pub enum Failure {
     Rejected,
     /// More than 72 h old and never accepted by a relay: now `undelivered` (the caller alerts).
     GaveUp,
-    /// The row is no longer pending (settled meanwhile): nothing changed.
+    /// The row is no longer `pending` or `repush` (settled meanwhile): nothing changed.
     Gone,
 }
 
 /// Records a failed LAN attempt (network error, or an HTTP answer that is no verdict;
-/// `wire.md` §4 "Outbox client"): when the 72 h rule applies ([`past_give_up`]: more than 72 h
-/// old, no relay ever accepted the row) it becomes `undelivered`; else `attempts` + 1,
-/// `lan_failures` + 1, `next_at = now + min(5 s·2^attempts_before, 1 h)`, `last_error` cut to
-/// 300 characters.
+/// `wire.md` §4 "Outbox client"): when the 72 h rule applies ([`past_give_up`]: a `pending`
+/// row more than 72 h old that no relay ever accepted) it becomes `undelivered`; else (always
+/// for a `repush` row) `attempts` + 1, `lan_failures` + 1, `next_at = now + min(5 s·2^attempts_before,
+/// 1 h)`, `last_error` cut to 300 characters.
 pub fn fail_lan(
     conn: &Connection,
     msg_id: &str,
@@ -586,10 +637,10 @@ pub fn fail_lan(
     error: &str,
     now_ms: i64,
 ) -> Result<Failure, MailboxError> {
-    let Some((attempts, created_at, accepted_at)) = pending_facts(conn, msg_id, host)? else {
+    let Some(f) = pending_facts(conn, msg_id, host)? else {
         return Ok(Failure::Gone);
     };
-    if past_give_up(created_at, accepted_at, now_ms) {
+    if past_give_up(&f.state, f.created_at, f.accepted_at, now_ms) {
         give_up(conn, msg_id, host, error, true, now_ms)?;
         return Ok(Failure::GaveUp);
     }
@@ -600,7 +651,7 @@ pub fn fail_lan(
         params![
             msg_id,
             host,
-            now_ms + backoff_ms(attempts),
+            now_ms + backoff_ms(f.attempts),
             cut_error(error)
         ],
     )?;
@@ -608,8 +659,10 @@ pub fn fail_lan(
 }
 
 /// A delivery receipt (delivered or later) from `host` for `msg_id` arrived (spec §9): a row
-/// still `pending` or `relay-accepted` is `delivered`; `via` is kept, or set to `relay` for a
-/// row a relay accepted and `receipt` otherwise. Returns whether it changed.
+/// still `pending`, `repush` or `relay-accepted` is `delivered`, and so is one the sender was
+/// already told about (`unconfirmed`, `expired`: the receipt proves the host has it after all);
+/// `via` is kept, or set to `relay` for a row a relay accepted and `receipt` otherwise. Returns
+/// whether it changed.
 pub fn settle_by_receipt(
     conn: &Connection,
     msg_id: &str,
@@ -619,25 +672,151 @@ pub fn settle_by_receipt(
     let n = conn.execute(
         "UPDATE outbox SET state = 'delivered', settled_at = ?3, last_error = NULL,
            via = COALESCE(via, CASE WHEN accepted_at IS NOT NULL THEN 'relay' ELSE 'receipt' END)
-         WHERE msg_id = ?1 AND host = ?2 AND state IN ('pending', 'relay-accepted')",
+         WHERE msg_id = ?1 AND host = ?2
+           AND state IN ('pending', 'repush', 'relay-accepted', 'unconfirmed', 'expired')",
         params![msg_id, host, now_ms],
     )?;
     Ok(n == 1)
 }
 
-/// A new relay epoch (spec §5): every `relay-accepted` row of `relay` accepted in another epoch
-/// goes back to `pending` (due now, same wire bytes, same deadline) so it is pushed again; relay
-/// dedup answers `duplicate` where the restored store still holds it. Returns how many rows.
+/// Why a relay's accepted rows must be pushed again (`wire.md` §3.5 "Epoch change / rewind").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Repush {
+    /// The relay shows another epoch (info, a push accept, a pull page or a 409): rows accepted
+    /// in any other epoch go again.
+    Epoch,
+    /// The relay went back in time within its epoch (`head_seq` below `received_through`, or
+    /// an ack answered BAD_ACK): every row it accepted goes again.
+    Rewind,
+}
+
+impl Repush {
+    /// The word in `last_error` (`relay <word>: re-push`) and in the audit: `epoch`, `rewind`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Repush::Epoch => "epoch",
+            Repush::Rewind => "rewind",
+        }
+    }
+}
+
+/// The relay `relay` showed a new epoch `epoch` or went back in time (spec §5 "On seeing a new
+/// epoch"; `wire.md` §3.5 "Epoch change / rewind"): every `relay-accepted` row of that relay
+/// without a delivery receipt from its host (for [`Repush::Epoch`] only those accepted in
+/// another epoch), and every `repush` row of it, becomes `repush`: due now, `attempts` 0,
+/// `last_error` `relay <why>: re-push`, the same wire bytes, `accepted_at` and `deadline_at`
+/// kept. Relay dedup answers `duplicate` where the store still holds the item. Run it in the
+/// transaction that resets the receive position. Returns how many rows.
 pub fn repush_for_epoch(
     conn: &Connection,
     relay: &str,
     epoch: &str,
+    why: Repush,
     now_ms: i64,
 ) -> Result<usize, MailboxError> {
     Ok(conn.execute(
-        "UPDATE outbox SET state = 'pending', next_at = ?3, attempts = 0
-         WHERE state = 'relay-accepted' AND relay = ?1 AND epoch != ?2",
-        params![relay, epoch, now_ms],
+        "UPDATE outbox SET state = 'repush', next_at = ?3, attempts = 0, last_error = ?4
+         WHERE relay = ?1
+           AND (state = 'repush'
+                OR (state = 'relay-accepted' AND (?5 OR epoch IS NOT ?2)
+                    AND NOT EXISTS (SELECT 1 FROM remote_receipts r
+                                    WHERE r.msg_id = outbox.msg_id AND r.host = outbox.host)))",
+        params![
+            relay,
+            epoch,
+            now_ms,
+            format!("relay {}: re-push", why.as_str()),
+            why == Repush::Rewind
+        ],
+    )?)
+}
+
+/// Ends a row a relay's verified expiry notice names (spec §6): a `pending`, `repush` or
+/// `relay-accepted` row becomes `expired` with `last_error` `reason` (cut to 300 characters),
+/// `settled_at` now. Run it in the transaction that alerts the sender. Returns whether it
+/// changed (false: the row was final already, e.g. `delivered`, and stays so).
+pub fn expire(
+    conn: &Connection,
+    msg_id: &str,
+    host: &str,
+    reason: &str,
+    now_ms: i64,
+) -> Result<bool, MailboxError> {
+    let n = conn.execute(
+        "UPDATE outbox SET state = 'expired', settled_at = ?3, last_error = ?4
+         WHERE msg_id = ?1 AND host = ?2 AND state IN ('pending', 'repush', 'relay-accepted')",
+        params![msg_id, host, now_ms, cut_error(reason)],
+    )?;
+    Ok(n == 1)
+}
+
+/// Rows past their deadline with no delivery receipt (`wire.md` §3.5 "Settle"): `relay-accepted`
+/// or `repush` with `deadline_at` ≤ `now_ms`, earliest deadline first, at most `limit`.
+pub fn overdue(conn: &Connection, now_ms: i64, limit: usize) -> Result<Vec<Row>, MailboxError> {
+    let mut st = conn.prepare(&format!(
+        "SELECT {COLS} FROM outbox o
+         WHERE o.state IN ('relay-accepted', 'repush') AND o.deadline_at <= ?1
+         ORDER BY o.deadline_at, o.msg_id, o.host LIMIT ?2"
+    ))?;
+    let rows = st
+        .query_map(params![now_ms, limit as i64], row)?
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(rows)
+}
+
+/// Ends one row [`overdue`] found: a `relay-accepted` or `repush` row whose `deadline_at` is at
+/// or before `now_ms` becomes `unconfirmed` with `last_error` `reason`, `settled_at` now. Run it
+/// in the transaction that alerts the sender. Returns whether it changed.
+pub fn unconfirm(
+    conn: &Connection,
+    msg_id: &str,
+    host: &str,
+    reason: &str,
+    now_ms: i64,
+) -> Result<bool, MailboxError> {
+    let n = conn.execute(
+        "UPDATE outbox SET state = 'unconfirmed', settled_at = ?3, last_error = ?4
+         WHERE msg_id = ?1 AND host = ?2 AND state IN ('relay-accepted', 'repush')
+           AND deadline_at <= ?3",
+        params![msg_id, host, now_ms, cut_error(reason)],
+    )?;
+    Ok(n == 1)
+}
+
+/// What the outbox holds for one relay (`relay info`): rows waiting for any transport, and the
+/// rows of `relay` by state.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct RelayCounts {
+    /// `pending` rows (any transport).
+    pub queued: i64,
+    /// `relay-accepted` rows of this relay (waiting for the target's receipt).
+    pub relay_accepted: i64,
+    /// `repush` rows of this relay (to be pushed again after a new epoch or a rewind).
+    pub repush: i64,
+    /// `unconfirmed` rows of this relay (no receipt by the deadline; the sender was alerted).
+    pub unconfirmed: i64,
+    /// `expired` rows of this relay (the relay's notice; the sender was alerted).
+    pub expired: i64,
+}
+
+/// [`RelayCounts`] for `relay` (its URL; a trailing `/` is ignored). Errors: SQLite failures.
+pub fn relay_counts(conn: &Connection, relay: &str) -> Result<RelayCounts, MailboxError> {
+    let relay = relay.trim_end_matches('/');
+    Ok(conn.query_row(
+        "SELECT (SELECT COUNT(*) FROM outbox WHERE state = 'pending'),
+                COALESCE(SUM(state = 'relay-accepted'), 0), COALESCE(SUM(state = 'repush'), 0),
+                COALESCE(SUM(state = 'unconfirmed'), 0), COALESCE(SUM(state = 'expired'), 0)
+         FROM outbox WHERE relay = ?1",
+        [relay],
+        |r| {
+            Ok(RelayCounts {
+                queued: r.get(0)?,
+                relay_accepted: r.get(1)?,
+                repush: r.get(2)?,
+                unconfirmed: r.get(3)?,
+                expired: r.get(4)?,
+            })
+        },
     )?)
 }
 
@@ -721,11 +900,18 @@ mod wire_tests {
         let late = T0 + GIVE_UP_MS + 1;
         s.mailbox
             .with(|c| {
+                // b: a relay accepted it, then a new epoch made it a re-push.
                 c.execute(
-                    "UPDATE outbox SET accepted_at = ?2 WHERE msg_id = ?1",
+                    "UPDATE outbox SET state = 'repush', accepted_at = ?2 WHERE msg_id = ?1",
                     params![b, T0],
                 )?;
                 assert_eq!(fail(c, &b, "work", "x", false, late)?, Failure::Retry);
+                assert_eq!(fail_lan(c, &b, "work", "x", late)?, Failure::Retry);
+                // Not even a refusal retrying cannot help ends a re-push: its deadline does.
+                assert_eq!(
+                    fail(c, &b, "work", "rejected:conflict", true, late)?,
+                    Failure::Retry
+                );
                 assert_eq!(
                     fail(c, &a, "work", "x", false, T0 + GIVE_UP_MS)?,
                     Failure::Retry
@@ -749,20 +935,21 @@ mod wire_tests {
                     }]
                 );
                 assert!(give_up_stale(c, i64::MAX, 10)?.is_empty());
-                assert_eq!(get(c, &b, "work")?.unwrap().state, "pending");
+                let r = get(c, &b, "work")?.unwrap();
+                assert_eq!((r.state.as_str(), r.attempts), ("repush", 3));
                 Ok(())
             })
             .unwrap();
     }
 
     #[test]
-    fn back_to_lan_needs_a_lan_address_and_a_row_no_relay_accepted() {
+    fn back_to_lan_needs_a_lan_address_and_a_row_no_relay_holds() {
         let s = testutil::store();
         let me = testutil::identity("home");
         s.add_peer(&testutil::identity("work"), false);
         let mut ids = testutil::ids();
-        let (a, b) = (ids.next(T0), ids.next(T0));
-        for id in [&a, &b] {
+        let (a, b, r) = (ids.next(T0), ids.next(T0), ids.next(T0));
+        for id in [&a, &b, &r] {
             s.send(&me, "alice", &["bob@work"], "hi", id, T0).unwrap();
         }
         s.mailbox
@@ -781,12 +968,18 @@ mod wire_tests {
                 );
                 // Already below the threshold: nothing to do.
                 assert!(!back_to_lan(c, &a, "work")?);
-                // A row a relay accepted once never goes back to the LAN.
+                // A row a relay holds is not sent by any transport.
                 c.execute(
-                    "UPDATE outbox SET accepted_at = ?2 WHERE msg_id = ?1",
+                    "UPDATE outbox SET state = 'relay-accepted', accepted_at = ?2 WHERE msg_id = ?1",
                     params![b, T0],
                 )?;
                 assert!(!back_to_lan(c, &b, "work")?);
+                // A re-push may go over the LAN like a pending row.
+                c.execute(
+                    "UPDATE outbox SET state = 'repush', accepted_at = ?2 WHERE msg_id = ?1",
+                    params![r, T0],
+                )?;
+                assert!(back_to_lan(c, &r, "work")?);
                 Ok(())
             })
             .unwrap();
@@ -794,18 +987,295 @@ mod wire_tests {
 }
 
 /// "Peer is back" (`wire.md` §4, spec §10): a verified hop from `host` shows it is up, so every
-/// pending row for it becomes due now (`next_at` = `now_ms` where it was later) and goes over the
+/// `pending` or `repush` row for it becomes due now (`next_at` = `now_ms` where it was later) and goes over the
 /// LAN again: its LAN failure count drops to at most one below the handover threshold, so a row
 /// the relay was taking gets one more LAN attempt at once. (Not to 0: a peer that can reach us
 /// but that we cannot reach would otherwise keep its rows off the relay for good, each of its
-/// hops undoing the LAN failures in between.) Rows a relay accepted are not touched. The
+/// hops undoing the LAN failures in between.) Rows a relay holds (`relay-accepted`) are not
+/// touched; a `repush` row may go over the LAN like a pending one. The
 /// receipts owed to `host` get the same treatment ([`super::receipts::peer_is_back`]). Returns
 /// how many outbox rows changed.
 pub fn peer_is_back(conn: &Connection, host: &str, now_ms: i64) -> Result<usize, MailboxError> {
     super::receipts::peer_is_back(conn, host, now_ms)?;
     Ok(conn.execute(
         "UPDATE outbox SET next_at = MIN(next_at, ?2), lan_failures = MIN(lan_failures, ?3)
-         WHERE host = ?1 AND state = 'pending' AND (next_at > ?2 OR lan_failures > ?3)",
+         WHERE host = ?1 AND state IN ('pending', 'repush') AND (next_at > ?2 OR lan_failures > ?3)",
         params![host, now_ms, LAN_FAILURES_BEFORE_RELAY - 1],
     )?)
+}
+
+#[cfg(test)]
+mod durability_tests {
+    //! The states a relay accept leads to (`wire.md` §3.5 "Epoch change / rewind", "Settle").
+
+    use super::*;
+    use crate::testutil::{self, Store, T0};
+
+    const R: &str = "http://127.0.0.1:9";
+    const DEADLINE: i64 = T0 + 15 * 86_400_000;
+
+    /// `n` messages alice@home → bob@work, each accepted by relay `R` in epoch `e1` at seq 10+i
+    /// with the accept time T0 and the deadline [`DEADLINE`] (wire bytes `w<i>`).
+    fn accepted(n: usize) -> (Store, Vec<String>) {
+        let s = testutil::store();
+        let me = testutil::identity("home");
+        s.add_peer(&testutil::identity("work"), false);
+        let mut gen = testutil::ids();
+        let ids: Vec<String> = (0..n).map(|_| gen.next(T0)).collect();
+        for (i, id) in ids.iter().enumerate() {
+            s.send(&me, "alice", &["bob@work"], "hi", id, T0).unwrap();
+            s.mailbox
+                .with(|c| {
+                    set_wire(c, id, "work", format!("w{i}").as_bytes(), "h")?;
+                    accept(c, id, "e1", 10 + i as i64, T0, DEADLINE);
+                    Ok(())
+                })
+                .unwrap();
+        }
+        (s, ids)
+    }
+
+    fn accept(c: &Connection, id: &str, epoch: &str, seq: i64, at: i64, deadline: i64) -> bool {
+        let a = Accepted {
+            relay: R,
+            epoch,
+            seq,
+            accept: "{}",
+            sig: "s",
+            accepted_at: at,
+            deadline_at: deadline,
+        };
+        settle_accepted(c, id, "work", &a, at).unwrap()
+    }
+
+    fn state(s: &Store, id: &str) -> Row {
+        s.mailbox.with(|c| get(c, id, "work")).unwrap().unwrap()
+    }
+
+    #[test]
+    fn a_new_epoch_makes_accepted_rows_repush_keeping_bytes_accept_time_and_deadline() {
+        let (s, ids) = accepted(4);
+        let (a, b, other, confirmed) = (&ids[0], &ids[1], &ids[2], &ids[3]);
+        s.mailbox
+            .with(|c| {
+                // b was accepted again in e2 already; `other` by another relay; `confirmed`
+                // has its host's delivery receipt.
+                c.execute("UPDATE outbox SET epoch = 'e2' WHERE msg_id = ?1", [b])?;
+                c.execute(
+                    "UPDATE outbox SET relay = 'http://other' WHERE msg_id = ?1",
+                    [other],
+                )?;
+                c.execute(
+                    "INSERT INTO remote_receipts VALUES (?1,'bob@work','work','delivered','t',NULL,NULL,1,'{}','s',1)",
+                    [confirmed],
+                )?;
+                c.execute("UPDATE outbox SET attempts = 3", [])?;
+                assert_eq!(repush_for_epoch(c, R, "e2", Repush::Epoch, T0 + 100)?, 1);
+                Ok(())
+            })
+            .unwrap();
+        let r = state(&s, a);
+        assert_eq!(
+            (
+                r.state.as_str(),
+                r.next_at,
+                r.attempts,
+                r.last_error.as_deref()
+            ),
+            ("repush", T0 + 100, 0, Some("relay epoch: re-push"))
+        );
+        assert_eq!((r.accepted_at, r.deadline_at), (Some(T0), Some(DEADLINE)));
+        assert_eq!(
+            (r.wire.as_deref(), r.epoch.as_deref()),
+            (Some(&b"w0"[..]), Some("e1"))
+        );
+        for id in [b, other, confirmed] {
+            assert_eq!(state(&s, id).state, "relay-accepted", "{id}");
+        }
+        // A rewind in e2 takes every row this relay accepted, and the re-push again.
+        s.mailbox
+            .with(|c| {
+                assert_eq!(repush_for_epoch(c, R, "e2", Repush::Rewind, T0 + 200)?, 2);
+                Ok(())
+            })
+            .unwrap();
+        for id in [a, b] {
+            let r = state(&s, id);
+            assert_eq!(
+                (r.state.as_str(), r.next_at, r.last_error.as_deref()),
+                ("repush", T0 + 200, Some("relay rewind: re-push")),
+                "{id}"
+            );
+        }
+        assert_eq!(state(&s, b).deadline_at, Some(DEADLINE));
+        assert_eq!(state(&s, confirmed).state, "relay-accepted");
+    }
+
+    #[test]
+    fn a_repush_is_sent_by_either_transport_and_an_accept_keeps_its_first_time_and_deadline() {
+        let (s, ids) = accepted(1);
+        let id = &ids[0];
+        s.mailbox
+            .with(|c| {
+                assert!(
+                    due_for_relay(c, i64::MAX, 10)?.is_empty(),
+                    "held by the relay"
+                );
+                repush_for_epoch(c, R, "e2", Repush::Epoch, T0 + 100)?;
+                assert_eq!(due_for_relay(c, T0 + 100, 10)?.len(), 1);
+                assert_eq!(next_due_for_relay(c)?, Some(T0 + 100));
+                assert_eq!(next_due_at(c)?, Some(T0 + 100));
+                // With a LAN address and fewer than two LAN failures the LAN takes it.
+                c.execute("UPDATE peers SET addr = '127.0.0.1:1'", [])?;
+                c.execute("UPDATE outbox SET lan_failures = 0", [])?;
+                assert_eq!(due_for_lan(c, T0 + 100, 10, true)?.len(), 1);
+                assert!(due_for_relay(c, T0 + 100, 10)?.is_empty());
+                // A fresh accept in e2 (a restored store without the item) settles it again;
+                // the first accept time and deadline stay.
+                assert!(accept(c, id, "e2", 7, T0 + 500, T0 + 999));
+                Ok(())
+            })
+            .unwrap();
+        let r = state(&s, id);
+        assert_eq!(
+            (r.state.as_str(), r.epoch.as_deref(), r.seq, r.last_error),
+            ("relay-accepted", Some("e2"), Some(7), None)
+        );
+        assert_eq!((r.accepted_at, r.deadline_at), (Some(T0), Some(DEADLINE)));
+        // An accept for a row that is not sendable changes nothing.
+        s.mailbox
+            .with(|c| {
+                assert!(!accept(c, id, "e3", 8, T0 + 600, T0 + 999));
+                Ok(())
+            })
+            .unwrap();
+    }
+
+    #[test]
+    fn a_lan_verdict_or_a_receipt_settles_a_repush() {
+        let (s, ids) = accepted(3);
+        s.mailbox
+            .with(|c| {
+                repush_for_epoch(c, R, "e2", Repush::Epoch, T0)?;
+                assert!(delivered_lan(c, &ids[0], "work", T0 + 1)?);
+                assert!(rejected_lan(c, &ids[1], "work", "refused", T0 + 1)?);
+                assert!(settle_by_receipt(c, &ids[2], "work", T0 + 1)?);
+                Ok(())
+            })
+            .unwrap();
+        let got: Vec<(String, Option<String>)> = ids
+            .iter()
+            .map(|id| {
+                let r = state(&s, id);
+                (r.state, r.via)
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("delivered".into(), Some("lan".into())),
+                ("rejected".into(), Some("lan".into())),
+                ("delivered".into(), Some("relay".into())),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_row_past_its_deadline_is_unconfirmed_and_a_later_receipt_still_settles_it() {
+        let (s, ids) = accepted(3);
+        let (a, b, c3) = (&ids[0], &ids[1], &ids[2]);
+        s.mailbox
+            .with(|c| {
+                repush_for_epoch(c, R, "e2", Repush::Epoch, T0)?;
+                accept(c, a, "e2", 50, T0, DEADLINE);
+                // c3 is delivered: never overdue.
+                assert!(settle_by_receipt(c, c3, "work", T0)?);
+                assert!(overdue(c, DEADLINE - 1, 10)?.is_empty());
+                assert!(
+                    !unconfirm(c, a, "work", "x", DEADLINE - 1)?,
+                    "not before the deadline"
+                );
+                let due: Vec<String> = overdue(c, DEADLINE, 10)?
+                    .into_iter()
+                    .map(|r| r.msg_id)
+                    .collect();
+                assert_eq!(due, vec![a.clone(), b.clone()]);
+                assert_eq!(overdue(c, DEADLINE, 1)?.len(), 1, "bounded");
+                assert!(unconfirm(c, a, "work", "why a", DEADLINE)?);
+                assert!(unconfirm(c, b, "work", "why b", DEADLINE + 1)?);
+                assert!(!unconfirm(c, b, "work", "again", DEADLINE + 2)?, "once");
+                assert!(!unconfirm(c, c3, "work", "x", DEADLINE)?, "delivered stays");
+                assert!(overdue(c, i64::MAX, 10)?.is_empty());
+                Ok(())
+            })
+            .unwrap();
+        let r = state(&s, a);
+        assert_eq!(
+            (r.state.as_str(), r.last_error.as_deref()),
+            ("unconfirmed", Some("why a"))
+        );
+        assert_eq!(state(&s, c3).state, "delivered");
+        s.mailbox
+            .with(|c| {
+                assert!(settle_by_receipt(c, a, "work", DEADLINE + 9)?);
+                Ok(())
+            })
+            .unwrap();
+        let r = state(&s, a);
+        assert_eq!(
+            (r.state.as_str(), r.via.as_deref(), r.last_error),
+            ("delivered", Some("relay"), None)
+        );
+    }
+
+    #[test]
+    fn an_expiry_ends_a_live_row_only_and_counts_show_every_state() {
+        let (s, ids) = accepted(4);
+        s.mailbox
+            .with(|c| {
+                repush_for_epoch(c, R, "e2", Repush::Epoch, T0)?;
+                accept(c, &ids[1], "e2", 60, T0, DEADLINE);
+                assert!(settle_by_receipt(c, &ids[3], "work", T0)?);
+                assert!(expire(c, &ids[0], "work", "gone", T0 + 1)?);
+                assert!(!expire(c, &ids[0], "work", "again", T0 + 2)?, "a repeat");
+                assert!(
+                    !expire(c, &ids[3], "work", "late", T0 + 2)?,
+                    "delivered stays"
+                );
+                assert!(unconfirm(c, &ids[1], "work", "late", DEADLINE)?);
+                Ok(())
+            })
+            .unwrap();
+        let r = state(&s, &ids[0]);
+        assert_eq!(
+            (r.state.as_str(), r.last_error.as_deref()),
+            ("expired", Some("gone"))
+        );
+        assert_eq!(state(&s, &ids[3]).state, "delivered");
+        let counts = s
+            .mailbox
+            .with(|c| relay_counts(c, &format!("{R}/")))
+            .unwrap();
+        assert_eq!(
+            counts,
+            RelayCounts {
+                queued: 0,
+                relay_accepted: 0,
+                repush: 1,
+                unconfirmed: 1,
+                expired: 1,
+            }
+        );
+        s.mailbox
+            .with(|c| {
+                assert!(settle_by_receipt(c, &ids[0], "work", T0 + 3)?);
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(
+            state(&s, &ids[0]).state,
+            "delivered",
+            "a receipt proves delivery"
+        );
+    }
 }

@@ -322,19 +322,22 @@ pub struct RecipientState {
     pub host: String,
     /// Local recipients: `delivered`, `read`, `acked`. Remote ones: the newest receipt
     /// (`delivered`, `notified`, `read`, `acked`), else from the outbox: `queued`,
-    /// `relay-accepted`, `delivered`, `undelivered`.
+    /// `relay-accepted`, `repush` (a relay accepted it, then a new epoch: pushed again),
+    /// `delivered`, `undelivered`, `expired` (the relay's notice), `unconfirmed` (no receipt by
+    /// the deadline).
     pub state: String,
     /// ISO ms time of that state, when known.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub at: Option<String>,
-    /// Why it is undelivered (the peer's, the relay's or the local reason).
+    /// Why it is undelivered, expired or unconfirmed (the peer's, the relay's or the local
+    /// reason).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
     /// The transport that delivered it to the host: `lan`, `relay` (remote recipients).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub via: Option<String>,
-    /// `queued` only: why the last attempt did not get it through (the outbox row's last
-    /// error: a relay or LAN error text, never a secret), at most 120 characters (a longer
+    /// `queued` and `repush` only: why the last attempt did not get it through (the outbox row's
+    /// last error: a relay or LAN error text, never a secret), at most 120 characters (a longer
     /// one is cut and ends with `…`); absent before any failed attempt.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
@@ -391,18 +394,18 @@ fn local_state(state: &str) -> &str {
 }
 
 /// The outbox state as the sender sees it: `(state, reason, last_error)`, with the reason for
-/// an undelivered row and the last error of a queued one (cut to [`MAX_SENT_ERROR_CHARS`]).
+/// an undelivered, expired or unconfirmed row and the last error of a queued or re-pushed one
+/// (cut to [`MAX_SENT_ERROR_CHARS`]).
 fn outbox_state(
     state: &str,
     last_error: Option<String>,
 ) -> (String, Option<String>, Option<String>) {
+    let shown = |e: Option<String>| e.filter(|e| !e.is_empty()).map(|e| cut_shown(&e));
     match state {
-        "pending" => (
-            "queued".into(),
-            None,
-            last_error.filter(|e| !e.is_empty()).map(|e| cut_shown(&e)),
-        ),
+        "pending" => ("queued".into(), None, shown(last_error)),
+        "repush" => ("repush".into(), None, shown(last_error)),
         "rejected" | "undelivered" => ("undelivered".into(), last_error, None),
+        "expired" | "unconfirmed" => (state.to_string(), last_error, None),
         other => (other.to_string(), None, None),
     }
 }

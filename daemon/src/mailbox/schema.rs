@@ -5,7 +5,7 @@ use rusqlite::Connection;
 use super::MailboxError;
 
 /// The schema version this binary writes.
-pub const SCHEMA_VERSION: u32 = 3;
+pub const SCHEMA_VERSION: u32 = 4;
 
 /// Migrations in order: `(version reached, SQL)`. A new schema change appends a step; each
 /// step runs inside the one migration transaction.
@@ -140,6 +140,38 @@ CREATE TABLE audit(
 CREATE INDEX audit_event ON audit(event, id);
 "#,
     ),
+    (
+        4,
+        r#"
+-- Durability (spec §5, §6; wire.md §3.5 "Epoch change / rewind", "Settle"): a row a relay
+-- accepted that must be pushed again after a new epoch or a rewind is `repush` (it keeps its
+-- accept time and deadline; the 72 h rule never ends it), a relay's signed expiry notice ends a
+-- row `expired`, and a row with no delivery receipt by its deadline ends `unconfirmed`.
+CREATE TABLE outbox_v4(
+  msg_id TEXT NOT NULL REFERENCES messages(id), host TEXT NOT NULL, target_pubkey TEXT NOT NULL,
+  state TEXT NOT NULL CHECK (state IN ('pending','repush','relay-accepted','rejected','delivered',
+    'undelivered','expired','unconfirmed')),
+  attempts INTEGER NOT NULL DEFAULT 0, lan_failures INTEGER NOT NULL DEFAULT 0,
+  next_at INTEGER NOT NULL, last_error TEXT, created_at INTEGER NOT NULL,
+  wire BLOB, wire_hash TEXT,
+  relay TEXT, epoch TEXT, seq INTEGER, accept TEXT, accept_sig TEXT, accepted_at INTEGER,
+  deadline_at INTEGER, settled_at INTEGER, via TEXT,
+  PRIMARY KEY(msg_id, host));
+-- A `pending` row with an accept time was a re-push under schema 3: it is `repush` now.
+INSERT INTO outbox_v4(msg_id, host, target_pubkey, state, attempts, lan_failures, next_at,
+  last_error, created_at, wire, wire_hash, relay, epoch, seq, accept, accept_sig, accepted_at,
+  deadline_at, settled_at, via)
+SELECT msg_id, host, target_pubkey,
+  CASE WHEN state = 'pending' AND accepted_at IS NOT NULL THEN 'repush' ELSE state END,
+  attempts, lan_failures, next_at, last_error, created_at, wire, wire_hash, relay, epoch, seq,
+  accept, accept_sig, accepted_at, deadline_at, settled_at, via
+FROM outbox;
+DROP TABLE outbox;
+ALTER TABLE outbox_v4 RENAME TO outbox;
+CREATE INDEX outbox_due ON outbox(state, next_at);
+CREATE INDEX outbox_deadline ON outbox(state, deadline_at);
+"#,
+    ),
 ];
 
 /// Brings `conn` to [`SCHEMA_VERSION`] in one transaction; refuses a newer file.
@@ -177,15 +209,15 @@ mod tests {
         migrate(&mut c).unwrap();
         // A next schema step applies on top of the current version, in one transaction.
         let mut steps = MIGRATIONS.to_vec();
-        steps.push((4, "ALTER TABLE peers ADD COLUMN note TEXT;"));
+        steps.push((5, "ALTER TABLE peers ADD COLUMN note TEXT;"));
         migrate_with(&mut c, &steps).unwrap();
         let v: u32 = c
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .unwrap();
-        assert_eq!(v, 4);
-        // Our binary (version 3) refuses the version-4 file.
+        assert_eq!(v, 5);
+        // Our binary (version 4) refuses the version-5 file.
         let err = migrate(&mut c).unwrap_err();
-        assert!(err.to_string().contains("schema version 4"), "{err}");
+        assert!(err.to_string().contains("schema version 5"), "{err}");
     }
 
     #[test]
@@ -228,5 +260,66 @@ mod tests {
                 ),
             ]
         );
+    }
+
+    #[test]
+    fn a_version_3_re_push_becomes_repush_and_the_new_states_are_allowed() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = Connection::open(dir.path().join("m.db")).unwrap();
+        migrate_with(&mut c, &MIGRATIONS[..3]).unwrap();
+        c.execute_batch(
+            "INSERT INTO messages VALUES ('m1','t','a@h','m1',NULL,'message','s','b','{}','local',1);
+             INSERT INTO messages VALUES ('m2','t','a@h','m2',NULL,'message','s','b','{}','local',1);
+             INSERT INTO messages VALUES ('m3','t','a@h','m3',NULL,'message','s','b','{}','local',1);
+             INSERT INTO outbox(msg_id, host, target_pubkey, state, next_at, created_at)
+               VALUES ('m1','work','K','pending',5,1);
+             INSERT INTO outbox(msg_id, host, target_pubkey, state, next_at, created_at,
+                                accepted_at, deadline_at, seq, wire)
+               VALUES ('m2','work','K','pending',5,1,7,99,77,x'01');
+             INSERT INTO outbox(msg_id, host, target_pubkey, state, next_at, created_at,
+                                accepted_at, deadline_at)
+               VALUES ('m3','work','K','relay-accepted',5,1,7,99);",
+        )
+        .unwrap();
+        migrate(&mut c).unwrap();
+        type Line = (String, String, Option<i64>, Option<i64>, Option<Vec<u8>>);
+        let rows: Vec<Line> = c
+            .prepare(
+                "SELECT msg_id, state, accepted_at, deadline_at, wire FROM outbox ORDER BY msg_id",
+            )
+            .unwrap()
+            .query_map([], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+            })
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(
+            rows,
+            vec![
+                ("m1".into(), "pending".into(), None, None, None),
+                (
+                    "m2".into(),
+                    "repush".into(),
+                    Some(7),
+                    Some(99),
+                    Some(vec![1])
+                ),
+                (
+                    "m3".into(),
+                    "relay-accepted".into(),
+                    Some(7),
+                    Some(99),
+                    None
+                ),
+            ]
+        );
+        for state in ["repush", "expired", "unconfirmed"] {
+            c.execute("UPDATE outbox SET state = ?1 WHERE msg_id = 'm1'", [state])
+                .unwrap();
+        }
+        assert!(c
+            .execute("UPDATE outbox SET state = 'lost' WHERE msg_id = 'm1'", [])
+            .is_err());
     }
 }

@@ -9,4 +9,5 @@ pub mod receipts;
 pub mod receive;
 pub mod route;
 pub mod send;
+pub mod settle;
 pub mod unpair;

@@ -1,11 +1,11 @@
 //! Transport selection (spec §10; design README "Data flow"): which transport takes a due
 //! outbox row or receipt — the LAN first, the relay after two failed LAN attempts.
 //!
-//! The rule, in one place ([`choose`]):
-//! - a row the relay ever accepted (`relay-accepted`, or `pending` again for a re-push after an
-//!   epoch change) goes to the relay only; it is never re-sent over the LAN (its delivery
-//!   receipt settles it);
-//! - otherwise, with no relay configured, the LAN takes it whenever the peer has a LAN address;
+//! The rule, in one place ([`choose`]), for a `pending` row and for a `repush` row alike (a row
+//! a relay accepted and must be pushed again after a new epoch or a rewind, spec §5: it may go
+//! over the LAN when the peer is reachable; a `relay-accepted` row is the relay's and no
+//! transport sends it):
+//! - with no relay configured, the LAN takes it whenever the peer has a LAN address;
 //! - otherwise the LAN takes it while `lan_failures <` [`LAN_FAILURES_BEFORE_RELAY`] and the
 //!   peer has a LAN address, and the relay takes it once the LAN failed twice or when the peer
 //!   has no LAN address;
@@ -25,7 +25,9 @@
 //!
 //! Whichever transport holds a row, or none (no LAN address and no relay: [`choose`] gives
 //! `None`), a `pending` row no relay ever accepted ends `undelivered` with an alert after 72 h
-//! (`mailbox::outbox`, `wire.md` §4 "Outbox client"); the LAN delivery pass sweeps for them.
+//! (`mailbox::outbox`, `wire.md` §4 "Outbox client"); the LAN delivery pass sweeps for them. A
+//! `repush` row never ends by that rule: its delivery receipt, a LAN verdict or its deadline
+//! (`unconfirmed`, `crate::node::settle`) does.
 //!
 //! The SQL of `mailbox::outbox::due_for_lan` / `due_for_relay` (and the receipt queries in
 //! `mailbox::receipts`) is this rule; a test below checks that the queries and [`choose`]
@@ -61,9 +63,6 @@ pub struct Facts {
     pub lan_failures: u32,
     /// The peer has a pinned LAN address (`peers.addr`).
     pub has_addr: bool,
-    /// The relay accepted this row at some point (it is `relay-accepted`, or `pending` for a
-    /// re-push).
-    pub relay_accepted_once: bool,
     /// A relay is configured on this host.
     pub relay_configured: bool,
 }
@@ -71,9 +70,6 @@ pub struct Facts {
 /// The transport that takes a row with these facts when it is due, or `None` when no
 /// transport can take it now (no LAN address and no relay: it waits for an address).
 pub fn choose(f: Facts) -> Option<Transport> {
-    if f.relay_accepted_once {
-        return f.relay_configured.then_some(Transport::Relay);
-    }
     if !f.relay_configured {
         return f.has_addr.then_some(Transport::Lan);
     }
@@ -92,21 +88,18 @@ mod tests {
 
     #[test]
     fn the_rule() {
-        let f = |lan_failures, has_addr, relay_accepted_once, relay_configured| Facts {
+        let f = |lan_failures, has_addr, relay_configured| Facts {
             lan_failures,
             has_addr,
-            relay_accepted_once,
             relay_configured,
         };
         use Transport::*;
-        assert_eq!(choose(f(0, true, false, true)), Some(Lan));
-        assert_eq!(choose(f(1, true, false, true)), Some(Lan));
-        assert_eq!(choose(f(2, true, false, true)), Some(Relay));
-        assert_eq!(choose(f(0, false, false, true)), Some(Relay));
-        assert_eq!(choose(f(5, true, false, false)), Some(Lan));
-        assert_eq!(choose(f(0, false, false, false)), None);
-        assert_eq!(choose(f(0, true, true, true)), Some(Relay));
-        assert_eq!(choose(f(0, true, true, false)), None);
+        assert_eq!(choose(f(0, true, true)), Some(Lan));
+        assert_eq!(choose(f(1, true, true)), Some(Lan));
+        assert_eq!(choose(f(2, true, true)), Some(Relay));
+        assert_eq!(choose(f(0, false, true)), Some(Relay));
+        assert_eq!(choose(f(5, true, false)), Some(Lan));
+        assert_eq!(choose(f(0, false, false)), None);
     }
 
     #[test]
@@ -119,7 +112,8 @@ mod tests {
     }
 
     /// The outbox queries take exactly the rows [`choose`] assigns to each transport, for every
-    /// combination of facts, and only due rows.
+    /// combination of facts, `pending` and `repush` rows alike, only due rows, and never a row
+    /// a relay holds (`relay-accepted`).
     #[test]
     fn the_queries_agree_with_the_rule() {
         let s = testutil::store();
@@ -141,7 +135,7 @@ mod tests {
         let mut cases = Vec::new();
         for lan_failures in 0..=3u32 {
             for host in ["work", "lab"] {
-                for accepted in [false, true] {
+                for state in ["pending", "repush", "relay-accepted"] {
                     for due in [true, false] {
                         let id = gen.next(T0);
                         s.send(&me, "alice", &[&format!("bob@{host}")], "s", &id, T0)
@@ -150,14 +144,15 @@ mod tests {
                         s.mailbox
                             .with(|c| {
                                 c.execute(
-                                    "UPDATE outbox SET lan_failures = ?2, next_at = ?3,
-                                       accepted_at = CASE WHEN ?4 THEN ?3 END WHERE msg_id = ?1",
-                                    rusqlite::params![id, lan_failures, next_at, accepted],
+                                    "UPDATE outbox SET lan_failures = ?2, next_at = ?3, state = ?4,
+                                       accepted_at = CASE WHEN ?4 <> 'pending' THEN ?3 END
+                                     WHERE msg_id = ?1",
+                                    rusqlite::params![id, lan_failures, next_at, state],
                                 )?;
                                 Ok(())
                             })
                             .unwrap();
-                        cases.push((id, lan_failures, host == "work", accepted, due));
+                        cases.push((id, lan_failures, host == "work", state, due));
                     }
                 }
             }
@@ -175,14 +170,13 @@ mod tests {
                     ))
                 })
                 .unwrap();
-            for (id, lan_failures, has_addr, accepted, due) in &cases {
+            for (id, lan_failures, has_addr, state, due) in &cases {
                 let want = choose(Facts {
                     lan_failures: *lan_failures,
                     has_addr: *has_addr,
-                    relay_accepted_once: *accepted,
                     relay_configured,
                 })
-                .filter(|_| *due);
+                .filter(|_| *due && *state != "relay-accepted");
                 assert_eq!(lan.contains(id), want == Some(Transport::Lan), "{id} lan");
                 if relay_configured {
                     assert_eq!(

@@ -10,7 +10,7 @@
 //! | GET /v2/relay/admin/deny | — | `{entries:[…]}` |
 //! | POST /v2/relay/admin/undeny | `{target, kind?}` | `{ok:true, removed, kind, value}` |
 //! | POST /v2/relay/admin/rotate-epoch | `{}` | the receipt `{v:1, type:"relay-epoch-rotated", at, store, from, to, by:"operator"}` |
-//! | POST /v2/relay/admin/backup-receipt | `{receipt}` (a `relay-backup` receipt of this relay's store, [`crate::ops::check_backup_receipt`]) | `{ok:true, id}` (its relay-log id) |
+//! | POST /v2/relay/admin/backup-receipt | `{receipt}` (a `relay-backup` receipt of this relay's store, [`crate::ops::check_backup_receipt`]) | `{ok:true, id, receipt}` (its relay-log id, and the receipt as logged: signed by the relay key) |
 //!
 //! `backup-receipt` exists because `relay backup` copies the store from its own process (a
 //! read-only connection, allowed while the relay serves) but only the relay may write its
@@ -99,7 +99,10 @@ fn refusal(e: AdminError) -> Refusal {
         AdminError::NotFound(_) => (StatusCode::NOT_FOUND, "NOT_FOUND"),
         AdminError::Ambiguous { .. } => (StatusCode::CONFLICT, "AMBIGUOUS"),
         AdminError::Full => (StatusCode::INSUFFICIENT_STORAGE, "FULL"),
-        AdminError::Store(_) | AdminError::NoStore(_) | AdminError::Running(_) => {
+        AdminError::Store(_)
+        | AdminError::NoStore(_)
+        | AdminError::Running(_)
+        | AdminError::RelayKey(_) => {
             tracing::error!(error = %e, "admin request failed in the store");
             return ApiError::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -267,11 +270,18 @@ pub async fn backup_receipt(
     crate::ops::check_backup_receipt(&b.receipt, &state.key.public().fingerprint())
         .map_err(|e| Refusal::from(ApiError::bad_request(&e)))?;
     let (store, now) = (state.store.clone(), state.clock.now_ms());
-    let id = run(move || {
-        store
+    let (id, logged) = run(move || {
+        let id = store
             .append_op(now, crate::ops::OP_BACKUP, &b.receipt)
-            .map_err(AdminError::from)
+            .map_err(AdminError::from)?;
+        let logged = store
+            .ops(16)
+            .map_err(AdminError::from)?
+            .into_iter()
+            .find(|o| o.id == id)
+            .map(|o| o.receipt);
+        Ok((id, logged))
     })
     .await?;
-    Ok(Json(json!({"ok": true, "id": id})))
+    Ok(Json(json!({"ok": true, "id": id, "receipt": logged})))
 }

@@ -9,7 +9,7 @@
 //! Adding a version: append `(N, "DDL…")` to [`MIGRATIONS`] and raise [`SCHEMA_VERSION`] to N.
 //! Version 0 is an empty file.
 //!
-//! This schema is ours (the Rust relay's versions 1 and 2); it is not 0.5.x's `relay.db`
+//! This schema is ours (the Rust relay's versions 1 to 3); it is not 0.5.x's `relay.db`
 //! numbering.
 
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior};
@@ -17,7 +17,7 @@ use rusqlite::{Connection, OptionalExtension, TransactionBehavior};
 use super::StoreError;
 
 /// The newest schema version this binary reads and writes.
-pub const SCHEMA_VERSION: u32 = 2;
+pub const SCHEMA_VERSION: u32 = 3;
 
 /// Version 1: every table of `wire.md` §3.3. Deviations, each for a reason:
 /// - `enrolments.authority_rank`: the strength of the authority that recorded `account`, so a
@@ -141,9 +141,34 @@ CREATE TABLE account_bindings (
 ) STRICT;
 ";
 
+/// Version 3: the retention sweep (spec §6; `wire.md` §3.2 "Sweep").
+/// - `items.origin_target`: the target key the sender pushed an item to, set when a host
+///   rotation moved the item to a newer key (NULL: the item waits under that very key). The
+///   sweep names it in the expiry notice (the sender matches its outbox row by it) and keeps
+///   the item's dedup row — which stays under that key — while the item is queued.
+/// - Items a rotation already moved under version 2 get it from their dedup row: the one row
+///   of the same sender, item id and wire hash under another key (a copy sealed for another
+///   target has another hash), when the item has none under its own key.
+/// - `items_origin`: finds a moved item by its original key; partial, so it costs nothing for
+///   the items no rotation moved.
+const V3: &str = "
+ALTER TABLE items ADD COLUMN origin_target TEXT;
+UPDATE items SET origin_target = (
+    SELECT d.target_pubkey FROM dedup d
+     WHERE d.sender_pubkey = items.sender_pubkey AND d.item_id = items.item_id
+       AND d.wire_hash = items.wire_hash AND d.target_pubkey <> items.target_pubkey
+     ORDER BY d.accepted_at, d.target_pubkey
+     LIMIT 1)
+ WHERE NOT EXISTS (SELECT 1 FROM dedup d
+                    WHERE d.sender_pubkey = items.sender_pubkey AND d.item_id = items.item_id
+                      AND d.target_pubkey = items.target_pubkey);
+CREATE INDEX items_origin ON items(origin_target, sender_pubkey, item_id)
+  WHERE origin_target IS NOT NULL;
+";
+
 /// Every schema step, `(version it produces, DDL)`, in increasing order without gaps. Step N
 /// turns a version N−1 store into version N.
-pub const MIGRATIONS: &[(u32, &str)] = &[(1, V1), (2, V2)];
+pub const MIGRATIONS: &[(u32, &str)] = &[(1, V1), (2, V2), (3, V3)];
 
 /// The schema version recorded in an open database: the higher of `PRAGMA user_version` and
 /// `meta.schema_version` (0 for an empty file).

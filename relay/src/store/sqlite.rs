@@ -35,6 +35,7 @@
 
 mod deny;
 mod rotate;
+mod sweep;
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -46,6 +47,7 @@ use std::time::Duration;
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension, TransactionBehavior};
 
 use super::schema::{self, MIGRATIONS, SCHEMA_VERSION};
+use super::OpSigner;
 use super::{
     is_canonical_key, key_fingerprint, wire_hash, AckOutcome, AckRequest, AckResult,
     AuthorityStrength, EncAd, EncAdV1, EncAdV2, EnrolOutcome, EnrolRequest, Enrolment,
@@ -168,10 +170,21 @@ struct Writer {
     counters: Arc<Counters>,
     /// Set once, when a COMMIT or ROLLBACK failed: from then on every write is refused.
     failure: Arc<OnceLock<String>>,
+    /// Signs every relay-log receipt this writer appends ([`append_op_apply`]).
+    signer: Option<Arc<dyn OpSigner>>,
+}
+
+thread_local! {
+    /// The op-receipt signer of the writer running on this thread: set once by
+    /// [`Writer::run`], read by [`append_op_apply`], so every receipt any write request
+    /// appends is signed without each request carrying the signer.
+    static WRITER_OP_SIGNER: std::cell::RefCell<Option<Arc<dyn OpSigner>>> =
+        const { std::cell::RefCell::new(None) };
 }
 
 impl Writer {
     fn run(self, jobs: mpsc::Receiver<Box<dyn WriteJob>>) {
+        WRITER_OP_SIGNER.with(|s| *s.borrow_mut() = self.signer.clone());
         self.serve(jobs);
         if self.failure.get().is_none() {
             self.checkpoint();
@@ -418,13 +431,52 @@ impl SqliteStore {
         now_ms: i64,
         options: OpenOptions,
     ) -> Result<Self, StoreError> {
+        Self::open_inner(dir, relay_pubkey, now_ms, options, None, None)
+    }
+
+    /// [`SqliteStore::open_with`] for the store whose `relay.lock` `lock` holds (taken with
+    /// [`StoreLock::acquire`]; `options.lock_wait_ms` is not used), bound to
+    /// `signer.relay_pubkey()`, and signing every receipt it appends to the relay log with
+    /// `signer` (spec §5; [`OpSigner`]). This is how the relay and the offline operator commands
+    /// open a store. Errors: as [`SqliteStore::open_with`].
+    pub fn open_signed(
+        lock: StoreLock,
+        signer: Arc<dyn OpSigner>,
+        now_ms: i64,
+        options: OpenOptions,
+    ) -> Result<Self, StoreError> {
+        let relay_pubkey = signer.relay_pubkey();
+        let dir = lock.dir.clone();
+        Self::open_inner(
+            &dir,
+            &relay_pubkey,
+            now_ms,
+            options,
+            Some(lock.conn),
+            Some(signer),
+        )
+    }
+
+    fn open_inner(
+        dir: &Path,
+        relay_pubkey: &str,
+        now_ms: i64,
+        options: OpenOptions,
+        lock: Option<Connection>,
+        signer: Option<Arc<dyn OpSigner>>,
+    ) -> Result<Self, StoreError> {
         if relay_pubkey.trim().is_empty() {
             return Err(StoreError::InvalidInput(
                 "the relay public key is empty".to_owned(),
             ));
         }
-        create_private_dir(dir)?;
-        let lock = acquire_lock(&dir.join(LOCK_FILE), options.lock_wait_ms, now_ms)?;
+        let lock = match lock {
+            Some(lock) => lock,
+            None => {
+                create_private_dir(dir)?;
+                acquire_lock(&dir.join(LOCK_FILE), options.lock_wait_ms, now_ms)?
+            }
+        };
         let db_path = dir.join(DB_FILE);
         create_private_file(&db_path)?;
         let mut conn = open_write_connection(&db_path)?;
@@ -466,6 +518,7 @@ impl SqliteStore {
             failpoint: options.failpoint,
             counters: Arc::clone(&counters),
             failure: Arc::clone(&failure),
+            signer,
         };
         let (jobs, inbox) = mpsc::channel::<Box<dyn WriteJob>>();
         let handle = std::thread::Builder::new()
@@ -636,9 +689,18 @@ impl RelayStore for SqliteStore {
             let mut receipt = log.receipt;
             receipt["from"] = serde_json::Value::String(from.clone());
             receipt["to"] = serde_json::Value::String(to.clone());
-            let text = op_receipt_text(&receipt)?;
+            // The signed receipt, as logged, is also what meta keeps and the caller gets.
+            let signer = WRITER_OP_SIGNER.with(|s| s.borrow().clone());
+            let (_, text) = append_op_signed(
+                c,
+                signer.as_deref(),
+                log.at_ms,
+                &log.op,
+                &op_receipt_text(&receipt)?,
+            )?;
             meta_put(c, "epoch_rotated", &text)?;
-            append_op_apply(c, log.at_ms, &log.op, &text)?;
+            let receipt = serde_json::from_str(&text)
+                .map_err(|e| StoreError::Corrupt(format!("op receipt is not JSON: {e}")))?;
             Ok((EpochRotation { from, to }, receipt))
         })
     }
@@ -900,6 +962,14 @@ impl RelayStore for SqliteStore {
         self.failure.get().cloned()
     }
 
+    fn sweep(
+        &self,
+        now_ms: i64,
+        signer: Arc<dyn super::NoticeSigner>,
+    ) -> Result<super::SweepReport, StoreError> {
+        sweep::sweep(self, now_ms, signer)
+    }
+
     fn ops(&self, limit: i64) -> Result<Vec<OpRecord>, StoreError> {
         let n = limit.clamp(1, OPS_KEEP);
         self.read(|c| {
@@ -934,6 +1004,41 @@ impl RelayStore for SqliteStore {
 
 // ---------------------------------------------------------------------------------------------
 // Opening
+
+/// `relay.lock` of a store directory, held (`wire.md` §3.4 "One writer"): while a `StoreLock`
+/// lives no other process (and no other store in this one) can open the store, run a restore
+/// or another offline operator command on it. Dropping it releases the lock; so does the OS
+/// when the process dies. [`SqliteStore::open_signed`] keeps holding it for the store's life,
+/// so `relay serve` can restore a backup under the same lock before it opens the store.
+pub struct StoreLock {
+    conn: Connection,
+    dir: PathBuf,
+}
+
+impl std::fmt::Debug for StoreLock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreLock").field("dir", &self.dir).finish()
+    }
+}
+
+impl StoreLock {
+    /// Creates `dir` (0700) when missing and takes its `relay.lock`, waiting up to `wait_ms`
+    /// for another holder (logging it once); `now_ms` goes into the holder row. Errors:
+    /// [`StoreError::Locked`] naming the holder, [`StoreError::Io`], [`StoreError::Sqlite`].
+    pub fn acquire(dir: &Path, wait_ms: u64, now_ms: i64) -> Result<Self, StoreError> {
+        create_private_dir(dir)?;
+        let conn = acquire_lock(&dir.join(LOCK_FILE), wait_ms, now_ms)?;
+        Ok(Self {
+            conn,
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    /// The store directory this lock guards.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
 
 /// Take `relay.lock`: an exclusive SQLite lock held by the returned connection until it is
 /// dropped (`wire.md` §3.4). When another process holds it, logs once who (the holder row) and
@@ -1184,17 +1289,42 @@ fn op_receipt_text(receipt: &serde_json::Value) -> Result<String, StoreError> {
 }
 
 /// Appends a log entry in the caller's transaction, keeping the last [`OPS_KEEP`]; its id.
+/// On the writer thread of a store opened with a signer ([`SqliteStore::open_signed`]) the
+/// receipt is signed first ([`append_op_signed`]): every append goes through here.
 fn append_op_apply(c: &Connection, at_ms: i64, op: &str, receipt: &str) -> Result<i64, StoreError> {
+    let signer = WRITER_OP_SIGNER.with(|s| s.borrow().clone());
+    append_op_signed(c, signer.as_deref(), at_ms, op, receipt).map(|(id, _)| id)
+}
+
+/// Appends a log entry in the caller's transaction, keeping the last [`OPS_KEEP`]: `receipt`
+/// (JSON object text) signed by `signer` when given ([`super::sign_op_receipt`]), stored as is
+/// otherwise (a store opened without the relay key: tests). Returns its id and the stored text.
+/// Errors: [`StoreError::InvalidInput`] (not a JSON object, cannot be signed), SQLite errors.
+pub(crate) fn append_op_signed(
+    c: &Connection,
+    signer: Option<&dyn OpSigner>,
+    at_ms: i64,
+    op: &str,
+    receipt: &str,
+) -> Result<(i64, String), StoreError> {
+    let text = match signer {
+        Some(signer) => {
+            let value: serde_json::Value = serde_json::from_str(receipt)
+                .map_err(|e| StoreError::InvalidInput(format!("op receipt is not JSON: {e}")))?;
+            op_receipt_text(&super::sign_op_receipt(signer, &value)?)?
+        }
+        None => receipt.to_owned(),
+    };
     c.execute(
         "INSERT INTO ops (at, op, receipt) VALUES (?1, ?2, ?3)",
-        params![at_ms, op, receipt],
+        params![at_ms, op, text],
     )?;
     let id = c.last_insert_rowid();
     c.execute(
         "DELETE FROM ops WHERE id <= ?1",
         [id.saturating_sub(OPS_KEEP)],
     )?;
-    Ok(id)
+    Ok((id, text))
 }
 
 fn new_epoch() -> String {

@@ -404,6 +404,14 @@ impl Relay {
         self.hop(host, "POST", "/v2/relay/ack", &body).await
     }
 
+    /// Runs one retention sweep now, at the relay clock's time, as the server's schedule does
+    /// (`agentmbx_relay::retention::sweep_once`); panics when it fails.
+    pub async fn sweep(&self) -> store::SweepReport {
+        agentmbx_relay::retention::sweep_once(&self.state)
+            .await
+            .expect("retention sweep")
+    }
+
     /// Pulls `host`'s whole queue (one page of up to 500) and returns the item ids in order.
     pub async fn queue_ids(&self, host: &Host) -> Vec<String> {
         let r = self.pull(host, "after=0&limit=500").await;
@@ -1011,6 +1019,14 @@ impl RelayStore for FailingStore {
     }
     fn ops(&self, limit: i64) -> Result<Vec<store::OpRecord>, store::StoreError> {
         self.inner.ops(limit)
+    }
+    fn sweep(
+        &self,
+        now_ms: i64,
+        signer: Arc<dyn store::NoticeSigner>,
+    ) -> Result<store::SweepReport, store::StoreError> {
+        self.write()?;
+        self.inner.sweep(now_ms, signer)
     }
     fn failed(&self) -> Option<String> {
         self.failure.lock().expect("lock").clone()

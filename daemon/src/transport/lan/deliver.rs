@@ -15,7 +15,9 @@
 //! Every pass ends with the 72 h sweep ([`outbox::give_up_stale`]): a pending row no relay ever
 //! accepted that is more than 72 h old ends `undelivered` with its alert, whichever transport
 //! was trying it, or none (a peer with no LAN address and no relay), so no mail waits forever
-//! unnoticed. The loop passes at least every [`IDLE_WAIT_MS`].
+//! unnoticed. Then the deadline rule of rows a relay accepted ([`crate::node::settle`]: no
+//! delivery receipt by the deadline → `unconfirmed`, with an alert). The loop passes at least
+//! every [`IDLE_WAIT_MS`].
 //!
 //! Then the due receipts the LAN takes, at most [`RECEIPT_BATCH`] per host in one
 //! `POST /v1/receipts`; a length mismatch or any error is a failure of all of them.
@@ -184,6 +186,8 @@ impl LanDelivery {
             return Err(e);
         }
         counts.gave_up += self.give_up_stale().await?;
+        crate::node::settle::settle_pass(&self.mailbox, self.client.ident.clone(), self.now())
+            .await?;
         Ok(counts)
     }
 

@@ -557,8 +557,8 @@ async fn the_lan_goes_first_the_relay_takes_over_after_two_failures_and_a_peer_b
         assert_eq!(relay(&c, r.next_at), vec![ID1.to_string()]);
         assert!(lan(&c, r.next_at).is_empty());
     }
-    // A relay-accepted row is never sent over the LAN again, even after the peer is back, nor
-    // when it is pending again for a re-push.
+    // A relay-accepted row is never sent over the LAN, even after the peer is back; a re-push
+    // follows the rule like any row (two LAN failures: the relay's).
     home.store
         .mailbox
         .with(|c| {
@@ -574,7 +574,7 @@ async fn the_lan_goes_first_the_relay_takes_over_after_two_failures_and_a_peer_b
     home.store
         .mailbox
         .with(|c| {
-            c.execute("UPDATE outbox SET state = 'pending'", [])?;
+            c.execute("UPDATE outbox SET state = 'repush'", [])?;
             Ok(())
         })
         .unwrap();
@@ -594,12 +594,12 @@ async fn the_lan_gives_up_after_72_hours_but_never_on_a_row_a_relay_accepted() {
     home.pin(&work, true, Some(&dead));
     home.send(ID1, &["bob@work"]);
     home.send(ID2, &["bob@work"]);
-    // ID2 was accepted by a relay once and is pending again for a re-push.
+    // ID2 was accepted by a relay once and is to be pushed again (a new epoch).
     home.store
         .mailbox
         .with(|c| {
             c.execute(
-                "UPDATE outbox SET accepted_at = ?2 WHERE msg_id = ?1",
+                "UPDATE outbox SET state = 'repush', accepted_at = ?2 WHERE msg_id = ?1",
                 rusqlite::params![ID2, T0],
             )?;
             Ok(())
@@ -632,9 +632,9 @@ async fn the_lan_gives_up_after_72_hours_but_never_on_a_row_a_relay_accepted() {
         "{}",
         alerts[0].1
     );
-    // The relay-accepted row is the relay's: untouched by the LAN and never dropped by it.
+    // The re-push is tried over the LAN too, and never dropped by it.
     let r2 = home.row(ID2, "work");
-    assert_eq!((r2.state.as_str(), r2.attempts), ("pending", 0));
+    assert_eq!((r2.state.as_str(), r2.attempts), ("repush", 2));
     // The fail rule itself never drops a row a relay accepted, however old.
     let out = home
         .store
@@ -642,7 +642,7 @@ async fn the_lan_gives_up_after_72_hours_but_never_on_a_row_a_relay_accepted() {
         .with(|c| outbox::fail_lan(c, ID2, "work", "x", T0 + 1_000 * outbox::GIVE_UP_MS))
         .unwrap();
     assert_eq!(out, outbox::Failure::Retry);
-    assert_eq!(home.row(ID2, "work").state, "pending");
+    assert_eq!(home.row(ID2, "work").state, "repush");
 }
 
 /// The 72 h sweep of the LAN pass ends the rows no transport can take (no LAN address, no
@@ -675,9 +675,9 @@ async fn the_sweep_ends_rows_no_transport_takes_after_72_hours_but_never_relay_a
                  WHERE msg_id = ?1",
                 rusqlite::params![accepted, T0],
             )?;
-            // Accepted by a relay once, pending again for a re-push.
+            // Accepted by a relay once, to be pushed again (a new epoch).
             c.execute(
-                "UPDATE outbox SET accepted_at = ?2 WHERE msg_id = ?1",
+                "UPDATE outbox SET state = 'repush', accepted_at = ?2 WHERE msg_id = ?1",
                 rusqlite::params![repush, T0],
             )?;
             Ok(())
@@ -687,7 +687,6 @@ async fn the_sweep_ends_rows_no_transport_takes_after_72_hours_but_never_relay_a
         crate::transport::select::choose(crate::transport::select::Facts {
             lan_failures: 0,
             has_addr: false,
-            relay_accepted_once: false,
             relay_configured,
         })
     };
@@ -741,7 +740,7 @@ async fn the_sweep_ends_rows_no_transport_takes_after_72_hours_but_never_relay_a
     clock.set(T0 + 1_000 * outbox::GIVE_UP_MS);
     assert_eq!(home.delivery(true).pass().await.unwrap().gave_up, 0);
     assert_eq!(home.row(&accepted, "work").state, "relay-accepted");
-    assert_eq!(home.row(&repush, "work").state, "pending");
+    assert_eq!(home.row(&repush, "work").state, "repush");
     assert_eq!(home.alerts().len(), 2);
 }
 

@@ -14,18 +14,25 @@
 //! (`mailbox::receipts::requeue`; `wire.md` §3.5), so a sender whose first receipt was lost
 //! still settles its relay-accepted row (spec §9). A receipt item (spec §9) goes to
 //! `node::receipts::accept` with no LAN hop and the item's sender key, which must be the
-//! recipient host's pinned key. A `rejected:<why>` of either goes to quarantine as `<why>`.
+//! recipient host's pinned key. A `rejected:<why>` of either goes to quarantine as `<why>`. An
+//! expiry notice (kind `expired`, spec §6) goes to [`crate::node::settle::apply_expiry_notice`]
+//! with the pinned relay key: the outbox row it names ends `expired` with the sender's alert in
+//! the item's transaction, and a notice that key did not push or sign, or that names no row of
+//! this host, goes to quarantine with its reason.
 //!
-//! Going back in time is an epoch change (spec §4): a 409, another epoch, `head_seq` below the
-//! checkpoint, or BAD_ACK reset the position to 0 and everything is pulled again.
+//! Another epoch and going back in time (spec §4, §5): a 409 or a page of another epoch is a new
+//! epoch, `head_seq` below the checkpoint or BAD_ACK a rewind; either way
+//! [`RelayClient::epoch_changed`] moves the relay's accepted rows to `repush` and resets the
+//! position to 0 in one transaction, and everything is pulled again.
 
 use agentmbx_protocol::wire::{AckResponse, PullItem, PullResponse};
 use agentmbx_protocol::{b64, failpoint};
 
 use super::session::Session;
 use super::{RelayClient, RelayError};
+use crate::mailbox::outbox::Repush;
 use crate::mailbox::{receipts, relay_state, MailboxError};
-use crate::node::receive;
+use crate::node::{receive, settle};
 
 /// What processing one item came to.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,6 +43,8 @@ enum Verdict {
     Duplicate { requeued: usize },
     /// A delivery receipt: `accepted`, `duplicate` or `stale`.
     Receipt(String),
+    /// A relay's expiry notice for one of this host's rows.
+    Notice(settle::NoticeOutcome),
 }
 
 impl From<receive::Verdict> for Verdict {
@@ -92,6 +101,8 @@ pub struct PullPass {
     pub quarantined: usize,
     /// Delivery receipts applied (accepted, duplicate or stale).
     pub receipts: usize,
+    /// Valid expiry notices applied (a row expired, found delivered, or a repeat).
+    pub notices: usize,
     /// The checkpoint after the pass.
     pub received_through: i64,
 }
@@ -105,30 +116,24 @@ pub fn order_page(mut items: Vec<PullItem>, through: i64) -> Vec<PullItem> {
 }
 
 impl RelayClient {
+    /// `received_through` in `epoch`; a position of another epoch (or none) is an epoch change
+    /// ([`Self::epoch_changed`]) and the pull starts at 0.
     async fn position(&self, epoch: &str) -> Result<i64, RelayError> {
-        let (url, ep, now) = (self.url.clone(), epoch.to_string(), self.clock.now_ms());
-        Ok(self
+        let url = self.url.clone();
+        let pos = self
             .mailbox
-            .run(move |c| match relay_state::position(c, &url)? {
-                Some(p) if p.epoch == ep => Ok(p.received_through),
-                other => {
-                    if let Some(p) = other {
-                        tracing::warn!(relay = %url, from = %p.epoch, to = %ep, "relay epoch changed: pulling everything again");
-                    }
-                    relay_state::reset(c, &url, &ep, now)?;
-                    Ok(0)
-                }
-            })
-            .await?)
-    }
-
-    async fn rewind(&self, epoch: &str, why: &str) -> Result<(), RelayError> {
-        tracing::warn!(relay = %self.url, epoch, reason = why, "relay went back in time: pulling everything again");
-        let (url, ep, now) = (self.url.clone(), epoch.to_string(), self.clock.now_ms());
-        self.mailbox
-            .run(move |c| relay_state::reset(c, &url, &ep, now))
+            .run(move |c| relay_state::position(c, &url))
             .await?;
-        Ok(())
+        if let Some(p) = pos.filter(|p| p.epoch == epoch) {
+            return Ok(p.received_through);
+        }
+        self.epoch_changed(
+            epoch,
+            Repush::Epoch,
+            "another epoch than the receive position's",
+        )
+        .await?;
+        Ok(0)
     }
 
     /// Receives quarantined `host not paired` envelopes whose sender has been pinned since
@@ -175,7 +180,8 @@ impl RelayClient {
     /// One pull pass: up to [`MAX_PAGES_PER_PASS`] pages, each followed by its ack.
     pub async fn pull_pass(&self, session: &Session) -> Result<PullPass, RelayError> {
         let mut pass = PullPass::default();
-        let mut epoch = session.epoch.clone();
+        // A push in this pass may have seen a newer epoch than the session's info.
+        let mut epoch = self.current_epoch(&session.epoch).await?;
         let limit = session.limits.max_pull.clamp(1, 500);
         // A page may be larger than other answers (`answer::pull_answer_cap`).
         let cap = super::answer::pull_answer_cap(&session.limits);
@@ -193,19 +199,21 @@ impl RelayClient {
                     let new = body
                         .and_then(|b| b.epoch)
                         .ok_or_else(|| RelayError::Malformed("409 without epoch".into()))?;
-                    self.rewind(&new, "stale epoch").await?;
+                    self.epoch_changed(&new, Repush::Epoch, "stale epoch (409) on pull")
+                        .await?;
                     epoch = new;
                     continue;
                 }
                 Err(e) => return Err(e),
             };
             if page.epoch != epoch {
-                self.rewind(&page.epoch, "epoch changed").await?;
+                self.epoch_changed(&page.epoch, Repush::Epoch, "another epoch in a pull page")
+                    .await?;
                 epoch = page.epoch;
                 continue;
             }
             if page.head_seq < through {
-                self.rewind(&epoch, "head_seq below received_through")
+                self.epoch_changed(&epoch, Repush::Rewind, "head_seq below received_through")
                     .await?;
                 continue;
             }
@@ -221,6 +229,8 @@ impl RelayClient {
             let through = self.position(&epoch).await?;
             pass.received_through = through;
             if !self.ack(&epoch, through).await? {
+                // The ack showed a new epoch or a rewind, now recorded.
+                epoch = self.current_epoch(&epoch).await?;
                 continue;
             }
             if !page.more {
@@ -246,6 +256,7 @@ impl RelayClient {
     ) -> Result<(), RelayError> {
         let ident = self.ident.clone();
         let (url, ep, now) = (self.url.clone(), epoch.to_string(), self.clock.now_ms());
+        let relay_key = self.relay_key;
         let outcome = self
             .mailbox
             .run(move |c| {
@@ -255,10 +266,22 @@ impl RelayClient {
                     Ok(w) => (w, true),
                     Err(_) => (item.wire_b64.clone().into_bytes(), false),
                 };
-                let verdict = if item.kind != "envelope" && item.kind != "receipt" {
+                let verdict = if !matches!(item.kind.as_str(), "envelope" | "receipt" | "expired") {
                     Err(format!("unsupported item kind {:?}", item.kind))
                 } else if !decoded || wire.is_empty() {
                     Err("bad wire".to_string())
+                } else if item.kind == "expired" {
+                    settle::apply_expiry_notice(
+                        &tx,
+                        &ident,
+                        &url,
+                        &relay_key,
+                        &item.item_id,
+                        &item.sender_pubkey,
+                        &wire,
+                        now,
+                    )?
+                    .map(Verdict::Notice)
                 } else if item.kind == "receipt" {
                     receive_receipt(&tx, ident.host.as_str(), &wire, &item, now)?
                 } else {
@@ -316,6 +339,24 @@ impl RelayClient {
                 tracing::info!(seq, id = %id, result = %result, "delivery receipt from the relay");
                 pass.receipts += 1;
             }
+            (seq, _, Ok(Verdict::Notice(n))) => {
+                match &n {
+                    settle::NoticeOutcome::Expired { msg_id, host, days } => {
+                        tracing::warn!(seq, id = %msg_id, peer = %host, days, "Undelivered to {host}: the relay expired it after {days} day(s)");
+                    }
+                    settle::NoticeOutcome::Delivered { msg_id, host } => {
+                        tracing::info!(seq, id = %msg_id, peer = %host, "expiry notice for mail the host had confirmed: delivered");
+                    }
+                    settle::NoticeOutcome::Repeat {
+                        msg_id,
+                        host,
+                        state,
+                    } => {
+                        tracing::debug!(seq, id = %msg_id, peer = %host, state = %state, "expiry notice for a settled row: nothing to do");
+                    }
+                }
+                pass.notices += 1;
+            }
             (seq, id, Err(reason)) => {
                 tracing::warn!(seq, id = %id, reason = %reason, "relay item quarantined");
                 pass.quarantined += 1;
@@ -355,10 +396,16 @@ impl RelayClient {
             Err(RelayError::Status {
                 status: 409, body, ..
             }) => {
-                let new = body
-                    .and_then(|b| b.epoch)
-                    .unwrap_or_else(|| epoch.to_string());
-                self.rewind(&new, "stale epoch on ack").await?;
+                match body.and_then(|b| b.epoch) {
+                    Some(new) => {
+                        self.epoch_changed(&new, Repush::Epoch, "stale epoch (409) on ack")
+                            .await?
+                    }
+                    None => {
+                        self.epoch_changed(epoch, Repush::Rewind, "409 on ack without an epoch")
+                            .await?
+                    }
+                };
                 Ok(false)
             }
             Err(RelayError::Status {
@@ -366,7 +413,7 @@ impl RelayClient {
                 body: Some(b),
                 ..
             }) if b.code == "BAD_ACK" => {
-                self.rewind(epoch, "BAD_ACK").await?;
+                self.epoch_changed(epoch, Repush::Rewind, "BAD_ACK").await?;
                 Ok(false)
             }
             // This host's standing (401/403) or a 429: the pass ends and the loop handles it.

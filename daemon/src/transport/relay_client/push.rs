@@ -12,6 +12,14 @@
 //! ([`RelayError::ends_pass`]). A refusal showing the target is not enrolled
 //! on the relay, or no usable enc-key ad for it there, hands the row back to the LAN when the
 //! peer has a LAN address (spec §10, [`crate::transport::select`]).
+//!
+//! A `repush` row (a relay accepted it before a new epoch or a rewind, spec §5) is pushed like a
+//! pending one with its persisted bytes; relay dedup answers `duplicate` where the item
+//! survived. A verified accept moves it back to `relay-accepted` with its first accept time and
+//! deadline; no refusal ends it (its receipt or deadline does). A verified accept (of a row or
+//! of a receipt) of another epoch than the one recorded is a new epoch
+//! ([`RelayClient::epoch_changed`]), handled before that row settles. A `rejected:quota:<which>` or `rejected:rate` result keeps the row and
+//! backs it off like any retryable refusal (spec §7).
 
 use serde_json::Value;
 
@@ -21,6 +29,7 @@ use agentmbx_protocol::{b64, failpoint, hash, records};
 
 use super::session::Session;
 use super::{RelayClient, RelayError};
+use crate::mailbox::outbox::Repush;
 use crate::mailbox::{outbox, peers, receipts, MailboxError};
 use crate::node::alert;
 use crate::transport::select;
@@ -55,7 +64,7 @@ pub fn is_terminal(reason: &str) -> bool {
 pub struct PushPass {
     /// Rows settled as relay-accepted.
     pub accepted: usize,
-    /// Rows left pending or rejected.
+    /// Rows left pending (or `repush`) or rejected.
     pub failed: usize,
 }
 
@@ -150,9 +159,9 @@ impl RelayClient {
         }
     }
 
-    /// One push pass over the due rows the relay takes ([`outbox::due_for_relay`], spec §10:
-    /// the LAN failed twice, the peer has no LAN address, or a relay accepted the row before).
-    /// Network failures leave every row of the batch pending.
+    /// One push pass over the due `pending` and `repush` rows the relay takes
+    /// ([`outbox::due_for_relay`], spec §10: the LAN failed twice, or the peer has no LAN
+    /// address). Network failures leave every row of the batch as it was, backed off.
     pub async fn push_due(&self, session: &Session) -> Result<PushPass, RelayError> {
         let now = self.clock.now_ms();
         let max_batch = session.limits.max_batch.clamp(1, 200) as usize;
@@ -201,9 +210,12 @@ impl RelayClient {
                     pass.failed += 1;
                     continue;
                 }
-                self.fail_row(&row, "envelope too large for the relay", true, false)
+                let failure = self
+                    .fail_row(&row, "envelope too large for the relay", true, false)
                     .await?;
-                tracing::error!(id = %row.msg_id, host = %row.host, bytes = wire.len(), "Undelivered to {}: the sealed envelope is over the relay's item limit", row.host);
+                if failure == outbox::Failure::Rejected {
+                    tracing::error!(id = %row.msg_id, host = %row.host, bytes = wire.len(), "Undelivered to {}: the sealed envelope is over the relay's item limit", row.host);
+                }
                 pass.failed += 1;
                 continue;
             }
@@ -314,6 +326,8 @@ impl RelayClient {
             }
         };
         let me = self.ident.host_key.public().to_b64();
+        // The epoch this host recorded: an accept of another one is a new epoch (spec §5).
+        let mut known_epoch = self.current_epoch(&session.epoch).await?;
         // Results come back in request order (one per pushed item). One message to several
         // hosts is several items with the same id, so a result is matched by its position and
         // must also name the row's item id.
@@ -341,6 +355,15 @@ impl RelayClient {
             };
             match verdict {
                 Ok((st, accept, sig)) => {
+                    if st.epoch != known_epoch {
+                        self.epoch_changed(
+                            &st.epoch,
+                            Repush::Epoch,
+                            "another epoch in a push accept",
+                        )
+                        .await?;
+                        known_epoch = st.epoch.clone();
+                    }
                     let seq = st
                         .targets
                         .iter()
@@ -454,6 +477,8 @@ impl RelayClient {
         };
         let me = self.ident.host_key.public().to_b64();
         let (mut done, mut dropped, mut failed) = (Vec::new(), Vec::new(), Vec::new());
+        // A verified accept of another epoch than the recorded one is a new epoch (spec §5).
+        let mut seen_epoch: Option<String> = None;
         for (i, (row, item_id, wire)) in batch.iter().enumerate() {
             let target = row.target_pubkey.clone().unwrap_or_default();
             let result = results.get(i).filter(|r| &r.item_id == item_id);
@@ -469,7 +494,10 @@ impl RelayClient {
                         &target,
                         &hash::sha256_hex(wire),
                     ) {
-                        Ok(_) => done.push(row.seq),
+                        Ok(st) => {
+                            seen_epoch.get_or_insert(st.epoch);
+                            done.push(row.seq);
+                        }
                         Err(e) => failed.push((row.seq, e.to_string())),
                     }
                 }
@@ -479,6 +507,12 @@ impl RelayClient {
                 }
                 Some(r) => failed.push((row.seq, r.status.clone())),
                 None => failed.push((row.seq, "missing result".to_string())),
+            }
+        }
+        if let Some(epoch) = seen_epoch {
+            if epoch != self.current_epoch(&session.epoch).await? {
+                self.epoch_changed(&epoch, Repush::Epoch, "another epoch in a push accept")
+                    .await?;
             }
         }
         pass.accepted = done.len();

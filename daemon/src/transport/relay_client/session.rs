@@ -2,6 +2,11 @@
 //! `GET /v2/relay/info`, the pinned-key check, the epoch, enrolment, this host's v2 enc-key ad
 //! and its sender allowlist ([`super::allowlist`]).
 //!
+//! It also owns what a new epoch or a rewind does, wherever it is seen (info here, a push
+//! accept in [`super::push`], a pull page, a 409 or a BAD_ACK in [`super::pull`]):
+//! [`RelayClient::epoch_changed`] moves the relay's accepted rows to `repush` and restarts the
+//! receive position at 0 in one transaction (spec §5 "On seeing a new epoch").
+//!
 //! Enrolment is what the relay's signed info says (`you`), never a permanent local flag (G6):
 //! the cache `relay-enrolled:<url>` ([`state::Enrolment`]) only counts for the same relay key,
 //! epoch and host key. A missing `you`, a cache from another epoch, relay key or host key, or a
@@ -39,7 +44,8 @@ use agentmbx_protocol::wire::{ChallengeResponse, EncKeyAnswer, Limits, RelayInfo
 use super::state::{self, Enrolment, PublishedAd, RelayState, Standing};
 use super::{status_error, RelayClient, RelayError};
 use crate::mailbox::audit;
-use crate::mailbox::relay_state::{kv_get, kv_set};
+use crate::mailbox::outbox::{self, Repush};
+use crate::mailbox::relay_state::{self, kv_get, kv_set};
 
 /// This host republishes its enc-key ad once a day (ms; `wire.md` §2.8 "refresh daily").
 pub const ENC_AD_REFRESH_MS: i64 = 86_400_000;
@@ -366,35 +372,91 @@ impl RelayClient {
         }
     }
 
-    /// Records the relay epoch; on a change, re-pushes every relay-accepted row of this relay
-    /// (spec §5 "On seeing a new epoch": a sender re-pushes, dedup makes it safe).
+    /// Records the relay epoch its signed info shows (spec §5): the first one is only recorded;
+    /// another than the recorded one is a new epoch ([`Self::epoch_changed`]).
     async fn note_epoch(&self, epoch: &str) -> Result<(), RelayError> {
+        self.epoch_changed(epoch, Repush::Epoch, "another epoch in the relay's info")
+            .await?;
+        Ok(())
+    }
+
+    /// The epoch this host last recorded for this relay (kv `relay-epoch:<url>`), else
+    /// `fallback`. Errors: storage failures.
+    pub async fn current_epoch(&self, fallback: &str) -> Result<String, RelayError> {
+        let key = state::epoch_kv(&self.url);
+        let stored = self.mailbox.run(move |c| kv_get(c, &key)).await?;
+        Ok(stored.unwrap_or_else(|| fallback.to_string()))
+    }
+
+    /// The relay showed epoch `epoch` (in its info, a push accept, a pull page or a 409), or
+    /// went back in time within it (`why` [`Repush::Rewind`]: `head_seq` below
+    /// `received_through`, or BAD_ACK); `reason` says where, for the log and the audit (spec
+    /// §5 "On seeing a new epoch"; `wire.md` §3.5 "Epoch change / rewind"). A new epoch (one
+    /// other than the recorded one, kv `relay-epoch:<url>` or else the receive position's) and
+    /// every rewind are handled in ONE transaction: the relay's accepted rows without a delivery
+    /// receipt become `repush` ([`outbox::repush_for_epoch`]: due now, same wire bytes, accept
+    /// time and deadline kept), the receive position restarts at 0 in `epoch` with nothing
+    /// acked, the epoch is recorded, and `relay.epoch_changed` is audited. The first epoch ever
+    /// seen, or the recorded one again, is only recorded (a receive position of another epoch is
+    /// restarted at 0). Returns how many rows became `repush`, or `None` when it was no change.
+    /// Errors: storage failures.
+    pub async fn epoch_changed(
+        &self,
+        epoch: &str,
+        why: Repush,
+        reason: &'static str,
+    ) -> Result<Option<usize>, RelayError> {
         let (url, ep, now) = (self.url.clone(), epoch.to_string(), self.clock.now_ms());
-        let moved = self
+        let done = self
             .mailbox
             .run(move |c| {
                 let key = state::epoch_kv(&url);
-                // The steady state (same epoch) reads only.
-                if kv_get(c, &key)?.as_deref() == Some(ep.as_str()) {
-                    return Ok(0);
+                let pos = relay_state::position(c, &url)?;
+                // The steady state (same epoch everywhere) reads only.
+                if why == Repush::Epoch
+                    && kv_get(c, &key)?.as_deref() == Some(ep.as_str())
+                    && pos.as_ref().is_some_and(|p| p.epoch == ep)
+                {
+                    return Ok(None);
                 }
                 let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
                 let old = kv_get(&tx, &key)?;
-                let mut moved = 0;
+                let pos = relay_state::position(&tx, &url)?;
+                let known = old
+                    .clone()
+                    .or_else(|| pos.as_ref().map(|p| p.epoch.clone()));
+                let change = match why {
+                    Repush::Rewind => true,
+                    Repush::Epoch => known.as_deref().is_some_and(|k| k != ep),
+                };
+                let mut moved = None;
+                if change {
+                    let n = outbox::repush_for_epoch(&tx, &url, &ep, why, now)?;
+                    relay_state::reset(&tx, &url, &ep, now)?;
+                    audit::record(
+                        &tx,
+                        now,
+                        "relay.epoch_changed",
+                        &json!({"relay": url, "from": known, "to": ep, "why": why.as_str(),
+                                "reason": reason, "repush": n}),
+                    )?;
+                    moved = Some((known, n));
+                } else if pos.as_ref().is_none_or(|p| p.epoch != ep) {
+                    relay_state::reset(&tx, &url, &ep, now)?;
+                }
                 if old.as_deref() != Some(ep.as_str()) {
-                    if old.is_some() {
-                        moved = crate::mailbox::outbox::repush_for_epoch(&tx, &url, &ep, now)?;
-                    }
                     kv_set(&tx, &key, &ep)?;
                 }
                 tx.commit()?;
                 Ok(moved)
             })
             .await?;
-        if moved > 0 {
-            tracing::warn!(relay = %self.url, epoch, rows = moved, "relay epoch changed: pushing relay-accepted mail again");
-        }
-        Ok(())
+        Ok(done.map(|(from, rows)| {
+            tracing::warn!(relay = %self.url, from = from.as_deref().unwrap_or(""), to = epoch,
+                why = why.as_str(), reason, rows,
+                "the relay's epoch changed or it went back in time: pushing relay-accepted mail again and pulling everything again");
+            rows
+        }))
     }
 
     /// Whether this host must enrol now, and why: `you` missing or naming another host name, or

@@ -25,7 +25,7 @@
 //! tokens or bodies: public keys, fingerprints, times and reasons only. It performs no network
 //! I/O.
 
-use rusqlite::{params, Connection};
+use rusqlite::Connection;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
@@ -751,19 +751,6 @@ pub fn enc_refusal(conn: &Connection, host: &str) -> Result<Option<String>, Mail
 pub fn clear_enc_refusal(conn: &Connection, host: &str) -> Result<(), MailboxError> {
     kv_delete(conn, &enc_rejected_kv(host))?;
     Ok(())
-}
-
-// ---- counts for `relay info` ---------------------------------------------------------------------
-
-/// Outbox rows waiting for a transport (`pending`) and rows `relay-accepted` by `url` (waiting
-/// for the target's receipt). Errors: SQLite failures.
-pub fn outbox_counts(conn: &Connection, url: &str) -> Result<(i64, i64), MailboxError> {
-    Ok(conn.query_row(
-        "SELECT (SELECT COUNT(*) FROM outbox WHERE state = 'pending'),
-                (SELECT COUNT(*) FROM outbox WHERE state = 'relay-accepted' AND relay = ?1)",
-        params![norm(url)],
-        |r| Ok((r.get(0)?, r.get(1)?)),
-    )?)
 }
 
 #[cfg(test)]

@@ -28,6 +28,7 @@ use crate::mailbox::{outbox, peers, relay_state};
 use crate::testutil::{self, Store, T0};
 
 mod account_tokens;
+mod epochs_and_expiry;
 mod pins_and_caps;
 
 // ---- the fake relay ---------------------------------------------------------------------------
@@ -1989,7 +1990,9 @@ async fn a_new_epoch_sends_relay_accepted_rows_again_with_the_same_bytes() {
     *epoch.lock().unwrap() = "e2".into();
     s.client.open_session().await.unwrap();
     let row = s.row(&id);
-    assert_eq!(row.state, "pending");
+    assert_eq!(row.state, "repush");
+    assert_eq!(row.last_error.as_deref(), Some("relay epoch: re-push"));
+    assert_eq!((row.accepted_at, row.deadline_at), (Some(T0), Some(T0 + 1)));
     assert!(row.next_at <= s.clock_now());
     assert_eq!(row.wire.as_deref(), Some(&b"{\"sealed\":1}"[..]));
 }

@@ -36,8 +36,8 @@
 //!      such resealed push into a conflict. The receiver's message-id dedup absorbs the second
 //!      copy.
 //!
-//!    Dedup rows are never re-keyed; the retention sweep (`wire.md` §3.2 "Sweep"), once it
-//!    exists, prunes them by age wherever they are.
+//!    Dedup rows are never re-keyed; the retention sweep (`wire.md` §3.2 "Sweep") prunes
+//!    them by age wherever they are, once their item is gone.
 //! 4. The old key's enc-key ads (v1 and v2) are dropped.
 //! 5. The old key's own allowlist becomes the new key's, unless the new key already published
 //!    one (a list signed by the new key is the host's newer word).
@@ -70,13 +70,12 @@
 //! enrolments table and shrink with it if enrolments are ever pruned.
 //!
 //! # Expiry notices for moved items
-//! The relay has no retention sweep yet (`wire.md` §3.2 "Sweep"). When it has one, the expiry
-//! notice of an envelope that a rotation moved must name the target key the *sender* used —
-//! the old key — not the key the item waits under now, or the sender could not match it to
-//! its row. The moved item's row carries the new key; the original target is the one of the
-//! dedup row with the item's sender, id and wire hash (kept under the old key, point 3; a
-//! sealed copy for another target has another hash), and `meta.rotation:<old key>` links the
-//! two keys.
+//! The expiry notice of an envelope that a rotation moved must name the target key the
+//! *sender* used — the old key — not the key the item waits under now, or the sender could not
+//! match it to its row. A moved item keeps that key in `items.origin_target` (schema version
+//! 3; after several rotations still the first key), which the retention sweep
+//! (`sqlite/sweep.rs`) names in the notice; it also keeps the dedup row under that key from
+//! being pruned while the item is queued.
 //!
 //! # What it must never do
 //! Verify signatures (the handler checked the record against the old key) or charge quotas.
@@ -198,10 +197,10 @@ fn move_queue(
     let moved = c
         .prepare_cached(
             "INSERT INTO items (target_pubkey, seq, kind, item_id, sender_pubkey, sender_host,
-                                wire, wire_hash, bytes, accepted_at, expires_at)
+                                wire, wire_hash, bytes, accepted_at, expires_at, origin_target)
              SELECT ?2, ?3 + ROW_NUMBER() OVER (ORDER BY i.seq) - 1, i.kind, i.item_id,
                     i.sender_pubkey, i.sender_host, i.wire, i.wire_hash, i.bytes,
-                    i.accepted_at, i.expires_at
+                    i.accepted_at, i.expires_at, COALESCE(i.origin_target, ?1)
              FROM items i
              WHERE i.target_pubkey = ?1
                AND NOT EXISTS (SELECT 1 FROM dedup d

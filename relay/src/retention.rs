@@ -1,0 +1,254 @@
+//! The retention sweep as the relay runs it (spec §6, §7; `wire.md` §2.12 "Expiry notice",
+//! §3.2 "Sweep").
+//!
+//! # What it owns
+//! - **The notice signer** ([`RelayNoticeSigner`]): the relay key's [`NoticeSigner`], which
+//!   turns the facts of an expired envelope into the wire bytes of its notice,
+//!   canonical(`{notice, sig}`) with `notice = {v:1, type:"relay-expired", item_id,
+//!   target_pubkey, accepted_at, expired_at}` (ISO ms, `Z`) and `sig` the relay key's signature
+//!   over canonical(notice). The store decides what expires and queues the notices
+//!   ([`RelayStore::sweep`](crate::store::RelayStore::sweep)); it never sees the key.
+//! - **The schedule** ([`run`]): one sweep at start (so a relay that was down, or a store that
+//!   came back from an old copy, settles at once), then one every `sweep_interval_ms`
+//!   (default [`DEFAULT_SWEEP_INTERVAL_MS`], 10 min), at the time of the relay's clock.
+//!   [`sweep_once`] is one sweep now; tests call it after moving their manual clock.
+//! - **The log line**: one `info` line per sweep that changed something, with the counts. The
+//!   `relay-sweep` receipt itself is written by the store, in the sweep's last transaction.
+//!
+//! # What it must never do
+//! Log or return key material, item contents or wire bytes; sleep in place of a clock (its
+//! time is the relay's [`SharedClock`](agentmbx_protocol::clock::SharedClock)); stop the relay
+//! when a sweep fails (the next one continues where it stopped).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+
+use agentmbx_protocol::canonical;
+use agentmbx_protocol::keys::HostKey;
+use agentmbx_protocol::records::ExpiryNotice;
+use agentmbx_protocol::time::iso_ms;
+
+pub use crate::config::DEFAULT_SWEEP_INTERVAL_MS;
+use crate::server::SharedRelay;
+use crate::store::{ExpiryFacts, NoticeSigner, StoreError, SweepReport};
+
+/// The item id of the notice about `item_id` pushed to `target_pubkey`:
+/// `expired:<item_id>:<target_pubkey>` (`wire.md` §2.12).
+pub fn notice_item_id(item_id: &str, target_pubkey: &str) -> String {
+    format!("expired:{item_id}:{target_pubkey}")
+}
+
+/// The notice record for `facts` (`wire.md` §2.12): times as ISO ms in the `Z` form.
+pub fn expiry_notice(facts: &ExpiryFacts) -> ExpiryNotice {
+    ExpiryNotice {
+        v: 1,
+        kind: "relay-expired".to_owned(),
+        item_id: facts.item_id.clone(),
+        target_pubkey: facts.target_pubkey.clone(),
+        accepted_at: iso_ms(facts.accepted_at_ms),
+        expired_at: iso_ms(facts.expired_at_ms),
+    }
+}
+
+/// The notice item's wire bytes: canonical(`{notice, sig}`), `sig` = `key` over
+/// canonical(notice) (`wire.md` §2.12). Errors (a record that cannot be serialized) name no key
+/// material.
+pub fn notice_wire(key: &HostKey, facts: &ExpiryFacts) -> Result<Vec<u8>, String> {
+    let notice = serde_json::to_value(expiry_notice(facts))
+        .map_err(|e| format!("expiry notice not serializable: {e}"))?;
+    let signed = canonical::to_string(&notice).map_err(|e| e.to_string())?;
+    let sig = key.sign(signed.as_bytes());
+    canonical::to_string(&json!({"notice": notice, "sig": sig}))
+        .map(String::into_bytes)
+        .map_err(|e| e.to_string())
+}
+
+/// The relay key as the store's [`NoticeSigner`]. Its `Debug` shows the key's fingerprint only.
+#[derive(Clone)]
+pub struct RelayNoticeSigner {
+    key: HostKey,
+}
+
+impl RelayNoticeSigner {
+    /// A signer over the relay key.
+    pub fn new(key: HostKey) -> Self {
+        Self { key }
+    }
+}
+
+impl std::fmt::Debug for RelayNoticeSigner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayNoticeSigner")
+            .field("fingerprint", &self.key.public().fingerprint())
+            .finish()
+    }
+}
+
+impl NoticeSigner for RelayNoticeSigner {
+    fn relay_pubkey(&self) -> String {
+        self.key.public().to_b64()
+    }
+
+    fn notice_wire(&self, facts: &ExpiryFacts) -> Result<Vec<u8>, String> {
+        notice_wire(&self.key, facts)
+    }
+}
+
+/// One sweep now (the relay clock's time) over the relay's store, with the relay key as
+/// signer; logs the `info` line when it changed something. Errors: the store's (see
+/// [`RelayStore::sweep`](crate::store::RelayStore::sweep)); [`StoreError::NotCommitted`] when
+/// the blocking task died.
+pub async fn sweep_once(state: &SharedRelay) -> Result<SweepReport, StoreError> {
+    let now = state.clock.now_ms();
+    let store = state.store.clone();
+    let signer: Arc<dyn NoticeSigner> = Arc::new(RelayNoticeSigner::new(state.key.clone()));
+    let report = tokio::task::spawn_blocking(move || store.sweep(now, signer))
+        .await
+        .map_err(|_| StoreError::NotCommitted {
+            reason: "the sweep task failed".to_owned(),
+        })??;
+    log_report(&report);
+    Ok(report)
+}
+
+/// The one log line of a sweep (`info` when it changed something, else `debug`).
+fn log_report(r: &SweepReport) {
+    if r.changed() {
+        tracing::info!(
+            expired = r.expired_items,
+            envelopes = r.expired_envelopes,
+            receipts = r.expired_receipts,
+            notices_expired = r.expired_notices,
+            freed_bytes = r.expired_bytes,
+            notices_queued = r.notices,
+            senders_not_enrolled = r.notices_not_enrolled,
+            senders_over_cap = r.notices_over_cap,
+            dedup_pruned = r.pruned_dedup,
+            batches = r.batches,
+            more = r.more,
+            "relay sweep: {} expired item(s) deleted, {} expiry notice(s) queued for senders, {} \
+             dedup row(s) past the horizon pruned{}",
+            r.expired_items,
+            r.notices,
+            r.pruned_dedup,
+            if r.more {
+                "; more left for the next sweep"
+            } else {
+                ""
+            }
+        );
+    } else {
+        tracing::debug!(batches = r.batches, "relay sweep: nothing expired");
+    }
+}
+
+/// The sweep period of `state`'s configuration.
+pub fn interval(state: &SharedRelay) -> Duration {
+    Duration::from_millis(
+        state
+            .config
+            .sweep_interval_ms
+            .unwrap_or(DEFAULT_SWEEP_INTERVAL_MS),
+    )
+}
+
+/// Sweeps now, then every [`interval`], for ever (the server aborts the task when it stops).
+/// A failed sweep is logged (`warn`) and the schedule goes on.
+pub async fn run(state: SharedRelay) {
+    let every = interval(&state);
+    loop {
+        if let Err(e) = sweep_once(&state).await {
+            tracing::warn!(error = %e, "relay sweep failed; the next sweep continues");
+        }
+        tokio::time::sleep(every).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use agentmbx_protocol::keys::PublicKey;
+    use agentmbx_protocol::time::parse_iso_ms;
+
+    /// The golden vector `relay_expired_notice` (shared/tests/data/records.json).
+    #[test]
+    fn the_notice_wire_matches_the_golden_vector() {
+        let key =
+            HostKey::from_seed_b64("5k8+ALOxfNj13Mt/+05EU475Hq98De8RniSftCuFWBU=").expect("seed");
+        assert_eq!(
+            key.public().to_b64(),
+            "mwYOz9391vn+VassPQwcxrZJ2oX0CFWW7aZRgnVHc5s="
+        );
+        let facts = ExpiryFacts {
+            item_id: "01KDVDND1K20BQNR5GAFG5HETT".to_owned(),
+            target_pubkey: "pP8yfu981JgiqEwLyoqI6D7CiA5leQFMwy2TktUDnsE=".to_owned(),
+            accepted_at_ms: parse_iso_ms("2026-01-01T00:00:03.173Z").expect("iso"),
+            expired_at_ms: parse_iso_ms("2026-01-15T00:01:04.173Z").expect("iso"),
+        };
+        let signer = RelayNoticeSigner::new(key.clone());
+        let wire = String::from_utf8(signer.notice_wire(&facts).expect("wire")).expect("utf8");
+        assert_eq!(
+            wire,
+            "{\"notice\":{\"accepted_at\":\"2026-01-01T00:00:03.173Z\",\"expired_at\":\
+             \"2026-01-15T00:01:04.173Z\",\"item_id\":\"01KDVDND1K20BQNR5GAFG5HETT\",\
+             \"target_pubkey\":\"pP8yfu981JgiqEwLyoqI6D7CiA5leQFMwy2TktUDnsE=\",\"type\":\
+             \"relay-expired\",\"v\":1},\"sig\":\"AW2ndCjptLrDnYDkB7KiHKhZP2BNpfXGQRSHlW8HgaUVEe\
+             hc6d0o1SA0I40lvcEqf7zf2zn2buBbI3B5H+XGAA==\"}"
+        );
+        assert_eq!(
+            agentmbx_protocol::hash::sha256_hex(wire.as_bytes()),
+            "b51e092ad62fd3a9948e2a5ee3e186151784d49a0c29c0766a8d1b2db42ed8b8"
+        );
+        assert_eq!(
+            notice_item_id(&facts.item_id, &facts.target_pubkey),
+            "expired:01KDVDND1K20BQNR5GAFG5HETT:pP8yfu981JgiqEwLyoqI6D7CiA5leQFMwy2TktUDnsE="
+        );
+        assert_eq!(signer.relay_pubkey(), key.public().to_b64());
+        // The signature covers canonical(notice) and nothing else.
+        let v: serde_json::Value = serde_json::from_str(&wire).expect("json");
+        let signed = canonical::to_string(&v["notice"]).expect("canonical");
+        let relay = PublicKey::from_b64(&signer.relay_pubkey()).expect("key");
+        assert!(relay.verify(signed.as_bytes(), v["sig"].as_str().expect("sig")));
+        let mut changed = v["notice"].clone();
+        changed["expired_at"] = json!("2026-01-15T00:01:04.174Z");
+        let changed = canonical::to_string(&changed).expect("canonical");
+        assert!(!relay.verify(changed.as_bytes(), v["sig"].as_str().expect("sig")));
+    }
+
+    #[test]
+    fn the_signer_debug_shows_the_fingerprint_only() {
+        let key = HostKey::generate();
+        let text = format!("{:?}", RelayNoticeSigner::new(key.clone()));
+        assert!(text.contains(&key.public().fingerprint()), "{text}");
+        assert!(!text.contains(&key.seed_b64_secret()), "{text}");
+    }
+
+    #[test]
+    fn the_sweep_interval_is_checked_at_and_past_its_bounds() {
+        use crate::config::{RelayConfig, SWEEP_INTERVAL_MS_RANGE};
+        let parse = |ms: u64| {
+            RelayConfig::parse(
+                &format!("sweep_interval_ms = {ms}\n"),
+                std::path::Path::new("relay.toml"),
+            )
+        };
+        let (min, max) = SWEEP_INTERVAL_MS_RANGE;
+        for ok in [min, DEFAULT_SWEEP_INTERVAL_MS, max] {
+            let cfg = parse(ok).unwrap_or_else(|e| panic!("{ok}: {e}"));
+            assert_eq!(cfg.sweep_interval_ms, Some(ok));
+        }
+        for bad in [min - 1, max + 1] {
+            let e = parse(bad).expect_err("out of bounds").to_string();
+            assert!(
+                e.contains(&format!(
+                    "sweep_interval_ms must be {min}..={max}, got {bad}"
+                )),
+                "{e}"
+            );
+        }
+        assert_eq!(RelayConfig::default().sweep_interval_ms, None);
+        assert_eq!(DEFAULT_SWEEP_INTERVAL_MS, 600_000);
+    }
+}
