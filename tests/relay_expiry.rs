@@ -9,6 +9,11 @@
 //!   rotates too), queues the signed expiry notice, and the sender (same offset, still before
 //!   its deadline) re-pushes, pulls the notice, ends the row `expired` and alerts
 //!   `Undelivered to hostb: <subject>` once.
+//!
+//! Either way the ended row drops its wire bytes and keeps their hash (`wire.md` §3.5
+//! "Settle"), and `agentmbx sent` still shows it. Last, the receiver's side of a refusal: mail
+//! from a host that was unpaired while it waited at the relay is quarantined, and
+//! `agentmbx relay quarantine [--json]` lists it with its reason.
 
 mod helper;
 
@@ -116,6 +121,8 @@ fn no_receipt_by_the_deadline_makes_the_row_unconfirmed_with_an_alert() {
     );
     let row = mesh.a.outbox(&id).expect("the row is kept");
     assert_eq!(row.state, "unconfirmed", "{row:?}");
+    assert_eq!(row.wire, None, "a final row drops its wire bytes");
+    assert!(row.wire_hash.is_some(), "and keeps their hash");
     let line = sent_line(&mesh.a, &id);
     assert_eq!(line["state"], "unconfirmed", "{line}");
     assert!(
@@ -162,6 +169,8 @@ fn a_relay_sweep_expires_the_item_and_the_sender_alerts_once() {
         row.last_error.as_deref(),
         Some("expired by the relay after 14 day(s): hostb never collected it")
     );
+    assert_eq!(row.wire, None, "a final row drops its wire bytes");
+    assert!(row.wire_hash.is_some(), "and keeps their hash");
     // The notice was processed and acked: the relay deletes it.
     wait_for("the notice to be acked", || {
         mesh.relay
@@ -194,4 +203,60 @@ fn a_relay_sweep_expires_the_item_and_the_sender_alerts_once() {
         mesh.a.log().contains("pushing relay-accepted mail again"),
         "the new epoch was seen"
     );
+}
+
+#[test]
+fn mail_from_a_host_unpaired_while_it_waited_is_quarantined_and_listed() {
+    let mut mesh = Mesh::start(None);
+    // A is away; B's mail for it waits at the relay.
+    mesh.a.stop();
+    let subject = format!("while you were out {}", unique_tag());
+    let sent = mesh.b.send("bob", "alice@hosta", &subject, "the body");
+    let id = sent["id"].as_str().expect("id").to_string();
+    mesh.b.wait_relay_accepted(&id);
+    // Meanwhile A's owner forgets B (B has no LAN address to be told at).
+    let out = mesh.a.home.run(&["peers", "remove", "hostb", "--json"]);
+    out.assert_success();
+    assert_eq!(out.json()["removed"], "hostb", "{out:#?}");
+    assert_eq!(mesh.a.quarantined(), 0);
+    // A comes back and pulls it: the sender is no pinned peer, so the item is quarantined,
+    // counts as processed and is acked; nothing is stored.
+    mesh.a.start(None);
+    wait_for("the item in A's quarantine", || {
+        (mesh.a.quarantined() == 1).then_some(())
+    });
+    mesh.wait_queue_drained(&mesh.a);
+    assert_eq!(mesh.a.messages_with_id(&id), 0, "not stored");
+
+    let out = mesh.a.home.run(&["relay", "quarantine", "--json"]);
+    out.assert_success();
+    let list = out.json();
+    let items = list.as_array().expect("a JSON array");
+    assert_eq!(items.len(), 1, "{list}");
+    let q = &items[0];
+    assert_eq!(q["kind"], "envelope", "{q}");
+    assert_eq!(q["item_id"], id.as_str(), "{q}");
+    assert_eq!(q["sender_pubkey"], mesh.b.pubkey.as_str(), "{q}");
+    assert_eq!(q["reason"], "host not paired", "{q}");
+    assert_eq!(q["relay"], mesh.relay.url().trim_end_matches('/'), "{q}");
+    assert!(q["seq"].as_i64().is_some_and(|s| s > 0), "{q}");
+    assert!(q["epoch"].as_str().is_some_and(|e| !e.is_empty()), "{q}");
+    assert!(q["at"].as_i64().is_some_and(|t| t > 0), "{q}");
+
+    let out = mesh.a.home.run(&["relay", "quarantine"]);
+    out.assert_success();
+    let fingerprint = agentmbx_protocol::keys::PublicKey::from_b64(&mesh.b.pubkey)
+        .expect("B's key")
+        .fingerprint();
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    assert_eq!(lines.len(), 1, "{out:#?}");
+    for part in [
+        format!("seq {}", q["seq"]),
+        format!("envelope {id}"),
+        format!("from {fingerprint}"),
+        "host not paired".to_string(),
+    ] {
+        assert!(lines[0].contains(&part), "{part:?} in {:?}", lines[0]);
+    }
+    assert!(!out.stdout.contains("quarantine is empty"));
 }

@@ -6,7 +6,11 @@
 //! store, the rollback copy, what a restore carries forward (a revocation and a deny-list entry
 //! made after the backup) and what it does not (an enrolment made after it), a restore killed
 //! before its rename, `MBX_RELAY_RESTORE_FROM` once per path, and the signed op receipts of the
-//! relay log.
+//! relay log. Also: a store brought back by a plain file copy without `rotate-epoch` (the
+//! hosts see the rewind through `head_seq` and every message still arrives once), a host
+//! enrolled after the backup enrolling again by itself, offline commands without the relay
+//! key (done, with unsigned receipts), and the receipt of a backup taken while the relay
+//! serves, logged through its admin endpoint without `--url`.
 
 mod helper;
 
@@ -654,4 +658,423 @@ fn a_restore_killed_before_the_rename_leaves_the_store_as_it_was() {
         meta(&store, "epoch").as_deref(),
         out.json()["epoch"]["to"].as_str()
     );
+}
+
+/// How many `relay.epoch_changed` audit events of `host` say `why` (`epoch` or `rewind`).
+fn epoch_changes(host: &Host, why: &str) -> i64 {
+    host.db()
+        .query_row(
+            "SELECT COUNT(*) FROM audit WHERE event = 'relay.epoch_changed'
+               AND json_extract(detail, '$.why') = ?1",
+            [why],
+            |r| r.get(0),
+        )
+        .expect("audit")
+}
+
+/// Waits until `host`'s outbox row of each of `ids` is `delivered` (its receipt came back).
+fn wait_delivered(host: &Host, ids: &[String]) {
+    for id in ids {
+        wait_for(&format!("{id} delivered from {}", host.name), || {
+            host.outbox(id)
+                .filter(|r| r.state == "delivered")
+                .map(|_| ())
+        });
+    }
+}
+
+/// `head_seq` of `target` in the relay store file `db` (`next_seq − 1`, 0 if none).
+fn head_in(db: &Path, target: &str) -> i64 {
+    open_read_only(db)
+        .query_row(
+            "SELECT COALESCE((SELECT next_seq - 1 FROM seqs WHERE target_pubkey = ?1), 0)",
+            [target],
+            |r| r.get(0),
+        )
+        .expect("head")
+}
+
+/// Spec §5: a restore by any other means than `relay restore` (here a plain file copy) that
+/// is not followed by `rotate-epoch` keeps its epoch. Hosts whose checkpoint is above the
+/// restored head and that pull before anything is pushed to them see `head_seq <
+/// received_through`, handle it as a new epoch (re-pull from 0, re-push what the relay
+/// accepted and the recipient has not confirmed), and every message is delivered exactly once;
+/// the seq floor keeps every later item above the old checkpoints.
+#[test]
+fn a_file_copy_restore_without_rotate_epoch_is_seen_as_a_rewind_and_every_message_arrives_once() {
+    let mut mesh = Mesh::start(None);
+    let store = mesh.relay.store_dir();
+    let url = mesh.relay.url();
+    let out_dir = tempfile::tempdir().expect("out");
+    let backup = out_dir.path().join("copy.db");
+
+    // Before the backup: both ways, confirmed, both queues empty.
+    let mut to_b = send_n(&mesh.a, "alice", "bob@hostb", "before the copy", 2);
+    let mut to_a = send_n(&mesh.b, "bob", "alice@hosta", "before the copy", 1);
+    wait_stored(&mesh.b, &to_b);
+    wait_stored(&mesh.a, &to_a);
+    wait_delivered(&mesh.a, &to_b);
+    wait_delivered(&mesh.b, &to_a);
+    mesh.wait_queue_drained(&mesh.a);
+    mesh.wait_queue_drained(&mesh.b);
+    let out = relay_cli(
+        &["backup", s(&backup), "--store-dir", s(&store), "--json"],
+        &[],
+    );
+    out.assert_success();
+    let epoch = out.json()["epoch"].as_str().expect("epoch").to_string();
+
+    // After it: both hosts receive more, so both checkpoints pass the heads the copy holds.
+    let after_ab = send_n(&mesh.a, "alice", "bob@hostb", "after the copy", 2);
+    let after_ba = send_n(&mesh.b, "bob", "alice@hosta", "after the copy", 1);
+    wait_stored(&mesh.b, &after_ab);
+    wait_stored(&mesh.a, &after_ba);
+    wait_delivered(&mesh.a, &after_ab);
+    wait_delivered(&mesh.b, &after_ba);
+    mesh.wait_queue_drained(&mesh.a);
+    mesh.wait_queue_drained(&mesh.b);
+    to_b.extend(after_ab);
+    to_a.extend(after_ba);
+    // Mail queued at the relay when it stops: the copy loses it, only its sender brings it
+    // back.
+    mesh.b.stop();
+    let lost = send_n(&mesh.a, "alice", "bob@hostb", "lost by the copy", 2);
+    wait_queued(&mesh, &lost);
+    to_b.extend(lost);
+    mesh.a.stop();
+    let (pa, pb) = (
+        mesh.a.position(&url).expect("A's position"),
+        mesh.b.position(&url).expect("B's position"),
+    );
+    assert_eq!(
+        (pa.epoch.as_str(), pb.epoch.as_str()),
+        (epoch.as_str(), epoch.as_str())
+    );
+    assert!(
+        pa.received_through > head_in(&backup, &mesh.a.pubkey),
+        "{pa:?}"
+    );
+    assert!(
+        pb.received_through > head_in(&backup, &mesh.b.pubkey),
+        "{pb:?}"
+    );
+
+    // The restore: the relay stopped, the file copied over relay.db, no rotate-epoch.
+    mesh.relay.kill();
+    for name in ["relay.db-wal", "relay.db-shm"] {
+        let _ = std::fs::remove_file(store.join(name));
+    }
+    std::fs::copy(&backup, store.join("relay.db")).expect("copy the backup over the store");
+    mesh.relay.launch(None);
+    assert_eq!(
+        meta(&store, "epoch").as_deref(),
+        Some(epoch.as_str()),
+        "a fresh heartbeat: the epoch is kept"
+    );
+
+    // Each host pulls before anything is pushed to it (B first: it has nothing to re-push),
+    // sees head_seq below its checkpoint in the same epoch, and starts over.
+    let (rewinds_a, rewinds_b) = (
+        epoch_changes(&mesh.a, "rewind"),
+        epoch_changes(&mesh.b, "rewind"),
+    );
+    mesh.b.start(None);
+    wait_for("B to see the rewind", || {
+        (epoch_changes(&mesh.b, "rewind") > rewinds_b).then_some(())
+    });
+    mesh.a.start(None);
+    wait_for("A to see the rewind", || {
+        (epoch_changes(&mesh.a, "rewind") > rewinds_a).then_some(())
+    });
+
+    // Every message stored exactly once at both ends; nothing else, nothing quarantined.
+    wait_stored(&mesh.b, &to_b);
+    wait_stored(&mesh.a, &to_a);
+    mesh.wait_queue_drained(&mesh.b);
+    mesh.wait_queue_drained(&mesh.a);
+    let all: Vec<&String> = to_b.iter().chain(&to_a).collect();
+    for host in [&mesh.a, &mesh.b] {
+        for id in &all {
+            assert_eq!(host.messages_with_id(id), 1, "{id} at {}", host.name);
+        }
+        assert_eq!(host.message_count(), all.len() as i64, "{}", host.name);
+        assert_eq!(host.quarantined(), 0);
+        assert_eq!(
+            epoch_changes(host, "epoch"),
+            0,
+            "{}: the epoch never changed",
+            host.name
+        );
+    }
+    for id in &to_b {
+        assert_eq!(mesh.b.deliveries_of(id), 1, "{id} delivered once to bob");
+    }
+    for id in &to_a {
+        assert_eq!(mesh.a.deliveries_of(id), 1, "{id} delivered once to alice");
+    }
+    // The mail the copy lost came again with seqs above B's old checkpoint (the seq floor),
+    // in the same epoch.
+    let now_b = wait_for("B's checkpoint past the old one", || {
+        mesh.b
+            .position(&url)
+            .filter(|p| p.received_through > pb.received_through)
+    });
+    assert_eq!(now_b.epoch, epoch);
+    assert_eq!(meta(&store, "epoch").as_deref(), Some(epoch.as_str()));
+}
+
+/// A host that enrolled only after the backup is not in the restored store; restarted after
+/// the restore, it enrols again and republishes its enc-key ad by itself.
+#[test]
+fn a_host_enrolled_after_the_backup_enrols_again_and_republishes_its_ad_by_itself() {
+    let mut relay = helper::mesh::Relay::start(None);
+    let store = relay.store_dir();
+    let out_dir = tempfile::tempdir().expect("out");
+    let backup = out_dir.path().join("b.db");
+    relay_cli(&["backup", s(&backup), "--store-dir", s(&store)], &[]).assert_success();
+
+    let mut c = Host::init("hostc");
+    c.home
+        .run(&["relay", "set", &relay.url(), "--key", &relay.fingerprint])
+        .assert_success();
+    c.start(None);
+    c.daemon().wait_for_stderr("enrolled with the relay");
+    c.daemon().wait_for_stderr("published the enc-key ad");
+    c.stop();
+    let c_key = c.pubkey.clone();
+    let ad_at = |store: &Path| -> Option<i64> {
+        open_read_only(&store.join("relay.db"))
+            .query_row(
+                "SELECT at FROM enc_ad_records WHERE host_pubkey = ?1",
+                [&c_key],
+                |r| r.get(0),
+            )
+            .ok()
+    };
+    let first_ad = ad_at(&store).expect("C's ad at the relay");
+
+    relay.kill();
+    let out = restore(&store, &backup, &[]);
+    out.assert_success();
+    let epoch = out.json()["epoch"]["to"].as_str().expect("to").to_string();
+    let enrolled = "SELECT COUNT(*) FROM enrolments WHERE host_pubkey = ?1 AND revoked_at IS NULL";
+    assert_eq!(count(&store, enrolled, &c.pubkey), 0, "not carried");
+    relay.launch(None);
+
+    c.start(None);
+    c.daemon().wait_for_stderr("enrolled with the relay");
+    c.daemon().wait_for_stderr("published the enc-key ad");
+    wait_for("C enrolled in the restored store", || {
+        (count(&store, enrolled, &c.pubkey) == 1).then_some(())
+    });
+    wait_for("C enrolled in the new epoch", || {
+        (enrolled_in(&c, &epoch) >= 1).then_some(())
+    });
+    wait_for("C's republished ad", || {
+        ad_at(&store).filter(|at| *at > first_ad)
+    });
+}
+
+/// An emergency on a relay whose key lives only in a platform secret: offline `revoke`,
+/// `deny`, `rotate-epoch` and `restore` without `MBX_RELAY_KEY` or `relay.key` still do their
+/// work, each with one warning that its receipt is unsigned; `relay log` marks those receipts
+/// NOT VERIFIED. A missing backup is exit 3 even when the key is malformed.
+#[test]
+fn offline_commands_without_the_relay_key_still_act_with_unsigned_receipts() {
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let store = tmp.path().join("store");
+    let backup = tmp.path().join("b.db");
+    let relay = serve(&store, &[]);
+    relay_cli(&["backup", s(&backup), "--store-dir", s(&store)], &[]).assert_success();
+    relay.kill();
+    // The key goes where only the platform has it.
+    let key_file = store.join("relay.key");
+    let kept = tmp.path().join("relay.key.kept");
+    std::fs::rename(&key_file, &kept).expect("move relay.key away");
+    let host = agentmbx_protocol::keys::HostKey::generate()
+        .public()
+        .to_b64();
+    rusqlite::Connection::open(store.join("relay.db"))
+        .expect("open")
+        .execute(
+            "INSERT INTO enrolments (host_pubkey, host_name, owner_fp, account, authorized_by,
+               authority_rank, enrolled_at, revoked_at)
+             VALUES (?1, 'lost-laptop', '', NULL, 'host-key-challenge', 0, 1, NULL)",
+            [&host],
+        )
+        .expect("an enrolment");
+    let ops_before = log_json(&store).len();
+
+    let unsigned = |out: &Output| {
+        out.assert_success();
+        assert_eq!(out.stderr.matches("warning: ").count(), 1, "{out:#?}");
+        assert!(out.stderr.contains("UNSIGNED"), "{out:#?}");
+        assert!(out.stderr.contains("MBX_RELAY_KEY"), "{out:#?}");
+    };
+    unsigned(&relay_cli(
+        &["revoke", &host, "--store-dir", s(&store)],
+        &[],
+    ));
+    let revoked =
+        "SELECT COUNT(*) FROM enrolments WHERE host_pubkey = ?1 AND revoked_at IS NOT NULL";
+    assert_eq!(count(&store, revoked, &host), 1, "revoked");
+    unsigned(&relay_cli(
+        &["deny", "client-x", "--client", "--store-dir", s(&store)],
+        &[],
+    ));
+    unsigned(&relay_cli(&["rotate-epoch", "--store-dir", s(&store)], &[]));
+    let out = restore(&store, &backup, &[]);
+    unsigned(&out);
+    assert_eq!(out.json()["carried"]["revocations"], 1);
+    assert_eq!(
+        count(&store, revoked, &host),
+        1,
+        "still revoked after the restore"
+    );
+
+    let entries = log_json(&store);
+    let fresh: Vec<(&str, bool)> = entries[..entries.len() - ops_before]
+        .iter()
+        .map(|e| (e["op"].as_str().expect("op"), e["verified"] == true))
+        .collect();
+    assert_eq!(
+        fresh,
+        [
+            ("relay-restore", false),
+            ("relay-epoch-rotated", false),
+            ("relay-deny", false),
+            ("relay-revoke", false)
+        ]
+    );
+    assert!(entries[..4]
+        .iter()
+        .all(|e| e["receipt"].get("sig").is_none()));
+    let text = relay_cli(&["log", "--store-dir", s(&store), "--limit", "4"], &[]);
+    text.assert_success();
+    assert_eq!(
+        text.stdout.matches("✗ NOT VERIFIED: ").count(),
+        4,
+        "{text:#?}"
+    );
+
+    // A malformed key is an error, but a missing backup is reported as such first (exit 3).
+    let out = relay_cli(
+        &[
+            "restore",
+            s(&tmp.path().join("none.db")),
+            "--store-dir",
+            s(&store),
+        ],
+        &[("MBX_RELAY_KEY", "not-a-key")],
+    );
+    assert_eq!(out.code(), Some(3), "{out:#?}");
+    assert!(out.stderr.contains("NO_BACKUP"), "{out:#?}");
+    let out = relay_cli(
+        &["deny", "client-y", "--client", "--store-dir", s(&store)],
+        &[("MBX_RELAY_KEY", "not-a-key")],
+    );
+    assert_eq!(out.code(), Some(1), "{out:#?}");
+    assert!(
+        out.stderr
+            .contains("MBX_RELAY_KEY is not a valid relay key"),
+        "{out:#?}"
+    );
+
+    // The key back: signed again, no warning; the relay serves the store as before.
+    std::fs::rename(&kept, &key_file).expect("relay.key back");
+    let out = relay_cli(&["rotate-epoch", "--store-dir", s(&store)], &[]);
+    out.assert_success();
+    assert!(!out.stderr.contains("warning: "), "{out:#?}");
+    assert_eq!(log_json(&store)[0]["verified"], true);
+    let relay = serve(&store, &[]);
+    assert_eq!(relay.get("/v2/relay/info", None).status, 200);
+    relay.kill();
+}
+
+/// `relay backup` of a store the relay serves, without `--url`: its receipt goes to the relay
+/// log through the admin endpoint of the relay on this machine when the admin token is
+/// configured here; without it, the receipt is printed signed, and a note says it was not
+/// logged and how to log it.
+#[test]
+fn a_backup_while_the_relay_serves_logs_its_receipt_through_the_local_admin_endpoint() {
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let store = tmp.path().join("store");
+    let env = [("MBX_RELAY_ADMIN_TOKEN", ADMIN)];
+    let relay = serve(&store, &env);
+    let port = relay.addr.port().to_string();
+    let backups = |store: &Path| {
+        log_json(store)
+            .into_iter()
+            .filter(|e| e["op"] == "relay-backup")
+            .collect::<Vec<Value>>()
+    };
+
+    // The admin token and the relay's port as the relay itself reads them.
+    let b1 = tmp.path().join("b1.db");
+    let out = relay_cli(
+        &["backup", s(&b1), "--store-dir", s(&store), "--json"],
+        &[("MBX_RELAY_ADMIN_TOKEN", ADMIN), ("PORT", &port)],
+    );
+    out.assert_success();
+    assert!(!out.stderr.contains("not added"), "{out:#?}");
+    let printed = out.json();
+    let logged = backups(&store);
+    assert_eq!(logged.len(), 1, "{logged:?}");
+    assert_eq!(logged[0]["receipt"], printed);
+    assert_eq!(logged[0]["verified"], true);
+
+    // No admin token here: printed (signed with relay.key), not logged, and the note says so.
+    let b2 = tmp.path().join("b2.db");
+    let out = relay_cli(
+        &["backup", s(&b2), "--store-dir", s(&store), "--json"],
+        &[("PORT", &port)],
+    );
+    out.assert_success();
+    assert!(b2.is_file());
+    assert!(
+        out.stderr.contains("was not added to the relay log"),
+        "{out:#?}"
+    );
+    assert!(
+        out.stderr.contains("no admin token is configured"),
+        "{out:#?}"
+    );
+    assert!(out.stderr.contains("--url"), "{out:#?}");
+    let printed = out.json();
+    let relay_pubkey = meta(&store, "relay_pubkey").expect("relay key");
+    let key = agentmbx_protocol::keys::PublicKey::from_b64(&relay_pubkey).expect("key");
+    let mut unsigned = printed.clone();
+    let sig = unsigned
+        .as_object_mut()
+        .expect("object")
+        .remove("sig")
+        .expect("signed");
+    let text = agentmbx_protocol::canonical::to_string(&unsigned).expect("canonical");
+    assert!(key.verify(text.as_bytes(), sig.as_str().expect("sig")));
+    assert_eq!(backups(&store).len(), 1, "not logged");
+
+    // A token that the relay refuses: not logged either, and the note names the relay.
+    let b3 = tmp.path().join("b3.db");
+    let out = relay_cli(
+        &["backup", s(&b3), "--store-dir", s(&store)],
+        &[
+            ("MBX_RELAY_ADMIN_TOKEN", "another-token-0123456789"),
+            ("PORT", &port),
+        ],
+    );
+    out.assert_success();
+    assert!(
+        out.stderr.contains("was not added to the relay log"),
+        "{out:#?}"
+    );
+    assert!(
+        out.stderr.contains(&format!("127.0.0.1:{port}")),
+        "{out:#?}"
+    );
+    assert!(
+        !out.stderr.contains("another-token"),
+        "the token is never printed"
+    );
+    assert_eq!(backups(&store).len(), 1);
+    relay.kill();
 }

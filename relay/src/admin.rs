@@ -29,20 +29,55 @@ use crate::store::{
     StoreError, LOCK_FILE,
 };
 
+/// A store [`open_offline`] opened for one operator command.
+pub struct OfflineStore {
+    /// The store, its `relay.lock` held.
+    pub store: SqliteStore,
+    /// `None` when the relay key signs every relay-log receipt the command appends; else the
+    /// operator's warning that they are unsigned, and why
+    /// ([`crate::ops::unsigned_receipt_reason`]).
+    pub unsigned: Option<String>,
+}
+
+impl std::fmt::Debug for OfflineStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OfflineStore")
+            .field("store", &self.store)
+            .field("unsigned", &self.unsigned.is_some())
+            .finish()
+    }
+}
+
 /// Opens the store in `dir` for an offline operator command: `relay.lock` taken without
 /// waiting, signing its relay-log receipts with the relay key
-/// ([`crate::ops::offline_relay_key`]: `MBX_RELAY_KEY` or `relay.key` in `dir`), which must be
-/// the one its `relay.db` records. Errors: [`AdminError::NoStore`], [`AdminError::RelayKey`]
-/// (no relay key), [`AdminError::Running`] while `serve` (or another command) holds the lock,
-/// store errors (a newer schema, another relay's key…).
-pub fn open_offline(dir: &std::path::Path, now_ms: i64) -> Result<SqliteStore, AdminError> {
-    if SqliteStore::recorded_relay_pubkey(dir)?.is_none() {
+/// ([`crate::ops::offline_relay_key_if_any`]: `MBX_RELAY_KEY` or `relay.key` in `dir`), which
+/// must be the one its `relay.db` records. With neither, the store is opened bound to the key
+/// it records and the receipts are appended unsigned ([`OfflineStore::unsigned`] says so): an
+/// emergency revocation on a relay whose key lives only in a platform secret is never blocked
+/// (`relay log` marks such receipts NOT VERIFIED). Errors: [`AdminError::NoStore`],
+/// [`AdminError::RelayKey`] (a malformed key), [`AdminError::Running`] while `serve` (or
+/// another command) holds the lock, store errors (a newer schema, another relay's key…).
+pub fn open_offline(dir: &std::path::Path, now_ms: i64) -> Result<OfflineStore, AdminError> {
+    let Some(recorded) = SqliteStore::recorded_relay_pubkey(dir)? else {
         return Err(AdminError::NoStore(dir.to_path_buf()));
-    }
-    let key =
-        crate::ops::offline_relay_key(dir).map_err(|e| AdminError::RelayKey(e.to_string()))?;
-    match crate::ops::open_offline_signed(dir, key, now_ms) {
-        Ok(store) => Ok(store),
+    };
+    let key = crate::ops::offline_relay_key_if_any(dir)
+        .map_err(|e| AdminError::RelayKey(e.to_string()))?;
+    let (opened, unsigned) = match key {
+        Some(key) => (crate::ops::open_offline_signed(dir, key, now_ms), None),
+        None => {
+            let options = crate::store::OpenOptions {
+                lock_wait_ms: 0,
+                ..crate::store::OpenOptions::default()
+            };
+            (
+                SqliteStore::open_with(dir, &recorded, now_ms, options),
+                Some(crate::ops::unsigned_receipt_reason(dir)),
+            )
+        }
+    };
+    match opened {
+        Ok(store) => Ok(OfflineStore { store, unsigned }),
         Err(StoreError::Locked { .. }) => Err(AdminError::Running(dir.join(LOCK_FILE))),
         Err(e) => Err(e.into()),
     }
@@ -569,6 +604,81 @@ mod tests {
         key.public().to_b64()
     }
 
+    /// Without the relay key (neither `MBX_RELAY_KEY` nor `relay.key`), an offline revocation
+    /// and deny-list change are still made, with unsigned receipts the log does not verify;
+    /// with `relay.key` back, the receipts are signed again.
+    #[test]
+    fn without_the_relay_key_offline_changes_are_made_with_unsigned_receipts() {
+        use crate::store::{AuthorityStrength, EnrolRequest};
+        if crate::key::read_env_seed().is_some() {
+            return; // The environment names a key: the unsigned path cannot be reached here.
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let relay = agentmbx_protocol::keys::HostKey::generate();
+        let host = agentmbx_protocol::keys::HostKey::generate()
+            .public()
+            .to_b64();
+        let store = SqliteStore::open(dir.path(), &relay.public().to_b64(), 1).expect("open");
+        store
+            .enrol(EnrolRequest {
+                host_pubkey: host.clone(),
+                host_name: "one".into(),
+                owner_fp: String::new(),
+                account: None,
+                authorized_by: "host-key-challenge".into(),
+                strength: AuthorityStrength::HostKeyChallenge,
+                now_ms: 1,
+            })
+            .expect("enrol");
+        store.close().expect("close");
+        assert!(!dir.path().join("relay.key").exists());
+
+        let off = open_offline(dir.path(), 2).expect("opened without the key");
+        let why = off
+            .unsigned
+            .clone()
+            .expect("says the receipts are unsigned");
+        assert!(
+            why.contains("UNSIGNED") && why.contains("relay.key"),
+            "{why}"
+        );
+        assert!(revoke(&off.store, &host, 2).expect("revoked").newly_revoked);
+        deny(&off.store, "cli-x", Some(DenyKind::Client), None, 2).expect("denied");
+        assert!(off
+            .store
+            .enrolment(&host)
+            .expect("read")
+            .expect("row")
+            .is_revoked());
+        off.store.close().expect("close");
+        let log = crate::ops::read_verified_log(dir.path(), 10).expect("log");
+        let seen: Vec<(&str, bool, bool)> = log
+            .iter()
+            .map(|e| {
+                (
+                    e.record.op.as_str(),
+                    e.verified,
+                    e.record.receipt.get("sig").is_some(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            seen,
+            [("relay-deny", false, false), ("relay-revoke", false, false)]
+        );
+
+        // The key back in relay.key: signed again, and no warning.
+        std::fs::write(dir.path().join("relay.key"), relay.to_key_file().to_text())
+            .expect("relay.key");
+        let off = open_offline(dir.path(), 3).expect("signed");
+        assert_eq!(off.unsigned, None);
+        undeny(&off.store, "cli-x", Some(DenyKind::Client), 3).expect("undeny");
+        off.store.close().expect("close");
+        let log = crate::ops::read_verified_log(dir.path(), 1).expect("log");
+        assert_eq!(log[0].record.op, "relay-undeny");
+        assert!(log[0].verified);
+    }
+
     #[test]
     fn a_fingerprint_of_several_enrolments_is_refused_with_the_list() {
         use crate::store::{AuthorityStrength, EnrolRequest};
@@ -601,7 +711,7 @@ mod tests {
             )
             .expect("insert");
         }
-        let store = open_offline(dir.path(), 3).expect("offline");
+        let store = open_offline(dir.path(), 3).expect("offline").store;
         match revoke(&store, &key.fingerprint(), 3) {
             Err(e @ AdminError::Ambiguous { .. }) => {
                 let text = e.to_string();
@@ -660,7 +770,7 @@ mod tests {
         )
         .expect("trigger");
 
-        let store = open_offline(dir.path(), 2).expect("offline");
+        let store = open_offline(dir.path(), 2).expect("offline").store;
         assert!(revoke(&store, &key.to_b64(), 2).is_err());
         assert!(deny(&store, "cli-new", Some(DenyKind::Client), None, 2).is_err());
         assert!(undeny(&store, "cli-old", Some(DenyKind::Client), 2).is_err());
@@ -681,7 +791,7 @@ mod tests {
 
         raw.execute_batch("DROP TRIGGER no_log;")
             .expect("drop trigger");
-        let store = open_offline(dir.path(), 3).expect("offline");
+        let store = open_offline(dir.path(), 3).expect("offline").store;
         assert!(
             revoke(&store, &key.to_b64(), 3)
                 .expect("revoke")

@@ -10,7 +10,9 @@
 //!   receipt it appends (`sig` = base64 Ed25519 over the canonical JSON of the receipt without
 //!   `sig`). [`verify_receipt`] checks one against the store's `relay_pubkey`;
 //!   [`read_verified_log`] is `relay log`'s view. The offline commands sign with
-//!   [`offline_relay_key`]: `MBX_RELAY_KEY` or `relay.key` in the store directory.
+//!   [`offline_relay_key_if_any`]: `MBX_RELAY_KEY` or `relay.key` in the store directory; with
+//!   neither they still run and write their receipt unsigned ([`unsigned_receipt_reason`]),
+//!   which `relay log` shows as not verified.
 //! - **The heartbeat rule**: at start, a stored heartbeat more than [`HEARTBEAT_STALE_MS`]
 //!   (10 min) old or in the future rotates the epoch (a volume restore or a long outage brought
 //!   old data back), with one log line and a receipt `{v:1, type:"relay-epoch-rotated", at,
@@ -44,7 +46,7 @@ use agentmbx_protocol::time::iso_ms;
 
 use crate::store::{
     OpEntry, OpRecord, OpSigner, OpenOptions, RelayStore, SqliteStore, StoreError, StoreLock,
-    DB_FILE, OPS_KEEP,
+    DB_FILE, OPS_KEEP, SWEEP_OPS_KEEP,
 };
 
 mod restore;
@@ -129,12 +131,15 @@ pub fn verify_receipt(receipt: &Value, relay_pubkey: &PublicKey) -> bool {
         .is_ok_and(|text| relay_pubkey.verify(text.as_bytes(), sig))
 }
 
-/// The relay key an offline operator command signs its receipts with: `MBX_RELAY_KEY` (the
-/// seed `relay keygen` printed; read, not removed) when set, else `relay.key` in `dir` — never
-/// created here. Errors: [`OpsError::RelayKey`] (none, or malformed; never key material).
-pub fn offline_relay_key(dir: &Path) -> Result<HostKey, OpsError> {
+/// The relay key an offline operator command signs its receipts with, if there is one:
+/// `MBX_RELAY_KEY` (the seed `relay keygen` printed; read, not removed) when set, else
+/// `relay.key` in `dir` — never created here; `None` when neither exists (a relay whose key
+/// lives only in a platform secret): the command still runs and its receipt is unsigned
+/// ([`unsigned_receipt_reason`]). Errors: [`OpsError::RelayKey`] for a malformed key (never
+/// key material), I/O errors reading `relay.key`.
+pub fn offline_relay_key_if_any(dir: &Path) -> Result<Option<HostKey>, OpsError> {
     if let Some(seed) = crate::key::read_env_seed() {
-        return HostKey::from_seed_b64(seed.trim()).map_err(|_| {
+        return HostKey::from_seed_b64(seed.trim()).map(Some).map_err(|_| {
             OpsError::RelayKey(format!(
                 "{} is not a valid relay key (expected the base64 seed printed by `agentmbx relay keygen`)",
                 crate::key::RELAY_KEY_ENV
@@ -146,18 +151,42 @@ pub fn offline_relay_key(dir: &Path) -> Result<HostKey, OpsError> {
         Ok(text) => KeyFile::parse(&text)
             .ok()
             .and_then(|f| HostKey::from_key_file(&f).ok())
+            .map(Some)
             .ok_or_else(|| {
                 OpsError::RelayKey(format!("{} is not a valid relay key file", path.display()))
             }),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(OpsError::RelayKey(format!(
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(io(&path)(e)),
+    }
+}
+
+/// [`offline_relay_key_if_any`] for a caller that needs the key. Errors: as it, and
+/// [`OpsError::RelayKey`] when there is none.
+pub fn offline_relay_key(dir: &Path) -> Result<HostKey, OpsError> {
+    offline_relay_key_if_any(dir)?.ok_or_else(|| {
+        OpsError::RelayKey(format!(
             "the relay key signs this command's receipt in the relay log, and there is none: \
              set {} (the seed from `agentmbx relay keygen` the relay runs with) or keep \
              relay.key in {}",
             crate::key::RELAY_KEY_ENV,
             dir.display()
-        ))),
-        Err(e) => Err(io(&path)(e)),
-    }
+        ))
+    })
+}
+
+/// Why the relay-log receipt of an offline command on the store in `dir` is unsigned when
+/// [`offline_relay_key_if_any`] found no key: the operator's warning (the change itself is
+/// made — an emergency revocation must never wait for a key that lives elsewhere).
+pub fn unsigned_receipt_reason(dir: &Path) -> String {
+    format!(
+        "the relay-log receipt of this command is UNSIGNED: neither {} nor relay.key in {} \
+         holds the relay key, so it cannot be signed (`agentmbx relay log` marks it NOT \
+         VERIFIED). The change itself is made. Set {} to the relay's key seed to sign the \
+         receipts of offline commands",
+        crate::key::RELAY_KEY_ENV,
+        dir.display(),
+        crate::key::RELAY_KEY_ENV
+    )
 }
 
 /// Opens the store in `dir` for an offline operator command: `relay.lock` taken without
@@ -522,7 +551,7 @@ pub fn check_backup_receipt(receipt: &Value, relay_fingerprint: &str) -> Result<
 }
 
 /// The relay log of the store in `dir`, newest first, at most `limit` entries (clamped to
-/// `1..=`[`OPS_KEEP`]); read-only and without `relay.lock`, so it works while the relay serves.
+/// `1..=`[`OPS_KEEP`] `+` [`SWEEP_OPS_KEEP`], the whole log); read-only and without `relay.lock`, so it works while the relay serves.
 /// Errors: [`OpsError::NoStore`], SQLite errors, a receipt that is not JSON.
 pub fn read_log(dir: &Path, limit: i64) -> Result<Vec<OpRecord>, OpsError> {
     let path = dir.join(DB_FILE);
@@ -536,7 +565,7 @@ pub fn read_log(dir: &Path, limit: i64) -> Result<Vec<OpRecord>, OpsError> {
     c.busy_timeout(std::time::Duration::from_secs(5))?;
     let mut st = c.prepare("SELECT id, at, op, receipt FROM ops ORDER BY id DESC LIMIT ?1")?;
     let rows = st
-        .query_map([limit.clamp(1, OPS_KEEP)], |r| {
+        .query_map([limit.clamp(1, OPS_KEEP + SWEEP_OPS_KEEP)], |r| {
             Ok((
                 r.get::<_, i64>(0)?,
                 r.get::<_, i64>(1)?,
@@ -649,6 +678,61 @@ mod tests {
         agentmbx_protocol::keys::HostKey::generate()
             .public()
             .to_b64()
+    }
+
+    #[test]
+    fn sweep_receipts_have_their_own_cap_and_never_evict_the_other_operations() {
+        use crate::store::OP_SWEEP;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = SqliteStore::open(dir.path(), &relay_key(), 1).expect("open");
+        let append = |op: &str, i: i64| {
+            store
+                .append_op(i, op, &json!({"v": 1, "type": op, "i": i}))
+                .expect("append")
+        };
+        let count = |op: &str| {
+            let log = read_log(dir.path(), 5_000).expect("log");
+            log.iter().filter(|o| o.op == op).count() as i64
+        };
+        for i in 0..3 {
+            append(OP_RESTORE, i);
+        }
+        // At the sweep cap every sweep receipt is kept; past it the oldest go, and only they.
+        for i in 0..SWEEP_OPS_KEEP {
+            append(OP_SWEEP, 10 + i);
+        }
+        assert_eq!(count(OP_SWEEP), SWEEP_OPS_KEEP);
+        for i in 0..250 {
+            append(OP_SWEEP, 1_000 + i);
+        }
+        assert_eq!(count(OP_SWEEP), SWEEP_OPS_KEEP);
+        assert_eq!(count(OP_RESTORE), 3, "sweeps never evict a restore");
+        let log = read_log(dir.path(), 5_000).expect("log");
+        let oldest_sweep = log
+            .iter()
+            .filter(|o| o.op == OP_SWEEP)
+            .map(|o| o.at_ms)
+            .min();
+        assert_eq!(oldest_sweep, Some(1_000 + 250 - SWEEP_OPS_KEEP));
+        // The other operations keep OPS_KEEP between them: at the cap all of them, past it the
+        // oldest go; the sweep receipts stay.
+        for i in 0..(OPS_KEEP - 3) {
+            append(OP_BACKUP, 10_000 + i);
+        }
+        assert_eq!(count(OP_RESTORE), 3);
+        assert_eq!(count(OP_BACKUP), OPS_KEEP - 3);
+        append(OP_BACKUP, 20_000);
+        assert_eq!(count(OP_RESTORE), 2, "the oldest other entry goes");
+        assert_eq!(count(OP_SWEEP), SWEEP_OPS_KEEP);
+        let log = read_log(dir.path(), 5_000).expect("log");
+        assert_eq!(
+            log.len() as i64,
+            OPS_KEEP + SWEEP_OPS_KEEP,
+            "the whole log is read"
+        );
+        assert!(log.windows(2).all(|w| w[0].id > w[1].id), "newest first");
+        assert_eq!(store.ops(5_000).expect("ops").len(), log.len());
+        store.close().expect("close");
     }
 
     #[test]
@@ -1041,10 +1125,21 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+        // None at all is no error for a command that may run unsigned.
+        assert!(offline_relay_key_if_any(dir.path())
+            .expect("no key")
+            .is_none());
+        let why = unsigned_receipt_reason(dir.path());
+        assert!(
+            why.contains("UNSIGNED") && why.contains("MBX_RELAY_KEY"),
+            "{why}"
+        );
         assert!(!dir.path().join("relay.key").exists());
+        // A malformed key is an error either way: it must be fixed, not ignored.
         std::fs::write(dir.path().join("relay.key"), "{\"publicKey\":\"x\"}").expect("bad");
         let e = offline_relay_key(dir.path()).expect_err("malformed");
         assert!(e.to_string().contains("not a valid relay key file"), "{e}");
+        assert!(offline_relay_key_if_any(dir.path()).is_err());
     }
 
     #[test]

@@ -10,7 +10,12 @@
 //!   ([`RelayStore::sweep`](crate::store::RelayStore::sweep)); it never sees the key.
 //! - **The schedule** ([`run`]): one sweep at start (so a relay that was down, or a store that
 //!   came back from an old copy, settles at once), then one every `sweep_interval_ms`
-//!   (default [`DEFAULT_SWEEP_INTERVAL_MS`], 10 min), at the time of the relay's clock.
+//!   (default [`DEFAULT_SWEEP_INTERVAL_MS`], 10 min), at the time of the relay's clock. A sweep
+//!   is bounded (at most 10,000 items, [`SWEEP_MAX_BATCHES`](crate::store::SWEEP_MAX_BATCHES)
+//!   batches); when it stopped at its bounds with work left ([`SweepReport::more`]) the next
+//!   one follows after [`CATCH_UP_PAUSE`] (1 s) instead of the interval, for at most
+//!   [`MAX_CATCH_UP_SWEEPS`] sweeps in a row ([`Schedule`]), so a backlog of expired items
+//!   drains in seconds while other requests keep their turn at the writer between the sweeps.
 //!   [`sweep_once`] is one sweep now; tests call it after moving their manual clock.
 //! - **The log line**: one `info` line per sweep that changed something, with the counts. The
 //!   `relay-sweep` receipt itself is written by the store, in the sweep's last transaction.
@@ -154,15 +159,61 @@ pub fn interval(state: &SharedRelay) -> Duration {
     )
 }
 
-/// Sweeps now, then every [`interval`], for ever (the server aborts the task when it stops).
-/// A failed sweep is logged (`warn`) and the schedule goes on.
-pub async fn run(state: SharedRelay) {
-    let every = interval(&state);
-    loop {
-        if let Err(e) = sweep_once(&state).await {
-            tracing::warn!(error = %e, "relay sweep failed; the next sweep continues");
+/// The pause before the next sweep when the last one stopped at its bounds with work left
+/// ([`SweepReport::more`]): 1 s, so a backlog drains quickly but the writer still serves the
+/// requests that queued up meanwhile.
+pub const CATCH_UP_PAUSE: Duration = Duration::from_secs(1);
+
+/// The most sweeps in a row that follow each other after [`CATCH_UP_PAUSE`] (100: up to a
+/// million expired items, about two minutes); then the schedule waits one interval before it
+/// catches up again, so a sweep that can never finish (a store fault) cannot keep the writer
+/// busy for ever.
+pub const MAX_CATCH_UP_SWEEPS: u32 = 100;
+
+/// When the next sweep runs ([`run`]): after the interval, or after [`CATCH_UP_PAUSE`] while
+/// sweeps report work left, at most [`MAX_CATCH_UP_SWEEPS`] times in a row.
+#[derive(Debug, Clone)]
+pub struct Schedule {
+    every: Duration,
+    catching_up: u32,
+}
+
+impl Schedule {
+    /// A schedule with the period `every` (the configured `sweep_interval_ms`).
+    pub fn new(every: Duration) -> Self {
+        Self {
+            every,
+            catching_up: 0,
         }
-        tokio::time::sleep(every).await;
+    }
+
+    /// How long to wait after a sweep that reported `more` (work left at its bounds; `false`
+    /// for a failed sweep).
+    pub fn after(&mut self, more: bool) -> Duration {
+        if more && self.catching_up < MAX_CATCH_UP_SWEEPS {
+            self.catching_up += 1;
+            CATCH_UP_PAUSE.min(self.every)
+        } else {
+            self.catching_up = 0;
+            self.every
+        }
+    }
+}
+
+/// Sweeps now, then every [`interval`] — or after [`CATCH_UP_PAUSE`] while a sweep leaves work
+/// for the next ([`Schedule`]) — for ever (the server aborts the task when it stops). A failed
+/// sweep is logged (`warn`) and the schedule goes on.
+pub async fn run(state: SharedRelay) {
+    let mut schedule = Schedule::new(interval(&state));
+    loop {
+        let more = match sweep_once(&state).await {
+            Ok(report) => report.more,
+            Err(e) => {
+                tracing::warn!(error = %e, "relay sweep failed; the next sweep continues");
+                false
+            }
+        };
+        tokio::time::sleep(schedule.after(more)).await;
     }
 }
 
@@ -223,6 +274,147 @@ mod tests {
         let text = format!("{:?}", RelayNoticeSigner::new(key.clone()));
         assert!(text.contains(&key.public().fingerprint()), "{text}");
         assert!(!text.contains(&key.seed_b64_secret()), "{text}");
+    }
+
+    #[test]
+    fn a_sweep_with_work_left_is_followed_after_a_second_a_bounded_number_of_times() {
+        let every = Duration::from_millis(DEFAULT_SWEEP_INTERVAL_MS);
+        let mut s = Schedule::new(every);
+        assert_eq!(s.after(false), every);
+        for _ in 0..MAX_CATCH_UP_SWEEPS {
+            assert_eq!(s.after(true), CATCH_UP_PAUSE);
+        }
+        // Past the bound: one interval, then catching up again.
+        assert_eq!(s.after(true), every);
+        assert_eq!(s.after(true), CATCH_UP_PAUSE);
+        // A sweep that finished (or failed) ends the run.
+        assert_eq!(s.after(false), every);
+        // Never longer than the interval itself.
+        let short = Duration::from_millis(500);
+        assert_eq!(Schedule::new(short).after(true), short);
+    }
+
+    /// A backlog of more expired items than one sweep takes (10,000) drains in successive
+    /// sweeps, the schedule following each sweep that left work after [`CATCH_UP_PAUSE`], not
+    /// after the interval.
+    #[tokio::test]
+    async fn a_backlog_beyond_one_sweep_drains_in_successive_sweeps() {
+        use crate::store::{
+            Expiry, OpenOptions, PushBatch, PushItem, PushTarget, RelayStore, SqliteStore,
+            StoreLimits, DAY_MS, SWEEP_BATCH, SWEEP_MAX_BATCHES,
+        };
+        use agentmbx_protocol::clock::ManualClock;
+        const T0: i64 = 1_800_000_000_000;
+        let per_sweep = (SWEEP_BATCH * SWEEP_MAX_BATCHES) as u64;
+        let backlog = per_sweep + 100;
+
+        let dir = tempfile::tempdir().expect("dir");
+        let key = HostKey::generate();
+        let limits = StoreLimits {
+            max_queue_items: 2 * backlog,
+            max_sender_items: 2 * backlog,
+            retention_days: 1,
+            ..StoreLimits::default()
+        };
+        let options = OpenOptions {
+            lock_wait_ms: 0,
+            limits,
+            ..OpenOptions::default()
+        };
+        let store =
+            SqliteStore::open_with(dir.path(), &key.public().to_b64(), T0, options).expect("open");
+        let target = HostKey::generate().public().to_b64();
+        store
+            .enrol(crate::store::EnrolRequest {
+                host_pubkey: target.clone(),
+                host_name: "beta".into(),
+                owner_fp: String::new(),
+                account: None,
+                authorized_by: "host-key-challenge".into(),
+                strength: crate::store::AuthorityStrength::HostKeyChallenge,
+                now_ms: T0,
+            })
+            .expect("enrol");
+        // The sender is not enrolled: no notices, only the expiry itself.
+        let sender = HostKey::generate().public().to_b64();
+        let ids: Vec<String> = (0..backlog).map(|i| format!("m{i:06}")).collect();
+        for chunk in ids.chunks(500) {
+            let out = store
+                .push(PushBatch {
+                    sender_pubkey: sender.clone(),
+                    sender_host: "alpha".into(),
+                    now_ms: T0,
+                    expiry: Expiry::Retention,
+                    items: chunk
+                        .iter()
+                        .map(|id| PushItem {
+                            kind: "envelope".into(),
+                            item_id: id.clone(),
+                            targets: vec![PushTarget {
+                                target_pubkey: target.clone(),
+                                wire: id.as_bytes().to_vec(),
+                            }],
+                        })
+                        .collect(),
+                })
+                .expect("push");
+            assert!(
+                out.items
+                    .iter()
+                    .all(|i| i.status == crate::store::ItemStatus::Accepted),
+                "{:?}",
+                out.items.first()
+            );
+        }
+        let store: Arc<dyn RelayStore> = Arc::new(store);
+        let clock = Arc::new(ManualClock::new(T0 + DAY_MS));
+        let shared: agentmbx_protocol::clock::SharedClock = clock.clone();
+        let config = crate::config::RelayConfig::default();
+        let state = Arc::new(crate::server::RelayState {
+            rates: crate::ratelimit::RateLimits::new(&config),
+            authority: crate::authority::from_config(
+                &config.authority,
+                shared.clone(),
+                store.clone(),
+            )
+            .expect("authority"),
+            store: store.clone(),
+            key,
+            clock: shared,
+            config,
+            challenges: Default::default(),
+            version: crate::VERSION,
+            in_flight: Default::default(),
+            store_db: crate::ops::store_db(dir.path()),
+        });
+        let queued = |_: &Arc<dyn RelayStore>| -> u64 {
+            rusqlite::Connection::open(dir.path().join(crate::store::DB_FILE))
+                .expect("read")
+                .query_row(
+                    "SELECT COUNT(*) FROM items WHERE target_pubkey = ?1",
+                    [&target],
+                    |r| r.get::<_, i64>(0),
+                )
+                .expect("count")
+                .try_into()
+                .expect("count")
+        };
+        let mut schedule = Schedule::new(interval(&state));
+
+        let first = sweep_once(&state).await.expect("sweep");
+        assert_eq!(first.expired_items, per_sweep);
+        assert!(first.more, "{first:?}");
+        assert_eq!(schedule.after(first.more), CATCH_UP_PAUSE);
+        assert_eq!(queued(&store), backlog - per_sweep);
+
+        let second = sweep_once(&state).await.expect("sweep");
+        assert_eq!(second.expired_items, backlog - per_sweep);
+        assert!(!second.more, "{second:?}");
+        assert_eq!(
+            schedule.after(second.more),
+            Duration::from_millis(DEFAULT_SWEEP_INTERVAL_MS)
+        );
+        assert_eq!(queued(&store), 0);
     }
 
     #[test]

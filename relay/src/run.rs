@@ -219,7 +219,7 @@ pub fn restore_at_start(
     let opts = crate::ops::RestoreOptions {
         force: false,
         now_ms,
-        signer: crate::ops::RelayOpSigner::shared(relay_key.clone()),
+        signer: Some(crate::ops::RelayOpSigner::shared(relay_key.clone())),
     };
     match crate::ops::restore(lock.dir(), &path, &opts, Some(lock)) {
         Ok(receipt) => {

@@ -13,6 +13,12 @@
 //!   another host needs `https://`, or `--insecure-http` to send it anyway (exit 2 otherwise,
 //!   before anything is sent).
 //!
+//! Offline, the relay-log receipt of the change is signed with the relay key: `MBX_RELAY_KEY`,
+//! else `relay.key` in the store directory. When neither exists (the key lives only in a
+//! platform secret), the change is still made — an emergency revocation must never wait for
+//! the key — and its receipt is written unsigned, with one warning on stderr (`relay log`
+//! marks it NOT VERIFIED). A malformed key is an error (exit 1): it must be fixed.
+//!
 //! Both run the same code in the relay crate ([`agentmbx_relay::admin`]). The next request of
 //! a revoked or denied host is refused (403 REVOKED / DENIED); revocation is permanent and
 //! survives re-enrolment and restarts, deny-list entries last until their `--until` or removal.
@@ -37,12 +43,16 @@ use agentmbx_relay::store::DenyKind;
 
 use super::{NotFoundError, UsageError};
 
-/// The admin token's sources and transport, shown after the flags of `revoke` and `deny`.
+/// The admin token's sources and transport, and the offline receipt's signature, shown after
+/// the flags of `revoke` and `deny`.
 macro_rules! token_help {
     () => {
         " With --url the admin token comes from --admin-token-file, else from \
 MBX_RELAY_ADMIN_TOKEN (the flag wins). It is sent over plain http:// only to this machine \
-(localhost, 127.0.0.0/8, ::1); another host needs https://, or --insecure-http."
+(localhost, 127.0.0.0/8, ::1); another host needs https://, or --insecure-http. Offline, the \
+relay-log receipt is signed with the relay key (MBX_RELAY_KEY, else relay.key in the store \
+directory); without either the change is still made and the receipt is written unsigned, with \
+a warning (relay log marks it NOT VERIFIED)."
     };
 }
 
@@ -144,6 +154,54 @@ pub(super) struct Online {
     source: String,
 }
 
+impl Online {
+    /// The relay URL.
+    pub(super) fn url(&self) -> &str {
+        &self.url
+    }
+}
+
+/// The admin endpoint of the relay serving the store in `dir` on this machine, for a command
+/// that was given no `--url`: the admin token configured for that relay here
+/// ([`ADMIN_TOKEN_ENV`], else `admin_token_file` in the store's `relay.toml`) and
+/// `http://127.0.0.1:<port>` (`[::1]` for a relay bound to an IPv6 address) with the port the
+/// relay's own start reads: `PORT`, else `port` in `relay.toml`, else 7374. `Err` says why
+/// there is none (no token configured, `relay.toml` unreadable, a relay bound to another
+/// address than loopback or all addresses, port 0); it never holds the token.
+pub(super) fn local_admin_endpoint(dir: &std::path::Path) -> Result<Online, String> {
+    use std::net::IpAddr;
+    let config = agentmbx_relay::config::RelayConfig::load(dir)
+        .map_err(|e| format!("the relay's configuration cannot be read ({e})"))?;
+    let Some(token) = config.admin_token.clone() else {
+        return Err(format!(
+            "no admin token is configured here ({ADMIN_TOKEN_ENV}, or admin_token_file in {})",
+            dir.join("relay.toml").display()
+        ));
+    };
+    // `load` applied `PORT` over relay.toml's `port`, as `relay serve` does.
+    let port = config.port.unwrap_or(agentmbx_relay::config::DEFAULT_PORT);
+    if port == 0 {
+        return Err("the relay's port is not known here (port 0 picks a free one)".into());
+    }
+    let host = match config.bind {
+        None => "127.0.0.1",
+        Some(IpAddr::V4(a)) if a.is_unspecified() || a.is_loopback() => "127.0.0.1",
+        Some(IpAddr::V6(a)) if a.is_unspecified() || a.is_loopback() => "[::1]",
+        Some(other) => {
+            return Err(format!(
+                "the relay binds {other}, not this machine's loopback address"
+            ))
+        }
+    };
+    Ok(Online {
+        url: format!("http://{host}:{port}"),
+        token,
+        source: format!(
+            "the admin token configured for the relay ({ADMIN_TOKEN_ENV} or relay.toml's admin_token_file)"
+        ),
+    })
+}
+
 /// True when `url` (checked by [`agentmbx::config::check_relay_url`]) names this machine:
 /// `localhost`, an IPv4 address in 127.0.0.0/8 or `::1`.
 fn is_loopback(url: &str) -> bool {
@@ -227,16 +285,29 @@ pub(super) fn refusal(e: AdminError) -> anyhow::Error {
     }
 }
 
-/// Runs `f` on the store opened offline, then closes it.
+/// Runs `f` on the store opened offline, then closes it. When the relay key is not available
+/// (neither `MBX_RELAY_KEY` nor `relay.key`), the change is still made and its relay-log
+/// receipt is unsigned: one warning on stderr says so and why, once `f` succeeded.
 pub(super) fn offline<T>(
     dir: &std::path::Path,
     f: impl FnOnce(&dyn agentmbx_relay::store::RelayStore, i64) -> Result<T, AdminError>,
 ) -> anyhow::Result<T> {
     let now = now_ms()?;
-    let store = admin::open_offline(dir, now).map_err(refusal)?;
-    let out = f(&store, now).map_err(refusal);
-    store.close().context("closing the relay store")?;
+    let opened = admin::open_offline(dir, now).map_err(refusal)?;
+    let out = f(&opened.store, now).map_err(refusal);
+    opened.store.close().context("closing the relay store")?;
+    if out.is_ok() {
+        warn_unsigned(opened.unsigned.as_deref());
+    }
     out
+}
+
+/// The one warning of an offline command whose relay-log receipt is unsigned
+/// ([`agentmbx_relay::ops::unsigned_receipt_reason`]); nothing when it is signed.
+pub(super) fn warn_unsigned(reason: Option<&str>) {
+    if let Some(reason) = reason {
+        eprintln!("warning: {reason}");
+    }
 }
 
 /// One admin request; a refusal becomes the matching CLI error.

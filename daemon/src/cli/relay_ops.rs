@@ -13,17 +13,24 @@
 //!   warning on stderr also counts.
 //! - **backup**: an online copy of the store to `<file>` (never overwrites: an existing file is
 //!   refused with `EXISTS`, exit 1), allowed while the relay serves. The receipt is printed and
-//!   appended to the relay log: offline directly; while a relay serves the store, through its
-//!   admin endpoint when `--url` is given, else it is printed only and a note on stderr says
-//!   it was not logged (only the serving relay may write its store); the backup itself is
-//!   complete either way.
+//!   appended to the relay log: offline directly; while a relay serves the store (only it may
+//!   write it), through its admin endpoint — the one `--url` names, else the relay on this
+//!   machine when its admin token is configured here ([`local_admin_endpoint`]: the token from
+//!   `MBX_RELAY_ADMIN_TOKEN` or `relay.toml`'s `admin_token_file`, the port from `PORT` or
+//!   `relay.toml`). When neither works the receipt is printed only (signed when the relay key
+//!   is available) and a note on stderr says it was not logged, why, and that `--url` logs
+//!   it. The backup itself is complete either way (exit 0; a failure through an explicit
+//!   `--url` is exit 1).
 //! - **restore**: replaces the store with a backup while no relay runs on it
 //!   ([`agentmbx_relay::ops::restore`]): refused while a relay holds the store (`RELAY_RUNNING`,
 //!   exit 4) and for a file that is not this relay's store; the replaced store is kept under
 //!   `rollback/` and the receipt's `rollback` is the command that undoes it.
 //!
 //! The offline commands sign their receipts with the relay key: `MBX_RELAY_KEY` when set, else
-//! `relay.key` in the store directory (never created here).
+//! `relay.key` in the store directory (never created here). Without either they still run —
+//! the same rule for every offline operator command, so none of them waits for a key that
+//! lives only in a platform secret — and write their receipt unsigned, with one warning on
+//! stderr; `relay log` marks such a receipt NOT VERIFIED. A malformed key is an error.
 //!
 //! Exit codes: 0 done, 1 failure (also `EXISTS`, `NOT_A_STORE`, `OTHER_RELAY`,
 //! `CURRENT_UNREADABLE`), 2 usage, 3 no store (no backup file for restore), 4 a relay runs on
@@ -40,7 +47,8 @@ use agentmbx_relay::ops::{self, OpsError, RestoreError, RotatedBy};
 use agentmbx_relay::store::RelayStore as _;
 
 use super::relay_admin::{
-    now_ms, offline, online, place, print, refusal, Place, RelayRunning, Target,
+    local_admin_endpoint, now_ms, offline, online, place, print, refusal, warn_unsigned, Place,
+    RelayRunning, Target,
 };
 use super::NotFoundError;
 
@@ -59,7 +67,10 @@ re-push every message the relay accepted and the recipient has not confirmed, re
 re-pull from 0, and dedup on both ends absorbs the repeats. Run it after restoring a store by \
 any other means than `agentmbx relay restore` (a volume snapshot, a file copy). Exit status: \
 0 rotated, 1 failure, 2 usage error, 3 no store, 4 a relay runs on the store (use --url). \
-With --url the admin token comes from --admin-token-file, else from MBX_RELAY_ADMIN_TOKEN."
+With --url the admin token comes from --admin-token-file, else from MBX_RELAY_ADMIN_TOKEN. \
+Offline, the relay-log receipt is signed with the relay key (MBX_RELAY_KEY, else relay.key in \
+the store directory); without either the epoch still rotates and the receipt is written \
+unsigned, with a warning (relay log marks it NOT VERIFIED)."
 )]
 pub struct RotateEpochArgs {
     #[command(flatten)]
@@ -76,7 +87,8 @@ pub struct LogArgs {
     /// The relay store directory
     #[arg(long, value_name = "DIR", env = "MBX_RELAY_DIR", required = true)]
     pub store_dir: PathBuf,
-    /// How many of the newest entries to show (1..=1000)
+    /// How many of the newest entries to show (1..=1000; the log keeps 1,000 entries and,
+    /// apart from them, the newest 100 relay-sweep receipts)
     #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub limit: u32,
     /// Print as JSON: [{id, at, op, receipt, verified}]
@@ -91,14 +103,17 @@ pub struct LogArgs {
 holds (RELAY_RUNNING, exit 4). The backup is copied and checked (a relay store of this relay's \
 key, a schema this agentmbx reads), the current store is kept as rollback/relay-<time>.db in \
 the store directory, and what the current store took away or learned since the backup is \
-carried forward: revocations, deny-list entries, newer sender allowlists and enc-key ads, \
-sequence floors, the relay log. Enrolments made after the backup are not: those hosts enrol \
-again by themselves. The epoch rotates, so senders re-push what the relay accepted and the \
-recipient has not confirmed and receivers re-pull from 0; dedup absorbs the repeats. The \
-receipt (signed with the relay key: MBX_RELAY_KEY, else relay.key in the store directory) \
-goes to the relay log and names the command that undoes the restore. Exit status: 0 \
-restored, 1 failure (NOT_A_STORE, SCHEMA, OTHER_RELAY, CURRENT_UNREADABLE…), 2 usage error, \
-3 no such backup file, 4 a relay runs on the store."
+carried forward: host key rotations (the new key takes over the enrolment, the old key's \
+queue and allowlists), revocations, deny-list entries, newer sender allowlists and enc-key \
+ads, sequence floors, the relay log. Enrolments made after the backup are not: those hosts \
+enrol again by themselves. The epoch rotates, so senders re-push what the relay accepted and \
+the recipient has not confirmed and receivers re-pull from 0; dedup absorbs the repeats. The \
+receipt goes to the relay log and names the command that undoes the restore; it is signed \
+with the relay key (MBX_RELAY_KEY, else relay.key in the store directory), which must be the \
+backup's. Without either the restore still runs (the backup is checked against the current \
+store's key) and the receipt is written unsigned, with a warning (relay log marks it NOT \
+VERIFIED). Exit status: 0 restored, 1 failure (NOT_A_STORE, SCHEMA, OTHER_RELAY, \
+CURRENT_UNREADABLE…), 2 usage error, 3 no such backup file, 4 a relay runs on the store."
 )]
 pub struct RestoreArgs {
     /// The backup file (`agentmbx relay backup` wrote it; never changed)
@@ -124,10 +139,17 @@ pub struct RestoreArgs {
 safe while the relay serves), written to <file>.partial-<pid>, switched to the rollback \
 journal, integrity-checked, fsynced and then given its name; an existing <file> is never \
 overwritten (EXISTS) and no partial file remains on failure. The receipt goes to the relay \
-log: directly when no relay serves the store; while one does, through its admin endpoint with \
---url (admin token from --admin-token-file or MBX_RELAY_ADMIN_TOKEN), else it is printed only. \
-The backup holds sealed bodies and routing metadata, never a private key. Exit status: 0 \
-written, 1 failure (EXISTS, integrity), 2 usage error, 3 no store."
+log: directly when no relay serves the store (signed with MBX_RELAY_KEY or relay.key; \
+without either, unsigned with a warning). While a relay serves the store only it may write \
+it, so the receipt goes through its admin endpoint: the one --url names (admin token from \
+--admin-token-file or MBX_RELAY_ADMIN_TOKEN), else the relay on this machine when its admin \
+token is configured here (MBX_RELAY_ADMIN_TOKEN, or admin_token_file in the store's \
+relay.toml) at http://127.0.0.1:<port> (PORT, else relay.toml's port, else 7374). When that \
+is not possible the receipt is printed only (signed when the relay key is available) and a \
+note on stderr says it was not logged and why; run the backup with --url to log it. The \
+backup holds sealed bodies and routing metadata, never a private key. Exit status: 0 \
+written, 1 failure (EXISTS, integrity, or logging through an explicit --url), 2 usage error, \
+3 no store."
 )]
 pub struct BackupArgs {
     /// The backup file to create (its directory must exist)
@@ -240,25 +262,36 @@ fn restore_refusal(e: RestoreError) -> anyhow::Error {
 
 /// `relay restore <file>`.
 pub fn restore(args: RestoreArgs) -> anyhow::Result<()> {
+    // A missing backup is exit 3 whatever else is wrong (checked again by the restore).
+    let file = ops::absolute(&args.file);
+    if !file.is_file() {
+        return Err(restore_refusal(RestoreError::NoBackup(file)));
+    }
     let now = now_ms()?;
-    let key = ops::offline_relay_key(&args.store_dir)?;
+    let key = ops::offline_relay_key_if_any(&args.store_dir)?;
+    let unsigned = key
+        .is_none()
+        .then(|| ops::unsigned_receipt_reason(&args.store_dir));
     let opts = ops::RestoreOptions {
         force: args.force,
         now_ms: now,
-        signer: ops::RelayOpSigner::shared(key),
+        signer: key.map(ops::RelayOpSigner::shared),
     };
     let receipt =
         ops::restore(&args.store_dir, &args.file, &opts, None).map_err(restore_refusal)?;
+    warn_unsigned(unsigned.as_deref());
     let c = &receipt["carried"];
     let mut text = format!(
         "restored {} into {}: epoch {} -> {}\ncarried forward from the replaced store: \
-         revocations {}, deny-list entries {}, sender allowlists {}, enc-key ads {}, v2 ad \
-         records {}, seq floors {}, account bindings {}, relay-log entries {}\n\
+         host key rotations {}, revocations {}, deny-list entries {}, sender allowlists {}, \
+         enc-key ads {}, v2 ad records {}, seq floors {}, account bindings {}, relay-log \
+         entries {}\n\
          now: {} items for {} targets, {} enrolments ({} revoked)",
         receipt["backup"]["file"].as_str().unwrap_or(""),
         receipt["store"].as_str().unwrap_or(""),
         receipt["epoch"]["from"].as_str().unwrap_or(""),
         receipt["epoch"]["to"].as_str().unwrap_or(""),
+        c["rotations"],
         c["revocations"],
         c["deny"],
         c["sender_lists"],
@@ -332,8 +365,9 @@ pub fn backup(args: BackupArgs) -> anyhow::Result<()> {
 }
 
 /// Appends a backup receipt to the relay log: through the running relay's admin endpoint when
-/// `online` is given, else directly on the store (a note on stderr when a running relay holds
-/// it). Returns the receipt to show (as logged when it was) and whether logging worked.
+/// `online` is given, else directly on the store, else (a running relay holds it) through the
+/// admin endpoint of the relay on this machine ([`log_through_serving_relay`]). Returns the
+/// receipt to show (as logged when it was) and whether logging worked.
 fn log_backup_receipt(
     args: &BackupArgs,
     online_target: Option<super::relay_admin::Online>,
@@ -353,7 +387,8 @@ fn log_backup_receipt(
         };
     }
     match admin::open_offline(&args.store_dir, now) {
-        Ok(store) => {
+        Ok(opened) => {
+            let store = &opened.store;
             let logged = store
                 .append_op(now, ops::OP_BACKUP, receipt)
                 .and_then(|id| {
@@ -363,20 +398,71 @@ fn log_backup_receipt(
                         .find(|o| o.id == id)
                         .map_or_else(|| receipt.clone(), |o| o.receipt))
                 });
-            let closed = store.close().context("closing the relay store");
+            let closed = opened.store.close().context("closing the relay store");
             match (logged, closed) {
-                (Ok(shown), Ok(())) => (shown, Ok(())),
+                (Ok(shown), Ok(())) => {
+                    warn_unsigned(opened.unsigned.as_deref());
+                    (shown, Ok(()))
+                }
                 (Ok(_), Err(e)) => (receipt.clone(), Err(e)),
                 (Err(e), _) => (receipt.clone(), Err(e.into())),
             }
         }
-        Err(AdminError::Running(_)) => {
-            eprintln!(
-                "note: the receipt was not added to the relay log, because a running relay holds \
-                 the store; give --url <relay url> with the admin token to log it through the relay"
-            );
-            (receipt.clone(), Ok(()))
-        }
+        Err(AdminError::Running(_)) => log_through_serving_relay(&args.store_dir, receipt),
         Err(e) => (receipt.clone(), Err(refusal(e))),
     }
+}
+
+/// A running relay holds the store and no `--url` was given: the receipt goes through the
+/// admin endpoint of the relay on this machine when its admin token is configured here
+/// ([`local_admin_endpoint`]). Otherwise, or when that relay does not take it, the receipt is
+/// shown signed with the relay key when it is available here (as the relay would have logged
+/// it), and a note on stderr says it was not logged, why, and how to log it. Never fails: the
+/// backup is complete.
+fn log_through_serving_relay(
+    dir: &std::path::Path,
+    receipt: &Value,
+) -> (Value, anyhow::Result<()>) {
+    let why = match local_admin_endpoint(dir) {
+        Ok(target) => match online(
+            &target,
+            "POST",
+            "/v2/relay/admin/backup-receipt",
+            Some(json!({ "receipt": receipt })),
+        ) {
+            Ok(answer) if answer["receipt"].is_object() => {
+                return (answer["receipt"].clone(), Ok(()))
+            }
+            Ok(_) => format!("the relay at {} gave no receipt back", target.url()),
+            Err(e) => format!(
+                "the admin endpoint of the relay at {} did not take it ({e:#})",
+                target.url()
+            ),
+        },
+        Err(why) => why,
+    };
+    let (shown, signed) = match ops::offline_relay_key_if_any(dir) {
+        Ok(Some(key)) => {
+            match agentmbx_relay::store::sign_op_receipt(
+                ops::RelayOpSigner::shared(key).as_ref(),
+                receipt,
+            ) {
+                Ok(signed) => (signed, true),
+                Err(_) => (receipt.clone(), false),
+            }
+        }
+        _ => (receipt.clone(), false),
+    };
+    eprintln!(
+        "note: the backup is complete, but its receipt was not added to the relay log: a running \
+         relay holds the store (only it may write it), and {why}. The receipt shown is {}. To \
+         log the receipt of a backup, run it with --url <relay url> and the relay's admin token \
+         (--admin-token-file or MBX_RELAY_ADMIN_TOKEN)",
+        if signed {
+            "signed with the relay key"
+        } else {
+            "unsigned (no relay key here: MBX_RELAY_KEY or relay.key)"
+        }
+    );
+    (shown, Ok(()))
 }

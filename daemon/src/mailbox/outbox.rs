@@ -11,11 +11,16 @@
 //!   bytes (relay dedup answers `duplicate` where the item survived), and may go over the LAN when
 //!   the peer is reachable. A relay accept moves it back to `relay-accepted`, a receipt or a LAN
 //!   delivery to `delivered`, a LAN refusal to `rejected`. It keeps its accept time and deadline.
-//! - `expired`: the relay's signed expiry notice said the target never collected it (spec §6);
-//!   `unconfirmed`: `relay-accepted` or `repush` with no delivery receipt by its deadline. Both
-//!   alert the sender in the transaction that ends the row (`crate::node::settle`), and a later
-//!   delivery receipt still settles either as `delivered`.
-//! - `delivered`, `rejected`, `undelivered`: final.
+//! - `expired`: the signed expiry notice of the relay that holds the row (its `relay`) said the
+//!   target never collected it (spec §6); `unconfirmed`: `relay-accepted` or `repush` with no
+//!   delivery receipt by its deadline. Both alert the sender in the transaction that ends the
+//!   row (`crate::node::settle`).
+//! - `delivered`, `rejected`, `undelivered`, `expired`, `unconfirmed`: final. The peer's own
+//!   word still wins over an alert already given: a delivery receipt ([`settle_by_receipt`]) or
+//!   a LAN `accepted`/`duplicate` ([`delivered_lan`]) turns an `expired`, `unconfirmed` or
+//!   `undelivered` row into `delivered` (the peer has the message), e.g. a LAN delivery of a
+//!   re-push that raced the expiry notice, or a push whose answer was lost (the relay had
+//!   committed) ended by the 72 h rule.
 //!
 //! The 72 h rule (`wire.md` §4 "Outbox client"): a `pending` row (never `repush`: no relay ever
 //! accepted it) ends `undelivered` once it is more than [`GIVE_UP_MS`] old, with `last_error`
@@ -31,7 +36,12 @@
 //! hand-back after a relay refusal that shows the target is not enrolled there.
 //!
 //! The wire bytes are written once, before the first attempt, and reused byte for byte on every
-//! retry and by both transports ([`set_wire`] never overwrites).
+//! retry and by both transports ([`set_wire`] never overwrites). They are resealed only when the
+//! peer's pinned key changed (`wire.md` "Resolved details: Resealing": a new target key, a new
+//! dedup key; [`retarget`], [`follow_rotations`]). A row that reaches a final state drops them
+//! (`wire = NULL`, `wire.md` §3.5 "Settle"; `wire_hash` stays as the record of what was sent):
+//! no transport sends a final row again, a re-push only ever takes `repush` rows, and a late
+//! receipt or LAN verdict for a final row only changes its state.
 
 use rusqlite::{params, Connection, OptionalExtension};
 use serde::Serialize;
@@ -85,6 +95,11 @@ pub fn past_give_up(state: &str, created_at: i64, accepted_at: Option<i64>, now_
 /// The outbox states a transport may still send: `pending` and `repush` (SQL list).
 pub const SENDABLE_SQL: &str = "('pending', 'repush')";
 
+/// The states the peer's own word (a delivery receipt, a LAN `accepted`/`duplicate`) turns
+/// into `delivered` (SQL list): every state but `delivered` and `rejected` (module doc).
+pub const PEER_SETTLES_SQL: &str =
+    "('pending', 'repush', 'relay-accepted', 'unconfirmed', 'expired', 'undelivered')";
+
 /// An outbox row.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Row {
@@ -107,10 +122,11 @@ pub struct Row {
     pub last_error: Option<String>,
     /// When the row was queued (ms).
     pub created_at: i64,
-    /// Persisted wire bytes (absent until first sealed).
+    /// Persisted wire bytes: absent until first sealed, and again once the row is final
+    /// (module doc).
     #[serde(skip)]
     pub wire: Option<Vec<u8>>,
-    /// SHA-256 hex of `wire`.
+    /// SHA-256 hex of the wire bytes last sealed (kept when a final row drops them).
     pub wire_hash: Option<String>,
     /// Relay seq once accepted.
     pub seq: Option<i64>,
@@ -123,9 +139,11 @@ pub struct Row {
     pub deadline_at: Option<i64>,
     /// The transport that settled the row: `lan`, `relay` or `receipt`.
     pub via: Option<String>,
+    /// URL of the relay that last accepted the row (no trailing `/`); kept through a re-push.
+    pub relay: Option<String>,
 }
 
-const COLS: &str = "o.msg_id, o.host, o.target_pubkey, o.state, o.attempts, o.lan_failures, o.next_at, o.last_error, o.created_at, o.wire, o.wire_hash, o.seq, o.epoch, o.accepted_at, o.via, o.deadline_at";
+const COLS: &str = "o.msg_id, o.host, o.target_pubkey, o.state, o.attempts, o.lan_failures, o.next_at, o.last_error, o.created_at, o.wire, o.wire_hash, o.seq, o.epoch, o.accepted_at, o.via, o.deadline_at, o.relay";
 
 fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Row> {
     Ok(Row {
@@ -145,6 +163,7 @@ fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Row> {
         accepted_at: r.get(13)?,
         via: r.get(14)?,
         deadline_at: r.get(15)?,
+        relay: r.get(16)?,
     })
 }
 
@@ -286,8 +305,11 @@ pub fn for_message(conn: &Connection, msg_id: &str) -> Result<Vec<Row>, MailboxE
     Ok(rows)
 }
 
-/// Persists the wire bytes of a row once. Returns the bytes now stored: the given ones, or the
-/// ones an earlier attempt already wrote (never overwritten, Decision 4).
+/// Persists the wire bytes of a `pending` or `repush` row once. Returns the bytes now stored:
+/// the given ones, or the ones an earlier attempt already wrote (never overwritten, Decision 4).
+/// A row that became final meanwhile keeps no bytes (module doc): the given ones are returned
+/// unstored, for the attempt already under way. Errors: [`MailboxError::NotFound`] (no such
+/// row), storage faults.
 pub fn set_wire(
     conn: &Connection,
     msg_id: &str,
@@ -296,18 +318,26 @@ pub fn set_wire(
     wire_hash: &str,
 ) -> Result<Vec<u8>, MailboxError> {
     conn.execute(
-        "UPDATE outbox SET wire = ?3, wire_hash = ?4 WHERE msg_id = ?1 AND host = ?2 AND wire IS NULL",
+        &format!(
+            "UPDATE outbox SET wire = ?3, wire_hash = ?4
+             WHERE msg_id = ?1 AND host = ?2 AND wire IS NULL AND state IN {SENDABLE_SQL}"
+        ),
         params![msg_id, host, wire, wire_hash],
     )?;
-    let stored: Option<Vec<u8>> = conn
+    let stored: Option<Option<Vec<u8>>> = conn
         .query_row(
             "SELECT wire FROM outbox WHERE msg_id = ?1 AND host = ?2",
             params![msg_id, host],
             |r| r.get(0),
         )
-        .optional()?
-        .flatten();
-    stored.ok_or_else(|| MailboxError::NotFound(format!("no outbox row {msg_id} → {host}")))
+        .optional()?;
+    match stored {
+        Some(Some(w)) => Ok(w),
+        Some(None) => Ok(wire.to_vec()),
+        None => Err(MailboxError::NotFound(format!(
+            "no outbox row {msg_id} → {host}"
+        ))),
+    }
 }
 
 /// What a verified accept records on its row.
@@ -375,7 +405,7 @@ pub fn fail(
     if terminal && f.state == "pending" {
         conn.execute(
             "UPDATE outbox SET state = 'rejected', attempts = attempts + 1, next_at = ?3,
-               last_error = ?4, settled_at = ?5
+               last_error = ?4, settled_at = ?5, wire = NULL
              WHERE msg_id = ?1 AND host = ?2 AND state = 'pending'",
             params![msg_id, host, next_at, cut_error(error), now_ms],
         )?;
@@ -440,7 +470,7 @@ fn give_up(
     conn.execute(
         "UPDATE outbox SET state = 'undelivered', attempts = attempts + 1,
            lan_failures = lan_failures + CASE WHEN ?5 THEN 1 ELSE 0 END,
-           settled_at = ?3, last_error = ?4
+           settled_at = ?3, last_error = ?4, wire = NULL
          WHERE msg_id = ?1 AND host = ?2 AND state = 'pending'",
         params![msg_id, host, now_ms, gave_up_reason(error), lan],
     )?;
@@ -504,7 +534,7 @@ pub fn give_up_stale(
     for (msg_id, host, last_error) in found {
         let reason = gave_up_reason(last_error.as_deref().unwrap_or(NO_TRANSPORT));
         conn.execute(
-            "UPDATE outbox SET state = 'undelivered', settled_at = ?3, last_error = ?4
+            "UPDATE outbox SET state = 'undelivered', settled_at = ?3, last_error = ?4, wire = NULL
              WHERE msg_id = ?1 AND host = ?2 AND state = 'pending'",
             params![msg_id, host, now_ms, reason],
         )?;
@@ -550,9 +580,11 @@ pub fn seal_once(
     set_wire(conn, &row.msg_id, &row.host, &wire, &wire_hash)
 }
 
-/// The peer accepted the row over the LAN (`accepted` or `duplicate`): `delivered`, via `lan`.
-/// A `repush` row, or one a relay accepted meanwhile, is settled too (the peer has it). Returns
-/// whether it changed.
+/// The peer accepted the row over the LAN (`accepted` or `duplicate`): `delivered`, via `lan`,
+/// wire bytes dropped. A `repush` row, one a relay accepted meanwhile, and one an alert already
+/// ended while the attempt was under way (`expired`, `unconfirmed`, `undelivered`:
+/// [`PEER_SETTLES_SQL`]) are settled too: the peer has it, and its word wins. Returns whether
+/// it changed.
 pub fn delivered_lan(
     conn: &Connection,
     msg_id: &str,
@@ -560,17 +592,20 @@ pub fn delivered_lan(
     now_ms: i64,
 ) -> Result<bool, MailboxError> {
     let n = conn.execute(
-        "UPDATE outbox SET state = 'delivered', via = 'lan', settled_at = ?3, last_error = NULL
-         WHERE msg_id = ?1 AND host = ?2 AND state IN ('pending', 'repush', 'relay-accepted')",
+        &format!(
+            "UPDATE outbox SET state = 'delivered', via = 'lan', settled_at = ?3, last_error = NULL,
+               wire = NULL
+             WHERE msg_id = ?1 AND host = ?2 AND state IN {PEER_SETTLES_SQL}"
+        ),
         params![msg_id, host, now_ms],
     )?;
     Ok(n == 1)
 }
 
-/// The peer refused the row over the LAN (`rejected:<why>`): state `rejected` with the reason
-/// (`wire.md` §4: the sender is alerted by the caller, in the same transaction); a `repush`
-/// row too (`wire.md` §3.5 "Settle": `rejected` is the LAN rejection of a re-push). Returns
-/// whether it changed.
+/// The peer refused the row over the LAN (`rejected:<why>`): state `rejected` with the reason,
+/// wire bytes dropped (`wire.md` §4: the sender is alerted by the caller, in the same
+/// transaction); a `repush` row too (`wire.md` §3.5 "Settle": `rejected` is the LAN rejection
+/// of a re-push). Returns whether it changed.
 pub fn rejected_lan(
     conn: &Connection,
     msg_id: &str,
@@ -580,7 +615,8 @@ pub fn rejected_lan(
 ) -> Result<bool, MailboxError> {
     let n = conn.execute(
         &format!(
-            "UPDATE outbox SET state = 'rejected', via = 'lan', settled_at = ?3, last_error = ?4
+            "UPDATE outbox SET state = 'rejected', via = 'lan', settled_at = ?3, last_error = ?4,
+           wire = NULL
          WHERE msg_id = ?1 AND host = ?2 AND state IN {SENDABLE_SQL}"
         ),
         params![msg_id, host, now_ms, cut_error(why)],
@@ -589,13 +625,17 @@ pub fn rejected_lan(
 }
 
 /// The peer `host` rotated its host key from `old_pub` to `new_pub` (`wire.md` §2.10,
-/// "Resealing"): every `pending` row still aimed at `old_pub` now targets `new_pub` (a new
-/// target key, so a new dedup key at the relay), its wire bytes sealed for the old target are
-/// dropped so the next attempt seals for the new one, and it is due at `now_ms`. Rows a relay
-/// accepted (`relay-accepted`, `repush`) keep their target and bytes (the relay moves its
-/// queued copy to the new key, and a re-push must stay byte-identical for dedup): their
-/// receipts or deadlines settle them. Returns how many rows moved; run it in the transaction
-/// that moves the pin.
+/// "Resolved details: Resealing"): every `pending` or `repush` row still aimed at `old_pub` now
+/// targets `new_pub` (a new target key, so a new dedup key at the relay), its wire bytes sealed
+/// for the old target are dropped so the next attempt seals for the new one, and it is due at
+/// `now_ms`. A `repush` row keeps its state, `accepted_at` and `deadline_at`: the relay that
+/// accepted it may have lost it (that is why it is re-pushed), and the old key is revoked there,
+/// so the same bytes for the old key could only be refused `target not enrolled`; a copy the
+/// relay still holds was moved to the new key, and the receiver's dedup by envelope id absorbs
+/// the second one. Rows a relay holds (`relay-accepted`) keep their target and bytes (the relay
+/// moves its queued copy to the new key): their receipts or deadlines settle them, and should
+/// one become `repush` later, [`repush_for_epoch`] retargets it ([`follow_rotations`]).
+/// Returns how many rows moved; run it in the transaction that moves the pin.
 pub fn retarget(
     conn: &Connection,
     host: &str,
@@ -604,10 +644,45 @@ pub fn retarget(
     now_ms: i64,
 ) -> Result<usize, MailboxError> {
     Ok(conn.execute(
-        "UPDATE outbox SET target_pubkey = ?3, wire = NULL, wire_hash = NULL,
-           next_at = MIN(next_at, ?4)
-         WHERE host = ?1 AND target_pubkey = ?2 AND state = 'pending'",
+        &format!(
+            "UPDATE outbox SET target_pubkey = ?3, wire = NULL, wire_hash = NULL,
+               next_at = MIN(next_at, ?4)
+             WHERE host = ?1 AND target_pubkey = ?2 AND state IN {SENDABLE_SQL}"
+        ),
         params![host, old_pub, new_pub, now_ms],
+    )?)
+}
+
+/// Retargets sendable rows whose peer rotated away from their target key since ([`retarget`]
+/// for rows it could not reach then, e.g. a `relay-accepted` row that a new epoch made
+/// `repush`): every `pending` or `repush` row — only `msg_id`'s when given — whose
+/// `target_pubkey` is one of its peer's retired keys (`peers.prev_keys`, i.e. a rotation this
+/// host verified) while the peer is pinned with another key now targets the pinned key, drops
+/// its wire bytes (the next attempt seals for the new key) and is due at `now_ms`. A row aimed
+/// at a key the peer never rotated away from (e.g. a host unpaired and paired again under the
+/// same name) is never moved. Accept time and deadline are kept. Returns how many rows moved.
+/// Errors: storage faults.
+pub fn follow_rotations(
+    conn: &Connection,
+    msg_id: Option<&str>,
+    now_ms: i64,
+) -> Result<usize, MailboxError> {
+    Ok(conn.execute(
+        &format!(
+            "UPDATE outbox SET
+               target_pubkey = (SELECT p.pubkey FROM peers p WHERE p.host = outbox.host),
+               wire = NULL, wire_hash = NULL, next_at = MIN(next_at, ?2)
+             WHERE state IN {SENDABLE_SQL} AND (?1 IS NULL OR msg_id = ?1)
+               AND EXISTS (
+                 SELECT 1 FROM peers p, json_each(p.prev_keys) AS r
+                 WHERE p.host = outbox.host AND p.pubkey IS NOT NULL
+                   AND p.pubkey <> outbox.target_pubkey
+                   AND CASE r.type
+                         WHEN 'text' THEN r.value
+                         WHEN 'object' THEN json_extract(r.value, '$.key')
+                       END = outbox.target_pubkey)"
+        ),
+        params![msg_id, now_ms],
     )?)
 }
 
@@ -660,9 +735,11 @@ pub fn fail_lan(
 
 /// A delivery receipt (delivered or later) from `host` for `msg_id` arrived (spec §9): a row
 /// still `pending`, `repush` or `relay-accepted` is `delivered`, and so is one the sender was
-/// already told about (`unconfirmed`, `expired`: the receipt proves the host has it after all);
-/// `via` is kept, or set to `relay` for a row a relay accepted and `receipt` otherwise. Returns
-/// whether it changed.
+/// already told about (`unconfirmed`, `expired`, `undelivered`, e.g. a push whose answer was
+/// lost while the relay had committed, then ended by the 72 h rule: the receipt proves the host
+/// has it after all; [`PEER_SETTLES_SQL`]). `via` is kept, or set to `relay` for a row a relay
+/// accepted and `receipt` otherwise; the wire bytes are dropped (already gone for a row that
+/// was final). A `rejected` row stays rejected. Returns whether it changed.
 pub fn settle_by_receipt(
     conn: &Connection,
     msg_id: &str,
@@ -670,10 +747,11 @@ pub fn settle_by_receipt(
     now_ms: i64,
 ) -> Result<bool, MailboxError> {
     let n = conn.execute(
-        "UPDATE outbox SET state = 'delivered', settled_at = ?3, last_error = NULL,
-           via = COALESCE(via, CASE WHEN accepted_at IS NOT NULL THEN 'relay' ELSE 'receipt' END)
-         WHERE msg_id = ?1 AND host = ?2
-           AND state IN ('pending', 'repush', 'relay-accepted', 'unconfirmed', 'expired')",
+        &format!(
+            "UPDATE outbox SET state = 'delivered', settled_at = ?3, last_error = NULL, wire = NULL,
+               via = COALESCE(via, CASE WHEN accepted_at IS NOT NULL THEN 'relay' ELSE 'receipt' END)
+             WHERE msg_id = ?1 AND host = ?2 AND state IN {PEER_SETTLES_SQL}"
+        ),
         params![msg_id, host, now_ms],
     )?;
     Ok(n == 1)
@@ -700,13 +778,22 @@ impl Repush {
     }
 }
 
+/// `attempts` of a row made `repush` (`wire.md` §3.5 "Epoch change / rewind": attempts=2). A
+/// re-push is not a first attempt; in this outbox `attempts` only sets the backoff of the next
+/// failure ([`backoff_ms`]), while the LAN-or-relay choice counts `lan_failures`
+/// ([`crate::transport::select`]), which a re-push leaves as it was.
+pub const REPUSH_ATTEMPTS: u32 = 2;
+
 /// The relay `relay` showed a new epoch `epoch` or went back in time (spec §5 "On seeing a new
 /// epoch"; `wire.md` §3.5 "Epoch change / rewind"): every `relay-accepted` row of that relay
 /// without a delivery receipt from its host (for [`Repush::Epoch`] only those accepted in
-/// another epoch), and every `repush` row of it, becomes `repush`: due now, `attempts` 0,
-/// `last_error` `relay <why>: re-push`, the same wire bytes, `accepted_at` and `deadline_at`
-/// kept. Relay dedup answers `duplicate` where the store still holds the item. Run it in the
-/// transaction that resets the receive position. Returns how many rows.
+/// another epoch), and every `repush` row of it, becomes `repush`: due now, `attempts`
+/// [`REPUSH_ATTEMPTS`], `last_error` `relay <why>: re-push`, the same wire bytes, `accepted_at`
+/// and `deadline_at` kept. Relay dedup answers `duplicate` where the store still holds the
+/// item. A row whose peer rotated its key since it was accepted is retargeted to the pinned key
+/// and resealed ([`follow_rotations`]; the old key is revoked at the relay). Run it in the
+/// transaction that resets the receive position. Returns how many rows became (or stayed)
+/// `repush`.
 pub fn repush_for_epoch(
     conn: &Connection,
     relay: &str,
@@ -714,8 +801,8 @@ pub fn repush_for_epoch(
     why: Repush,
     now_ms: i64,
 ) -> Result<usize, MailboxError> {
-    Ok(conn.execute(
-        "UPDATE outbox SET state = 'repush', next_at = ?3, attempts = 0, last_error = ?4
+    let n = conn.execute(
+        "UPDATE outbox SET state = 'repush', next_at = ?3, attempts = ?6, last_error = ?4
          WHERE relay = ?1
            AND (state = 'repush'
                 OR (state = 'relay-accepted' AND (?5 OR epoch IS NOT ?2)
@@ -726,26 +813,41 @@ pub fn repush_for_epoch(
             epoch,
             now_ms,
             format!("relay {}: re-push", why.as_str()),
-            why == Repush::Rewind
+            why == Repush::Rewind,
+            REPUSH_ATTEMPTS
         ],
-    )?)
+    )?;
+    if n > 0 {
+        follow_rotations(conn, None, now_ms)?;
+    }
+    Ok(n)
 }
 
-/// Ends a row a relay's verified expiry notice names (spec §6): a `pending`, `repush` or
-/// `relay-accepted` row becomes `expired` with `last_error` `reason` (cut to 300 characters),
-/// `settled_at` now. Run it in the transaction that alerts the sender. Returns whether it
-/// changed (false: the row was final already, e.g. `delivered`, and stays so).
+/// Ends a row the verified expiry notice of relay `relay` (its URL; a trailing `/` is ignored)
+/// names (spec §6): a `relay-accepted` or `repush` row that this relay accepted (its `relay`)
+/// becomes `expired` with `last_error` `reason` (cut to 300 characters), `settled_at` now, wire
+/// bytes dropped. Run it in the transaction that alerts the sender. Returns whether it changed
+/// (false: the row is final already, e.g. `delivered`, and stays so; or no relay accepted it,
+/// or another one did: one relay's notice says nothing about another relay's copy).
 pub fn expire(
     conn: &Connection,
     msg_id: &str,
     host: &str,
+    relay: &str,
     reason: &str,
     now_ms: i64,
 ) -> Result<bool, MailboxError> {
     let n = conn.execute(
-        "UPDATE outbox SET state = 'expired', settled_at = ?3, last_error = ?4
-         WHERE msg_id = ?1 AND host = ?2 AND state IN ('pending', 'repush', 'relay-accepted')",
-        params![msg_id, host, now_ms, cut_error(reason)],
+        "UPDATE outbox SET state = 'expired', settled_at = ?3, last_error = ?4, wire = NULL
+         WHERE msg_id = ?1 AND host = ?2 AND state IN ('relay-accepted', 'repush')
+           AND relay = ?5",
+        params![
+            msg_id,
+            host,
+            now_ms,
+            cut_error(reason),
+            relay.trim_end_matches('/')
+        ],
     )?;
     Ok(n == 1)
 }
@@ -765,8 +867,8 @@ pub fn overdue(conn: &Connection, now_ms: i64, limit: usize) -> Result<Vec<Row>,
 }
 
 /// Ends one row [`overdue`] found: a `relay-accepted` or `repush` row whose `deadline_at` is at
-/// or before `now_ms` becomes `unconfirmed` with `last_error` `reason`, `settled_at` now. Run it
-/// in the transaction that alerts the sender. Returns whether it changed.
+/// or before `now_ms` becomes `unconfirmed` with `last_error` `reason`, `settled_at` now, wire
+/// bytes dropped. Run it in the transaction that alerts the sender. Returns whether it changed.
 pub fn unconfirm(
     conn: &Connection,
     msg_id: &str,
@@ -775,7 +877,7 @@ pub fn unconfirm(
     now_ms: i64,
 ) -> Result<bool, MailboxError> {
     let n = conn.execute(
-        "UPDATE outbox SET state = 'unconfirmed', settled_at = ?3, last_error = ?4
+        "UPDATE outbox SET state = 'unconfirmed', settled_at = ?3, last_error = ?4, wire = NULL
          WHERE msg_id = ?1 AND host = ?2 AND state IN ('relay-accepted', 'repush')
            AND deadline_at <= ?3",
         params![msg_id, host, now_ms, cut_error(reason)],
@@ -1082,7 +1184,7 @@ mod durability_tests {
                 r.attempts,
                 r.last_error.as_deref()
             ),
-            ("repush", T0 + 100, 0, Some("relay epoch: re-push"))
+            ("repush", T0 + 100, 2, Some("relay epoch: re-push"))
         );
         assert_eq!((r.accepted_at, r.deadline_at), (Some(T0), Some(DEADLINE)));
         assert_eq!(
@@ -1236,10 +1338,10 @@ mod durability_tests {
                 repush_for_epoch(c, R, "e2", Repush::Epoch, T0)?;
                 accept(c, &ids[1], "e2", 60, T0, DEADLINE);
                 assert!(settle_by_receipt(c, &ids[3], "work", T0)?);
-                assert!(expire(c, &ids[0], "work", "gone", T0 + 1)?);
-                assert!(!expire(c, &ids[0], "work", "again", T0 + 2)?, "a repeat");
+                assert!(expire(c, &ids[0], "work", R, "gone", T0 + 1)?);
+                assert!(!expire(c, &ids[0], "work", R, "again", T0 + 2)?, "a repeat");
                 assert!(
-                    !expire(c, &ids[3], "work", "late", T0 + 2)?,
+                    !expire(c, &ids[3], "work", R, "late", T0 + 2)?,
                     "delivered stays"
                 );
                 assert!(unconfirm(c, &ids[1], "work", "late", DEADLINE)?);
@@ -1277,5 +1379,324 @@ mod durability_tests {
             "delivered",
             "a receipt proves delivery"
         );
+    }
+
+    #[test]
+    fn an_expiry_needs_the_relay_that_accepted_the_row_and_a_live_row() {
+        let (s, ids) = accepted(3);
+        let me = testutil::identity("home");
+        let pending = testutil::ids().next(T0 + 10);
+        s.send(&me, "alice", &["bob@work"], "hi", &pending, T0)
+            .unwrap();
+        s.mailbox
+            .with(|c| {
+                repush_for_epoch(c, R, "e2", Repush::Epoch, T0)?;
+                accept(c, &ids[1], "e2", 60, T0, DEADLINE);
+                assert!(unconfirm(c, &ids[2], "work", "late", DEADLINE)?);
+                // Another relay's word, a row no relay accepted, a final row: no change.
+                for (id, relay) in [
+                    (&ids[0], "http://127.0.0.1:10"),
+                    (&ids[1], "http://other"),
+                    (&pending, R),
+                    (&ids[2], R),
+                ] {
+                    assert!(!expire(c, id, "work", relay, "x", T0 + 1)?, "{id} {relay}");
+                }
+                // The relay that accepted it (a trailing `/` is the same URL): repush and
+                // relay-accepted rows both end.
+                assert!(expire(c, &ids[0], "work", R, "gone", T0 + 2)?);
+                assert!(expire(
+                    c,
+                    &ids[1],
+                    "work",
+                    &format!("{R}/"),
+                    "gone",
+                    T0 + 2
+                )?);
+                Ok(())
+            })
+            .unwrap();
+        let got: Vec<String> = [&ids[0], &ids[1], &ids[2], &pending]
+            .iter()
+            .map(|id| state(&s, id).state)
+            .collect();
+        assert_eq!(got, ["expired", "expired", "unconfirmed", "pending"]);
+    }
+
+    #[test]
+    fn the_peers_own_word_settles_a_row_an_alert_already_ended() {
+        let (s, ids) = accepted(4);
+        let me = testutil::identity("home");
+        // A push whose answer was lost (the relay committed): still pending, then 72 h old.
+        let lost = testutil::ids().next(T0 + 10);
+        s.send(&me, "alice", &["bob@work"], "hi", &lost, T0)
+            .unwrap();
+        let late = T0 + GIVE_UP_MS + 1;
+        s.mailbox
+            .with(|c| {
+                repush_for_epoch(c, R, "e2", Repush::Epoch, T0)?;
+                assert!(expire(c, &ids[0], "work", R, "gone", T0 + 1)?);
+                assert!(unconfirm(c, &ids[1], "work", "late", DEADLINE)?);
+                assert!(expire(c, &ids[2], "work", R, "gone", T0 + 1)?);
+                assert!(rejected_lan(c, &ids[3], "work", "refused", T0 + 1)?);
+                assert_eq!(give_up_stale(c, late, 10)?.len(), 1);
+                assert_eq!(get(c, &lost, "work")?.unwrap().state, "undelivered");
+                // A LAN delivery of a re-push that raced the expiry notice, one that raced the
+                // deadline, and a receipt for the expired one and for the lost push.
+                assert!(delivered_lan(c, &ids[0], "work", late)?);
+                assert!(delivered_lan(c, &ids[1], "work", late)?);
+                assert!(settle_by_receipt(c, &ids[2], "work", late)?);
+                assert!(settle_by_receipt(c, &lost, "work", late)?);
+                // A refusal by the peer stays a refusal.
+                assert!(!delivered_lan(c, &ids[3], "work", late)?);
+                assert!(!settle_by_receipt(c, &ids[3], "work", late)?);
+                // Delivered is delivered: nothing changes again.
+                assert!(!delivered_lan(c, &ids[0], "work", late + 1)?);
+                assert!(!settle_by_receipt(c, &lost, "work", late + 1)?);
+                Ok(())
+            })
+            .unwrap();
+        let got: Vec<(String, Option<String>, Option<String>)> =
+            [&ids[0], &ids[1], &ids[2], &lost, &ids[3]]
+                .iter()
+                .map(|id| {
+                    let r = state(&s, id);
+                    (r.state, r.via, r.last_error)
+                })
+                .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("delivered".into(), Some("lan".into()), None),
+                ("delivered".into(), Some("lan".into()), None),
+                ("delivered".into(), Some("relay".into()), None),
+                ("delivered".into(), Some("receipt".into()), None),
+                (
+                    "rejected".into(),
+                    Some("lan".into()),
+                    Some("refused".into())
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn every_final_state_drops_the_wire_bytes_and_keeps_their_hash() {
+        let (s, ids) = accepted(6);
+        let me = testutil::identity("home");
+        let mut gen = testutil::ids();
+        let pend: Vec<String> = (0..5).map(|_| gen.next(T0 + 10)).collect();
+        for id in &pend {
+            s.send(&me, "alice", &["bob@work"], "hi", id, T0).unwrap();
+            s.mailbox
+                .with(|c| set_wire(c, id, "work", b"p", "hp").map(|_| ()))
+                .unwrap();
+        }
+        let late = T0 + GIVE_UP_MS + 1;
+        s.mailbox
+            .with(|c| {
+                repush_for_epoch(c, R, "e2", Repush::Epoch, T0)?;
+                accept(c, &ids[5], "e2", 70, T0, DEADLINE);
+                assert!(delivered_lan(c, &ids[0], "work", T0)?);
+                assert!(rejected_lan(c, &ids[1], "work", "no", T0)?);
+                assert!(settle_by_receipt(c, &ids[2], "work", T0)?);
+                assert!(expire(c, &ids[3], "work", R, "gone", T0)?);
+                assert!(unconfirm(c, &ids[4], "work", "late", DEADLINE)?);
+                assert_eq!(
+                    fail(c, &pend[0], "work", "rejected:conflict", true, T0)?,
+                    Failure::Rejected
+                );
+                assert_eq!(
+                    fail(c, &pend[1], "work", "x", false, late)?,
+                    Failure::GaveUp
+                );
+                assert_eq!(fail_lan(c, &pend[2], "work", "x", late)?, Failure::GaveUp);
+                assert_eq!(give_up_stale(c, late, 1)?.len(), 1);
+                Ok(())
+            })
+            .unwrap();
+        let finals: Vec<&String> = ids[..5].iter().chain(&pend[..4]).collect();
+        for id in &finals {
+            let r = state(&s, id);
+            assert!(
+                [
+                    "delivered",
+                    "rejected",
+                    "expired",
+                    "unconfirmed",
+                    "undelivered"
+                ]
+                .contains(&r.state.as_str()),
+                "{id}: {r:?}"
+            );
+            assert_eq!(r.wire, None, "{id}: {}", r.state);
+            assert!(r.wire_hash.is_some(), "{id}: the hash stays");
+        }
+        // The live rows keep theirs: the relay-accepted one and the pending one.
+        assert_eq!(state(&s, &ids[5]).wire.as_deref(), Some(&b"w5"[..]));
+        assert_eq!(state(&s, &pend[4]).wire.as_deref(), Some(&b"p"[..]));
+        // A sealing that raced the end of a row stores nothing on it.
+        s.mailbox
+            .with(|c| {
+                c.execute(
+                    "UPDATE outbox SET wire = NULL WHERE msg_id = ?1",
+                    [&pend[4]],
+                )?;
+                assert!(settle_by_receipt(c, &pend[4], "work", late)?);
+                assert_eq!(set_wire(c, &pend[4], "work", b"late", "hl")?, b"late");
+                assert!(set_wire(c, "01KDVDNA3VG2MH8KWSQRCWJZ0Z", "work", b"x", "h").is_err());
+                Ok(())
+            })
+            .unwrap();
+        let r = state(&s, &pend[4]);
+        assert_eq!((r.wire, r.wire_hash.as_deref()), (None, Some("hp")));
+        // A late receipt for a final row only changes its state.
+        s.mailbox
+            .with(|c| {
+                assert!(settle_by_receipt(c, &ids[3], "work", late)?);
+                Ok(())
+            })
+            .unwrap();
+        let r = state(&s, &ids[3]);
+        assert_eq!((r.state.as_str(), r.wire), ("delivered", None));
+        // The sender's view reads every state without the bytes.
+        let page = s
+            .mailbox
+            .with(|c| super::super::receipts::sent_page(c, "alice", "home", None, 100))
+            .unwrap();
+        let mut states: Vec<String> = page
+            .messages
+            .iter()
+            .map(|m| m.recipients[0].state.clone())
+            .collect();
+        states.sort();
+        assert_eq!(
+            states,
+            [
+                "delivered",
+                "delivered",
+                "delivered",
+                "delivered",
+                "relay-accepted",
+                "unconfirmed",
+                "undelivered",
+                "undelivered",
+                "undelivered",
+                "undelivered",
+                "undelivered"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_repush_follows_its_peers_rotation_and_is_resealed_keeping_its_deadline() {
+        let (s, ids) = accepted(4);
+        let me = testutil::identity("home");
+        let old = state(&s, &ids[0]).target_pubkey;
+        let new = testutil::identity("work");
+        let new_pub = new.host_key.public().to_b64();
+        let pending = testutil::ids().next(T0 + 10);
+        s.send(&me, "alice", &["bob@work"], "hi", &pending, T0)
+            .unwrap();
+        s.mailbox
+            .with(|c| {
+                // ids[1] is already a re-push when the peer rotates; ids[0] still held.
+                c.execute(
+                    "UPDATE outbox SET state = 'repush' WHERE msg_id = ?1",
+                    [&ids[1]],
+                )?;
+                crate::mailbox::peers::rotate(
+                    c,
+                    "work",
+                    &old,
+                    &new_pub,
+                    &new.enc_key.public().to_b64(),
+                    Some(T0 + 50),
+                    T0 + 50,
+                )?
+                .expect("rotated");
+                // The rotation: the pending row and the re-push move; the held row stays.
+                assert_eq!(retarget(c, "work", &old, &new_pub, T0 + 50)?, 2);
+                Ok(())
+            })
+            .unwrap();
+        for id in [&ids[1], &pending] {
+            let r = state(&s, id);
+            assert_eq!(
+                (r.target_pubkey.as_str(), r.wire.as_deref(), r.wire_hash),
+                (new_pub.as_str(), None, None),
+                "{id}"
+            );
+            assert!(r.next_at <= T0 + 50, "{id}: due");
+        }
+        let r = state(&s, &ids[1]);
+        assert_eq!(
+            (r.state.as_str(), r.accepted_at, r.deadline_at),
+            ("repush", Some(T0), Some(DEADLINE))
+        );
+        let held = state(&s, &ids[0]);
+        assert_eq!(
+            (
+                held.state.as_str(),
+                held.target_pubkey.as_str(),
+                held.wire.as_deref()
+            ),
+            ("relay-accepted", old.as_str(), Some(&b"w0"[..]))
+        );
+        // A new epoch later makes the held rows re-pushes: they follow the rotation too.
+        s.mailbox
+            .with(|c| {
+                assert_eq!(repush_for_epoch(c, R, "e2", Repush::Epoch, T0 + 100)?, 4);
+                Ok(())
+            })
+            .unwrap();
+        for id in [&ids[0], &ids[2], &ids[3]] {
+            let r = state(&s, id);
+            assert_eq!(
+                (
+                    r.state.as_str(),
+                    r.target_pubkey.as_str(),
+                    r.wire.as_deref(),
+                    r.accepted_at,
+                    r.deadline_at
+                ),
+                ("repush", new_pub.as_str(), None, Some(T0), Some(DEADLINE)),
+                "{id}"
+            );
+        }
+        // Sealing again stores the new bytes once.
+        s.mailbox
+            .with(|c| {
+                assert_eq!(set_wire(c, &ids[0], "work", b"new", "hn")?, b"new");
+                assert_eq!(follow_rotations(c, None, T0 + 200)?, 0, "nothing left");
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(state(&s, &ids[0]).wire.as_deref(), Some(&b"new"[..]));
+    }
+
+    #[test]
+    fn a_row_aimed_at_a_key_the_peer_never_retired_is_not_moved() {
+        let (s, ids) = accepted(2);
+        let stranger = testutil::identity("work").host_key.public().to_b64();
+        s.mailbox
+            .with(|c| {
+                // The peer was unpaired and paired again under the same name with another key:
+                // no rotation vouches for the move, so the re-push is not sent to the new key.
+                c.execute(
+                    "UPDATE peers SET pubkey = ?1 WHERE host = 'work'",
+                    [&stranger],
+                )?;
+                assert_eq!(repush_for_epoch(c, R, "e2", Repush::Epoch, T0)?, 2);
+                assert_eq!(follow_rotations(c, None, T0)?, 0);
+                assert_eq!(follow_rotations(c, Some(&ids[0]), T0)?, 0);
+                Ok(())
+            })
+            .unwrap();
+        for id in &ids {
+            let r = state(&s, id);
+            assert_ne!(r.target_pubkey, stranger, "{id}");
+            assert!(r.wire.is_some(), "{id}");
+        }
     }
 }

@@ -7,20 +7,27 @@
 //!   outbox row `expired` and alerts its sender `Undelivered to <host>: <subject>` (held N
 //!   day(s)), in one transaction. The matching row is the one for message `item_id` aimed at
 //!   `target_pubkey`, or at another key of the same peer (one it rotated away from, or the one
-//!   it rotated to: the relay moves a queue to the new key, `peers.prev_keys`). A row the host
-//!   already confirmed stays (or becomes) `delivered`, with no alert; a row already final
-//!   (`expired`, `unconfirmed`, `rejected`, ...) makes the notice a repeat that changes
-//!   nothing. A notice from another key, with a bad shape or signature, or naming no row of
-//!   this host is refused with a reason for quarantine.
+//!   it rotated to: the relay moves a queue to the new key, `peers.prev_keys`). Only a row that
+//!   relay holds is ended: `relay-accepted` or `repush` with `relay` = the relay the notice was
+//!   pulled from. A row the host already confirmed stays (or becomes) `delivered`, with no
+//!   alert; a row already final (`delivered`, `expired`, `unconfirmed`, `rejected`, ...) makes
+//!   the notice a repeat that changes nothing (a re-pull after an epoch change brings the same
+//!   notice again; an `unconfirmed` row already gave its sender one alert). A notice naming a
+//!   live row (`pending`, or held by another relay) is refused for quarantine
+//!   ([`NOT_HELD_BY_RELAY`]): that relay never held this copy, so its word cannot end it, and
+//!   the operator sees the claim in `agentmbx relay quarantine`. A notice from another key,
+//!   with a bad shape or signature, or naming no row of this host is refused the same way.
 //! - [`unconfirm_overdue`]: every `relay-accepted` or `repush` row whose `deadline_at`
 //!   (accepted_at + retention + 24 h) has passed ends `unconfirmed`, with the alert
 //!   `Undelivered/unconfirmed to <host>: <subject>` in the same transaction, one transaction
 //!   per row. The LAN delivery pass runs it ([`settle_pass`]) at least once a minute, with or
 //!   without a relay configured.
 //!
-//! A later delivery receipt still settles an `expired` or `unconfirmed` row as `delivered`
-//! (`mailbox::outbox::settle_by_receipt`). This module never talks to the network and never
-//! trusts a notice the pinned relay key did not sign.
+//! The peer's own word still wins over these alerts: a later delivery receipt or LAN
+//! `accepted` settles an `expired` or `unconfirmed` row as `delivered`
+//! (`mailbox::outbox::settle_by_receipt`, `mailbox::outbox::delivered_lan`). Ending a row
+//! drops its wire bytes (`wire.md` §3.5 "Settle"). This module never talks to the network and
+//! never trusts a notice the pinned relay key did not sign.
 
 use std::sync::Arc;
 
@@ -53,6 +60,9 @@ pub const BAD_NOTICE_SIG: &str = "bad expiry notice signature";
 pub const NOTICE_ID_MISMATCH: &str = "item id is not the notice id";
 /// Quarantine reason: no outbox row of this host is for that item and target.
 pub const NO_ROW: &str = "expiry notice names no outbox row of this host";
+/// Quarantine reason: the row the notice names is live but that relay does not hold it (no
+/// relay accepted it, or another relay did).
+pub const NOT_HELD_BY_RELAY: &str = "expiry notice from a relay that does not hold the row";
 
 /// What a valid expiry notice did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -130,16 +140,16 @@ pub fn notice_item_id(notice: &ExpiryNotice) -> String {
     format!("expired:{}:{}", notice.item_id, notice.target_pubkey)
 }
 
-/// The outbox row a notice names: `(host, state)` of the row for message `msg_id` aimed at
-/// `target`, or at another key of the peer `target` belongs to (current or retired).
+/// The outbox row a notice names: the row for message `msg_id` aimed at `target`, or at
+/// another key of the peer `target` belongs to (current or retired).
 fn matching_row(
     conn: &Connection,
     msg_id: &str,
     target: &str,
-) -> Result<Option<(String, String)>, MailboxError> {
-    let rows = outbox::for_message(conn, msg_id)?;
-    if let Some(r) = rows.iter().find(|r| r.target_pubkey == target) {
-        return Ok(Some((r.host.clone(), r.state.clone())));
+) -> Result<Option<outbox::Row>, MailboxError> {
+    let mut rows = outbox::for_message(conn, msg_id)?;
+    if let Some(i) = rows.iter().position(|r| r.target_pubkey == target) {
+        return Ok(Some(rows.swap_remove(i)));
     }
     let Some(peer) = peers::by_any_key(conn, target)? else {
         return Ok(None);
@@ -148,8 +158,14 @@ fn matching_row(
     keys.push(peer.pubkey.clone());
     Ok(rows
         .into_iter()
-        .find(|r| r.host == peer.host && keys.contains(&r.target_pubkey))
-        .map(|r| (r.host, r.state)))
+        .find(|r| r.host == peer.host && keys.contains(&r.target_pubkey)))
+}
+
+/// Whether `row` was last accepted by the relay at `relay_url` (trailing `/` ignored).
+fn held_by(row: &outbox::Row, relay_url: &str) -> bool {
+    row.relay
+        .as_deref()
+        .is_some_and(|r| r.trim_end_matches('/') == relay_url.trim_end_matches('/'))
 }
 
 /// Whether `host` sent a delivery receipt (any state: all are delivered or later) for `msg_id`.
@@ -168,7 +184,8 @@ fn confirmed(conn: &Connection, msg_id: &str, host: &str) -> Result<bool, Mailbo
 /// `relay_url` and `relay_key` are the relay it came from and its pinned key, `item_id` and
 /// `sender_pubkey` the item's, `wire` its decoded bytes. `Ok(Ok(_))`: the notice was valid (see
 /// [`NoticeOutcome`]); `Ok(Err(reason))`: refused, for quarantine ([`NOT_FROM_RELAY`],
-/// [`BAD_NOTICE`], [`BAD_NOTICE_SIG`], [`NOTICE_ID_MISMATCH`], [`NO_ROW`]), nothing changed.
+/// [`BAD_NOTICE`], [`BAD_NOTICE_SIG`], [`NOTICE_ID_MISMATCH`], [`NO_ROW`],
+/// [`NOT_HELD_BY_RELAY`]), nothing changed.
 /// An expiry is audited `relay.expired`. Errors: storage faults.
 #[allow(clippy::too_many_arguments)]
 pub fn apply_expiry_notice(
@@ -192,10 +209,15 @@ pub fn apply_expiry_notice(
         return Ok(Err(NOTICE_ID_MISMATCH.into()));
     }
     let msg_id = notice.item_id.clone();
-    let Some((host, state)) = matching_row(conn, &msg_id, &notice.target_pubkey)? else {
+    let Some(row) = matching_row(conn, &msg_id, &notice.target_pubkey)? else {
         return Ok(Err(NO_ROW.into()));
     };
-    if !matches!(state.as_str(), "pending" | "repush" | "relay-accepted") {
+    let live = matches!(row.state.as_str(), "repush" | "relay-accepted");
+    if row.state == "pending" || (live && !held_by(&row, relay_url)) {
+        return Ok(Err(NOT_HELD_BY_RELAY.into()));
+    }
+    let (host, state) = (row.host, row.state);
+    if !live {
         return Ok(Ok(NoticeOutcome::Repeat {
             msg_id,
             host,
@@ -213,7 +235,7 @@ pub fn apply_expiry_notice(
     );
     let days = alert::held_days(accepted, expired);
     let reason = format!("expired by the relay after {days} day(s): {host} never collected it");
-    if outbox::expire(conn, &msg_id, &host, &reason, now_ms)? {
+    if outbox::expire(conn, &msg_id, &host, relay_url, &reason, now_ms)? {
         alert::relay_expired(
             conn,
             ident,
@@ -372,8 +394,19 @@ mod tests {
             self.work.host_key.public().to_b64()
         }
 
-        /// Applies a notice item in one transaction, as the pull does.
+        /// Applies a notice item in one transaction, as the pull from relay `R` does.
         fn apply(&self, item_id: &str, sender: &str, wire: &[u8]) -> Result<NoticeOutcome, String> {
+            self.apply_from(R, item_id, sender, wire)
+        }
+
+        /// As [`Fix::apply`], pulled from the relay at `url` (whose key is `self.relay`).
+        fn apply_from(
+            &self,
+            url: &str,
+            item_id: &str,
+            sender: &str,
+            wire: &[u8],
+        ) -> Result<NoticeOutcome, String> {
             let relay = self.relay.public();
             self.s
                 .mailbox
@@ -382,7 +415,7 @@ mod tests {
                     let out = apply_expiry_notice(
                         &tx,
                         &self.me,
-                        R,
+                        url,
                         &relay,
                         item_id,
                         sender,
@@ -593,6 +626,76 @@ mod tests {
         }
         assert_eq!(f.state(&id), "relay-accepted");
         assert!(f.alerts().is_empty());
+    }
+
+    #[test]
+    fn only_the_relay_that_holds_a_live_row_can_expire_it() {
+        let (f, id) = fix();
+        let relay_pub = f.relay.public().to_b64();
+        let (item_id, wire) = f.valid(&id);
+        // A validly signed notice pulled from another relay than the one that accepted the row.
+        for other in ["http://127.0.0.1:10", "http://other.example"] {
+            assert_eq!(
+                f.apply_from(other, &item_id, &relay_pub, &wire),
+                Err(NOT_HELD_BY_RELAY.to_string()),
+                "{other}"
+            );
+        }
+        assert_eq!(f.state(&id), "relay-accepted");
+        // A row no relay accepted (still pending): no relay's notice ends it.
+        let fresh = testutil::ids().next(T0 + 5);
+        f.s.send(&f.me, "alice", &["bob@work"], "draft", &fresh, T0)
+            .unwrap();
+        let (fresh_item, fresh_wire) = f.valid(&fresh);
+        assert_eq!(
+            f.apply(&fresh_item, &relay_pub, &fresh_wire),
+            Err(NOT_HELD_BY_RELAY.to_string())
+        );
+        assert_eq!(f.state(&fresh), "pending");
+        assert!(f.alerts().is_empty());
+        // The relay that holds it (the same URL with a trailing `/`) ends a re-push too.
+        f.s.mailbox
+            .with(|c| outbox::repush_for_epoch(c, R, "e2", outbox::Repush::Epoch, T0))
+            .unwrap();
+        let out = f.apply_from(&format!("{R}/"), &item_id, &relay_pub, &wire);
+        assert!(matches!(out, Ok(NoticeOutcome::Expired { .. })), "{out:?}");
+        assert_eq!(f.state(&id), "expired");
+        assert_eq!(f.alerts().len(), 1);
+        // Final now: another relay's notice is a repeat that changes nothing.
+        assert_eq!(
+            f.apply_from("http://other.example", &item_id, &relay_pub, &wire),
+            Ok(NoticeOutcome::Repeat {
+                msg_id: id.clone(),
+                host: "work".into(),
+                state: "expired".into()
+            })
+        );
+    }
+
+    #[test]
+    fn a_notice_for_an_unconfirmed_row_is_a_repeat_with_no_second_alert() {
+        let (f, id) = fix();
+        let relay_pub = f.relay.public().to_b64();
+        let (item_id, wire) = f.valid(&id);
+        f.s.mailbox
+            .with(|c| {
+                assert!(outbox::unconfirm(c, &id, "work", "late", T0 + 15 * DAY)?);
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(
+            f.apply(&item_id, &relay_pub, &wire),
+            Ok(NoticeOutcome::Repeat {
+                msg_id: id.clone(),
+                host: "work".into(),
+                state: "unconfirmed".into()
+            })
+        );
+        assert_eq!(f.state(&id), "unconfirmed");
+        assert!(
+            f.alerts().is_empty(),
+            "the deadline's alert is the caller's"
+        );
     }
 
     #[test]

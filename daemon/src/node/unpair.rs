@@ -29,7 +29,7 @@ pub fn forget_peer(
         .collect::<Result<_, _>>()?;
     for id in &ids {
         conn.execute(
-            "UPDATE outbox SET state = 'undelivered', last_error = ?3, settled_at = ?4 WHERE msg_id = ?1 AND host = ?2",
+            "UPDATE outbox SET state = 'undelivered', last_error = ?3, settled_at = ?4, wire = NULL WHERE msg_id = ?1 AND host = ?2",
             params![id, host, REASON, now_ms],
         )?;
         alert::undelivered(conn, ident, id, host, REASON, now_ms)?;

@@ -18,11 +18,18 @@
 //!    cannot be read → `CURRENT_UNREADABLE`, unless `--force`: then its files are copied as
 //!    they are into `rollback/` and nothing is carried forward.
 //! 4. **On the copy, in one transaction**: an older schema migrated first (a migration keeps the
-//!    epoch); then carried forward from the current store: every revocation, the newer sender
-//!    allowlists (`iat`), enc-key ads and v2 ad records (`at`), the higher seq floors, the
-//!    active deny-list entries and the account bindings of enrolled keys where the backup lacks
-//!    newer ones, and the op log (the operator's history continues; the backup's own log is
-//!    older). Enrolments made after the backup are never carried: those hosts re-enrol (spec §8).
+//!    epoch); then carried forward from the current store: the higher seq floors; every host
+//!    key rotation made after the backup (a `meta.rotation:<old>` marker the backup lacks),
+//!    replayed with the store's own rotation code at its time, so the new key holds the
+//!    enrolment (name, account, `authorized_by`; enrolled even if the backup never saw it —
+//!    the marker is the relay's record of a rotation it verified), the old key's queue in the
+//!    backup, its allowlist and its place in the other targets' allowlists, and the old key is
+//!    revoked (a host never announces a rotation twice, and the relay answers 404 for its old
+//!    key); every revocation; the newer sender allowlists (`iat`), enc-key ads and v2 ad
+//!    records (`at`), the active deny-list entries and the account bindings of enrolled keys
+//!    where the backup lacks newer ones; and the op log (the operator's history continues; the
+//!    backup's own log is older). Enrolments made after the backup are never carried: those
+//!    hosts re-enrol (spec §8); a rotated key is not such an enrolment.
 //!    The epoch rotates, the heartbeat is now (so `serve` does not rotate again for the
 //!    backup's age), `meta.restored` records `{at, file, sha256, from, to}`,
 //!    `meta.restored_paths` every path this store lineage was restored from, and the signed
@@ -51,8 +58,8 @@ use agentmbx_protocol::time::iso_ms;
 
 use super::{absolute, facts, fsync, io, online_copy, sha256_file, store_db, OpsError};
 use crate::store::{
-    append_op_signed, migrate, stored_version, OpSigner, StoreError, StoreLock, DB_FILE, LOCK_FILE,
-    MIGRATIONS, OPS_KEEP, SCHEMA_VERSION,
+    append_op_signed, migrate, replay_rotation, stored_version, OpSigner, RotateOutcome,
+    StoreError, StoreLock, DB_FILE, LOCK_FILE, MIGRATIONS, ROTATION_META_PREFIX, SCHEMA_VERSION,
 };
 
 /// Relay-log operation name (and receipt `type`) of a restore.
@@ -83,8 +90,12 @@ pub struct RestoreOptions {
     pub force: bool,
     /// Now, in Unix ms (the receipt's `at`, the new heartbeat, the rollback file's stamp).
     pub now_ms: i64,
-    /// The relay key: signs the receipt; the backup must be of this relay's store.
-    pub signer: Arc<dyn OpSigner>,
+    /// The relay key: signs the receipt, and the backup must be of this relay's store. `None`
+    /// (an offline restore where neither `MBX_RELAY_KEY` nor `relay.key` is available): the
+    /// receipt is logged unsigned (`relay log` marks it NOT VERIFIED) and the backup is
+    /// checked against the current store's relay key only (a store without one takes the
+    /// backup's; `relay serve` still refuses to open it with another key).
+    pub signer: Option<Arc<dyn OpSigner>>,
 }
 
 /// Why a restore changed nothing. The Display text starts with the code `wire.md` §3.4 names.
@@ -407,7 +418,18 @@ struct Current {
     bindings: Vec<Row>,
     /// `id, at, op, receipt`, oldest first.
     ops: Vec<Row>,
+    /// The applied host key rotations (`meta.rotation:<old>` → new key), with the old key's
+    /// revocation time (the rotation's), oldest first.
+    rotations: Vec<Rotation>,
     restored_paths: Map<String, Value>,
+}
+
+/// One applied host key rotation of the current store.
+struct Rotation {
+    old_key: String,
+    new_key: String,
+    /// When the old key was revoked by it (ms); `None` when its row is gone.
+    at_ms: Option<i64>,
 }
 
 fn read_current(c: &Connection) -> rusqlite::Result<Current> {
@@ -446,10 +468,34 @@ fn read_current(c: &Connection) -> rusqlite::Result<Current> {
             "SELECT host_pubkey, cloud_jkt, client_id, sub, org, at FROM account_bindings",
         )?,
         ops: rows(&tx, "SELECT id, at, op, receipt FROM ops ORDER BY id")?,
+        rotations: rotations(&tx)?,
         restored_paths: restored_paths(&tx)?,
     };
     tx.commit()?;
     Ok(current)
+}
+
+/// The rotation markers of `c` (`meta.rotation:<old>` → new key, `store/sqlite/rotate.rs`),
+/// in the order they were applied: by the old key's revocation time.
+fn rotations(c: &Connection) -> rusqlite::Result<Vec<Rotation>> {
+    let from = ROTATION_META_PREFIX.len() + 1;
+    let mut st = c.prepare(&format!(
+        "SELECT substr(m.k, {from}), m.v, e.revoked_at FROM meta m
+           LEFT JOIN enrolments e ON e.host_pubkey = substr(m.k, {from})
+          WHERE substr(m.k, 1, {len}) = ?1
+          ORDER BY e.revoked_at IS NULL, e.revoked_at, m.k",
+        len = ROTATION_META_PREFIX.len()
+    ))?;
+    let out = st
+        .query_map([ROTATION_META_PREFIX], |r| {
+            Ok(Rotation {
+                old_key: r.get(0)?,
+                new_key: r.get(1)?,
+                at_ms: r.get(2)?,
+            })
+        })?
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(out)
 }
 
 /// What the current store turned out to be (step 3).
@@ -515,6 +561,7 @@ fn keep_unreadable(live: &Path, rollback: &Path) -> Result<Value, OpsError> {
 /// How many rows of each kind [`carry`] brought forward.
 #[derive(Debug, Default)]
 struct Carried {
+    rotations: usize,
     revocations: usize,
     sender_lists: usize,
     enc_ads: usize,
@@ -534,47 +581,12 @@ fn upsert_each(tx: &Connection, sql: &str, rows: &[Row]) -> rusqlite::Result<usi
     Ok(n)
 }
 
-/// Step 4's carry-forward, in the caller's transaction on the restored copy.
-fn carry(tx: &Connection, cur: &Current, now_ms: i64) -> rusqlite::Result<Carried> {
+/// Step 4's carry-forward, in the caller's transaction on the restored copy. The order
+/// matters: the seq floors first (a replayed rotation moves a queue behind them), then the
+/// rotations (before the revocations, which would otherwise revoke a rotated key without
+/// moving anything), then everything else.
+fn carry(tx: &Connection, cur: &Current, now_ms: i64) -> Result<Carried, RestoreError> {
     let mut c = Carried {
-        // Revoked stays revoked: a key revoked (or rotated away) after the backup is revoked
-        // in the restored store too, enrolled there or not.
-        revocations: upsert_each(
-            tx,
-            "INSERT INTO enrolments (host_pubkey, host_name, owner_fp, account, authorized_by,
-                                     authority_rank, enrolled_at, revoked_at)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
-             ON CONFLICT(host_pubkey) DO UPDATE SET revoked_at = excluded.revoked_at
-               WHERE enrolments.revoked_at IS NULL",
-            &cur.revoked,
-        )?,
-        sender_lists: upsert_each(
-            tx,
-            "INSERT INTO sender_lists (target_pubkey, senders, iat, record, sig)
-             VALUES (?1, ?2, ?3, ?4, ?5)
-             ON CONFLICT(target_pubkey) DO UPDATE SET senders = excluded.senders,
-               iat = excluded.iat, record = excluded.record, sig = excluded.sig
-               WHERE excluded.iat > sender_lists.iat",
-            &cur.sender_lists,
-        )?,
-        enc_ads: upsert_each(
-            tx,
-            "INSERT INTO enc_ads (host_pubkey, host_name, enc_pub, sig, at)
-             VALUES (?1, ?2, ?3, ?4, ?5)
-             ON CONFLICT(host_pubkey) DO UPDATE SET host_name = excluded.host_name,
-               enc_pub = excluded.enc_pub, sig = excluded.sig, at = excluded.at
-               WHERE excluded.at > enc_ads.at",
-            &cur.enc_ads,
-        )?,
-        enc_ad_records: upsert_each(
-            tx,
-            "INSERT INTO enc_ad_records (host_pubkey, enc_pub, record, sig, at)
-             VALUES (?1, ?2, ?3, ?4, ?5)
-             ON CONFLICT(host_pubkey) DO UPDATE SET enc_pub = excluded.enc_pub,
-               record = excluded.record, sig = excluded.sig, at = excluded.at
-               WHERE excluded.at > enc_ad_records.at",
-            &cur.enc_ad_records,
-        )?,
         // Every later seq stays above every seq a receiver may have seen (spec §2).
         seq_floors: upsert_each(
             tx,
@@ -585,6 +597,64 @@ fn carry(tx: &Connection, cur: &Current, now_ms: i64) -> rusqlite::Result<Carrie
         )?,
         ..Carried::default()
     };
+    let not_replayed = replay_rotations(tx, cur, now_ms, &mut c)?;
+    // Revoked stays revoked: a key revoked (or rotated away) after the backup is revoked in
+    // the restored store too, enrolled there or not.
+    c.revocations = upsert_each(
+        tx,
+        "INSERT INTO enrolments (host_pubkey, host_name, owner_fp, account, authorized_by,
+                                 authority_rank, enrolled_at, revoked_at)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
+         ON CONFLICT(host_pubkey) DO UPDATE SET revoked_at = excluded.revoked_at
+           WHERE enrolments.revoked_at IS NULL",
+        &cur.revoked,
+    )?;
+    // The markers of rotations that had nothing to replay here (the old key enrolled after
+    // the backup: its row is the revoked one just carried), so a host repeating its rotation
+    // is answered as by the replaced store.
+    for r in cur
+        .rotations
+        .iter()
+        .filter(|r| !not_replayed.contains(&r.old_key))
+    {
+        tx.execute(
+            "INSERT INTO meta (k, v)
+             SELECT ?1, ?2 WHERE EXISTS (SELECT 1 FROM enrolments WHERE host_pubkey = ?3)
+             ON CONFLICT(k) DO NOTHING",
+            [
+                format!("{ROTATION_META_PREFIX}{}", r.old_key),
+                r.new_key.clone(),
+                r.old_key.clone(),
+            ],
+        )?;
+    }
+    c.sender_lists = upsert_each(
+        tx,
+        "INSERT INTO sender_lists (target_pubkey, senders, iat, record, sig)
+         VALUES (?1, ?2, ?3, ?4, ?5)
+         ON CONFLICT(target_pubkey) DO UPDATE SET senders = excluded.senders,
+           iat = excluded.iat, record = excluded.record, sig = excluded.sig
+           WHERE excluded.iat > sender_lists.iat",
+        &cur.sender_lists,
+    )?;
+    c.enc_ads = upsert_each(
+        tx,
+        "INSERT INTO enc_ads (host_pubkey, host_name, enc_pub, sig, at)
+         VALUES (?1, ?2, ?3, ?4, ?5)
+         ON CONFLICT(host_pubkey) DO UPDATE SET host_name = excluded.host_name,
+           enc_pub = excluded.enc_pub, sig = excluded.sig, at = excluded.at
+           WHERE excluded.at > enc_ads.at",
+        &cur.enc_ads,
+    )?;
+    c.enc_ad_records = upsert_each(
+        tx,
+        "INSERT INTO enc_ad_records (host_pubkey, enc_pub, record, sig, at)
+         VALUES (?1, ?2, ?3, ?4, ?5)
+         ON CONFLICT(host_pubkey) DO UPDATE SET enc_pub = excluded.enc_pub,
+           record = excluded.record, sig = excluded.sig, at = excluded.at
+           WHERE excluded.at > enc_ad_records.at",
+        &cur.enc_ad_records,
+    )?;
     let active: Vec<Row> = cur
         .deny
         .iter()
@@ -619,17 +689,64 @@ fn carry(tx: &Connection, cur: &Current, now_ms: i64) -> rusqlite::Result<Carrie
         )?;
     }
     if !cur.ops.is_empty() {
-        // The operator's history continues; the backup's own log is older.
+        // The operator's history continues; the backup's own log is older. The current log is
+        // already within its bounds (the restore receipt's append prunes as every append does).
         tx.execute("DELETE FROM ops", [])?;
-        let keep = usize::try_from(OPS_KEEP).unwrap_or(usize::MAX);
-        let from = cur.ops.len().saturating_sub(keep);
         c.ops = upsert_each(
             tx,
             "INSERT INTO ops (id, at, op, receipt) VALUES (?1, ?2, ?3, ?4)",
-            &cur.ops[from..],
+            &cur.ops,
         )?;
     }
     Ok(c)
+}
+
+/// Replays on the restored copy, oldest first, every rotation of the current store the backup
+/// does not have (no `meta.rotation:<old>` marker in it), at its own time, with the code that
+/// applied it (`store::sqlite::rotate`): the new key takes the enrolment (name, account,
+/// `authorized_by`; it becomes enrolled if the backup never saw it), the old key's queue in the
+/// backup moves behind the new key's, the allowlists are rebound, the deny entries carried,
+/// the old key revoked and the marker written. Counts them in `c.rotations`; returns the old
+/// keys of the rotations that could not be applied (the new key revoked in the backup, or its
+/// name taken there — only a store of another lineage has either), which keep the plain
+/// revocation the carry gives them, with a warning.
+fn replay_rotations(
+    tx: &Connection,
+    cur: &Current,
+    now_ms: i64,
+    c: &mut Carried,
+) -> Result<Vec<String>, RestoreError> {
+    let mut not_replayed = Vec::new();
+    for r in &cur.rotations {
+        let marker = format!("{ROTATION_META_PREFIX}{}", r.old_key);
+        if meta_get(tx, &marker)?.is_some() {
+            continue; // The backup has it.
+        }
+        match replay_rotation(tx, &r.old_key, &r.new_key, r.at_ms.unwrap_or(now_ms))? {
+            RotateOutcome::Rotated { moved } => {
+                c.rotations += 1;
+                tracing::info!(
+                    old = %fingerprint(&r.old_key),
+                    new = %fingerprint(&r.new_key),
+                    moved,
+                    "restore: replayed a host key rotation made after the backup"
+                );
+            }
+            // Nothing of the old key to move here: it enrolled after the backup (its
+            // revocation is carried), or the backup has it revoked already.
+            RotateOutcome::NotEnrolled | RotateOutcome::AlreadyRotated => {}
+            other => {
+                tracing::warn!(
+                    old = %fingerprint(&r.old_key),
+                    new = %fingerprint(&r.new_key),
+                    outcome = ?other,
+                    "restore: a host key rotation made after the backup cannot be replayed on it; the old key is revoked and its queue in the backup stays under it"
+                );
+                not_replayed.push(r.old_key.clone());
+            }
+        }
+    }
+    Ok(not_replayed)
 }
 
 /// Checks the live store's lock-less heartbeat rule (step 1): `Err` when a store without
@@ -656,7 +773,7 @@ fn fresh_heartbeat(live: &Path, now_ms: i64) -> Result<(), RestoreError> {
 /// store in `dir` with the backup `file` and returns the signed receipt `{v:1,
 /// type:"relay-restore", at, store, backup:{file, sha256, bytes, epoch, schema_version,
 /// heartbeat}, replaced:{epoch, rollback, sha256, bytes, readable}|null, epoch:{from, to},
-/// carried:{revocations, sender_lists, enc_ads, enc_ad_records, seq_floors, deny,
+/// carried:{rotations, revocations, sender_lists, enc_ads, enc_ad_records, seq_floors, deny,
 /// account_bindings, ops}, counts, rollback, next, sig}` (`rollback`: the command that undoes
 /// it, null when no store was replaced), which is also the newest entry of the restored
 /// store's relay log.
@@ -735,13 +852,15 @@ pub fn restore(
         copy_new(&src_wal, &with_suffix(&tmp, "-wal"))?;
     }
     let b = check_backup(&tmp, &src)?;
-    let relay_key = opts.signer.relay_pubkey();
-    if b.relay_pubkey != relay_key {
-        return Err(RestoreError::OtherRelay {
-            backup: fingerprint(&b.relay_pubkey),
-            against: "the relay key",
-            other: fingerprint(&relay_key),
-        });
+    if let Some(signer) = &opts.signer {
+        let relay_key = signer.relay_pubkey();
+        if b.relay_pubkey != relay_key {
+            return Err(RestoreError::OtherRelay {
+                backup: fingerprint(&b.relay_pubkey),
+                against: "the relay key",
+                other: fingerprint(&relay_key),
+            });
+        }
     }
 
     // 3. The store it replaces: its authority and a rollback copy.
@@ -826,7 +945,8 @@ pub fn restore(
                    "heartbeat": b.heartbeat.map(iso_ms)},
         "replaced": replaced,
         "epoch": {"from": from, "to": to},
-        "carried": {"revocations": carried.revocations, "sender_lists": carried.sender_lists,
+        "carried": {"rotations": carried.rotations,
+                    "revocations": carried.revocations, "sender_lists": carried.sender_lists,
                     "enc_ads": carried.enc_ads, "enc_ad_records": carried.enc_ad_records,
                     "seq_floors": carried.seq_floors, "deny": carried.deny,
                     "account_bindings": carried.account_bindings, "ops": carried.ops},
@@ -836,7 +956,7 @@ pub fn restore(
     });
     let text = serde_json::to_string(&receipt)
         .map_err(|e| StoreError::InvalidInput(format!("op receipt is not JSON: {e}")))?;
-    let (_, signed) = append_op_signed(&tx, Some(opts.signer.as_ref()), now, OP_RESTORE, &text)?;
+    let (_, signed) = append_op_signed(&tx, opts.signer.as_deref(), now, OP_RESTORE, &text)?;
     tx.commit()?;
     integrity(&c)?;
     c.close().map_err(|(_, e)| OpsError::Sqlite(e))?;
@@ -921,7 +1041,7 @@ mod tests {
             RestoreOptions {
                 force,
                 now_ms,
-                signer: self.signer(),
+                signer: Some(self.signer()),
             }
         }
     }
@@ -1143,8 +1263,9 @@ mod tests {
         assert_eq!(r["replaced"]["readable"], true);
         assert_eq!(
             r["carried"],
-            json!({"revocations": 1, "sender_lists": 1, "enc_ads": 0, "enc_ad_records": 1,
-                   "seq_floors": 1, "deny": 1, "account_bindings": 1, "ops": current_ops})
+            json!({"rotations": 0, "revocations": 1, "sender_lists": 1, "enc_ads": 0,
+                   "enc_ad_records": 1, "seq_floors": 1, "deny": 1, "account_bindings": 1,
+                   "ops": current_ops})
         );
         assert_eq!(
             r["counts"]["items"], 3,
@@ -1293,6 +1414,245 @@ mod tests {
         let log = read_verified_log(dir, 1_000).expect("log");
         assert_eq!(log.iter().filter(|e| e.record.op == OP_RESTORE).count(), 2);
         assert!(log.iter().all(|e| e.verified));
+    }
+
+    /// The queue of `target` in the store in `dir`: `(seq, item_id, origin_target)`.
+    fn queue_of(dir: &Path, target: &str) -> Vec<(i64, String, Option<String>)> {
+        raw(dir)
+            .prepare("SELECT seq, item_id, origin_target FROM items WHERE target_pubkey = ?1 ORDER BY seq")
+            .expect("prep")
+            .query_map([target], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .expect("q")
+            .collect::<Result<_, _>>()
+            .expect("rows")
+    }
+
+    #[test]
+    fn rotations_made_after_the_backup_are_replayed_on_it() {
+        use crate::store::{RotateOutcome, RotateRequest};
+        let relay = Relay::new();
+        let dir = tempfile::tempdir().expect("dir");
+        let out = tempfile::tempdir().expect("out");
+        let d = dir.path();
+        let (old, new, beta, sender) = (host(), host(), host(), host());
+        let (d1, d2, d3) = (host(), host(), host());
+        let store = relay.open(d, T0);
+        store
+            .enrol(EnrolRequest {
+                host_pubkey: old.clone(),
+                host_name: "laptop".into(),
+                owner_fp: "owner".into(),
+                account: Some("acct-1".into()),
+                authorized_by: "account-token".into(),
+                strength: AuthorityStrength::Account,
+                now_ms: T0,
+            })
+            .expect("enrol");
+        enrol(&store, &beta, "beta", T0);
+        enrol(&store, &sender, "sender", T0);
+        enrol(&store, &d1, "desk", T0);
+        let list = |target: &str, senders: &[&str]| SenderList {
+            target_pubkey: target.to_owned(),
+            senders: senders.iter().map(|s| (*s).to_owned()).collect(),
+            iat_ms: T0,
+            record: "{}".into(),
+            sig: "sig".into(),
+        };
+        store
+            .put_sender_list(list(&old, &[&sender]))
+            .expect("own list");
+        store
+            .put_sender_list(list(&beta, &[&old, &sender]))
+            .expect("list");
+        for i in 0..3 {
+            push(&store, &sender, &old, &format!("queued-{i}"), T0 + 10 + i);
+        }
+        push(&store, &sender, &d1, "desk-queued", T0 + 20);
+        let backup = backup_now(d, out.path(), "backup.db");
+
+        // After the backup: the laptop rotates to a key the backup never saw, the desk twice.
+        let rotate = |old: &str, new: &str, name: &str, at: i64| {
+            store
+                .rotate(RotateRequest {
+                    old_pubkey: old.to_owned(),
+                    new_pubkey: new.to_owned(),
+                    host_name: name.to_owned(),
+                    now_ms: at,
+                })
+                .expect("rotate")
+        };
+        assert!(matches!(
+            rotate(&old, &new, "laptop", T0 + 1_000),
+            RotateOutcome::Rotated { moved: 3 }
+        ));
+        assert!(matches!(
+            rotate(&d1, &d2, "desk", T0 + 2_000),
+            RotateOutcome::Rotated { moved: 1 }
+        ));
+        assert!(matches!(
+            rotate(&d2, &d3, "desk", T0 + 3_000),
+            RotateOutcome::Rotated { moved: 1 }
+        ));
+        push(&store, &sender, &new, "after", T0 + 4_000);
+        store.close().expect("close");
+        let floor_new: i64 = one(
+            &raw(d),
+            "SELECT next_seq FROM seqs WHERE target_pubkey = ?1",
+            &new,
+        )
+        .expect("floor");
+
+        let r = restore(d, &backup, &relay.opts(T0 + 60_000, false), None).expect("restore");
+        assert_eq!(r["carried"]["rotations"], 3, "{r}");
+        assert_eq!(r["carried"]["revocations"], 0, "{r}");
+
+        // The old keys are revoked at their rotation's time; the new keys hold the enrolment.
+        let c = raw(d);
+        let revoked_at = |k: &str| {
+            one::<Option<i64>>(
+                &c,
+                "SELECT revoked_at FROM enrolments WHERE host_pubkey = ?1",
+                k,
+            )
+            .expect("row")
+        };
+        assert_eq!(revoked_at(&old), Some(T0 + 1_000));
+        assert_eq!(revoked_at(&d1), Some(T0 + 2_000));
+        assert_eq!(revoked_at(&d2), Some(T0 + 3_000));
+        assert_eq!(revoked_at(&new), None);
+        assert_eq!(revoked_at(&d3), None);
+        let enrolment: (String, String, Option<String>, String) = c
+            .query_row(
+                "SELECT host_name, owner_fp, account, authorized_by FROM enrolments
+                  WHERE host_pubkey = ?1",
+                [&new],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+            )
+            .expect("new enrolment");
+        assert_eq!(
+            enrolment,
+            (
+                "laptop".into(),
+                "owner".into(),
+                Some("acct-1".into()),
+                "account-token".into()
+            )
+        );
+        assert_eq!(
+            one::<String>(
+                &c,
+                "SELECT host_name FROM enrolments WHERE host_pubkey = ?1",
+                &d3
+            )
+            .as_deref(),
+            Some("desk")
+        );
+        // The backup's queue of each old key waits for the new key, above every seq the
+        // replaced store gave out, naming the key the sender pushed to.
+        let q = queue_of(d, &new);
+        assert_eq!(
+            q.iter().map(|(_, id, _)| id.as_str()).collect::<Vec<_>>(),
+            ["queued-0", "queued-1", "queued-2"]
+        );
+        assert!(q
+            .iter()
+            .all(|(seq, _, origin)| *seq >= floor_new && origin.as_deref() == Some(old.as_str())));
+        assert!(queue_of(d, &old).is_empty());
+        let q = queue_of(d, &d3);
+        assert_eq!(q.len(), 1);
+        assert_eq!(
+            (q[0].1.as_str(), q[0].2.as_deref()),
+            ("desk-queued", Some(d1.as_str()))
+        );
+        assert!(queue_of(d, &d1).is_empty() && queue_of(d, &d2).is_empty());
+        // Allowlists: the old key's own list is the new key's, and the new key replaces the
+        // old one in the others'.
+        let senders = |target: &str| {
+            one::<String>(
+                &c,
+                "SELECT senders FROM sender_lists WHERE target_pubkey = ?1",
+                target,
+            )
+        };
+        assert_eq!(senders(&new), Some(json!([sender]).to_string()));
+        assert_eq!(senders(&old), None);
+        assert_eq!(senders(&beta), Some(json!([new, sender]).to_string()));
+        // The markers answer a repeated rotation as the replaced store did.
+        for (o, n) in [(&old, &new), (&d1, &d2), (&d2, &d3)] {
+            assert_eq!(
+                one::<String>(
+                    &c,
+                    "SELECT v FROM meta WHERE k = ?1",
+                    &format!("rotation:{o}")
+                )
+                .as_deref(),
+                Some(n.as_str())
+            );
+        }
+        drop(c);
+        let store = relay.open(d, T0 + 61_000);
+        assert_eq!(
+            store
+                .rotate(RotateRequest {
+                    old_pubkey: old.clone(),
+                    new_pubkey: new.clone(),
+                    host_name: "laptop".into(),
+                    now_ms: T0 + 61_000,
+                })
+                .expect("again"),
+            RotateOutcome::AlreadyRotated
+        );
+        store.close().expect("close");
+    }
+
+    #[test]
+    fn a_rotation_of_a_key_enrolled_after_the_backup_is_a_revocation_with_its_marker() {
+        use crate::store::{RotateOutcome, RotateRequest};
+        let s = scene();
+        let d = s.dir.path();
+        let store = s.relay.open(d, T0 + 20_000);
+        let new = host();
+        assert!(matches!(
+            store
+                .rotate(RotateRequest {
+                    old_pubkey: s.gamma.clone(),
+                    new_pubkey: new.clone(),
+                    host_name: "gamma".into(),
+                    now_ms: T0 + 20_000,
+                })
+                .expect("rotate"),
+            RotateOutcome::Rotated { .. }
+        ));
+        store.close().expect("close");
+        let r = restore(d, &s.backup, &s.relay.opts(T0 + 60_000, false), None).expect("restore");
+        assert_eq!(r["carried"]["rotations"], 0, "{r}");
+        let c = raw(d);
+        assert_eq!(
+            one::<Option<i64>>(
+                &c,
+                "SELECT revoked_at FROM enrolments WHERE host_pubkey = ?1",
+                &s.gamma
+            ),
+            Some(Some(T0 + 20_000))
+        );
+        assert_eq!(
+            one::<String>(
+                &c,
+                "SELECT host_name FROM enrolments WHERE host_pubkey = ?1",
+                &new
+            ),
+            None,
+            "enrolled after the backup: enrols again"
+        );
+        assert_eq!(
+            one::<String>(
+                &c,
+                "SELECT v FROM meta WHERE k = ?1",
+                &format!("rotation:{}", s.gamma)
+            )
+            .as_deref(),
+            Some(new.as_str())
+        );
     }
 
     #[test]

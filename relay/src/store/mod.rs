@@ -53,7 +53,7 @@ mod sqlite;
 pub(crate) use schema::stored_version;
 pub use schema::SCHEMA_VERSION;
 pub(crate) use schema::{migrate, MIGRATIONS};
-pub(crate) use sqlite::append_op_signed;
+pub(crate) use sqlite::{append_op_signed, replay_rotation, ROTATION_META_PREFIX};
 pub use sqlite::{prepare_store_dir, SqliteStore, StoreLock, StoreStats};
 
 use std::path::PathBuf;
@@ -77,8 +77,14 @@ pub const MAX_GROUP_REQUESTS: usize = 64;
 /// The most items one pull page returns (`wire.md` §3.2: `n = clamp(limit, 1, 500)`).
 pub const MAX_PULL_ITEMS: i64 = 500;
 
-/// The operations log keeps this many receipts (`wire.md` §3.3).
+/// The operations log keeps this many receipts (`wire.md` §3.3) other than `relay-sweep`
+/// receipts, which have their own cap ([`SWEEP_OPS_KEEP`]) so that up to 144 sweeps a day
+/// never push restores, revocations or backups out of the log.
 pub const OPS_KEEP: i64 = 1_000;
+
+/// The operations log keeps this many of the newest `relay-sweep` receipts ([`OP_SWEEP`]),
+/// besides the [`OPS_KEEP`] others: the whole log holds at most `OPS_KEEP + SWEEP_OPS_KEEP`.
+pub const SWEEP_OPS_KEEP: i64 = 100;
 
 /// One day in milliseconds (retention arithmetic).
 pub const DAY_MS: i64 = 86_400_000;
@@ -1138,7 +1144,8 @@ pub trait RelayStore: Send + Sync + std::fmt::Debug {
     /// the old key still settles as `duplicate`.
     fn rotate(&self, req: RotateRequest) -> Result<RotateOutcome, StoreError>;
 
-    /// Append a receipt to the relay log, keeping the last [`OPS_KEEP`]; returns its id.
+    /// Append a receipt to the relay log, keeping the last [`OPS_KEEP`] entries other than
+    /// sweep receipts and the last [`SWEEP_OPS_KEEP`] sweep receipts; returns its id.
     fn append_op(
         &self,
         at_ms: i64,
@@ -1146,7 +1153,8 @@ pub trait RelayStore: Send + Sync + std::fmt::Debug {
         receipt: &serde_json::Value,
     ) -> Result<i64, StoreError>;
 
-    /// The newest log entries first, at most `limit` (clamped to `1..=`[`OPS_KEEP`]).
+    /// The newest log entries first, at most `limit` (clamped to `1..=`[`OPS_KEEP`] `+`
+    /// [`SWEEP_OPS_KEEP`], the whole log).
     fn ops(&self, limit: i64) -> Result<Vec<OpRecord>, StoreError>;
 
     /// The retention sweep at `now_ms` (spec §6, §7; `wire.md` §3.2 "Sweep"):

@@ -37,6 +37,8 @@ mod deny;
 mod rotate;
 mod sweep;
 
+pub(crate) use rotate::{replay_rotation, ROTATION_META_PREFIX};
+
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -971,7 +973,7 @@ impl RelayStore for SqliteStore {
     }
 
     fn ops(&self, limit: i64) -> Result<Vec<OpRecord>, StoreError> {
-        let n = limit.clamp(1, OPS_KEEP);
+        let n = limit.clamp(1, OPS_KEEP + super::SWEEP_OPS_KEEP);
         self.read(|c| {
             let mut st =
                 c.prepare_cached("SELECT id, at, op, receipt FROM ops ORDER BY id DESC LIMIT ?1")?;
@@ -1288,7 +1290,7 @@ fn op_receipt_text(receipt: &serde_json::Value) -> Result<String, StoreError> {
         .map_err(|e| StoreError::InvalidInput(format!("op receipt is not JSON: {e}")))
 }
 
-/// Appends a log entry in the caller's transaction, keeping the last [`OPS_KEEP`]; its id.
+/// Appends a log entry in the caller's transaction ([`append_op_signed`] prunes); its id.
 /// On the writer thread of a store opened with a signer ([`SqliteStore::open_signed`]) the
 /// receipt is signed first ([`append_op_signed`]): every append goes through here.
 fn append_op_apply(c: &Connection, at_ms: i64, op: &str, receipt: &str) -> Result<i64, StoreError> {
@@ -1296,7 +1298,8 @@ fn append_op_apply(c: &Connection, at_ms: i64, op: &str, receipt: &str) -> Resul
     append_op_signed(c, signer.as_deref(), at_ms, op, receipt).map(|(id, _)| id)
 }
 
-/// Appends a log entry in the caller's transaction, keeping the last [`OPS_KEEP`]: `receipt`
+/// Appends a log entry in the caller's transaction, keeping the last [`OPS_KEEP`] (and the last
+/// [`super::SWEEP_OPS_KEEP`] `relay-sweep` receipts, counted apart): `receipt`
 /// (JSON object text) signed by `signer` when given ([`super::sign_op_receipt`]), stored as is
 /// otherwise (a store opened without the relay key: tests). Returns its id and the stored text.
 /// Errors: [`StoreError::InvalidInput`] (not a JSON object, cannot be signed), SQLite errors.
@@ -1320,10 +1323,18 @@ pub(crate) fn append_op_signed(
         params![at_ms, op, text],
     )?;
     let id = c.last_insert_rowid();
-    c.execute(
-        "DELETE FROM ops WHERE id <= ?1",
-        [id.saturating_sub(OPS_KEEP)],
-    )?;
+    // Sweep receipts have their own cap, so they never evict the operator's history
+    // (`super::SWEEP_OPS_KEEP`): each kind keeps its newest, pruned as it grows.
+    let (same_kind, keep) = if op == super::OP_SWEEP {
+        ("op = ?1", super::SWEEP_OPS_KEEP)
+    } else {
+        ("op <> ?1", OPS_KEEP)
+    };
+    c.prepare_cached(&format!(
+        "DELETE FROM ops WHERE {same_kind} AND id <= (SELECT id FROM ops WHERE {same_kind}
+                                                      ORDER BY id DESC LIMIT 1 OFFSET ?2)"
+    ))?
+    .execute(params![super::OP_SWEEP, keep])?;
     Ok((id, text))
 }
 
@@ -3374,7 +3385,7 @@ mod tests {
                 std::thread::spawn(move || {
                     for i in 0..252 {
                         store
-                            .append_op(i, "relay-sweep", &serde_json::json!({"t": t, "i": i}))
+                            .append_op(i, "relay-backup", &serde_json::json!({"t": t, "i": i}))
                             .expect("append");
                     }
                 })

@@ -16,9 +16,11 @@
 //! `node::receipts::accept` with no LAN hop and the item's sender key, which must be the
 //! recipient host's pinned key. A `rejected:<why>` of either goes to quarantine as `<why>`. An
 //! expiry notice (kind `expired`, spec §6) goes to [`crate::node::settle::apply_expiry_notice`]
-//! with the pinned relay key: the outbox row it names ends `expired` with the sender's alert in
-//! the item's transaction, and a notice that key did not push or sign, or that names no row of
-//! this host, goes to quarantine with its reason.
+//! with the pinned relay key and this relay's URL: the outbox row it names ends `expired` with
+//! the sender's alert in the item's transaction when this relay holds it (`relay-accepted` or
+//! `repush`, accepted by this relay), and a notice that key did not push or sign, that names no
+//! row of this host, or that names a live row this relay does not hold goes to quarantine with
+//! its reason.
 //!
 //! Another epoch and going back in time (spec §4, §5): a 409 or a page of another epoch is a new
 //! epoch, `head_seq` below the checkpoint or BAD_ACK a rewind; either way

@@ -11,7 +11,11 @@
 //! — 401/403 or a 429 on the push or on an enc-key lookup — charges no row and ends the pass
 //! ([`RelayError::ends_pass`]). A refusal showing the target is not enrolled
 //! on the relay, or no usable enc-key ad for it there, hands the row back to the LAN when the
-//! peer has a LAN address (spec §10, [`crate::transport::select`]).
+//! peer has a LAN address (spec §10, [`crate::transport::select`]). When that refused row is
+//! aimed at a key its peer has rotated away from since (a `repush` row accepted before the
+//! rotation: the relay revoked the old key), it is retargeted to the pinned key and resealed
+//! on its next attempt, due at once, keeping its accept time and deadline
+//! ([`outbox::follow_rotations`]; `wire.md` "Resolved details: Resealing").
 //!
 //! A `repush` row (a relay accepted it before a new epoch or a rewind, spec §5) is pushed like a
 //! pending one with its persisted bytes; relay dedup answers `duplicate` where the item
@@ -238,8 +242,10 @@ impl RelayClient {
     }
 
     /// Records a failed push of `row` in one transaction: backoff, `rejected` (`terminal`) or
-    /// `undelivered` after 72 h, each ending with its alert to the sender; `to_lan` hands a
-    /// retried row back to the LAN ([`outbox::back_to_lan`]).
+    /// `undelivered` after 72 h, each ending with its alert to the sender. `to_lan` (the relay
+    /// cannot reach the row's target) retargets a retried row whose peer rotated away from its
+    /// target key ([`outbox::follow_rotations`]) and hands it back to the LAN
+    /// ([`outbox::back_to_lan`]).
     async fn fail_row(
         &self,
         row: &outbox::Row,
@@ -254,12 +260,12 @@ impl RelayClient {
             self.clock.now_ms(),
         );
         let ident = self.ident.clone();
-        let (failure, handed_back) = self
+        let (failure, handed_back, retargeted) = self
             .mailbox
             .run(move |c| {
                 let tx = c.transaction()?;
                 let failure = outbox::fail(&tx, &m, &h, &e, terminal, now)?;
-                let mut handed_back = false;
+                let (mut handed_back, mut retargeted) = (false, 0);
                 match failure {
                     outbox::Failure::Rejected => {
                         alert::undelivered(&tx, &ident, &m, &h, &e, now)?;
@@ -269,14 +275,18 @@ impl RelayClient {
                         alert::outbox_undelivered(&tx, &ident, &m, &h, &why, now)?;
                     }
                     outbox::Failure::Retry if to_lan => {
+                        retargeted = outbox::follow_rotations(&tx, Some(&m), now)?;
                         handed_back = outbox::back_to_lan(&tx, &m, &h)?;
                     }
                     outbox::Failure::Retry | outbox::Failure::Gone => {}
                 }
                 tx.commit()?;
-                Ok((failure, handed_back))
+                Ok((failure, handed_back, retargeted))
             })
             .await?;
+        if retargeted > 0 {
+            tracing::info!(id = %row.msg_id, peer = %row.host, rows = retargeted, "the peer rotated its key: resealing for the pinned key");
+        }
         if failure == outbox::Failure::GaveUp {
             tracing::warn!(id = %row.msg_id, peer = %row.host, "Undelivered to {}: gave up after 72 h", row.host);
         }

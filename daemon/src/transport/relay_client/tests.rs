@@ -528,7 +528,8 @@ async fn rejected_conflict_is_terminal_and_the_row_is_kept() {
     assert_eq!(row.state, "rejected");
     assert_eq!(row.attempts, 1);
     assert_eq!(row.last_error.as_deref(), Some("rejected:conflict"));
-    assert!(row.wire.is_some(), "the bytes stay for a manual retry");
+    assert!(row.wire.is_none(), "a final row drops its bytes");
+    assert!(row.wire_hash.is_some(), "and keeps their hash");
     // A rejected row is not due any more: nothing is pushed again.
     s.clock.advance(10 * 3_600_000);
     s.client.push_due(&session("e1")).await.unwrap();

@@ -77,6 +77,12 @@
 //! (`sqlite/sweep.rs`) names in the notice; it also keeps the dedup row under that key from
 //! being pruned while the item is queued.
 //!
+//! # Replay on a restored copy
+//! `relay restore` replays on the backup every rotation the replaced store applied after it
+//! ([`replay_rotation`]: the same [`rotate_apply`], at the rotation's own time, on the restore's
+//! connection and transaction), so a host that rotated after the backup keeps its new key's
+//! enrolment and finds its old queue under it; the host never announces a rotation twice.
+//!
 //! # What it must never do
 //! Verify signatures (the handler checked the record against the old key) or charge quotas.
 
@@ -87,6 +93,37 @@ use crate::store::{key_fingerprint, Enrolment, RotateOutcome, RotateRequest, Sto
 
 /// Prefix of the meta key that remembers an applied rotation: `rotation:<old key>` → new key.
 pub(crate) const ROTATION_META_PREFIX: &str = "rotation:";
+
+/// Replays on `c` (any connection, in the caller's transaction) a rotation `old_key` →
+/// `new_key` that another copy of this store applied at `now_ms` (its `meta.rotation:<old>`
+/// marker): `relay restore` brings a backup older than the rotation up to date with it
+/// (`ops/restore.rs`). It is [`rotate_apply`] itself, with the record's `host` read from the
+/// old enrolment in `c`: the marker is all a store keeps of an applied rotation (old key → new
+/// key), and it is the store's own word that the relay already verified both signatures of
+/// the record — like a carried revocation, it needs no record to be checked again. A new key
+/// without an enrolment in `c` becomes the enrolment (module docs, 1). Outcomes as
+/// [`RotateOutcome`]: [`RotateOutcome::NotEnrolled`] when `c` has no live old key (unknown
+/// there, or revoked other than by this rotation), [`RotateOutcome::AlreadyRotated`] when `c`
+/// has this rotation already. Errors: SQLite errors ([`StoreError`]).
+pub(crate) fn replay_rotation(
+    c: &Connection,
+    old_key: &str,
+    new_key: &str,
+    now_ms: i64,
+) -> Result<RotateOutcome, StoreError> {
+    let Some(old) = enrolment_row(c, old_key)? else {
+        return Ok(RotateOutcome::NotEnrolled);
+    };
+    rotate_apply(
+        c,
+        &RotateRequest {
+            old_pubkey: old_key.to_owned(),
+            new_pubkey: new_key.to_owned(),
+            host_name: old.host_name,
+            now_ms,
+        },
+    )
+}
 
 /// Applies one verified rotation (module docs).
 pub(super) fn rotate_apply(

@@ -38,6 +38,20 @@
 //! a rotation moved from its target (`origin_target`) with its sender and id. Until then a late
 //! retry of an expired or delivered item is a `duplicate`, never a second delivery.
 //!
+//! The horizon counts from the row's `accepted_at` (`wire.md` §3.2 "Sweep": "prune dedup rows
+//! older than retention+7 d"), not from when its item left the queue (acked, expired, or moved
+//! by a rotation). That is safe because no sender pushes an item that late: a sender retries
+//! (and re-pushes after an epoch change or a rewind) only until its row's deadline,
+//! `accepted_at + retention + 24 h` (`wire.md` §3.5 "Settle"; `accepted_at` is the time of
+//! the accept the relay gave it, which a retry answered `duplicate` never moves), after which
+//! the row is `unconfirmed` and never pushed again. That deadline is six days before the
+//! horizon, `accepted_at + retention + 7 d`, a margin that also covers the clock skew between
+//! sender and relay. A row written again for a re-push the store had lost (after a restore)
+//! has a later `accepted_at` than the accept the sender's deadline counts from, so its horizon
+//! is later still. An item is never queued past `accepted_at + retention` either (the sweep
+//! deletes it), and a row is never pruned while its item is queued, so the horizon never
+//! reaches a row that still guards anything.
+//!
 //! # What it must never do
 //! Touch an item that has not expired; sign anything itself (the [`NoticeSigner`] does, with a
 //! key the store never sees); charge a notice to a quota; prune the dedup row of an item that

@@ -644,7 +644,8 @@ async fn quota_and_rate_refusals_keep_the_row_and_back_it_off_a_re_push_too() {
         s.relay.on("POST /v2/relay/items", push_reject(status));
         let pass = s.client.push_due(&session("e2")).await.unwrap();
         assert_eq!((pass.accepted, pass.failed), (0, 2), "{status}");
-        for (id, state) in [(&fresh, "pending"), (&again, "repush")] {
+        // A re-push starts at attempts 2 (`wire.md` §3.5 "Epoch change / rewind").
+        for (id, state, before) in [(&fresh, "pending", 0), (&again, "repush", 2)] {
             let r = s.row(id);
             assert_eq!(
                 (
@@ -653,19 +654,24 @@ async fn quota_and_rate_refusals_keep_the_row_and_back_it_off_a_re_push_too() {
                     r.next_at,
                     r.last_error.as_deref()
                 ),
-                (state, 1, T0 + outbox::backoff_ms(0), Some(status)),
+                (
+                    state,
+                    before + 1,
+                    T0 + outbox::backoff_ms(before),
+                    Some(status)
+                ),
                 "{status}"
             );
         }
         // Not pushed again before the backoff; the second refusal doubles it.
         s.client.push_due(&session("e2")).await.unwrap();
         assert_eq!(s.relay.seen("POST /v2/relay/items").len(), 1, "{status}");
-        s.clock.advance(outbox::backoff_ms(0));
+        s.clock.advance(outbox::backoff_ms(2));
         s.client.push_due(&session("e2")).await.unwrap();
         let r = s.row(&again);
         assert_eq!(
             (r.state.as_str(), r.attempts, r.next_at),
-            ("repush", 2, s.clock_now() + outbox::backoff_ms(1)),
+            ("repush", 4, s.clock_now() + outbox::backoff_ms(3)),
             "{status}"
         );
         // A re-push refused long after 72 h is still kept: only its deadline ends it.
@@ -771,4 +777,155 @@ async fn a_pulled_notice_expires_its_row_and_forged_ones_go_to_quarantine() {
     // Every item counts as processed: the checkpoint is past them all, and acked.
     let pos = s.position();
     assert_eq!((pos.received_through, pos.acked_through), (14, 14));
+}
+
+#[tokio::test]
+async fn a_notice_from_a_relay_that_does_not_hold_the_row_is_quarantined_and_changes_nothing() {
+    let s = Setup::new(true).await;
+    let mut g = testutil::ids();
+    let (here, elsewhere, never) = (g.next(T0), g.next(T0), g.next(T0));
+    for id in [&here, &elsewhere, &never] {
+        s.send_to_peer(id);
+    }
+    s.accepted_in(&here, "e1");
+    s.accepted_in(&elsewhere, "e1");
+    // `elsewhere` was last accepted by another relay (this host moved to this one since);
+    // `never` no relay accepted yet.
+    s.store
+        .mailbox
+        .with(|c| {
+            c.execute(
+                "UPDATE outbox SET relay = 'http://127.0.0.1:1' WHERE msg_id = ?1",
+                [&elsewhere],
+            )?;
+            Ok(())
+        })
+        .unwrap();
+    let relay_pub = s.relay.key.public().to_b64();
+    let target = s.peer_pub();
+    let q = Arc::new(Mutex::new(Queue {
+        epoch: "e1".into(),
+        items: vec![
+            notice_item(20, &elsewhere, &target, &s.relay.key, &relay_pub),
+            notice_item(21, &never, &target, &s.relay.key, &relay_pub),
+            notice_item(22, &here, &target, &s.relay.key, &relay_pub),
+        ],
+        head_override: None,
+    }));
+    serve_queue(&s.relay, q);
+    let pass = s.client.pull_pass(&session("e1")).await.unwrap();
+    assert_eq!((pass.notices, pass.quarantined), (1, 2));
+    assert_eq!(
+        s.quarantine(),
+        vec![
+            (20, "expired".into(), settle::NOT_HELD_BY_RELAY.into()),
+            (21, "expired".into(), settle::NOT_HELD_BY_RELAY.into()),
+        ]
+    );
+    let states: Vec<String> = [&here, &elsewhere, &never]
+        .iter()
+        .map(|id| s.row(id).state)
+        .collect();
+    assert_eq!(states, ["expired", "relay-accepted", "pending"]);
+    assert_eq!(s.alerts().len(), 1, "only the row this relay held");
+    let pos = s.position();
+    assert_eq!((pos.received_through, pos.acked_through), (22, 22));
+}
+
+/// `work` after rotating its host key and enc key: the new identity (retired keys and the
+/// signed record in its history) and the record as a JSON value.
+fn rotated(old: &Identity, at_ms: i64) -> (Identity, Value) {
+    let mut new = testutil::identity(old.host.as_str());
+    let record = agentmbx_protocol::rotation::SignedRotation::sign(
+        old.host.as_str(),
+        &old.host_key,
+        &new.host_key,
+        &new.enc_key.public(),
+        at_ms,
+    );
+    let value = serde_json::to_value(&record).unwrap();
+    new.history.retired_host.push(old.host_key.public());
+    new.history.retired_enc.push(old.enc_key.clone());
+    new.history.rotations.push(record);
+    (new, value)
+}
+
+#[tokio::test]
+async fn a_re_push_aimed_at_a_key_the_peer_rotated_away_from_is_resealed_for_the_new_one() {
+    let (clock, relay, home, work) = two_hosts().await;
+    let (id, first) = send_accepted(&home, &clock, "rotated").await;
+    let old_pub = work.ident.host_key.public().to_b64();
+    assert_eq!(first.target_pubkey, old_pub);
+    // The relay loses the item and its dedup row (a restore from a backup taken before it).
+    let db = rusqlite::Connection::open(&relay.state.store_db).unwrap();
+    db.busy_timeout(std::time::Duration::from_secs(5)).unwrap();
+    for table in ["items", "dedup"] {
+        let n = db
+            .execute(&format!("DELETE FROM {table} WHERE item_id = ?1"), [&id])
+            .unwrap();
+        assert_eq!(n, 1, "{table}");
+    }
+    drop(db);
+    // work rotates its keys; home learns it over the LAN while the row is relay-accepted (it
+    // keeps its target: the relay moves its queue), and the relay learns it from work.
+    clock.advance(60_000);
+    let now = agentmbx_protocol::clock::Clock::now_ms(&*clock);
+    let (new_work, record) = rotated(&work.ident, now);
+    let new_pub = new_work.host_key.public().to_b64();
+    home.store
+        .mailbox
+        .with(|c| {
+            let tx = c.transaction()?;
+            let out = crate::transport::lan::handlers::rotate::accept_record(&tx, &record, now)?;
+            assert_eq!(out.retargeted, 0, "a relay-accepted row keeps its target");
+            tx.commit()?;
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(home.row(&id, "work").target_pubkey, old_pub);
+    let new_work = Arc::new(new_work);
+    let shared: SharedClock = clock.clone();
+    let work_client = RelayClient::new(
+        &relay.url,
+        relay.key(),
+        new_work.clone(),
+        work.store.mailbox.clone(),
+        shared,
+    )
+    .unwrap();
+    super::super::pass(&work_client).await.unwrap();
+    // The restore rotates the epoch: home re-pushes. The old key is revoked at the relay, so
+    // the same bytes for it could only be refused `target not enrolled`: the row follows the
+    // rotation, is resealed for the new key and accepted, keeping its accept time and deadline.
+    clock.advance(60_000);
+    relay.rotate_epoch().await;
+    super::super::pass(&home.client).await.unwrap();
+    let again = home.row(&id, "work");
+    assert_eq!(
+        (again.state.as_str(), again.target_pubkey.as_str()),
+        ("relay-accepted", new_pub.as_str()),
+        "{again:?}"
+    );
+    assert_eq!(
+        (again.accepted_at, again.deadline_at),
+        (first.accepted_at, first.deadline_at)
+    );
+    assert_ne!(again.wire_hash, first.wire_hash, "resealed");
+    assert_ne!(again.seq, None);
+    // work (its new key) pulls it once; its receipt settles home's row, which drops its bytes.
+    super::super::pass(&work_client).await.unwrap();
+    assert_eq!(
+        work.store
+            .scalar::<i64>(&format!("SELECT COUNT(*) FROM messages WHERE id = '{id}'")),
+        1
+    );
+    super::super::pass(&work_client).await.unwrap();
+    super::super::pass(&home.client).await.unwrap();
+    let done = home.row(&id, "work");
+    assert_eq!(
+        (done.state.as_str(), done.wire.as_deref()),
+        ("delivered", None)
+    );
+    assert_eq!(done.wire_hash, again.wire_hash);
+    assert!(home.alerts().is_empty());
 }
