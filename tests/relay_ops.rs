@@ -379,3 +379,89 @@ fn a_backup_receipt_is_logged_through_the_admin_endpoint_while_the_relay_serves(
     assert_eq!(log_json(&dir, "5").len(), 1);
     relay.kill();
 }
+
+#[test]
+fn a_deleted_relay_lock_never_lets_a_second_writer_onto_a_serving_store() {
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let store = tmp.path().join("store");
+    let dir = store.to_str().expect("UTF-8").to_owned();
+    let relay = serve(&store, &[]);
+    wait_for("the first heartbeat", || meta(&store, "heartbeat"));
+    let epoch = meta(&store, "epoch").expect("epoch");
+    std::fs::remove_file(store.join("relay.lock")).expect("rm relay.lock");
+
+    let host = agentmbx_protocol::keys::HostKey::generate()
+        .public()
+        .to_b64();
+    for args in [
+        vec!["rotate-epoch", "--store-dir", &dir],
+        vec!["deny", "client-x", "--store-dir", &dir],
+        vec!["revoke", &host, "--store-dir", &dir],
+    ] {
+        let out = relay_cli(&args, &[]);
+        assert_eq!(out.code(), Some(4), "{args:?}: {out:#?}");
+        assert!(out.stderr.contains("no relay.lock"), "{args:?}: {out:#?}");
+        // Nothing was left behind: the next writer checks again.
+        assert!(!store.join("relay.lock").exists(), "{args:?}");
+    }
+    let port = free_port().to_string();
+    let second = run(command(&[
+        "relay",
+        "serve",
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        &port,
+        "--store-dir",
+        &dir,
+    ]));
+    assert_eq!(second.code(), Some(4), "{second:#?}");
+    assert!(second.stderr.contains("no relay.lock"), "{second:#?}");
+    assert_eq!(meta(&store, "epoch").as_deref(), Some(epoch.as_str()));
+    relay.kill();
+}
+
+#[test]
+fn relay_log_lists_an_unreadable_receipt_and_still_shows_the_rest() {
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let store = tmp.path().join("store");
+    let dir = store.to_str().expect("UTF-8").to_owned();
+    serve(&store, &[]).kill();
+    for _ in 0..2 {
+        relay_cli(&["rotate-epoch", "--store-dir", &dir], &[]).assert_success();
+    }
+    let c = rusqlite::Connection::open(store.join("relay.db")).expect("open");
+    c.execute(
+        "UPDATE ops SET receipt = 'garbage' WHERE id = (SELECT MIN(id) FROM ops)",
+        [],
+    )
+    .expect("garble");
+    drop(c);
+    let out = relay_cli(&["log", "--store-dir", &dir], &[]);
+    out.assert_success();
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    assert_eq!(lines.len(), 2, "{out:#?}");
+    assert!(lines[0].contains("relay-epoch-rotated"), "{out:#?}");
+    assert!(lines[1].contains("is unreadable"), "{out:#?}");
+    assert!(out.stderr.contains("cannot be read"), "{out:#?}");
+    let list = log_json(&dir, "10");
+    assert_eq!(list.len(), 2);
+    assert_eq!(list[0]["verified"], true);
+    assert_eq!(list[1]["verified"], false);
+    assert!(list[1]["unreadable"].is_string(), "{list:?}");
+
+    // With another relay key at hand (the store was not written by this relay): nothing
+    // verifies and a warning names both keys.
+    let other = agentmbx_protocol::keys::HostKey::generate();
+    let out = relay_cli(
+        &["log", "--json", "--store-dir", &dir],
+        &[("MBX_RELAY_KEY", &other.seed_b64_secret())],
+    );
+    out.assert_success();
+    assert_eq!(out.json()[0]["verified"], false, "{out:#?}");
+    assert!(
+        out.stderr.contains("this store records relay key")
+            && out.stderr.contains(&other.public().fingerprint()),
+        "{out:#?}"
+    );
+}

@@ -1078,3 +1078,24 @@ fn a_backup_while_the_relay_serves_logs_its_receipt_through_the_local_admin_endp
     assert_eq!(backups(&store).len(), 1);
     relay.kill();
 }
+
+#[test]
+fn a_backup_path_that_is_no_regular_file_is_named_as_such_with_exit_3() {
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let store = tmp.path().join("store");
+    serve(&store, &[]).kill();
+    let before = std::fs::read(store.join("relay.db")).expect("live");
+    let folder = tmp.path().join("folder.db");
+    std::fs::create_dir(&folder).expect("dir");
+    let dangling = tmp.path().join("dangling.db");
+    std::os::unix::fs::symlink(tmp.path().join("gone.db"), &dangling).expect("symlink");
+    for file in [&folder, &dangling] {
+        let out = restore(&store, file, &[]);
+        assert_eq!(out.code(), Some(3), "{out:#?}");
+        assert!(
+            out.stderr.contains("NO_BACKUP") && out.stderr.contains("is not a regular file"),
+            "{out:#?}"
+        );
+    }
+    assert_eq!(std::fs::read(store.join("relay.db")).expect("live"), before);
+}

@@ -79,6 +79,8 @@ pub fn open_offline(dir: &std::path::Path, now_ms: i64) -> Result<OfflineStore, 
     match opened {
         Ok(store) => Ok(OfflineStore { store, unsigned }),
         Err(StoreError::Locked { .. }) => Err(AdminError::Running(dir.join(LOCK_FILE))),
+        // A relay may run on it without relay.lock: exit 4 like a held lock, with its own text.
+        Err(e @ StoreError::LiveHeartbeat { .. }) => Err(AdminError::Store(e)),
         Err(e) => Err(e.into()),
     }
 }

@@ -8,8 +8,9 @@
 //!   unsigned): [`RelayOpSigner`] is the relay key as the store's [`OpSigner`]; a store opened
 //!   with it ([`SqliteStore::open_signed`]: `relay serve`, [`open_offline_signed`]) signs every
 //!   receipt it appends (`sig` = base64 Ed25519 over the canonical JSON of the receipt without
-//!   `sig`). [`verify_receipt`] checks one against the store's `relay_pubkey`;
-//!   [`read_verified_log`] is `relay log`'s view. The offline commands sign with
+//!   `sig`). [`verify_receipt`] checks one against a relay key; [`read_verified_log_with`] is
+//!   `relay log`'s view (against the relay key when available, else the store's own
+//!   `relay_pubkey`; an entry verifies only when its `op` column is its signed `type`). The offline commands sign with
 //!   [`offline_relay_key_if_any`]: `MBX_RELAY_KEY` or `relay.key` in the store directory; with
 //!   neither they still run and write their receipt unsigned ([`unsigned_receipt_reason`]),
 //!   which `relay log` shows as not verified.
@@ -24,10 +25,13 @@
 //!   into `<file>.partial-<pid>` (created 0600), switched to the rollback journal, checked
 //!   (`PRAGMA integrity_check`), fsynced, then linked to `<file>` — which never overwrites: an
 //!   existing file is refused ([`OpsError::Exists`]) and left untouched — and the directory
-//!   fsynced. The partial file never remains, whatever fails. The receipt
+//!   fsynced. The partial file never remains, whatever fails; the partial files of a killed
+//!   backup to the same name (their pid gone) are removed by the next one. The receipt
 //!   ([`backup`]'s answer) is the caller's to log: the backup itself never writes the store.
 //! - **Reading the relay log** ([`read_log`]) read-only, without the lock, so it works while the
-//!   relay serves; [`summary`] is the text line's summary.
+//!   relay serves, and without leaving `-wal`/`-shm` beside a stopped store; an entry whose
+//!   receipt is not JSON is listed as unreadable, never failing the whole log; [`summary`] is
+//!   the text line's summary.
 //!
 //! # What it must never do
 //! - Write the source store from [`backup`] or [`read_log`] (one process writes a store; only
@@ -52,8 +56,8 @@ use crate::store::{
 mod restore;
 
 pub use restore::{
-    restore, restored_from, RestoreError, RestoreOptions, LIVE_HEARTBEAT_MS, OP_RESTORE,
-    RESTORE_FROM_ENV, ROLLBACK_DIR,
+    check_backup_path, restore, restored_from, RestoreError, RestoreOptions, LIVE_HEARTBEAT_MS,
+    OP_RESTORE, RESTORE_FROM_ENV, ROLLBACK_DIR,
 };
 
 /// A heartbeat further than this from now (either way) rotates the epoch at start: 10 min in
@@ -470,6 +474,11 @@ pub(crate) fn online_copy(
     if dest.symlink_metadata().is_ok() {
         return Err(OpsError::Exists(dest.to_path_buf()));
     }
+    // Partial copies to this name that a killed run left behind (their process is gone).
+    if let (Some(parent), Some(name)) = (dest.parent(), dest.file_name()) {
+        let name = name.to_string_lossy();
+        restore::remove_dead_partials(parent, |base| base == name);
+    }
     let mut partial_name = dest.to_path_buf().into_os_string();
     partial_name.push(format!(".partial-{}", std::process::id()));
     let partial = Partial {
@@ -551,18 +560,34 @@ pub fn check_backup_receipt(receipt: &Value, relay_fingerprint: &str) -> Result<
 }
 
 /// The relay log of the store in `dir`, newest first, at most `limit` entries (clamped to
-/// `1..=`[`OPS_KEEP`] `+` [`SWEEP_OPS_KEEP`], the whole log); read-only and without `relay.lock`, so it works while the relay serves.
-/// Errors: [`OpsError::NoStore`], SQLite errors, a receipt that is not JSON.
+/// `1..=`[`OPS_KEEP`] `+` [`SWEEP_OPS_KEEP`], the whole log); read-only and without
+/// `relay.lock`, so it works while the relay serves, and creating no `-wal`/`-shm` beside a
+/// stopped store (the read-only open of `relay status`). A receipt that is not JSON is
+/// returned as `null` (see [`read_verified_log`] for why). Errors: [`OpsError::NoStore`],
+/// SQLite errors.
 pub fn read_log(dir: &Path, limit: i64) -> Result<Vec<OpRecord>, OpsError> {
-    let path = dir.join(DB_FILE);
+    Ok(read_raw_log(dir, limit)?
+        .0
+        .into_iter()
+        .map(|(record, _)| record)
+        .collect())
+}
+
+/// [`read_log`] with, for each entry whose receipt is not JSON, why.
+/// (And the relay key the store records.)
+type RawLog = (Vec<(OpRecord, Option<String>)>, Option<String>);
+
+fn read_raw_log(dir: &Path, limit: i64) -> Result<RawLog, OpsError> {
+    let path = absolute(&dir.join(DB_FILE));
     if !path.is_file() {
         return Err(OpsError::NoStore(dir.to_path_buf()));
     }
-    let c = Connection::open_with_flags(
-        &path,
-        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
-    )?;
-    c.busy_timeout(std::time::Duration::from_secs(5))?;
+    let c = crate::status::open_read_only(&path)?;
+    let recorded: Option<String> = c
+        .query_row("SELECT v FROM meta WHERE k = 'relay_pubkey'", [], |r| {
+            r.get(0)
+        })
+        .optional()?;
     let mut st = c.prepare("SELECT id, at, op, receipt FROM ops ORDER BY id DESC LIMIT ?1")?;
     let rows = st
         .query_map([limit.clamp(1, OPS_KEEP + SWEEP_OPS_KEEP)], |r| {
@@ -570,52 +595,120 @@ pub fn read_log(dir: &Path, limit: i64) -> Result<Vec<OpRecord>, OpsError> {
                 r.get::<_, i64>(0)?,
                 r.get::<_, i64>(1)?,
                 r.get::<_, String>(2)?,
-                r.get::<_, String>(3)?,
+                r.get::<_, rusqlite::types::Value>(3)?,
             ))
         })?
         .collect::<Result<Vec<_>, _>>()?;
-    rows.into_iter()
+    let entries = rows
+        .into_iter()
         .map(|(id, at_ms, op, receipt)| {
-            let receipt = serde_json::from_str(&receipt).map_err(|e| {
-                OpsError::Store(StoreError::Corrupt(format!(
-                    "op receipt {id} is not JSON: {e}"
-                )))
-            })?;
-            Ok(OpRecord {
-                id,
-                at_ms,
-                op,
-                receipt,
-            })
+            let parsed = match receipt {
+                rusqlite::types::Value::Text(t) => serde_json::from_str::<Value>(&t)
+                    .map_err(|e| format!("its receipt is not JSON: {e}")),
+                _ => Err("its receipt is not text".to_owned()),
+            };
+            let (receipt, problem) = match parsed {
+                Ok(v) => (v, None),
+                Err(why) => (Value::Null, Some(why)),
+            };
+            (
+                OpRecord {
+                    id,
+                    at_ms,
+                    op,
+                    receipt,
+                },
+                problem,
+            )
         })
-        .collect()
+        .collect();
+    Ok((entries, recorded))
 }
 
-/// A relay-log entry and whether its receipt verifies with the store's relay key.
+/// A relay-log entry and whether its receipt verifies with the relay key.
 #[derive(Debug, Clone, PartialEq)]
 pub struct VerifiedOp {
     /// The entry.
     pub record: OpRecord,
-    /// Its `sig` verifies with `meta.relay_pubkey` ([`verify_receipt`]); false when unsigned,
-    /// altered, or the store records no usable key.
+    /// Its `sig` verifies with the key checked against ([`verify_receipt`]) and the signed
+    /// receipt's `type` is the entry's `op`; false when unsigned, altered, unreadable, or no
+    /// usable key is known.
     pub verified: bool,
+    /// Why the entry cannot be shown as its receipt (the receipt is not JSON); `None` for a
+    /// readable one. Such an entry is listed, never verified, and the rest of the log is
+    /// still read.
+    pub problem: Option<String>,
+}
+
+impl VerifiedOp {
+    /// The operation to display: the signed receipt's own `type` when verified, else the
+    /// entry's `op` column (which the signature does not cover).
+    pub fn op(&self) -> &str {
+        match self.record.receipt["type"].as_str() {
+            Some(t) if self.verified => t,
+            _ => &self.record.op,
+        }
+    }
+
+    /// When, in ms, to display: the signed receipt's own `at` when verified and readable, else
+    /// the entry's `at` column.
+    pub fn at_ms(&self) -> i64 {
+        self.record.receipt["at"]
+            .as_str()
+            .filter(|_| self.verified)
+            .and_then(agentmbx_protocol::time::parse_iso_ms)
+            .unwrap_or(self.record.at_ms)
+    }
 }
 
 /// [`read_log`] with each receipt checked against the store's own `relay_pubkey`
-/// ([`verify_receipt`]): `relay log`'s view. Read-only, works while the relay serves. Errors:
-/// as [`read_log`].
+/// ([`verify_receipt`]). Read-only, works while the relay serves. Errors: as [`read_log`].
 pub fn read_verified_log(dir: &Path, limit: i64) -> Result<Vec<VerifiedOp>, OpsError> {
-    let records = read_log(dir, limit)?;
-    let key = SqliteStore::recorded_relay_pubkey(dir)?.and_then(|k| PublicKey::from_b64(&k).ok());
-    Ok(records
-        .into_iter()
-        .map(|record| VerifiedOp {
-            verified: key
-                .as_ref()
-                .is_some_and(|k| verify_receipt(&record.receipt, k)),
-            record,
+    Ok(read_verified_log_with(dir, limit, None)?.0)
+}
+
+/// `relay log`'s view: [`read_log`] with each receipt checked against `relay_key` when given
+/// (the relay key from `MBX_RELAY_KEY` or `relay.key`), else against the store's own
+/// `meta.relay_pubkey` — a store re-signed with another key and carrying that key never
+/// verifies against the relay's own key. Returns the entries and, when `relay_key` differs
+/// from the key the store records, a warning that says so (both fingerprints). An entry whose
+/// receipt is not JSON is listed with its [`VerifiedOp::problem`]. Errors: as [`read_log`].
+pub fn read_verified_log_with(
+    dir: &Path,
+    limit: i64,
+    relay_key: Option<&PublicKey>,
+) -> Result<(Vec<VerifiedOp>, Option<String>), OpsError> {
+    let (records, recorded) = read_raw_log(dir, limit)?;
+    let recorded_key = recorded
+        .as_deref()
+        .and_then(|k| PublicKey::from_b64(k).ok());
+    let warning = relay_key.and_then(|k| {
+        (recorded_key.as_ref() != Some(k)).then(|| {
+            format!(
+                "this store records relay key {} but the relay key is {}: the store was not \
+                 written by this relay (or was altered); its receipts are checked against the \
+                 relay key",
+                recorded_key
+                    .as_ref()
+                    .map_or_else(|| "none".to_owned(), PublicKey::fingerprint),
+                k.fingerprint()
+            )
         })
-        .collect())
+    });
+    let key = relay_key.cloned().or(recorded_key);
+    let entries = records
+        .into_iter()
+        .map(|(record, problem)| VerifiedOp {
+            verified: problem.is_none()
+                && record.receipt["type"].as_str() == Some(record.op.as_str())
+                && key
+                    .as_ref()
+                    .is_some_and(|k| verify_receipt(&record.receipt, k)),
+            record,
+            problem,
+        })
+        .collect();
+    Ok((entries, warning))
 }
 
 /// The summary of a relay-log entry for `relay log`'s text line `<at>  <op>  <summary>`.
@@ -623,6 +716,7 @@ pub fn summary(op: &OpRecord) -> String {
     let r = &op.receipt;
     let s = |k: &str| r[k].as_str().unwrap_or("").to_owned();
     match op.op.as_str() {
+        _ if r.is_null() => "(unreadable receipt)".to_owned(),
         OP_EPOCH_ROTATED => format!("{} -> {} (by {})", s("from"), s("to"), s("by")),
         OP_BACKUP => format!(
             "{} ({} bytes, {} items, sha256 {})",
@@ -901,8 +995,10 @@ mod tests {
         // It opens as a store of this relay.
         let copy_dir = tempfile::tempdir().expect("copy dir");
         std::fs::copy(&file, copy_dir.path().join(DB_FILE)).expect("copy");
+        // (More than 90 s after its heartbeat: a copy without relay.lock and a fresher
+        // heartbeat may have a relay on it.)
         let opened =
-            SqliteStore::open(copy_dir.path(), &relay_key_of(dir.path()), 5).expect("opens");
+            SqliteStore::open(copy_dir.path(), &relay_key_of(dir.path()), 100_000).expect("opens");
         assert_eq!(
             opened.epoch().expect("epoch"),
             store.epoch().expect("epoch")
@@ -1157,5 +1253,129 @@ mod tests {
         let mut big = good;
         big["pad"] = json!("x".repeat(9_000));
         assert!(check_backup_receipt(&big, "abcd-ef01-2345-6789").is_err());
+    }
+
+    fn ls(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .expect("ls")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn a_killed_backups_partial_file_is_removed_by_the_next_backup_to_that_name() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let out = tempfile::tempdir().expect("out");
+        let store = SqliteStore::open(dir.path(), &relay_key(), 1).expect("open");
+        enrol_and_push(&store, 1);
+        // pid_max is at most 4194304: that pid never runs; pid 1 always does.
+        for name in [
+            "b.db.partial-4194304",
+            "b.db.partial-4194304-journal",
+            "b.db.partial-1",
+            "c.db.partial-4194304",
+        ] {
+            std::fs::write(out.path().join(name), b"x").expect("write");
+        }
+        backup(dir.path(), &out.path().join("b.db"), 1).expect("backup");
+        assert_eq!(
+            ls(out.path()),
+            ["b.db", "b.db.partial-1", "c.db.partial-4194304"]
+        );
+    }
+
+    #[test]
+    fn an_unreadable_receipt_is_listed_and_the_rest_of_the_log_still_reads_and_verifies() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let key = HostKey::generate();
+        let store = open_offline_signed(dir.path(), key.clone(), 1).expect("signed");
+        for i in 0..3 {
+            rotate_epoch(&store, "s", RotatedBy::Operator, 10 + i).expect("rotate");
+        }
+        store.close().expect("close");
+        let raw = Connection::open(dir.path().join(DB_FILE)).expect("raw");
+        raw.execute(
+            "UPDATE ops SET receipt = 'not json {' WHERE id = (SELECT MIN(id) FROM ops)",
+            [],
+        )
+        .expect("garble");
+        drop(raw);
+        let log = read_verified_log(dir.path(), 10).expect("log");
+        assert_eq!(log.len(), 3);
+        assert_eq!(
+            log.iter().map(|e| e.verified).collect::<Vec<_>>(),
+            [true, true, false]
+        );
+        assert!(log[2]
+            .problem
+            .as_deref()
+            .is_some_and(|p| p.contains("not JSON")));
+        assert_eq!(summary(&log[2].record), "(unreadable receipt)");
+        assert!(log[0].problem.is_none());
+        assert_eq!(read_log(dir.path(), 10).expect("plain").len(), 3);
+    }
+
+    #[test]
+    fn the_op_and_at_shown_are_the_signed_ones_and_the_relay_key_decides_what_verifies() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let key = HostKey::generate();
+        let store = open_offline_signed(dir.path(), key.clone(), 1).expect("signed");
+        rotate_epoch(&store, "s", RotatedBy::Operator, 10).expect("rotate");
+        rotate_epoch(&store, "s", RotatedBy::Operator, 20).expect("rotate");
+        store.close().expect("close");
+        // The columns the signature does not cover, changed on the newest entry.
+        let raw = Connection::open(dir.path().join(DB_FILE)).expect("raw");
+        raw.execute(
+            "UPDATE ops SET op = 'relay-undeny', at = 99 WHERE id = (SELECT MAX(id) FROM ops)",
+            [],
+        )
+        .expect("op column");
+        raw.execute(
+            "UPDATE ops SET at = 77 WHERE id = (SELECT MIN(id) FROM ops)",
+            [],
+        )
+        .expect("at column");
+        drop(raw);
+        let (log, warning) =
+            read_verified_log_with(dir.path(), 10, Some(&key.public())).expect("log");
+        assert_eq!(warning, None);
+        assert!(!log[0].verified, "another op than the signed type");
+        assert!(log[1].verified);
+        assert_eq!(log[1].op(), OP_EPOCH_ROTATED);
+        assert_eq!(log[1].at_ms(), 10, "the signed at, not the column's 77");
+
+        // A store re-signed with another key carries that key: it verifies against itself but
+        // never against the relay key, and the mismatch is said.
+        let forger = HostKey::generate();
+        let forged = tempfile::tempdir().expect("forged");
+        let store = open_offline_signed(forged.path(), forger.clone(), 1).expect("forged");
+        rotate_epoch(&store, "s", RotatedBy::Operator, 10).expect("rotate");
+        store.close().expect("close");
+        assert!(read_verified_log(forged.path(), 10).expect("log")[0].verified);
+        let (log, warning) =
+            read_verified_log_with(forged.path(), 10, Some(&key.public())).expect("log");
+        assert!(!log[0].verified);
+        let warning = warning.expect("warned");
+        assert!(
+            warning.contains(&forger.public().fingerprint())
+                && warning.contains(&key.public().fingerprint()),
+            "{warning}"
+        );
+    }
+
+    #[test]
+    fn reading_the_log_of_a_stopped_store_leaves_no_side_files() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = SqliteStore::open(dir.path(), &relay_key(), 1).expect("open");
+        rotate_epoch(&store, "s", RotatedBy::Operator, 10).expect("rotate");
+        store.close().expect("close");
+        let before = ls(dir.path());
+        assert!(!before
+            .iter()
+            .any(|n| n.ends_with("-wal") || n.ends_with("-shm")));
+        assert_eq!(read_verified_log(dir.path(), 10).expect("log").len(), 1);
+        assert_eq!(ls(dir.path()), before);
     }
 }

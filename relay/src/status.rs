@@ -128,6 +128,9 @@ pub struct RelayStatus {
     pub deepest: Vec<TargetQueue>,
     /// `meta.heartbeat` (written every 30 s while a relay serves), `None` if never served.
     pub heartbeat_ms: Option<i64>,
+    /// `meta.heartbeat` is set but is not a time in ms (a damaged or altered store);
+    /// `heartbeat_ms` is then `None`.
+    pub heartbeat_unreadable: bool,
     /// The newest backup in the relay log, `None` if none is logged.
     pub last_backup: Option<LastBackup>,
     /// Rows in `dedup` (queued items and tombstones within the dedup horizon).
@@ -174,6 +177,17 @@ fn file_uri(path: &Path) -> String {
         }
     }
     uri
+}
+
+/// Opens `db` (absolute) read-only the way `relay status` does: as an immutable file when no
+/// WAL content exists (no lock, no `-wal`/`-shm` created beside a stopped store), else through
+/// the WAL. For readers that read once (`relay log`). Errors: SQLite errors.
+pub(crate) fn open_read_only(db: &Path) -> Result<Connection, rusqlite::Error> {
+    match open(db, mode_for(db)) {
+        Ok(c) => Ok(c),
+        Err(StatusError::Sqlite(e)) => Err(e),
+        Err(e) => Err(rusqlite::Error::InvalidPath(PathBuf::from(e.to_string()))),
+    }
 }
 
 fn open(db: &Path, mode: Mode) -> Result<Connection, StatusError> {
@@ -247,7 +261,11 @@ fn facts(c: &Connection, db: &Path, now_ms: i64, top: usize) -> Result<RelayStat
         .and_then(|k| PublicKey::from_b64(k).ok())
         .map(|k| k.fingerprint());
     let epoch = meta("epoch")?;
-    let heartbeat_ms = meta("heartbeat")?.and_then(|v| v.trim().parse::<i64>().ok());
+    let heartbeat_text = meta("heartbeat")?;
+    let heartbeat_ms = heartbeat_text
+        .as_deref()
+        .and_then(|v| v.trim().parse::<i64>().ok());
+    let heartbeat_unreadable = heartbeat_text.is_some() && heartbeat_ms.is_none();
     let enrolled = n("SELECT COUNT(*) FROM enrolments WHERE revoked_at IS NULL")?;
     let revoked = n("SELECT COUNT(*) FROM enrolments WHERE revoked_at IS NOT NULL")?;
     let dedup_rows = n("SELECT COUNT(*) FROM dedup")?;
@@ -324,6 +342,7 @@ fn facts(c: &Connection, db: &Path, now_ms: i64, top: usize) -> Result<RelayStat
         oldest_ms,
         deepest,
         heartbeat_ms,
+        heartbeat_unreadable,
         last_backup,
         dedup_rows,
     })
@@ -344,7 +363,7 @@ impl RelayStatus {
     ///  queue:{items, bytes, targets, oldest_at, oldest_age_ms,
     ///         deepest:[{host, host_pubkey, fingerprint, revoked, items, bytes,
     ///                   oldest_at, oldest_age_ms}]},
-    ///  heartbeat:{at, age_ms}|null,
+    ///  heartbeat:{at, age_ms}|{unreadable:true}|null,
     ///  last_backup:{at, age_ms, file, bytes}|null,
     ///  dedup_rows}
     /// ```
@@ -386,7 +405,11 @@ impl RelayStatus {
                 "oldest_age_ms": self.oldest_ms.map(|t| self.age(t)),
                 "deepest": deepest,
             },
-            "heartbeat": self.heartbeat_ms.map(|h| json!({"at": iso_ms(h), "age_ms": self.age(h)})),
+            "heartbeat": match self.heartbeat_ms {
+                Some(h) => json!({"at": iso_ms(h), "age_ms": self.age(h)}),
+                None if self.heartbeat_unreadable => json!({"unreadable": true}),
+                None => Value::Null,
+            },
             "last_backup": self.last_backup.as_ref().map(|b| json!({
                 "at": iso_ms(b.at_ms),
                 "age_ms": self.age(b.at_ms),
@@ -452,10 +475,15 @@ impl RelayStatus {
         }
         line(
             "heartbeat",
-            self.heartbeat_ms.map_or(
-                "none (no relay has served this store yet)".to_owned(),
-                |h| format!("{} ({})", iso_ms(h), age(self.age(h))),
-            ),
+            match self.heartbeat_ms {
+                Some(h) => format!("{} ({})", iso_ms(h), age(self.age(h))),
+                None if self.heartbeat_unreadable => {
+                    "unreadable (meta.heartbeat is not a time: the store is damaged or was \
+                     altered)"
+                        .to_owned()
+                }
+                None => "none (no relay has served this store yet)".to_owned(),
+            },
         );
         line(
             "last backup",
@@ -793,6 +821,23 @@ mod tests {
             text.contains("last backup  none in the relay log\n"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn a_heartbeat_that_is_not_a_time_shows_as_unreadable_not_none() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        open_store(dir.path(), &key()).close().expect("close");
+        Connection::open(dir.path().join(DB_FILE))
+            .expect("raw")
+            .execute("INSERT INTO meta (k, v) VALUES ('heartbeat', 'soon')", [])
+            .expect("beat");
+        let st = read(dir.path(), T0, 5).expect("status");
+        assert_eq!(st.heartbeat_ms, None);
+        assert!(st.heartbeat_unreadable);
+        assert_eq!(st.to_json()["heartbeat"], json!({"unreadable": true}));
+        let text = st.text();
+        assert!(text.contains("heartbeat    unreadable"), "{text}");
+        assert!(!text.contains("none (no relay"), "{text}");
     }
 
     #[test]

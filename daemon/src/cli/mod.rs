@@ -219,16 +219,22 @@ pub fn exit_code(err: &anyhow::Error) -> u8 {
 }
 
 /// Whether `cause` says another relay process holds the store's `relay.lock` (`relay serve`
-/// gave up waiting for it).
+/// gave up waiting for it), or may run on it without one (a fresh heartbeat and no lock file).
 fn relay_lock_held(cause: &(dyn std::error::Error + 'static)) -> bool {
+    use agentmbx_relay::admin::AdminError;
     use agentmbx_relay::run::ServeError;
     use agentmbx_relay::store::StoreError;
     matches!(
         cause.downcast_ref::<ServeError>(),
-        Some(ServeError::Store(StoreError::Locked { .. }))
+        Some(ServeError::Store(
+            StoreError::Locked { .. } | StoreError::LiveHeartbeat { .. }
+        ))
     ) || matches!(
         cause.downcast_ref::<StoreError>(),
-        Some(StoreError::Locked { .. })
+        Some(StoreError::Locked { .. } | StoreError::LiveHeartbeat { .. })
+    ) || matches!(
+        cause.downcast_ref::<AdminError>(),
+        Some(AdminError::Store(StoreError::LiveHeartbeat { .. }))
     )
 }
 

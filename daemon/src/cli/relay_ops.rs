@@ -9,8 +9,11 @@
 //! - **log**: the relay log, newest first, read-only (allowed while the relay serves); a text
 //!   line `<at>  <op>  <mark><summary>` per entry, or `--json` (`verified`). Every receipt is
 //!   signed with the relay key: the mark is [`SIGNED_MARK`], or [`UNVERIFIED_MARK`]
-//!   (`"verified": false`) for one that does not verify with the store's relay key, which a
-//!   warning on stderr also counts.
+//!   (`"verified": false`) for one that does not verify with the relay key (`MBX_RELAY_KEY` or
+//!   `relay.key` when available, else the key the store records; a warning says when the two
+//!   differ) or whose `op` column is not its signed `type`, which a warning on stderr also
+//!   counts. A verified entry shows its receipt's own `type` and `at`. An entry whose receipt
+//!   cannot be read is listed as unreadable (`"unreadable"`: why) and the rest still shows.
 //! - **backup**: an online copy of the store to `<file>` (never overwrites: an existing file is
 //!   refused with `EXISTS`, exit 1), allowed while the relay serves. The receipt is printed and
 //!   appended to the relay log: offline directly; while a relay serves the store (only it may
@@ -80,7 +83,11 @@ pub struct RotateEpochArgs {
 /// Flags of `relay log`.
 #[derive(Debug, Args)]
 #[command(
-    after_long_help = "Read-only: allowed while the relay serves the store. Exit status: \
+    after_long_help = "Read-only: allowed while the relay serves the store. Each receipt \
+is checked against the relay key (MBX_RELAY_KEY, else relay.key in the store directory, else \
+the key the store records; a warning says when the store records another key): a verified \
+entry shows its signed type and time, any other is marked NOT VERIFIED, and an entry whose \
+receipt cannot be read is listed as unreadable while the rest still shows. Exit status: \
 0 shown, 1 failure, 2 usage error, 3 no store."
 )]
 pub struct LogArgs {
@@ -91,7 +98,7 @@ pub struct LogArgs {
     /// apart from them, the newest 100 relay-sweep receipts)
     #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub limit: u32,
-    /// Print as JSON: [{id, at, op, receipt, verified}]
+    /// Print as JSON: [{id, at, op, receipt, verified, unreadable}] (unreadable: why, or null)
     #[arg(long)]
     pub json: bool,
 }
@@ -101,7 +108,7 @@ pub struct LogArgs {
 #[command(
     after_long_help = "Stop the relay first: a restore never replaces a store a relay \
 holds (RELAY_RUNNING, exit 4). The backup is copied and checked (a relay store of this relay's \
-key, a schema this agentmbx reads), the current store is kept as rollback/relay-<time>.db in \
+key, with exactly the tables and indexes of its schema version in this agentmbx: no triggers or views), the current store is kept as rollback/relay-<time>.db in \
 the store directory, and what the current store took away or learned since the backup is \
 carried forward: host key rotations (the new key takes over the enrolment, the old key's \
 queue and allowlists), revocations, deny-list entries, newer sender allowlists and enc-key \
@@ -112,8 +119,10 @@ receipt goes to the relay log and names the command that undoes the restore; it 
 with the relay key (MBX_RELAY_KEY, else relay.key in the store directory), which must be the \
 backup's. Without either the restore still runs (the backup is checked against the current \
 store's key) and the receipt is written unsigned, with a warning (relay log marks it NOT \
-VERIFIED). Exit status: 0 restored, 1 failure (NOT_A_STORE, SCHEMA, OTHER_RELAY, \
-CURRENT_UNREADABLE…), 2 usage error, 3 no such backup file, 4 a relay runs on the store."
+VERIFIED). A current store written by a newer agentmbx is never replaced (SCHEMA). Exit \
+status: 0 restored, 1 failure (NOT_A_STORE, SCHEMA, OTHER_RELAY, CURRENT_UNREADABLE, a failure \
+writing the rollback copy…), 2 usage error, 3 no such backup file (or not a regular file), 4 a \
+relay runs on the store."
 )]
 pub struct RestoreArgs {
     /// The backup file (`agentmbx relay backup` wrote it; never changed)
@@ -208,16 +217,28 @@ fn ops_refusal(e: OpsError) -> anyhow::Error {
 
 /// `relay log`.
 pub fn log(args: LogArgs) -> anyhow::Result<()> {
-    let entries =
-        ops::read_verified_log(&args.store_dir, i64::from(args.limit)).map_err(ops_refusal)?;
+    // The relay's own key, when this machine has it: a store re-signed with another key (and
+    // carrying that key) must not show as verified.
+    let relay_key = match ops::offline_relay_key_if_any(&args.store_dir) {
+        Ok(key) => key.map(|k| k.public()),
+        Err(e) => {
+            eprintln!("warning: the relay key cannot be read ({e}); receipts are checked against the key the store records");
+            None
+        }
+    };
+    let (entries, key_warning) =
+        ops::read_verified_log_with(&args.store_dir, i64::from(args.limit), relay_key.as_ref())
+            .map_err(ops_refusal)?;
     let unverified = entries.iter().filter(|e| !e.verified).count();
+    let unreadable = entries.iter().filter(|e| e.problem.is_some()).count();
     if args.json {
         let list: Vec<Value> = entries
             .iter()
             .map(|v| {
                 let e = &v.record;
-                json!({"id": e.id, "at": agentmbx_protocol::time::iso_ms(e.at_ms),
-                       "op": e.op, "receipt": e.receipt, "verified": v.verified})
+                json!({"id": e.id, "at": agentmbx_protocol::time::iso_ms(v.at_ms()),
+                       "op": v.op(), "receipt": e.receipt, "verified": v.verified,
+                       "unreadable": v.problem})
             })
             .collect();
         println!("{}", serde_json::to_string_pretty(&list)?);
@@ -226,24 +247,35 @@ pub fn log(args: LogArgs) -> anyhow::Result<()> {
             println!("the relay log is empty");
         }
         for v in &entries {
-            let e = &v.record;
+            let shown = match &v.problem {
+                Some(problem) => format!("entry {} is unreadable: {problem}", v.record.id),
+                None => ops::summary(&v.record),
+            };
             println!(
                 "{}  {}  {}{}",
-                agentmbx_protocol::time::iso_ms(e.at_ms),
-                e.op,
+                agentmbx_protocol::time::iso_ms(v.at_ms()),
+                v.op(),
                 if v.verified {
                     SIGNED_MARK
                 } else {
                     UNVERIFIED_MARK
                 },
-                ops::summary(e)
+                shown
             );
         }
     }
+    if let Some(w) = key_warning {
+        eprintln!("warning: {w}");
+    }
+    if unreadable > 0 {
+        eprintln!(
+            "warning: {unreadable} relay-log entr(y/ies) cannot be read (listed as unreadable)"
+        );
+    }
     if unverified > 0 {
         eprintln!(
-            "warning: {unverified} receipt(s) shown do not verify with this store's relay key \
-             (unsigned, altered, or written by another key)"
+            "warning: {unverified} receipt(s) shown do not verify with the relay key \
+             (unsigned, altered, unreadable, or written by another key)"
         );
     }
     Ok(())
@@ -255,7 +287,9 @@ fn restore_refusal(e: RestoreError) -> anyhow::Error {
         e @ (RestoreError::RelayRunning(_) | RestoreError::FreshHeartbeat { .. }) => {
             RelayRunning(e.to_string()).into()
         }
-        e @ RestoreError::NoBackup(_) => NotFoundError(e.to_string()).into(),
+        e @ (RestoreError::NoBackup(_) | RestoreError::NotAFile(_)) => {
+            NotFoundError(e.to_string()).into()
+        }
         e => anyhow::Error::new(e),
     }
 }
@@ -264,9 +298,7 @@ fn restore_refusal(e: RestoreError) -> anyhow::Error {
 pub fn restore(args: RestoreArgs) -> anyhow::Result<()> {
     // A missing backup is exit 3 whatever else is wrong (checked again by the restore).
     let file = ops::absolute(&args.file);
-    if !file.is_file() {
-        return Err(restore_refusal(RestoreError::NoBackup(file)));
-    }
+    ops::check_backup_path(&file).map_err(restore_refusal)?;
     let now = now_ms()?;
     let key = ops::offline_relay_key_if_any(&args.store_dir)?;
     let unsigned = key

@@ -31,7 +31,7 @@ future; sizes in bytes):
    queue:{items, bytes, targets, oldest_at, oldest_age_ms,
           deepest:[{host, host_pubkey, fingerprint, revoked, items, bytes,
                     oldest_at, oldest_age_ms}]},
-   heartbeat:{at, age_ms}|null,
+   heartbeat:{at, age_ms}|{unreadable:true}|null,
    last_backup:{at, age_ms, file, bytes}|null,
    dedup_rows}
 oldest_at and oldest_age_ms are null when nothing is queued; deepest lists at most --top \

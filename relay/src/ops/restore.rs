@@ -7,16 +7,28 @@
 //! 1. **Refusals.** `relay.lock` is taken without waiting (or the caller already holds it:
 //!    `relay serve` with `MBX_RELAY_RESTORE_FROM`); held by another process → `RELAY_RUNNING`.
 //!    A store without a `relay.lock` file whose heartbeat is less than [`LIVE_HEARTBEAT_MS`]
-//!    (90 s) old may have a relay from before the lock on it → `RELAY_RUNNING` unless `--force`.
-//! 2. **The backup, copied and checked** (the file given is never written): copied with its
-//!    `-wal` if any beside the live store (`relay.db.restore-<stamp>`, 0600), switched to the
-//!    rollback journal (a WAL folded in), `integrity_check`; no `meta.epoch` or
-//!    `meta.relay_pubkey` → `NOT_A_STORE`; a newer schema → `SCHEMA`; another relay key than
-//!    the relay's (and the current store's) → `OTHER_RELAY`.
-//! 3. **The current store**: `quick_check`, its authority read in one read transaction, and an
-//!    online copy kept as `rollback/relay-<stamp>.db` (0600 in a 0700 directory). When it
-//!    cannot be read → `CURRENT_UNREADABLE`, unless `--force`: then its files are copied as
-//!    they are into `rollback/` and nothing is carried forward.
+//!    (90 s) old may have a relay from before the lock (or one whose lock file was deleted) on
+//!    it → `RELAY_RUNNING` unless `--force` (`relay serve` and the offline writers make the same
+//!    check when they take the lock, [`StoreLock::acquire`]).
+//! 2. **The backup, copied and checked** (the file given is never written, nor removed; a
+//!    path that is not a regular file → `NO_BACKUP` saying so): copied with its `-wal` if any
+//!    beside the live store (`relay.db.restore-<stamp>`, 0600), switched to the rollback
+//!    journal (a WAL folded in), `integrity_check`; not SQLite, damaged, or no `meta.epoch` or
+//!    `meta.relay_pubkey` → `NOT_A_STORE` naming the file; a newer schema → `SCHEMA`; a schema
+//!    whose objects (every table, index, trigger and view of `sqlite_master`, by type, name and
+//!    SQL) are not exactly those this binary's migrations give its version — a trigger or a
+//!    view at all, an extra object, a missing table — → `NOT_A_STORE` naming the object (a
+//!    backup is untrusted input: a trigger would run inside the carry-forward and stay in the
+//!    live schema); another relay key than the relay's (and the current store's) →
+//!    `OTHER_RELAY`.
+//! 3. **The current store**: a newer schema → `SCHEMA` (never downgraded, `--force` or not);
+//!    `quick_check`, its authority read in one read transaction, and an online copy kept as
+//!    `rollback/relay-<stamp>.db` (0600 in a 0700 directory; written as `.partial-<pid>` and
+//!    linked to its name once complete). When it cannot be read → `CURRENT_UNREADABLE`, unless
+//!    `--force`: then its files are copied as they are into `rollback/` (again through partial
+//!    names) and nothing is carried forward but its `restored_paths` when those can be read. A
+//!    failure writing the rollback copy (a full disk…) is a plain failure that changes nothing,
+//!    never `CURRENT_UNREADABLE`. A `relay.db` that is not a regular file is refused.
 //! 4. **On the copy, in one transaction**: an older schema migrated first (a migration keeps the
 //!    epoch); then carried forward from the current store: the higher seq floors; every host
 //!    key rotation made after the backup (a `meta.rotation:<old>` marker the backup lacks),
@@ -38,7 +50,10 @@
 //!    again and fsynced, the old store's `-wal` (kept in `rollback/` when not empty) and `-shm`
 //!    are moved away so they never meet the new file, the copy is renamed over `relay.db`, and
 //!    the directory is fsynced. A failure before the rename leaves the live store as it was and
-//!    removes the copy; a crash leaves the copy, which the next restore removes.
+//!    removes the copy and this restore's rollback copy; a crash leaves them, and the next
+//!    restore removes the working copies (only names of the exact `relay.db.restore-<stamp>`
+//!    form, never the backup being restored) and the `rollback/*.partial-<pid>` files whose
+//!    process is gone.
 //!
 //! # What it must never do
 //! - Replace a store a running relay holds, or write the backup file.
@@ -104,6 +119,10 @@ pub enum RestoreError {
     /// The backup file does not exist.
     #[error("NO_BACKUP: no backup at {}", .0.display())]
     NoBackup(PathBuf),
+    /// The path given exists but is not a regular file (a directory, a fifo, a device, a
+    /// dangling symlink).
+    #[error("NO_BACKUP: {} is not a regular file (a directory, fifo, device or dangling symlink): give the backup file itself", .0.display())]
+    NotAFile(PathBuf),
     /// The file given is the live store itself.
     #[error("SAME_FILE: {} is the live store itself; restore a backup file", .0.display())]
     SameFile(PathBuf),
@@ -128,6 +147,17 @@ pub enum RestoreError {
     #[error("SCHEMA: {} has relay store schema {found}, newer than this agentmbx ({supported}): upgrade agentmbx first", file.display())]
     Schema {
         /// The backup file.
+        file: PathBuf,
+        /// Its schema version.
+        found: u32,
+        /// The newest this binary knows.
+        supported: u32,
+    },
+    /// The current store was written by a newer agentmbx (a newer schema): replacing it would
+    /// be a downgrade that loses what that version keeps. Never overridden by `--force`.
+    #[error("SCHEMA: the current store {} has relay store schema {found}, newer than this agentmbx ({supported}): this store was written by a newer agentmbx; upgrade first", file.display())]
+    CurrentSchema {
+        /// The live `relay.db`.
         file: PathBuf,
         /// Its schema version.
         found: u32,
@@ -174,11 +204,11 @@ impl RestoreError {
     /// `OTHER_RELAY`, `CURRENT_UNREADABLE`, or `FAILED` for anything else.
     pub fn code(&self) -> &'static str {
         match self {
-            Self::NoBackup(_) => "NO_BACKUP",
+            Self::NoBackup(_) | Self::NotAFile(_) => "NO_BACKUP",
             Self::SameFile(_) => "SAME_FILE",
             Self::RelayRunning(_) | Self::FreshHeartbeat { .. } => "RELAY_RUNNING",
             Self::NotAStore { .. } => "NOT_A_STORE",
-            Self::Schema { .. } => "SCHEMA",
+            Self::Schema { .. } | Self::CurrentSchema { .. } => "SCHEMA",
             Self::OtherRelay { .. } => "OTHER_RELAY",
             Self::CurrentUnreadable { .. } => "CURRENT_UNREADABLE",
             Self::Ops(_) => "FAILED",
@@ -246,11 +276,85 @@ fn private_dir(dir: &Path) -> Result<(), OpsError> {
         .map_err(io(dir))
 }
 
+/// Whether `e` says the file is not an SQLite database or is damaged (`SQLITE_NOTADB`,
+/// `SQLITE_CORRUPT`): a backup in that state is not a relay store.
 fn is_not_a_database(e: &rusqlite::Error) -> bool {
     matches!(
         e.sqlite_error_code(),
-        Some(rusqlite::ErrorCode::NotADatabase)
+        Some(rusqlite::ErrorCode::NotADatabase | rusqlite::ErrorCode::DatabaseCorrupt)
     )
+}
+
+/// One schema object of `sqlite_master`: `(type, name)` → its SQL with whitespace runs
+/// collapsed (`None` for the automatic indexes).
+type SchemaObjects = std::collections::BTreeMap<(String, String), Option<String>>;
+
+fn normalized_sql(sql: &str) -> String {
+    sql.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// Every table, index, trigger and view of `c` (`sqlite_stat*`, the planner's statistics,
+/// left out).
+fn schema_objects(c: &Connection) -> rusqlite::Result<SchemaObjects> {
+    let mut st = c.prepare(
+        "SELECT type, name, sql FROM sqlite_master WHERE name NOT LIKE 'sqlite\\_stat%' ESCAPE '\\'",
+    )?;
+    let out = st
+        .query_map([], |r| {
+            Ok((
+                (r.get::<_, String>(0)?, r.get::<_, String>(1)?),
+                r.get::<_, Option<String>>(2)?
+                    .as_deref()
+                    .map(normalized_sql),
+            ))
+        })?
+        .collect::<Result<SchemaObjects, _>>()?;
+    Ok(out)
+}
+
+/// The schema objects this binary's migrations give a store of schema `version`, built in
+/// memory. Errors: SQLite and migration errors.
+fn reference_schema(version: u32) -> Result<SchemaObjects, RestoreError> {
+    let mut c = Connection::open_in_memory()?;
+    migrate(&mut c, 0, version, MIGRATIONS)?;
+    Ok(schema_objects(&c)?)
+}
+
+/// The backup's schema must be exactly what this binary defines for its version: a trigger or
+/// a view (code that would run inside the carry-forward and stay in the live schema), an extra
+/// object or a missing one is refused. `Err` names the first difference.
+fn schema_difference(c: &Connection, version: u32) -> Result<Option<String>, RestoreError> {
+    let found = schema_objects(c)?;
+    if let Some(((kind, name), _)) = found
+        .iter()
+        .find(|((kind, _), _)| kind == "trigger" || kind == "view")
+    {
+        return Ok(Some(format!(
+            "it holds a {kind} {name:?}; a relay store has no triggers or views"
+        )));
+    }
+    let want = reference_schema(version)?;
+    // A missing table before the indexes it implies.
+    if let Some(((kind, name), _)) = want
+        .iter()
+        .filter(|(k, _)| !found.contains_key(*k))
+        .min_by_key(|((kind, _), _)| kind != "table")
+    {
+        return Ok(Some(format!(
+            "the {kind} {name:?} of schema {version} is missing"
+        )));
+    }
+    if let Some(((kind, name), _)) = found.iter().find(|(k, _)| !want.contains_key(*k)) {
+        return Ok(Some(format!(
+            "it holds a {kind} {name:?} that schema {version} does not define"
+        )));
+    }
+    if let Some(((kind, name), _)) = found.iter().find(|(k, sql)| want.get(*k) != Some(*sql)) {
+        return Ok(Some(format!(
+            "the {kind} {name:?} differs from its definition in schema {version}"
+        )));
+    }
+    Ok(None)
 }
 
 fn has_table(c: &Connection, name: &str) -> rusqlite::Result<bool> {
@@ -289,8 +393,9 @@ fn restored_paths(c: &Connection) -> rusqlite::Result<Map<String, Value>> {
     Ok(out)
 }
 
-/// When the store in `dir` (or one it was restored over) was restored from `file` (made
-/// absolute), as recorded in `meta.restored_paths`; `None` when never, or when `dir` holds no
+/// When the store in `dir` (or one it was restored over) was restored from `file` (its
+/// canonical path when it exists — links and `..` resolved — or its absolute spelling, as
+/// earlier versions recorded it), as recorded in `meta.restored_paths`; `None` when never, or when `dir` holds no
 /// store. Read-only. `MBX_RELAY_RESTORE_FROM` is consumed by its path: a path restored once is
 /// never restored again, whatever the file there holds now. Errors: SQLite errors.
 pub fn restored_from(dir: &Path, file: &Path) -> Result<Option<String>, OpsError> {
@@ -306,11 +411,95 @@ pub fn restored_from(dir: &Path, file: &Path) -> Result<Option<String>, OpsError
     if !has_table(&c, "meta")? {
         return Ok(None);
     }
-    let key = absolute(file).display().to_string();
-    Ok(restored_paths(&c)?.get(&key).map(|at| {
+    let paths = restored_paths(&c)?;
+    Ok(path_keys(file).iter().find_map(|k| paths.get(k)).map(|at| {
         at.as_str()
             .map_or_else(|| "an unknown time".to_owned(), str::to_owned)
     }))
+}
+
+/// The spellings under which `meta.restored_paths` records a backup path: its canonical path
+/// (links and `..` resolved) when the file exists, and its absolute spelling (how earlier
+/// versions recorded it).
+fn path_keys(file: &Path) -> Vec<String> {
+    let mut keys = Vec::with_capacity(2);
+    if let Ok(canonical) = std::fs::canonicalize(file) {
+        keys.push(canonical.display().to_string());
+    }
+    let spelled = absolute(file).display().to_string();
+    if !keys.contains(&spelled) {
+        keys.push(spelled);
+    }
+    keys
+}
+
+/// Whether process `pid` is alive (`/proc/<pid>` exists; where there is no `/proc`, every
+/// process counts as alive, so nothing of it is removed).
+fn pid_alive(pid: u32) -> bool {
+    let proc = Path::new("/proc");
+    !proc.is_dir() || proc.join(pid.to_string()).exists()
+}
+
+/// The pid of a `<base>.partial-<pid>` name (optionally followed by `-journal`, `-wal` or
+/// `-shm`) whose `<base>` satisfies `base_ok`.
+fn partial_pid(name: &str, base_ok: impl Fn(&str) -> bool) -> Option<u32> {
+    let name = ["-journal", "-wal", "-shm"]
+        .iter()
+        .find_map(|s| name.strip_suffix(s))
+        .unwrap_or(name);
+    let (base, pid) = name.rsplit_once(".partial-")?;
+    if pid.is_empty() || !pid.bytes().all(|b| b.is_ascii_digit()) || !base_ok(base) {
+        return None;
+    }
+    pid.parse().ok()
+}
+
+/// Removes from `dir` the partial files (`<base>.partial-<pid>`, see
+/// [`crate::ops::online_copy`]) whose `<base>` satisfies `base_ok` and whose process is gone:
+/// leftovers of a killed backup or restore. Never anything else; errors are ignored.
+pub(crate) fn remove_dead_partials(dir: &Path, base_ok: impl Fn(&str) -> bool) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = partial_pid(&name, &base_ok) else {
+            continue;
+        };
+        if pid != std::process::id()
+            && !pid_alive(pid)
+            && entry.file_type().is_ok_and(|t| t.is_file())
+        {
+            tracing::info!(file = %entry.path().display(), "removed the partial file of an interrupted copy");
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// Whether `stamp` is the restore's stamp: `iso_ms` with `:` and `.` replaced by `-`
+/// (`2026-01-01T00-00-00-000Z`).
+fn is_stamp(stamp: &str) -> bool {
+    let b = stamp.as_bytes();
+    b.len() == 24
+        && b.iter().enumerate().all(|(i, c)| match i {
+            4 | 7 | 13 | 16 | 19 => *c == b'-',
+            10 => *c == b'T',
+            23 => *c == b'Z',
+            _ => c.is_ascii_digit(),
+        })
+}
+
+/// Whether `name` is a working copy this code names: `relay.db.restore-<stamp>`, optionally
+/// with `-journal`, `-wal` or `-shm`.
+fn is_working_copy_name(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix(&format!("{DB_FILE}.restore-")) else {
+        return false;
+    };
+    let rest = ["-journal", "-wal", "-shm"]
+        .iter()
+        .find_map(|s| rest.strip_suffix(s))
+        .unwrap_or(rest);
+    is_stamp(rest)
 }
 
 /// The facts of the backup copy `restore` checks.
@@ -342,33 +531,39 @@ fn integrity(c: &Connection) -> Result<(), OpsError> {
     Ok(())
 }
 
-/// Step 2: checks the backup copy at `tmp` (of `file`).
+/// Step 2: checks the backup copy at `tmp` (of `file`): an SQLite database that passes its
+/// integrity check, of a schema this binary knows, whose objects are exactly that schema's
+/// ([`schema_difference`]), with an epoch and a relay key.
 fn check_backup(tmp: &Path, file: &Path) -> Result<BackupFacts, RestoreError> {
     let not_a_store = |reason: String| RestoreError::NotAStore {
         file: file.to_path_buf(),
         reason,
     };
-    let c = match seal(tmp) {
-        Ok(c) => c,
-        Err(e) if is_not_a_database(&e) => {
-            return Err(not_a_store("not an SQLite database".into()))
+    let sqlite = |e: rusqlite::Error| {
+        if is_not_a_database(&e) {
+            not_a_store(format!("not an SQLite database, or a damaged one: {e}"))
+        } else {
+            e.into()
         }
-        Err(e) => return Err(e.into()),
     };
+    let c = seal(tmp).map_err(sqlite)?;
     match integrity(&c) {
-        Err(OpsError::Sqlite(e)) if is_not_a_database(&e) => {
-            return Err(not_a_store("not an SQLite database".into()))
+        Err(OpsError::Sqlite(e)) => return Err(sqlite(e)),
+        Err(OpsError::Integrity(problems)) => {
+            return Err(not_a_store(format!(
+                "it fails its integrity check: {problems}"
+            )))
         }
         other => other?,
     }
-    if !has_table(&c, "meta")? {
+    if !has_table(&c, "meta").map_err(sqlite)? {
         return Err(not_a_store("no meta table".into()));
     }
-    let (Some(epoch), Some(relay_pubkey)) = (meta_get(&c, "epoch")?, meta_get(&c, "relay_pubkey")?)
-    else {
-        return Err(not_a_store("no epoch or relay key".into()));
+    let schema_version = match stored_version(&c) {
+        Ok(v) => v,
+        Err(StoreError::Sqlite(e)) => return Err(sqlite(e)),
+        Err(e) => return Err(not_a_store(e.to_string())),
     };
-    let schema_version = stored_version(&c)?;
     if schema_version > SCHEMA_VERSION {
         return Err(RestoreError::Schema {
             file: file.to_path_buf(),
@@ -376,7 +571,29 @@ fn check_backup(tmp: &Path, file: &Path) -> Result<BackupFacts, RestoreError> {
             supported: SCHEMA_VERSION,
         });
     }
-    let heartbeat = meta_get(&c, "heartbeat")?.and_then(|v| v.trim().parse::<i64>().ok());
+    let bad_meta = |e: rusqlite::Error| match sqlite(e) {
+        RestoreError::Ops(_) => not_a_store("its meta table is not a relay store's".into()),
+        e => e,
+    };
+    let (Some(epoch), Some(relay_pubkey)) = (
+        meta_get(&c, "epoch").map_err(bad_meta)?,
+        meta_get(&c, "relay_pubkey").map_err(bad_meta)?,
+    ) else {
+        return Err(not_a_store("no epoch or relay key".into()));
+    };
+    if let Some(difference) = schema_difference(&c, schema_version)? {
+        return Err(not_a_store(format!(
+            "its schema is not this agentmbx's relay store schema {schema_version}: {difference}"
+        )));
+    }
+    if PublicKey::from_b64(&relay_pubkey).is_err() {
+        return Err(not_a_store(
+            "its meta.relay_pubkey is not a public key".into(),
+        ));
+    }
+    let heartbeat = meta_get(&c, "heartbeat")
+        .map_err(sqlite)?
+        .and_then(|v| v.trim().parse::<i64>().ok());
     Ok(BackupFacts {
         epoch,
         relay_pubkey,
@@ -506,10 +723,23 @@ enum CurrentOutcome {
     OtherKey(String),
 }
 
+/// Why [`take_current`] took nothing.
+enum TakeError {
+    /// The current store cannot be read (`CURRENT_UNREADABLE`; `--force` restores without it).
+    Unreadable(String),
+    /// A refusal or a failure that `--force` never overrides: a newer schema, or writing the
+    /// rollback copy failed (a full disk…), which says nothing about the current store.
+    Refused(RestoreError),
+}
+
 /// Step 3 for a readable store: check, read, and (when it is bound to `backup_key` too) copy
-/// it to `rollback`. `Err` says why it cannot be read.
-fn take_current(live: &Path, rollback: &Path, backup_key: &str) -> Result<CurrentOutcome, String> {
-    let text = |e: rusqlite::Error| e.to_string();
+/// it to `rollback`. Only a failure to read the current store is [`TakeError::Unreadable`].
+fn take_current(
+    live: &Path,
+    rollback: &Path,
+    backup_key: &str,
+) -> Result<CurrentOutcome, TakeError> {
+    let text = |e: rusqlite::Error| TakeError::Unreadable(e.to_string());
     let c = Connection::open_with_flags(
         live,
         rusqlite::OpenFlags::SQLITE_OPEN_READ_WRITE | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
@@ -517,38 +747,103 @@ fn take_current(live: &Path, rollback: &Path, backup_key: &str) -> Result<Curren
     .map_err(text)?;
     c.busy_timeout(std::time::Duration::from_secs(5))
         .map_err(text)?;
+    // A newer agentmbx's store is never downgraded, readable or not by this binary.
+    let version: Option<i64> = c.query_row("PRAGMA user_version", [], |r| r.get(0)).ok();
+    let meta_version = if has_table(&c, "meta").unwrap_or(false) {
+        meta_get(&c, "schema_version")
+            .ok()
+            .flatten()
+            .and_then(|v| v.trim().parse::<i64>().ok())
+    } else {
+        None
+    };
+    let found = version.max(meta_version).unwrap_or(0);
+    if found > i64::from(SCHEMA_VERSION) {
+        return Err(TakeError::Refused(RestoreError::CurrentSchema {
+            file: absolute(live),
+            found: u32::try_from(found).unwrap_or(u32::MAX),
+            supported: SCHEMA_VERSION,
+        }));
+    }
     let ok: String = c
         .query_row("PRAGMA quick_check", [], |r| r.get(0))
         .map_err(text)?;
     if ok != "ok" {
-        return Err(format!("integrity: {ok}"));
+        return Err(TakeError::Unreadable(format!("integrity: {ok}")));
     }
     let current = read_current(&c).map_err(text)?;
     if let Some(key) = current.relay_pubkey.as_deref().filter(|k| *k != backup_key) {
         return Ok(CurrentOutcome::OtherKey(key.to_owned()));
     }
-    let (epoch, ..) = online_copy(&c, rollback, None).map_err(|e| e.to_string())?;
+    let (epoch, ..) = online_copy(&c, rollback, None).map_err(|e| match e {
+        // Reading the current store's pages failed: it cannot be read after all.
+        OpsError::Integrity(reason) => TakeError::Unreadable(reason),
+        OpsError::Sqlite(e) if is_not_a_database(&e) => TakeError::Unreadable(e.to_string()),
+        // Writing the copy failed: nothing about the current store.
+        e => TakeError::Refused(e.into()),
+    })?;
     drop(c);
-    let sha256 = sha256_file(rollback).map_err(|e| e.to_string())?;
-    let bytes = rollback.metadata().map_err(|e| e.to_string())?.len();
-    Ok(CurrentOutcome::Read(
-        Box::new(current),
-        json!({"epoch": epoch, "rollback": rollback.display().to_string(), "sha256": sha256,
-               "bytes": bytes, "readable": true}),
-    ))
+    let facts = (|| -> Result<Value, OpsError> {
+        let sha256 = sha256_file(rollback)?;
+        let bytes = rollback.metadata().map_err(io(rollback))?.len();
+        Ok(
+            json!({"epoch": epoch, "rollback": rollback.display().to_string(), "sha256": sha256,
+                   "bytes": bytes, "readable": true}),
+        )
+    })()
+    .map_err(|e| {
+        WorkingCopy::remove(rollback);
+        TakeError::Refused(e.into())
+    })?;
+    Ok(CurrentOutcome::Read(Box::new(current), facts))
+}
+
+/// The `restored_paths` of a store that cannot be read as a whole, when that much of it can
+/// be read (so a `--force` restore keeps the lineage's record of consumed paths).
+fn salvage_restored_paths(live: &Path) -> Map<String, Value> {
+    Connection::open_with_flags(
+        live,
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .ok()
+    .and_then(|c| restored_paths(&c).ok())
+    .unwrap_or_default()
 }
 
 /// Step 3 with `--force` for a store that cannot be read: its files as they are, into
-/// `rollback` (+ `-wal`, `-shm`), 0600.
+/// `rollback` (+ `-wal`, `-shm`), 0600. Each is written under a `.partial-<pid>` name and
+/// renamed once all are complete, so a failure never leaves a file under a rollback name.
 fn keep_unreadable(live: &Path, rollback: &Path) -> Result<Value, OpsError> {
-    for suffix in ["", "-wal", "-shm"] {
-        let from = with_suffix(live, suffix);
-        if from.exists() {
-            copy_new(&from, &with_suffix(rollback, suffix))?;
+    let partial = format!(".partial-{}", std::process::id());
+    let mut made: Vec<(PathBuf, PathBuf)> = Vec::new();
+    let result = (|| -> Result<(), OpsError> {
+        for suffix in ["", "-wal", "-shm"] {
+            let from = with_suffix(live, suffix);
+            if from.symlink_metadata().is_ok() {
+                let to = with_suffix(rollback, suffix);
+                let tmp = with_suffix(&to, &partial);
+                let _ = std::fs::remove_file(&tmp);
+                made.push((tmp.clone(), to));
+                copy_new(&from, &tmp)?;
+            }
         }
-    }
-    if let Some(parent) = rollback.parent() {
-        fsync(parent)?;
+        for (tmp, to) in &made {
+            if to.symlink_metadata().is_ok() {
+                return Err(OpsError::Exists(to.clone()));
+            }
+            std::fs::rename(tmp, to).map_err(io(to))?;
+        }
+        if let Some(parent) = rollback.parent() {
+            fsync(parent)?;
+        }
+        Ok(())
+    })();
+    if let Err(e) = result {
+        for (tmp, to) in &made {
+            let _ = std::fs::remove_file(tmp);
+            let _ = std::fs::remove_file(to);
+        }
+        return Err(e);
     }
     Ok(
         json!({"epoch": null, "rollback": rollback.display().to_string(),
@@ -769,6 +1064,17 @@ fn fresh_heartbeat(live: &Path, now_ms: i64) -> Result<(), RestoreError> {
     }
 }
 
+/// Checks that `src` names a regular file (links followed): [`RestoreError::NoBackup`] when
+/// nothing is there, [`RestoreError::NotAFile`] for a directory, a fifo, a device or a dangling
+/// symlink. Reads nothing.
+pub fn check_backup_path(src: &Path) -> Result<(), RestoreError> {
+    match src.symlink_metadata() {
+        Err(_) => Err(RestoreError::NoBackup(src.to_path_buf())),
+        Ok(_) if !src.is_file() => Err(RestoreError::NotAFile(src.to_path_buf())),
+        Ok(_) => Ok(()),
+    }
+}
+
 /// `relay restore <file> [--force]` (`wire.md` §3.4; module docs for the steps): replaces the
 /// store in `dir` with the backup `file` and returns the signed receipt `{v:1,
 /// type:"relay-restore", at, store, backup:{file, sha256, bytes, epoch, schema_version,
@@ -788,10 +1094,25 @@ pub fn restore(
     held: Option<&StoreLock>,
 ) -> Result<Value, RestoreError> {
     let src = absolute(file);
-    if !src.is_file() {
-        return Err(RestoreError::NoBackup(src));
-    }
+    check_backup_path(&src)?;
     let live = dir.join(DB_FILE);
+    if let Ok(meta) = live.symlink_metadata() {
+        if !live.is_file() {
+            return Err(OpsError::Io {
+                path: absolute(&live),
+                source: std::io::Error::other(format!(
+                    "is not a regular file ({}): move it out of the store directory first; a \
+                     restore never replaces it",
+                    if meta.is_dir() {
+                        "a directory"
+                    } else {
+                        "not a database file"
+                    }
+                )),
+            }
+            .into());
+        }
+    }
     let same = match (src.canonicalize(), live.canonicalize()) {
         (Ok(a), Ok(b)) => a == b,
         _ => false,
@@ -808,21 +1129,37 @@ pub fn restore(
     let _own_lock = match held {
         Some(_) => None,
         None => Some(
-            StoreLock::acquire(dir, 0, opts.now_ms).map_err(|e| match e {
+            if opts.force {
+                StoreLock::acquire_ignoring_heartbeat(dir, 0, opts.now_ms)
+            } else {
+                StoreLock::acquire(dir, 0, opts.now_ms)
+            }
+            .map_err(|e| match e {
                 StoreError::Locked { .. } => RestoreError::RelayRunning(absolute(dir)),
+                StoreError::LiveHeartbeat { age_s, .. } => RestoreError::FreshHeartbeat { age_s },
                 e => e.into(),
             })?,
         ),
     };
 
     // Working copies of restores that died midway: this one holds the lock, so they are
-    // nobody's.
-    let prefix = format!("{DB_FILE}.restore-");
+    // nobody's. Only the exact names this code gives them, and never the backup being
+    // restored.
+    let src_canonical = src.canonicalize().ok();
     for entry in std::fs::read_dir(dir).map_err(io(dir))?.flatten() {
-        if entry.file_name().to_string_lossy().starts_with(&prefix) {
-            let _ = std::fs::remove_file(entry.path());
+        let path = entry.path();
+        let ours = is_working_copy_name(&entry.file_name().to_string_lossy())
+            && entry.file_type().is_ok_and(|t| t.is_file())
+            && path != src
+            && path.canonicalize().ok() != src_canonical;
+        if ours {
+            let _ = std::fs::remove_file(path);
         }
     }
+    // Partial rollback copies of restores that were killed.
+    remove_dead_partials(&dir.join(ROLLBACK_DIR), |base| {
+        base.starts_with("relay-") && base.ends_with(".db")
+    });
 
     let now = opts.now_ms;
     let at = iso_ms(now);
@@ -838,6 +1175,9 @@ pub fn restore(
         .find(|p| p.symlink_metadata().is_err())
         .map(|p| absolute(&p))
         .unwrap_or_default();
+    if tmp == src || src_canonical.is_some() && tmp.canonicalize().ok() == src_canonical {
+        return Err(RestoreError::SameFile(src));
+    }
     WorkingCopy::remove(&tmp);
     let mut working = WorkingCopy {
         path: tmp.clone(),
@@ -866,9 +1206,18 @@ pub fn restore(
     // 3. The store it replaces: its authority and a rollback copy.
     let mut current: Option<Box<Current>> = None;
     let mut replaced = Value::Null;
+    let mut salvaged = Map::new();
+    // This restore's rollback copy is removed when the restore fails before the swap (the
+    // current store is untouched then).
+    let mut rollback_copy = WorkingCopy {
+        path: rollback.clone(),
+        armed: false,
+    };
     if live.exists() {
         private_dir(&rollback_dir)?;
-        match take_current(&live, &rollback, &b.relay_pubkey) {
+        let taken = take_current(&live, &rollback, &b.relay_pubkey);
+        rollback_copy.armed = rollback.symlink_metadata().is_ok();
+        match taken {
             Ok(CurrentOutcome::OtherKey(key)) => {
                 return Err(RestoreError::OtherRelay {
                     backup: fingerprint(&b.relay_pubkey),
@@ -880,11 +1229,14 @@ pub fn restore(
                 current = Some(cur);
                 replaced = facts;
             }
-            Err(reason) if opts.force => {
+            Err(TakeError::Refused(e)) => return Err(e),
+            Err(TakeError::Unreadable(reason)) if opts.force => {
                 tracing::warn!(reason = %reason, "the current relay store cannot be read: restoring without carrying anything forward (--force)");
+                salvaged = salvage_restored_paths(&live);
                 replaced = keep_unreadable(&live, &rollback)?;
+                rollback_copy.armed = true;
             }
-            Err(reason) => {
+            Err(TakeError::Unreadable(reason)) => {
                 return Err(RestoreError::CurrentUnreadable {
                     reason,
                     rollback_dir: absolute(&rollback_dir),
@@ -912,8 +1264,11 @@ pub fn restore(
     if let Some(cur) = &current {
         paths.extend(cur.restored_paths.clone());
     }
+    paths.extend(salvaged);
     let src_text = src.display().to_string();
-    paths.insert(src_text.clone(), json!(at));
+    for key in path_keys(&src) {
+        paths.insert(key, json!(at));
+    }
     meta_put(&tx, "restored_paths", &Value::Object(paths).to_string())?;
     meta_put(
         &tx,
@@ -972,6 +1327,7 @@ pub fn restore(
 
     // 5. The swap: the old store's WAL never meets the new file.
     fsync(&tmp)?;
+    rollback_copy.armed = false;
     for suffix in ["-wal", "-shm", "-journal"] {
         let old = with_suffix(&live, suffix);
         let Ok(meta) = old.metadata() else { continue };
@@ -1825,5 +2181,343 @@ mod tests {
             restored_from(&target, &out.join("other.db")).expect("read"),
             None
         );
+    }
+
+    /// The live store's `relay.db` bytes, and the rollback directory's names.
+    fn live_state(dir: &Path) -> (Vec<u8>, Vec<String>) {
+        let rollback = dir.join(ROLLBACK_DIR);
+        (
+            std::fs::read(dir.join(DB_FILE)).expect("live"),
+            if rollback.is_dir() {
+                names(&rollback)
+            } else {
+                Vec::new()
+            },
+        )
+    }
+
+    /// A copy of `backup` named `name` in `out`, changed by `sql`.
+    fn altered(backup: &Path, out: &Path, name: &str, sql: &str) -> PathBuf {
+        let file = out.join(name);
+        std::fs::copy(backup, &file).expect("copy");
+        let c = Connection::open(&file).expect("open");
+        c.execute_batch(sql).expect(sql);
+        c.close().expect("close");
+        file
+    }
+
+    #[test]
+    fn a_backup_with_triggers_views_or_a_schema_not_this_binarys_is_refused_and_nothing_changes() {
+        let s = scene();
+        let dir = s.dir.path();
+        let before = live_state(dir);
+        for (name, sql, named) in [
+            (
+                "trigger-deny.db",
+                "CREATE TRIGGER t1 AFTER INSERT ON deny BEGIN DELETE FROM deny \
+                 WHERE kind = new.kind AND value = new.value; END;",
+                "trigger \"t1\"",
+            ),
+            (
+                "trigger-revoke.db",
+                "CREATE TRIGGER t2 AFTER UPDATE ON enrolments BEGIN UPDATE enrolments \
+                 SET revoked_at = NULL WHERE host_pubkey = new.host_pubkey; END;",
+                "trigger \"t2\"",
+            ),
+            (
+                "view.db",
+                "CREATE VIEW v1 AS SELECT * FROM deny;",
+                "view \"v1\"",
+            ),
+            (
+                "no-bindings.db",
+                "DROP TABLE account_bindings;",
+                "table \"account_bindings\" of schema 3 is missing",
+            ),
+            (
+                "extra.db",
+                "CREATE TABLE extra (x); CREATE INDEX deny_extra ON deny(value);",
+                "that schema 3 does not define",
+            ),
+        ] {
+            let file = altered(&s.backup, s.out.path(), name, sql);
+            let e = restore(dir, &file, &s.relay.opts(T0 + 60_000, true), None).expect_err(name);
+            assert_eq!(e.code(), "NOT_A_STORE", "{name}: {e}");
+            let text = e.to_string();
+            assert!(
+                text.contains(name) && text.contains(named),
+                "{name}: {text}"
+            );
+            assert_eq!(live_state(dir), before, "{name}");
+            assert!(
+                !names(dir)
+                    .iter()
+                    .any(|n| n.starts_with("relay.db.restore-")),
+                "{name}"
+            );
+        }
+        // The backup as it was restores, with the revocation and the deny entry carried.
+        let r = restore(dir, &s.backup, &s.relay.opts(T0 + 60_000, false), None).expect("ok");
+        assert_eq!(r["carried"]["revocations"], 1);
+        let c = raw(dir);
+        let n: i64 = c
+            .query_row(
+                "SELECT COUNT(*) FROM sqlite_master WHERE type IN ('trigger', 'view')",
+                [],
+                |r| r.get(0),
+            )
+            .expect("n");
+        assert_eq!(n, 0);
+    }
+
+    #[test]
+    fn the_backup_being_restored_is_never_removed_only_working_copies_this_code_names_are() {
+        let s = scene();
+        let dir = s.dir.path();
+        let bytes = std::fs::read(&s.backup).expect("backup");
+        let leftover = dir.join(format!("{DB_FILE}.restore-2020-01-01T00-00-00-000Z"));
+        let leftover_wal = with_suffix(&leftover, "-wal");
+        let notes = dir.join(format!("{DB_FILE}.restore-notes.txt"));
+        for f in [&leftover, &leftover_wal, &notes] {
+            std::fs::write(f, b"x").expect("write");
+        }
+        for (i, name) in [
+            format!("{DB_FILE}.restore-mybackup.db"),
+            format!("{DB_FILE}.restore-2021-01-01T00-00-00-000Z"),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let src = dir.join(name);
+            std::fs::copy(&s.backup, &src).expect("copy");
+            let now = T0 + 60_000 + i64::try_from(i).expect("i");
+            restore(dir, &src, &s.relay.opts(now, false), None).expect(name);
+            assert_eq!(std::fs::read(&src).expect("source kept"), bytes, "{name}");
+        }
+        assert!(!leftover.exists() && !leftover_wal.exists());
+        assert!(notes.exists());
+    }
+
+    #[test]
+    fn a_failure_writing_the_rollback_copy_is_an_io_failure_that_never_suggests_force() {
+        let s = scene();
+        let dir = s.dir.path();
+        let now = T0 + 60_000;
+        let stamp = iso_ms(now).replace([':', '.'], "-");
+        let rollback = dir.join(ROLLBACK_DIR);
+        // The copy's partial name is taken by a directory: creating it fails like a full disk.
+        let blocker = rollback.join(format!("relay-{stamp}.db.partial-{}", std::process::id()));
+        std::fs::create_dir_all(blocker.join("x")).expect("blocker");
+        let before = live_state(dir);
+        for force in [false, true] {
+            let e = restore(dir, &s.backup, &s.relay.opts(now, force), None).expect_err("fails");
+            assert_eq!(e.code(), "FAILED", "{e}");
+            let text = e.to_string();
+            assert!(
+                !text.contains("--force") && !text.contains("CURRENT_UNREADABLE"),
+                "{text}"
+            );
+            assert_eq!(live_state(dir), before, "force {force}");
+        }
+    }
+
+    #[test]
+    fn a_failed_forced_copy_leaves_no_file_under_a_rollback_name_and_a_directory_store_is_named() {
+        let s = scene();
+        let dir = s.dir.path();
+        // relay.db is unreadable and its -wal is a directory: copying fails midway.
+        std::fs::write(dir.join(DB_FILE), vec![9u8; 8_192]).expect("junk");
+        std::fs::create_dir(dir.join("relay.db-wal")).expect("wal dir");
+        let e = restore(dir, &s.backup, &s.relay.opts(T0 + 60_000, true), None).expect_err("io");
+        assert_eq!(e.code(), "FAILED", "{e}");
+        assert!(names(&dir.join(ROLLBACK_DIR)).is_empty(), "{e}");
+        assert_eq!(
+            std::fs::read(dir.join(DB_FILE)).expect("live"),
+            vec![9u8; 8_192]
+        );
+
+        // relay.db a directory: a clear refusal, with or without --force.
+        let other = tempfile::tempdir().expect("other");
+        std::fs::create_dir(other.path().join(DB_FILE)).expect("dir");
+        for force in [false, true] {
+            let e = restore(
+                other.path(),
+                &s.backup,
+                &s.relay.opts(T0 + 60_000, force),
+                None,
+            )
+            .expect_err("a directory");
+            assert!(
+                e.to_string()
+                    .contains("is not a regular file (a directory)"),
+                "{e}"
+            );
+        }
+        assert!(other.path().join(DB_FILE).is_dir());
+        assert!(!other.path().join(ROLLBACK_DIR).exists());
+    }
+
+    #[test]
+    fn a_current_store_of_a_newer_schema_is_never_replaced() {
+        let s = scene();
+        let dir = s.dir.path();
+        raw(dir)
+            .execute_batch(&format!("PRAGMA user_version = {}", SCHEMA_VERSION + 1))
+            .expect("newer");
+        let before = live_state(dir);
+        for force in [false, true] {
+            let e = restore(dir, &s.backup, &s.relay.opts(T0 + 60_000, force), None)
+                .expect_err("newer");
+            assert_eq!(e.code(), "SCHEMA", "{e}");
+            assert!(
+                e.to_string()
+                    .contains("this store was written by a newer agentmbx; upgrade first"),
+                "{e}"
+            );
+            assert_eq!(live_state(dir), before);
+        }
+    }
+
+    #[test]
+    fn a_path_is_consumed_whatever_its_spelling_through_dot_dot_or_a_symlink() {
+        let s = scene();
+        let dir = s.dir.path();
+        let out = s.out.path();
+        std::fs::create_dir(out.join("sub")).expect("sub");
+        let link = out.join("link.db");
+        std::os::unix::fs::symlink(&s.backup, &link).expect("symlink");
+        let dotted = out.join("sub").join("..").join("backup.db");
+        assert_eq!(restored_from(dir, &dotted).expect("read"), None);
+        restore(dir, &link, &s.relay.opts(T0 + 60_000, false), None).expect("restore");
+        for spelling in [&s.backup, &link, &dotted] {
+            assert_eq!(
+                restored_from(dir, spelling).expect("read"),
+                Some(iso_ms(T0 + 60_000)),
+                "{}",
+                spelling.display()
+            );
+        }
+        // A path recorded by its old spelling (absolute, not resolved) is still consumed.
+        let c = raw(dir);
+        c.execute(
+            "UPDATE meta SET v = ?1 WHERE k = 'restored_paths'",
+            [json!({ dotted.display().to_string(): "then" }).to_string()],
+        )
+        .expect("old spelling");
+        c.execute("DELETE FROM meta WHERE k = 'restored'", [])
+            .expect("restored");
+        assert_eq!(
+            restored_from(dir, &dotted).expect("read"),
+            Some("then".to_owned())
+        );
+        assert_eq!(restored_from(dir, &s.backup).expect("read"), None);
+    }
+
+    /// A signer that fails, so a restore fails after its rollback copy was made.
+    #[derive(Debug)]
+    struct FailingSigner(String);
+
+    impl OpSigner for FailingSigner {
+        fn relay_pubkey(&self) -> String {
+            self.0.clone()
+        }
+        fn sign_receipt(&self, _: &Value) -> Result<String, String> {
+            Err("no signature today".to_owned())
+        }
+    }
+
+    #[test]
+    fn leftovers_of_killed_copies_and_the_rollback_copy_of_a_failed_restore_are_removed() {
+        let s = scene();
+        let dir = s.dir.path();
+        let rollback = dir.join(ROLLBACK_DIR);
+        std::fs::create_dir_all(&rollback).expect("rollback");
+        // pid_max is at most 4194304: that pid never runs. pid 1 always does.
+        let dead = rollback.join("relay-2020-01-01T00-00-00-000Z.db.partial-4194304");
+        let dead_journal = with_suffix(&dead, "-journal");
+        let alive = rollback.join("relay-2020-01-01T00-00-00-000Z.db.partial-1");
+        let other = rollback.join("notes.db.partial-4194304");
+        for f in [&dead, &dead_journal, &alive, &other] {
+            std::fs::write(f, b"x").expect("write");
+        }
+        let failing = RestoreOptions {
+            force: false,
+            now_ms: T0 + 60_000,
+            signer: Some(Arc::new(FailingSigner(s.relay.key.public().to_b64()))),
+        };
+        let before = std::fs::read(dir.join(DB_FILE)).expect("live");
+        let e = restore(dir, &s.backup, &failing, None).expect_err("signing fails");
+        assert_eq!(e.code(), "FAILED", "{e}");
+        assert_eq!(std::fs::read(dir.join(DB_FILE)).expect("live"), before);
+        assert_eq!(
+            names(&rollback),
+            [
+                "notes.db.partial-4194304",
+                "relay-2020-01-01T00-00-00-000Z.db.partial-1"
+            ],
+            "the dead partials and the failed restore's rollback copy are gone"
+        );
+    }
+
+    #[test]
+    fn a_damaged_backup_is_not_a_store_naming_it_and_a_path_that_is_no_file_says_so() {
+        let s = scene();
+        let dir = s.dir.path();
+        let out = s.out.path();
+        let bytes = std::fs::read(&s.backup).expect("backup");
+        let before = live_state(dir);
+        let truncated = out.join("truncated.db");
+        std::fs::write(&truncated, &bytes[..bytes.len() / 2]).expect("truncated");
+        let garbage_meta = altered(
+            &s.backup,
+            out,
+            "garbage-meta.db",
+            "UPDATE meta SET v = 'x' WHERE k = 'schema_version'",
+        );
+        for file in [&truncated, &garbage_meta] {
+            let e = restore(dir, file, &s.relay.opts(T0 + 60_000, false), None).expect_err("bad");
+            assert_eq!(e.code(), "NOT_A_STORE", "{e}");
+            assert!(e.to_string().contains(&file.display().to_string()), "{e}");
+            assert_eq!(live_state(dir), before);
+        }
+        let folder = out.join("folder.db");
+        std::fs::create_dir(&folder).expect("dir");
+        let dangling = out.join("dangling.db");
+        std::os::unix::fs::symlink(out.join("gone.db"), &dangling).expect("symlink");
+        for file in [&folder, &dangling] {
+            let e = restore(dir, file, &s.relay.opts(T0 + 60_000, false), None).expect_err("no");
+            assert_eq!(e.code(), "NO_BACKUP", "{e}");
+            assert!(e.to_string().contains("is not a regular file"), "{e}");
+        }
+        let e = restore(
+            dir,
+            &out.join("none.db"),
+            &s.relay.opts(T0 + 60_000, false),
+            None,
+        )
+        .expect_err("none");
+        assert!(e.to_string().contains("no backup at"), "{e}");
+        assert_eq!(live_state(dir), before);
+    }
+
+    #[test]
+    fn a_forced_restore_keeps_the_paths_an_unreadable_store_had_consumed() {
+        let s = scene();
+        let dir = s.dir.path();
+        let second = backup_now(dir, s.out.path(), "second.db");
+        restore(dir, &s.backup, &s.relay.opts(T0 + 60_000, false), None).expect("first");
+        // The store can no longer be read as a whole; its meta still can.
+        raw(dir)
+            .execute_batch("DROP TABLE sender_lists")
+            .expect("damage");
+        let e = restore(dir, &second, &s.relay.opts(T0 + 70_000, false), None).expect_err("no");
+        assert_eq!(e.code(), "CURRENT_UNREADABLE", "{e}");
+        let r = restore(dir, &second, &s.relay.opts(T0 + 80_000, true), None).expect("forced");
+        assert_eq!(r["replaced"]["readable"], false);
+        assert_eq!(
+            restored_from(dir, &s.backup).expect("read"),
+            Some(iso_ms(T0 + 60_000))
+        );
+        assert!(restored_from(dir, &second).expect("read").is_some());
     }
 }

@@ -112,6 +112,15 @@ pub enum StoreError {
         /// Fingerprint of the relay public key the caller opened it with.
         given_fingerprint: String,
     },
+    /// `relay.lock` was missing and the store's heartbeat is less than 90 s from now: a relay
+    /// may be running on it without the lock (`wire.md` §3.4); nothing was opened.
+    #[error("RELAY_RUNNING: a relay wrote a heartbeat {age_s} s ago to {} and the store had no relay.lock (a relay may still be running on it): stop it and retry after 90 s", path.display())]
+    LiveHeartbeat {
+        /// The store's `relay.db`.
+        path: PathBuf,
+        /// The heartbeat's age in seconds (negative: in the future).
+        age_s: i64,
+    },
     /// Another process (or another open store in this process) holds `relay.lock`; the text
     /// names the holder its lock file records (pid, since when) and how long this open waited.
     #[error("{}", locked_text(path, holder.as_ref(), *waited_ms))]

@@ -476,7 +476,7 @@ impl SqliteStore {
             Some(lock) => lock,
             None => {
                 create_private_dir(dir)?;
-                acquire_lock(&dir.join(LOCK_FILE), options.lock_wait_ms, now_ms)?
+                acquire_lock_checked(dir, options.lock_wait_ms, now_ms)?
             }
         };
         let db_path = dir.join(DB_FILE);
@@ -1027,7 +1027,28 @@ impl StoreLock {
     /// Creates `dir` (0700) when missing and takes its `relay.lock`, waiting up to `wait_ms`
     /// for another holder (logging it once); `now_ms` goes into the holder row. Errors:
     /// [`StoreError::Locked`] naming the holder, [`StoreError::Io`], [`StoreError::Sqlite`].
+    ///
+    /// When `relay.lock` did not exist before this call and `relay.db` holds a heartbeat less
+    /// than 90 s (`LIVE_HEARTBEAT_MS`) from `now_ms` (either way), a relay from before the lock (or
+    /// one whose lock file was deleted) may still be running on the store: the lock just made
+    /// is given up and its file removed, and the error is [`StoreError::LiveHeartbeat`].
     pub fn acquire(dir: &Path, wait_ms: u64, now_ms: i64) -> Result<Self, StoreError> {
+        create_private_dir(dir)?;
+        let conn = acquire_lock_checked(dir, wait_ms, now_ms)?;
+        Ok(Self {
+            conn,
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    /// [`StoreLock::acquire`] without the lock-less heartbeat check: for `relay restore
+    /// --force`, whose operator says the relay is stopped (and which made its own check
+    /// otherwise). Errors: as [`StoreLock::acquire`] but never [`StoreError::LiveHeartbeat`].
+    pub fn acquire_ignoring_heartbeat(
+        dir: &Path,
+        wait_ms: u64,
+        now_ms: i64,
+    ) -> Result<Self, StoreError> {
         create_private_dir(dir)?;
         let conn = acquire_lock(&dir.join(LOCK_FILE), wait_ms, now_ms)?;
         Ok(Self {
@@ -1040,6 +1061,56 @@ impl StoreLock {
     pub fn dir(&self) -> &Path {
         &self.dir
     }
+}
+
+/// A heartbeat this close to now (ms, either way) on a store whose `relay.lock` is missing
+/// means a relay may be running on it: 90 s, three heartbeat periods (`wire.md` §3.4).
+pub(crate) const LIVE_HEARTBEAT_MS: i64 = 90_000;
+
+/// The age (ms, negative: in the future) of `relay.db`'s heartbeat in `dir` when it is within
+/// [`LIVE_HEARTBEAT_MS`] of `now_ms`; `None` otherwise (no store, no heartbeat, unreadable).
+/// Read-only.
+pub(crate) fn live_heartbeat_age(dir: &Path, now_ms: i64) -> Option<i64> {
+    let db = dir.join(DB_FILE);
+    if !db.is_file() {
+        return None;
+    }
+    let c = Connection::open_with_flags(
+        &db,
+        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .ok()?;
+    let _ = c.busy_timeout(Duration::from_secs(5));
+    let beat: i64 = c
+        .query_row("SELECT v FROM meta WHERE k = 'heartbeat'", [], |r| {
+            r.get::<_, String>(0)
+        })
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    let age = now_ms.saturating_sub(beat);
+    (age.unsigned_abs() < LIVE_HEARTBEAT_MS.unsigned_abs()).then_some(age)
+}
+
+/// [`acquire_lock`] on `dir/relay.lock` with the lock-less heartbeat check of
+/// [`StoreLock::acquire`].
+fn acquire_lock_checked(dir: &Path, wait_ms: u64, now_ms: i64) -> Result<Connection, StoreError> {
+    let path = dir.join(LOCK_FILE);
+    let had_lock_file = path.symlink_metadata().is_ok();
+    let conn = acquire_lock(&path, wait_ms, now_ms)?;
+    if !had_lock_file {
+        if let Some(age_ms) = live_heartbeat_age(dir, now_ms) {
+            drop(conn);
+            // The file this call created: the next attempt must make the same check.
+            let _ = std::fs::remove_file(&path);
+            return Err(StoreError::LiveHeartbeat {
+                path: dir.join(DB_FILE),
+                age_s: age_ms / 1_000,
+            });
+        }
+    }
+    Ok(conn)
 }
 
 /// Take `relay.lock`: an exclusive SQLite lock held by the returned connection until it is
@@ -2692,6 +2763,32 @@ mod tests {
         assert!(matches!(err, StoreError::OtherRelayKey { .. }));
         // The right key still opens it.
         open(dir.path());
+    }
+
+    #[test]
+    fn a_deleted_lock_file_and_a_fresh_heartbeat_refuse_every_opener_until_it_is_90_s_old() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(dir.path());
+        store.set_heartbeat(100_000).expect("beat");
+        store.close().expect("close");
+        let lock = dir.path().join(LOCK_FILE);
+        std::fs::remove_file(&lock).expect("rm lock");
+        for now in [100_000 + 89_999, 100_000 - 89_999] {
+            let err = StoreLock::acquire(dir.path(), 0, now).expect_err("lock");
+            assert!(matches!(err, StoreError::LiveHeartbeat { .. }), "{err}");
+            assert!(err.to_string().starts_with("RELAY_RUNNING: "), "{err}");
+            assert!(err.to_string().contains("no relay.lock"), "{err}");
+            let err =
+                SqliteStore::open_with(dir.path(), &relay_key(), now, options()).expect_err("open");
+            assert!(matches!(err, StoreError::LiveHeartbeat { .. }), "{err}");
+            // Nothing was left behind, so the next attempt checks again.
+            assert!(!lock.exists());
+        }
+        let held = StoreLock::acquire_ignoring_heartbeat(dir.path(), 0, 100_001).expect("forced");
+        drop(held);
+        std::fs::remove_file(&lock).expect("rm lock");
+        // 90 s old: no relay runs on it.
+        StoreLock::acquire(dir.path(), 0, 190_000).expect("stale");
     }
 
     #[test]
