@@ -9,7 +9,6 @@
 mod helper;
 
 use std::net::SocketAddr;
-use std::path::Path;
 
 use serde_json::{json, Value};
 
@@ -17,10 +16,9 @@ use agentmbx_protocol::hop;
 use agentmbx_protocol::keys::HostKey;
 use agentmbx_protocol::records;
 
-use helper::mesh::{free_port, Relay};
-use helper::{command, request, run, Daemon, Output, RELAY_LISTENING};
-
-const ADMIN: &str = "admin-token-0123456789abcdef";
+use helper::mesh::Relay;
+use helper::relay_cli::{relay_cli, serve, ADMIN};
+use helper::{request, Output};
 
 /// Milliseconds since the epoch (hop timestamps; the relay checks ±5 min).
 fn now_ms() -> i64 {
@@ -77,40 +75,10 @@ impl Bare {
     }
 }
 
-/// `agentmbx relay <args>` with extra environment variables.
-fn relay_cli(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut full = vec!["relay"];
-    full.extend_from_slice(args);
-    let mut cmd = command(&full);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    run(cmd)
-}
-
 #[track_caller]
 fn assert_exit(out: &Output, code: i32, stderr_part: &str) {
     assert_eq!(out.code(), Some(code), "{out:#?}");
     assert!(out.stderr.contains(stderr_part), "{out:#?}");
-}
-
-/// `relay serve` on 127.0.0.1 and a free port over `store`, with `env`.
-fn serve(store: &Path, env: &[(&str, &str)]) -> Daemon {
-    let port = free_port().to_string();
-    let mut cmd = command(&[
-        "relay",
-        "serve",
-        "--bind",
-        "127.0.0.1",
-        "--port",
-        &port,
-        "--store-dir",
-        store.to_str().expect("UTF-8 path"),
-    ]);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    Daemon::spawn(cmd, RELAY_LISTENING).expect("relay started")
 }
 
 #[test]

@@ -18,45 +18,9 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use helper::mesh::{free_port, open_read_only, Host, Mesh};
-use helper::{command, run, wait_for, Daemon, Output, RELAY_LISTENING};
-
-const ADMIN: &str = "admin-token-0123456789abcdef";
-
-fn relay_cli(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut full = vec!["relay"];
-    full.extend_from_slice(args);
-    let mut cmd = command(&full);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    run(cmd)
-}
-
-/// `relay serve` on 127.0.0.1 and a free port over `store`, with `env`.
-fn serve(store: &Path, env: &[(&str, &str)]) -> Daemon {
-    let port = free_port().to_string();
-    let mut cmd = command(&[
-        "relay",
-        "serve",
-        "--bind",
-        "127.0.0.1",
-        "--port",
-        &port,
-        "--store-dir",
-        store.to_str().expect("UTF-8 path"),
-    ]);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    Daemon::spawn(cmd, RELAY_LISTENING).expect("relay started")
-}
-
-fn meta(store: &Path, key: &str) -> Option<String> {
-    open_read_only(&store.join("relay.db"))
-        .query_row("SELECT v FROM meta WHERE k = ?1", [key], |r| r.get(0))
-        .ok()
-}
+use helper::mesh::{open_read_only, Host, Mesh};
+use helper::relay_cli::{meta, relay_cli, serve, ADMIN};
+use helper::{command, run, wait_for, Output};
 
 fn s(path: &Path) -> &str {
     path.to_str().expect("UTF-8 path")

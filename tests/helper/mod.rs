@@ -8,6 +8,7 @@
 #![allow(dead_code)] // Each test binary uses a subset.
 
 pub mod mesh;
+pub mod relay_cli;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
