@@ -120,7 +120,15 @@ pub struct Config {
     /// silently afterwards ([`crate::keystore`]). Default `"file"` for a home that records none.
     #[serde(default)]
     pub key_store: KeyStore,
+    /// `log_level`: the daemon's log filter (tracing `EnvFilter` syntax, e.g. `"debug"` or
+    /// `"info,agentmbx::transport=debug"`, at most [`MAX_LOG_LEVEL_BYTES`]); `MBX_LOG` wins
+    /// over it. Default: unset (`info`). Applied without a restart when the file changes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log_level: Option<String>,
 }
+
+/// Longest `log_level` accepted (bytes).
+pub const MAX_LOG_LEVEL_BYTES: usize = 1024;
 
 impl Default for Config {
     fn default() -> Self {
@@ -136,6 +144,7 @@ impl Default for Config {
             relay: None,
             relay_pull_interval_ms: default_relay_pull_interval_ms(),
             key_store: KeyStore::default(),
+            log_level: None,
         }
     }
 }
@@ -460,6 +469,19 @@ impl Config {
                     self.relay_pull_interval_ms
                 ),
             });
+        }
+        if let Some(level) = &self.log_level {
+            let bad = |message: String| ConfigError::Invalid {
+                key: "log_level",
+                message,
+            };
+            if level.trim().is_empty() || level.len() > MAX_LOG_LEVEL_BYTES {
+                return Err(bad(format!(
+                    "must be a log filter of 1..={MAX_LOG_LEVEL_BYTES} bytes"
+                )));
+            }
+            tracing_subscriber::EnvFilter::try_new(level)
+                .map_err(|e| bad(format!("{} is not a log filter ({e})", shown(level))))?;
         }
         if let Some(relay) = &self.relay {
             check_relay_url(&relay.url).map_err(|e| ConfigError::Invalid {
@@ -850,6 +872,56 @@ mod tests {
         let (_d, paths) = home_with(Some("[relay]\nurl = \"http://r\"\nkey = \"nope\"\n"));
         let err = Config::load_with_env(&paths, env_of(&[])).unwrap_err();
         assert!(err.to_string().contains("relay.key"), "{err}");
+    }
+
+    #[test]
+    fn validate_names_each_fault_at_and_past_the_bounds() {
+        let load = |text: &str| {
+            let (_d, paths) = home_with(Some(text));
+            Config::load_with_env(&paths, env_of(&[])).map_err(|e| e.to_string())
+        };
+        for ok in [
+            format!("relay_pull_interval_ms = {MIN_RELAY_PULL_INTERVAL_MS}\n"),
+            format!("relay_pull_interval_ms = {MAX_RELAY_PULL_INTERVAL_MS}\n"),
+            "log_level = \"debug\"\n".into(),
+            "log_level = \"info,agentmbx::transport=trace\"\n".into(),
+            format!("log_level = \"{}\"\n", "a".repeat(MAX_LOG_LEVEL_BYTES)),
+        ] {
+            assert!(load(&ok).is_ok(), "{ok}: {:?}", load(&ok));
+        }
+        for (bad, named) in [
+            (
+                format!(
+                    "relay_pull_interval_ms = {}\n",
+                    MIN_RELAY_PULL_INTERVAL_MS - 1
+                ),
+                "`relay_pull_interval_ms`",
+            ),
+            (
+                format!(
+                    "relay_pull_interval_ms = {}\n",
+                    MAX_RELAY_PULL_INTERVAL_MS + 1
+                ),
+                "`relay_pull_interval_ms`",
+            ),
+            (
+                format!("log_level = \"{}\"\n", "a".repeat(MAX_LOG_LEVEL_BYTES + 1)),
+                "`log_level`",
+            ),
+            ("log_level = \" \"\n".into(), "`log_level`"),
+            ("log_level = \"info,[\"\n".into(), "`log_level`"),
+            ("log_level = 3\n".into(), "line 1"),
+            ("api_port = \"x\"\n".into(), "line 1"),
+            ("api_port = -1\n".into(), "line 1"),
+            ("mdns = true\nlan_port = 65536\n".into(), "line 2"),
+            (
+                "mdns = true\nnot_a_key = 1\n".into(),
+                "unknown key `not_a_key`",
+            ),
+        ] {
+            let err = load(&bad).expect_err(&bad);
+            assert!(err.contains(named), "{bad}: {err}");
+        }
     }
 
     #[test]

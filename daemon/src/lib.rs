@@ -12,6 +12,7 @@
 //! - [`host_name`]: the host name rule and fitting a machine name to it;
 //! - [`identity`]: the host key and enc key files, created once, loaded at start;
 //! - [`token`]: the local API bearer token file;
+//! - [`service`]: the systemd user unit and launchd agent files, and sd-notify while running;
 //! - [`api`]: the local HTTP API for agents (router, auth, error mapping, one file per resource);
 //! - [`fsutil`]: crash-safe creation and replacement of small files;
 //! - [`mailbox`]: the host store `mailbox.db` (messages, deliveries, outbox, relay position,
@@ -25,7 +26,9 @@
 
 pub mod api;
 pub mod config;
+pub mod config_watch;
 pub mod discovery;
+pub mod doctor;
 pub mod fsutil;
 pub mod host_name;
 pub mod identity;
@@ -34,6 +37,7 @@ pub mod mailbox;
 pub mod node;
 pub mod pairing;
 pub mod paths;
+pub mod service;
 pub mod token;
 pub mod transport;
 

@@ -60,11 +60,23 @@ fn init_logging(default_level: &'static str) {
         Some(Ok(filter)) => (filter, None),
         Some(Err(e)) => (EnvFilter::new(default_level), Some(e)),
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
+    // The filter sits in a reload layer so the daemon can apply `log_level` from config.toml
+    // without a restart (agentmbx::config_watch).
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    let (filter, handle) = tracing_subscriber::reload::Layer::new(filter);
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_ansi(std::io::stderr().is_terminal()),
+        )
         .init();
+    agentmbx::config_watch::set_log_filter_hook(Box::new(move |text| {
+        let filter = EnvFilter::try_new(text).map_err(|e| e.to_string())?;
+        handle.reload(filter).map_err(|e| e.to_string())
+    }));
     if let Some(e) = bad {
         tracing::warn!("{LOG_ENV} is not a valid log filter ({e}); logging at {default_level}");
     }

@@ -297,7 +297,7 @@ pub async fn serve_prepared_until(
     served.map_err(|e| ServeError::Io(e.to_string()))
 }
 
-/// Resolves on SIGTERM or SIGINT.
+/// Resolves on SIGTERM or SIGINT, after telling a supervisor `STOPPING=1`.
 pub async fn shutdown_signal() {
     let term = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
@@ -311,6 +311,8 @@ pub async fn shutdown_signal() {
         _ = term => {}
         _ = tokio::signal::ctrl_c() => {}
     }
+    // STOPPING=1 for a Type=notify unit (no-op without NOTIFY_SOCKET).
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
     tracing::info!("shutdown requested: finishing requests in flight");
 }
 

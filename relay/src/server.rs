@@ -274,6 +274,8 @@ pub async fn serve(
     // The retention sweep: once now, then every `sweep_interval_ms` (crate::retention).
     let sweeper = tokio::spawn(crate::retention::run(state.clone()));
     tracing::info!("relay listening on {addr}");
+    // Bound and the store open: READY=1 for a Type=notify unit (no-op without NOTIFY_SOCKET).
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
     let stop = {
         let store_failed = failed(failed_rx.clone());
         async move {

@@ -4,7 +4,9 @@
 //! environment → these flags), the daemon lock, identity (created on a fresh home, as `init`
 //! with the machine's host name, so `agentmbx daemon` alone works on a new machine; an
 //! interrupted key rotation is completed), API token, signal handlers,
-//! then bind and serve until SIGTERM or SIGINT.
+//! then bind, tell a supervisor `READY=1` (sd-notify, `agentmbx::service::notify`) and serve
+//! until SIGTERM or SIGINT (`STOPPING=1`). `daemon install|uninstall|status` is
+//! [`super::daemon_service`].
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -26,6 +28,9 @@ use clap::Args;
 /// Flags of `daemon`; each overrides the config file and the environment.
 #[derive(Debug, Args)]
 pub struct DaemonArgs {
+    /// Install, uninstall or report the user service; without one, run the daemon
+    #[command(subcommand)]
+    pub action: Option<super::daemon_service::DaemonAction>,
     /// Local API port (overrides api_port and MBX_API_PORT; 0 picks a free port)
     #[arg(long, value_name = "N")]
     pub api_port: Option<u16>,
@@ -36,6 +41,9 @@ pub struct DaemonArgs {
 
 /// Prepares the host and serves the local API until a shutdown signal.
 pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
+    if let Some(action) = args.action {
+        return super::daemon_service::run(action);
+    }
     let clock = SystemClock::from_env()?;
     if clock.offset_ms() != 0 {
         tracing::warn!(
@@ -54,6 +62,13 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
     }
     if let Some(bind) = args.api_bind {
         config.api_bind = bind;
+    }
+    if let Some(filter) = config
+        .log_level
+        .as_ref()
+        .and_then(|_| agentmbx::config_watch::effective_log_filter(&config))
+    {
+        agentmbx::config_watch::apply_log_filter(&filter).map_err(anyhow::Error::msg)?;
     }
     paths.ensure_home()?;
     // One daemon per home: the OS releases the lock when the process ends, even on SIGKILL.
@@ -104,7 +119,17 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
     let addr = config.api_addr();
     let lan_addr = config.lan_addr();
     let relay = config.relay.clone();
-    let pull_interval = std::time::Duration::from_millis(config.relay_pull_interval_ms);
+    // The running config, re-read when config.toml changes (agentmbx::config_watch).
+    let (config_tx, config_rx) = tokio::sync::watch::channel(Arc::new(config.clone()));
+    let reload = {
+        let paths = paths.clone();
+        move || {
+            let mut c = Config::load(&paths)?;
+            c.api_port = args.api_port.unwrap_or(c.api_port);
+            c.api_bind = args.api_bind.unwrap_or(c.api_bind);
+            Ok(c)
+        }
+    };
     let addr_file = paths.api_addr_file();
     let started_at = agentmbx_protocol::time::iso_ms(clock.now_ms());
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -199,41 +224,79 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
             discovery.ladder_source(),
             stop_rx.clone(),
         ));
-        let relay_task = match relay {
-            Some(r) => Some(tokio::spawn(relay_client::start(
-                r.url.clone(),
-                r.key,
-                ident.clone(),
-                mailbox.clone(),
-                clock.clone(),
-                pull_interval,
-                relay_wake,
-                Some(wake.clone()),
-                r.token_command.as_deref().map(|cmd| {
-                    std::sync::Arc::new(relay_client::account::AccountTokens::new(
-                        cmd,
-                        paths.home(),
-                        &r.url,
-                        clock.clone(),
-                    ))
-                }),
-                stop_rx.clone(),
-            ))),
-            None => {
-                tracing::info!(
-                    "no relay configured (agentmbx relay set <url>): relay transport off"
-                );
+        let config_task = match agentmbx::config_watch::watch_file(
+            paths.config_file(),
+            reload,
+            config_tx,
+            stop_rx.clone(),
+        ) {
+            Ok(task) => Some(task),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot watch config.toml; changes apply at the next start");
                 None
             }
+        };
+        if relay.is_none() {
+            tracing::info!("no relay configured (agentmbx relay set <url>): relay transport off");
+        }
+        let relay_task = relay.is_some().then(|| {
+            let (ident, mailbox, clock, wake, home) =
+                (ident.clone(), mailbox.clone(), clock.clone(), wake.clone(), paths.home().to_path_buf());
+            tokio::spawn(agentmbx::config_watch::supervise_relay(
+                config_rx,
+                move |r, pull_interval, stop| {
+                    let account = r.token_command.as_deref().map(|cmd| {
+                        Arc::new(relay_client::account::AccountTokens::new(
+                            cmd,
+                            &home,
+                            &r.url,
+                            clock.clone(),
+                        ))
+                    });
+                    tokio::spawn(relay_client::start(
+                        r.url.clone(),
+                        r.key,
+                        ident.clone(),
+                        mailbox.clone(),
+                        clock.clone(),
+                        pull_interval,
+                        relay_wake.clone(),
+                        Some(wake.clone()),
+                        account,
+                        stop,
+                    ))
+                },
+                stop_rx.clone(),
+            ))
+        });
+        // Listeners bound and the store open: tell a supervisor (no-op without NOTIFY_SOCKET).
+        let relay_url = relay.as_ref().map(|r| r.url.clone());
+        use agentmbx::service::notify;
+        notify::ready(&notify::status_now(&mailbox, relay_url.as_deref()));
+        let notify_task = tokio::spawn(notify::supervise(
+            mailbox.clone(),
+            relay_url,
+            stop_rx.clone(),
+        ));
+        let shutdown = async move {
+            shutdown.await;
+            notify::stopping();
         };
         let served = api::serve(listener, state, shutdown)
             .await
             .context("local API failed");
         let _ = stop_tx.send(true);
-        if let Some(task) = relay_task {
+        for task in [relay_task, config_task].into_iter().flatten() {
             let _ = task.await;
         }
-        for task in [deliver_task, directory_task, presence_task, rotate_task, fan] {
+        for task in [
+            deliver_task,
+            directory_task,
+            presence_task,
+            rotate_task,
+            fan,
+            notify_task,
+        ] {
             let _ = task.await;
         }
         tokio::task::spawn_blocking(move || discovery.shutdown())

@@ -143,7 +143,9 @@ impl Api {
             Ok(text) => text.trim().to_string(),
             Err(_) => Config::load(&paths)?.api_addr().to_string(),
         };
+        // The local API is on this machine: never through HTTP(S)_PROXY.
         let http = reqwest::Client::builder()
+            .no_proxy()
             .timeout(std::time::Duration::from_secs(30))
             .build()?;
         Ok(Api {

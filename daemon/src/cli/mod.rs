@@ -10,8 +10,12 @@
 //! This is the only place (with `main.rs`) that uses `anyhow`, prints to stdout, or decides the
 //! process's exit code. It must never put secrets in output or errors.
 
+pub mod completions;
+pub mod config;
 pub mod daemon;
+pub mod daemon_service;
 pub mod discover;
+pub mod doctor;
 pub mod host;
 pub mod init;
 pub mod mail;
@@ -49,9 +53,12 @@ Environment (each overrides the matching config.toml setting):
   MBX_NO_MDNS=1: no mDNS advertising or browsing (mdns = false)
   MBX_RELAY_URL: relay base URL ([relay] url)
   MBX_RELAY_PULL_INTERVAL_MS: pause between relay pulls in ms (relay_pull_interval_ms)
+  HTTPS_PROXY, HTTP_PROXY, ALL_PROXY, NO_PROXY: the proxy for relay calls (never used for
+    LAN peers or the local API)
   MBX_KEYSTORE: keyring|file, where init keeps the private keys (key_store; default: the OS
     keyring when it answers, else 0600 files); an initialised home never switches
-  MBX_LOG: log filter (default: info for daemon and relay, warn otherwise)
+  MBX_LOG: log filter (default: log_level for the daemon, else info for daemon and relay, warn
+    otherwise)
   MBX_CLOCK_OFFSET_MS, MBX_FAILPOINTS: for tests and drills only
 
 Exit status: 0 success, 1 failure, 2 usage error, 3 not found (e.g. host not initialized),
@@ -89,6 +96,9 @@ pub enum Command {
     /// Run a relay, or operate one
     #[command(subcommand)]
     Relay(relay::RelayCommand),
+    /// Check config.toml: `config validate`
+    #[command(subcommand)]
+    Config(config::ConfigCommand),
     /// List peer hosts; pin one by key, set its LAN address, or unpair it
     Peers(peers::PeersArgs),
     /// Pair with another host on the LAN: print a one-time token for `agentmbx join`, or
@@ -111,6 +121,10 @@ pub enum Command {
     Ack(mail::AckArgs),
     /// List an agent's sent messages with each recipient's delivery state
     Sent(mail::SentArgs),
+    /// Print a shell completion script to stdout (bash, zsh, fish, elvish, powershell)
+    Completions(completions::CompletionsArgs),
+    /// Check this host's setup (identity, keys, daemon, peers, relay, outbox, service, disk)
+    Doctor(doctor::DoctorArgs),
     /// Write the man pages into a directory (for packagers)
     #[command(hide = true)]
     Man(man::ManArgs),
@@ -176,6 +190,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Whoami(args) => whoami::run(args),
         Command::Daemon(args) => daemon::run(args),
         Command::Relay(cmd) => relay::run(cmd),
+        Command::Config(cmd) => config::run(cmd),
         Command::Peers(args) => peers::run(args),
         Command::Pair(args) => pair::run(args),
         Command::Join(args) => pair::join(args),
@@ -186,6 +201,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Read(args) => mail::read(args),
         Command::Ack(args) => mail::ack(args),
         Command::Sent(args) => mail::sent(args),
+        Command::Completions(args) => completions::run(args),
+        Command::Doctor(args) => doctor::run(args),
         Command::Man(args) => man::run(args),
         Command::Openapi => {
             print!("{}", agentmbx::api::openapi::document());

@@ -19,8 +19,8 @@ pub enum RelayCommand {
     /// Create a relay signing key and print it as MBX_RELAY_KEY=<seed> (a deploy secret)
     Keygen,
     /// Use the relay at URL for this host and pin its key (trust on first use, or --key);
-    /// also confirms a changed relay key (from the daemon's next pass; another URL needs a
-    /// daemon restart)
+    /// also confirms a changed relay key (from the daemon's next pass; a running daemon
+    /// re-reads another URL from config.toml, a first relay needs a restart)
     Set(SetArgs),
     /// Show this host's standing with its relay: pinned key, state (a key mismatch, a deny or
     /// a revocation and its fix), epoch, enrolment, enc-key ad, allowlist, position and outbox

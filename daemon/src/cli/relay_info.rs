@@ -6,9 +6,10 @@
 //! that key. It is also the only way to confirm a changed relay key. It needs an initialized
 //! host (exit 3 otherwise, nothing written). It writes `[relay] url, key` in `config.toml` and
 //! the pin in `mailbox.db` (kv `relay-key:<url>`, which a running daemon reads each pass, so a
-//! key confirmed for the relay it uses takes effect without a restart; a running daemon reads
-//! the relay URL only at start, so another URL takes effect when it restarts, and `relay set`
-//! says which of the two applies: `restart_needed` in JSON), audits
+//! key confirmed for the relay it uses takes effect without a restart; a running daemon that
+//! uses a relay switches to another URL when it re-reads the watched `config.toml`
+//! ([`agentmbx::config_watch`]), while a first relay needs a restart, and `relay set` says
+//! which applies: `restart_needed` in JSON), audits
 //! `relay.key_confirmed` and clears a `key-mismatch` state and the recorded key change (also
 //! when the owner confirms the pinned key after the relay served another one). When the relay
 //! cannot be reached, a full `--key` is pinned as given, and a fingerprint is stored as the
@@ -54,9 +55,10 @@ refused-after-enrol, denied, revoked) or a failure: the report is printed all th
 
 /// The `relay set` help after the flags: when a running daemon uses the result.
 pub const SET_HELP: &str = "A running daemon reads the pin of the relay it uses on each relay \
-pass: confirming a key for that relay takes effect from its next pass. It reads the relay URL \
-only at start: after `relay set` with another URL (or the first one), restart the daemon to use \
-the new relay; `relay set` says which applies (restart_needed in --json). Exit status: 0 \
+pass: confirming a key for that relay takes effect from its next pass. It watches config.toml: \
+another URL for the relay it uses takes effect when it re-reads the file; after the first \
+`relay set` on a host without a relay, restart the daemon to use the new relay; `relay set` \
+says which applies (restart_needed in --json). Exit status: 0 \
 pinned, 1 key mismatch or unreachable relay without --key, 2 malformed URL or --key, 3 this \
 host is not initialized (run `agentmbx init`).";
 
@@ -110,7 +112,9 @@ pub fn set(args: SetArgs) -> anyhow::Result<()> {
         .as_ref()
         .and_then(|c| c.relay.as_ref())
         .map(|r| r.url.trim_end_matches('/').to_string());
-    let restart_needed = previous_url.as_deref() != Some(url.as_str());
+    // A running daemon applies another URL for its relay from the watched config.toml; a
+    // first relay needs a restart (agentmbx::config_watch).
+    let restart_needed = previous_url.is_none();
     let file_key = file
         .and_then(|c| c.relay)
         .filter(|r| r.url.trim_end_matches('/') == url)
@@ -235,7 +239,7 @@ fn daemon_note(previous_url: Option<&str>, url: &str) -> String {
                 .to_string()
         }
         Some(p) => format!(
-            "restart the daemon to use the new relay: a running daemon keeps using {p} until it restarts"
+            "a running daemon switches from {p} to the new relay when it re-reads config.toml (within a second)"
         ),
         None => "restart the daemon to use the new relay: a running daemon started without a relay uses none until it restarts".to_string(),
     }
@@ -266,7 +270,7 @@ fn set_unreachable(
         pinned,
         previous_url,
     } = pinning;
-    let restart_needed = previous_url.as_deref() != Some(url);
+    let restart_needed = previous_url.is_none();
     let why = match &e {
         RelayError::Unreachable(why) => format!("cannot be reached ({why})"),
         other => format!("did not answer as a relay ({other})"),

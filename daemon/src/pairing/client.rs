@@ -287,6 +287,7 @@ pub fn normalize_addr(input: &str) -> Result<String, PairError> {
 fn http() -> Result<reqwest::Client, PairError> {
     crate::install_tls_provider();
     reqwest::Client::builder()
+        .no_proxy() // pairing is LAN-only: never through HTTP(S)_PROXY
         .connect_timeout(CONNECT_TIMEOUT)
         .timeout(REQUEST_TIMEOUT)
         .redirect(reqwest::redirect::Policy::none())

@@ -136,7 +136,9 @@ impl LanClient {
     /// A client for `ident`, stamping hops with `clock` and announcing `port`. Errors:
     /// [`LanError::Unreachable`] if the HTTP client cannot be built (TLS provider missing).
     pub fn new(ident: Arc<Identity>, clock: SharedClock, port: u16) -> Result<Self, LanError> {
+        // Peers are on the LAN: never through HTTP(S)_PROXY from the environment.
         let http = reqwest::Client::builder()
+            .no_proxy()
             .connect_timeout(CONNECT_TIMEOUT)
             .timeout(REQUEST_TIMEOUT)
             .redirect(reqwest::redirect::Policy::none())

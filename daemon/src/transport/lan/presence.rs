@@ -276,6 +276,7 @@ pub fn self_addr_texts(state: &LanState) -> Vec<String> {
 fn http_client(timeout: Duration) -> Result<reqwest::Client, ProbeError> {
     crate::install_tls_provider();
     reqwest::Client::builder()
+        .no_proxy() // LAN probes never go through HTTP(S)_PROXY
         .timeout(timeout)
         .redirect(reqwest::redirect::Policy::none())
         .build()

@@ -192,6 +192,20 @@ pub struct RelayClient {
     key_confirmed: Arc<AtomicBool>,
 }
 
+/// The HTTP client every relay call uses: `timeout` per request, no redirects, and the
+/// standard proxy environment honoured (`HTTPS_PROXY`/`https_proxy` for https relay URLs,
+/// `HTTP_PROXY`/`http_proxy` for http ones, `ALL_PROXY`, and `NO_PROXY` exempting hosts;
+/// reqwest's default, which this builder must never turn off: relays are on the internet,
+/// unlike LAN peers, whose client calls `no_proxy()`). Errors: [`RelayError::Unreachable`] when
+/// the client cannot be built (no TLS provider, a malformed proxy URL).
+pub(crate) fn http_client(timeout: Duration) -> Result<reqwest::Client, RelayError> {
+    reqwest::Client::builder()
+        .timeout(timeout)
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .map_err(|e| RelayError::Unreachable(describe(&e)))
+}
+
 impl RelayClient {
     /// A client for `url` with its pinned key.
     pub fn new(
@@ -201,11 +215,7 @@ impl RelayClient {
         mailbox: Mailbox,
         clock: SharedClock,
     ) -> Result<Self, RelayError> {
-        let http = reqwest::Client::builder()
-            .timeout(REQUEST_TIMEOUT)
-            .redirect(reqwest::redirect::Policy::none())
-            .build()
-            .map_err(|e| RelayError::Unreachable(describe(&e)))?;
+        let http = http_client(REQUEST_TIMEOUT)?;
         Ok(RelayClient {
             http,
             url: url.trim_end_matches('/').to_string(),
@@ -745,11 +755,7 @@ pub mod pin {
     /// Unsigned `GET /v2/relay/info` (used by `relay set` and first contact), the answer read
     /// up to [`super::answer::MAX_ANSWER`] bytes.
     pub async fn fetch_info(url: &str) -> Result<RelayInfo, RelayError> {
-        let client = reqwest::Client::builder()
-            .timeout(std::time::Duration::from_secs(10))
-            .redirect(reqwest::redirect::Policy::none())
-            .build()
-            .map_err(|e| RelayError::Unreachable(super::describe(&e)))?;
+        let client = super::http_client(std::time::Duration::from_secs(10))?;
         let resp = client
             .get(format!("{}/v2/relay/info", url.trim_end_matches('/')))
             .send()

@@ -1,0 +1,449 @@
+//! Watching `config.toml` while the daemon runs (design README "Files, configuration and
+//! keys": the config is layered and watched).
+//!
+//! This module owns: the file watcher (the `notify` crate on the home directory, filtered to
+//! the file name so an editor that replaces the file by rename is seen), the debounce
+//! ([`DEBOUNCE_MS`]), the comparison of the running configuration with the re-read one
+//! ([`diff`]: which keys changed and whether each applies live), the `config changed: <key>
+//! <old> -> <new>` log lines, the log-filter hook ([`set_log_filter_hook`]) and the relay loop
+//! supervisor ([`supervise_relay`]) that restarts the relay client when its settings change.
+//!
+//! The running configuration is published on a `tokio::sync::watch` channel of
+//! `Arc<Config>`; readers take the current value each pass. Settings that are safe to change
+//! live (`log_level`, `relay_pull_interval_ms`, `relay.url`, `relay.key`,
+//! `relay.token_command`) are applied; the others (listen addresses and ports, host name,
+//! advertised address, mDNS, key store, adding or removing the relay) are logged as needing a
+//! restart and keep their running values.
+//!
+//! It must never write the file, never stop the daemon because of a bad file (an invalid file
+//! is refused with one error line and the running configuration is kept), and never log
+//! secrets (`relay.token_command` is shown as `<redacted>`).
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch};
+
+use crate::config::{Config, ConfigError, RelayConfig};
+
+/// Quiet time after the last file event before the file is re-read (ms): an editor's save is
+/// often several events (truncate, write, rename).
+pub const DEBOUNCE_MS: u64 = 500;
+
+/// The environment variable that sets the log filter; when set it wins over `log_level`.
+pub const LOG_ENV: &str = "MBX_LOG";
+
+/// Replaces the process's log filter with the given `EnvFilter` text; `Err` carries why the
+/// filter was refused.
+pub type LogFilterHook = Box<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
+
+static LOG_FILTER: OnceLock<LogFilterHook> = OnceLock::new();
+
+/// Installs the hook that changes the log filter at run time (the binary's logger, built with
+/// a `tracing_subscriber::reload` layer). Only the first call has an effect.
+pub fn set_log_filter_hook(hook: LogFilterHook) {
+    let _ = LOG_FILTER.set(hook);
+}
+
+/// Whether `MBX_LOG` is set (non-empty): then `log_level` from the file is not applied.
+pub fn log_env_set() -> bool {
+    std::env::var(LOG_ENV).is_ok_and(|v| !v.trim().is_empty())
+}
+
+/// Applies `filter` (a `log_level` value) to the running logger. `Ok(false)` when no hook is
+/// installed (a library user without the binary's logger). Errors: the filter's parse error.
+pub fn apply_log_filter(filter: &str) -> Result<bool, String> {
+    match LOG_FILTER.get() {
+        Some(hook) => hook(filter).map(|()| true),
+        None => Ok(false),
+    }
+}
+
+/// The filter the daemon logs at for `config`: `MBX_LOG` when set (then `None`: nothing to
+/// apply), else `log_level`, else `info`.
+pub fn effective_log_filter(config: &Config) -> Option<String> {
+    if log_env_set() {
+        return None;
+    }
+    Some(config.log_level.clone().unwrap_or_else(|| "info".into()))
+}
+
+/// One setting that differs between the running and the re-read configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Change {
+    /// The TOML key (dotted for tables, e.g. `relay.url`; `relay` when the table itself is
+    /// added or removed).
+    pub key: &'static str,
+    /// The running value, as logged (secrets redacted; `(unset)` when absent).
+    pub old: String,
+    /// The new value, as logged.
+    pub new: String,
+    /// Whether the daemon applies it without a restart.
+    pub live: bool,
+}
+
+const UNSET: &str = "(unset)";
+const REDACTED: &str = "<redacted>";
+
+fn opt<T: ToString>(v: &Option<T>) -> String {
+    v.as_ref().map_or(UNSET.into(), T::to_string)
+}
+
+/// The settings that differ between `old` (running) and `new` (re-read), in file order, each
+/// marked live or needing a restart (module doc). `relay.token_command` values are redacted.
+pub fn diff(old: &Config, new: &Config) -> Vec<Change> {
+    let mut out = Vec::new();
+    let mut push = |key: &'static str, o: String, n: String, live: bool| {
+        if o != n {
+            out.push(Change {
+                key,
+                old: o,
+                new: n,
+                live,
+            });
+        }
+    };
+    push("host", opt(&old.host), opt(&new.host), false);
+    push(
+        "api_port",
+        old.api_port.to_string(),
+        new.api_port.to_string(),
+        false,
+    );
+    push(
+        "api_bind",
+        old.api_bind.to_string(),
+        new.api_bind.to_string(),
+        false,
+    );
+    push(
+        "lan_port",
+        old.lan_port.to_string(),
+        new.lan_port.to_string(),
+        false,
+    );
+    push(
+        "lan_bind",
+        old.lan_bind.to_string(),
+        new.lan_bind.to_string(),
+        false,
+    );
+    push("advertise", opt(&old.advertise), opt(&new.advertise), false);
+    let addrs = |c: &Config| format!("{:?}", c.self_addrs);
+    push("self_addrs", addrs(old), addrs(new), false);
+    push("mdns", old.mdns.to_string(), new.mdns.to_string(), false);
+    push(
+        "key_store",
+        old.key_store.to_string(),
+        new.key_store.to_string(),
+        false,
+    );
+    push("log_level", opt(&old.log_level), opt(&new.log_level), true);
+    push(
+        "relay_pull_interval_ms",
+        old.relay_pull_interval_ms.to_string(),
+        new.relay_pull_interval_ms.to_string(),
+        true,
+    );
+    match (&old.relay, &new.relay) {
+        (Some(o), Some(n)) => {
+            push("relay.url", o.url.clone(), n.url.clone(), true);
+            push("relay.key", opt(&o.key), opt(&n.key), true);
+            let cmd = |r: &RelayConfig| {
+                r.token_command
+                    .as_ref()
+                    .map_or(UNSET.into(), |_| REDACTED.to_string())
+            };
+            // Both redacted: a changed command still shows as a change.
+            if o.token_command != n.token_command {
+                out.push(Change {
+                    key: "relay.token_command",
+                    old: cmd(o),
+                    new: cmd(n),
+                    live: true,
+                });
+            }
+        }
+        (o, n) => {
+            let url = |r: &Option<RelayConfig>| r.as_ref().map_or(UNSET.into(), |r| r.url.clone());
+            push("relay", url(o), url(n), false);
+        }
+    }
+    out
+}
+
+/// The configuration to run after a change: `new`'s live settings on `old`'s restart-only
+/// ones (the relay table is taken from `new` only when both have one).
+pub fn merge_live(old: &Config, new: &Config) -> Config {
+    let mut merged = old.clone();
+    merged.log_level = new.log_level.clone();
+    merged.relay_pull_interval_ms = new.relay_pull_interval_ms;
+    if old.relay.is_some() && new.relay.is_some() {
+        merged.relay = new.relay.clone();
+    }
+    merged
+}
+
+/// Logs each change (`config changed: <key> <old> -> <new>`, with `(needs a restart)` for
+/// those not applied), applies a changed log filter, and returns the configuration to run.
+pub fn apply(running: &Config, new: &Config) -> Config {
+    let changes = diff(running, new);
+    for c in &changes {
+        if c.live {
+            tracing::info!("config changed: {} {} -> {}", c.key, c.old, c.new);
+        } else {
+            tracing::warn!(
+                "config changed: {} {} -> {} (needs a restart; the running value is kept)",
+                c.key,
+                c.old,
+                c.new
+            );
+        }
+    }
+    let merged = merge_live(running, new);
+    if merged.log_level != running.log_level {
+        if log_env_set() {
+            tracing::info!("{LOG_ENV} is set and wins over log_level");
+        } else if let Some(filter) = effective_log_filter(&merged) {
+            if let Err(e) = apply_log_filter(&filter) {
+                tracing::error!("log_level not applied: {e}");
+            }
+        }
+    }
+    merged
+}
+
+/// Whether a file event may have changed `file` (compared by file name within the watched
+/// directory). Access events (open, read, close without writing) are not changes: the daemon's
+/// own re-read causes them, and counting them would re-read the file forever.
+fn concerns(event: &notify::Event, file: &Path) -> bool {
+    let name = file.file_name();
+    !matches!(event.kind, notify::EventKind::Access(_))
+        && event.paths.iter().any(|p| p.file_name() == name)
+}
+
+/// Watches `file` (through its directory) until `stop` turns true. After each burst of events
+/// and [`DEBOUNCE_MS`] of quiet, calls `reload` (re-read the file, the environment and the
+/// command-line overrides, validated): an error is logged as one line and the running value is
+/// kept; a valid configuration goes through [`apply`] and, when it differs, is published on
+/// `running`. Errors: the watcher could not be started (the daemon then runs without it).
+pub fn watch_file(
+    file: PathBuf,
+    reload: impl Fn() -> Result<Config, ConfigError> + Send + 'static,
+    running: watch::Sender<Arc<Config>>,
+    mut stop: watch::Receiver<bool>,
+) -> Result<tokio::task::JoinHandle<()>, notify::Error> {
+    use notify::Watcher;
+    let dir = file
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."));
+    let (tx, mut rx) = mpsc::unbounded_channel::<()>();
+    let target = file.clone();
+    let mut watcher =
+        notify::recommended_watcher(move |res: notify::Result<notify::Event>| match res {
+            Ok(event) if concerns(&event, &target) => {
+                tracing::debug!(kind = ?event.kind, "config file event");
+                let _ = tx.send(());
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "config watcher error"),
+        })?;
+    watcher.watch(&dir, notify::RecursiveMode::NonRecursive)?;
+    tracing::info!(file = %file.display(), "watching the config file");
+    Ok(tokio::spawn(async move {
+        // Owned by the task: dropping it ends the watch.
+        let _watcher = watcher;
+        loop {
+            tokio::select! {
+                got = rx.recv() => if got.is_none() { return },
+                _ = stop.wait_for(|s| *s) => return,
+            }
+            // Debounce: wait until the events stop for DEBOUNCE_MS.
+            loop {
+                tokio::select! {
+                    got = rx.recv() => if got.is_none() { return },
+                    _ = tokio::time::sleep(Duration::from_millis(DEBOUNCE_MS)) => break,
+                    _ = stop.wait_for(|s| *s) => return,
+                }
+            }
+            // A small local file: read in place.
+            match reload() {
+                Err(e) => {
+                    tracing::error!("config.toml refused, the running config is kept: {e}")
+                }
+                Ok(new) => {
+                    let current = running.borrow().clone();
+                    let merged = apply(&current, &new);
+                    if merged != *current {
+                        running.send_replace(Arc::new(merged));
+                    }
+                }
+            }
+        }
+    }))
+}
+
+/// Runs the relay loop for the running configuration and restarts it when its settings
+/// (`relay` table, `relay_pull_interval_ms`) change on `config`, until `stop` turns true.
+/// `spawn(relay, pull_interval, stop)` starts one relay loop that ends when its `stop` turns
+/// true. Does nothing (returns at once) when no relay is configured.
+pub async fn supervise_relay(
+    mut config: watch::Receiver<Arc<Config>>,
+    spawn: impl Fn(RelayConfig, Duration, watch::Receiver<bool>) -> tokio::task::JoinHandle<()>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let settings = |c: &Config| {
+        c.relay
+            .clone()
+            .map(|r| (r, Duration::from_millis(c.relay_pull_interval_ms)))
+    };
+    let Some(mut current) = settings(&config.borrow_and_update()) else {
+        return;
+    };
+    loop {
+        let (loop_stop, loop_rx) = watch::channel(false);
+        let task = spawn(current.0.clone(), current.1, loop_rx);
+        let mut watched = true;
+        let next = loop {
+            tokio::select! {
+                _ = stop.wait_for(|s| *s) => break None,
+                changed = config.changed(), if watched => {
+                    // When the watcher is gone, keep this loop until the daemon stops.
+                    if changed.is_err() {
+                        watched = false;
+                        continue;
+                    }
+                    match settings(&config.borrow_and_update()) {
+                        Some(s) if s != current => break Some(s),
+                        _ => {}
+                    }
+                }
+            }
+        };
+        let _ = loop_stop.send(true);
+        let _ = task.await;
+        match next {
+            None => return,
+            Some(s) => {
+                tracing::info!(relay = %s.0.url, "relay loop restarted with the new config");
+                current = s;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_relay(url: &str) -> Config {
+        Config {
+            relay: Some(RelayConfig {
+                url: url.into(),
+                key: None,
+                token_command: Some("secret-cmd --token hunter2".into()),
+            }),
+            ..Config::default()
+        }
+    }
+
+    #[test]
+    fn diff_marks_live_and_restart_keys_and_redacts_the_token_command() {
+        let old = with_relay("http://127.0.0.1:1");
+        let mut new = with_relay("http://127.0.0.1:2");
+        new.api_port = 9000;
+        new.log_level = Some("debug".into());
+        new.relay_pull_interval_ms = 100;
+        new.relay.as_mut().unwrap().token_command = Some("other hunter3".into());
+        let changes = diff(&old, &new);
+        let keys: Vec<_> = changes.iter().map(|c| (c.key, c.live)).collect();
+        assert_eq!(
+            keys,
+            [
+                ("api_port", false),
+                ("log_level", true),
+                ("relay_pull_interval_ms", true),
+                ("relay.url", true),
+                ("relay.token_command", true),
+            ]
+        );
+        for c in &changes {
+            assert!(
+                !c.old.contains("hunter") && !c.new.contains("hunter"),
+                "{c:?}"
+            );
+        }
+        let merged = merge_live(&old, &new);
+        assert_eq!(merged.api_port, old.api_port, "restart-only kept");
+        assert_eq!(merged.relay, new.relay);
+        assert_eq!(merged.log_level.as_deref(), Some("debug"));
+        assert!(diff(&old, &old).is_empty());
+    }
+
+    #[test]
+    fn adding_or_removing_the_relay_needs_a_restart() {
+        let none = Config::default();
+        let some = with_relay("http://127.0.0.1:1");
+        let add = diff(&none, &some);
+        assert_eq!(add.len(), 1);
+        assert_eq!((add[0].key, add[0].live), ("relay", false));
+        assert_eq!(merge_live(&none, &some).relay, None);
+        assert_eq!(merge_live(&some, &none).relay, some.relay);
+    }
+
+    #[test]
+    fn only_changes_to_the_file_count() {
+        use notify::event::{AccessKind, CreateKind, ModifyKind, RenameMode};
+        use notify::{Event, EventKind};
+        let file = Path::new("/home/x/config.toml");
+        let event = |kind, path: &str| Event::new(kind).add_path(PathBuf::from(path));
+        let rename = EventKind::Modify(ModifyKind::Name(RenameMode::Both));
+        assert!(concerns(
+            &event(rename, "/home/x/config.toml.tmp").add_path(file.into()),
+            file
+        ));
+        assert!(concerns(
+            &event(EventKind::Create(CreateKind::File), "/home/x/config.toml"),
+            file
+        ));
+        assert!(!concerns(
+            &event(EventKind::Access(AccessKind::Any), "/home/x/config.toml"),
+            file
+        ));
+        assert!(!concerns(
+            &event(EventKind::Modify(ModifyKind::Any), "/home/x/mailbox.db"),
+            file
+        ));
+    }
+
+    #[tokio::test]
+    async fn the_relay_loop_restarts_on_a_relay_change_only() {
+        let (tx, rx) = watch::channel(Arc::new(with_relay("http://127.0.0.1:1")));
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let (seen_tx, mut seen) = mpsc::unbounded_channel::<String>();
+        let sup = tokio::spawn(supervise_relay(
+            rx,
+            move |r, _, mut stop| {
+                let _ = seen_tx.send(r.url);
+                tokio::spawn(async move {
+                    let _ = stop.wait_for(|s| *s).await;
+                })
+            },
+            stop_rx,
+        ));
+        assert_eq!(seen.recv().await.as_deref(), Some("http://127.0.0.1:1"));
+        let mut other = with_relay("http://127.0.0.1:1");
+        other.api_port = 1;
+        tx.send_replace(Arc::new(other));
+        tx.send_replace(Arc::new(with_relay("http://127.0.0.1:2")));
+        assert_eq!(seen.recv().await.as_deref(), Some("http://127.0.0.1:2"));
+        stop_tx.send_replace(true);
+        sup.await.unwrap();
+        assert!(
+            seen.try_recv().is_err(),
+            "no restart for a non-relay change"
+        );
+    }
+}

@@ -1,0 +1,336 @@
+//! Local checks: host identity, key store, outbox, quarantine, service and disk space. They read
+//! files and `mailbox.db` only; with `--fix` the identity and key store checks apply the safe
+//! local fixes (home 0700, key files 0600) and say so.
+
+use std::path::{Path, PathBuf};
+
+use super::super::{Facts, Outcome, Status};
+use crate::keystore::{self, Backend};
+
+/// Pending rows older than this are stuck (ms): 1 hour.
+pub const STUCK_AFTER_MS: i64 = 3_600_000;
+/// Free space below this warns (bytes): 1 GiB.
+pub const DISK_WARN_BYTES: u64 = 1 << 30;
+/// Free space below this fails (bytes): 100 MiB.
+pub const DISK_FAIL_BYTES: u64 = 100 << 20;
+
+#[cfg(unix)]
+fn mode(path: &Path) -> Option<u32> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path)
+        .ok()
+        .map(|m| m.permissions().mode() & 0o777)
+}
+
+#[cfg(not(unix))]
+fn mode(_path: &Path) -> Option<u32> {
+    None
+}
+
+#[cfg(unix)]
+fn set_mode(path: &Path, mode: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+}
+
+#[cfg(not(unix))]
+fn set_mode(_path: &Path, _mode: u32) -> std::io::Result<()> {
+    Ok(())
+}
+
+/// `host-identity`: the home exists (0700) and holds an identity; its name and key fingerprint.
+pub fn host_identity(f: &Facts) -> Result<Outcome, String> {
+    let home = f.paths.home();
+    if !home.exists() {
+        if f.opts.fix {
+            f.paths.ensure_home().map_err(|e| e.to_string())?;
+            return Ok(Outcome::new(Status::Fail, "this host is not initialized")
+                .detail(format!("fixed: created {} (0700)", home.display()))
+                .fix("agentmbx init"));
+        }
+        return Ok(Outcome::new(
+            Status::Fail,
+            format!(
+                "this host is not initialized ({} does not exist)",
+                home.display()
+            ),
+        )
+        .fix("agentmbx init"));
+    }
+    if !crate::identity::is_initialized(&f.paths) {
+        return Ok(Outcome::new(Status::Fail, "this host is not initialized").fix("agentmbx init"));
+    }
+    let me = f
+        .identity
+        .as_ref()
+        .map_err(|e| format!("cannot load the identity: {e}"))?;
+    let mut out = Outcome::new(
+        Status::Ok,
+        format!("host {} with key {}", me.host, me.fingerprint),
+    );
+    if let Some(m) = mode(home).filter(|m| m & 0o077 != 0) {
+        if f.opts.fix {
+            set_mode(home, 0o700).map_err(|e| format!("cannot chmod the home: {e}"))?;
+            out = out.detail(format!("fixed: {} was {m:o}, now 700", home.display()));
+        } else {
+            out.status = Some(Status::Warn);
+            out = out
+                .detail(format!(
+                    "{} is mode {m:o}, others can read it",
+                    home.display()
+                ))
+                .fix(format!(
+                    "chmod 700 {} (or agentmbx doctor --fix)",
+                    home.display()
+                ));
+        }
+    }
+    Ok(out)
+}
+
+/// `keystore`: where the private keys are, and that key files are 0600.
+pub fn keystore(f: &Facts) -> Result<Outcome, String> {
+    let Some(backend) = keystore::recorded(&f.paths) else {
+        return Ok(Outcome::new(Status::Skip, "this host is not initialized"));
+    };
+    match backend {
+        Backend::Keyring => {
+            let mut out = Outcome::new(Status::Ok, "private keys in the OS keyring");
+            if let Err(e) = &f.identity {
+                out = Outcome::new(Status::Fail, "the OS keyring does not give the keys")
+                    .detail(e.clone())
+                    .fix("unlock the OS keyring (login keychain / Secret Service) and run again");
+            }
+            Ok(out)
+        }
+        Backend::File => {
+            let mut out =
+                Outcome::new(Status::Ok, "private keys in 0600 files (host.key, enc.key)");
+            let mut loose = Vec::new();
+            for path in [f.paths.host_key(), f.paths.enc_key()] {
+                match mode(&path) {
+                    Some(m) if m & 0o077 != 0 => loose.push((path, m)),
+                    Some(_) => {}
+                    None if cfg!(unix) => {
+                        return Ok(Outcome::new(
+                            Status::Fail,
+                            format!("{} is missing", path.display()),
+                        ))
+                    }
+                    None => {}
+                }
+            }
+            for (path, m) in loose {
+                if f.opts.fix {
+                    set_mode(&path, 0o600)
+                        .map_err(|e| format!("cannot chmod {}: {e}", path.display()))?;
+                    out = out.detail(format!("fixed: {} was {m:o}, now 600", path.display()));
+                } else {
+                    out.status = Some(Status::Fail);
+                    out.summary = "a private key file is readable by others".into();
+                    out = out
+                        .detail(format!("{} is mode {m:o}", path.display()))
+                        .fix(format!(
+                            "chmod 600 {} (or agentmbx doctor --fix)",
+                            path.display()
+                        ));
+                }
+            }
+            if let (Err(e), Some(Status::Ok)) = (&f.identity, out.status) {
+                out =
+                    Outcome::new(Status::Fail, "the key files cannot be loaded").detail(e.clone());
+            }
+            Ok(out)
+        }
+    }
+}
+
+/// `outbox`: stuck pending rows, and per the configured relay the rows waiting for a receipt,
+/// to push again, expired and unconfirmed (`wire.md` §7 item 10).
+pub fn outbox(f: &Facts) -> Result<Outcome, String> {
+    let Some(m) = &f.mailbox else {
+        return Ok(Outcome::new(Status::Skip, "no mailbox.db yet"));
+    };
+    let cutoff = f.opts.now_ms - STUCK_AFTER_MS;
+    let url = f.relay_url.clone();
+    let (stuck, pending, relay) = m
+        .with(|c| {
+            let stuck: i64 = c.query_row(
+                "SELECT COUNT(*) FROM outbox WHERE state = 'pending' AND created_at < ?1",
+                [cutoff],
+                |r| r.get(0),
+            )?;
+            let pending: i64 = c.query_row(
+                "SELECT COUNT(*) FROM outbox WHERE state = 'pending'",
+                [],
+                |r| r.get(0),
+            )?;
+            let relay = match &url {
+                Some(u) => Some(crate::mailbox::outbox::relay_counts(c, u)?),
+                None => None,
+            };
+            Ok((stuck, pending, relay))
+        })
+        .map_err(|e| format!("cannot read the outbox: {e}"))?;
+    let mut out = Outcome::new(Status::Ok, format!("{pending} pending"));
+    if stuck > 0 {
+        out.status = Some(Status::Warn);
+        out = out
+            .detail(format!("{stuck} pending row(s) older than 1 h (stuck)"))
+            .fix("agentmbx doctor peers relay-reachable (find why the targets cannot be reached)");
+    }
+    if let Some(r) = relay {
+        out.summary = format!(
+            "{pending} pending, {} relay-accepted waiting, {} repush, {} expired, {} unconfirmed",
+            r.relay_accepted, r.repush, r.expired, r.unconfirmed
+        );
+        if r.expired > 0 || r.unconfirmed > 0 {
+            out.status = Some(Status::Warn);
+            out = out.detail(format!(
+                "{} expired and {} unconfirmed: their senders were alerted; resend what still matters",
+                r.expired, r.unconfirmed
+            ));
+            if out.fix.is_none() {
+                out.fix = Some("agentmbx sent <agent> (shows each recipient's state)".into());
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// `quarantine`: relay items this host refused to process (warn when any).
+pub fn quarantine(f: &Facts) -> Result<Outcome, String> {
+    let Some(m) = &f.mailbox else {
+        return Ok(Outcome::new(Status::Skip, "no mailbox.db yet"));
+    };
+    let n: i64 = m
+        .with(|c| Ok(c.query_row("SELECT COUNT(*) FROM quarantine", [], |r| r.get(0))?))
+        .map_err(|e| format!("cannot read the quarantine: {e}"))?;
+    Ok(if n == 0 {
+        Outcome::new(Status::Ok, "no quarantined relay items")
+    } else {
+        Outcome::new(Status::Warn, format!("{n} quarantined relay item(s)"))
+            .fix("agentmbx relay quarantine")
+    })
+}
+
+/// The service file paths this platform uses (`wire.md` §8): the systemd user unit, or the
+/// launchd agent plist.
+pub fn service_files() -> Vec<PathBuf> {
+    let home = std::env::var_os("HOME").map(PathBuf::from);
+    let mut out = Vec::new();
+    if cfg!(target_os = "macos") {
+        if let Some(h) = &home {
+            let dir = h.join("Library/LaunchAgents");
+            let mut labels = vec![
+                crate::service::LAUNCHD_LABEL.to_string(),
+                "com.agentmbx.daemon".into(),
+            ];
+            if let Ok(l) = std::env::var("MBX_SERVICE_LABEL") {
+                labels.insert(0, l);
+            }
+            out.extend(labels.iter().map(|l| dir.join(format!("{l}.plist"))));
+        }
+    } else {
+        let config = std::env::var_os("XDG_CONFIG_HOME")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+            .or_else(|| home.map(|h| h.join(".config")));
+        if let Some(c) = config {
+            out.push(c.join("systemd/user").join(crate::service::UNIT_NAME));
+        }
+    }
+    out
+}
+
+/// `service`: a user service is installed, and the daemon answers. Skip when none is installed.
+pub fn service(f: &Facts) -> Result<Outcome, String> {
+    let Some(file) = service_files().into_iter().find(|p| p.exists()) else {
+        return Ok(Outcome::new(Status::Skip, "no user service installed")
+            .fix("agentmbx daemon install (starts the daemon at login)"));
+    };
+    let answering = matches!(
+        &f.probes.daemon,
+        Some(super::net::DaemonProbe::Answered { status: 200, .. })
+    );
+    Ok(if answering {
+        Outcome::new(
+            Status::Ok,
+            format!("installed ({}) and running", file.display()),
+        )
+    } else {
+        let fix = if cfg!(target_os = "macos") {
+            "agentmbx daemon status; launchctl kickstart -k gui/$(id -u)/org.agentmbx.daemon"
+        } else {
+            "systemctl --user restart agentmbx.service; journalctl --user -u agentmbx.service"
+        };
+        Outcome::new(
+            Status::Warn,
+            format!(
+                "installed ({}) but the daemon does not answer",
+                file.display()
+            ),
+        )
+        .fix(fix)
+    })
+}
+
+/// Free bytes for unprivileged users on the file system holding `path` (or its nearest existing
+/// ancestor). Errors: `statvfs` failed.
+#[cfg(unix)]
+#[allow(unsafe_code)]
+pub fn free_bytes(path: &Path) -> Result<u64, String> {
+    let mut p = path.to_path_buf();
+    while !p.exists() {
+        if !p.pop() {
+            return Err("no existing directory".into());
+        }
+    }
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(|e| e.to_string())?;
+    // SAFETY: `statvfs` is a plain C struct of integers, for which all-zero bytes are valid.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a valid NUL-terminated path and `st` a valid, writable statvfs.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+    if rc != 0 {
+        return Err(format!(
+            "statvfs failed: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    #[allow(clippy::unnecessary_cast)]
+    Ok((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+}
+
+/// Not available off Unix.
+#[cfg(not(unix))]
+pub fn free_bytes(_path: &Path) -> Result<u64, String> {
+    Err("disk space is not measured on this platform".into())
+}
+
+/// The verdict for `free` bytes: fail below [`DISK_FAIL_BYTES`], warn below
+/// [`DISK_WARN_BYTES`].
+pub fn disk_verdict(free: u64) -> Status {
+    if free < DISK_FAIL_BYTES {
+        Status::Fail
+    } else if free < DISK_WARN_BYTES {
+        Status::Warn
+    } else {
+        Status::Ok
+    }
+}
+
+/// `disk-space`: free space of the data directory's file system.
+pub fn disk_space(f: &Facts) -> Result<Outcome, String> {
+    let free = free_bytes(f.paths.home())?;
+    let mib = free >> 20;
+    let status = disk_verdict(free);
+    let out = Outcome::new(
+        status,
+        format!("{mib} MiB free for {}", f.paths.home().display()),
+    );
+    Ok(match status {
+        Status::Ok => out,
+        _ => out.fix("free disk space: mail cannot be stored when the disk is full"),
+    })
+}

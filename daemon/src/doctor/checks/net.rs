@@ -1,0 +1,279 @@
+//! Doctor's network probes (`wire.md` §7 items 3, 9, 10): the local API's `GET /v1/health`,
+//! each peer's signed `GET /v1/status?challenge=…` (verified against the pinned key) followed
+//! by a hop-signed `GET /v1/agents` (the peer accepts our signature), and the relay's
+//! `GET /v2/relay/info` with its `Date` header. They run concurrently, each bounded by
+//! [`super::super::Options::timeout`]; they send no token.
+
+use std::time::Duration;
+
+use agentmbx_protocol::keys::PublicKey;
+use agentmbx_protocol::status::verify_status;
+use agentmbx_protocol::wire::RelayInfo;
+use serde_json::Value;
+
+use super::super::Facts;
+use crate::transport::lan::client::LanClient;
+use crate::transport::relay_client::state::parse_http_date;
+
+/// Largest answer a probe reads (bytes).
+const MAX_PROBE_ANSWER: usize = 64 * 1024;
+
+/// What the probes found; `None` for a probe that did not run.
+#[derive(Debug, Default)]
+pub struct Probes {
+    /// The local API.
+    pub daemon: Option<DaemonProbe>,
+    /// The peers, or why they could not be listed.
+    pub peers: Option<Result<Vec<PeerProbe>, String>>,
+    /// The relay (only when one is configured), or why it did not answer as a relay.
+    pub relay: Option<Result<RelayProbe, String>>,
+}
+
+/// The local API's answer.
+#[derive(Debug)]
+pub enum DaemonProbe {
+    /// Nothing answered at `addr` (connection refused or timed out).
+    Unreachable {
+        /// `ip:port` tried.
+        addr: String,
+        /// Why.
+        why: String,
+    },
+    /// Something answered.
+    Answered {
+        /// `ip:port`.
+        addr: String,
+        /// HTTP status.
+        status: u16,
+        /// Parsed body (`Null` when not JSON).
+        body: Value,
+    },
+}
+
+/// One peer's probe.
+#[derive(Debug)]
+pub struct PeerProbe {
+    /// The peer's handle.
+    pub host: String,
+    /// The LAN address tried, if one is known.
+    pub addr: Option<String>,
+    /// `Ok(version)` for a status signed by the pinned key whose host then accepted our signed
+    /// request, else why not.
+    pub result: Result<String, String>,
+}
+
+/// The relay's unsigned info and its clock.
+#[derive(Debug)]
+pub struct RelayProbe {
+    /// The info answer.
+    pub info: RelayInfo,
+    /// The relay's `Date` header (ms), if it sent a parseable one.
+    pub date_ms: Option<i64>,
+}
+
+fn client(timeout: Duration) -> Result<reqwest::Client, String> {
+    crate::install_tls_provider();
+    reqwest::Client::builder()
+        .timeout(timeout)
+        .connect_timeout(timeout)
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .map_err(|e| format!("cannot build the HTTP client: {e}"))
+}
+
+/// GET `url`: status, `Date` header and body (at most [`MAX_PROBE_ANSWER`] bytes).
+async fn get(http: &reqwest::Client, url: &str) -> Result<(u16, Option<String>, Vec<u8>), String> {
+    let mut resp = http.get(url).send().await.map_err(|e| describe(&e))?;
+    let status = resp.status().as_u16();
+    let date = resp
+        .headers()
+        .get(reqwest::header::DATE)
+        .and_then(|d| d.to_str().ok())
+        .map(str::to_string);
+    let mut body = Vec::new();
+    while let Some(chunk) = resp.chunk().await.map_err(|e| describe(&e))? {
+        if body.len() + chunk.len() > MAX_PROBE_ANSWER {
+            return Err(format!("answer over {MAX_PROBE_ANSWER} bytes"));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok((status, date, body))
+}
+
+fn describe(e: &reqwest::Error) -> String {
+    if e.is_timeout() {
+        "timed out".into()
+    } else if e.is_connect() {
+        "connection refused or unreachable".into()
+    } else {
+        "request failed".into()
+    }
+}
+
+/// The local API address: `api.addr` written by the running daemon, else the configured one.
+fn api_addr(f: &Facts) -> Option<String> {
+    if let Ok(text) = std::fs::read_to_string(f.paths.api_addr_file()) {
+        let t = text.trim();
+        if !t.is_empty() {
+            return Some(t.to_string());
+        }
+    }
+    let c = f.config.as_ref().ok()?;
+    Some(std::net::SocketAddr::new(c.api_bind, c.api_port).to_string())
+}
+
+async fn probe_daemon(f: &Facts, http: &reqwest::Client) -> Option<DaemonProbe> {
+    let addr = api_addr(f)?;
+    Some(match get(http, &format!("http://{addr}/v1/health")).await {
+        Err(why) => DaemonProbe::Unreachable { addr, why },
+        Ok((status, _, body)) => DaemonProbe::Answered {
+            addr,
+            status,
+            body: serde_json::from_slice(&body).unwrap_or(Value::Null),
+        },
+    })
+}
+
+async fn probe_peer(
+    http: &reqwest::Client,
+    lan: Option<&LanClient>,
+    timeout: Duration,
+    peer: crate::mailbox::peers::Peer,
+) -> PeerProbe {
+    let Some(addr) = peer.addr.clone() else {
+        return PeerProbe {
+            host: peer.host,
+            addr: None,
+            result: Err("no LAN address known".into()),
+        };
+    };
+    let challenge = hex::encode(rand::random::<[u8; 16]>());
+    let result = async {
+        let pinned = PublicKey::from_b64(&peer.pubkey).map_err(|_| "pinned key is invalid")?;
+        let (status, _, body) = get(
+            http,
+            &format!("http://{addr}/v1/status?challenge={challenge}"),
+        )
+        .await?;
+        if status != 200 {
+            return Err(format!("answered HTTP {status}"));
+        }
+        let answer: Value =
+            serde_json::from_slice(&body).map_err(|_| "answer is not JSON".to_string())?;
+        let st = verify_status(&answer, &peer.host, &pinned, &challenge)
+            .map_err(|e| format!("status not signed by the pinned key: {e}"))?;
+        if let Some(lan) = lan {
+            match tokio::time::timeout(timeout, lan.get_agents(&addr)).await {
+                Err(_) => return Err("signed GET /v1/agents timed out".into()),
+                Ok(Err(e)) => {
+                    return Err(format!(
+                        "reachable, but it does not accept our signed request: {e}"
+                    ))
+                }
+                Ok(Ok(_)) => {}
+            }
+        }
+        Ok::<_, String>(st.version)
+    }
+    .await;
+    PeerProbe {
+        host: peer.host,
+        addr: Some(addr),
+        result,
+    }
+}
+
+async fn probe_relay(url: &str, http: &reqwest::Client) -> Result<RelayProbe, String> {
+    let (status, date, body) = get(http, &format!("{url}/v2/relay/info")).await?;
+    if status != 200 {
+        return Err(format!("GET /v2/relay/info answered HTTP {status}"));
+    }
+    let info: RelayInfo = serde_json::from_slice(&body)
+        .map_err(|_| "GET /v2/relay/info did not answer a relay info object".to_string())?;
+    Ok(RelayProbe {
+        info,
+        date_ms: date.as_deref().and_then(parse_http_date),
+    })
+}
+
+/// Runs the wanted probes concurrently.
+pub async fn probe(f: &Facts, daemon: bool, peers: bool, relay: bool) -> Probes {
+    let http = match client(f.opts.timeout) {
+        Ok(h) => h,
+        Err(e) => {
+            return Probes {
+                daemon: None,
+                peers: peers.then(|| Err(e.clone())),
+                relay: (relay && f.relay_url.is_some()).then_some(Err(e)),
+            }
+        }
+    };
+    let d = async {
+        if daemon {
+            probe_daemon(f, &http).await
+        } else {
+            None
+        }
+    };
+    let lan = f.signer.as_ref().and_then(|ident| {
+        let clock: agentmbx_protocol::clock::SharedClock =
+            std::sync::Arc::new(agentmbx_protocol::clock::ManualClock::new(f.opts.now_ms));
+        let port = f.config.as_ref().map(|c| c.lan_port).unwrap_or(0);
+        LanClient::new(ident.clone(), clock, port).ok()
+    });
+    let p = async {
+        if !peers {
+            return None;
+        }
+        let list = match &f.mailbox {
+            None => return Some(Ok(Vec::new())),
+            Some(m) => m.with(|c| crate::mailbox::peers::list(c)),
+        };
+        Some(match list {
+            Err(e) => Err(e.to_string()),
+            Ok(list) => {
+                let all = list
+                    .into_iter()
+                    .map(|peer| probe_peer(&http, lan.as_ref(), f.opts.timeout, peer));
+                Ok(futures_join_all(all).await)
+            }
+        })
+    };
+    let r = async {
+        match (&f.relay_url, relay) {
+            (Some(url), true) => Some(probe_relay(url, &http).await),
+            _ => None,
+        }
+    };
+    let (daemon, peers, relay) = tokio::join!(d, p, r);
+    Probes {
+        daemon,
+        peers,
+        relay,
+    }
+}
+
+/// Awaits all futures concurrently (a small `join_all` on a `JoinSet`-free local set).
+async fn futures_join_all<F: std::future::Future>(futs: impl Iterator<Item = F>) -> Vec<F::Output> {
+    let mut pinned: Vec<std::pin::Pin<Box<F>>> = futs.map(Box::pin).collect();
+    let mut out: Vec<Option<F::Output>> = pinned.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (i, fut) in pinned.iter_mut().enumerate() {
+            if out[i].is_some() {
+                continue;
+            }
+            match fut.as_mut().poll(cx) {
+                std::task::Poll::Ready(v) => out[i] = Some(v),
+                std::task::Poll::Pending => pending = true,
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    out.into_iter().flatten().collect()
+}

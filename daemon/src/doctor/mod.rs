@@ -1,0 +1,417 @@
+//! `agentmbx doctor`: checks of this host's setup, each with a stable id, a status and, where
+//! something is wrong, the command that fixes it (conventions.md "Platform conventions";
+//! `wire.md` §7).
+//!
+//! The framework: [`CHECKS`] lists the ids and titles; [`run`] gathers the facts the checks
+//! need (the network probes — daemon, peers, relay — concurrently, each bounded by
+//! [`Options::timeout`]) and evaluates each selected check. A check returns
+//! `Result<Outcome, String>`: an `Err` becomes status [`Status::Error`] with that message, so one
+//! broken check never stops the others. [`Report`] is `{schema: 1, checks: [...], summary}`;
+//! every text in it passes through [`redact`] first.
+//!
+//! This module reads `config.toml`, `mailbox.db`, the key files' metadata and the network; it
+//! writes only with `--fix` ([`Options::fix`]), and then only safe local fixes (a missing home
+//! created 0700, key file permissions set to 0600). It never reads or prints private keys or
+//! tokens.
+
+pub mod checks;
+
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::config::Config;
+use crate::mailbox::Mailbox;
+use crate::paths::Paths;
+
+/// Version of the `--json` document.
+pub const SCHEMA: u32 = 1;
+
+/// Default bound of each network probe (2 s).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A check's verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    /// All good.
+    Ok,
+    /// Works, but something needs attention.
+    Warn,
+    /// Broken: `doctor` exits 1.
+    Fail,
+    /// Not applicable here (e.g. no relay configured).
+    Skip,
+    /// The check itself could not run.
+    Error,
+}
+
+impl Status {
+    /// The text-mode mark: `✔ ! ✗ · ?`.
+    pub fn mark(self) -> &'static str {
+        match self {
+            Status::Ok => "✔",
+            Status::Warn => "!",
+            Status::Fail => "✗",
+            Status::Skip => "·",
+            Status::Error => "?",
+        }
+    }
+}
+
+/// One check's id and title.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Check {
+    /// Stable kebab-case id (`doctor <id>` runs only it).
+    pub id: &'static str,
+    /// One-line title.
+    pub title: &'static str,
+}
+
+/// Every check, in the order they run and print.
+pub const CHECKS: &[Check] = &[
+    Check {
+        id: "host-identity",
+        title: "host initialized and host key",
+    },
+    Check {
+        id: "keystore",
+        title: "key store backend",
+    },
+    Check {
+        id: "daemon",
+        title: "daemon answering on the local API",
+    },
+    Check {
+        id: "peers",
+        title: "peers reachable and accepting our signature",
+    },
+    Check {
+        id: "relay-reachable",
+        title: "relay reachable",
+    },
+    Check {
+        id: "relay-key",
+        title: "relay key pinned and matching",
+    },
+    Check {
+        id: "relay-enrolled",
+        title: "enrolled for the current relay key and epoch",
+    },
+    Check {
+        id: "enc-ad",
+        title: "enc-key ad published and not near expiry",
+    },
+    Check {
+        id: "clock-skew",
+        title: "clock skew against the relay",
+    },
+    Check {
+        id: "outbox",
+        title: "outbox: stuck, waiting, repush, expired, unconfirmed",
+    },
+    Check {
+        id: "quarantine",
+        title: "quarantined relay items",
+    },
+    Check {
+        id: "service",
+        title: "service installed and running",
+    },
+    Check {
+        id: "disk-space",
+        title: "disk space of the data directory",
+    },
+];
+
+/// What a check found (before id and title are attached).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Outcome {
+    /// The verdict (default `ok`).
+    pub status: Option<Status>,
+    /// One line.
+    pub summary: String,
+    /// Further lines.
+    pub details: Vec<String>,
+    /// The command (or action) that fixes it, if any.
+    pub fix: Option<String>,
+}
+
+impl Outcome {
+    /// An outcome with `status` and `summary`.
+    pub fn new(status: Status, summary: impl Into<String>) -> Self {
+        Outcome {
+            status: Some(status),
+            summary: summary.into(),
+            ..Outcome::default()
+        }
+    }
+
+    /// Adds the fix.
+    pub fn fix(mut self, fix: impl Into<String>) -> Self {
+        self.fix = Some(fix.into());
+        self
+    }
+
+    /// Adds a detail line.
+    pub fn detail(mut self, line: impl Into<String>) -> Self {
+        self.details.push(line.into());
+        self
+    }
+}
+
+/// One check's result, as `--json` prints it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct CheckResult {
+    /// Stable id.
+    pub id: &'static str,
+    /// Title.
+    pub title: &'static str,
+    /// Verdict.
+    pub status: Status,
+    /// One line.
+    pub summary: String,
+    /// Further lines.
+    pub details: Vec<String>,
+    /// Fix command, or `null`.
+    pub fix: Option<String>,
+}
+
+/// Counts per status.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Summary {
+    /// `ok` results.
+    pub ok: usize,
+    /// `warn` results.
+    pub warn: usize,
+    /// `fail` results.
+    pub fail: usize,
+    /// `skip` results.
+    pub skip: usize,
+    /// `error` results.
+    pub error: usize,
+}
+
+/// The whole report: `{schema, checks, summary}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Report {
+    /// [`SCHEMA`].
+    pub schema: u32,
+    /// Results, in [`CHECKS`] order.
+    pub checks: Vec<CheckResult>,
+    /// Counts.
+    pub summary: Summary,
+}
+
+impl Report {
+    /// Builds the report from results (counts them).
+    pub fn new(checks: Vec<CheckResult>) -> Self {
+        let mut summary = Summary::default();
+        for c in &checks {
+            match c.status {
+                Status::Ok => summary.ok += 1,
+                Status::Warn => summary.warn += 1,
+                Status::Fail => summary.fail += 1,
+                Status::Skip => summary.skip += 1,
+                Status::Error => summary.error += 1,
+            }
+        }
+        Report {
+            schema: SCHEMA,
+            checks,
+            summary,
+        }
+    }
+
+    /// The process exit code: 1 when any check failed, else 0.
+    pub fn exit_code(&self) -> u8 {
+        u8::from(self.summary.fail > 0)
+    }
+
+    /// Text form: one `<mark> <title>: <summary>` line per check, details indented, then
+    /// `    fix: …`.
+    pub fn text(&self) -> String {
+        let mut out = String::new();
+        for c in &self.checks {
+            out.push_str(&format!("{} {}: {}\n", c.status.mark(), c.title, c.summary));
+            for d in &c.details {
+                out.push_str(&format!("    {d}\n"));
+            }
+            if let Some(f) = &c.fix {
+                out.push_str(&format!("    fix: {f}\n"));
+            }
+        }
+        let s = &self.summary;
+        out.push_str(&format!(
+            "{} ok, {} warn, {} fail, {} skip, {} error\n",
+            s.ok, s.warn, s.fail, s.skip, s.error
+        ));
+        out
+    }
+}
+
+/// An id that names no check.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown check `{0}`; `agentmbx doctor --list` lists the ids")]
+pub struct UnknownCheck(pub String);
+
+/// The checks named by `ids` (in [`CHECKS`] order), or all when `ids` is empty.
+/// Errors: [`UnknownCheck`] for the first id that names no check.
+pub fn select(ids: &[String]) -> Result<Vec<Check>, UnknownCheck> {
+    if let Some(bad) = ids
+        .iter()
+        .find(|i| !CHECKS.iter().any(|c| c.id == i.as_str()))
+    {
+        return Err(UnknownCheck(bad.clone()));
+    }
+    Ok(CHECKS
+        .iter()
+        .filter(|c| ids.is_empty() || ids.iter().any(|i| i == c.id))
+        .copied()
+        .collect())
+}
+
+/// How to run.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Apply safe local fixes.
+    pub fix: bool,
+    /// Bound of each network probe.
+    pub timeout: Duration,
+    /// Now (ms, from the clock).
+    pub now_ms: i64,
+}
+
+/// Replaces secrets in `text` with `[redacted]`: each of `secrets` (non-empty, e.g. the API
+/// token), and any run of 40 or more base64 or hex characters (keys and tokens; fingerprints are
+/// 19 characters with dashes and stay).
+pub fn redact(text: &str, secrets: &[String]) -> String {
+    let mut t = text.to_string();
+    for s in secrets.iter().filter(|s| s.len() >= 8) {
+        t = t.replace(s.as_str(), "[redacted]");
+    }
+    let mut out = String::with_capacity(t.len());
+    let mut run = String::new();
+    let flush = |run: &mut String, out: &mut String| {
+        if run.len() >= 40 {
+            out.push_str("[redacted]");
+        } else {
+            out.push_str(run);
+        }
+        run.clear();
+    };
+    for ch in t.chars() {
+        if ch.is_ascii_alphanumeric() || matches!(ch, '+' | '/' | '=') {
+            run.push(ch);
+        } else {
+            flush(&mut run, &mut out);
+            out.push(ch);
+        }
+    }
+    flush(&mut run, &mut out);
+    out
+}
+
+/// Everything the checks read, gathered once by [`run`].
+#[allow(missing_debug_implementations)]
+pub struct Facts {
+    /// The home.
+    pub paths: Paths,
+    /// Options.
+    pub opts: Options,
+    /// `config.toml` plus environment, or why it could not be read.
+    pub config: Result<Config, String>,
+    /// `mailbox.db` when it exists and opens.
+    pub mailbox: Option<Mailbox>,
+    /// The relay URL (no trailing `/`), when configured.
+    pub relay_url: Option<String>,
+    /// This host's public identity, or why it cannot be loaded (e.g. not initialized).
+    pub identity: Result<crate::identity::PublicIdentity, String>,
+    /// This host's identity for signing the peers' LAN probe (`None` when it cannot be loaded).
+    pub signer: Option<std::sync::Arc<crate::identity::Identity>>,
+    /// Network probes (`None` when not run).
+    pub probes: checks::net::Probes,
+    /// Secrets to redact (the API token).
+    pub secrets: Vec<String>,
+}
+
+/// Runs `selected` against the home `paths` and returns the report. Never panics on a broken
+/// home: what cannot be read becomes `error` or `fail` results.
+pub async fn run(paths: Paths, selected: &[Check], opts: Options) -> Report {
+    let config = if paths.config_file().exists() || crate::identity::is_initialized(&paths) {
+        Config::load(&paths).map_err(|e| e.to_string())
+    } else {
+        Err("config.toml not found".to_string())
+    };
+    let db = paths.mailbox_db();
+    let mailbox = if db.exists() {
+        Mailbox::open(&db).ok()
+    } else {
+        None
+    };
+    let relay_url = config
+        .as_ref()
+        .ok()
+        .and_then(|c| c.relay.as_ref())
+        .map(|r| r.url.trim_end_matches('/').to_string());
+    let loaded = if !crate::identity::is_initialized(&paths) {
+        Err("this host is not initialized".to_string())
+    } else {
+        match &config {
+            Ok(c) => crate::identity::load(&paths, c).map_err(|e| e.to_string()),
+            Err(e) => Err(e.clone()),
+        }
+    };
+    let identity = loaded.as_ref().map(|i| i.public()).map_err(Clone::clone);
+    let signer = loaded.ok().map(std::sync::Arc::new);
+    let secrets = std::fs::read_to_string(paths.api_token())
+        .map(|t| vec![t.trim().to_string()])
+        .unwrap_or_default();
+    let wants = |ids: &[&str]| selected.iter().any(|c| ids.contains(&c.id));
+    let mut facts = Facts {
+        paths,
+        opts,
+        config,
+        mailbox,
+        relay_url,
+        identity,
+        signer,
+        probes: checks::net::Probes::default(),
+        secrets,
+    };
+    facts.probes = checks::net::probe(
+        &facts,
+        wants(&["daemon"]),
+        wants(&["peers"]),
+        wants(&[
+            "relay-reachable",
+            "relay-key",
+            "relay-enrolled",
+            "clock-skew",
+        ]),
+    )
+    .await;
+    let results = selected
+        .iter()
+        .map(|c| {
+            let outcome =
+                checks::evaluate(c.id, &facts).unwrap_or_else(|e| Outcome::new(Status::Error, e));
+            CheckResult {
+                id: c.id,
+                title: c.title,
+                status: outcome.status.unwrap_or(Status::Ok),
+                summary: redact(&outcome.summary, &facts.secrets),
+                details: outcome
+                    .details
+                    .iter()
+                    .map(|d| redact(d, &facts.secrets))
+                    .collect(),
+                fix: outcome.fix.map(|f| redact(&f, &facts.secrets)),
+            }
+        })
+        .collect();
+    Report::new(results)
+}
+
+#[cfg(test)]
+mod tests;

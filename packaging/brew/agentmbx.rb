@@ -1,0 +1,44 @@
+# Homebrew formula for agentmbx: builds from source with cargo, installs the shell completions
+# (written by the binary itself) and the committed man pages, and runs the host daemon as a
+# service (`brew services start agentmbx`: a launchd agent on macOS, a systemd user unit of
+# Type=simple on Linux; the daemon runs fine without a notify socket).
+class Agentmbx < Formula
+  desc "Signed, end-to-end-sealed mailbox for AI agents (daemon, CLI and relay)"
+  homepage "https://example.invalid/agentmbx"
+  url "https://example.invalid/agentmbx/archive/refs/tags/v0.1.0.tar.gz"
+  # Fill in with `shasum -a 256` of the release tarball.
+  sha256 "0000000000000000000000000000000000000000000000000000000000000000"
+  license any_of: ["MIT", "Apache-2.0"]
+  head "https://example.invalid/agentmbx.git", branch: "main"
+
+  depends_on "rust" => :build
+
+  def install
+    system "cargo", "install", *std_cargo_args(path: "daemon")
+    generate_completions_from_executable(bin/"agentmbx", "completions")
+    man1.install Dir["man/*.1"]
+  end
+
+  service do
+    run [opt_bin/"agentmbx", "daemon"]
+    keep_alive successful_exit: false
+    log_path var/"log/agentmbx.log"
+    error_log_path var/"log/agentmbx.log"
+  end
+
+  test do
+    ENV["MBX_HOME"] = testpath/"home"
+    ENV["MBX_KEYSTORE"] = "file"
+    assert_match "agentmbx #{version}", shell_output("#{bin}/agentmbx --version")
+    system bin/"agentmbx", "init", "--host", "brewtest"
+    whoami = JSON.parse(shell_output("#{bin}/agentmbx whoami --json"))
+    assert_equal "brewtest", whoami["host"]
+    assert_equal "file", whoami["keystore"]
+    assert_match(/\A\h{4}-\h{4}-\h{4}-\h{4}\z/, whoami["fingerprint"])
+    # An initialized home is never overwritten: a second init fails and keeps the key.
+    shell_output("#{bin}/agentmbx init --host other 2>&1", 1)
+    assert_equal whoami["fingerprint"],
+                 JSON.parse(shell_output("#{bin}/agentmbx whoami --json"))["fingerprint"]
+    assert_match "complete", shell_output("#{bin}/agentmbx completions bash")
+  end
+end

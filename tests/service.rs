@@ -1,0 +1,456 @@
+//! Service integration, black-box: `agentmbx daemon install|uninstall|status` (dry runs in a
+//! temporary `HOME`: the files and commands are printed, nothing is written or run), and the
+//! sd-notify messages of a real daemon and a real relay, received on a unix datagram socket set
+//! as `NOTIFY_SOCKET` (READY after bind, STATUS, WATCHDOG pings, STOPPING on SIGTERM).
+
+mod helper;
+
+use std::os::unix::net::UnixDatagram;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use helper::relay_cli::serve;
+use helper::{command, http, run, wait_for, Daemon, Home, LISTENING};
+
+/// `agentmbx <args>` for `home` with `HOME` set to `user_home` and no XDG config override.
+fn in_user_home(home: &Home, user_home: &Path, args: &[&str]) -> Command {
+    let mut cmd = home.command(args);
+    cmd.env("HOME", user_home).env_remove("XDG_CONFIG_HOME");
+    cmd
+}
+
+/// Every file under `dir`, recursively.
+fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                out.extend(files_under(&p));
+            }
+            out.push(p);
+        }
+    }
+    out
+}
+
+fn binary() -> String {
+    std::fs::canonicalize(helper::bin())
+        .expect("canonical binary path")
+        .display()
+        .to_string()
+}
+
+#[test]
+fn install_dry_run_prints_the_unit_and_commands_and_writes_nothing() {
+    let home = Home::new();
+    let user = tempfile::tempdir().expect("temp dir");
+    let out = run(in_user_home(
+        &home,
+        user.path(),
+        &["daemon", "install", "--dry-run"],
+    ));
+    out.assert_success();
+    let unit_path = user.path().join(".config/systemd/user/agentmbx.service");
+    let text = &out.stdout;
+    assert!(
+        text.starts_with(&format!(
+            "# create directory {}\n# write {}\n[Unit]\n",
+            home.path().display(),
+            unit_path.display()
+        )),
+        "{text}"
+    );
+    for line in [
+        "Type=notify".to_string(),
+        "NotifyAccess=main".to_string(),
+        format!("ExecStart={} daemon", binary()),
+        format!("Environment=MBX_HOME={}", home.path().display()),
+        format!("ReadWritePaths={}", home.path().display()),
+        "WatchdogSec=30".to_string(),
+        "Restart=on-failure".to_string(),
+        "RestartSec=5".to_string(),
+        "NoNewPrivileges=yes".to_string(),
+        "WantedBy=default.target".to_string(),
+        "# run\nsystemctl --user daemon-reload".to_string(),
+        "# run\nsystemctl --user enable --now agentmbx.service".to_string(),
+    ] {
+        assert!(
+            text.contains(&format!("{line}\n")),
+            "missing {line:?} in:\n{text}"
+        );
+    }
+    assert!(
+        text.find("daemon-reload") < text.find("enable --now"),
+        "reload before enable:\n{text}"
+    );
+    assert!(
+        files_under(user.path()).is_empty(),
+        "nothing written in HOME"
+    );
+    assert!(!home.path().exists(), "nothing written in MBX_HOME");
+}
+
+#[test]
+fn install_dry_run_json_for_both_platforms() {
+    let home = Home::new();
+    let user = tempfile::tempdir().expect("temp dir");
+    let linux = run(in_user_home(
+        &home,
+        user.path(),
+        &[
+            "daemon",
+            "install",
+            "--dry-run",
+            "--json",
+            "--platform",
+            "linux",
+        ],
+    ));
+    let v = linux.json();
+    assert_eq!(v["platform"], "linux");
+    let unit_path = user.path().join(".config/systemd/user/agentmbx.service");
+    assert_eq!(v["files"][0]["path"], unit_path.display().to_string());
+    assert_eq!(
+        v["dirs"],
+        serde_json::json!([home.path().display().to_string()])
+    );
+    assert!(v["files"][0]["contents"]
+        .as_str()
+        .expect("contents")
+        .contains("\nType=notify\n"));
+    assert_eq!(
+        v["commands"],
+        serde_json::json!([
+            ["systemctl", "--user", "daemon-reload"],
+            ["systemctl", "--user", "enable", "--now", "agentmbx.service"]
+        ])
+    );
+
+    let mac = run(in_user_home(
+        &home,
+        user.path(),
+        &[
+            "daemon",
+            "install",
+            "--dry-run",
+            "--json",
+            "--platform",
+            "macos",
+        ],
+    ));
+    let v = mac.json();
+    assert_eq!(v["platform"], "macos");
+    let plist_path = user
+        .path()
+        .join("Library/LaunchAgents/org.agentmbx.daemon.plist");
+    assert_eq!(v["files"][0]["path"], plist_path.display().to_string());
+    let commands = v["commands"].as_array().expect("commands");
+    assert_eq!(commands.len(), 1);
+    assert_eq!(commands[0][0], "launchctl");
+    assert_eq!(commands[0][1], "bootstrap");
+    assert!(commands[0][2].as_str().expect("domain").starts_with("gui/"));
+    assert_eq!(commands[0][3], plist_path.display().to_string());
+    let contents = v["files"][0]["contents"].as_str().expect("contents");
+    let plist = plist::Value::from_reader_xml(contents.as_bytes()).expect("plist parses");
+    let dict = plist.as_dictionary().expect("dict");
+    let args: Vec<&str> = dict["ProgramArguments"]
+        .as_array()
+        .expect("array")
+        .iter()
+        .filter_map(|v| v.as_string())
+        .collect();
+    assert_eq!(args, vec![binary().as_str(), "daemon"]);
+    assert_eq!(
+        dict["EnvironmentVariables"].as_dictionary().expect("env")["MBX_HOME"].as_string(),
+        Some(home.path().display().to_string().as_str())
+    );
+    assert_eq!(dict["RunAtLoad"].as_boolean(), Some(true));
+    assert!(files_under(user.path()).is_empty(), "nothing written");
+}
+
+#[test]
+fn uninstall_dry_run_and_usage_errors() {
+    let home = Home::new();
+    let user = tempfile::tempdir().expect("temp dir");
+    let out = run(in_user_home(
+        &home,
+        user.path(),
+        &[
+            "daemon",
+            "uninstall",
+            "--dry-run",
+            "--json",
+            "--platform",
+            "linux",
+        ],
+    ));
+    let v = out.json();
+    let unit_path = user.path().join(".config/systemd/user/agentmbx.service");
+    assert_eq!(
+        v["removes"],
+        serde_json::json!([unit_path.display().to_string()])
+    );
+    assert_eq!(v["files"], serde_json::json!([]));
+    assert_eq!(
+        v["commands"][0],
+        serde_json::json!([
+            "systemctl",
+            "--user",
+            "disable",
+            "--now",
+            "agentmbx.service"
+        ])
+    );
+
+    let mac = run(in_user_home(
+        &home,
+        user.path(),
+        &["daemon", "uninstall", "--dry-run", "--platform", "macos"],
+    ));
+    mac.assert_success();
+    assert!(
+        mac.stdout.contains("launchctl bootout gui/"),
+        "{}",
+        mac.stdout
+    );
+
+    // --platform and --json only make sense for a dry run.
+    let bad = run(in_user_home(
+        &home,
+        user.path(),
+        &["daemon", "install", "--platform", "macos"],
+    ));
+    assert_eq!(bad.code(), Some(2), "{bad:?}");
+    assert!(files_under(user.path()).is_empty(), "nothing written");
+}
+
+#[test]
+fn status_reports_not_installed_without_failing() {
+    let home = Home::new();
+    let user = tempfile::tempdir().expect("temp dir");
+    let out = run(in_user_home(
+        &home,
+        user.path(),
+        &["daemon", "status", "--json"],
+    ));
+    out.assert_success();
+    let v = out.json();
+    assert_eq!(v["installed"], false);
+    assert_eq!(
+        v["file"],
+        user.path()
+            .join(".config/systemd/user/agentmbx.service")
+            .display()
+            .to_string()
+    );
+    assert!(v["enabled"].is_string() && v["active"].is_string(), "{v}");
+}
+
+/// One received sd-notify datagram and when it arrived.
+#[derive(Debug, Clone)]
+struct Message {
+    at: Instant,
+    text: String,
+    /// For `READY=1`: whether the daemon's local API answered `/v1/health` right then.
+    api_answered: Option<bool>,
+}
+
+/// A unix datagram socket in a temp dir, read by a thread into a shared list. When a READY=1
+/// arrives and `api_addr_file` is set, the thread asks the local API at once.
+struct NotifySocket {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+    messages: Arc<Mutex<Vec<Message>>>,
+}
+
+impl NotifySocket {
+    fn new(api_addr_file: Option<PathBuf>) -> NotifySocket {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("notify.sock");
+        let socket = UnixDatagram::bind(&path).expect("bind notify socket");
+        let messages = Arc::new(Mutex::new(Vec::new()));
+        let sink = messages.clone();
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 4096];
+            while let Ok(n) = socket.recv(&mut buf) {
+                let text = String::from_utf8_lossy(&buf[..n]).to_string();
+                let at = Instant::now();
+                let api_answered = match (&api_addr_file, text.contains("READY=1")) {
+                    (Some(file), true) => Some(
+                        std::fs::read_to_string(file)
+                            .ok()
+                            .and_then(|a| a.trim().parse().ok())
+                            .is_some_and(|addr| {
+                                http(addr, "GET", "/v1/health", None).status == 200
+                            }),
+                    ),
+                    _ => None,
+                };
+                sink.lock().expect("lock").push(Message {
+                    at,
+                    text,
+                    api_answered,
+                });
+            }
+        });
+        NotifySocket {
+            _dir: dir,
+            path,
+            messages,
+        }
+    }
+
+    fn all(&self) -> Vec<Message> {
+        self.messages.lock().expect("lock").clone()
+    }
+
+    /// The messages that have a line `line`.
+    fn with_line(&self, line: &str) -> Vec<Message> {
+        self.all()
+            .into_iter()
+            .filter(|m| m.text.lines().any(|l| l == line))
+            .collect()
+    }
+
+    fn wait_line(&self, line: &str, count: usize) -> Vec<Message> {
+        wait_for(&format!("{count} sd-notify {line:?}"), || {
+            let found = self.with_line(line);
+            (found.len() >= count).then_some(found)
+        })
+    }
+}
+
+/// `sh -c 'WATCHDOG_PID=$$ exec agentmbx daemon …'`: the daemon gets its own pid as
+/// WATCHDOG_PID, as systemd sets it, with the environment of `home.command`.
+fn daemon_under_watchdog(home: &Home, socket: &Path, watchdog_usec: &str) -> Command {
+    let base = home.command(&[]);
+    let mut cmd = Command::new("sh");
+    for (k, v) in base.get_envs() {
+        match v {
+            Some(v) => cmd.env(k, v),
+            None => cmd.env_remove(k),
+        };
+    }
+    cmd.args([
+        "-c",
+        "WATCHDOG_PID=$$; export WATCHDOG_PID; exec \"$0\" daemon --api-port 0",
+        helper::bin(),
+    ])
+    .env("NOTIFY_SOCKET", socket)
+    .env("WATCHDOG_USEC", watchdog_usec)
+    .stdin(std::process::Stdio::null());
+    cmd
+}
+
+#[test]
+fn daemon_notifies_ready_after_bind_status_watchdog_and_stopping() {
+    let home = Home::new();
+    let socket = NotifySocket::new(Some(home.file("api.addr")));
+    let daemon = Daemon::spawn(
+        daemon_under_watchdog(&home, &socket.path, "2000000"),
+        LISTENING,
+    )
+    .expect("daemon started");
+
+    let ready = socket.wait_line("READY=1", 1);
+    assert_eq!(ready.len(), 1, "READY=1 is sent once");
+    assert_eq!(
+        ready[0].api_answered,
+        Some(true),
+        "the local API answers when READY=1 arrives"
+    );
+    assert!(
+        ready[0]
+            .text
+            .lines()
+            .any(|l| l == "STATUS=no relay, 0 queued, 0 peers"),
+        "{:?}",
+        ready[0].text
+    );
+
+    // WATCHDOG_USEC=2 s: a ping every second from the liveness check.
+    let pings = socket.wait_line("WATCHDOG=1", 3);
+    let gap = pings[2].at.duration_since(pings[1].at);
+    assert!(
+        gap >= Duration::from_millis(500) && gap <= Duration::from_millis(1900),
+        "pings about every second, got {gap:?}"
+    );
+    assert!(pings[0].at >= ready[0].at, "no ping before READY=1");
+    assert!(socket.with_line("STOPPING=1").is_empty());
+
+    let (status, log) = daemon.terminate();
+    assert_eq!(status.code(), Some(0), "{log}");
+    let stopping = socket.wait_line("STOPPING=1", 1);
+    assert!(stopping[0].at >= pings[2].at);
+    assert!(log.contains("SIGTERM received"), "{log}");
+}
+
+#[test]
+fn a_watchdog_for_another_pid_gets_no_pings() {
+    let home = Home::new();
+    let socket = NotifySocket::new(None);
+    let mut cmd = home.command(&["daemon", "--api-port", "0"]);
+    cmd.env("NOTIFY_SOCKET", &socket.path)
+        .env("WATCHDOG_USEC", "200000")
+        .env("WATCHDOG_PID", "1");
+    let daemon = Daemon::spawn(cmd, LISTENING).expect("daemon started");
+    socket.wait_line("READY=1", 1);
+    // The status loop's first tick (its own STATUS= datagram) is where a ping would go.
+    wait_for("the status loop's first tick", || {
+        let n = socket
+            .all()
+            .iter()
+            .filter(|m| m.text.lines().any(|l| l.starts_with("STATUS=")))
+            .count();
+        (n >= 2).then_some(())
+    });
+    let (status, log) = daemon.terminate();
+    assert_eq!(status.code(), Some(0), "{log}");
+    socket.wait_line("STOPPING=1", 1);
+    assert!(!log.contains("service watchdog on"), "{log}");
+    assert!(
+        socket.with_line("WATCHDOG=1").is_empty(),
+        "{:?}",
+        socket.all()
+    );
+}
+
+#[test]
+fn relay_serve_notifies_ready_after_bind_and_stopping_on_sigterm() {
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let store = tmp.path().join("store");
+    std::fs::create_dir(&store).expect("mkdir");
+    let socket = NotifySocket::new(None);
+    let relay = serve(
+        &store,
+        &[("NOTIFY_SOCKET", socket.path.to_str().expect("UTF-8 path"))],
+    );
+    let ready = socket.wait_line("READY=1", 1);
+    assert_eq!(
+        http(relay.addr, "GET", "/v2/relay/info", None).status,
+        200,
+        "the relay answers once READY=1 was sent"
+    );
+    assert!(socket.with_line("STOPPING=1").is_empty());
+    let (status, log) = relay.terminate();
+    assert_eq!(status.code(), Some(0), "{log}");
+    let stopping = socket.wait_line("STOPPING=1", 1);
+    assert!(stopping[0].at >= ready[0].at);
+}
+
+#[test]
+fn without_notify_socket_the_daemon_runs_as_before() {
+    let home = Home::new();
+    let mut cmd = command(&["daemon", "--api-port", "0"]);
+    cmd.env("MBX_HOME", home.path())
+        .env_remove("NOTIFY_SOCKET")
+        .env("WATCHDOG_USEC", "200000");
+    let daemon = Daemon::spawn(cmd, LISTENING).expect("daemon started");
+    assert_eq!(daemon.get("/v1/health", None).status, 200);
+    let (status, log) = daemon.terminate();
+    assert_eq!(status.code(), Some(0), "{log}");
+    assert!(!log.contains("service watchdog on"), "{log}");
+}
