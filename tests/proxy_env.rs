@@ -1,6 +1,6 @@
 //! The standard proxy environment (`HTTPS_PROXY`, `HTTP_PROXY`, `NO_PROXY`): relay calls go
 //! through the proxy it names, unless `NO_PROXY` exempts the relay's host; LAN calls to peers
-//! never do, whatever the environment says.
+//! never do, whatever the environment says; nor do doctor's probes of the local API.
 //!
 //! A recorder on 127.0.0.1 stands in for the proxy and another for the direct destination; each
 //! records the request line it received and answers 502 (the proxy) or 404 (the destination),
@@ -12,6 +12,7 @@ use std::net::TcpListener;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use agentmbx::doctor;
 use agentmbx::host_name::HostName;
 use agentmbx::identity;
 use agentmbx::keystore::{self, Backend};
@@ -174,5 +175,28 @@ async fn relay_calls_honour_the_proxy_environment_and_lan_calls_never_use_it() {
         3,
         "the LAN call did not reach the proxy"
     );
+
+    // Doctor's daemon check calls the local API directly, with every proxy variable set: the
+    // recorder standing in for the API sees `GET /v1/health`, the proxy nothing.
+    std::fs::write(paths.api_addr_file(), &origin.addr).expect("api.addr");
+    let selected = doctor::select(&["daemon".to_string()]).expect("daemon check");
+    let opts = doctor::Options {
+        fix: false,
+        timeout: Duration::from_secs(2),
+        now_ms: 0,
+    };
+    let report = doctor::run(paths.clone(), &selected, opts).await;
+    assert_eq!(
+        origin.wait_for(3)[2..],
+        ["GET /v1/health HTTP/1.1".to_string()]
+    );
+    assert_eq!(
+        proxy.lines().len(),
+        3,
+        "the local API probe did not reach the proxy"
+    );
+    let check = &report.checks[0];
+    assert_eq!(check.status, doctor::Status::Warn, "{check:?}");
+    assert!(check.summary.contains("answered HTTP 404"), "{check:?}");
     set_env(&[]);
 }

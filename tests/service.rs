@@ -68,7 +68,7 @@ fn install_dry_run_prints_the_unit_and_commands_and_writes_nothing() {
         "NotifyAccess=main".to_string(),
         format!("ExecStart={} daemon", binary()),
         format!("Environment=MBX_HOME={}", home.path().display()),
-        format!("ReadWritePaths={}", home.path().display()),
+        "SystemCallArchitectures=native".to_string(),
         "WatchdogSec=30".to_string(),
         "Restart=on-failure".to_string(),
         "RestartSec=5".to_string(),
@@ -76,6 +76,7 @@ fn install_dry_run_prints_the_unit_and_commands_and_writes_nothing() {
         "WantedBy=default.target".to_string(),
         "# run\nsystemctl --user daemon-reload".to_string(),
         "# run\nsystemctl --user enable --now agentmbx.service".to_string(),
+        "# run\nsystemctl --user restart agentmbx.service".to_string(),
     ] {
         assert!(
             text.contains(&format!("{line}\n")),
@@ -83,9 +84,19 @@ fn install_dry_run_prints_the_unit_and_commands_and_writes_nothing() {
         );
     }
     assert!(
-        text.find("daemon-reload") < text.find("enable --now"),
-        "reload before enable:\n{text}"
+        text.find("daemon-reload") < text.find("enable --now")
+            && text.find("enable --now") < text.find("restart"),
+        "reload, enable, restart:\n{text}"
     );
+    // Mount-namespace options break the unit where user namespaces are blocked.
+    for gone in [
+        "PrivateTmp",
+        "ProtectSystem",
+        "ProtectHome",
+        "ReadWritePaths",
+    ] {
+        assert!(!text.contains(gone), "{gone} in:\n{text}");
+    }
     assert!(
         files_under(user.path()).is_empty(),
         "nothing written in HOME"
@@ -125,7 +136,8 @@ fn install_dry_run_json_for_both_platforms() {
         v["commands"],
         serde_json::json!([
             ["systemctl", "--user", "daemon-reload"],
-            ["systemctl", "--user", "enable", "--now", "agentmbx.service"]
+            ["systemctl", "--user", "enable", "--now", "agentmbx.service"],
+            ["systemctl", "--user", "restart", "agentmbx.service"]
         ])
     );
 
@@ -145,14 +157,29 @@ fn install_dry_run_json_for_both_platforms() {
     assert_eq!(v["platform"], "macos");
     let plist_path = user
         .path()
-        .join("Library/LaunchAgents/org.agentmbx.daemon.plist");
+        .join("Library/LaunchAgents/com.agentmbx.daemon.plist");
     assert_eq!(v["files"][0]["path"], plist_path.display().to_string());
     let commands = v["commands"].as_array().expect("commands");
-    assert_eq!(commands.len(), 1);
-    assert_eq!(commands[0][0], "launchctl");
-    assert_eq!(commands[0][1], "bootstrap");
-    assert!(commands[0][2].as_str().expect("domain").starts_with("gui/"));
-    assert_eq!(commands[0][3], plist_path.display().to_string());
+    assert_eq!(commands.len(), 2);
+    assert_eq!(commands[0][1], "bootout");
+    assert!(commands[0][2]
+        .as_str()
+        .expect("target")
+        .ends_with("/com.agentmbx.daemon"));
+    assert_eq!(commands[1][0], "launchctl");
+    assert_eq!(commands[1][1], "bootstrap");
+    assert!(commands[1][2].as_str().expect("domain").starts_with("gui/"));
+    assert_eq!(commands[1][3], plist_path.display().to_string());
+    assert_eq!(
+        v["dirs"],
+        serde_json::json!([
+            user.path()
+                .join("Library/Logs/agentmbx")
+                .display()
+                .to_string(),
+            home.path().display().to_string()
+        ])
+    );
     let contents = v["files"][0]["contents"].as_str().expect("contents");
     let plist = plist::Value::from_reader_xml(contents.as_bytes()).expect("plist parses");
     let dict = plist.as_dictionary().expect("dict");
@@ -167,7 +194,37 @@ fn install_dry_run_json_for_both_platforms() {
         dict["EnvironmentVariables"].as_dictionary().expect("env")["MBX_HOME"].as_string(),
         Some(home.path().display().to_string().as_str())
     );
+    assert!(
+        dict["EnvironmentVariables"].as_dictionary().expect("env")["PATH"]
+            .as_string()
+            .expect("PATH")
+            .starts_with("/opt/homebrew/bin:")
+    );
+    assert!(!dict.contains_key("ProcessType"));
     assert_eq!(dict["RunAtLoad"].as_boolean(), Some(true));
+
+    // MBX_SERVICE_LABEL names the agent (wire.md §8).
+    let mut cmd = in_user_home(
+        &home,
+        user.path(),
+        &[
+            "daemon",
+            "install",
+            "--dry-run",
+            "--json",
+            "--platform",
+            "macos",
+        ],
+    );
+    cmd.env("MBX_SERVICE_LABEL", "org.example.mbx");
+    let v = run(cmd).json();
+    assert_eq!(
+        v["files"][0]["path"],
+        user.path()
+            .join("Library/LaunchAgents/org.example.mbx.plist")
+            .display()
+            .to_string()
+    );
     assert!(files_under(user.path()).is_empty(), "nothing written");
 }
 
@@ -224,6 +281,13 @@ fn uninstall_dry_run_and_usage_errors() {
         &["daemon", "install", "--platform", "macos"],
     ));
     assert_eq!(bad.code(), Some(2), "{bad:?}");
+    // The daemon's own flags do not mix with its subcommands.
+    let mixed = run(in_user_home(
+        &home,
+        user.path(),
+        &["daemon", "--api-port", "1", "install", "--dry-run"],
+    ));
+    assert_eq!(mixed.code(), Some(2), "{mixed:?}");
     assert!(files_under(user.path()).is_empty(), "nothing written");
 }
 
@@ -238,15 +302,21 @@ fn status_reports_not_installed_without_failing() {
     ));
     out.assert_success();
     let v = out.json();
-    assert_eq!(v["installed"], false);
-    assert_eq!(
-        v["file"],
-        user.path()
-            .join(".config/systemd/user/agentmbx.service")
-            .display()
-            .to_string()
-    );
     assert!(v["enabled"].is_string() && v["active"].is_string(), "{v}");
+    // A unit from the package on this machine counts as installed; skip the check then.
+    let packaged = ["/usr/lib/systemd/user", "/etc/systemd/user"]
+        .iter()
+        .any(|d| Path::new(d).join("agentmbx.service").exists());
+    if !packaged {
+        assert_eq!(v["installed"], false, "{v}");
+        assert_eq!(
+            v["file"],
+            user.path()
+                .join(".config/systemd/user/agentmbx.service")
+                .display()
+                .to_string()
+        );
+    }
 }
 
 /// One received sd-notify datagram and when it arrived.

@@ -27,6 +27,7 @@ use clap::Args;
 
 /// Flags of `daemon`; each overrides the config file and the environment.
 #[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct DaemonArgs {
     /// Install, uninstall or report the user service; without one, run the daemon
     #[command(subcommand)]
@@ -239,6 +240,7 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
         if relay.is_none() {
             tracing::info!("no relay configured (agentmbx relay set <url>): relay transport off");
         }
+        let notify_config = config_rx.clone();
         let relay_task = relay.is_some().then(|| {
             let (ident, mailbox, clock, wake, home) =
                 (ident.clone(), mailbox.clone(), clock.clone(), wake.clone(), paths.home().to_path_buf());
@@ -275,7 +277,7 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
         notify::ready(&notify::status_now(&mailbox, relay_url.as_deref()));
         let notify_task = tokio::spawn(notify::supervise(
             mailbox.clone(),
-            relay_url,
+            notify_config,
             stop_rx.clone(),
         ));
         let shutdown = async move {

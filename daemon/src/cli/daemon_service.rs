@@ -8,14 +8,13 @@
 //! [`agentmbx::service`]; this file only gathers paths and prints.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use anyhow::Context;
 use clap::{Args, Subcommand, ValueEnum};
 use serde_json::json;
 
-use agentmbx::paths::{Paths, HOME_ENV};
-use agentmbx::service::{self, Plan, Platform, ServiceSpec, LAUNCHD_LABEL, UNIT_NAME};
+use agentmbx::paths::Paths;
+use agentmbx::service::{self, Plan, Platform, ServiceSpec, LABEL_ENV};
 
 use super::UsageError;
 
@@ -56,7 +55,7 @@ pub struct PlanArgs {
 /// Flags of `daemon status`.
 #[derive(Debug, Args)]
 pub struct StatusArgs {
-    /// Print as JSON {platform, file, installed, enabled, active}
+    /// Print as JSON {platform, name, file, installed, enabled, active}
     #[arg(long)]
     pub json: bool,
 }
@@ -73,9 +72,11 @@ pub fn run(action: DaemonAction) -> anyhow::Result<()> {
 /// Where the service's facts come from on this machine.
 struct Site {
     user_home: PathBuf,
+    config_home: Option<PathBuf>,
     file: PathBuf,
     uid: u32,
     user: String,
+    label: String,
 }
 
 fn platform(arg: Option<PlatformArg>) -> anyhow::Result<Platform> {
@@ -103,42 +104,39 @@ fn gather(platform: Platform) -> anyhow::Result<Site> {
         .or_else(|| directories::BaseDirs::new().map(|d| d.home_dir().to_path_buf()))
         .context("cannot determine the user's home directory: set HOME")?;
     let config_home = absolute_env("XDG_CONFIG_HOME");
-    let file = service::service_file(platform, &user_home, config_home.as_deref(), LAUNCHD_LABEL);
+    let label = service::launchd_label(std::env::var(LABEL_ENV).ok().as_deref());
+    let file = service::service_file(platform, &user_home, config_home.as_deref(), &label);
     let user = std::env::var("USER")
         .or_else(|_| std::env::var("LOGNAME"))
         .unwrap_or_default();
     Ok(Site {
-        uid: uid(&user_home),
+        uid: uid(),
         user_home,
+        config_home,
         file,
         user,
+        label,
     })
 }
 
-/// This process's uid, from the owner of `/proc/self` (Linux) or of the user's home.
-fn uid(user_home: &Path) -> u32 {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata("/proc/self")
-        .or_else(|_| std::fs::metadata(user_home))
-        .map(|m| m.uid())
-        .unwrap_or(0)
+/// This process's real uid.
+#[allow(unsafe_code)]
+fn uid() -> u32 {
+    // SAFETY: getuid has no preconditions and cannot fail.
+    unsafe { libc::getuid() }
 }
 
 fn spec(ctx: &Site) -> anyhow::Result<ServiceSpec> {
-    let binary = std::env::current_exe().context("cannot find the agentmbx binary")?;
-    let binary = binary.canonicalize().unwrap_or(binary);
+    let exe = std::env::current_exe().context("cannot find the agentmbx binary")?;
+    let binary = service::service_binary(&exe);
     let paths = Paths::from_env()?;
     let cwd = std::env::current_dir().unwrap_or_default();
     let data_dir = cwd.join(paths.home());
-    let mbx_home = std::env::var_os(HOME_ENV)
-        .filter(|v| !v.is_empty())
-        .map(|_| data_dir.clone());
     Ok(ServiceSpec {
         binary,
         data_dir,
-        mbx_home,
         log_dir: ctx.user_home.join("Library/Logs/agentmbx"),
-        label: LAUNCHD_LABEL.to_string(),
+        label: ctx.label.clone(),
     })
 }
 
@@ -158,7 +156,7 @@ fn plan_command(args: PlanArgs, install: bool) -> anyhow::Result<()> {
         };
         service::install_plan(platform, &spec, &ctx.file, ctx.uid, user, lingering)
     } else {
-        service::uninstall_plan(platform, &ctx.file, ctx.uid, LAUNCHD_LABEL)
+        service::uninstall_plan(platform, &ctx.file, ctx.uid, &ctx.label)
     };
     if args.dry_run {
         if args.json {
@@ -240,73 +238,43 @@ fn plan_text(plan: &Plan) -> String {
     out
 }
 
-/// Runs a query command; the first line it printed on stdout (`None` when it cannot run).
-fn ask(argv: &[&str]) -> Option<String> {
-    let (prog, args) = argv.split_first()?;
-    let out = Command::new(prog)
-        .args(args)
-        .stdin(std::process::Stdio::null())
-        .output()
-        .ok()?;
-    let text = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .next()
-        .unwrap_or_default()
-        .trim()
-        .to_string();
-    Some(text)
-}
-
 fn status(args: StatusArgs) -> anyhow::Result<()> {
     let platform = platform(None)?;
     let ctx = gather(platform)?;
-    let installed = ctx.file.exists();
-    let (enabled, active) = match platform {
-        Platform::Linux => {
-            let answer = |verb: &str| match ask(&["systemctl", "--user", verb, UNIT_NAME]) {
-                Some(text) if !text.is_empty() && !text.contains(' ') => text,
-                _ => "unknown".to_string(),
-            };
-            (answer("is-enabled"), answer("is-active"))
-        }
-        Platform::Macos => {
-            let target = format!("gui/{}/{LAUNCHD_LABEL}", ctx.uid);
-            match Command::new("launchctl")
-                .args(["print", &target])
-                .stdin(std::process::Stdio::null())
-                .output()
-            {
-                Ok(out) if out.status.success() => {
-                    let text = String::from_utf8_lossy(&out.stdout);
-                    let running = text.lines().any(|l| l.trim() == "state = running");
-                    (
-                        "loaded".to_string(),
-                        if running { "active" } else { "inactive" }.to_string(),
-                    )
-                }
-                Ok(_) => ("not-loaded".to_string(), "inactive".to_string()),
-                Err(_) => ("unknown".to_string(), "unknown".to_string()),
-            }
-        }
-    };
+    let files = service::candidate_files(
+        platform,
+        &ctx.user_home,
+        ctx.config_home.as_deref(),
+        &ctx.label,
+    );
+    let state = service::service_state(
+        platform,
+        &files,
+        ctx.uid,
+        &ctx.label,
+        &service::run_query,
+        &|p: &Path| p.exists(),
+    );
+    let file = state.file.as_deref().unwrap_or(&ctx.file);
     if args.json {
         let v = json!({
             "platform": platform.as_str(),
-            "file": ctx.file.display().to_string(),
-            "installed": installed,
-            "enabled": enabled,
-            "active": active,
+            "name": state.name,
+            "file": file.display().to_string(),
+            "installed": state.installed,
+            "enabled": state.enabled,
+            "active": state.active,
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
-        let state = if installed {
+        let installed = if state.installed {
             "installed"
         } else {
             "not installed"
         };
-        println!("service: {state} ({})", ctx.file.display());
-        println!("enabled: {enabled}");
-        println!("active: {active}");
+        println!("service: {installed} ({}, {})", state.name, file.display());
+        println!("enabled: {}", state.enabled);
+        println!("active: {}", state.active);
     }
     Ok(())
 }

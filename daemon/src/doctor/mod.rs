@@ -282,9 +282,13 @@ pub struct Options {
     pub now_ms: i64,
 }
 
-/// Replaces secrets in `text` with `[redacted]`: each of `secrets` (non-empty, e.g. the API
-/// token), and any run of 40 or more base64 or hex characters (keys and tokens; fingerprints are
-/// 19 characters with dashes and stay).
+/// Replaces secrets in `text` with `[redacted]`: each of `secrets` (8 characters or more: the
+/// API token, the loaded private keys) and each standalone key-shaped run — base64 (standard
+/// or URL alphabet) of 43/44 or 86/88 characters that decodes to 32 or 64 bytes, or exactly 64
+/// hex digits. A run is a maximal stretch of `[A-Za-z0-9+/=_-]` (split after an inner `=`, as
+/// in `key=value`); one that contains `/` and is not itself key-shaped is a path and is kept
+/// whole, so paths and fix commands survive.
+/// Fingerprints (19 characters with dashes) never match.
 pub fn redact(text: &str, secrets: &[String]) -> String {
     let mut t = text.to_string();
     for s in secrets.iter().filter(|s| s.len() >= 8) {
@@ -293,15 +297,29 @@ pub fn redact(text: &str, secrets: &[String]) -> String {
     let mut out = String::with_capacity(t.len());
     let mut run = String::new();
     let flush = |run: &mut String, out: &mut String| {
-        if run.len() >= 40 {
+        if key_shaped(run) {
             out.push_str("[redacted]");
         } else {
-            out.push_str(run);
+            // `name=value`: each `=`-ended piece on its own (padding stays with its run).
+            let mut start = 0;
+            let bytes = run.as_bytes();
+            for i in 0..bytes.len() {
+                let ends = bytes[i] == b'=' && bytes.get(i + 1).is_some_and(|b| *b != b'=');
+                if ends || i + 1 == bytes.len() {
+                    let piece = &run[start..=i];
+                    out.push_str(if key_shaped(piece) {
+                        "[redacted]"
+                    } else {
+                        piece
+                    });
+                    start = i + 1;
+                }
+            }
         }
         run.clear();
     };
     for ch in t.chars() {
-        if ch.is_ascii_alphanumeric() || matches!(ch, '+' | '/' | '=') {
+        if ch.is_ascii_alphanumeric() || matches!(ch, '+' | '/' | '=' | '_' | '-') {
             run.push(ch);
         } else {
             flush(&mut run, &mut out);
@@ -309,6 +327,44 @@ pub fn redact(text: &str, secrets: &[String]) -> String {
         }
     }
     flush(&mut run, &mut out);
+    out
+}
+
+/// Whether `run` looks like key material: 64 hex digits, or base64 of 43/44/86/88 characters
+/// decoding to 32 or 64 bytes.
+fn key_shaped(run: &str) -> bool {
+    use base64::engine::general_purpose::{STANDARD, STANDARD_NO_PAD, URL_SAFE, URL_SAFE_NO_PAD};
+    use base64::Engine;
+    if run.len() == 64 && run.chars().all(|c| c.is_ascii_hexdigit()) {
+        return true;
+    }
+    if ![43, 44, 86, 88].contains(&run.len()) {
+        return false;
+    }
+    [STANDARD, STANDARD_NO_PAD, URL_SAFE, URL_SAFE_NO_PAD]
+        .iter()
+        .filter_map(|e| e.decode(run).ok())
+        .any(|b| b.len() == 32 || b.len() == 64)
+}
+
+/// The private key material this home holds in files, and what the loaded identity holds, for
+/// [`redact`].
+fn key_secrets(paths: &Paths, ident: Option<&crate::identity::Identity>) -> Vec<String> {
+    let mut out = Vec::new();
+    for file in [paths.host_key(), paths.enc_key()] {
+        if let Ok(text) = std::fs::read_to_string(file) {
+            out.extend(
+                text.lines()
+                    .map(str::trim)
+                    .filter(|l| l.len() >= 32 && !l.contains(char::is_whitespace))
+                    .map(str::to_string),
+            );
+        }
+    }
+    if let Some(i) = ident {
+        out.push(i.host_key.seed_b64_secret());
+        out.push(i.enc_key.private_b64_secret());
+    }
     out
 }
 
@@ -331,7 +387,7 @@ pub struct Facts {
     pub signer: Option<std::sync::Arc<crate::identity::Identity>>,
     /// Network probes (`None` when not run).
     pub probes: checks::net::Probes,
-    /// Secrets to redact (the API token).
+    /// Secrets to redact (the API token, the private keys).
     pub secrets: Vec<String>,
 }
 
@@ -364,9 +420,10 @@ pub async fn run(paths: Paths, selected: &[Check], opts: Options) -> Report {
     };
     let identity = loaded.as_ref().map(|i| i.public()).map_err(Clone::clone);
     let signer = loaded.ok().map(std::sync::Arc::new);
-    let secrets = std::fs::read_to_string(paths.api_token())
+    let mut secrets = std::fs::read_to_string(paths.api_token())
         .map(|t| vec![t.trim().to_string()])
         .unwrap_or_default();
+    secrets.extend(key_secrets(&paths, signer.as_deref()));
     let wants = |ids: &[&str]| selected.iter().any(|c| ids.contains(&c.id));
     let mut facts = Facts {
         paths,

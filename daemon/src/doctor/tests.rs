@@ -226,6 +226,37 @@ fn redact_hides_secrets_and_long_keys_but_keeps_fingerprints() {
     assert_eq!(out.matches("[redacted]").count(), 2);
 }
 
+#[test]
+fn redact_keeps_deep_paths_and_fix_commands() {
+    let path = "/Users/someone/Library/Application Support/AgentMBX/home/mailbox.db";
+    let deep = "/Users/averyveryverylongusername/Library/LaunchAgents/org.agentmbx.daemon.plist";
+    let long_dir = format!("/var/lib/{}/mailbox.db", "a".repeat(60));
+    let fix = "agentmbx peers addr <host> <ip:port> for a moved peer; launchctl kickstart -k gui/$(id -u)/org.agentmbx.daemon";
+    for text in [path, deep, long_dir.as_str(), fix] {
+        assert_eq!(redact(text, &[]), text);
+    }
+    // A 64-byte key, and 64 hex digits, are redacted; a 44-character run that is not base64
+    // of 32 bytes is not.
+    use base64::Engine;
+    let b64_64 = base64::engine::general_purpose::STANDARD.encode([7u8; 64]);
+    let hex64 = "ab".repeat(32);
+    let out = redact(&format!("a {b64_64} b {hex64} c"), &[]);
+    assert_eq!(out, "a [redacted] b [redacted] c");
+    let word = "x".repeat(44);
+    assert_eq!(redact(&word, &[]), word);
+}
+
+#[test]
+fn redact_hides_the_token_and_a_base64_32_byte_key() {
+    use base64::Engine;
+    let token = "tok_4f9a2c1e8b7d6a5f";
+    let key = base64::engine::general_purpose::STANDARD.encode([0xfbu8; 32]);
+    assert!(key.contains('/') || key.contains('+'), "{key}");
+    let text = format!("Authorization: Bearer {token}; key={key}.");
+    let out = redact(&text, &[token.into()]);
+    assert_eq!(out, "Authorization: Bearer [redacted]; key=[redacted].");
+}
+
 #[tokio::test]
 async fn a_check_that_cannot_run_is_an_error_not_a_crash() {
     let h = initialized();
@@ -404,7 +435,7 @@ async fn disk_space_measures_the_home() {
 // ---- daemon and peers ----------------------------------------------------------------------
 
 #[tokio::test]
-async fn daemon_not_running_warns_and_another_host_warns() {
+async fn daemon_not_running_fails_and_another_host_warns() {
     let h = initialized();
     std::fs::write(
         h.paths.api_addr_file(),
@@ -413,8 +444,13 @@ async fn daemon_not_running_warns_and_another_host_warns() {
     .unwrap();
     let r = h.run(&["daemon"]).await;
     let c = one(&r, "daemon");
-    assert_eq!(c.status, Status::Warn);
+    assert_eq!(
+        c.status,
+        Status::Fail,
+        "connection refused fails (wire.md §7 item 3)"
+    );
     assert!(c.summary.starts_with("daemon not answering"));
+    assert_eq!(r.exit_code(), 1);
 
     let health = |host: &'static str, version: &'static str| {
         Router::new().route(
@@ -440,6 +476,17 @@ async fn daemon_not_running_warns_and_another_host_warns() {
     std::fs::write(h.paths.api_addr_file(), me.to_string()).unwrap();
     let c = h.run(&["daemon"]).await.checks.remove(0);
     assert_eq!(c.status, Status::Ok, "{c:?}");
+
+    // Something else on the port: warn, not ok.
+    let other_program = serve(Router::new().route("/v1/health", get(|| async { "hello" }))).await;
+    std::fs::write(h.paths.api_addr_file(), other_program.to_string()).unwrap();
+    let c = h.run(&["daemon"]).await.checks.remove(0);
+    assert_eq!(c.status, Status::Warn);
+    assert!(
+        c.summary.contains("not an AgentMBX daemon"),
+        "{}",
+        c.summary
+    );
 }
 
 /// A fake peer answering `/v1/status?challenge=` signed by `key` as `host`, and `/v1/agents`
@@ -504,8 +551,6 @@ async fn peers_need_a_status_signed_by_the_pinned_key() {
 
     h.mailbox()
         .with(|c| {
-            crate::mailbox::peers::add(c, "lab", &lab_pinned, NOW)?;
-            crate::mailbox::peers::set_addr(c, "lab", &impostor.to_string(), "cli")?;
             crate::mailbox::peers::add(c, "den", &refuses_pub, NOW)?;
             crate::mailbox::peers::set_addr(c, "den", &refuses_addr.to_string(), "cli")?;
             crate::mailbox::peers::add(c, "gone", &HostKey::generate().public().to_b64(), NOW)?;
@@ -518,14 +563,40 @@ async fn peers_need_a_status_signed_by_the_pinned_key() {
             Ok(())
         })
         .unwrap();
+    // Unreachable, or not accepting our signature: warn.
     let started = std::time::Instant::now();
     let r = h.run(&["peers"]).await;
     assert!(started.elapsed() < Duration::from_secs(5));
     let c = one(&r, "peers");
-    assert_eq!(c.status, Status::Warn);
+    assert_eq!(c.status, Status::Warn, "{c:?}");
     assert_eq!(
         c.summary,
-        "3 of 4 peer(s) not reachable or not accepting our signature"
+        "2 of 3 peer(s) not reachable or not accepting our signature"
+    );
+    let all = c.details.join("\n");
+    assert!(all.contains("gone at "), "{all}");
+    assert!(
+        all.contains("den at ") && all.contains("does not accept our signed request"),
+        "{all}"
+    );
+    assert!(c.fix.is_some());
+
+    // A status not signed by the pinned key: fail.
+    h.mailbox()
+        .with(|c| {
+            crate::mailbox::peers::add(c, "lab", &lab_pinned, NOW)?;
+            crate::mailbox::peers::set_addr(c, "lab", &impostor.to_string(), "cli")
+        })
+        .unwrap();
+    let r = h.run(&["peers"]).await;
+    let c = one(&r, "peers");
+    assert_eq!(c.status, Status::Fail, "{c:?}");
+    assert_eq!(r.exit_code(), 1);
+    assert!(
+        c.summary
+            .starts_with("1 of 4 peer(s) answered a status not signed by the pinned key"),
+        "{}",
+        c.summary
     );
     let all = c.details.join("\n");
     assert!(

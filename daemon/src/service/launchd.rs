@@ -2,10 +2,11 @@
 //!
 //! Owns the property list for a [`ServiceSpec`], written by hand (XML 1.0, Apple's plist DTD)
 //! with every string escaped: `RunAtLoad`, `KeepAlive {SuccessfulExit=false}` (restart after a
-//! crash, not after a clean stop), log paths and `MBX_HOME` in `EnvironmentVariables` when set.
+//! crash, not after a clean stop), log paths, and `EnvironmentVariables` with `MBX_HOME` (the
+//! data dir, always) and a fixed `PATH` ([`super::LAUNCHD_PATH`]; wire.md §8).
 //! It must never put secrets into the file.
 
-use super::ServiceSpec;
+use super::{ServiceSpec, LAUNCHD_PATH};
 
 /// Seconds launchd waits before restarting the agent (`ThrottleInterval`).
 pub const THROTTLE_SEC: u32 = 5;
@@ -36,13 +37,11 @@ fn string(text: &str) -> String {
 /// The plist text for `spec` (exact; tests snapshot it).
 pub fn plist(spec: &ServiceSpec) -> String {
     let log = spec.log_dir.join("daemon.log").display().to_string();
-    let mut env = String::new();
-    if let Some(home) = &spec.mbx_home {
-        env = format!(
-            "\t<key>EnvironmentVariables</key>\n\t<dict>\n\t\t<key>MBX_HOME</key>\n\t\t{}\n\t</dict>\n",
-            string(&home.display().to_string())
-        );
-    }
+    let env = format!(
+        "\t<key>EnvironmentVariables</key>\n\t<dict>\n\t\t<key>MBX_HOME</key>\n\t\t{}\n\t\t<key>PATH</key>\n\t\t{}\n\t</dict>\n",
+        string(&spec.data_dir.display().to_string()),
+        string(LAUNCHD_PATH)
+    );
     format!(
         "<?xml version=\"1.0\" encoding=\"UTF-8\"?>
 <!DOCTYPE plist PUBLIC \"-//Apple//DTD PLIST 1.0//EN\" \"http://www.apple.com/DTDs/PropertyList-1.0.dtd\">
@@ -64,8 +63,6 @@ pub fn plist(spec: &ServiceSpec) -> String {
 \t</dict>
 \t<key>ThrottleInterval</key>
 \t<integer>{THROTTLE_SEC}</integer>
-\t<key>ProcessType</key>
-\t<string>Background</string>
 \t<key>StandardOutPath</key>
 \t{log}
 \t<key>StandardErrorPath</key>
@@ -84,11 +81,10 @@ mod tests {
     use super::*;
     use crate::service::LAUNCHD_LABEL;
 
-    fn spec(home: Option<&str>, bin: &str) -> ServiceSpec {
+    fn spec(home: &str, bin: &str) -> ServiceSpec {
         ServiceSpec {
             binary: bin.into(),
-            data_dir: "/Users/ann/Library/Application Support/agentmbx".into(),
-            mbx_home: home.map(Into::into),
+            data_dir: home.into(),
             log_dir: "/Users/ann/Library/Logs/agentmbx".into(),
             label: LAUNCHD_LABEL.into(),
         }
@@ -96,7 +92,7 @@ mod tests {
 
     #[test]
     fn plist_snapshot() {
-        let text = plist(&spec(Some("/Users/ann/mbx"), "/opt/homebrew/bin/agentmbx"));
+        let text = plist(&spec("/Users/ann/mbx", "/opt/homebrew/bin/agentmbx"));
         assert_eq!(
             text,
             "<?xml version=\"1.0\" encoding=\"UTF-8\"?>
@@ -104,7 +100,7 @@ mod tests {
 <plist version=\"1.0\">
 <dict>
 \t<key>Label</key>
-\t<string>org.agentmbx.daemon</string>
+\t<string>com.agentmbx.daemon</string>
 \t<key>ProgramArguments</key>
 \t<array>
 \t\t<string>/opt/homebrew/bin/agentmbx</string>
@@ -114,6 +110,8 @@ mod tests {
 \t<dict>
 \t\t<key>MBX_HOME</key>
 \t\t<string>/Users/ann/mbx</string>
+\t\t<key>PATH</key>
+\t\t<string>/opt/homebrew/bin:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin</string>
 \t</dict>
 \t<key>RunAtLoad</key>
 \t<true/>
@@ -124,8 +122,6 @@ mod tests {
 \t</dict>
 \t<key>ThrottleInterval</key>
 \t<integer>5</integer>
-\t<key>ProcessType</key>
-\t<string>Background</string>
 \t<key>StandardOutPath</key>
 \t<string>/Users/ann/Library/Logs/agentmbx/daemon.log</string>
 \t<key>StandardErrorPath</key>
@@ -134,14 +130,13 @@ mod tests {
 </plist>
 "
         );
-        let without = plist(&spec(None, "/opt/homebrew/bin/agentmbx"));
-        assert!(!without.contains("EnvironmentVariables"));
+        assert!(!text.contains("ProcessType"));
     }
 
     #[test]
     fn plist_parses_with_the_keys_and_escaped_values() {
         let odd = "/Users/a&b/<bin> \"x\"/agentmbx";
-        let text = plist(&spec(Some("/Users/a&b/home"), odd));
+        let text = plist(&spec("/Users/a&b/home", odd));
         let value = plist::Value::from_reader_xml(text.as_bytes()).expect("plist parses");
         let dict = value.as_dictionary().expect("top-level dict");
         assert_eq!(

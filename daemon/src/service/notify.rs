@@ -116,15 +116,23 @@ pub fn status_now(mailbox: &Mailbox, relay_url: Option<&str>) -> String {
         .unwrap_or_else(|_| "starting".to_string())
 }
 
+/// The relay URL of the running config, if one is configured.
+fn relay_url(
+    config: &tokio::sync::watch::Receiver<std::sync::Arc<crate::config::Config>>,
+) -> Option<String> {
+    config.borrow().relay.as_ref().map(|r| r.url.clone())
+}
+
 /// Runs until `stop` turns true: every tick (half the watchdog interval, at most
 /// [`STATUS_INTERVAL`]) reads the [`Snapshot`] from the store with a deadline of one tick;
 /// when it answers, sends `WATCHDOG=1` (only when the watchdog is enabled) and `STATUS=` when
 /// the line changed (at most every [`STATUS_INTERVAL`]). A store that does not answer gets no
-/// ping, so the manager restarts a daemon whose store or runtime hangs. Returns at once when
-/// no manager listens.
+/// ping, so the manager restarts a daemon whose store or runtime hangs. The relay URL is read
+/// from the running config (`config`) at every tick, so a changed `[relay] url` shows at once.
+/// Returns at once when no manager listens.
 pub async fn supervise(
     mailbox: Mailbox,
-    relay_url: Option<String>,
+    config: tokio::sync::watch::Receiver<std::sync::Arc<crate::config::Config>>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     if !enabled() {
@@ -151,7 +159,7 @@ pub async fn supervise(
             _ = interval.tick() => {}
             _ = stop.wait_for(|s| *s) => return,
         }
-        let url = relay_url.clone();
+        let url = relay_url(&config);
         let read = tokio::time::timeout(
             tick,
             mailbox.run(move |c| Snapshot::read(c, url.as_deref())),
@@ -191,6 +199,23 @@ pub async fn supervise(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn relay_url_follows_the_running_config() {
+        let (tx, rx) =
+            tokio::sync::watch::channel(std::sync::Arc::new(crate::config::Config::default()));
+        assert_eq!(relay_url(&rx), None);
+        let c = crate::config::Config {
+            relay: Some(crate::config::RelayConfig {
+                url: "https://relay.example".into(),
+                key: None,
+                token_command: None,
+            }),
+            ..Default::default()
+        };
+        tx.send(std::sync::Arc::new(c)).expect("send");
+        assert_eq!(relay_url(&rx).as_deref(), Some("https://relay.example"));
+    }
 
     #[test]
     fn status_line_shapes() {

@@ -2,9 +2,12 @@
 //!
 //! Owns the unit text for a [`ServiceSpec`]: `Type=notify` (the daemon sends `READY=1` once its
 //! listeners are bound and its store is open, [`super::notify`]), a watchdog, restart on
-//! failure, and the hardening that works in a user unit (the sandboxing options there rely on
-//! unprivileged user namespaces; the daemon writes only its home, listed in `ReadWritePaths`,
-//! which must exist when the unit starts: the install plan creates it). No ordering on
+//! failure, and only the hardening that needs no namespaces. Mount-namespace options
+//! (`PrivateTmp`, `ProtectSystem`, `ProtectHome`, `ReadWritePaths`) imply `PrivateUsers` in a
+//! user unit and fail with `226/NAMESPACE` where unprivileged user namespaces are blocked
+//! (Ubuntu's AppArmor restriction, containers), so the unit never uses them.
+//! `Environment=MBX_HOME=<data dir>` is always written so the unit and the daemon agree on
+//! the home. No ordering on
 //! `network-online.target`: a user manager has no such unit, and the daemon waits for peers
 //! and the relay by itself.
 //! It must never put secrets or per-run values into the unit.
@@ -19,10 +22,11 @@ pub const WATCHDOG_SEC: u32 = 30;
 /// The unit's `RestartSec` in seconds.
 pub const RESTART_SEC: u32 = 5;
 
-/// Quotes one word for a unit file: `%` is doubled (specifier escape); a word with
+/// Quotes one word for a unit file: `%` is doubled (specifier escape), `$` is doubled
+/// (variable expansion in `ExecStart`); a word with
 /// whitespace, quotes or backslashes is put in double quotes with C-style escapes.
 pub fn quote(word: &str) -> String {
-    let word = word.replace('%', "%%");
+    let word = word.replace('%', "%%").replace('$', "$$");
     if !word.is_empty()
         && !word
             .chars()
@@ -50,13 +54,7 @@ fn quote_path(p: &Path) -> String {
 
 /// The unit text for `spec` (exact; tests snapshot it).
 pub fn unit(spec: &ServiceSpec) -> String {
-    let mut env = String::new();
-    if let Some(home) = &spec.mbx_home {
-        env = format!(
-            "Environment={}\n",
-            quote(&format!("MBX_HOME={}", home.display()))
-        );
-    }
+    let env = quote(&format!("MBX_HOME={}", spec.data_dir.display()));
     format!(
         "[Unit]
 Description=AgentMBX host daemon (signed, sealed mailbox for AI agents)
@@ -66,7 +64,8 @@ Documentation=man:agentmbx-daemon(1)
 Type=notify
 NotifyAccess=main
 ExecStart={bin} daemon
-{env}Restart=on-failure
+Environment={env}
+Restart=on-failure
 RestartSec={RESTART_SEC}
 WatchdogSec={WATCHDOG_SEC}
 # SIGTERM: STOPPING=1, finish in-flight commits, exit 0.
@@ -74,20 +73,16 @@ KillSignal=SIGTERM
 TimeoutStopSec=30
 
 NoNewPrivileges=yes
-PrivateTmp=yes
-ProtectSystem=strict
-ProtectHome=read-only
-ReadWritePaths={data}
 RestrictSUIDSGID=yes
 LockPersonality=yes
 RestrictRealtime=yes
+SystemCallArchitectures=native
 UMask=0077
 
 [Install]
 WantedBy=default.target
 ",
         bin = quote_path(&spec.binary),
-        data = quote_path(&spec.data_dir),
     )
 }
 
@@ -101,7 +96,6 @@ mod tests {
         let spec = ServiceSpec {
             binary: "/usr/bin/agentmbx".into(),
             data_dir: "/home/ann/.local/share/agentmbx".into(),
-            mbx_home: None,
             log_dir: "/unused".into(),
             label: LAUNCHD_LABEL.into(),
         };
@@ -115,6 +109,7 @@ Documentation=man:agentmbx-daemon(1)
 Type=notify
 NotifyAccess=main
 ExecStart=/usr/bin/agentmbx daemon
+Environment=MBX_HOME=/home/ann/.local/share/agentmbx
 Restart=on-failure
 RestartSec=5
 WatchdogSec=30
@@ -123,13 +118,10 @@ KillSignal=SIGTERM
 TimeoutStopSec=30
 
 NoNewPrivileges=yes
-PrivateTmp=yes
-ProtectSystem=strict
-ProtectHome=read-only
-ReadWritePaths=/home/ann/.local/share/agentmbx
 RestrictSUIDSGID=yes
 LockPersonality=yes
 RestrictRealtime=yes
+SystemCallArchitectures=native
 UMask=0077
 
 [Install]
@@ -143,7 +135,6 @@ WantedBy=default.target
         let spec = ServiceSpec {
             binary: "/opt/my apps/agentmbx".into(),
             data_dir: "/home/ann/mbx 100%".into(),
-            mbx_home: Some("/home/ann/mbx 100%".into()),
             log_dir: "/unused".into(),
             label: LAUNCHD_LABEL.into(),
         };
@@ -156,10 +147,14 @@ WantedBy=default.target
             text.contains("\nEnvironment=\"MBX_HOME=/home/ann/mbx 100%%\"\nRestart=on-failure\n"),
             "{text}"
         );
-        assert!(
-            text.contains("\nReadWritePaths=\"/home/ann/mbx 100%%\"\n"),
-            "{text}"
-        );
+        for gone in [
+            "PrivateTmp",
+            "ProtectSystem",
+            "ProtectHome",
+            "ReadWritePaths",
+        ] {
+            assert!(!text.contains(gone), "{text}");
+        }
     }
 
     #[test]
@@ -168,5 +163,6 @@ WantedBy=default.target
         assert_eq!(quote("a\"b"), "\"a\\\"b\"");
         assert_eq!(quote("a\\b"), "\"a\\\\b\"");
         assert_eq!(quote(""), "\"\"");
+        assert_eq!(quote("/a/$HOME/%h"), "/a/$$HOME/%%h");
     }
 }

@@ -214,65 +214,104 @@ pub fn quarantine(f: &Facts) -> Result<Outcome, String> {
     })
 }
 
-/// The service file paths this platform uses (`wire.md` §8): the systemd user unit, or the
-/// launchd agent plist.
-pub fn service_files() -> Vec<PathBuf> {
-    let home = std::env::var_os("HOME").map(PathBuf::from);
-    let mut out = Vec::new();
-    if cfg!(target_os = "macos") {
-        if let Some(h) = &home {
-            let dir = h.join("Library/LaunchAgents");
-            let mut labels = vec![
-                crate::service::LAUNCHD_LABEL.to_string(),
-                "com.agentmbx.daemon".into(),
-            ];
-            if let Ok(l) = std::env::var("MBX_SERVICE_LABEL") {
-                labels.insert(0, l);
-            }
-            out.extend(labels.iter().map(|l| dir.join(format!("{l}.plist"))));
-        }
-    } else {
-        let config = std::env::var_os("XDG_CONFIG_HOME")
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-            .or_else(|| home.map(|h| h.join(".config")));
-        if let Some(c) = config {
-            out.push(c.join("systemd/user").join(crate::service::UNIT_NAME));
-        }
-    }
-    out
+/// The service's state on this machine: the user's unit or agent, the package's or
+/// Homebrew's, as the supervisor reports it ([`crate::service::service_state`]).
+fn service_state() -> Option<crate::service::ServiceState> {
+    use crate::service::{self as svc, Platform};
+    let platform = Platform::current()?;
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute())?;
+    let config = std::env::var_os("XDG_CONFIG_HOME")
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute());
+    let label = svc::launchd_label(std::env::var(svc::LABEL_ENV).ok().as_deref());
+    let files = svc::candidate_files(platform, &home, config.as_deref(), &label);
+    #[allow(unsafe_code)]
+    // SAFETY: getuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::getuid() };
+    Some(svc::service_state(
+        platform,
+        &files,
+        uid,
+        &label,
+        &svc::run_query,
+        &|p: &Path| p.exists(),
+    ))
 }
 
-/// `service`: a user service is installed, and the daemon answers. Skip when none is installed.
+/// The doctor's verdict on a service state: fail when enabled but not running, warn when not
+/// installed or not enabled, ok when running; with no supervisor answering, the file alone
+/// decides (ok when the daemon answers, else warn) and the state is `unknown`.
+pub fn service_outcome(
+    state: &crate::service::ServiceState,
+    daemon_answers: bool,
+    macos: bool,
+) -> Outcome {
+    use crate::service::Health;
+    let where_ = state
+        .file
+        .as_ref()
+        .map(|f| format!("{}, {}", state.name, f.display()))
+        .unwrap_or_else(|| state.name.clone());
+    let restart = if macos {
+        format!(
+            "agentmbx daemon status; launchctl kickstart -k gui/$(id -u)/{}",
+            state.name
+        )
+    } else {
+        format!(
+            "systemctl --user restart {0}; journalctl --user -u {0}",
+            state.name
+        )
+    };
+    match state.health() {
+        Health::NotInstalled => Outcome::new(Status::Warn, "no user service installed")
+            .fix("agentmbx daemon install (starts the daemon at login)"),
+        Health::Running => Outcome::new(Status::Ok, format!("enabled and active ({where_})")),
+        Health::Down => Outcome::new(
+            Status::Fail,
+            format!("enabled but {} ({where_})", state.active),
+        )
+        .fix(restart),
+        Health::Disabled => Outcome::new(
+            Status::Warn,
+            format!("installed but {} ({where_})", state.enabled),
+        )
+        .fix(if macos {
+            "agentmbx daemon install".to_string()
+        } else {
+            format!("systemctl --user enable --now {}", state.name)
+        }),
+        Health::Unknown if daemon_answers => Outcome::new(
+            Status::Ok,
+            format!("installed ({where_}), state unknown, the daemon answers"),
+        ),
+        Health::Unknown => Outcome::new(
+            Status::Warn,
+            format!("installed ({where_}), state unknown (no service manager answered)"),
+        )
+        .fix(restart),
+    }
+}
+
+/// `service`: the user service is installed, enabled and active (see [`service_outcome`]).
 pub fn service(f: &Facts) -> Result<Outcome, String> {
-    let Some(file) = service_files().into_iter().find(|p| p.exists()) else {
-        return Ok(Outcome::new(Status::Skip, "no user service installed")
-            .fix("agentmbx daemon install (starts the daemon at login)"));
+    let Some(state) = service_state() else {
+        return Ok(Outcome::new(
+            Status::Skip,
+            "no supported service manager on this platform",
+        ));
     };
     let answering = matches!(
         &f.probes.daemon,
         Some(super::net::DaemonProbe::Answered { status: 200, .. })
     );
-    Ok(if answering {
-        Outcome::new(
-            Status::Ok,
-            format!("installed ({}) and running", file.display()),
-        )
-    } else {
-        let fix = if cfg!(target_os = "macos") {
-            "agentmbx daemon status; launchctl kickstart -k gui/$(id -u)/org.agentmbx.daemon"
-        } else {
-            "systemctl --user restart agentmbx.service; journalctl --user -u agentmbx.service"
-        };
-        Outcome::new(
-            Status::Warn,
-            format!(
-                "installed ({}) but the daemon does not answer",
-                file.display()
-            ),
-        )
-        .fix(fix)
-    })
+    Ok(service_outcome(
+        &state,
+        answering,
+        cfg!(target_os = "macos"),
+    ))
 }
 
 /// Free bytes for unprivileged users on the file system holding `path` (or its nearest existing
@@ -333,4 +372,76 @@ pub fn disk_space(f: &Facts) -> Result<Outcome, String> {
         Status::Ok => out,
         _ => out.fix("free disk space: mail cannot be stored when the disk is full"),
     })
+}
+
+#[cfg(test)]
+mod service_tests {
+    use super::*;
+    use crate::service::ServiceState;
+
+    fn state(installed: bool, enabled: &str, active: &str) -> ServiceState {
+        ServiceState {
+            name: "agentmbx.service".into(),
+            file: installed.then(|| PathBuf::from("/usr/lib/systemd/user/agentmbx.service")),
+            installed,
+            enabled: enabled.into(),
+            active: active.into(),
+        }
+    }
+
+    #[test]
+    fn service_verdicts() {
+        let s = |o: Outcome| o.status.expect("status");
+        assert_eq!(
+            s(service_outcome(
+                &state(true, "enabled", "active"),
+                false,
+                false
+            )),
+            Status::Ok
+        );
+        assert_eq!(
+            s(service_outcome(
+                &state(true, "enabled", "failed"),
+                true,
+                false
+            )),
+            Status::Fail
+        );
+        assert_eq!(
+            s(service_outcome(
+                &state(true, "enabled", "inactive"),
+                false,
+                false
+            )),
+            Status::Fail
+        );
+        assert_eq!(
+            s(service_outcome(
+                &state(false, "not-found", "inactive"),
+                false,
+                false
+            )),
+            Status::Warn
+        );
+        assert_eq!(
+            s(service_outcome(
+                &state(true, "disabled", "inactive"),
+                false,
+                false
+            )),
+            Status::Warn
+        );
+        let unknown = service_outcome(&state(true, "unknown", "unknown"), false, false);
+        assert!(unknown.summary.contains("unknown"), "{}", unknown.summary);
+        assert_eq!(s(unknown), Status::Warn);
+        assert_eq!(
+            s(service_outcome(
+                &state(true, "unknown", "unknown"),
+                true,
+                false
+            )),
+            Status::Ok
+        );
+    }
 }

@@ -31,7 +31,8 @@ pub fn evaluate(id: &str, f: &Facts) -> Result<Outcome, String> {
 }
 
 /// `daemon`: the local API answers `GET /v1/health` as this host and this version
-/// (`wire.md` §7 item 3).
+/// (`wire.md` §7 item 3): nothing answering (connection refused, timed out) is `fail`; an
+/// answer from another program, another host or another version is `warn`.
 fn daemon(f: &Facts) -> Result<Outcome, String> {
     use net::DaemonProbe;
     let Ok(me) = &f.identity else {
@@ -45,7 +46,7 @@ fn daemon(f: &Facts) -> Result<Outcome, String> {
     };
     Ok(match probe {
         DaemonProbe::Unreachable { addr, why } => Outcome::new(
-            Status::Warn,
+            Status::Fail,
             format!("daemon not answering on {addr} ({why})"),
         )
         .fix("agentmbx daemon install (or run `agentmbx daemon`)"),
@@ -93,7 +94,9 @@ fn daemon(f: &Facts) -> Result<Outcome, String> {
 }
 
 /// `peers`: each pinned peer with a LAN address answers a status signed by its pinned key and
-/// accepts our hop-signed `GET /v1/agents` (`wire.md` §7 item 9, §2.7).
+/// accepts our hop-signed `GET /v1/agents` (`wire.md` §7 item 9, §2.7). A status not signed
+/// by the pinned key is `fail` (a key change or an impostor); an unreachable peer, or one that
+/// does not accept our signature, is `warn`.
 fn peers(f: &Facts) -> Result<Outcome, String> {
     let list = match &f.probes.peers {
         None => return Ok(Outcome::new(Status::Skip, "not probed")),
@@ -105,6 +108,7 @@ fn peers(f: &Facts) -> Result<Outcome, String> {
     }
     let mut out = Outcome::new(Status::Ok, "");
     let mut bad = 0usize;
+    let mut wrong_key = 0usize;
     for p in list {
         match (&p.addr, &p.result) {
             (Some(addr), Ok(version)) => {
@@ -115,6 +119,9 @@ fn peers(f: &Facts) -> Result<Outcome, String> {
             }
             (addr, Err(why)) => {
                 bad += 1;
+                if matches!(why, net::PeerProblem::WrongKey(_)) {
+                    wrong_key += 1;
+                }
                 out = out.detail(format!(
                     "{}{}: {why}",
                     p.host,
@@ -128,6 +135,16 @@ fn peers(f: &Facts) -> Result<Outcome, String> {
     }
     if bad == 0 {
         out.summary = format!("{} peer(s) reachable", list.len());
+    } else if wrong_key > 0 {
+        out.status = Some(Status::Fail);
+        out.summary = format!(
+            "{wrong_key} of {} peer(s) answered a status not signed by the pinned key; {bad} with problems in all",
+            list.len()
+        );
+        out.fix = Some(
+            "agentmbx peers remove <host>, then pair again to pin its current key (check with its owner first)"
+                .into(),
+        );
     } else {
         out.status = Some(Status::Warn);
         out.summary = format!(

@@ -2,7 +2,9 @@
 //! each peer's signed `GET /v1/status?challenge=…` (verified against the pinned key) followed
 //! by a hop-signed `GET /v1/agents` (the peer accepts our signature), and the relay's
 //! `GET /v2/relay/info` with its `Date` header. They run concurrently, each bounded by
-//! [`super::super::Options::timeout`]; they send no token.
+//! [`super::super::Options::timeout`]; they send no token. The local API and peer probes never
+//! go through a proxy (`HTTP_PROXY` and friends are ignored, as for every LAN call); the relay
+//! probe honours the proxy environment exactly as the relay client does.
 
 use std::time::Duration;
 
@@ -59,7 +61,29 @@ pub struct PeerProbe {
     pub addr: Option<String>,
     /// `Ok(version)` for a status signed by the pinned key whose host then accepted our signed
     /// request, else why not.
-    pub result: Result<String, String>,
+    pub result: Result<String, PeerProblem>,
+}
+
+/// Why a peer probe did not succeed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PeerProblem {
+    /// No LAN address is known, or nothing answered there (refused, timed out, not a status).
+    Unreachable(String),
+    /// It answered a status that is not signed by the pinned key (or not for this challenge
+    /// and host): a key change or an impostor.
+    WrongKey(String),
+    /// Its status is genuine, but it does not accept our hop-signed request.
+    Refuses(String),
+}
+
+impl std::fmt::Display for PeerProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PeerProblem::Unreachable(w) | PeerProblem::WrongKey(w) | PeerProblem::Refuses(w) => {
+                f.write_str(w)
+            }
+        }
+    }
 }
 
 /// The relay's unsigned info and its clock.
@@ -71,13 +95,22 @@ pub struct RelayProbe {
     pub date_ms: Option<i64>,
 }
 
-fn client(timeout: Duration) -> Result<reqwest::Client, String> {
+/// The client for the local API and the peers: never through a proxy.
+fn direct_client(timeout: Duration) -> Result<reqwest::Client, String> {
     crate::install_tls_provider();
     reqwest::Client::builder()
+        .no_proxy()
         .timeout(timeout)
         .connect_timeout(timeout)
         .redirect(reqwest::redirect::Policy::none())
         .build()
+        .map_err(|e| format!("cannot build the HTTP client: {e}"))
+}
+
+/// The client for the relay: the relay client's own (proxy environment honoured).
+fn relay_http(timeout: Duration) -> Result<reqwest::Client, String> {
+    crate::install_tls_provider();
+    crate::transport::relay_client::http_client(timeout)
         .map_err(|e| format!("cannot build the HTTP client: {e}"))
 }
 
@@ -140,40 +173,43 @@ async fn probe_peer(
     timeout: Duration,
     peer: crate::mailbox::peers::Peer,
 ) -> PeerProbe {
+    use PeerProblem::{Refuses, Unreachable, WrongKey};
     let Some(addr) = peer.addr.clone() else {
         return PeerProbe {
             host: peer.host,
             addr: None,
-            result: Err("no LAN address known".into()),
+            result: Err(Unreachable("no LAN address known".into())),
         };
     };
     let challenge = hex::encode(rand::random::<[u8; 16]>());
     let result = async {
-        let pinned = PublicKey::from_b64(&peer.pubkey).map_err(|_| "pinned key is invalid")?;
+        let pinned = PublicKey::from_b64(&peer.pubkey)
+            .map_err(|_| WrongKey("pinned key is invalid".into()))?;
         let (status, _, body) = get(
             http,
             &format!("http://{addr}/v1/status?challenge={challenge}"),
         )
-        .await?;
+        .await
+        .map_err(Unreachable)?;
         if status != 200 {
-            return Err(format!("answered HTTP {status}"));
+            return Err(Unreachable(format!("answered HTTP {status}")));
         }
-        let answer: Value =
-            serde_json::from_slice(&body).map_err(|_| "answer is not JSON".to_string())?;
+        let answer: Value = serde_json::from_slice(&body)
+            .map_err(|_| Unreachable("answer is not JSON".to_string()))?;
         let st = verify_status(&answer, &peer.host, &pinned, &challenge)
-            .map_err(|e| format!("status not signed by the pinned key: {e}"))?;
+            .map_err(|e| WrongKey(format!("status not signed by the pinned key: {e}")))?;
         if let Some(lan) = lan {
             match tokio::time::timeout(timeout, lan.get_agents(&addr)).await {
-                Err(_) => return Err("signed GET /v1/agents timed out".into()),
+                Err(_) => return Err(Unreachable("signed GET /v1/agents timed out".into())),
                 Ok(Err(e)) => {
-                    return Err(format!(
+                    return Err(Refuses(format!(
                         "reachable, but it does not accept our signed request: {e}"
-                    ))
+                    )))
                 }
                 Ok(Ok(_)) => {}
             }
         }
-        Ok::<_, String>(st.version)
+        Ok::<_, PeerProblem>(st.version)
     }
     .await;
     PeerProbe {
@@ -198,7 +234,7 @@ async fn probe_relay(url: &str, http: &reqwest::Client) -> Result<RelayProbe, St
 
 /// Runs the wanted probes concurrently.
 pub async fn probe(f: &Facts, daemon: bool, peers: bool, relay: bool) -> Probes {
-    let http = match client(f.opts.timeout) {
+    let http = match direct_client(f.opts.timeout) {
         Ok(h) => h,
         Err(e) => {
             return Probes {
@@ -208,6 +244,7 @@ pub async fn probe(f: &Facts, daemon: bool, peers: bool, relay: bool) -> Probes 
             }
         }
     };
+    let relay_client = relay_http(f.opts.timeout);
     let d = async {
         if daemon {
             probe_daemon(f, &http).await
@@ -241,7 +278,10 @@ pub async fn probe(f: &Facts, daemon: bool, peers: bool, relay: bool) -> Probes 
     };
     let r = async {
         match (&f.relay_url, relay) {
-            (Some(url), true) => Some(probe_relay(url, &http).await),
+            (Some(url), true) => Some(match &relay_client {
+                Ok(rh) => probe_relay(url, rh).await,
+                Err(e) => Err(e.clone()),
+            }),
             _ => None,
         }
     };
