@@ -134,6 +134,7 @@ pub fn router(state: SharedRelay) -> Router {
             "/v2/relay/admin/backup-receipt",
             post(handlers::admin::backup_receipt),
         )
+        .route("/v2/relay/admin/stats", get(handlers::admin::stats))
         .route("/v2/relay/senders", post(handlers::senders::post))
         .route("/v2/relay/rotate", post(handlers::rotate::post))
         // Per-address rate limits and the body budget, for the routes above only.

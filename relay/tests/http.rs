@@ -2612,3 +2612,59 @@ async fn connections_past_max_connections_wait_for_a_free_slot() {
     .unwrap();
     relay.stop().await;
 }
+
+/// `GET /v2/relay/admin/stats` with the admin token, parsed.
+async fn writer_stats(relay: &Relay, token: &str) -> Resp {
+    let auth = vec![("authorization".to_owned(), format!("Bearer {token}"))];
+    relay
+        .send("GET", "/v2/relay/admin/stats", &auth, Vec::new())
+        .await
+}
+
+#[tokio::test]
+async fn admin_stats_counts_the_writers_requests_and_commits_behind_the_admin_token() {
+    use agentmbx_relay::config::{AdminToken, RelayConfig};
+    const ADMIN: &str = "admin-token-0123456789abcdef";
+    // No admin token configured: the route does not exist.
+    let relay = Relay::start().await;
+    writer_stats(&relay, ADMIN)
+        .await
+        .assert_error(404, "not found", "NOT_FOUND");
+    relay.stop().await;
+
+    let relay = Relay::start_with_config(RelayConfig {
+        admin_token: Some(AdminToken::new(ADMIN).unwrap()),
+        ..RelayConfig::default()
+    })
+    .await;
+    writer_stats(&relay, "wrong-token-0123456789abcdef")
+        .await
+        .assert_error(401, "admin token required", "ADMIN_TOKEN");
+    let (a, b) = two_hosts(&relay).await;
+    let before = writer_stats(&relay, ADMIN).await.assert_ok().clone();
+    let now = relay.now();
+    let items: Vec<Value> = (0..3)
+        .map(|i| {
+            let (id, wire) = sealed_wire(&a, &b, &format!("hello {i}"), now);
+            env_item(&id, &b, &wire)
+        })
+        .collect();
+    assert_eq!(
+        relay.push(&a, items).await.statuses(),
+        ["accepted", "accepted", "accepted"]
+    );
+    let after = writer_stats(&relay, ADMIN).await.assert_ok().clone();
+    let delta = |k: &str| after[k].as_u64().unwrap() - before[k].as_u64().unwrap();
+    // The push is one write request committed in a group (the heartbeat and the retention
+    // sweep write too, so other requests may have joined in the meantime).
+    assert!(delta("write_requests") >= 1, "{before} → {after}");
+    assert!(delta("commits") >= 1, "{before} → {after}");
+    for s in [&before, &after] {
+        let n = |k: &str| s[k].as_u64().unwrap();
+        assert!(n("commits") <= n("groups"), "{s}");
+        assert!(n("groups") <= n("write_requests"), "{s}");
+    }
+    // The two enrolments were writes too, counted since the store opened.
+    assert!(before["commits"].as_u64().unwrap() >= 2, "{before}");
+    relay.stop().await;
+}

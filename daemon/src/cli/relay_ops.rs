@@ -108,7 +108,7 @@ pub struct LogArgs {
 #[command(
     after_long_help = "Stop the relay first: a restore never replaces a store a relay \
 holds (RELAY_RUNNING, exit 4). The backup is copied and checked (a relay store of this relay's \
-key, with exactly the tables and indexes of its schema version in this agentmbx: no triggers or views), the current store is kept as rollback/relay-<time>.db in \
+key, with exactly the tables, indexes and triggers of its schema version in this agentmbx: no other trigger, no view), the current store is kept as rollback/relay-<time>.db in \
 the store directory, and what the current store took away or learned since the backup is \
 carried forward: host key rotations (the new key takes over the enrolment, the old key's \
 queue and allowlists), revocations, deny-list entries, newer sender allowlists and enc-key \

@@ -16,11 +16,12 @@
 //!    journal (a WAL folded in), `integrity_check`; not SQLite, damaged, or no `meta.epoch` or
 //!    `meta.relay_pubkey` → `NOT_A_STORE` naming the file; a newer schema → `SCHEMA`; a schema
 //!    whose objects (every table, index, trigger and view of `sqlite_master`, by type, name and
-//!    SQL) are not exactly those this binary's migrations give its version — a trigger or a
-//!    view at all, an extra object, a missing table — → `NOT_A_STORE` naming the object (a
-//!    backup is untrusted input: a trigger would run inside the carry-forward and stay in the
-//!    live schema); another relay key than the relay's (and the current store's) →
-//!    `OTHER_RELAY`.
+//!    SQL with whitespace runs collapsed) are not exactly those this binary's migrations give
+//!    its version — an extra object (a trigger or a view included), one of ours with another
+//!    definition (a trigger with another body), a missing one — → `NOT_A_STORE` naming the
+//!    object (a backup is untrusted input: a trigger runs inside the carry-forward and stays in
+//!    the live schema, so only the schema's own usage-counter triggers pass, word for word);
+//!    another relay key than the relay's (and the current store's) → `OTHER_RELAY`.
 //! 3. **The current store**: a newer schema → `SCHEMA` (never downgraded, `--force` or not);
 //!    `quick_check`, its authority read in one read transaction, and an online copy kept as
 //!    `rollback/relay-<stamp>.db` (0600 in a 0700 directory; written as `.partial-<pid>` and
@@ -30,7 +31,9 @@
 //!    failure writing the rollback copy (a full disk…) is a plain failure that changes nothing,
 //!    never `CURRENT_UNREADABLE`. A `relay.db` that is not a regular file is refused.
 //! 4. **On the copy, in one transaction**: an older schema migrated first (a migration keeps the
-//!    epoch); then carried forward from the current store: the higher seq floors; every host
+//!    epoch); the usage counters recomputed from the backup's items (derived data a backup
+//!    could hold wrong; the schema's triggers keep them from there on); then carried forward
+//!    from the current store: the higher seq floors; every host
 //!    key rotation made after the backup (a `meta.rotation:<old>` marker the backup lacks),
 //!    replayed with the store's own rotation code at its time, so the new key holds the
 //!    enrolment (name, account, `authorized_by`; enrolled even if the backup never saw it —
@@ -73,8 +76,9 @@ use agentmbx_protocol::time::iso_ms;
 
 use super::{absolute, facts, fsync, io, online_copy, sha256_file, store_db, OpsError};
 use crate::store::{
-    append_op_signed, migrate, replay_rotation, stored_version, OpSigner, RotateOutcome,
-    StoreError, StoreLock, DB_FILE, LOCK_FILE, MIGRATIONS, ROTATION_META_PREFIX, SCHEMA_VERSION,
+    append_op_signed, migrate, rebuild_usage, replay_rotation, stored_version, OpSigner,
+    RotateOutcome, StoreError, StoreLock, DB_FILE, LOCK_FILE, MIGRATIONS, ROTATION_META_PREFIX,
+    SCHEMA_VERSION,
 };
 
 /// Relay-log operation name (and receipt `type`) of a restore.
@@ -320,19 +324,12 @@ fn reference_schema(version: u32) -> Result<SchemaObjects, RestoreError> {
     Ok(schema_objects(&c)?)
 }
 
-/// The backup's schema must be exactly what this binary defines for its version: a trigger or
-/// a view (code that would run inside the carry-forward and stay in the live schema), an extra
-/// object or a missing one is refused. `Err` names the first difference.
+/// The backup's schema must be exactly what this binary defines for its version: an extra
+/// object (a trigger or a view is code that would run inside the carry-forward and stay in the
+/// live schema), one of ours defined otherwise (a trigger with another body) or a missing one is
+/// refused; the schema's own triggers pass. `Ok(Some)` names the first difference.
 fn schema_difference(c: &Connection, version: u32) -> Result<Option<String>, RestoreError> {
     let found = schema_objects(c)?;
-    if let Some(((kind, name), _)) = found
-        .iter()
-        .find(|((kind, _), _)| kind == "trigger" || kind == "view")
-    {
-        return Ok(Some(format!(
-            "it holds a {kind} {name:?}; a relay store has no triggers or views"
-        )));
-    }
     let want = reference_schema(version)?;
     // A missing table before the indexes it implies.
     if let Some(((kind, name), _)) = want
@@ -1252,6 +1249,7 @@ pub fn restore(
     let found = stored_version(&c)?;
     migrate(&mut c, found, SCHEMA_VERSION, MIGRATIONS)?;
     let tx = c.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    rebuild_usage(&tx)?;
     let carried = match &current {
         Some(cur) => carry(&tx, cur, now)?,
         None => Carried::default(),
@@ -1945,6 +1943,10 @@ mod tests {
                 Some(n.as_str())
             );
         }
+        assert!(
+            crate::store::assert_usage_matches(&c) > 0,
+            "the replayed moves are counted"
+        );
         drop(c);
         let store = relay.open(d, T0 + 61_000);
         assert_eq!(
@@ -2211,41 +2213,58 @@ mod tests {
         let s = scene();
         let dir = s.dir.path();
         let before = live_state(dir);
+        let v = SCHEMA_VERSION;
+        // One of the schema's own triggers, its body changed: same name, another definition.
+        let own = "DROP TRIGGER items_usage_insert;
+            CREATE TRIGGER items_usage_insert AFTER INSERT ON items BEGIN
+              DELETE FROM deny; END;";
         for (name, sql, named) in [
             (
                 "trigger-deny.db",
                 "CREATE TRIGGER t1 AFTER INSERT ON deny BEGIN DELETE FROM deny \
-                 WHERE kind = new.kind AND value = new.value; END;",
-                "trigger \"t1\"",
+                 WHERE kind = new.kind AND value = new.value; END;"
+                    .to_owned(),
+                "trigger \"t1\" that schema".to_owned(),
             ),
             (
                 "trigger-revoke.db",
                 "CREATE TRIGGER t2 AFTER UPDATE ON enrolments BEGIN UPDATE enrolments \
-                 SET revoked_at = NULL WHERE host_pubkey = new.host_pubkey; END;",
-                "trigger \"t2\"",
+                 SET revoked_at = NULL WHERE host_pubkey = new.host_pubkey; END;"
+                    .to_owned(),
+                "trigger \"t2\" that schema".to_owned(),
+            ),
+            (
+                "trigger-modified.db",
+                own.to_owned(),
+                format!("trigger \"items_usage_insert\" differs from its definition in schema {v}"),
+            ),
+            (
+                "trigger-missing.db",
+                "DROP TRIGGER items_usage_delete;".to_owned(),
+                format!("trigger \"items_usage_delete\" of schema {v} is missing"),
             ),
             (
                 "view.db",
-                "CREATE VIEW v1 AS SELECT * FROM deny;",
-                "view \"v1\"",
+                "CREATE VIEW v1 AS SELECT * FROM deny;".to_owned(),
+                "view \"v1\" that schema".to_owned(),
             ),
             (
                 "no-bindings.db",
-                "DROP TABLE account_bindings;",
-                "table \"account_bindings\" of schema 3 is missing",
+                "DROP TABLE account_bindings;".to_owned(),
+                format!("table \"account_bindings\" of schema {v} is missing"),
             ),
             (
                 "extra.db",
-                "CREATE TABLE extra (x); CREATE INDEX deny_extra ON deny(value);",
-                "that schema 3 does not define",
+                "CREATE TABLE extra (x); CREATE INDEX deny_extra ON deny(value);".to_owned(),
+                format!("that schema {v} does not define"),
             ),
         ] {
-            let file = altered(&s.backup, s.out.path(), name, sql);
+            let file = altered(&s.backup, s.out.path(), name, &sql);
             let e = restore(dir, &file, &s.relay.opts(T0 + 60_000, true), None).expect_err(name);
             assert_eq!(e.code(), "NOT_A_STORE", "{name}: {e}");
             let text = e.to_string();
             assert!(
-                text.contains(name) && text.contains(named),
+                text.contains(name) && text.contains(&named),
                 "{name}: {text}"
             );
             assert_eq!(live_state(dir), before, "{name}");
@@ -2256,18 +2275,47 @@ mod tests {
                 "{name}"
             );
         }
-        // The backup as it was restores, with the revocation and the deny entry carried.
+        // The backup as it was restores, with the revocation and the deny entry carried, and
+        // exactly the schema's own triggers.
         let r = restore(dir, &s.backup, &s.relay.opts(T0 + 60_000, false), None).expect("ok");
         assert_eq!(r["carried"]["revocations"], 1);
         let c = raw(dir);
-        let n: i64 = c
-            .query_row(
-                "SELECT COUNT(*) FROM sqlite_master WHERE type IN ('trigger', 'view')",
-                [],
-                |r| r.get(0),
-            )
-            .expect("n");
-        assert_eq!(n, 0);
+        let objects = |kind: &str| -> Vec<String> {
+            let mut st = c
+                .prepare("SELECT name FROM sqlite_master WHERE type = ?1 ORDER BY name")
+                .expect("prepare");
+            let out = st
+                .query_map([kind], |r| r.get(0))
+                .expect("query")
+                .collect::<Result<Vec<String>, _>>()
+                .expect("rows");
+            out
+        };
+        assert_eq!(
+            objects("trigger"),
+            [
+                "items_usage_delete",
+                "items_usage_insert",
+                "items_usage_update"
+            ]
+        );
+        assert!(objects("view").is_empty());
+        assert!(crate::store::assert_usage_matches(&c) > 0);
+    }
+
+    #[test]
+    fn a_backups_usage_counters_are_recomputed_from_its_items() {
+        let s = scene();
+        let dir = s.dir.path();
+        let file = altered(
+            &s.backup,
+            s.out.path(),
+            "spoiled-counters.db",
+            "UPDATE target_usage SET items = 1000000, bytes = 1000000000;
+             DELETE FROM sender_usage;",
+        );
+        restore(dir, &file, &s.relay.opts(T0 + 60_000, false), None).expect("restored");
+        assert!(crate::store::assert_usage_matches(&raw(dir)) > 0);
     }
 
     #[test]

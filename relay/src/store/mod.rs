@@ -52,7 +52,9 @@ mod sqlite;
 
 pub(crate) use schema::stored_version;
 pub use schema::SCHEMA_VERSION;
-pub(crate) use schema::{migrate, MIGRATIONS};
+pub(crate) use schema::{migrate, rebuild_usage, MIGRATIONS};
+#[cfg(test)]
+pub(crate) use schema::assert_usage_matches;
 pub(crate) use sqlite::{append_op_signed, replay_rotation, ROTATION_META_PREFIX};
 pub use sqlite::{prepare_store_dir, SqliteStore, StoreLock, StoreStats};
 
@@ -1254,6 +1256,13 @@ pub trait RelayStore: Send + Sync + std::fmt::Debug {
     /// Every later write fails with [`StoreError::WriterFailed`]; the relay must exit (non-zero)
     /// and be restarted, so SQLite's recovery decides what is durable. `None` while healthy.
     fn failed(&self) -> Option<String> {
+        None
+    }
+
+    /// The group-commit writer's counters ([`StoreStats`]: write requests, groups, commits,
+    /// queued), counted since the store was opened; `None` for a store without such a writer.
+    /// `GET /v2/relay/admin/stats` serves them.
+    fn writer_stats(&self) -> Option<StoreStats> {
         None
     }
 }

@@ -9,7 +9,12 @@
 //! Adding a version: append `(N, "DDL…")` to [`MIGRATIONS`] and raise [`SCHEMA_VERSION`] to N.
 //! Version 0 is an empty file.
 //!
-//! This schema is ours (the Rust relay's versions 1 to 3); it is not 0.5.x's `relay.db`
+//! Since version 4 the schema holds triggers: the usage counters of [`V4`] are kept by SQLite
+//! itself on every write to `items`, so no code path (push, ack, sweep, rotation, restore, a
+//! direct insert) can leave them stale. Restore accepts a backup only when its objects,
+//! triggers included, are exactly this binary's for the backup's version.
+//!
+//! This schema is ours (the Rust relay's versions 1 to 4); it is not 0.5.x's `relay.db`
 //! numbering.
 
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior};
@@ -17,7 +22,7 @@ use rusqlite::{Connection, OptionalExtension, TransactionBehavior};
 use super::StoreError;
 
 /// The newest schema version this binary reads and writes.
-pub const SCHEMA_VERSION: u32 = 3;
+pub const SCHEMA_VERSION: u32 = 4;
 
 /// Version 1: every table of `wire.md` §3.3. Deviations, each for a reason:
 /// - `enrolments.authority_rank`: the strength of the authority that recorded `account`, so a
@@ -166,9 +171,105 @@ CREATE INDEX items_origin ON items(origin_target, sender_pubkey, item_id)
   WHERE origin_target IS NOT NULL;
 ";
 
+/// The statements that fill the (empty) usage tables of [`V4`] from `items`: the migration's
+/// backfill, and [`rebuild_usage`] after emptying them.
+macro_rules! usage_backfill {
+    () => {
+        "
+INSERT INTO target_usage (target_pubkey, items, bytes)
+  SELECT target_pubkey, COUNT(*), SUM(bytes) FROM items GROUP BY target_pubkey;
+INSERT INTO sender_usage (sender_pubkey, target_pubkey, items, bytes)
+  SELECT sender_pubkey, target_pubkey, COUNT(*), SUM(bytes) FROM items
+   GROUP BY sender_pubkey, target_pubkey;
+"
+    };
+}
+
+/// Version 4: usage counters, so every quota check of a push reads one row instead of the
+/// target's whole queue (`wire.md` §3.2 quotas).
+/// - `target_usage`: per target key, the items queued under it and their wire bytes.
+/// - `sender_usage`: the same per (sender key, target key), for the sender share.
+/// - Both are backfilled from `items` here and kept exact by the `items_usage_*` triggers on
+///   every insert, delete and update of an item's keys or size (a rotation moves a queue with
+///   an insert and a delete). A row whose count reaches 0 is deleted, so the tables hold only
+///   the queues that exist. The account quota sums `target_usage` over the account's live
+///   enrolments.
+/// - `items_sender` is dropped: it only served the per-sender quota sum, which the counters now
+///   answer, and every item written paid for it.
+const V4: &str = concat!(
+    "
+CREATE TABLE target_usage (
+  target_pubkey TEXT PRIMARY KEY NOT NULL,
+  items         INTEGER NOT NULL,
+  bytes         INTEGER NOT NULL
+) STRICT, WITHOUT ROWID;
+
+CREATE TABLE sender_usage (
+  sender_pubkey TEXT NOT NULL,
+  target_pubkey TEXT NOT NULL,
+  items         INTEGER NOT NULL,
+  bytes         INTEGER NOT NULL,
+  PRIMARY KEY (sender_pubkey, target_pubkey)
+) STRICT, WITHOUT ROWID;
+",
+    usage_backfill!(),
+    "
+DROP INDEX items_sender;
+
+CREATE TRIGGER items_usage_insert AFTER INSERT ON items BEGIN
+  INSERT INTO target_usage (target_pubkey, items, bytes) VALUES (new.target_pubkey, 1, new.bytes)
+    ON CONFLICT (target_pubkey) DO UPDATE
+      SET items = items + 1, bytes = bytes + excluded.bytes;
+  INSERT INTO sender_usage (sender_pubkey, target_pubkey, items, bytes)
+    VALUES (new.sender_pubkey, new.target_pubkey, 1, new.bytes)
+    ON CONFLICT (sender_pubkey, target_pubkey) DO UPDATE
+      SET items = items + 1, bytes = bytes + excluded.bytes;
+END;
+
+CREATE TRIGGER items_usage_delete AFTER DELETE ON items BEGIN
+  DELETE FROM target_usage WHERE target_pubkey = old.target_pubkey AND items <= 1;
+  UPDATE target_usage SET items = items - 1, bytes = bytes - old.bytes
+   WHERE target_pubkey = old.target_pubkey;
+  DELETE FROM sender_usage
+   WHERE sender_pubkey = old.sender_pubkey AND target_pubkey = old.target_pubkey AND items <= 1;
+  UPDATE sender_usage SET items = items - 1, bytes = bytes - old.bytes
+   WHERE sender_pubkey = old.sender_pubkey AND target_pubkey = old.target_pubkey;
+END;
+
+CREATE TRIGGER items_usage_update AFTER UPDATE OF target_pubkey, sender_pubkey, bytes ON items
+BEGIN
+  DELETE FROM target_usage WHERE target_pubkey = old.target_pubkey AND items <= 1;
+  UPDATE target_usage SET items = items - 1, bytes = bytes - old.bytes
+   WHERE target_pubkey = old.target_pubkey;
+  DELETE FROM sender_usage
+   WHERE sender_pubkey = old.sender_pubkey AND target_pubkey = old.target_pubkey AND items <= 1;
+  UPDATE sender_usage SET items = items - 1, bytes = bytes - old.bytes
+   WHERE sender_pubkey = old.sender_pubkey AND target_pubkey = old.target_pubkey;
+  INSERT INTO target_usage (target_pubkey, items, bytes) VALUES (new.target_pubkey, 1, new.bytes)
+    ON CONFLICT (target_pubkey) DO UPDATE
+      SET items = items + 1, bytes = bytes + excluded.bytes;
+  INSERT INTO sender_usage (sender_pubkey, target_pubkey, items, bytes)
+    VALUES (new.sender_pubkey, new.target_pubkey, 1, new.bytes)
+    ON CONFLICT (sender_pubkey, target_pubkey) DO UPDATE
+      SET items = items + 1, bytes = bytes + excluded.bytes;
+END;
+"
+);
+
 /// Every schema step, `(version it produces, DDL)`, in increasing order without gaps. Step N
 /// turns a version N−1 store into version N.
-pub const MIGRATIONS: &[(u32, &str)] = &[(1, V1), (2, V2), (3, V3)];
+pub const MIGRATIONS: &[(u32, &str)] = &[(1, V1), (2, V2), (3, V3), (4, V4)];
+
+/// Recomputes the usage counters of a version 4 (or later) store from its `items`, in the
+/// caller's transaction: restore runs it on a backup, whose counters are data like any other
+/// and are not trusted. Errors: SQLite errors.
+pub(crate) fn rebuild_usage(conn: &Connection) -> Result<(), StoreError> {
+    conn.execute_batch(concat!(
+        "DELETE FROM target_usage; DELETE FROM sender_usage;",
+        usage_backfill!()
+    ))?;
+    Ok(())
+}
 
 /// The schema version recorded in an open database: the higher of `PRAGMA user_version` and
 /// `meta.schema_version` (0 for an empty file).
@@ -252,6 +353,34 @@ pub(crate) fn migrate(
     Ok(())
 }
 
+/// Test helper: panics unless the usage counters equal a fresh `GROUP BY` over `items` (and no
+/// counter row is empty); returns how many items the counters hold in all.
+#[cfg(test)]
+#[allow(clippy::expect_used)]
+pub(crate) fn assert_usage_matches(conn: &Connection) -> i64 {
+    let rows = |sql: &str| -> Vec<(String, String, i64, i64)> {
+        let mut st = conn.prepare(sql).expect(sql);
+        let out = st
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+            .expect(sql)
+            .collect::<Result<Vec<_>, _>>()
+            .expect(sql);
+        out
+    };
+    let targets = rows("SELECT target_pubkey, '', items, bytes FROM target_usage ORDER BY 1");
+    let want =
+        rows("SELECT target_pubkey, '', COUNT(*), SUM(bytes) FROM items GROUP BY 1 ORDER BY 1");
+    assert_eq!(targets, want, "target_usage differs from items");
+    let senders =
+        rows("SELECT sender_pubkey, target_pubkey, items, bytes FROM sender_usage ORDER BY 1, 2");
+    let want = rows(
+        "SELECT sender_pubkey, target_pubkey, COUNT(*), SUM(bytes) FROM items
+         GROUP BY 1, 2 ORDER BY 1, 2",
+    );
+    assert_eq!(senders, want, "sender_usage differs from items");
+    targets.iter().map(|t| t.2).sum()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -299,6 +428,8 @@ mod tests {
             "ops",
             "sender_lists",
             "seqs",
+            "target_usage",
+            "sender_usage",
         ] {
             assert!(t.iter().any(|x| x == name), "missing table {name}: {t:?}");
         }
@@ -371,6 +502,112 @@ mod tests {
             !t.iter().any(|t| t == "fine" || t == "deny"),
             "every step was rolled back with the failing one: {t:?}"
         );
+    }
+
+    /// Inserts an item row of `bytes` bytes.
+    fn item(conn: &Connection, target: &str, seq: i64, sender: &str, bytes: i64) {
+        conn.execute(
+            "INSERT INTO items (target_pubkey, seq, kind, item_id, sender_pubkey, sender_host,
+                                wire, wire_hash, bytes, accepted_at, expires_at)
+             VALUES (?1, ?2, 'envelope', ?3, ?4, 'h', x'00', 'hash', ?5, 1, NULL)",
+            rusqlite::params![target, seq, format!("i{seq}"), sender, bytes],
+        )
+        .expect("item");
+    }
+
+    fn usage_rows(conn: &Connection, table: &str) -> i64 {
+        conn.query_row(&format!("SELECT COUNT(*) FROM {table}"), [], |r| r.get(0))
+            .expect("count")
+    }
+
+    #[test]
+    fn version_4_backfills_the_usage_counters_of_a_version_3_store() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut conn = open(dir.path());
+        migrate(&mut conn, 0, 3, MIGRATIONS).expect("to 3");
+        for (target, seq, sender, bytes) in [
+            ("t1", 1, "s1", 100),
+            ("t1", 2, "s1", 50),
+            ("t1", 3, "s2", 7),
+            ("t2", 1, "s1", 1_000),
+        ] {
+            item(&conn, target, seq, sender, bytes);
+        }
+        migrate(&mut conn, 3, SCHEMA_VERSION, MIGRATIONS).expect("to current");
+        assert_eq!(assert_usage_matches(&conn), 4);
+        let t1: (i64, i64) = conn
+            .query_row(
+                "SELECT items, bytes FROM target_usage WHERE target_pubkey = 't1'",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .expect("t1");
+        assert_eq!(t1, (3, 157));
+        let s1t1: (i64, i64) = conn
+            .query_row(
+                "SELECT items, bytes FROM sender_usage
+                 WHERE sender_pubkey = 's1' AND target_pubkey = 't1'",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .expect("s1 t1");
+        assert_eq!(s1t1, (2, 150));
+        let index: i64 = conn
+            .query_row(
+                "SELECT COUNT(*) FROM sqlite_master WHERE name = 'items_sender'",
+                [],
+                |r| r.get(0),
+            )
+            .expect("index");
+        assert_eq!(index, 0, "the quota index is gone");
+    }
+
+    #[test]
+    fn the_triggers_keep_the_counters_exact_and_drop_empty_rows() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut conn = open(dir.path());
+        migrate(&mut conn, 0, SCHEMA_VERSION, MIGRATIONS).expect("migrate");
+        assert_eq!(assert_usage_matches(&conn), 0);
+        item(&conn, "t1", 1, "s1", 10);
+        item(&conn, "t1", 2, "s2", 20);
+        item(&conn, "t2", 1, "s1", 30);
+        assert_eq!(assert_usage_matches(&conn), 3);
+        // A move to another key and sender, and a size change, as one update each.
+        conn.execute(
+            "UPDATE items SET target_pubkey = 't3', sender_pubkey = 's3' WHERE target_pubkey = 't2'",
+            [],
+        )
+        .expect("move");
+        conn.execute(
+            "UPDATE items SET bytes = 11 WHERE seq = 1 AND target_pubkey = 't1'",
+            [],
+        )
+        .expect("resize");
+        // An update of another column leaves them alone.
+        conn.execute("UPDATE items SET kind = 'receipt'", [])
+            .expect("kind");
+        assert_eq!(assert_usage_matches(&conn), 3);
+        assert_eq!(
+            usage_rows(&conn, "target_usage"),
+            2,
+            "t2's row went with its last item"
+        );
+        conn.execute(
+            "DELETE FROM items WHERE target_pubkey = 't1' AND seq = 1",
+            [],
+        )
+        .expect("delete one");
+        assert_eq!(assert_usage_matches(&conn), 2);
+        conn.execute("DELETE FROM items", []).expect("delete all");
+        assert_eq!(assert_usage_matches(&conn), 0);
+        assert_eq!(usage_rows(&conn, "target_usage"), 0);
+        assert_eq!(usage_rows(&conn, "sender_usage"), 0);
+        // Recomputing from scratch gives the same counters the triggers kept.
+        item(&conn, "t1", 5, "s1", 5);
+        conn.execute("UPDATE target_usage SET items = 99", [])
+            .expect("spoil");
+        rebuild_usage(&conn).expect("rebuild");
+        assert_eq!(assert_usage_matches(&conn), 1);
     }
 
     #[test]

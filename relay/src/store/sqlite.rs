@@ -964,6 +964,10 @@ impl RelayStore for SqliteStore {
         self.failure.get().cloned()
     }
 
+    fn writer_stats(&self) -> Option<StoreStats> {
+        Some(self.stats())
+    }
+
     fn sweep(
         &self,
         now_ms: i64,
@@ -1886,7 +1890,8 @@ fn sender_allowed(c: &Connection, target: &str, sender: &str) -> Result<bool, St
 }
 
 /// Would adding `bytes` to this target exceed a quota? Checked in the order of `wire.md` §3.2:
-/// target depth, target bytes, sender share, proven account.
+/// target depth, target bytes, sender share, proven account. Reads the usage counters the
+/// schema's triggers keep (`schema.rs`, version 4): one row per check, whatever the queue depth.
 fn quota_exceeded(
     c: &Connection,
     limits: &StoreLimits,
@@ -1897,11 +1902,13 @@ fn quota_exceeded(
     let over = |used: i64, add: i64, max: u64| i128::from(used) + i128::from(add) > i128::from(max);
     let usage = |sql: &str, args: &[&dyn rusqlite::ToSql]| -> Result<(i64, i64), StoreError> {
         Ok(c.prepare_cached(sql)?
-            .query_row(args, |r| Ok((r.get(0)?, r.get(1)?)))?)
+            .query_row(args, |r| Ok((r.get(0)?, r.get(1)?)))
+            .optional()?
+            .unwrap_or((0, 0)))
     };
 
     let (items, used) = usage(
-        "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM items WHERE target_pubkey = ?1",
+        "SELECT items, bytes FROM target_usage WHERE target_pubkey = ?1",
         &[&t.pubkey],
     )?;
     if over(items, 1, limits.max_queue_items) {
@@ -1911,8 +1918,7 @@ fn quota_exceeded(
         return Ok(Some(QuotaKind::QueueBytes));
     }
     let (items, used) = usage(
-        "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM items
-         WHERE sender_pubkey = ?1 AND target_pubkey = ?2",
+        "SELECT items, bytes FROM sender_usage WHERE sender_pubkey = ?1 AND target_pubkey = ?2",
         &[&sender, &t.pubkey],
     )?;
     if over(items, 1, limits.max_sender_items) || over(used, bytes, limits.max_sender_bytes) {
@@ -1920,8 +1926,8 @@ fn quota_exceeded(
     }
     if let Some(account) = &t.account {
         let (items, used) = usage(
-            "SELECT COUNT(*), COALESCE(SUM(i.bytes), 0)
-             FROM items i JOIN enrolments e ON e.host_pubkey = i.target_pubkey
+            "SELECT COALESCE(SUM(u.items), 0), COALESCE(SUM(u.bytes), 0)
+             FROM enrolments e JOIN target_usage u ON u.target_pubkey = e.host_pubkey
              WHERE e.account = ?1 AND e.revoked_at IS NULL",
             &[account],
         )?;
@@ -2180,6 +2186,14 @@ mod tests {
                 max_bytes: u64::MAX,
             })
             .expect("pull")
+    }
+
+    /// The usage counters of the store in `dir` equal a fresh count of its items (read through
+    /// a read-only connection while the store runs); returns the items counted.
+    fn usage_matches(dir: &Path) -> i64 {
+        let c = Connection::open_with_flags(dir.join(DB_FILE), OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .expect("read-only");
+        crate::store::assert_usage_matches(&c)
     }
 
     fn wait_until(what: &str, cond: impl Fn() -> bool) {
@@ -2526,6 +2540,11 @@ mod tests {
             .map(|i| i.seq)
             .collect();
         assert_eq!(left, [103, 104]);
+        assert_eq!(
+            usage_matches(dir.path()),
+            2,
+            "the ack's deletes are counted"
+        );
 
         assert_eq!(
             ack(105, None),
@@ -2581,6 +2600,7 @@ mod tests {
         }
         let info = store.info_for(&beta).expect("info");
         assert_eq!((info.head_seq, info.acked_through), (104, 104));
+        assert_eq!(usage_matches(dir.path()), 0);
     }
 
     // --- restart, schema, key, lock ----------------------------------------------------------
@@ -3054,6 +3074,11 @@ mod tests {
             ItemStatus::Accepted
         );
         assert_eq!(pull_all(&store, &beta).items.len(), 3);
+        assert_eq!(
+            usage_matches(dir.path()),
+            3,
+            "refused items are never counted"
+        );
     }
 
     #[test]
@@ -3095,6 +3120,22 @@ mod tests {
                 "no account, no account quota"
             );
         }
+        // A revoked key's queue no longer counts for its account (its items stay queued).
+        assert_eq!(
+            store.revoke(&b2, 2).expect("revoke"),
+            RevokeOutcome::Revoked
+        );
+        assert_eq!(
+            push_one(&store, &alpha, 3, item("4", &[(&b1, b"x")])).status,
+            ItemStatus::Accepted
+        );
+        assert_eq!(
+            push_one(&store, &alpha, 3, item("5", &[(&b1, b"x")]))
+                .status
+                .wire(),
+            "rejected:quota:owner queue depth exceeded for one"
+        );
+        assert_eq!(usage_matches(dir.path()), 6);
     }
 
     #[test]

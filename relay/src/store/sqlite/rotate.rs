@@ -529,6 +529,7 @@ mod tests {
         assert_eq!(q[0].0, 5_000);
         assert_eq!(q[1].0, 5_001);
         let c = raw(dir.path());
+        crate::store::assert_usage_matches(&c);
         assert_eq!(
             count(
                 &c,
@@ -837,6 +838,7 @@ mod tests {
         let next = push(&store, &a, &new, "next", b"next", 5_000);
         assert_eq!(next, q[450].0 + 1);
         let c = raw(dir.path());
+        crate::store::assert_usage_matches(&c);
         assert_eq!(
             count(
                 &c,
@@ -890,6 +892,7 @@ mod tests {
             out.items[0].status.wire().starts_with("rejected:quota:"),
             "{out:?}"
         );
+        assert_eq!(crate::store::assert_usage_matches(&raw(dir.path())), 6);
     }
 
     #[test]

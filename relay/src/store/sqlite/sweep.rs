@@ -60,7 +60,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use rusqlite::{params, Connection};
+use rusqlite::{params, Connection, OptionalExtension};
 
 use super::{allocate_seq, append_op_apply, enrolment_row, op_receipt_text, JobKind, SqliteStore};
 use crate::store::{
@@ -219,10 +219,10 @@ fn queue_notice(
     if !senders.contains_key(&it.sender) {
         let enrolled = enrolment_row(c, &it.sender)?.is_some_and(|e| !e.is_revoked());
         let (items, bytes): (i64, i64) = c
-            .prepare_cached(
-                "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM items WHERE target_pubkey = ?1",
-            )?
-            .query_row([&it.sender], |row| Ok((row.get(0)?, row.get(1)?)))?;
+            .prepare_cached("SELECT items, bytes FROM target_usage WHERE target_pubkey = ?1")?
+            .query_row([&it.sender], |row| Ok((row.get(0)?, row.get(1)?)))
+            .optional()?
+            .unwrap_or((0, 0));
         senders.insert(
             it.sender.clone(),
             SenderQueue {
@@ -391,7 +391,7 @@ mod tests {
     use agentmbx_protocol::keys::{HostKey, PublicKey};
     use agentmbx_protocol::time::iso_ms;
     use base64::Engine as _;
-    use rusqlite::{OpenFlags, OptionalExtension};
+    use rusqlite::OpenFlags;
     use serde_json::{json, Value};
     use std::path::Path;
 
@@ -818,6 +818,7 @@ mod tests {
             .collect();
         assert_eq!(ids, vec!["g1", "g2", &format!("expired:m1:{beta}")]);
         assert!(!f.dedup_exists(&f.relay_pub(), &format!("expired:m2:{beta}"), &alpha));
+        assert_eq!(crate::store::assert_usage_matches(&f.raw()), 3);
     }
 
     #[test]
@@ -853,6 +854,7 @@ mod tests {
         let page = f.pull(&alpha);
         let used: usize = page.items.iter().map(|i| i.wire.len()).sum();
         assert_eq!(used as u64, filler + notice_len, "exactly at the byte cap");
+        assert_eq!(crate::store::assert_usage_matches(&f.raw()), 2);
     }
 
     #[test]
@@ -1047,6 +1049,7 @@ mod tests {
         );
         assert_eq!(retry.status, ItemStatus::Duplicate);
         assert_eq!(retry.targets[0].seq, seq);
+        assert_eq!(crate::store::assert_usage_matches(&f.raw()), 1);
     }
 
     /// Pushes `total` receipts (no notices) from one sender, oldest first (`r0` expires
@@ -1123,6 +1126,7 @@ mod tests {
         assert_eq!((r.expired_items, r.batches, r.more), (1, 1, false), "{r:?}");
         assert_eq!(f.store.commits() - before, 2);
         assert!(f.pull(beta).items.is_empty());
+        assert_eq!(crate::store::assert_usage_matches(&f.raw()), 0);
     }
 
     #[test]
