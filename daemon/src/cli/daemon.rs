@@ -133,7 +133,14 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
     };
     let addr_file = paths.api_addr_file();
     let started_at = agentmbx_protocol::time::iso_ms(clock.now_ms());
+    // The daemon is I/O bound and idle most of the time: two workers are enough on any
+    // machine (tokio's default is one per core), and each worker costs a stack, a malloc arena
+    // and wakeups. Store work runs on blocking threads, which exit after 10 s unused.
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(2);
     let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;

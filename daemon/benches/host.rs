@@ -1,0 +1,1510 @@
+//! Host-side benchmarks and the report writer behind `bench/run` (not part of the test suite;
+//! nothing here asserts a time).
+//!
+//! `cargo bench -p agentmbx --bench host -- <scenario> [--runs N] [--quick] [--dir DIR]`, with
+//! scenario one of:
+//! - `disk`: this disk's physical sync limit: 4 KiB overwrites of a preallocated 4 MiB file in
+//!   `DIR`, each followed by `fsync` (`disk_fsync`) or `fdatasync` (`disk_fdatasync`), ~2 s
+//!   per run (ops/s, p50 latency in `extra`);
+//! - `redis`: the durable baseline: `redis-server` on 127.0.0.1 (random free port,
+//!   `appendonly yes`, `appendfsync always`, no RDB snapshots, store in `DIR`) driven by
+//!   `redis-benchmark` with `XADD` of 1 KiB values at 1 and 50 clients (`redis_xadd_c1`,
+//!   `redis_xadd_c50`, ops/s); every run checks `XLEN` and that the AOF grew by at least the
+//!   bytes written;
+//! - `e2e`: end-to-end latency of the real release binary: local API send on host A until the
+//!   message is listed by host B's `GET /v1/inbox`, through a relay (`e2e_relay_p50/p99`) and
+//!   over the LAN (`e2e_lan_p50/p99`), in ms, in a closed loop (one message in flight);
+//! - `idle`: a daemon with a relay configured and no traffic: RSS, CPU and wakeups;
+//! - `start`: daemon start to `READY=1` (sd-notify datagram) on a fresh and an existing home;
+//! - `all`: every scenario above, in that order;
+//! - `report --in FILE --machine FILE --out FILE`: reads `BENCH` lines and a machine
+//!   description, prints the table and writes it as Markdown.
+//!
+//! Each figure prints one line `BENCH {"id","label","unit","median","min","max","runs","extra"}`
+//! on stdout; progress goes to stderr. Every process started here binds 127.0.0.1 only, has
+//! its own home under `DIR` and is killed when its guard drops (also on a panic).
+
+use std::collections::{HashMap, HashSet};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::unix::fs::FileExt;
+use std::os::unix::net::UnixDatagram;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Map, Value};
+
+/// Longest wait for anything a benchmark waits for (a process to announce itself, a message).
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Pause between two polls of B's inbox in the end-to-end figure (plus one request, ~0.2 ms).
+const INBOX_POLL: Duration = Duration::from_millis(1);
+
+/// Size of the message body and of the Redis value (bytes).
+const VALUE_BYTES: usize = 1024;
+
+/// Command-line options shared by every scenario.
+#[derive(Debug, Clone)]
+struct Opts {
+    scenario: String,
+    runs: usize,
+    quick: bool,
+    dir: PathBuf,
+    input: Option<PathBuf>,
+    machine: Option<PathBuf>,
+    out: Option<PathBuf>,
+}
+
+fn parse_args() -> Result<Opts> {
+    let mut opts = Opts {
+        scenario: String::new(),
+        runs: 5,
+        quick: false,
+        dir: std::env::temp_dir(),
+        input: None,
+        machine: None,
+        out: None,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        let mut value = |name: &str| args.next().with_context(|| format!("{name} needs a value"));
+        match arg.as_str() {
+            // Cargo passes `--bench` to every bench binary.
+            "--bench" => {}
+            "--quick" => opts.quick = true,
+            "--runs" => opts.runs = value("--runs")?.parse().context("--runs")?,
+            "--dir" => opts.dir = PathBuf::from(value("--dir")?),
+            "--in" => opts.input = Some(PathBuf::from(value("--in")?)),
+            "--machine" => opts.machine = Some(PathBuf::from(value("--machine")?)),
+            "--out" => opts.out = Some(PathBuf::from(value("--out")?)),
+            s if s.starts_with("--") => bail!("unknown option {s}"),
+            s if opts.scenario.is_empty() => opts.scenario = s.to_string(),
+            s => bail!("unexpected argument {s}"),
+        }
+    }
+    if opts.runs == 0 {
+        bail!("--runs must be at least 1");
+    }
+    if opts.quick {
+        opts.runs = 1;
+    }
+    if opts.scenario.is_empty() {
+        opts.scenario = "all".to_string();
+    }
+    Ok(opts)
+}
+
+fn main() -> Result<()> {
+    let opts = parse_args()?;
+    std::fs::create_dir_all(&opts.dir).with_context(|| format!("{}", opts.dir.display()))?;
+    if opts.scenario != "report" {
+        pin_binary(&opts.dir)?;
+    }
+    match opts.scenario.as_str() {
+        "disk" => disk(&opts),
+        "redis" => redis(&opts),
+        "e2e" => e2e(&opts),
+        "idle" => idle(&opts),
+        "start" => start(&opts),
+        "all" => {
+            disk(&opts)?;
+            redis(&opts)?;
+            e2e(&opts)?;
+            idle(&opts)?;
+            start(&opts)
+        }
+        "report" => report(&opts),
+        s => bail!("unknown scenario {s} (disk | redis | e2e | idle | start | all | report)"),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Figures and statistics
+
+/// The median of `v` (mean of the two middle values for an even count); 0 when empty.
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
+}
+
+/// The nearest-rank percentile `p` (0..=100) of `v`; 0 when empty.
+fn percentile(v: &[f64], p: f64) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    if s.is_empty() {
+        return 0.0;
+    }
+    let rank = ((p / 100.0) * s.len() as f64).ceil() as usize;
+    s[rank.clamp(1, s.len()) - 1]
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+/// Prints one `BENCH` line: the median, min and max of one value per run.
+fn emit(id: &str, label: &str, unit: &str, samples: &[f64], extra: Value) {
+    let min = samples.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = samples.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let line = json!({
+        "id": id,
+        "label": label,
+        "unit": unit,
+        "median": round3(median(samples)),
+        "min": round3(min),
+        "max": round3(max),
+        "runs": samples.len(),
+        "extra": extra,
+    });
+    println!("BENCH {line}");
+    eprintln!(
+        "  {id}: median {:.3} {unit} over {} runs",
+        median(samples),
+        samples.len()
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Disk
+
+fn disk(o: &Opts) -> Result<()> {
+    const BLOCK: usize = 4096;
+    const BLOCKS: u64 = 1024;
+    let secs = if o.quick { 1.0 } else { 2.0 };
+    let path = o.dir.join("fsync-probe.bin");
+    for (id, label, data_only) in [
+        ("disk_fsync", "disk: 4 KiB write + fsync", false),
+        ("disk_fdatasync", "disk: 4 KiB write + fdatasync", true),
+    ] {
+        eprintln!("{id}: {} run(s) of {secs} s on {}", o.runs, path.display());
+        let mut rates = Vec::new();
+        let mut p50s = Vec::new();
+        for _ in 0..o.runs {
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&path)
+                .with_context(|| format!("open {}", path.display()))?;
+            file.write_all_at(&vec![0u8; BLOCK * BLOCKS as usize], 0)?;
+            file.sync_all()?;
+            let block = vec![0xa5u8; BLOCK];
+            let mut lat = Vec::new();
+            let start = Instant::now();
+            let mut i = 0u64;
+            while start.elapsed().as_secs_f64() < secs {
+                let t = Instant::now();
+                file.write_all_at(&block, (i % BLOCKS) * BLOCK as u64)?;
+                if data_only {
+                    file.sync_data()?;
+                } else {
+                    file.sync_all()?;
+                }
+                lat.push(t.elapsed().as_secs_f64() * 1e3);
+                i += 1;
+            }
+            rates.push(i as f64 / start.elapsed().as_secs_f64());
+            p50s.push(percentile(&lat, 50.0));
+        }
+        let _ = std::fs::remove_file(&path);
+        emit(
+            id,
+            label,
+            "ops/s",
+            &rates,
+            json!({
+                "p50_latency_ms": round3(median(&p50s)),
+                "mode": "overwrite 4 KiB blocks of a preallocated 4 MiB file in the bench dir",
+                "seconds_per_run": secs,
+            }),
+        );
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Child processes
+
+/// A child process killed (SIGTERM, then SIGKILL) when dropped, with its stderr collected.
+#[derive(Debug)]
+struct Proc {
+    name: String,
+    child: Child,
+    log: Arc<Mutex<String>>,
+}
+
+impl Proc {
+    fn spawn(name: &str, mut cmd: Command) -> Result<Proc> {
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("spawn {name}"))?;
+        let log = Arc::new(Mutex::new(String::new()));
+        if let Some(stderr) = child.stderr.take() {
+            let sink = Arc::clone(&log);
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines() {
+                    let Ok(line) = line else { break };
+                    if let Ok(mut text) = sink.lock() {
+                        text.push_str(&line);
+                        text.push('\n');
+                    }
+                }
+            });
+        }
+        Ok(Proc {
+            name: name.to_string(),
+            child,
+            log,
+        })
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().map(|t| t.clone()).unwrap_or_default()
+    }
+
+    /// Waits until the log contains `needle`; fails when the process exits or after TIMEOUT.
+    fn wait_log(&mut self, needle: &str) -> Result<String> {
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            let log = self.log();
+            if log.contains(needle) {
+                return Ok(log);
+            }
+            if let Some(status) = self.child.try_wait()? {
+                bail!(
+                    "{} exited ({status}) before logging {needle:?}:\n{log}",
+                    self.name
+                );
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "{} did not log {needle:?} within {TIMEOUT:?}:\n{log}",
+                    self.name
+                );
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// The address after the first `<announce>` in the log.
+    fn announced(&mut self, announce: &str) -> Result<SocketAddr> {
+        let log = self.wait_log(announce)?;
+        let line = log
+            .lines()
+            .find(|l| l.contains(announce))
+            .context("announce line")?;
+        let rest = &line[line.find(announce).context("announce")? + announce.len()..];
+        rest.split_whitespace()
+            .next()
+            .context("address")?
+            .parse()
+            .with_context(|| format!("address in {line:?}"))
+    }
+
+    fn stop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = Command::new("kill")
+                .args(["-TERM", &self.child.id().to_string()])
+                .stderr(Stdio::null())
+                .status();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A port on 127.0.0.1 that was free a moment ago.
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// The release binary under measurement: a private copy, taken at start, of `MBX_BENCH_BIN`
+/// when set (bench/run sets it, so every step measures the same file) or else of the one cargo
+/// built for this bench, so a rebuild of the target directory during the run changes nothing.
+static BIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+fn bin() -> &'static Path {
+    BIN.get()
+        .map(PathBuf::as_path)
+        .unwrap_or(Path::new(env!("CARGO_BIN_EXE_agentmbx")))
+}
+
+/// Copies the built binary into `dir` and uses the copy from now on.
+fn pin_binary(dir: &Path) -> Result<()> {
+    let built = std::env::var_os("MBX_BENCH_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_agentmbx")));
+    let built = built.as_path();
+    let copy = dir.join("agentmbx");
+    std::fs::copy(built, &copy).with_context(|| format!("copy {}", built.display()))?;
+    let _ = BIN.set(copy);
+    Ok(())
+}
+
+/// `agentmbx <args>` in `home` with none of the caller's `MBX_*` variables, no mDNS, keys in
+/// files, the LAN server on 127.0.0.1 port 0 and info logs.
+fn mbx(home: &Path, args: &[&str]) -> Command {
+    let mut cmd = Command::new(bin());
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("MBX_") || name == "PORT" || name == "NOTIFY_SOCKET" {
+            cmd.env_remove(name);
+        }
+    }
+    cmd.env("MBX_HOME", home)
+        .env("MBX_NO_MDNS", "1")
+        .env("MBX_KEYSTORE", "file")
+        .env("MBX_LAN_BIND", "127.0.0.1")
+        .env("MBX_LAN_PORT", "0")
+        .env("MBX_LOG", "info")
+        .args(args);
+    cmd
+}
+
+/// Runs `agentmbx <args>` in `home` to completion; its stdout, or an error with both streams.
+fn mbx_run(home: &Path, args: &[&str]) -> Result<String> {
+    let out = mbx(home, args)
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("run agentmbx {args:?}"))?;
+    if !out.status.success() {
+        bail!(
+            "agentmbx {args:?} failed ({}):\n{}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Minimal HTTP/1.1 keep-alive client (std only, loopback)
+
+/// One keep-alive connection to a daemon's local API, with its bearer token.
+#[derive(Debug)]
+struct Api {
+    addr: SocketAddr,
+    token: String,
+    conn: Option<BufReader<TcpStream>>,
+}
+
+impl Api {
+    fn new(addr: SocketAddr, home: &Path) -> Result<Api> {
+        let token = std::fs::read_to_string(home.join("api.token"))
+            .context("read api.token")?
+            .trim()
+            .to_string();
+        Ok(Api {
+            addr,
+            token,
+            conn: None,
+        })
+    }
+
+    /// One request; a connection the daemon closed meanwhile is reopened once.
+    fn call(&mut self, method: &str, path: &str, body: Option<&Value>) -> Result<(u16, Value)> {
+        let body = body.map(Value::to_string).unwrap_or_default();
+        let reused = self.conn.is_some();
+        match self.try_call(method, path, &body) {
+            Ok(r) => Ok(r),
+            Err(_) if reused => {
+                self.conn = None;
+                self.try_call(method, path, &body)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn try_call(&mut self, method: &str, path: &str, body: &str) -> Result<(u16, Value)> {
+        if self.conn.is_none() {
+            let stream = TcpStream::connect_timeout(&self.addr, TIMEOUT)?;
+            stream.set_nodelay(true)?;
+            stream.set_read_timeout(Some(TIMEOUT))?;
+            self.conn = Some(BufReader::new(stream));
+        }
+        let conn = self.conn.as_mut().context("connection")?;
+        let mut req = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\nAuthorization: Bearer {}\r\n",
+            self.addr, self.token
+        );
+        if !body.is_empty() {
+            req.push_str("Content-Type: application/json\r\n");
+        }
+        req.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+        conn.get_mut().write_all(req.as_bytes())?;
+        let mut line = String::new();
+        if conn.read_line(&mut line)? == 0 {
+            self.conn = None;
+            bail!("connection closed");
+        }
+        let status: u16 = line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .with_context(|| format!("status line {line:?}"))?;
+        let (mut length, mut chunked, mut close) = (None, false, false);
+        loop {
+            line.clear();
+            conn.read_line(&mut line)?;
+            let l = line.trim_end();
+            if l.is_empty() {
+                break;
+            }
+            if let Some((name, value)) = l.split_once(':') {
+                let (name, value) = (name.trim().to_ascii_lowercase(), value.trim());
+                match name.as_str() {
+                    "content-length" => length = value.parse::<usize>().ok(),
+                    "transfer-encoding" => chunked = value.eq_ignore_ascii_case("chunked"),
+                    "connection" => close = value.eq_ignore_ascii_case("close"),
+                    _ => {}
+                }
+            }
+        }
+        let mut raw = Vec::new();
+        if chunked {
+            loop {
+                line.clear();
+                conn.read_line(&mut line)?;
+                let size = usize::from_str_radix(line.trim(), 16).context("chunk size")?;
+                let mut chunk = vec![0u8; size + 2];
+                conn.read_exact(&mut chunk)?;
+                if size == 0 {
+                    break;
+                }
+                raw.extend_from_slice(&chunk[..size]);
+            }
+        } else if let Some(n) = length {
+            raw.resize(n, 0);
+            conn.read_exact(&mut raw)?;
+        } else {
+            conn.read_to_end(&mut raw)?;
+            close = true;
+        }
+        if close {
+            self.conn = None;
+        }
+        let value = if raw.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&raw).unwrap_or(Value::Null)
+        };
+        Ok((status, value))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Redis baseline
+
+/// One RESP command over a fresh connection; the reply's first line.
+fn redis_cmd(port: u16, args: &[&str]) -> Result<String> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port))?;
+    stream.set_read_timeout(Some(TIMEOUT))?;
+    let mut req = format!("*{}\r\n", args.len());
+    for a in args {
+        req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
+    }
+    stream.write_all(req.as_bytes())?;
+    let mut line = String::new();
+    BufReader::new(stream).read_line(&mut line)?;
+    Ok(line.trim_end().to_string())
+}
+
+/// `CONFIG GET <name>`: the value (the fifth line of the two-element array reply).
+fn redis_config(port: u16, name: &str) -> Result<String> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port))?;
+    stream.set_read_timeout(Some(TIMEOUT))?;
+    let req = format!(
+        "*3\r\n$6\r\nCONFIG\r\n$3\r\nGET\r\n${}\r\n{name}\r\n",
+        name.len()
+    );
+    stream.write_all(req.as_bytes())?;
+    let mut reader = BufReader::new(stream);
+    let mut line = String::new();
+    for _ in 0..5 {
+        line.clear();
+        reader.read_line(&mut line)?;
+    }
+    Ok(line.trim_end().to_string())
+}
+
+/// Total size of the files under `dir` (bytes).
+fn dir_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.metadata() {
+            Ok(m) if m.is_dir() => dir_bytes(&e.path()),
+            Ok(m) => m.len(),
+            Err(_) => 0,
+        })
+        .sum()
+}
+
+fn have(program: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {program}")])
+        .stdout(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+/// One redis-benchmark run: `(ops/s, p50 ms)`.
+fn redis_benchmark(port: u16, clients: usize, n: u64, value: &str) -> Result<(f64, f64)> {
+    let out = Command::new("redis-benchmark")
+        .args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &port.to_string(),
+            "-c",
+            &clients.to_string(),
+            "-n",
+            &n.to_string(),
+            "--csv",
+            "XADD",
+            "bench:stream",
+            "*",
+            "f",
+            value,
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .context("run redis-benchmark")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!(
+            "redis-benchmark failed: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // "test","rps","avg_latency_ms","min_latency_ms","p50_latency_ms","p95…","p99…","max…"
+    let row = text
+        .lines()
+        .rfind(|l| l.contains("XADD"))
+        .with_context(|| format!("no XADD row in redis-benchmark output: {text}"))?;
+    let fields: Vec<f64> = row
+        .rsplit(',')
+        .take(7)
+        .map(|f| f.trim_matches('"').parse::<f64>())
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("redis-benchmark row {row:?}"))?;
+    // Reversed: max, p99, p95, p50, min, avg, rps.
+    Ok((fields[6], fields[3]))
+}
+
+fn redis(o: &Opts) -> Result<()> {
+    if !have("redis-server") || !have("redis-benchmark") {
+        eprintln!(
+            "NOTE: redis-server / redis-benchmark not found: no Redis baseline \
+             (Debian/Ubuntu: apt-get install redis-server redis-tools)"
+        );
+        return Ok(());
+    }
+    let dir = o.dir.join("redis");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    let port = free_port()?;
+    let mut cmd = Command::new("redis-server");
+    cmd.args([
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        &port.to_string(),
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "always",
+        "--save",
+        "",
+        "--auto-aof-rewrite-percentage",
+        "0",
+        "--daemonize",
+        "no",
+        "--dir",
+    ])
+    .arg(&dir);
+    let server = Proc::spawn("redis-server", cmd)?;
+    let deadline = Instant::now() + TIMEOUT;
+    while redis_cmd(port, &["PING"]).ok().as_deref() != Some("+PONG") {
+        if Instant::now() >= deadline {
+            bail!("redis-server did not answer PING:\n{}", server.log());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let fsync_mode = redis_config(port, "appendfsync")?;
+    if fsync_mode != "always" {
+        bail!("redis-server runs with appendfsync {fsync_mode}, not always");
+    }
+    let version = Command::new("redis-server")
+        .arg("--version")
+        .output()
+        .map(|o| {
+            let text = String::from_utf8_lossy(&o.stdout).into_owned();
+            text.split_whitespace()
+                .find_map(|w| w.strip_prefix("v="))
+                .unwrap_or(text.trim())
+                .to_string()
+        })
+        .unwrap_or_default();
+    eprintln!(
+        "redis-server on 127.0.0.1:{port} ({version}), AOF in {}",
+        dir.display()
+    );
+    let value: String = (0..VALUE_BYTES)
+        .map(|i| char::from(b'a' + (i % 26) as u8))
+        .collect();
+    let secs = if o.quick { 1.0 } else { 3.0 };
+    for (id, clients) in [("redis_xadd_c1", 1usize), ("redis_xadd_c50", 50)] {
+        // A short calibration run sizes N so that each measured run lasts about `secs`.
+        let (rate, _) = redis_benchmark(port, clients, 50 * clients as u64 + 200, &value)?;
+        let n = ((rate * secs) as u64).clamp(500, 5_000_000);
+        eprintln!("{id}: {} run(s) of {n} XADDs ({clients} clients)", o.runs);
+        let mut rates = Vec::new();
+        let mut p50s = Vec::new();
+        let mut aof_per_op = Vec::new();
+        for _ in 0..o.runs {
+            redis_cmd(port, &["DEL", "bench:stream"])?;
+            let before = dir_bytes(&dir);
+            let (rps, p50) = redis_benchmark(port, clients, n, &value)?;
+            let xlen = redis_cmd(port, &["XLEN", "bench:stream"])?;
+            if xlen != format!(":{n}") {
+                bail!("XLEN after {n} XADDs answered {xlen}");
+            }
+            let grown = dir_bytes(&dir).saturating_sub(before);
+            if grown < n * VALUE_BYTES as u64 {
+                bail!("the AOF grew by {grown} bytes for {n} XADDs of {VALUE_BYTES} bytes");
+            }
+            rates.push(rps);
+            p50s.push(p50);
+            aof_per_op.push(grown as f64 / n as f64);
+        }
+        redis_cmd(port, &["DEL", "bench:stream"])?;
+        emit(
+            id,
+            &format!("Redis XADD 1 KiB, appendfsync always, {clients} client(s)"),
+            "ops/s",
+            &rates,
+            json!({
+                "clients": clients,
+                "requests_per_run": n,
+                "p50_latency_ms": round3(median(&p50s)),
+                "aof_bytes_per_op": round3(median(&aof_per_op)),
+                "xlen_checked": true,
+                "appendfsync": fsync_mode,
+                "version": version,
+            }),
+        );
+    }
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// End-to-end latency
+
+/// A relay child on 127.0.0.1 with its store and key fingerprint.
+#[derive(Debug)]
+struct Relay {
+    _proc: Proc,
+    url: String,
+    fingerprint: String,
+}
+
+fn start_relay(dir: &Path) -> Result<Relay> {
+    let store = dir.join("relay-store");
+    std::fs::create_dir_all(&store)?;
+    // The defaults (120 pushes a minute per address) would refuse a benchmark.
+    std::fs::write(
+        store.join("relay.toml"),
+        "[rate]\npush_per_min = 1000000\ninfo_per_min = 1000000\nenrol_per_min = 1000000\n",
+    )?;
+    let port = free_port()?.to_string();
+    let store_s = store.to_str().context("UTF-8 store path")?;
+    let cmd = mbx(
+        &dir.join("relay-home"),
+        &[
+            "relay",
+            "serve",
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            &port,
+            "--store-dir",
+            store_s,
+        ],
+    );
+    let mut proc = Proc::spawn("relay", cmd)?;
+    let addr = proc.announced("relay listening on ")?;
+    let log = proc.log();
+    let fingerprint = log
+        .split("fingerprint=")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .with_context(|| format!("no relay fingerprint in the log:\n{log}"))?
+        .to_string();
+    Ok(Relay {
+        _proc: proc,
+        url: format!("http://{addr}"),
+        fingerprint,
+    })
+}
+
+/// One host: its home, public key and running daemon.
+#[derive(Debug)]
+struct Host {
+    name: String,
+    home: PathBuf,
+    pubkey: String,
+    daemon: Option<Proc>,
+    api_addr: Option<SocketAddr>,
+}
+
+impl Host {
+    fn init(dir: &Path, name: &str) -> Result<Host> {
+        let home = dir.join(name);
+        mbx_run(&home, &["init", "--host", name])?;
+        let who: Value = serde_json::from_str(&mbx_run(&home, &["whoami", "--json"])?)?;
+        let pubkey = who["host_pubkey"]
+            .as_str()
+            .context("host_pubkey")?
+            .to_string();
+        Ok(Host {
+            name: name.to_string(),
+            home,
+            pubkey,
+            daemon: None,
+            api_addr: None,
+        })
+    }
+
+    /// Starts the daemon with the product's defaults (relay pull interval included).
+    fn start(&mut self) -> Result<()> {
+        let cmd = mbx(&self.home, &["daemon", "--api-port", "0"]);
+        let mut proc = Proc::spawn(&format!("{} daemon", self.name), cmd)?;
+        self.api_addr = Some(proc.announced("local API listening on ")?);
+        self.daemon = Some(proc);
+        Ok(())
+    }
+
+    fn daemon(&mut self) -> Result<&mut Proc> {
+        self.daemon.as_mut().context("daemon not running")
+    }
+
+    fn api(&self) -> Result<Api> {
+        Api::new(self.api_addr.context("daemon not running")?, &self.home)
+    }
+
+    fn set_relay(&self, relay: &Relay) -> Result<()> {
+        mbx_run(
+            &self.home,
+            &[
+                "relay",
+                "set",
+                &relay.url,
+                "--key",
+                &relay.fingerprint,
+                "--json",
+            ],
+        )
+        .map(drop)
+    }
+
+    fn pins(&self, other: &str) -> Result<bool> {
+        let peers: Value = serde_json::from_str(&mbx_run(&self.home, &["peers", "--json"])?)?;
+        Ok(peers
+            .as_array()
+            .is_some_and(|l| l.iter().any(|p| p["host"] == other)))
+    }
+}
+
+/// Latencies (ms) of `n` messages sent from `a` (agent alice) to bob@`b_name` in a closed
+/// loop: one message is sent, B's inbox is polled every [`INBOX_POLL`] until it lists that
+/// message (which is then acked), and only then is the next one sent, so each figure is the
+/// latency of one message with nothing else in flight, never a backlog. Before each send the
+/// loop pauses a pseudo-random time in `[0, jitter)`, so that sends do not lock onto the phase
+/// of a periodic pull (`jitter` is the pull interval on the relay path, zero on the LAN path).
+/// Each latency runs from just before the send request until the first poll that lists it.
+fn latencies(a: &Host, b: &Host, n: usize, tag: &str, jitter: Duration) -> Result<Vec<f64>> {
+    let body: String = (0..VALUE_BYTES)
+        .map(|i| char::from(b'a' + (i % 26) as u8))
+        .collect();
+    let to = format!("bob@{}", b.name);
+    let mut a_api = a.api()?;
+    let mut b_api = b.api()?;
+    // xorshift64, seeded from the clock: enough to spread the send times over the interval.
+    let mut seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0x9e37_79b9_7f4a_7c15)
+        | 1;
+    let mut lat = Vec::with_capacity(n);
+    for i in 0..n {
+        if !jitter.is_zero() {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            std::thread::sleep(jitter.mul_f64((seed >> 11) as f64 / (1u64 << 53) as f64));
+        }
+        let msg = json!({"from": "alice", "to": [to], "subject": format!("{tag} {i}"),
+                         "body": body});
+        let t0 = Instant::now();
+        let (status, answer) = a_api.call("POST", "/v1/messages", Some(&msg))?;
+        if status != 201 {
+            bail!("send answered {status}: {answer}");
+        }
+        let id = answer["id"].as_str().context("id")?.to_string();
+        let deadline = t0 + TIMEOUT;
+        loop {
+            let (status, page) = b_api.call("GET", "/v1/inbox?as=bob&limit=200", None)?;
+            let now = Instant::now();
+            if status != 200 {
+                bail!("inbox answered {status}: {page}");
+            }
+            let ids: Vec<String> = page["messages"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|m| m["id"].as_str().map(str::to_string))
+                .collect();
+            // `POST /v1/ack` takes at most 50 ids; acking keeps the unacked inbox empty.
+            for chunk in ids.chunks(50) {
+                let (status, answer) =
+                    b_api.call("POST", "/v1/ack", Some(&json!({"as": "bob", "ids": chunk})))?;
+                if status != 200 {
+                    bail!("ack answered {status}: {answer}");
+                }
+            }
+            if ids.contains(&id) {
+                lat.push(now.duration_since(t0).as_secs_f64() * 1e3);
+                break;
+            }
+            if now >= deadline {
+                bail!(
+                    "message {i} did not reach {}'s inbox within {TIMEOUT:?}",
+                    b.name
+                );
+            }
+            std::thread::sleep(INBOX_POLL);
+        }
+    }
+    Ok(lat)
+}
+
+/// Runs `o.runs` closed-loop rounds of `n` messages (see [`latencies`]; `jitter` is the
+/// longest pause before a send) and emits `<prefix>_p50` and `<prefix>_p99`.
+#[allow(clippy::too_many_arguments)]
+fn latency_figures(
+    o: &Opts,
+    a: &Host,
+    b: &Host,
+    prefix: &str,
+    label: &str,
+    n: usize,
+    jitter: Duration,
+    extra: Value,
+) -> Result<()> {
+    let (mut p50, mut p99, mut max) = (Vec::new(), Vec::new(), Vec::new());
+    for run in 0..o.runs {
+        eprintln!("{prefix}: run {}/{} ({n} messages)", run + 1, o.runs);
+        let lat = latencies(a, b, n, &format!("{prefix}-{run}"), jitter)?;
+        p50.push(percentile(&lat, 50.0));
+        p99.push(percentile(&lat, 99.0));
+        max.push(percentile(&lat, 100.0));
+    }
+    let mut extra = extra;
+    if let Value::Object(m) = &mut extra {
+        m.insert("messages_per_run".into(), json!(n));
+        m.insert(
+            "mode".into(),
+            json!("closed loop: one message in flight, the next sent once B lists it"),
+        );
+        m.insert(
+            "send_jitter_ms".into(),
+            json!(format!("uniform 0..{}", jitter.as_millis())),
+        );
+        m.insert(
+            "inbox_poll_pause_ms".into(),
+            json!(INBOX_POLL.as_millis() as u64),
+        );
+        m.insert("body_bytes".into(), json!(VALUE_BYTES));
+        m.insert("max_ms_median".into(), json!(round3(median(&max))));
+    }
+    emit(
+        &format!("{prefix}_p50"),
+        &format!("{label}, p50"),
+        "ms",
+        &p50,
+        extra.clone(),
+    );
+    emit(
+        &format!("{prefix}_p99"),
+        &format!("{label}, p99"),
+        "ms",
+        &p99,
+        extra,
+    );
+    Ok(())
+}
+
+fn e2e(o: &Opts) -> Result<()> {
+    let dir = o.dir.join("e2e");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    {
+        // Through the relay: the hosts pin each other without a LAN address, so the relay is
+        // their only path.
+        let relay = start_relay(&dir)?;
+        let mut a = Host::init(&dir, "hosta")?;
+        let mut b = Host::init(&dir, "hostb")?;
+        mbx_run(&a.home, &["peers", "add", "hostb", &b.pubkey])?;
+        mbx_run(&b.home, &["peers", "add", "hosta", &a.pubkey])?;
+        a.set_relay(&relay)?;
+        b.set_relay(&relay)?;
+        a.start()?;
+        b.start()?;
+        for h in [&mut a, &mut b] {
+            h.daemon()?.wait_log("published the enc-key ad")?;
+        }
+        latency_figures(
+            o,
+            &a,
+            &b,
+            "e2e_relay",
+            "end-to-end via the relay (send on A → listed in B's inbox)",
+            // Each message waits for a pull (every 2 s by default): 1,000 in a closed loop
+            // would take over half an hour per run.
+            if o.quick { 10 } else { 100 },
+            Duration::from_millis(agentmbx::config::default_relay_pull_interval_ms()),
+            json!({
+                "path": "relay only (peers pinned without a LAN address)",
+                "relay_pull_interval_ms": agentmbx::config::default_relay_pull_interval_ms(),
+            }),
+        )?;
+        drop((a, b, relay));
+    }
+    {
+        // Over the LAN: paired hosts, no relay configured.
+        let mut c = Host::init(&dir, "hostc")?;
+        let mut d = Host::init(&dir, "hostd")?;
+        c.start()?;
+        d.start()?;
+        let pair: Value = serde_json::from_str(&mbx_run(&c.home, &["pair", "--json"])?)?;
+        let token = pair["token"].as_str().context("pair token")?.to_string();
+        let lan = c
+            .daemon()?
+            .announced("LAN server listening on ")?
+            .to_string();
+        mbx_run(&d.home, &["join", &lan, &token])?;
+        let deadline = Instant::now() + TIMEOUT;
+        while !(c.pins("hostd")? && d.pins("hostc")?) {
+            if Instant::now() >= deadline {
+                bail!("hostc and hostd did not pin each other");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        latency_figures(
+            o,
+            &c,
+            &d,
+            "e2e_lan",
+            "end-to-end over the LAN (send on A → listed in B's inbox)",
+            if o.quick { 50 } else { 1000 },
+            Duration::ZERO,
+            json!({"path": "LAN only (paired on 127.0.0.1, no relay configured)"}),
+        )?;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Idle footprint and start-up
+
+/// CPU time and per-thread context switches of a process at one moment.
+#[derive(Debug, Default)]
+struct Counters {
+    /// utime + stime of the whole process (clock ticks).
+    ticks: u64,
+    /// Per thread id: (thread name, voluntary, involuntary context switches).
+    threads: HashMap<String, (String, u64, u64)>,
+}
+
+fn proc_counters(pid: u32) -> Result<Counters> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let rest = &stat[stat.rfind(')').context("stat")? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks =
+        f.get(11).context("utime")?.parse::<u64>()? + f.get(12).context("stime")?.parse::<u64>()?;
+    let mut threads = HashMap::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))?.flatten() {
+        let Ok(status) = std::fs::read_to_string(task.path().join("status")) else {
+            continue;
+        };
+        let field = |key: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(key))
+                .map(|v| v.trim().to_string())
+                .unwrap_or_default()
+        };
+        threads.insert(
+            task.file_name().to_string_lossy().into_owned(),
+            (
+                field("Name:"),
+                field("voluntary_ctxt_switches:").parse().unwrap_or(0),
+                field("nonvoluntary_ctxt_switches:").parse().unwrap_or(0),
+            ),
+        );
+    }
+    Ok(Counters { ticks, threads })
+}
+
+/// Context switches between two snapshots: `(voluntary, involuntary, voluntary by thread
+/// name)`. A thread born in between counts from zero; one that ended in between is missed
+/// (its last counts are gone with it), so the figures are lower bounds.
+fn switches_between(before: &Counters, after: &Counters) -> (u64, u64, HashMap<String, u64>) {
+    let (mut vol, mut invol, mut by_name) = (0, 0, HashMap::new());
+    for (tid, (name, v1, i1)) in &after.threads {
+        let (v0, i0) = before
+            .threads
+            .get(tid)
+            .map(|(_, v, i)| (*v, *i))
+            .unwrap_or((0, 0));
+        let dv = v1.saturating_sub(v0);
+        vol += dv;
+        invol += i1.saturating_sub(i0);
+        *by_name.entry(name.clone()).or_insert(0) += dv;
+    }
+    (vol, invol, by_name)
+}
+
+/// A `/proc/<pid>/status` field in kB, as MiB.
+fn status_mib(pid: u32, field: &str) -> Result<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let line = status
+        .lines()
+        .find(|l| l.starts_with(field))
+        .with_context(|| format!("{field} in /proc/{pid}/status"))?;
+    let kb: f64 = line[field.len()..]
+        .split_whitespace()
+        .next()
+        .context("value")?
+        .parse()?;
+    Ok(kb / 1024.0)
+}
+
+fn threads(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+fn clock_ticks() -> f64 {
+    Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+        .unwrap_or(100.0)
+}
+
+fn idle(o: &Opts) -> Result<()> {
+    let dir = o.dir.join("idle");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    let relay = start_relay(&dir)?;
+    for with_relay in [true, false] {
+        let mut host = Host::init(&dir, if with_relay { "idlehost" } else { "idlelone" })?;
+        if with_relay {
+            host.set_relay(&relay)?;
+        }
+        host.start()?;
+        if with_relay {
+            host.daemon()?.wait_log("published the enc-key ad")?;
+        }
+        idle_window(o, &mut host, with_relay)?;
+    }
+    drop(relay);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+/// Measures one idle daemon over the window and emits its figures.
+fn idle_window(o: &Opts, host: &mut Host, with_relay: bool) -> Result<()> {
+    let window = if o.quick { 10.0 } else { 60.0 };
+    // Let start-up work (first relay pass, enrolment) finish before the window opens.
+    std::thread::sleep(Duration::from_secs(2));
+    let pid = host.daemon()?.pid();
+    let hz = clock_ticks();
+    let segment = window / o.runs as f64;
+    let suffix = if with_relay { "" } else { "_norelay" };
+    eprintln!(
+        "idle{suffix}: {window} s window in {} segment(s), daemon pid {pid}",
+        o.runs
+    );
+    let (mut rss, mut cpu, mut wake, mut invol) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut by_name_total: HashMap<String, u64> = HashMap::new();
+    let window_start = Instant::now();
+    for _ in 0..o.runs {
+        let before = proc_counters(pid)?;
+        let start = Instant::now();
+        std::thread::sleep(Duration::from_secs_f64(segment));
+        let after = proc_counters(pid)?;
+        let dt = start.elapsed().as_secs_f64();
+        let (vol, inv, by_name) = switches_between(&before, &after);
+        cpu.push(after.ticks.saturating_sub(before.ticks) as f64 / hz / dt * 100.0);
+        wake.push(vol as f64 / dt);
+        invol.push(inv as f64 / dt);
+        for (name, n) in by_name {
+            *by_name_total.entry(name).or_insert(0) += n;
+        }
+        rss.push(status_mib(pid, "VmRSS:")?);
+    }
+    let hwm = status_mib(pid, "VmHWM:")?;
+    // VmRSS = RssAnon (heap, stacks, malloc arenas) + RssFile (mapped pages of the binary and
+    // libraries, shared and reclaimable) + RssShmem (the SQLite -shm file).
+    let rss_anon = status_mib(pid, "RssAnon:")?;
+    let rss_file = status_mib(pid, "RssFile:")?;
+    let elapsed = window_start.elapsed().as_secs_f64();
+    let by_thread: Map<String, Value> = by_name_total
+        .into_iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|(name, n)| (name, json!(round3(n as f64 / elapsed))))
+        .collect();
+    let setup = if with_relay {
+        format!(
+            "fresh host, relay configured (pull every {} ms), no peers, no traffic",
+            agentmbx::config::default_relay_pull_interval_ms()
+        )
+    } else {
+        "fresh host, no relay, no peers, no traffic".to_string()
+    };
+    let extra = json!({
+        "window_s": window,
+        "segments": o.runs,
+        "vm_hwm_mib": round3(hwm),
+        "rss_anon_mib": round3(rss_anon),
+        "rss_file_mib": round3(rss_file),
+        "threads": threads(pid),
+        "involuntary_switches_per_s": round3(median(&invol)),
+        "wakeups_per_s_by_thread": by_thread,
+        "setup": setup,
+    });
+    let what = if with_relay {
+        "relay configured"
+    } else {
+        "no relay"
+    };
+    emit(
+        &format!("daemon_idle{suffix}_rss_mib"),
+        &format!("daemon idle RSS (VmRSS), {what}"),
+        "MiB",
+        &rss,
+        extra.clone(),
+    );
+    emit(
+        &format!("daemon_idle{suffix}_cpu_pct"),
+        &format!("daemon idle CPU (utime+stime), {what}"),
+        "% of one core",
+        &cpu,
+        extra.clone(),
+    );
+    emit(
+        &format!("daemon_idle{suffix}_wakeups_per_s"),
+        &format!("daemon idle wakeups (voluntary context switches, all threads), {what}"),
+        "1/s",
+        &wake,
+        extra,
+    );
+    Ok(())
+}
+
+/// Starts a daemon on `home` with `NOTIFY_SOCKET` set; ms until its `READY=1` datagram.
+fn time_to_ready(home: &Path, sock_path: &Path) -> Result<f64> {
+    let _ = std::fs::remove_file(sock_path);
+    let sock = UnixDatagram::bind(sock_path)?;
+    sock.set_read_timeout(Some(TIMEOUT))?;
+    let mut cmd = mbx(home, &["daemon", "--api-port", "0"]);
+    cmd.env("NOTIFY_SOCKET", sock_path);
+    let t0 = Instant::now();
+    let mut proc = Proc::spawn("daemon", cmd)?;
+    let mut buf = vec![0u8; 4096];
+    let ms = loop {
+        let n = sock
+            .recv(&mut buf)
+            .with_context(|| format!("no READY=1 within {TIMEOUT:?}:\n{}", proc.log()))?;
+        let msg = String::from_utf8_lossy(&buf[..n]);
+        if msg.lines().any(|l| l == "READY=1") {
+            break t0.elapsed().as_secs_f64() * 1e3;
+        }
+    };
+    proc.stop();
+    let _ = std::fs::remove_file(sock_path);
+    Ok(ms)
+}
+
+fn start(o: &Opts) -> Result<()> {
+    let dir = o.dir.join("start");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    let sock = dir.join("notify.sock");
+    let (mut fresh, mut existing) = (Vec::new(), Vec::new());
+    for run in 0..o.runs {
+        let home = dir.join(format!("home{run}"));
+        fresh.push(time_to_ready(&home, &sock)?);
+        existing.push(time_to_ready(&home, &sock)?);
+    }
+    let extra = json!({"signal": "READY=1 on NOTIFY_SOCKET (sd-notify)", "no_relay": true});
+    emit(
+        "daemon_cold_start_ms",
+        "daemon start to READY=1, fresh home (creates the host key and store)",
+        "ms",
+        &fresh,
+        extra.clone(),
+    );
+    emit(
+        "daemon_start_existing_ms",
+        "daemon start to READY=1, existing home",
+        "ms",
+        &existing,
+        extra,
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Report
+
+/// One target: `(name, numerator, denominator or None, comparison, threshold)`; an id, or
+/// `id:key` for a number in that figure's `extra`.
+/// With a denominator the value is the ratio of the two medians.
+type Target = (
+    &'static str,
+    &'static str,
+    Option<&'static str>,
+    &'static str,
+    f64,
+);
+
+const TARGETS: &[Target] = &[
+    (
+        "relay accepts, batch 20 / Redis XADD c50",
+        "relay_accept_batch20",
+        Some("redis_xadd_c50"),
+        ">=",
+        1.2,
+    ),
+    (
+        "relay accepts, batch 1 / Redis XADD c50",
+        "relay_accept_batch1",
+        Some("redis_xadd_c50"),
+        ">=",
+        0.5,
+    ),
+    (
+        "pull page latency, 1M / 1k queued",
+        "relay_page_1m",
+        Some("relay_page_1k"),
+        "<=",
+        2.0,
+    ),
+    (
+        "items per fsync (batch 20)",
+        "relay_accept_batch20:items_per_fsync",
+        None,
+        ">=",
+        10.0,
+    ),
+    (
+        "daemon idle RSS (MiB)",
+        "daemon_idle_rss_mib",
+        None,
+        "<=",
+        15.0,
+    ),
+];
+
+/// Which figure each issue figure number covers, for the table's first column.
+fn figure_of(id: &str) -> &'static str {
+    match id {
+        s if s.starts_with("disk_") => "limit",
+        s if s.starts_with("redis_") => "baseline",
+        s if s.starts_with("relay_accept") => "1",
+        s if s.starts_with("relay_pull") => "2",
+        s if s.starts_with("relay_page") => "3",
+        s if s.starts_with("e2e_") => "4",
+        s if s.starts_with("daemon_") => "5",
+        _ => "",
+    }
+}
+
+fn fmt_num(x: f64) -> String {
+    if x.abs() >= 1000.0 {
+        format!("{x:.0}")
+    } else if x.abs() >= 10.0 {
+        format!("{x:.1}")
+    } else {
+        format!("{x:.3}")
+    }
+}
+
+fn report(o: &Opts) -> Result<()> {
+    let input = o.input.as_ref().context("report needs --in FILE")?;
+    let text = std::fs::read_to_string(input).with_context(|| format!("{}", input.display()))?;
+    let mut figures: Vec<Map<String, Value>> = Vec::new();
+    let mut seen = HashSet::new();
+    for line in text.lines() {
+        let Some(j) = line.strip_prefix("BENCH ") else {
+            continue;
+        };
+        let Ok(Value::Object(m)) = serde_json::from_str::<Value>(j) else {
+            eprintln!("NOTE: unreadable BENCH line: {line}");
+            continue;
+        };
+        if let Some(id) = m.get("id").and_then(Value::as_str) {
+            if seen.insert(id.to_string()) {
+                figures.push(m);
+            }
+        }
+    }
+    let by_id: HashMap<String, &Map<String, Value>> = figures
+        .iter()
+        .filter_map(|m| Some((m.get("id")?.as_str()?.to_string(), m)))
+        .collect();
+    let num =
+        |m: &Map<String, Value>, k: &str| m.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN);
+    let redis50 = by_id.get("redis_xadd_c50").map(|m| num(m, "median"));
+
+    let mut md = String::new();
+    md.push_str("## Results\n\n");
+    md.push_str("| fig | figure | id | median | min | max | unit | runs | × Redis c50 |\n");
+    md.push_str("|---|---|---|---:|---:|---:|---|---:|---:|\n");
+    for m in &figures {
+        let id = m.get("id").and_then(Value::as_str).unwrap_or("");
+        let unit = m.get("unit").and_then(Value::as_str).unwrap_or("");
+        let ratio = match redis50 {
+            Some(r) if id.starts_with("relay_accept") && r > 0.0 => {
+                format!("{:.2}", num(m, "median") / r)
+            }
+            _ => String::new(),
+        };
+        md.push_str(&format!(
+            "| {} | {} | `{id}` | {} | {} | {} | {unit} | {} | {ratio} |\n",
+            figure_of(id),
+            m.get("label").and_then(Value::as_str).unwrap_or(""),
+            fmt_num(num(m, "median")),
+            fmt_num(num(m, "min")),
+            fmt_num(num(m, "max")),
+            m.get("runs").and_then(Value::as_u64).unwrap_or(0),
+        ));
+    }
+    md.push_str("\n## Targets (medians of the same run)\n\n");
+    if o.quick {
+        md.push_str(
+            "With `--quick` every size is reduced (fewer requests and messages, a shorter idle \
+             window, and far fewer than 1,000,000 items queued for the deep page): a smoke run, \
+             not the figures.\n\n",
+        );
+    }
+    md.push_str("| target | value | goal | verdict |\n|---|---:|---|---|\n");
+    for (name, num_id, den_id, cmp, goal) in TARGETS {
+        let value = |spec: &str| -> Option<f64> {
+            match spec.split_once(':') {
+                Some((id, key)) => by_id.get(id)?.get("extra")?.get(key)?.as_f64(),
+                None => by_id.get(spec).map(|m| num(m, "median")),
+            }
+        };
+        let v = match den_id {
+            Some(d) => value(num_id).zip(value(d)).map(|(a, b)| a / b),
+            None => value(num_id),
+        };
+        let (shown, verdict) = match v {
+            Some(v) if v.is_finite() => {
+                let met = if *cmp == ">=" { v >= *goal } else { v <= *goal };
+                (fmt_num(v), if met { "met" } else { "**missed**" })
+            }
+            _ => ("—".to_string(), "not measured"),
+        };
+        md.push_str(&format!(
+            "| {name} | {shown} | {cmp} {goal} | {verdict} |\n"
+        ));
+    }
+    md.push_str("\n## Details (`extra` of each figure)\n\n");
+    let mut previous: Option<&Value> = None;
+    for m in &figures {
+        let id = m.get("id").and_then(Value::as_str).unwrap_or("");
+        let extra = m.get("extra");
+        if extra.is_some() && extra == previous {
+            md.push_str(&format!("- `{id}`: as above\n"));
+            continue;
+        }
+        previous = extra;
+        if let Some(Value::Object(e)) = extra {
+            if !e.is_empty() {
+                let parts: Vec<String> = e.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                md.push_str(&format!("- `{id}`: {}\n", parts.join(", ")));
+            }
+        }
+    }
+    print!("{md}");
+    if let Some(out) = &o.out {
+        let mut doc = String::from("# Benchmarks\n\n");
+        doc.push_str(
+            "Latest numbers from `bench/run` (see \"How to run\" below). Every figure is the \
+             median of the runs with min and max; every ratio compares medians measured in the \
+             same run on the same machine.\n\n",
+        );
+        if let Some(machine) = &o.machine {
+            doc.push_str("## Machine\n\n");
+            doc.push_str(&std::fs::read_to_string(machine).unwrap_or_default());
+            doc.push('\n');
+        }
+        doc.push_str(&md);
+        doc.push_str(HOW_TO);
+        doc.push_str(
+            "\n## Raw lines\n\n<details><summary>BENCH lines of this run</summary>\n\n```\n",
+        );
+        for line in text.lines().filter(|l| l.starts_with("BENCH ")) {
+            doc.push_str(line);
+            doc.push('\n');
+        }
+        doc.push_str("```\n\n</details>\n");
+        std::fs::write(out, doc).with_context(|| format!("write {}", out.display()))?;
+    }
+    Ok(())
+}
+
+/// The explanation appended to BENCHMARKS.md.
+const HOW_TO: &str = include_str!("../../bench/README.md");
