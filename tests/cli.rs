@@ -485,7 +485,10 @@ fn relay_set_and_info_help_say_when_the_daemon_uses_a_change_and_what_the_exit_s
     let text = set.stdout.split_whitespace().collect::<Vec<_>>().join(" ");
     assert!(
         text.contains("from its next pass")
-            && text.contains("restart the daemon to use the new relay"),
+            && text.contains("a first relay starts its relay loop")
+            && text.contains("agentmbx doctor relay-enrolled")
+            && text.contains("restart_needed in --json is always false")
+            && !text.contains("restart the daemon"),
         "{text}"
     );
     let info = home.run(&["relay", "info", "--help"]);
@@ -744,5 +747,38 @@ fn relay_info_keeps_showing_a_key_change_after_the_pinned_key_is_back_until_the_
         info["pin"]["fingerprint"],
         pinned.fingerprint().as_str(),
         "{info}"
+    );
+}
+
+#[test]
+fn init_keeps_its_header_first_and_validate_json_names_each_source() {
+    let home = Home::new();
+    home.run(&["init", "--host", "srcs"]).assert_success();
+    let text = std::fs::read_to_string(home.file("config.toml")).expect("config.toml");
+    assert!(text.starts_with("# agentmbx host configuration."), "{text}");
+    assert!(text.contains("\nkey_store = \"file\"\n"), "{text}");
+
+    let mut cmd = home.command(&["config", "validate", "--json"]);
+    cmd.env("MBX_LOG", "debug").env("MBX_API_PORT", "7999");
+    let out = helper::run(cmd);
+    out.assert_success();
+    let v = out.json();
+    assert_eq!(v["config"]["log_level"], "debug", "{v}");
+    assert_eq!(v["config"]["api_port"], 7999, "{v}");
+    assert_eq!(v["sources"]["log_level"], "env MBX_LOG", "{v}");
+    assert_eq!(v["sources"]["api_port"], "env MBX_API_PORT", "{v}");
+    assert_eq!(v["sources"]["host"], "file", "{v}");
+    assert_eq!(v["sources"]["advertise"], "default", "{v}");
+
+    // Plain output: the verdict, then each override.
+    let mut cmd = home.command(&["config", "validate"]);
+    cmd.env("MBX_LOG", "debug");
+    let out = helper::run(cmd);
+    out.assert_success();
+    assert_eq!(out.stdout.lines().next(), Some("config.toml is valid"));
+    assert!(
+        out.stdout
+            .contains("log_level: MBX_LOG=\"debug\" in the environment overrides the file"),
+        "{out:#?}"
     );
 }

@@ -2,12 +2,13 @@
 //! naming the key and line, 3 no file) and a running daemon that watches the file, applies the
 //! live settings (log level, relay URL), logs what changed, refuses an invalid file without
 //! dropping its running config, and applies a later valid file; `relay set` with another URL
-//! switches a running daemon to it.
+//! switches a running daemon to it; a `[relay]` table added to a daemon started without one
+//! turns the relay transport on, and removing it turns it off, both without a restart.
 
 mod helper;
 
-use helper::mesh::{free_port, Host, Relay};
-use helper::{Daemon, Home};
+use helper::mesh::{free_port, Host, Mesh, Relay};
+use helper::{wait_for, Daemon, Home};
 
 /// Writes `config.toml` the way editors do: a temporary file renamed over the old one.
 fn replace_config(home: &Home, text: &str) {
@@ -29,7 +30,8 @@ fn config_validate_exit_codes_and_messages() {
     );
     let ok = home.run(&["config", "validate"]);
     ok.assert_success();
-    assert_eq!(ok.stdout.trim(), "config.toml is valid");
+    // The verdict comes first (notes on environment overrides may follow).
+    assert_eq!(ok.stdout.lines().next(), Some("config.toml is valid"));
     let json = home.run(&["config", "validate", "--json"]);
     json.assert_success();
     let v = json.json();
@@ -66,7 +68,7 @@ fn config_validate_exit_codes_and_messages() {
         let said = format!("{}{}", out.stdout, out.stderr);
         assert!(said.contains(needle), "{text:?}: {out:?}");
         if code == 0 {
-            assert_eq!(out.stdout.trim(), "other.toml is valid");
+            assert_eq!(out.stdout.lines().next(), Some("other.toml is valid"));
         }
     }
 }
@@ -169,4 +171,99 @@ fn relay_set_with_another_url_switches_a_running_daemon_without_a_restart() {
     ));
     daemon.wait_for_stderr("relay loop restarted with the new config");
     daemon.wait_for_stderr(&format!("enrolled with the relay relay={}", second.url()));
+}
+
+/// The index of the `n`th (from 1) occurrence of `needle` in `log`.
+fn nth_index(log: &str, needle: &str, n: usize) -> Option<usize> {
+    log.match_indices(needle).nth(n - 1).map(|(i, _)| i)
+}
+
+#[test]
+fn a_relay_added_to_or_removed_from_config_toml_applies_without_a_restart() {
+    let mut mesh = Mesh::configured(None);
+    let url = mesh.relay.url();
+    // A's config.toml as `relay set` wrote it (`[relay] url, key`), and without that table.
+    let with_relay = std::fs::read_to_string(mesh.a.home.file("config.toml")).expect("read");
+    let at = with_relay
+        .find("[relay]")
+        .expect("relay set wrote a [relay] table");
+    assert!(
+        !with_relay[at + 1..].contains("\n["),
+        "[relay] is the last table: {with_relay}"
+    );
+    let without_relay = with_relay[..at].to_string();
+    assert!(with_relay[at..].contains("key = "), "{with_relay}");
+    replace_config(&mesh.a.home, &without_relay);
+
+    mesh.b.start(None);
+    mesh.b.daemon().wait_for_stderr("published the enc-key ad");
+    mesh.a.start(None);
+    let a = mesh.a.daemon();
+    a.wait_for_stderr("watching the config file");
+    a.wait_for_stderr("no relay configured");
+
+    // Added: the change is logged as applied, the loop starts, and A enrols with the relay.
+    replace_config(&mesh.a.home, &with_relay);
+    let a = mesh.a.daemon();
+    a.wait_for_stderr(&format!("config changed: relay (unset) -> {url}"));
+    a.wait_for_stderr("relay configured: relay loop started");
+    a.wait_for_stderr(&format!("enrolled with the relay relay={url}"));
+    let enrolled: i64 = mesh
+        .relay
+        .db()
+        .query_row(
+            "SELECT COUNT(*) FROM enrolments WHERE host_pubkey = ?1 AND revoked_at IS NULL",
+            [&mesh.a.pubkey],
+            |r| r.get(0),
+        )
+        .expect("query enrolments");
+    assert_eq!(enrolled, 1, "the relay has A enrolled");
+    // The relay carries mail: B has no LAN address here, so only the relay can take it.
+    let first = mesh.a.send("alice", "bob@hostb", "via the relay", "one");
+    let first = first["id"].as_str().expect("id").to_string();
+    mesh.a.wait_relay_accepted(&first);
+    wait_for("the first message in bob's inbox", || {
+        mesh.b.inbox_ids("bob").contains(&first).then_some(())
+    });
+
+    // Removed: logged as applied, and the loop is stopped (the line follows its end).
+    replace_config(&mesh.a.home, &without_relay);
+    let a = mesh.a.daemon();
+    a.wait_for_stderr(&format!("config changed: relay {url} -> (unset)"));
+    a.wait_for_stderr("relay removed from the config: relay loop stopped");
+    let log = a.stderr();
+    assert!(!log.contains("needs a restart"), "{log}");
+    // Mail now waits: no transport takes it (B has no LAN address and there is no relay)...
+    let second = mesh.a.send("alice", "bob@hostb", "held", "two");
+    let second = second["id"].as_str().expect("id").to_string();
+    let row = mesh.a.outbox(&second).expect("outbox row");
+    assert_eq!(row.state, "pending", "{row:?}");
+
+    // ...until the relay is added again: a new loop pushes it, after it started.
+    replace_config(&mesh.a.home, &with_relay);
+    let added = format!("config changed: relay (unset) -> {url}");
+    wait_for("the relay added again", || {
+        (mesh.a.log().matches(&added).count() == 2).then_some(())
+    });
+    mesh.a.wait_relay_accepted(&second);
+    let (log, line) = wait_for("the `relay accepted` line of the second message", || {
+        let log = mesh.a.log();
+        let line = log
+            .lines()
+            .find(|l| l.contains("relay accepted") && l.contains(&format!("id={second}")))?
+            .to_string();
+        Some((log, line))
+    });
+    let started =
+        nth_index(&log, "relay configured: relay loop started", 2).expect("a second loop started");
+    let stopped = nth_index(&log, "relay removed from the config", 1).expect("stopped");
+    let pushed = log.find(&line).expect("the line is in the log");
+    assert!(
+        stopped < started && started < pushed,
+        "pushed only by the new loop:\n{log}"
+    );
+    wait_for("the second message in bob's inbox", || {
+        mesh.b.inbox_ids("bob").contains(&second).then_some(())
+    });
+    mesh.a.stop();
 }

@@ -1,9 +1,10 @@
 //! `agentmbx doctor` against the real binary (conventions.md "Platform conventions"; `wire.md`
 //! §7): the JSON shape and exit status on a home that is not initialized, on a fresh initialized
 //! home with no daemon and no relay, with a running daemon, with an unreachable relay, and the
-//! service check with and without a unit file; `--list` and an unknown check id; and, with a
-//! real relay and daemons, that doctor reads the enrolment and enc-key ad the client wrote
-//! (spec gap G13).
+//! service check with and without a unit file; an invalid `config.toml`; the proxy named when
+//! the relay is unreachable through one; `--list` and an unknown check id (also offered to
+//! shell completions and shown repeatable in the man page); and, with a real relay and daemons,
+//! that doctor reads the enrolment and enc-key ad the client wrote (spec gap G13).
 
 mod helper;
 
@@ -45,9 +46,9 @@ fn status_of<'a>(report: &'a Value, id: &str) -> &'a str {
 
 /// The JSON shape every report has.
 fn assert_shape(report: &Value) {
-    assert_eq!(report["schema"], 1);
+    assert_eq!(report["schema"], 2);
     let checks = report["checks"].as_array().expect("checks");
-    assert_eq!(checks.len(), 13);
+    assert_eq!(checks.len(), 14);
     let mut counted = 0;
     for c in checks {
         assert!(c["id"].is_string() && c["title"].is_string() && c["summary"].is_string());
@@ -76,6 +77,7 @@ fn doctor_on_fresh_and_running_homes() {
     let report = out.json();
     assert_shape(&report);
     assert_eq!(status_of(&report, "host-identity"), "fail");
+    assert_eq!(status_of(&report, "config"), "skip");
     assert!(!home.path().exists());
 
     // Initialized, no daemon, no relay: only the daemon check fails (connection refused).
@@ -84,6 +86,7 @@ fn doctor_on_fresh_and_running_homes() {
     assert_eq!(out.code(), Some(1), "{out:#?}");
     let report = out.json();
     assert_shape(&report);
+    assert_eq!(status_of(&report, "config"), "ok");
     assert_eq!(status_of(&report, "host-identity"), "ok");
     assert_eq!(status_of(&report, "keystore"), "ok");
     assert_eq!(status_of(&report, "daemon"), "fail");
@@ -156,6 +159,59 @@ fn unreachable_relay_fails_and_names_the_check() {
     assert_eq!(status_of(&report, "relay-reachable"), "fail");
     assert_eq!(status_of(&report, "clock-skew"), "skip");
     assert_eq!(report["summary"]["fail"], 1);
+    assert_eq!(
+        report["checks"][0]["fix"], "agentmbx relay info --live",
+        "{report}"
+    );
+
+    // Through a proxy: the check names it, without its credentials.
+    let proxy = format!("http://agent:s3cret-pw@127.0.0.1:{}", closed_port());
+    let mut cmd = home.command(&["doctor", "relay-reachable"]);
+    cmd.env("HOME", user.path())
+        .env("MBX_RELAY_URL", "http://relay.invalid")
+        .env("HTTP_PROXY", &proxy)
+        .env_remove("http_proxy")
+        .env_remove("NO_PROXY")
+        .env_remove("no_proxy");
+    let out = run(cmd);
+    assert_eq!(out.code(), Some(1), "{out:#?}");
+    assert!(
+        out.stdout
+            .contains("tried through the proxy http://***@127.0.0.1:")
+            && out.stdout.contains("(HTTP_PROXY)"),
+        "{}",
+        out.stdout
+    );
+    assert!(!out.stdout.contains("s3cret"), "{}", out.stdout);
+}
+
+#[test]
+fn an_invalid_config_fails_doctor_and_names_the_fix() {
+    let home = Home::new();
+    let user = tempfile::tempdir().expect("temp dir");
+    home.run(&["init", "--host", "doc"]).assert_success();
+    let config = home.path().join("config.toml");
+    let mut text = std::fs::read_to_string(&config).expect("config");
+    text.push_str("bogus = 1\n");
+    std::fs::write(&config, text).expect("write");
+    let out = doctor(&home, user.path(), &["host-identity"]);
+    assert_eq!(out.code(), Some(1), "{out:#?}");
+    assert!(
+        out.stdout
+            .starts_with("✗ config.toml valid: config.toml is invalid\n"),
+        "{}",
+        out.stdout
+    );
+    assert!(out.stdout.contains("    fix: agentmbx config validate\n"));
+    assert!(out
+        .stdout
+        .contains("· host initialized and host key: config.toml is invalid\n"));
+    let out = doctor(&home, user.path(), &["--json", "daemon", "relay-key"]);
+    assert_eq!(out.code(), Some(1), "{out:#?}");
+    let report = out.json();
+    assert_eq!(status_of(&report, "config"), "fail");
+    assert_eq!(status_of(&report, "daemon"), "skip");
+    assert_eq!(status_of(&report, "relay-key"), "skip");
 }
 
 #[test]
@@ -171,6 +227,7 @@ fn list_and_unknown_ids() {
     assert_eq!(
         ids,
         [
+            "config",
             "host-identity",
             "keystore",
             "daemon",
@@ -186,10 +243,34 @@ fn list_and_unknown_ids() {
             "disk-space"
         ]
     );
-    let out = home.run(&["doctor", "no-such-check"]);
-    assert_eq!(out.code(), Some(2), "{out:#?}");
-    assert!(out.stderr.contains("unknown check `no-such-check`"));
-    assert!(out.stdout.is_empty());
+    let out = home.run(&["doctor", "--list", "relay-key", "config"]);
+    out.assert_success();
+    assert_eq!(out.stdout.lines().count(), 2, "{}", out.stdout);
+    for args in [
+        &["doctor", "no-such-check"][..],
+        &["doctor", "--list", "nope"],
+    ] {
+        let out = home.run(args);
+        assert_eq!(out.code(), Some(2), "{args:?}: {out:#?}");
+        let bad = args.last().expect("id");
+        assert!(
+            out.stderr.contains(&format!("invalid value '{bad}'"))
+                && out.stderr.contains("relay-enrolled"),
+            "{}",
+            out.stderr
+        );
+        assert!(out.stdout.is_empty());
+    }
+
+    // Completions offer the ids; the man page shows the id repeatable.
+    let out = home.run(&["completions", "bash"]);
+    out.assert_success();
+    assert!(out.stdout.contains("relay-enrolled"), "{}", out.stdout);
+    let dir = tempfile::tempdir().expect("temp dir");
+    home.run(&["man", &dir.path().to_string_lossy()])
+        .assert_success();
+    let page = std::fs::read_to_string(dir.path().join("agentmbx-doctor.1")).expect("page");
+    assert!(page.contains("[\\fICHECK\\fR]... \n"), "{page}");
 }
 
 #[test]

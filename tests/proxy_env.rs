@@ -196,7 +196,7 @@ async fn relay_calls_honour_the_proxy_environment_and_lan_calls_never_use_it() {
         "the local API probe did not reach the proxy"
     );
     let check = &report.checks[0];
-    assert_eq!(check.status, doctor::Status::Warn, "{check:?}");
+    assert_eq!(check.status, doctor::Status::Fail, "{check:?}");
     assert!(check.summary.contains("answered HTTP 404"), "{check:?}");
     set_env(&[]);
 }

@@ -18,8 +18,9 @@
 //!   each with its fix and no claim that the daemon enrols on its next pass, `relay info` exits
 //!   1 for them, neither is logged as a lost enrolment, and mail to the revoked host shows
 //!   `queued (<last error>)` in `agentmbx sent`;
-//! - `relay set` says whether a running daemon uses the result from its next pass (the same
-//!   relay) or after a restart (another relay URL).
+//! - `relay set` says when a running daemon uses the result: from its next pass (the same
+//!   relay) or when it re-reads the watched config.toml (a first or another relay URL), never
+//!   after a restart, and how to check it.
 //!
 //! State is read from the stores (read-only) and through `relay info --json`.
 
@@ -238,10 +239,12 @@ fn relay_set_pins_on_first_use_refuses_changes_and_malformed_keys() {
         )),
         "{out:#?}"
     );
-    // No relay before: a running daemon needs a restart to use one.
+    // No relay before: a running daemon starts using it from the watched config.toml.
     assert!(
-        out.stdout
-            .contains("restart the daemon to use the new relay")
+        out.stdout.contains(&format!(
+            "a running daemon starts using the new relay when it re-reads config.toml, which it watches (it logs `config changed: relay (unset) -> {url}`)"
+        )) && out.stdout.contains("check with: agentmbx doctor relay-enrolled")
+            && !out.stdout.contains("restart")
             && !out.stdout.contains("next relay pass"),
         "{out:#?}"
     );
@@ -380,7 +383,8 @@ fn an_unreachable_relay_named_by_fingerprint_is_pinned_only_with_that_key() {
     );
     assert!(
         out.stdout
-            .contains("restart the daemon to use the new relay"),
+            .contains("a running daemon starts using the new relay when it re-reads config.toml")
+            && !out.stdout.contains("restart"),
         "{out:#?}"
     );
     // Another URL than the configured one: a running daemon re-reads it from config.toml.

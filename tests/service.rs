@@ -1,7 +1,8 @@
 //! Service integration, black-box: `agentmbx daemon install|uninstall|status` (dry runs in a
 //! temporary `HOME`: the files and commands are printed, nothing is written or run), and the
 //! sd-notify messages of a real daemon and a real relay, received on a unix datagram socket set
-//! as `NOTIFY_SOCKET` (READY after bind, STATUS, WATCHDOG pings, STOPPING on SIGTERM).
+//! as `NOTIFY_SOCKET` (READY after bind, STATUS, WATCHDOG pings, STOPPING on SIGTERM; no
+//! ping and an `unhealthy` status once a loop hangs).
 
 mod helper;
 
@@ -292,7 +293,7 @@ fn uninstall_dry_run_and_usage_errors() {
 }
 
 #[test]
-fn status_reports_not_installed_without_failing() {
+fn status_reports_not_installed_with_exit_3() {
     let home = Home::new();
     let user = tempfile::tempdir().expect("temp dir");
     let out = run(in_user_home(
@@ -300,9 +301,10 @@ fn status_reports_not_installed_without_failing() {
         user.path(),
         &["daemon", "status", "--json"],
     ));
-    out.assert_success();
+    assert_eq!(out.code(), Some(3), "not running: {out:#?}");
     let v = out.json();
     assert!(v["enabled"].is_string() && v["active"].is_string(), "{v}");
+    assert!(v.get("reason").is_some(), "{v}");
     // A unit from the package on this machine counts as installed; skip the check then.
     let packaged = ["/usr/lib/systemd/user", "/etc/systemd/user"]
         .iter()
@@ -317,6 +319,192 @@ fn status_reports_not_installed_without_failing() {
                 .to_string()
         );
     }
+}
+
+/// A directory with a `systemctl` that answers like one without a user manager (nothing on
+/// stdout, the bus error on stderr, exit 1), for PATH.
+fn systemctl_without_bus() -> tempfile::TempDir {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let fake = dir.path().join("systemctl");
+    std::fs::write(
+        &fake,
+        "#!/bin/sh\necho 'Failed to connect to bus: No medium found' >&2\nexit 1\n",
+    )
+    .expect("write fake systemctl");
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    dir
+}
+
+/// `in_user_home` with the fake `systemctl` first on PATH.
+fn without_bus(home: &Home, user_home: &Path, bin: &Path, args: &[&str]) -> Command {
+    let mut cmd = in_user_home(home, user_home, args);
+    let path = std::env::var("PATH").unwrap_or_default();
+    cmd.env("PATH", format!("{}:{path}", bin.display()));
+    cmd
+}
+
+#[test]
+fn install_without_a_user_manager_leaves_nothing_and_says_what_to_do() {
+    let home = Home::new();
+    let user = tempfile::tempdir().expect("temp dir");
+    let bin = systemctl_without_bus();
+    let unit = user.path().join(".config/systemd/user/agentmbx.service");
+    let out = run(without_bus(
+        &home,
+        user.path(),
+        bin.path(),
+        &["daemon", "install"],
+    ));
+    assert_eq!(out.code(), Some(1), "{out:#?}");
+    for said in [
+        "Failed to connect to bus",
+        "loginctl enable-linger",
+        "agentmbx daemon` in the foreground",
+        "was removed again",
+    ] {
+        assert!(out.stderr.contains(said), "{said:?}: {out:#?}");
+    }
+    assert!(!unit.exists(), "no unit left behind");
+
+    // A unit that was there before is put back as it was.
+    std::fs::create_dir_all(unit.parent().expect("dir")).expect("mkdir");
+    std::fs::write(&unit, "[Unit]\nDescription=mine\n").expect("write");
+    let out = run(without_bus(
+        &home,
+        user.path(),
+        bin.path(),
+        &["daemon", "install"],
+    ));
+    assert_eq!(out.code(), Some(1), "{out:#?}");
+    assert!(out.stderr.contains("back as it was"), "{out:#?}");
+    assert_eq!(
+        std::fs::read_to_string(&unit).expect("read"),
+        "[Unit]\nDescription=mine\n"
+    );
+
+    // status gives the reason and exit 3; --json keeps its shape plus the reason.
+    let out = run(without_bus(
+        &home,
+        user.path(),
+        bin.path(),
+        &["daemon", "status"],
+    ));
+    assert_eq!(out.code(), Some(3), "{out:#?}");
+    assert!(out.stdout.contains("active: unknown"), "{out:#?}");
+    assert!(
+        out.stdout.contains("reason: no service manager answered")
+            && out.stdout.contains("Failed to connect to bus")
+            && out.stdout.contains("loginctl enable-linger"),
+        "{out:#?}"
+    );
+    let out = run(without_bus(
+        &home,
+        user.path(),
+        bin.path(),
+        &["daemon", "status", "--json"],
+    ));
+    assert_eq!(out.code(), Some(3), "{out:#?}");
+    let v = out.json();
+    assert_eq!(v["installed"], true, "{v}");
+    assert_eq!(v["active"], "unknown", "{v}");
+    assert!(
+        v["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("no service manager answered")),
+        "{v}"
+    );
+}
+
+#[test]
+fn uninstall_reports_only_what_it_removed() {
+    let home = Home::new();
+    let user = tempfile::tempdir().expect("temp dir");
+    let bin = systemctl_without_bus();
+    let unit = user.path().join(".config/systemd/user/agentmbx.service");
+    let out = run(without_bus(
+        &home,
+        user.path(),
+        bin.path(),
+        &["daemon", "uninstall"],
+    ));
+    out.assert_success();
+    assert!(
+        out.stdout
+            .starts_with(&format!("nothing installed at {}\n", unit.display())),
+        "{out:#?}"
+    );
+    assert!(!out.stdout.contains("removed"), "{out:#?}");
+
+    std::fs::create_dir_all(unit.parent().expect("dir")).expect("mkdir");
+    std::fs::write(&unit, "[Unit]\n").expect("write");
+    let out = run(without_bus(
+        &home,
+        user.path(),
+        bin.path(),
+        &["daemon", "uninstall"],
+    ));
+    out.assert_success();
+    assert!(
+        out.stdout
+            .contains(&format!("removed {}\n", unit.display())),
+        "{out:#?}"
+    );
+    assert!(!unit.exists());
+}
+
+#[test]
+fn install_plan_names_what_the_service_will_not_get() {
+    let home = Home::new();
+    let user = tempfile::tempdir().expect("temp dir");
+    let mut cmd = in_user_home(
+        &home,
+        user.path(),
+        &["daemon", "install", "--dry-run", "--json"],
+    );
+    cmd.env("MBX_API_PORT", "7999").env("MBX_NO_MDNS", "1");
+    let v = run(cmd).json();
+    let notes: Vec<&str> = v["notes"]
+        .as_array()
+        .expect("notes")
+        .iter()
+        .filter_map(|n| n.as_str())
+        .collect();
+    let has = |what: &str| notes.iter().any(|n| n.contains(what));
+    assert!(
+        has("MBX_API_PORT is set in this shell, but the service does not get it: set `api_port` in config.toml"),
+        "{notes:#?}"
+    );
+    assert!(has("MBX_NO_MDNS") && has("`mdns = false`"), "{notes:#?}");
+    assert!(!has("MBX_HOME"), "MBX_HOME is carried: {notes:#?}");
+    // The tests run the binary from cargo's target directory.
+    assert!(has("a cargo build output"), "{notes:#?}");
+
+    // The macOS preview uses the macOS data directory when MBX_HOME is not set.
+    let mut cmd = in_user_home(
+        &home,
+        user.path(),
+        &[
+            "daemon",
+            "install",
+            "--dry-run",
+            "--json",
+            "--platform",
+            "macos",
+        ],
+    );
+    cmd.env_remove("MBX_HOME");
+    let v = run(cmd).json();
+    let data = user.path().join("Library/Application Support/agentmbx");
+    assert_eq!(v["dirs"][1], data.display().to_string(), "{v}");
+    assert!(
+        v["files"][0]["contents"]
+            .as_str()
+            .expect("contents")
+            .contains(&format!("<string>{}</string>", data.display())),
+        "{v}"
+    );
+    assert!(files_under(user.path()).is_empty(), "nothing written");
 }
 
 /// One received sd-notify datagram and when it arrived.
@@ -458,6 +646,67 @@ fn daemon_notifies_ready_after_bind_status_watchdog_and_stopping() {
     assert!(log.contains("SIGTERM received"), "{log}");
 }
 
+/// The `STATUS=` lines of `messages` that start with `prefix`, with their messages.
+fn status_lines(messages: &[Message], prefix: &str) -> Vec<(Message, String)> {
+    messages
+        .iter()
+        .flat_map(|m| {
+            m.text
+                .lines()
+                .filter_map(|l| l.strip_prefix("STATUS="))
+                .filter(|l| l.starts_with(prefix))
+                .map(|l| (m.clone(), l.to_string()))
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+#[test]
+fn a_hung_lan_delivery_loop_stops_the_watchdog_pings_and_says_why() {
+    let home = Home::new();
+    let socket = NotifySocket::new(None);
+    let mut cmd = daemon_under_watchdog(&home, &socket.path, "2000000");
+    // The LAN delivery loop hangs at its first pass (its task awaits forever, the rest of the
+    // daemon runs); every loop's liveness bound is 8 s instead of a minute, far longer than
+    // the start-up between the loop's start and the status loop's first tick.
+    cmd.env("MBX_FAILPOINTS", "lan:deliver-pass=hang")
+        .env("MBX_LIVENESS_MAX_GAP_MS", "8000");
+    let mut daemon = Daemon::spawn(cmd, LISTENING).expect("daemon started");
+    daemon.wait_for_failpoint("lan:deliver-pass");
+
+    // Pings while the loop is within its bound, then `unhealthy` and why, and no more pings.
+    let first_ping = socket.wait_line("WATCHDOG=1", 1)[0].clone();
+    let prefix = "unhealthy: lan delivery loop stalled ";
+    let unhealthy = wait_for("STATUS=unhealthy", || {
+        status_lines(&socket.all(), prefix).first().cloned()
+    });
+    assert!(first_ping.at < unhealthy.0.at, "{:?}", socket.all());
+    let secs: u64 = unhealthy.1[prefix.len()..]
+        .strip_suffix(" s")
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{:?}", unhealthy.1));
+    assert!(secs >= 8, "{:?}", unhealthy.1);
+    // The next `unhealthy` update comes at least one status interval (5 s, five ticks) later:
+    // no ping in between, nor with it.
+    let next = wait_for("a second STATUS=unhealthy", || {
+        status_lines(&socket.all(), prefix).get(1).cloned()
+    });
+    let pings_after: Vec<_> = socket
+        .with_line("WATCHDOG=1")
+        .into_iter()
+        .filter(|m| m.at >= unhealthy.0.at)
+        .collect();
+    assert!(pings_after.is_empty(), "{pings_after:?}");
+    assert!(next.0.at > unhealthy.0.at);
+
+    // The hung task would never finish a graceful stop: the manager kills such a daemon.
+    let log = daemon.kill();
+    assert!(
+        log.contains("the lan delivery loop made no progress"),
+        "{log}"
+    );
+}
+
 #[test]
 fn a_watchdog_for_another_pid_gets_no_pings() {
     let home = Home::new();
@@ -509,6 +758,34 @@ fn relay_serve_notifies_ready_after_bind_and_stopping_on_sigterm() {
     assert_eq!(status.code(), Some(0), "{log}");
     let stopping = socket.wait_line("STOPPING=1", 1);
     assert!(stopping[0].at >= ready[0].at);
+    assert!(
+        socket.with_line("WATCHDOG=1").is_empty(),
+        "no watchdog asked for, no ping: {:?}",
+        socket.all()
+    );
+}
+
+#[test]
+fn relay_serve_pings_the_watchdog_while_its_store_writer_answers() {
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let store = tmp.path().join("store");
+    std::fs::create_dir(&store).expect("mkdir");
+    let socket = NotifySocket::new(None);
+    let relay = serve(
+        &store,
+        &[
+            ("NOTIFY_SOCKET", socket.path.to_str().expect("UTF-8 path")),
+            ("WATCHDOG_USEC", "2000000"),
+        ],
+    );
+    let ready = socket.wait_line("READY=1", 1);
+    // WATCHDOG_USEC=2 s: a writer check and a ping every second.
+    let pings = socket.wait_line("WATCHDOG=1", 3);
+    assert!(pings[0].at >= ready[0].at, "no ping before READY=1");
+    let (status, log) = relay.terminate();
+    assert_eq!(status.code(), Some(0), "{log}");
+    assert!(log.contains("service watchdog on"), "{log}");
+    assert!(!log.contains("does not answer"), "{log}");
 }
 
 #[test]

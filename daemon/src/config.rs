@@ -40,6 +40,26 @@ pub const RELAY_URL_ENV: &str = "MBX_RELAY_URL";
 /// Overrides [`Config::relay_pull_interval_ms`].
 pub const RELAY_PULL_INTERVAL_ENV: &str = "MBX_RELAY_PULL_INTERVAL_MS";
 
+/// The daemon's log filter; wins over [`Config::log_level`] (applied by the binary's logger,
+/// not by [`Config::apply_env`]).
+pub const LOG_ENV: &str = "MBX_LOG";
+
+/// Each environment variable that overrides a `config.toml` setting, with the setting's
+/// (dotted) key. A daemon started by a service manager sees none of them unless the service
+/// file sets them.
+pub const ENV_KEYS: &[(&str, &str)] = &[
+    (API_PORT_ENV, "api_port"),
+    (API_BIND_ENV, "api_bind"),
+    (LAN_PORT_ENV, "lan_port"),
+    (LAN_BIND_ENV, "lan_bind"),
+    (ADVERTISE_ENV, "advertise"),
+    (SELF_ADDRS_ENV, "self_addrs"),
+    (NO_MDNS_ENV, "mdns"),
+    (RELAY_URL_ENV, "relay.url"),
+    (RELAY_PULL_INTERVAL_ENV, "relay_pull_interval_ms"),
+    (LOG_ENV, "log_level"),
+];
+
 /// Shortest relay pull interval accepted (ms): below it an idle host would hammer its relay.
 pub const MIN_RELAY_PULL_INTERVAL_MS: u64 = 100;
 /// Longest relay pull interval accepted (ms, one hour): beyond it relayed mail looks lost.
@@ -220,7 +240,12 @@ pub fn check_relay_url(text: &str) -> Result<String, BadRelayUrl> {
         } else {
             "a non-ASCII character (give an international host name in punycode)"
         };
-        return bad(&format!("contains {what} ({})", c.escape_default()));
+        let which = if c == ' ' {
+            "a space".to_string()
+        } else {
+            c.escape_default().to_string()
+        };
+        return bad(&format!("contains {what} ({which})"));
     }
     let Some(rest) = text
         .strip_prefix("http://")
@@ -338,13 +363,20 @@ pub enum ConfigError {
         /// What is wrong with its value.
         message: String,
     },
-    /// A setting has a value outside what it accepts (after layering).
-    #[error("config setting `{key}`: {message}")]
+    /// A setting has a value outside what it accepts (after layering). Shown as
+    /// ``<file> line <n>: `<key>`: <message>`` when the value comes from a file, else as
+    /// ``config setting `<key>`: <message>``.
+    #[error("{}", invalid_text(key, message, path.as_deref(), *line))]
     Invalid {
         /// The TOML key (dotted for tables, e.g. `relay.url`).
         key: &'static str,
         /// What is wrong.
         message: String,
+        /// The file the value comes from; `None` when it comes from the environment or the
+        /// file is not known.
+        path: Option<PathBuf>,
+        /// 1-based line of the key in `path`, when found.
+        line: Option<usize>,
     },
     /// `init` was asked for another name than the one the file already records.
     #[error("{path} already names this host {existing:?}; run init with --host {existing} or edit the file")]
@@ -377,7 +409,7 @@ impl Config {
         paths: &Paths,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Config, ConfigError> {
-        let mut config = Self::read_file(&paths.config_file())?.unwrap_or_default();
+        let mut config = Self::check_file(&paths.config_file())?.unwrap_or_default();
         config.apply_env(env)?;
         config.validate()?;
         Ok(config)
@@ -395,14 +427,27 @@ impl Config {
         }
     }
 
-    /// Parses TOML text; `path` is used in error messages only.
+    /// Parses TOML text; `path` is used in error messages only. A value of the wrong type is
+    /// reported with its key and line, in words rather than Rust types ("a port number
+    /// 0-65535", not "u16").
     pub fn from_toml_str(text: &str, path: &Path) -> Result<Config, ConfigError> {
-        toml::from_str(text).map_err(|e| ConfigError::Parse {
-            path: path.to_path_buf(),
-            line: e
+        toml::from_str(text).map_err(|e| {
+            let line = e
                 .span()
-                .map(|span| text[..span.start.min(text.len())].matches('\n').count() + 1),
-            message: e.message().replacen("unknown field", "unknown key", 1),
+                .map(|span| text[..span.start.min(text.len())].matches('\n').count() + 1);
+            let mut message = plain_message(e.message());
+            if let Some(key) = line.and_then(|l| key_at_line(text, l)) {
+                if !message.contains(&format!("`{key}`"))
+                    && !message.contains(&format!("`{}`", key.rsplit('.').next().unwrap_or("")))
+                {
+                    message = format!("`{key}`: {message}");
+                }
+            }
+            ConfigError::Parse {
+                path: path.to_path_buf(),
+                line,
+                message,
+            }
         })
     }
 
@@ -458,42 +503,53 @@ impl Config {
         Ok(())
     }
 
-    /// Checks values that their types alone do not constrain. Errors: [`ConfigError::Invalid`].
+    /// Checks values that their types alone do not constrain. Errors: [`ConfigError::Invalid`]
+    /// (without a file: [`Config::check_file`] adds it).
     pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |key: &'static str, message: String| ConfigError::Invalid {
+            key,
+            message,
+            path: None,
+            line: None,
+        };
         let range = MIN_RELAY_PULL_INTERVAL_MS..=MAX_RELAY_PULL_INTERVAL_MS;
         if !range.contains(&self.relay_pull_interval_ms) {
-            return Err(ConfigError::Invalid {
-                key: "relay_pull_interval_ms",
-                message: format!(
-                    "{} is outside {MIN_RELAY_PULL_INTERVAL_MS}..={MAX_RELAY_PULL_INTERVAL_MS} ms",
+            return Err(invalid(
+                "relay_pull_interval_ms",
+                format!(
+                    "{} ms is outside {MIN_RELAY_PULL_INTERVAL_MS}..={MAX_RELAY_PULL_INTERVAL_MS} ms",
                     self.relay_pull_interval_ms
                 ),
-            });
+            ));
         }
         if let Some(level) = &self.log_level {
-            let bad = |message: String| ConfigError::Invalid {
-                key: "log_level",
-                message,
-            };
             if level.trim().is_empty() || level.len() > MAX_LOG_LEVEL_BYTES {
-                return Err(bad(format!(
-                    "must be a log filter of 1..={MAX_LOG_LEVEL_BYTES} bytes"
-                )));
+                return Err(invalid(
+                    "log_level",
+                    format!("must be a log filter of 1..={MAX_LOG_LEVEL_BYTES} bytes"),
+                ));
             }
-            tracing_subscriber::EnvFilter::try_new(level)
-                .map_err(|e| bad(format!("{} is not a log filter ({e})", shown(level))))?;
+            tracing_subscriber::EnvFilter::try_new(level).map_err(|e| {
+                invalid(
+                    "log_level",
+                    format!("{} is not a log filter ({e})", shown(level)),
+                )
+            })?;
         }
         if let Some(relay) = &self.relay {
-            check_relay_url(&relay.url).map_err(|e| ConfigError::Invalid {
-                key: "relay.url",
-                message: e.to_string(),
-            })?;
+            check_relay_url(&relay.url).map_err(|e| invalid("relay.url", e.to_string()))?;
             if let Some(key) = &relay.key {
-                agentmbx_protocol::keys::PublicKey::from_b64(key).map_err(|e| {
-                    ConfigError::Invalid {
-                        key: "relay.key",
-                        message: e.to_string(),
-                    }
+                agentmbx_protocol::keys::PublicKey::from_b64(key).map_err(|_| {
+                    invalid(
+                        "relay.key",
+                        format!(
+                            "{} is not a relay public key: this setting wants the relay's \
+                             Ed25519 public key in standard base64 (44 characters, as \
+                             `agentmbx relay info` shows it), not its fingerprint; \
+                             `agentmbx relay set <url> --key <fingerprint or key>` writes it",
+                            shown(key)
+                        ),
+                    )
                 })?;
             }
             if let Some(cmd) = &relay.token_command {
@@ -501,16 +557,43 @@ impl Config {
                     || cmd.len() > MAX_TOKEN_COMMAND_BYTES
                     || cmd.contains('\0')
                 {
-                    return Err(ConfigError::Invalid {
-                        key: "relay.token_command",
-                        message: format!(
+                    return Err(invalid(
+                        "relay.token_command",
+                        format!(
                             "must be a command line of 1..={MAX_TOKEN_COMMAND_BYTES} bytes without NUL"
                         ),
-                    });
+                    ));
                 }
             }
         }
         Ok(())
+    }
+
+    /// Reads, parses and validates the file alone (no environment): `Ok(None)` when it does
+    /// not exist. Every error names the file, the key and, when it can be found, the line.
+    /// Errors: [`ConfigError`].
+    pub fn check_file(path: &Path) -> Result<Option<Config>, ConfigError> {
+        let text = match std::fs::read_to_string(path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => {
+                return Err(ConfigError::Read {
+                    path: path.to_path_buf(),
+                    source,
+                })
+            }
+        };
+        let config = Self::from_toml_str(&text, path)?;
+        config.validate().map_err(|e| match e {
+            ConfigError::Invalid { key, message, .. } => ConfigError::Invalid {
+                key,
+                message,
+                path: Some(path.to_path_buf()),
+                line: key_line(&text, key),
+            },
+            other => other,
+        })?;
+        Ok(Some(config))
     }
 
     /// The LAN server's socket address (`lan_bind`:`lan_port`).
@@ -537,6 +620,85 @@ where
         var,
         message: format!("{value:?}: {e}"),
     })
+}
+
+/// The text of [`ConfigError::Invalid`].
+fn invalid_text(key: &str, message: &str, path: Option<&Path>, line: Option<usize>) -> String {
+    match path {
+        Some(path) => format!(
+            "{}{}: `{key}`: {message}",
+            path.display(),
+            line.map(|l| format!(" line {l}")).unwrap_or_default()
+        ),
+        None => format!("config setting `{key}`: {message}"),
+    }
+}
+
+/// A TOML parse message in the words of this file's settings rather than Rust's types.
+fn plain_message(message: &str) -> String {
+    let mut out = message.trim().replacen("unknown field", "unknown key", 1);
+    for (rust, words) in [
+        ("expected u16", "expected a port number 0-65535"),
+        ("expected u64", "expected a whole number of milliseconds"),
+        ("expected struct RelayConfig", "expected a table"),
+        ("expected a sequence", "expected an array"),
+        (
+            "invalid IP address syntax",
+            "not an IP address (e.g. 127.0.0.1 or ::1)",
+        ),
+    ] {
+        out = out.replace(rust, words);
+    }
+    out
+}
+
+/// The table name of a `[name]` header line (`None` for other lines; an array-of-tables
+/// header `[[name]]` gives `"[name]"`, which names no table of this file).
+fn header_name(line: &str) -> Option<String> {
+    let t = line.trim_start();
+    let rest = t.strip_prefix('[')?;
+    let end = rest.find(']')?;
+    Some(rest[..end].trim().trim_matches('"').to_string())
+}
+
+/// The key of a `key = value` line (`None` for blank, comment and header lines).
+fn line_key(line: &str) -> Option<String> {
+    let t = line.trim_start();
+    if t.is_empty() || t.starts_with('#') || t.starts_with('[') {
+        return None;
+    }
+    let eq = t.find('=')?;
+    let key: String = t[..eq]
+        .split('.')
+        .map(|part| part.trim().trim_matches('"').trim_matches('\''))
+        .collect::<Vec<_>>()
+        .join(".");
+    (!key.is_empty()).then_some(key)
+}
+
+/// The dotted key set on 1-based `line` of `text` (with its table), if that line sets one.
+fn key_at_line(text: &str, line: usize) -> Option<String> {
+    let mut table = String::new();
+    for (i, l) in text.lines().enumerate() {
+        if let Some(name) = header_name(l) {
+            table = name;
+        }
+        if i + 1 == line {
+            let key = line_key(l)?;
+            return Some(if table.is_empty() {
+                key
+            } else {
+                format!("{table}.{key}")
+            });
+        }
+    }
+    None
+}
+
+/// The 1-based line of `text` that sets the dotted `key` (`relay.url`: `url` in `[relay]`,
+/// or a top-level `relay.url`), if any.
+fn key_line(text: &str, key: &str) -> Option<usize> {
+    (1..=text.lines().count()).find(|&l| key_at_line(text, l).as_deref() == Some(key))
 }
 
 /// Records `host` as this host's name in `config.toml` (`init`). Creates the file when missing
@@ -577,7 +739,8 @@ pub fn record_host(paths: &Paths, host: &HostName) -> Result<(), ConfigError> {
 }
 
 /// Records `store` as the home's `key_store` in `config.toml` (`init`, once the keys exist):
-/// replaces a top-level `key_store = …` line, or adds one first, keeping every other byte. The
+/// replaces a top-level `key_store = …` line, or adds one after the file's opening comments,
+/// keeping every other byte. The
 /// file must exist ([`record_host`] runs first). Errors: parse and I/O errors.
 pub fn record_key_store(paths: &Paths, store: KeyStore) -> Result<(), ConfigError> {
     let path = paths.config_file();
@@ -599,7 +762,14 @@ pub fn record_key_store(paths: &Paths, store: KeyStore) -> Result<(), ConfigErro
     match existing {
         Some(i) if lines[i].trim() == line => return Ok(()),
         Some(i) => lines[i] = &line,
-        None => lines.insert(0, &line),
+        // After the comment block that opens the file (init's header stays first).
+        None => {
+            let at = lines[..top]
+                .iter()
+                .position(|l| !l.trim_start().starts_with('#'))
+                .unwrap_or(top);
+            lines.insert(at, &line)
+        }
     }
     let mut updated = lines.join("\n");
     updated.push('\n');
@@ -608,11 +778,16 @@ pub fn record_key_store(paths: &Paths, store: KeyStore) -> Result<(), ConfigErro
         .map_err(|source| ConfigError::Write { path, source })
 }
 
-/// Sets (or, with `None`, removes) the `[relay]` table of `config.toml`, keeping the other
-/// settings (comments are not kept). A given table without `token_command` keeps the one the
-/// file has (`relay set` changes the URL and the pin, not how tokens are obtained). The result
-/// is validated before it is written; the file is replaced atomically. Errors: parse,
-/// validation and I/O errors.
+/// Sets (or, with `None`, removes) the `[relay]` table of `config.toml`, keeping every other
+/// byte of the file: comments, blank lines, order and the other settings. Inside the table,
+/// the `url` and `key` lines are replaced in place (an inline comment after the value stays),
+/// a key the file lacks is added after the table's last setting, a `key` no longer wanted is
+/// removed; with no `[relay]` table one is appended at the end. `None` removes the table's
+/// header and settings. A given table without `token_command` keeps the one the file has
+/// (`relay set` changes the URL and the pin, not how tokens are obtained). The result is
+/// parsed and compared with the intended settings before it is written (a file that sets the
+/// relay some other way, e.g. as an inline table, is re-serialised instead, without its
+/// comments); the file is replaced atomically. Errors: parse, validation and I/O errors.
 pub fn set_relay(paths: &Paths, relay: Option<&RelayConfig>) -> Result<(), ConfigError> {
     let path = paths.config_file();
     let text = match std::fs::read_to_string(&path) {
@@ -620,44 +795,166 @@ pub fn set_relay(paths: &Paths, relay: Option<&RelayConfig>) -> Result<(), Confi
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
         Err(source) => return Err(ConfigError::Read { path, source }),
     };
-    Config::from_toml_str(&text, &path)?;
-    let mut table: toml::Table = text
-        .parse()
-        .map_err(|e: toml::de::Error| ConfigError::Parse {
-            path: path.clone(),
-            line: None,
-            message: e.to_string(),
-        })?;
-    let kept_command = table
-        .get("relay")
-        .and_then(|r| r.get("token_command"))
-        .and_then(toml::Value::as_str)
-        .map(str::to_owned);
+    let current = Config::from_toml_str(&text, &path)?;
+    let kept_command = current.relay.as_ref().and_then(|r| r.token_command.clone());
     let merged = relay.map(|r| RelayConfig {
         token_command: r.token_command.clone().or(kept_command),
         ..r.clone()
     });
-    match merged.as_ref() {
+    let intended = Config {
+        relay: merged.clone(),
+        ..current
+    };
+    let edited = edit_relay_table(&text, merged.as_ref());
+    let updated = match Config::from_toml_str(&edited, &path) {
+        Ok(c) if c == intended => edited,
+        _ => reserialised(&text, merged.as_ref(), &path)?,
+    };
+    Config::from_toml_str(&updated, &path)?.validate()?;
+    fsutil::replace(&path, updated.as_bytes(), fsutil::PRIVATE_MODE)
+        .map_err(|source| ConfigError::Write { path, source })
+}
+
+/// A TOML basic string holding `value`, escaped.
+fn toml_string(value: &str) -> String {
+    toml::Value::String(value.to_string()).to_string()
+}
+
+/// The part of a `key = value` line after its value: whitespace and an inline comment, when
+/// the value is a one-line string whose end can be found; otherwise empty.
+fn inline_comment(line: &str) -> &str {
+    let Some(eq) = line.find('=') else {
+        return "";
+    };
+    let value = line[eq + 1..].trim_start();
+    let start = line.len() - value.len();
+    let end = if value.starts_with("\"\"\"") || value.starts_with("'''") {
+        None
+    } else if let Some(body) = value.strip_prefix('"') {
+        let mut escaped = false;
+        body.char_indices()
+            .find(|&(_, c)| {
+                let close = c == '"' && !escaped;
+                escaped = c == '\\' && !escaped;
+                close
+            })
+            .map(|(i, _)| i + 2)
+    } else if let Some(body) = value.strip_prefix('\'') {
+        body.find('\'').map(|i| i + 2)
+    } else {
+        None
+    };
+    match end.map(|e| &line[start + e..]) {
+        Some(rest) if rest.trim_start().starts_with('#') => rest,
+        _ => "",
+    }
+}
+
+/// `text` with its `[relay]` table set to `relay` (or removed), line by line; see
+/// [`set_relay`]. The caller checks the result.
+fn edit_relay_table(text: &str, relay: Option<&RelayConfig>) -> String {
+    let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
+    let header = lines
+        .iter()
+        .position(|l| header_name(l).as_deref() == Some("relay"));
+    let wanted: Vec<(&str, Option<&String>)> = match relay {
+        Some(r) => vec![
+            ("url", Some(&r.url)),
+            ("key", r.key.as_ref()),
+            ("token_command", r.token_command.as_ref()),
+        ],
+        None => Vec::new(),
+    };
+    match header {
+        None if relay.is_none() => return text.to_string(),
+        None => {
+            if lines.last().is_some_and(|l| !l.trim().is_empty()) {
+                lines.push(String::new());
+            }
+            lines.push("[relay]".into());
+            for (key, value) in &wanted {
+                if let Some(v) = value {
+                    lines.push(format!("{key} = {}", toml_string(v)));
+                }
+            }
+        }
+        Some(h) => {
+            let end = lines[h + 1..]
+                .iter()
+                .position(|l| header_name(l).is_some())
+                .map_or(lines.len(), |i| h + 1 + i);
+            // The table's last setting: comments after it belong to what follows.
+            let last = (h + 1..end)
+                .rev()
+                .find(|&i| line_key(&lines[i]).is_some())
+                .unwrap_or(h);
+            if relay.is_none() {
+                lines.drain(h..=last);
+                // No blank line left doubled where the table was, nor one at the end.
+                if h > 0 && h == lines.len() && lines[h - 1].trim().is_empty() {
+                    lines.pop();
+                } else if h > 0
+                    && lines.get(h).is_some_and(|l| l.trim().is_empty())
+                    && lines[h - 1].trim().is_empty()
+                {
+                    lines.remove(h);
+                }
+            } else {
+                let mut table: Vec<String> = lines[h..=last].to_vec();
+                for (key, value) in &wanted {
+                    let at = table
+                        .iter()
+                        .position(|l| line_key(l).as_deref() == Some(*key));
+                    match (at, value) {
+                        (Some(i), Some(v)) => {
+                            let comment = inline_comment(&table[i]).to_string();
+                            let indent: String =
+                                table[i].chars().take_while(|c| c.is_whitespace()).collect();
+                            table[i] = format!("{indent}{key} = {}{comment}", toml_string(v));
+                        }
+                        (Some(i), None) => {
+                            table.remove(i);
+                        }
+                        (None, Some(v)) => table.push(format!("{key} = {}", toml_string(v))),
+                        (None, None) => {}
+                    }
+                }
+                lines.splice(h..=last, table);
+            }
+        }
+    }
+    let mut out = lines.join("\n");
+    if !out.is_empty() {
+        out.push('\n');
+    }
+    out
+}
+
+/// `text` re-serialised with `[relay]` set to `relay`: the fallback of [`set_relay`] for a
+/// file that sets the relay in a form the line edit does not handle (comments are lost).
+fn reserialised(
+    text: &str,
+    relay: Option<&RelayConfig>,
+    path: &Path,
+) -> Result<String, ConfigError> {
+    let parse_err = |message: String| ConfigError::Parse {
+        path: path.to_path_buf(),
+        line: None,
+        message,
+    };
+    let mut table: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| parse_err(e.to_string()))?;
+    match relay {
         Some(r) => {
-            let value = toml::Value::try_from(r).map_err(|e| ConfigError::Parse {
-                path: path.clone(),
-                line: None,
-                message: e.to_string(),
-            })?;
+            let value = toml::Value::try_from(r).map_err(|e| parse_err(e.to_string()))?;
             table.insert("relay".into(), value);
         }
         None => {
             table.remove("relay");
         }
     }
-    let updated = toml::to_string(&table).map_err(|e| ConfigError::Parse {
-        path: path.clone(),
-        line: None,
-        message: e.to_string(),
-    })?;
-    Config::from_toml_str(&updated, &path)?.validate()?;
-    fsutil::replace(&path, updated.as_bytes(), fsutil::PRIVATE_MODE)
-        .map_err(|source| ConfigError::Write { path, source })
+    toml::to_string(&table).map_err(|e| parse_err(e.to_string()))
 }
 
 #[cfg(test)]
@@ -957,10 +1254,140 @@ mod tests {
         record_key_store(&paths, KeyStore::File).unwrap();
         let text = std::fs::read_to_string(paths.config_file()).unwrap();
         assert_eq!(
-            text,
-            "key_store = \"file\"\n# mine\nhost = \"alpha\"\n[relay]\nurl = \"http://r\"\n"
+            text, "# mine\nkey_store = \"file\"\nhost = \"alpha\"\n[relay]\nurl = \"http://r\"\n",
+            "after the opening comment"
         );
         record_key_store(&paths, KeyStore::File).unwrap();
         assert_eq!(std::fs::read_to_string(paths.config_file()).unwrap(), text);
+    }
+
+    fn set(paths: &Paths, url: &str, key: Option<&str>) {
+        set_relay(
+            paths,
+            Some(&RelayConfig {
+                url: url.into(),
+                key: key.map(str::to_owned),
+                token_command: None,
+            }),
+        )
+        .unwrap();
+    }
+
+    const KEY: &str = "11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo=";
+
+    #[test]
+    fn set_relay_keeps_every_other_byte() {
+        // No [relay] table: one is appended; comments, order and inline comments stay.
+        let head = "# agentmbx host configuration.\nkey_store = \"file\"\nhost = \"alpha\" # mine\n\n# ports\nlan_port = 9000\n";
+        let (_d, paths) = home_with(Some(head));
+        set(&paths, "http://r:1", Some(KEY));
+        let text = std::fs::read_to_string(paths.config_file()).unwrap();
+        assert_eq!(
+            text,
+            format!("{head}\n[relay]\nurl = \"http://r:1\"\nkey = \"{KEY}\"\n")
+        );
+        // An existing table, last in the file: its lines are replaced in place.
+        set(&paths, "https://s.example", None);
+        let text = std::fs::read_to_string(paths.config_file()).unwrap();
+        assert_eq!(
+            text,
+            format!("{head}\n[relay]\nurl = \"https://s.example\"\n")
+        );
+        // Removing the table keeps the rest.
+        set_relay(&paths, None).unwrap();
+        let text = std::fs::read_to_string(paths.config_file()).unwrap();
+        assert_eq!(text, head);
+
+        // A table that is not last, with comments and an inline comment on the url.
+        let file = "# top\nhost = \"alpha\"\n[relay] # the relay\n# where\nurl = \"http://old:1\"   # old one\ntoken_command = 'tok --x' # t\n\n# next table\n[other]\n";
+        let edited = edit_relay_table(
+            file,
+            Some(&RelayConfig {
+                url: "http://new:2".into(),
+                key: Some(KEY.into()),
+                token_command: Some("tok --x".into()),
+            }),
+        );
+        assert_eq!(
+            edited,
+            format!("# top\nhost = \"alpha\"\n[relay] # the relay\n# where\nurl = \"http://new:2\"   # old one\ntoken_command = \"tok --x\" # t\nkey = \"{KEY}\"\n\n# next table\n[other]\n")
+        );
+        assert_eq!(
+            edit_relay_table(file, None),
+            "# top\nhost = \"alpha\"\n\n# next table\n[other]\n"
+        );
+        // Through set_relay: a trailing comment after the table stays after it.
+        let (_d, paths) = home_with(Some(
+            "host = \"alpha\"\n[relay]\nurl = \"http://old:1\" # was\nkey = \"11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo=\"\n# trailing note\n",
+        ));
+        set(&paths, "http://new:2", None);
+        assert_eq!(
+            std::fs::read_to_string(paths.config_file()).unwrap(),
+            "host = \"alpha\"\n[relay]\nurl = \"http://new:2\" # was\n# trailing note\n"
+        );
+        // A relay given as an inline table cannot be edited by line: re-serialised, correct.
+        let (_d, paths) = home_with(Some("relay = { url = \"http://old:1\" }\n"));
+        set(&paths, "http://new:2", None);
+        let c = Config::load_with_env(&paths, env_of(&[])).unwrap();
+        assert_eq!(c.relay.unwrap().url, "http://new:2");
+        // A missing file gets just the table.
+        let (_d, paths) = home_with(None);
+        set(&paths, "http://r:1", None);
+        assert_eq!(
+            std::fs::read_to_string(paths.config_file()).unwrap(),
+            "[relay]\nurl = \"http://r:1\"\n"
+        );
+    }
+
+    #[test]
+    fn value_errors_name_the_file_the_key_and_the_line() {
+        let load = |text: &str| {
+            let (_d, paths) = home_with(Some(text));
+            let err = Config::load_with_env(&paths, env_of(&[]))
+                .map(|_| ())
+                .unwrap_err()
+                .to_string();
+            (err, paths.config_file().display().to_string())
+        };
+        for (text, wanted) in [
+            (
+                "host = \"alpha\"\n[relay]\nurl = \"not a url\"\n",
+                &["line 3", "`relay.url`", "(a space)"][..],
+            ),
+            (
+                "host = \"alpha\"\nlan_bind = \"1.2.3\"\n",
+                &["line 2", "`lan_bind`", "not an IP address"][..],
+            ),
+            (
+                "api_port = 70000\n",
+                &["line 1", "`api_port`", "a port number 0-65535"][..],
+            ),
+            (
+                "\nrelay_pull_interval_ms = \"x\"\n",
+                &["line 2", "`relay_pull_interval_ms`", "whole number"][..],
+            ),
+            (
+                "\n\nrelay_pull_interval_ms = 5\n",
+                &["line 3", "`relay_pull_interval_ms`", "5 ms"][..],
+            ),
+            (
+                "[relay]\nurl = \"http://r\"\nkey = \"0123-4567-89ab-cdef\"\n",
+                &[
+                    "line 3",
+                    "`relay.key`",
+                    "base64",
+                    "agentmbx relay set <url> --key <fingerprint or key>",
+                ][..],
+            ),
+        ] {
+            let (err, file) = load(text);
+            assert!(err.starts_with(&file), "{text}: {err}");
+            for w in wanted {
+                assert!(err.contains(w), "{text}: {w:?} not in {err}");
+            }
+            for rust in ["u16", "u64", "IpAddr", "struct"] {
+                assert!(!err.contains(rust), "{text}: {err}");
+            }
+        }
     }
 }

@@ -6,14 +6,15 @@
 //! ([`DEBOUNCE_MS`]), the comparison of the running configuration with the re-read one
 //! ([`diff`]: which keys changed and whether each applies live), the `config changed: <key>
 //! <old> -> <new>` log lines, the log-filter hook ([`set_log_filter_hook`]) and the relay loop
-//! supervisor ([`supervise_relay`]) that restarts the relay client when its settings change.
+//! supervisor ([`supervise_relay`]) that starts the relay client when a `[relay]` table
+//! appears, stops it when the table goes and restarts it when its settings change.
 //!
 //! The running configuration is published on a `tokio::sync::watch` channel of
 //! `Arc<Config>`; readers take the current value each pass. Settings that are safe to change
-//! live (`log_level`, `relay_pull_interval_ms`, `relay.url`, `relay.key`,
-//! `relay.token_command`) are applied; the others (listen addresses and ports, host name,
-//! advertised address, mDNS, key store, adding or removing the relay) are logged as needing a
-//! restart and keep their running values.
+//! live (`log_level`, `relay_pull_interval_ms`, the `[relay]` table: added, removed, or its
+//! `url`, `key`, `token_command`) are applied; the others (listen addresses and ports, host
+//! name, advertised address, mDNS, key store) are logged as needing a restart and keep their
+//! running values.
 //!
 //! It must never write the file, never stop the daemon because of a bad file (an invalid file
 //! is refused with one error line and the running configuration is kept), and never log
@@ -165,53 +166,73 @@ pub fn diff(old: &Config, new: &Config) -> Vec<Change> {
                 });
             }
         }
+        // The table added or removed: shown by its URL (the token command is never shown).
         (o, n) => {
             let url = |r: &Option<RelayConfig>| r.as_ref().map_or(UNSET.into(), |r| r.url.clone());
-            push("relay", url(o), url(n), false);
+            push("relay", url(o), url(n), true);
         }
     }
     out
 }
 
-/// The configuration to run after a change: `new`'s live settings on `old`'s restart-only
-/// ones (the relay table is taken from `new` only when both have one).
+/// The configuration to run after a change: `new`'s live settings (log level, pull interval,
+/// the whole `[relay]` table, present or not) on `old`'s restart-only ones.
 pub fn merge_live(old: &Config, new: &Config) -> Config {
     let mut merged = old.clone();
     merged.log_level = new.log_level.clone();
     merged.relay_pull_interval_ms = new.relay_pull_interval_ms;
-    if old.relay.is_some() && new.relay.is_some() {
-        merged.relay = new.relay.clone();
-    }
+    merged.relay = new.relay.clone();
     merged
 }
 
 /// Logs each change (`config changed: <key> <old> -> <new>`, with `(needs a restart)` for
 /// those not applied), applies a changed log filter, and returns the configuration to run.
+/// The `log_level` line is logged under the more verbose of the old and new filter
+/// ([`announce_log_level`]), so it shows whichever way the level moves.
 pub fn apply(running: &Config, new: &Config) -> Config {
-    let changes = diff(running, new);
-    for c in &changes {
-        if c.live {
-            tracing::info!("config changed: {} {} -> {}", c.key, c.old, c.new);
-        } else {
-            tracing::warn!(
-                "config changed: {} {} -> {} (needs a restart; the running value is kept)",
-                c.key,
-                c.old,
-                c.new
-            );
-        }
-    }
     let merged = merge_live(running, new);
-    if merged.log_level != running.log_level {
-        if log_env_set() {
-            tracing::info!("{LOG_ENV} is set and wins over log_level");
-        } else if let Some(filter) = effective_log_filter(&merged) {
-            if let Err(e) = apply_log_filter(&filter) {
-                tracing::error!("log_level not applied: {e}");
+    for c in diff(running, new) {
+        let line = format!("config changed: {} {} -> {}", c.key, c.old, c.new);
+        if c.key == "log_level" {
+            if log_env_set() {
+                tracing::info!("{line}");
+                tracing::info!("{LOG_ENV} is set and wins over log_level");
+            } else if let Some(filter) = effective_log_filter(&merged) {
+                announce_log_level(&line, || {
+                    if let Err(e) = apply_log_filter(&filter) {
+                        tracing::error!("log_level not applied: {e}");
+                    }
+                });
             }
+        } else if c.live {
+            tracing::info!("{line}");
+        } else {
+            tracing::warn!("{line} (needs a restart; the running value is kept)");
         }
     }
     merged
+}
+
+/// Logs `line` (the `log_level` change) around `apply_filter` (which replaces the log filter)
+/// so that it shows under the more verbose of the two filters: at info before the change when
+/// the old filter shows info (the new one may be quieter), else at warn before it when the old
+/// filter shows warnings (so a move from `warn` to `error` is still seen), else after it, at
+/// info when the new filter shows info and at warn otherwise. Never logs it twice.
+pub fn announce_log_level(line: &str, apply_filter: impl FnOnce()) {
+    if tracing::enabled!(tracing::Level::INFO) {
+        tracing::info!("{line}");
+        apply_filter();
+    } else if tracing::enabled!(tracing::Level::WARN) {
+        tracing::warn!("{line}");
+        apply_filter();
+    } else {
+        apply_filter();
+        if tracing::enabled!(tracing::Level::INFO) {
+            tracing::info!("{line}");
+        } else {
+            tracing::warn!("{line}");
+        }
+    }
 }
 
 /// Whether a file event may have changed `file` (compared by file name within the watched
@@ -285,13 +306,21 @@ pub fn watch_file(
     }))
 }
 
-/// Runs the relay loop for the running configuration and restarts it when its settings
-/// (`relay` table, `relay_pull_interval_ms`) change on `config`, until `stop` turns true.
+/// Runs the relay loop for the running configuration until `stop` turns true: starts it when
+/// the configuration has a `[relay]` table (at once, or when one is added), stops it when the
+/// table is removed, and restarts it when its settings (`relay` table,
+/// `relay_pull_interval_ms`) change.
+///
 /// `spawn(relay, pull_interval, stop)` starts one relay loop that ends when its `stop` turns
-/// true. Does nothing (returns at once) when no relay is configured.
+/// true; a loop is always stopped through that channel and awaited (an in-flight pass finishes
+/// its commits) before another starts. `relay_on(bool)` is told whether a relay loop runs:
+/// once at the start, `true` just before a loop is started after none ran, `false` once a
+/// stopped loop has ended and no other follows (callers route mail by it: without a relay the
+/// LAN keeps every row).
 pub async fn supervise_relay(
     mut config: watch::Receiver<Arc<Config>>,
     spawn: impl Fn(RelayConfig, Duration, watch::Receiver<bool>) -> tokio::task::JoinHandle<()>,
+    relay_on: impl Fn(bool),
     mut stop: watch::Receiver<bool>,
 ) {
     let settings = |c: &Config| {
@@ -299,38 +328,52 @@ pub async fn supervise_relay(
             .clone()
             .map(|r| (r, Duration::from_millis(c.relay_pull_interval_ms)))
     };
-    let Some(mut current) = settings(&config.borrow_and_update()) else {
-        return;
-    };
+    let mut current = settings(&config.borrow_and_update());
+    relay_on(current.is_some());
+    // When the watcher is gone, keep what runs until the daemon stops.
+    let mut watched = true;
     loop {
-        let (loop_stop, loop_rx) = watch::channel(false);
-        let task = spawn(current.0.clone(), current.1, loop_rx);
-        let mut watched = true;
+        let running = current.clone().map(|(relay, pull_interval)| {
+            let (loop_stop, loop_rx) = watch::channel(false);
+            (loop_stop, spawn(relay, pull_interval, loop_rx))
+        });
         let next = loop {
             tokio::select! {
                 _ = stop.wait_for(|s| *s) => break None,
                 changed = config.changed(), if watched => {
-                    // When the watcher is gone, keep this loop until the daemon stops.
                     if changed.is_err() {
                         watched = false;
                         continue;
                     }
-                    match settings(&config.borrow_and_update()) {
-                        Some(s) if s != current => break Some(s),
-                        _ => {}
+                    let s = settings(&config.borrow_and_update());
+                    if s != current {
+                        break Some(s);
                     }
                 }
             }
         };
-        let _ = loop_stop.send(true);
-        let _ = task.await;
-        match next {
-            None => return,
-            Some(s) => {
-                tracing::info!(relay = %s.0.url, "relay loop restarted with the new config");
-                current = s;
-            }
+        if let Some((loop_stop, task)) = running {
+            let _ = loop_stop.send(true);
+            let _ = task.await;
         }
+        let Some(next) = next else { return };
+        match (&current, &next) {
+            (None, Some((r, _))) => {
+                relay_on(true);
+                tracing::info!(relay = %r.url, "relay configured: relay loop started");
+            }
+            (Some(_), None) => {
+                relay_on(false);
+                tracing::info!(
+                    "relay removed from the config: relay loop stopped, relay transport off"
+                );
+            }
+            (Some(_), Some((r, _))) => {
+                tracing::info!(relay = %r.url, "relay loop restarted with the new config");
+            }
+            (None, None) => {}
+        }
+        current = next;
     }
 }
 
@@ -383,14 +426,38 @@ mod tests {
     }
 
     #[test]
-    fn adding_or_removing_the_relay_needs_a_restart() {
+    fn adding_or_removing_the_relay_applies_live() {
         let none = Config::default();
         let some = with_relay("http://127.0.0.1:1");
         let add = diff(&none, &some);
-        assert_eq!(add.len(), 1);
-        assert_eq!((add[0].key, add[0].live), ("relay", false));
-        assert_eq!(merge_live(&none, &some).relay, None);
-        assert_eq!(merge_live(&some, &none).relay, some.relay);
+        assert_eq!(
+            add,
+            [Change {
+                key: "relay",
+                old: UNSET.into(),
+                new: "http://127.0.0.1:1".into(),
+                live: true,
+            }]
+        );
+        let remove = diff(&some, &none);
+        assert_eq!(remove.len(), 1);
+        assert_eq!(
+            (
+                remove[0].key,
+                remove[0].old.as_str(),
+                remove[0].new.as_str()
+            ),
+            ("relay", "http://127.0.0.1:1", UNSET)
+        );
+        for c in add.iter().chain(&remove) {
+            assert!(c.live);
+            assert!(
+                !c.old.contains("hunter") && !c.new.contains("hunter"),
+                "{c:?}"
+            );
+        }
+        assert_eq!(merge_live(&none, &some).relay, some.relay);
+        assert_eq!(merge_live(&some, &none).relay, None);
     }
 
     #[test]
@@ -431,6 +498,7 @@ mod tests {
                     let _ = stop.wait_for(|s| *s).await;
                 })
             },
+            |_| {},
             stop_rx,
         ));
         assert_eq!(seen.recv().await.as_deref(), Some("http://127.0.0.1:1"));
@@ -445,5 +513,132 @@ mod tests {
             seen.try_recv().is_err(),
             "no restart for a non-relay change"
         );
+    }
+
+    /// What a supervised relay loop and the `relay_on` hook report, in order.
+    #[derive(Debug, PartialEq, Eq)]
+    enum Seen {
+        Started(String),
+        Ended(String),
+        On(bool),
+    }
+
+    #[tokio::test]
+    async fn a_relay_added_starts_the_loop_and_a_relay_removed_stops_it() {
+        let (tx, rx) = watch::channel(Arc::new(Config::default()));
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let (seen_tx, mut seen) = mpsc::unbounded_channel::<Seen>();
+        let on_tx = seen_tx.clone();
+        let sup = tokio::spawn(supervise_relay(
+            rx,
+            move |r, _, mut stop| {
+                let _ = seen_tx.send(Seen::Started(r.url.clone()));
+                let seen_tx = seen_tx.clone();
+                tokio::spawn(async move {
+                    let _ = stop.wait_for(|s| *s).await;
+                    // A pass in flight finishes its commit before the loop ends.
+                    tokio::task::yield_now().await;
+                    let _ = seen_tx.send(Seen::Ended(r.url));
+                })
+            },
+            move |on| {
+                let _ = on_tx.send(Seen::On(on));
+            },
+            stop_rx,
+        ));
+        assert_eq!(
+            seen.recv().await,
+            Some(Seen::On(false)),
+            "no relay at start"
+        );
+
+        tx.send_replace(Arc::new(with_relay("http://127.0.0.1:1")));
+        assert_eq!(seen.recv().await, Some(Seen::On(true)));
+        assert_eq!(
+            seen.recv().await,
+            Some(Seen::Started("http://127.0.0.1:1".into()))
+        );
+
+        // Removed: the loop is told to stop and has ended before the relay counts as off.
+        tx.send_replace(Arc::new(Config::default()));
+        assert_eq!(
+            seen.recv().await,
+            Some(Seen::Ended("http://127.0.0.1:1".into()))
+        );
+        assert_eq!(seen.recv().await, Some(Seen::On(false)));
+
+        // Added again: a new loop.
+        tx.send_replace(Arc::new(with_relay("http://127.0.0.1:2")));
+        assert_eq!(seen.recv().await, Some(Seen::On(true)));
+        assert_eq!(
+            seen.recv().await,
+            Some(Seen::Started("http://127.0.0.1:2".into()))
+        );
+
+        // The daemon stops: the loop ends; the relay is not reported off (nothing routes then).
+        stop_tx.send_replace(true);
+        sup.await.unwrap();
+        assert_eq!(
+            seen.recv().await,
+            Some(Seen::Ended("http://127.0.0.1:2".into()))
+        );
+        assert!(seen.try_recv().is_err());
+    }
+
+    /// A log buffer for a thread-local subscriber.
+    #[derive(Clone, Default)]
+    struct Buf(Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn the_log_level_line_shows_whichever_way_the_level_moves() {
+        use tracing_subscriber::layer::SubscriberExt;
+        use tracing_subscriber::{reload, EnvFilter};
+        for (old, new) in [
+            ("warn", "info"),
+            ("info", "warn"),
+            ("debug", "info"),
+            ("info", "debug"),
+            ("warn", "error"),
+            ("error", "warn"),
+            ("error", "info"),
+            ("off", "debug"),
+        ] {
+            let buf = Buf::default();
+            let (filter, handle) = reload::Layer::new(EnvFilter::new(old));
+            let writer = buf.clone();
+            let subscriber = tracing_subscriber::registry().with(filter).with(
+                tracing_subscriber::fmt::layer()
+                    .with_ansi(false)
+                    .with_writer(move || writer.clone()),
+            );
+            let line = format!("config changed: log_level {old} -> {new}");
+            let mut applied = 0;
+            tracing::subscriber::with_default(subscriber, || {
+                announce_log_level(&line, || {
+                    applied += 1;
+                    handle.reload(EnvFilter::new(new)).unwrap();
+                });
+                // The new filter is in force afterwards.
+                tracing::info!("after the change");
+            });
+            assert_eq!(applied, 1, "{old} -> {new}");
+            let log = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+            assert_eq!(log.matches(&line).count(), 1, "{old} -> {new}: {log}");
+            assert_eq!(
+                log.contains("after the change"),
+                matches!(new, "info" | "debug"),
+                "{old} -> {new}: {log}"
+            );
+        }
     }
 }

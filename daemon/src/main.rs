@@ -13,7 +13,7 @@ use std::process::ExitCode;
 use tracing_subscriber::EnvFilter;
 
 /// Environment variable holding the log filter (tracing `EnvFilter` syntax; default `info` for
-/// servers, `warn` for one-shot commands).
+/// servers, `error` for one-shot commands).
 const LOG_ENV: &str = "MBX_LOG";
 
 fn main() -> ExitCode {

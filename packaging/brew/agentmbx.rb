@@ -1,7 +1,8 @@
 # Homebrew formula for agentmbx: builds from source with cargo, installs the shell completions
 # (written by the binary itself) and the committed man pages, and runs the host daemon as a
 # service (`brew services start agentmbx`: a launchd agent on macOS, a systemd user unit of
-# Type=simple on Linux; the daemon runs fine without a notify socket).
+# Type=simple on Linux, restarted when it fails on both; the daemon runs fine without a notify
+# socket).
 class Agentmbx < Formula
   desc "Signed, end-to-end-sealed mailbox for AI agents (daemon, CLI and relay)"
   homepage "https://example.invalid/agentmbx"
@@ -21,7 +22,10 @@ class Agentmbx < Formula
 
   service do
     run [opt_bin/"agentmbx", "daemon"]
-    keep_alive successful_exit: false
+    # `keep_alive true`, not `successful_exit: false`: Homebrew turns the latter into no
+    # Restart= line at all in the Linux unit. This gives KeepAlive on macOS and
+    # Restart=on-failure on Linux; `brew services stop` still stops it on both.
+    keep_alive true
     environment_variables PATH: std_service_path_env
     log_path var/"log/agentmbx.log"
     error_log_path var/"log/agentmbx.log"
@@ -42,5 +46,10 @@ class Agentmbx < Formula
     assert_equal whoami["fingerprint"],
                  JSON.parse(shell_output("#{bin}/agentmbx whoami --json"))["fingerprint"]
     assert_match "complete", shell_output("#{bin}/agentmbx completions bash")
+    # doctor reads the same home: identity and key store checks pass (the other checks need a
+    # running daemon, peers and a relay).
+    doctor = JSON.parse(shell_output("#{bin}/agentmbx doctor --json host-identity keystore"))
+    assert_equal [%w[host-identity ok], %w[keystore ok]],
+                 doctor["checks"].map { |check| check.values_at("id", "status") }
   end
 end

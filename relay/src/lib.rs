@@ -35,6 +35,7 @@ pub mod run;
 pub mod server;
 pub mod status;
 pub mod store;
+pub mod watchdog;
 
 /// Relay software version (reported by `GET /v2/relay/info`).
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

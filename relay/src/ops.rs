@@ -217,7 +217,7 @@ pub enum OpsError {
     #[error("{} holds no relay store (relay.db)", .0.display())]
     NoStore(PathBuf),
     /// The backup file exists already: a backup never overwrites a file.
-    #[error("EXISTS: {} already exists; a backup never overwrites a file: choose another name", .0.display())]
+    #[error("{} already exists, and a backup never overwrites a file: give another path", .0.display())]
     Exists(PathBuf),
     /// The copy failed its integrity check (the source store is damaged).
     #[error("the backup copy fails its integrity check: {0}")]
@@ -1023,7 +1023,9 @@ mod tests {
         let file = out.path().join("taken.db");
         std::fs::write(&file, b"mine").expect("write");
         match backup(dir.path(), &file, 1) {
-            Err(e @ OpsError::Exists(_)) => assert!(e.to_string().starts_with("EXISTS"), "{e}"),
+            Err(e @ OpsError::Exists(_)) => {
+                assert!(e.to_string().contains("already exists"), "{e}")
+            }
             other => panic!("{other:?}"),
         }
         assert_eq!(std::fs::read(&file).expect("read"), b"mine");

@@ -277,6 +277,9 @@ pub async fn serve(
     tracing::info!("relay listening on {addr}");
     // Bound and the store open: READY=1 for a Type=notify unit (no-op without NOTIFY_SOCKET).
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
+    // Then WATCHDOG=1 while the store's writer answers (only under a manager's watchdog).
+    let watchdog = crate::watchdog::interval()
+        .map(|w| tokio::spawn(crate::watchdog::run(state.store.clone(), w)));
     let stop = {
         let store_failed = failed(failed_rx.clone());
         async move {
@@ -303,6 +306,9 @@ pub async fn serve(
     heartbeat.abort();
     sweeper.abort();
     watcher.abort();
+    if let Some(w) = watchdog {
+        w.abort();
+    }
     let reason = failed_rx.borrow().clone();
     if let Some(reason) = reason {
         tracing::error!(reason = %reason, "relay stopped because its store failed");

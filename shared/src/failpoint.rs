@@ -5,12 +5,17 @@
 //! - `pause` (default): print `FAILPOINT <name> reached` on stderr and block this thread for
 //!   good, so a test can SIGKILL the real process exactly at that boundary;
 //! - `abort`: print the same line and abort the process at once;
+//! - `hang`: print the same line and never return, without blocking a thread: an async point
+//!   ([`hang_point`]) awaits forever, so only that task stops (a hung loop, for the service
+//!   watchdog's tests) while the rest of the process runs; at a synchronous point ([`hit`]) it
+//!   acts as `pause`;
 //! - `@n`: act only on the n-th time the point is reached (1-based; default 1).
 //!
 //! Names used across the code base (spec §5 crash windows): relay `push:before-commit`,
 //! `push:after-commit`, `pull:before-response`, `ack:before-commit`, `ack:after-commit`; sender
 //! `push:before-send`, `push:after-response`; receiver `receive:after-deliver`,
-//! `ack:before-send`, `ack:after-response`.
+//! `ack:before-send`, `ack:after-response`. Async points ([`hang_point`]): daemon
+//! `lan:deliver-pass` (the start of each LAN delivery pass).
 //!
 //! With the variable unset, [`hit`] is a single relaxed load of an empty list.
 
@@ -28,6 +33,9 @@ pub enum Action {
     Pause,
     /// Announce on stderr and abort the process.
     Abort,
+    /// Announce on stderr; the task at an async point ([`hang_point`]) awaits forever (at a
+    /// synchronous point, as [`Action::Pause`]).
+    Hang,
 }
 
 #[derive(Debug)]
@@ -54,6 +62,7 @@ fn parse(spec: &str) -> Vec<Armed> {
             };
             let (name, action) = match rest.split_once('=') {
                 Some((n, "abort")) => (n, Action::Abort),
+                Some((n, "hang")) => (n, Action::Hang),
                 Some((n, _)) => (n, Action::Pause),
                 None => (rest, Action::Pause),
             };
@@ -67,20 +76,41 @@ fn parse(spec: &str) -> Vec<Armed> {
         .collect()
 }
 
-/// The crash point `name` is reached. Does nothing unless `MBX_FAILPOINTS` arms it.
-pub fn hit(name: &str) {
+/// The armed action for this hit of `name`, if it fires now (counts the hit); announces it.
+fn fire(name: &str) -> Option<Action> {
     for armed in registry() {
         if armed.name == name && armed.seen.fetch_add(1, Ordering::SeqCst) + 1 == armed.nth {
             let mut err = std::io::stderr().lock();
             let _ = writeln!(err, "FAILPOINT {name} reached");
             let _ = err.flush();
-            match armed.action {
-                Action::Abort => std::process::abort(),
-                Action::Pause => loop {
-                    std::thread::sleep(std::time::Duration::from_secs(3600));
-                },
-            }
+            return Some(armed.action);
         }
+    }
+    None
+}
+
+/// The crash point `name` is reached. Does nothing unless `MBX_FAILPOINTS` arms it.
+pub fn hit(name: &str) {
+    match fire(name) {
+        Some(Action::Abort) => std::process::abort(),
+        Some(Action::Pause | Action::Hang) => loop {
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        },
+        None => {}
+    }
+}
+
+/// The async point `name` is reached: with `hang` armed, the calling task awaits forever
+/// (`std::future::pending`), its thread free; `pause` blocks the thread and `abort` aborts, as
+/// in [`hit`]. Does nothing unless `MBX_FAILPOINTS` arms it.
+pub async fn hang_point(name: &str) {
+    match fire(name) {
+        Some(Action::Hang) => std::future::pending::<()>().await,
+        Some(Action::Abort) => std::process::abort(),
+        Some(Action::Pause) => loop {
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        },
+        None => {}
     }
 }
 
@@ -98,8 +128,9 @@ mod tests {
 
     #[test]
     fn parses_actions_and_counts() {
-        let v = parse("push:after-commit, ack:before-send=abort@3,,x=pause");
-        assert_eq!(v.len(), 3);
+        let v =
+            parse("push:after-commit, ack:before-send=abort@3,,x=pause,lan:deliver-pass=hang@2");
+        assert_eq!(v.len(), 4);
         assert_eq!(
             (v[0].name.as_str(), v[0].action, v[0].nth),
             ("push:after-commit", Action::Pause, 1)
@@ -109,5 +140,9 @@ mod tests {
             ("ack:before-send", Action::Abort, 3)
         );
         assert_eq!(v[2].action, Action::Pause);
+        assert_eq!(
+            (v[3].name.as_str(), v[3].action, v[3].nth),
+            ("lan:deliver-pass", Action::Hang, 2)
+        );
     }
 }

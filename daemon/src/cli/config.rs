@@ -2,12 +2,13 @@
 //! reads it (design README "Files, configuration and keys").
 //!
 //! Exit codes as every command (`cli` module doc): 0 valid, 1 invalid (the message names the
-//! key and, for a parse error, the line), 3 no file (the defaults apply). It only reads: it
-//! never writes the file, and never prints secrets (`relay.token_command` is redacted).
+//! file, the key and, when it can be found, the line), 3 no file (the defaults apply). It
+//! only reads: it never writes the file, and never prints secrets (`relay.token_command` is
+//! redacted).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use agentmbx::config::Config;
+use agentmbx::config::{Config, ENV_KEYS, LOG_ENV, NO_MDNS_ENV};
 use agentmbx::paths::Paths;
 use anyhow::Context;
 use clap::{Args, Subcommand};
@@ -27,7 +28,8 @@ pub struct ValidateArgs {
     /// The file to check (default: config.toml in MBX_HOME)
     #[arg(long, value_name = "PATH")]
     pub file: Option<PathBuf>,
-    /// Print the effective settings (file, then environment) as JSON, secrets redacted
+    /// Print the effective settings (file, then environment) as JSON, secrets redacted, with
+    /// where each comes from: {valid, file, config, sources: {key: "file"|"default"|"env VAR"}}
     #[arg(long)]
     pub json: bool,
 }
@@ -36,6 +38,47 @@ pub struct ValidateArgs {
 pub fn run(cmd: ConfigCommand) -> anyhow::Result<()> {
     match cmd {
         ConfigCommand::Validate(args) => validate(args),
+    }
+}
+
+/// The settings whose source `--json` reports (dotted for the `[relay]` table).
+const KEYS: &[&str] = &[
+    "host",
+    "api_port",
+    "api_bind",
+    "lan_port",
+    "lan_bind",
+    "advertise",
+    "self_addrs",
+    "mdns",
+    "relay_pull_interval_ms",
+    "key_store",
+    "log_level",
+    "relay.url",
+    "relay.key",
+    "relay.token_command",
+];
+
+/// The variables of [`ENV_KEYS`] set (non-empty) in this process, with the key each
+/// overrides. `MBX_NO_MDNS=0` overrides nothing.
+fn env_overrides() -> Vec<(&'static str, &'static str, String)> {
+    ENV_KEYS
+        .iter()
+        .filter_map(|&(var, key)| {
+            let value = std::env::var(var).ok().filter(|v| !v.trim().is_empty())?;
+            (var != NO_MDNS_ENV || value.trim() != "0").then_some((var, key, value))
+        })
+        .collect()
+}
+
+/// Whether the file's text sets the dotted `key`.
+fn file_sets(table: &toml::Table, key: &str) -> bool {
+    match key.split_once('.') {
+        Some((t, k)) => table
+            .get(t)
+            .and_then(toml::Value::as_table)
+            .is_some_and(|t| t.contains_key(k)),
+        None => table.contains_key(key),
     }
 }
 
@@ -48,22 +91,37 @@ fn validate(args: ValidateArgs) -> anyhow::Result<()> {
         || path.display().to_string(),
         |n| n.to_string_lossy().into(),
     );
-    let Some(file) = Config::read_file(&path)? else {
+    let Some(file) = Config::check_file(&path)? else {
         return Err(NotFoundError(format!(
             "no config file at {}: the defaults apply",
             path.display()
         ))
         .into());
     };
-    file.validate()?;
-    let mut effective = file;
+    let mut effective = file.clone();
     effective
         .apply_env(|var| std::env::var(var).ok())
         .context("the file is valid, but the environment is not")?;
     effective
         .validate()
         .context("the file is valid, but not with the environment's overrides")?;
+    let overrides = env_overrides();
+    if let Some((_, _, level)) = overrides.iter().find(|(var, _, _)| *var == LOG_ENV) {
+        effective.log_level = Some(level.trim().to_string());
+    }
     if args.json {
+        let table = file_table(&path);
+        let sources: serde_json::Map<String, serde_json::Value> = KEYS
+            .iter()
+            .map(|&key| {
+                let source = match overrides.iter().find(|(_, k, _)| *k == key) {
+                    Some((var, _, _)) => format!("env {var}"),
+                    None if file_sets(&table, key) => "file".into(),
+                    None => "default".into(),
+                };
+                (key.to_string(), source.into())
+            })
+            .collect();
         if let Some(r) = effective.relay.as_mut() {
             if r.token_command.is_some() {
                 r.token_command = Some("<redacted>".into());
@@ -73,10 +131,22 @@ fn validate(args: ValidateArgs) -> anyhow::Result<()> {
             "valid": true,
             "file": path.display().to_string(),
             "config": effective,
+            "sources": sources,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         println!("{name} is valid");
+        for (var, key, value) in &overrides {
+            println!("{key}: {var}={value:?} in the environment overrides the file");
+        }
     }
     Ok(())
+}
+
+/// The file as a TOML table (empty when it cannot be read again).
+fn file_table(path: &Path) -> toml::Table {
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_default()
 }

@@ -196,6 +196,8 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
             lan_state.clone(),
             stopped(stop_rx.clone()),
         ));
+        // Whether a relay loop runs: set by the relay supervisor below as `[relay]` comes and
+        // goes in config.toml, read by the LAN delivery loop at each pass.
         let relay_configured = relay.is_some();
         // One wake source (a send, a peer back, new receipts) fans out to each sender loop.
         let lan_wake = Arc::new(tokio::sync::Notify::new());
@@ -208,6 +210,7 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
         let client = lan::client::LanClient::new(ident.clone(), clock.clone(), lan_bound.port())
             .context("cannot build the LAN client")?;
         let delivery = lan::deliver::LanDelivery::new(client.clone(), mailbox.clone(), relay_configured);
+        let relay_flag = delivery.relay_configured.clone();
         let deliver_task = tokio::spawn(lan::deliver::run(delivery, lan_wake, stop_rx.clone()));
         let rotate_task = tokio::spawn(lan::rotate_announce::run(
             paths.clone(),
@@ -245,12 +248,21 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
             }
         };
         if relay.is_none() {
-            tracing::info!("no relay configured (agentmbx relay set <url>): relay transport off");
+            tracing::info!("no relay configured (agentmbx relay set <url>): relay transport off until a [relay] table is added");
         }
         let notify_config = config_rx.clone();
-        let relay_task = relay.is_some().then(|| {
+        // Always runs: starts, stops and restarts the relay loop as config.toml changes.
+        let relay_task = Some({
             let (ident, mailbox, clock, wake, home) =
                 (ident.clone(), mailbox.clone(), clock.clone(), wake.clone(), paths.home().to_path_buf());
+            let relay_on = {
+                let wake = wake.clone();
+                move |on: bool| {
+                    relay_flag.store(on, std::sync::atomic::Ordering::Release);
+                    // Rows held for one transport may now be the other's: look again.
+                    wake.notify_one();
+                }
+            };
             tokio::spawn(agentmbx::config_watch::supervise_relay(
                 config_rx,
                 move |r, pull_interval, stop| {
@@ -275,6 +287,7 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
                         stop,
                     ))
                 },
+                relay_on,
                 stop_rx.clone(),
             ))
         });

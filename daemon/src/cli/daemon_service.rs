@@ -3,8 +3,11 @@
 //!
 //! `--dry-run` prints the files and the exact commands and runs or writes nothing (`--json`:
 //! `{platform, files:[{path, contents}], dirs:[path], removes:[path], commands:[[argv]], notes}`);
-//! `--platform` picks the other platform's plan for a dry run. `status` never fails because
-//! no user manager answers: it reports `unknown`. The files themselves come from
+//! `--platform` picks the other platform's plan for a dry run. An install whose commands fail
+//! puts back the service file it replaced (or removes the one it created), so nothing is left
+//! half-installed. `status` reports `unknown` with the reason when no user manager answers;
+//! its exit status is 0 when the service runs and 3 otherwise (not installed, stopped,
+//! disabled or unknown), as with `systemctl status`. The files themselves come from
 //! [`agentmbx::service`]; this file only gathers paths and prints.
 
 use std::path::{Path, PathBuf};
@@ -16,7 +19,7 @@ use serde_json::json;
 use agentmbx::paths::Paths;
 use agentmbx::service::{self, Plan, Platform, ServiceSpec, LABEL_ENV};
 
-use super::UsageError;
+use super::{NotFoundError, UsageError};
 
 /// `daemon` subcommands (without one, `agentmbx daemon` runs the daemon).
 #[derive(Debug, Subcommand)]
@@ -25,7 +28,8 @@ pub enum DaemonAction {
     Install(PlanArgs),
     /// Stop the user service and remove its file
     Uninstall(PlanArgs),
-    /// Say whether the user service is installed, enabled and running
+    /// Say whether the user service is installed, enabled and running: exit 0 when it runs,
+    /// 3 when it does not or no service manager answers (the reason is printed)
     Status(StatusArgs),
 }
 
@@ -55,7 +59,8 @@ pub struct PlanArgs {
 /// Flags of `daemon status`.
 #[derive(Debug, Args)]
 pub struct StatusArgs {
-    /// Print as JSON {platform, name, file, installed, enabled, active}
+    /// Print as JSON {platform, name, file, installed, enabled, active, reason}; reason is
+    /// null unless the state is unknown
     #[arg(long)]
     pub json: bool,
 }
@@ -106,11 +111,15 @@ fn gather(platform: Platform) -> anyhow::Result<Site> {
     let config_home = absolute_env("XDG_CONFIG_HOME");
     let label = service::launchd_label(std::env::var(LABEL_ENV).ok().as_deref());
     let file = service::service_file(platform, &user_home, config_home.as_deref(), &label);
+    let uid = uid();
     let user = std::env::var("USER")
         .or_else(|_| std::env::var("LOGNAME"))
+        .ok()
+        .filter(|u| !u.trim().is_empty())
+        .or_else(|| user_name(uid))
         .unwrap_or_default();
     Ok(Site {
-        uid: uid(),
+        uid,
         user_home,
         config_home,
         file,
@@ -126,12 +135,49 @@ fn uid() -> u32 {
     unsafe { libc::getuid() }
 }
 
-fn spec(ctx: &Site) -> anyhow::Result<ServiceSpec> {
+/// The login name of `uid` from the user database (`getpwuid_r`), when it has one.
+#[allow(unsafe_code)]
+fn user_name(uid: u32) -> Option<String> {
+    let mut buf = vec![0 as libc::c_char; 16 * 1024];
+    // SAFETY: an all-zero passwd is a valid value for getpwuid_r to fill.
+    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut found: *mut libc::passwd = std::ptr::null_mut();
+    // SAFETY: every pointer is valid for the call, `buf.len()` is the buffer's real size, and
+    // the strings it fills point into `buf`, which outlives their use below.
+    let rc = unsafe { libc::getpwuid_r(uid, &mut pwd, buf.as_mut_ptr(), buf.len(), &mut found) };
+    if rc != 0 || found.is_null() || pwd.pw_name.is_null() {
+        return None;
+    }
+    // SAFETY: on success pw_name is a NUL-terminated string inside `buf`.
+    let name = unsafe { std::ffi::CStr::from_ptr(pwd.pw_name) };
+    name.to_str()
+        .ok()
+        .filter(|n| !n.is_empty())
+        .map(str::to_owned)
+}
+
+/// The host home the service gets: `MBX_HOME` when set (made absolute), else the data
+/// directory of the plan's platform (`~/Library/Application Support/agentmbx` on macOS,
+/// `$XDG_DATA_HOME/agentmbx` or `~/.local/share/agentmbx` on Linux), as `directories` gives
+/// it on that platform, also when previewing the other platform's plan.
+fn data_dir(platform: Platform, ctx: &Site) -> anyhow::Result<PathBuf> {
+    let cwd = std::env::current_dir().unwrap_or_default();
+    let set = std::env::var_os(agentmbx::paths::HOME_ENV).is_some_and(|v| !v.is_empty());
+    if set || Platform::current() == Some(platform) {
+        return Ok(cwd.join(Paths::from_env()?.home()));
+    }
+    Ok(match platform {
+        Platform::Macos => ctx.user_home.join("Library/Application Support/agentmbx"),
+        Platform::Linux => absolute_env("XDG_DATA_HOME")
+            .unwrap_or_else(|| ctx.user_home.join(".local/share"))
+            .join("agentmbx"),
+    })
+}
+
+fn spec(platform: Platform, ctx: &Site) -> anyhow::Result<ServiceSpec> {
     let exe = std::env::current_exe().context("cannot find the agentmbx binary")?;
     let binary = service::service_binary(&exe);
-    let paths = Paths::from_env()?;
-    let cwd = std::env::current_dir().unwrap_or_default();
-    let data_dir = cwd.join(paths.home());
+    let data_dir = data_dir(platform, ctx)?;
     Ok(ServiceSpec {
         binary,
         data_dir,
@@ -147,14 +193,19 @@ fn plan_command(args: PlanArgs, install: bool) -> anyhow::Result<()> {
     }
     let ctx = gather(platform)?;
     let plan = if install {
-        let spec = spec(&ctx)?;
+        let spec = spec(platform, &ctx)?;
         let lingering = platform != Platform::Linux || service::lingering(&ctx.user);
         let user = if ctx.user.is_empty() {
             "$USER"
         } else {
             &ctx.user
         };
-        service::install_plan(platform, &spec, &ctx.file, ctx.uid, user, lingering)
+        let mut plan = service::install_plan(platform, &spec, &ctx.file, ctx.uid, user, lingering);
+        plan.notes.extend(install_notes(
+            &spec.binary,
+            std::env::vars_os().filter_map(|(k, _)| k.into_string().ok()),
+        ));
+        plan
     } else {
         service::uninstall_plan(platform, &ctx.file, ctx.uid, &ctx.label)
     };
@@ -166,7 +217,37 @@ fn plan_command(args: PlanArgs, install: bool) -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    let tolerated = plan.apply()?;
+    if !install && !ctx.file.exists() {
+        println!("nothing installed at {}", ctx.file.display());
+        let others = service::candidate_files(
+            platform,
+            &ctx.user_home,
+            ctx.config_home.as_deref(),
+            &ctx.label,
+        );
+        for other in others.iter().skip(1).filter(|p| p.exists()) {
+            println!(
+                "note: {} is installed by a package (or Homebrew), not by `daemon install`; \
+                 remove it with the package manager",
+                other.display()
+            );
+        }
+        return Ok(());
+    }
+    let before = if install {
+        match std::fs::read(&ctx.file) {
+            Ok(bytes) => Some(bytes),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(e).with_context(|| format!("cannot read {}", ctx.file.display())),
+        }
+    } else {
+        None
+    };
+    let tolerated = match plan.apply() {
+        Ok(t) => t,
+        Err(e) if install => return Err(install_failed(platform, &ctx, before, e)),
+        Err(e) => return Err(e.into()),
+    };
     for t in &tolerated {
         eprintln!(
             "agentmbx: warning: {} did not succeed ({})",
@@ -175,6 +256,8 @@ fn plan_command(args: PlanArgs, install: bool) -> anyhow::Result<()> {
     }
     if install {
         println!("installed {} and started the service", ctx.file.display());
+    } else if ctx.file.exists() {
+        println!("{} is still there", ctx.file.display());
     } else {
         println!("removed {}", ctx.file.display());
     }
@@ -182,6 +265,107 @@ fn plan_command(args: PlanArgs, install: bool) -> anyhow::Result<()> {
         println!("note: {note}");
     }
     Ok(())
+}
+
+/// What to tell the user about the environment of an install: `MBX_*` variables of this
+/// shell (`vars`: the names) that the service will not see, with the `config.toml` key that
+/// does the same, and a binary inside a cargo `target/` directory (a rebuild or `cargo clean`
+/// replaces or removes it under the running service).
+fn install_notes(binary: &Path, vars: impl Iterator<Item = String>) -> Vec<String> {
+    let mut notes = Vec::new();
+    let mut names: Vec<String> = vars
+        .filter(|v| v.starts_with("MBX_"))
+        // MBX_HOME is carried; the label names the service; MBX_KEYSTORE matters at init
+        // only (config.toml records the choice).
+        .filter(|v| ![agentmbx::paths::HOME_ENV, LABEL_ENV, "MBX_KEYSTORE"].contains(&v.as_str()))
+        .filter(|v| std::env::var_os(v).is_some_and(|x| !x.is_empty()))
+        .collect();
+    names.sort();
+    for name in names {
+        let key = agentmbx::config::ENV_KEYS
+            .iter()
+            .find(|(var, _)| *var == name)
+            .map(|(_, key)| *key);
+        notes.push(match key {
+            Some("mdns") => format!(
+                "{name} is set in this shell, but the service does not get it: put \
+                 `mdns = false` in config.toml instead"
+            ),
+            Some(key) => format!(
+                "{name} is set in this shell, but the service does not get it: set `{key}` \
+                 in config.toml instead"
+            ),
+            None => format!("{name} is set in this shell, but the service does not get it"),
+        });
+    }
+    let parts: Vec<String> = binary
+        .components()
+        .map(|c| c.as_os_str().to_string_lossy().into_owned())
+        .collect();
+    let in_target = parts.windows(2).any(|w| w[0] == "target")
+        && parts.iter().any(|p| p == "debug" || p == "release");
+    if in_target {
+        notes.push(format!(
+            "the service runs {}, a cargo build output: a rebuild replaces it and `cargo clean` \
+             removes it; install the binary (e.g. `cargo install --path daemon`) and run \
+             `daemon install` with that one",
+            binary.display()
+        ));
+    }
+    notes
+}
+
+/// The error of an install whose plan failed: the service file it wrote is put back as it
+/// was (`before`) or removed, and the message says so and how to go on.
+fn install_failed(
+    platform: Platform,
+    ctx: &Site,
+    before: Option<Vec<u8>>,
+    err: service::ServiceError,
+) -> anyhow::Error {
+    let file = ctx.file.display();
+    let undone = match &before {
+        Some(bytes) => std::fs::write(&ctx.file, bytes)
+            .map(|()| format!("{file} is back as it was"))
+            .unwrap_or_else(|e| format!("{file} could not be put back ({e}): check it by hand")),
+        None => match std::fs::remove_file(&ctx.file) {
+            Ok(()) => format!("{file} was removed again"),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => "nothing was written".into(),
+            Err(e) => format!(
+                "{file} was left behind ({e}); remove it with `rm {}`",
+                shell_word(&ctx.file.display().to_string())
+            ),
+        },
+    };
+    let no_manager = match &err {
+        service::ServiceError::Spawn { .. } => true,
+        service::ServiceError::Command { stderr, .. } => {
+            let s = stderr.to_ascii_lowercase();
+            s.contains("bus") || s.contains("xdg_runtime_dir") || s.contains("connect")
+        }
+        service::ServiceError::File { .. } => false,
+    };
+    let hint = match platform {
+        Platform::Linux if no_manager => {
+            let user = if ctx.user.is_empty() {
+                "$USER"
+            } else {
+                &ctx.user
+            };
+            format!(
+                "; no systemd user manager answered: is a user session bus running (log in \
+                 through a normal session, or run `loginctl enable-linger {user}` and log in \
+                 again)? Without a service manager, run `agentmbx daemon` in the foreground"
+            )
+        }
+        Platform::Macos if no_manager => {
+            "; launchd did not answer (the gui domain needs a logged-in user); without it, run \
+             `agentmbx daemon` in the foreground"
+                .into()
+        }
+        _ => String::new(),
+    };
+    anyhow::anyhow!("cannot install the service: {err}{hint}; {undone}")
 }
 
 /// The dry-run JSON of a plan.
@@ -256,6 +440,9 @@ fn status(args: StatusArgs) -> anyhow::Result<()> {
         &|p: &Path| p.exists(),
     );
     let file = state.file.as_deref().unwrap_or(&ctx.file);
+    let health = state.health();
+    let unknown = state.enabled == "unknown" || state.active == "unknown";
+    let reason = unknown.then(|| no_manager_reason(platform, &ctx.user));
     if args.json {
         let v = json!({
             "platform": platform.as_str(),
@@ -264,6 +451,7 @@ fn status(args: StatusArgs) -> anyhow::Result<()> {
             "installed": state.installed,
             "enabled": state.enabled,
             "active": state.active,
+            "reason": reason,
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
@@ -275,6 +463,76 @@ fn status(args: StatusArgs) -> anyhow::Result<()> {
         println!("service: {installed} ({}, {})", state.name, file.display());
         println!("enabled: {}", state.enabled);
         println!("active: {}", state.active);
+        if let Some(reason) = &reason {
+            println!("reason: {reason}");
+        }
     }
-    Ok(())
+    let why = match health {
+        service::Health::Running => return Ok(()),
+        service::Health::NotInstalled => "the service is not installed (agentmbx daemon install)",
+        service::Health::Down => "the service is installed but not running",
+        service::Health::Disabled => "the service is installed but not enabled",
+        service::Health::Unknown => "the service's state is unknown",
+    };
+    Err(NotFoundError(why.into()).into())
+}
+
+/// Why no service manager answered `daemon status`, with what to do.
+fn no_manager_reason(platform: Platform, user: &str) -> String {
+    let user = if user.is_empty() { "$USER" } else { user };
+    match platform {
+        Platform::Linux => {
+            let said = std::process::Command::new("systemctl")
+                .args(["--user", "is-system-running"])
+                .stdin(std::process::Stdio::null())
+                .output()
+                .map(|o| {
+                    String::from_utf8_lossy(&o.stderr)
+                        .lines()
+                        .next()
+                        .unwrap_or_default()
+                        .trim()
+                        .to_string()
+                })
+                .unwrap_or_else(|e| format!("cannot run systemctl: {e}"));
+            let said = if said.is_empty() {
+                String::new()
+            } else {
+                format!(" ({said})")
+            };
+            format!(
+                "no service manager answered{said}: is a user session bus running? Log in \
+                 through a normal session or run `loginctl enable-linger {user}`; or run \
+                 `agentmbx daemon` in the foreground"
+            )
+        }
+        Platform::Macos => "no service manager answered: launchctl gave no answer for the \
+                            gui domain (is this user logged in?)"
+            .into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_user_name_comes_from_the_user_database() {
+        assert_eq!(user_name(0).as_deref(), Some("root"));
+    }
+
+    #[test]
+    fn a_binary_in_a_cargo_target_directory_is_noted() {
+        let noted = |p: &str| {
+            install_notes(Path::new(p), std::iter::empty())
+                .iter()
+                .any(|n| n.contains("a cargo build output"))
+        };
+        assert!(noted("/src/agentmbx/target/debug/agentmbx"));
+        assert!(noted(
+            "/src/agentmbx/target/x86_64-unknown-linux-gnu/release/agentmbx"
+        ));
+        assert!(!noted("/usr/bin/agentmbx"));
+        assert!(!noted("/home/ann/.cargo/bin/agentmbx"));
+    }
 }

@@ -2,9 +2,11 @@
 //! ([`agentmbx::doctor`]; conventions.md "Platform conventions"; `wire.md` §7).
 //!
 //! Text output: one `✔ ! ✗ · ?` line per check (ok, warn, fail, skip, error), details indented,
-//! then `    fix: …`. `--json`: `{schema: 1, checks: [{id, title, status, summary, details,
-//! fix}], summary: {ok, warn, fail, skip, error}}`. Exit status: 0 no check failed, 1 a check
-//! failed, 2 an unknown check id. Secrets (tokens, keys) never appear in the output.
+//! then `    fix: …`. `--json`: `{schema: 2, checks: [{id, title, status, summary, details,
+//! fix}], summary: {ok, warn, fail, skip, error}}`; `fix` is a runnable shell command or `null`.
+//! Exit status: 0 no check failed, 1 a check is `fail` or `error` (a check that could not run
+//! has not shown the host healthy), 2 an unknown check id (also with `--list`). Secrets
+//! (tokens, keys) never appear in the output.
 
 use clap::Args;
 
@@ -14,13 +16,25 @@ use agentmbx_protocol::clock::{Clock, SystemClock};
 
 use super::UsageError;
 
-/// The exit status of `doctor`, shown in its `--help`.
-pub const DOCTOR_HELP: &str = "Checks: host-identity, keystore, daemon, peers, relay-reachable, \
-relay-key, relay-enrolled, enc-ad, clock-skew, outbox, quarantine, service, disk-space (--list \
-shows their titles). Network checks wait at most 2 s each and run concurrently. --fix applies \
-only safe local fixes (create the data directory 0700, set key files to 0600) and reports them; \
-for anything else it prints the command. Exit status: 0 no check failed, 1 a check failed, 2 an \
-unknown check id.";
+/// The checks and exit status of `doctor`, shown in its `--help`.
+pub const DOCTOR_HELP: &str = "Checks: config, host-identity, keystore, daemon, peers, \
+relay-reachable, relay-key, relay-enrolled, enc-ad, clock-skew, outbox, quarantine, service, \
+disk-space (--list shows their titles). Network checks wait at most 2 s each and run \
+concurrently. A `fix:` line is a shell command to run as it stands; explanations are in the \
+lines above it. --fix applies only safe local fixes (create the data directory 0700, tighten \
+the data directory to 0700 and key files to 0600 when this user owns them and the directory is \
+not sticky) and reports them; for anything else it prints the command. Exit status: 0 no check \
+failed, 1 a check failed or could not run (status fail or error), 2 an unknown check id.";
+
+/// The check ids as clap's possible values (completions offer them; `--help` lists them in
+/// [`DOCTOR_HELP`]).
+fn check_ids() -> clap::builder::PossibleValuesParser {
+    clap::builder::PossibleValuesParser::new(
+        CHECKS
+            .iter()
+            .map(|c| clap::builder::PossibleValue::new(c.id).help(c.title)),
+    )
+}
 
 /// Flags of `doctor`.
 #[derive(Debug, Args)]
@@ -35,33 +49,34 @@ pub struct DoctorArgs {
     /// List the check ids and titles, run nothing
     #[arg(long)]
     pub list: bool,
-    /// Run only these checks (ids from --list)
-    #[arg(value_name = "CHECK")]
+    /// Run (with --list: list) only these checks (ids from --list)
+    #[arg(value_name = "CHECK", value_parser = check_ids(), hide_possible_values = true)]
     pub checks: Vec<String>,
 }
 
-/// The report said a check failed (exit status 1; the report is printed already).
+/// The report said a check failed or could not run (exit status 1; the report is printed
+/// already).
 #[derive(Debug, thiserror::Error)]
-#[error("{0} check(s) failed")]
+#[error("{0} check(s) failed or could not run")]
 pub struct ChecksFailed(pub usize);
 
 /// Runs `doctor` (module docs).
 pub fn run(args: DoctorArgs) -> anyhow::Result<()> {
+    let selected = doctor::select(&args.checks).map_err(|e| UsageError(e.to_string()))?;
     if args.list {
         if args.json {
-            let list: Vec<_> = CHECKS
+            let list: Vec<_> = selected
                 .iter()
                 .map(|c| serde_json::json!({"id": c.id, "title": c.title}))
                 .collect();
             println!("{}", serde_json::to_string_pretty(&list)?);
         } else {
-            for c in CHECKS {
+            for c in &selected {
                 println!("{:<16} {}", c.id, c.title);
             }
         }
         return Ok(());
     }
-    let selected = doctor::select(&args.checks).map_err(|e| UsageError(e.to_string()))?;
     let paths = Paths::from_env()?;
     let now_ms = SystemClock::from_env()?.now_ms();
     let opts = Options {
@@ -78,8 +93,8 @@ pub fn run(args: DoctorArgs) -> anyhow::Result<()> {
     } else {
         print!("{}", report.text());
     }
-    match report.summary.fail {
+    match report.exit_code() {
         0 => Ok(()),
-        n => Err(ChecksFailed(n).into()),
+        _ => Err(ChecksFailed(report.summary.fail + report.summary.error).into()),
     }
 }

@@ -57,8 +57,8 @@ Environment (each overrides the matching config.toml setting):
     LAN peers or the local API)
   MBX_KEYSTORE: keyring|file, where init keeps the private keys (key_store; default: the OS
     keyring when it answers, else 0600 files); an initialised home never switches
-  MBX_LOG: log filter (default: log_level for the daemon, else info for daemon and relay, warn
-    otherwise)
+  MBX_LOG: log filter (default: log_level for the daemon, else info for daemon and relay,
+    error otherwise: one-shot commands print their own findings)
   MBX_CLOCK_OFFSET_MS, MBX_FAILPOINTS: for tests and drills only
 
 Exit status: 0 success, 1 failure, 2 usage error, 3 not found (e.g. host not initialized),
@@ -150,12 +150,12 @@ pub fn command() -> clap::Command {
 
 impl Cli {
     /// The log level when `MBX_LOG` is unset: `info` for the long-running servers (`daemon`,
-    /// `relay serve`), `warn` for one-shot commands (the other `relay` subcommands included),
-    /// whose results go to stdout.
+    /// `relay serve`), `error` for one-shot commands (the other `relay` subcommands included),
+    /// whose results and warnings are their own output (a log line would repeat them).
     pub fn default_log_level(&self) -> &'static str {
         match self.command {
             Command::Daemon(_) | Command::Relay(relay::RelayCommand::Serve(_)) => "info",
-            _ => "warn",
+            _ => "error",
         }
     }
 }
@@ -394,16 +394,16 @@ mod tests {
         };
         assert_eq!(level(&["daemon"]), "info");
         assert_eq!(level(&["relay", "serve", "--store-dir", "/x"]), "info");
-        assert_eq!(level(&["relay", "keygen"]), "warn");
+        assert_eq!(level(&["relay", "keygen"]), "error");
         assert_eq!(
             level(&["relay", "revoke", "x", "--store-dir", "/x"]),
-            "warn"
+            "error"
         );
         assert_eq!(
             level(&["relay", "deny", "--list", "--store-dir", "/x"]),
-            "warn"
+            "error"
         );
-        assert_eq!(level(&["relay", "quarantine"]), "warn");
-        assert_eq!(level(&["whoami"]), "warn");
+        assert_eq!(level(&["relay", "quarantine"]), "error");
+        assert_eq!(level(&["whoami"]), "error");
     }
 }

@@ -20,7 +20,7 @@ pub enum RelayCommand {
     Keygen,
     /// Use the relay at URL for this host and pin its key (trust on first use, or --key);
     /// also confirms a changed relay key (from the daemon's next pass; a running daemon
-    /// re-reads another URL from config.toml, a first relay needs a restart)
+    /// applies a first or another URL when it sees config.toml change, without a restart)
     Set(SetArgs),
     /// Show this host's standing with its relay: pinned key, state (a key mismatch, a deny or
     /// a revocation and its fix), epoch, enrolment, enc-key ad, allowlist, position and outbox
@@ -87,6 +87,8 @@ Files in the store directory (created 0700 when missing; the files are 0600):
   relay.lock: one relay process per store; a second one waits lock_wait_ms (default 60000)
     for it, then exits with status 4
   relay.toml (optional; unknown keys are refused):
+    bind, port: the address and port to listen on (defaults 0.0.0.0 and 7374); --bind and
+      --port (or PORT) win over them, and the relay logs which value it used
     lock_wait_ms, request_timeout_ms, header_read_timeout_ms, keep_alive_timeout_ms,
     max_connections
     sweep_interval_ms: how often the retention sweep runs after the one at start (default
@@ -112,12 +114,13 @@ or SIGINT stops it cleanly (exit 0).";
 /// Flags of `relay serve`.
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// IP address to listen on [default: `bind` in relay.toml, else 0.0.0.0]
+    /// IP address to listen on; wins over `bind` in relay.toml [default: `bind` in
+    /// relay.toml, else 0.0.0.0]
     #[arg(long, value_name = "ADDR")]
     pub bind: Option<IpAddr>,
     /// TCP port to listen on (0 picks a free port; the bound address is logged). Read from
-    /// PORT when the flag is not given, as platforms such as Railway set it [default: `port` in
-    /// relay.toml, else 7374]
+    /// PORT when the flag is not given, as platforms such as Railway set it; either wins over
+    /// `port` in relay.toml [default: `port` in relay.toml, else 7374]
     #[arg(long, value_name = "N", env = "PORT")]
     pub port: Option<u16>,
     /// Directory of the relay's state (relay.db, relay.key, relay.lock, optional relay.toml)
@@ -177,7 +180,37 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .context("cannot start the async runtime")
 }
 
+/// Logs, for `bind` and `port`, where the value the relay listens on comes from when
+/// relay.toml sets it too: the flag (or `PORT`) wins over the file.
+fn log_listen_sources(args: &ServeArgs) {
+    let path = args.store_dir.join("relay.toml");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return;
+    };
+    // A file that does not parse is reported by the relay itself.
+    let Ok(file) = agentmbx_relay::config::RelayConfig::parse(&text, &path) else {
+        return;
+    };
+    match (args.port, file.port) {
+        (Some(flag), Some(toml)) if flag != toml => tracing::info!(
+            "listening port {flag} from --port or PORT; it wins over port = {toml} in {}",
+            path.display()
+        ),
+        (None, Some(toml)) => tracing::info!("listening port {toml} from {}", path.display()),
+        _ => {}
+    }
+    match (args.bind, file.bind) {
+        (Some(flag), Some(toml)) if flag != toml => tracing::info!(
+            "listening address {flag} from --bind; it wins over bind = \"{toml}\" in {}",
+            path.display()
+        ),
+        (None, Some(toml)) => tracing::info!("listening address {toml} from {}", path.display()),
+        _ => {}
+    }
+}
+
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    log_listen_sources(&args);
     let store_dir = args.store_dir;
     let opts = agentmbx_relay::run::ServeOptions {
         bind: args.bind,

@@ -6,10 +6,13 @@
 //! that key. It is also the only way to confirm a changed relay key. It needs an initialized
 //! host (exit 3 otherwise, nothing written). It writes `[relay] url, key` in `config.toml` and
 //! the pin in `mailbox.db` (kv `relay-key:<url>`, which a running daemon reads each pass, so a
-//! key confirmed for the relay it uses takes effect without a restart; a running daemon that
-//! uses a relay switches to another URL when it re-reads the watched `config.toml`
-//! ([`agentmbx::config_watch`]), while a first relay needs a restart, and `relay set` says
-//! which applies: `restart_needed` in JSON), audits
+//! key confirmed for the relay it uses takes effect from its next pass). A running daemon
+//! watches `config.toml` ([`agentmbx::config_watch`]) and applies a first relay (it starts its
+//! relay loop) or another URL (it restarts the loop) when it sees the file change, without a
+//! restart; a stopped daemon uses it from its next start. `relay set` cannot see whether a
+//! daemon applied it, so it says so and names the checks (the daemon's log line
+//! `config changed: relay …`, `agentmbx doctor relay-enrolled`); `restart_needed` in JSON is
+//! kept for scripts and is always `false`. It audits
 //! `relay.key_confirmed` and clears a `key-mismatch` state and the recorded key change (also
 //! when the owner confirms the pinned key after the relay served another one). When the relay
 //! cannot be reached, a full `--key` is pinned as given, and a fingerprint is stored as the
@@ -55,12 +58,15 @@ refused-after-enrol, denied, revoked) or a failure: the report is printed all th
 
 /// The `relay set` help after the flags: when a running daemon uses the result.
 pub const SET_HELP: &str = "A running daemon reads the pin of the relay it uses on each relay \
-pass: confirming a key for that relay takes effect from its next pass. It watches config.toml: \
-another URL for the relay it uses takes effect when it re-reads the file; after the first \
-`relay set` on a host without a relay, restart the daemon to use the new relay; `relay set` \
-says which applies (restart_needed in --json). Exit status: 0 \
-pinned, 1 key mismatch or unreachable relay without --key, 2 malformed URL or --key, 3 this \
-host is not initialized (run `agentmbx init`).";
+pass: confirming a key for that relay takes effect from its next pass. It also watches \
+config.toml and applies what `relay set` writes there when it sees the file change, without a \
+restart: a first relay starts its relay loop, another URL switches the loop to it (removing the \
+[relay] table from config.toml stops it); a stopped daemon uses it from its next start. \
+`relay set` cannot see the daemon apply it: the daemon logs `config changed: relay ...`, and \
+`agentmbx doctor relay-enrolled` shows whether the host is enrolled with the relay. A daemon \
+started with MBX_RELAY_URL keeps that URL. restart_needed in --json is always false (kept for \
+scripts). Exit status: 0 pinned, 1 key mismatch or unreachable relay without --key, 2 \
+malformed URL or --key, 3 this host is not initialized (run `agentmbx init`).";
 
 /// Flags of `relay info`.
 #[derive(Debug, Args)]
@@ -112,9 +118,9 @@ pub fn set(args: SetArgs) -> anyhow::Result<()> {
         .as_ref()
         .and_then(|c| c.relay.as_ref())
         .map(|r| r.url.trim_end_matches('/').to_string());
-    // A running daemon applies another URL for its relay from the watched config.toml; a
-    // first relay needs a restart (agentmbx::config_watch).
-    let restart_needed = previous_url.is_none();
+    // A running daemon applies a first relay and another URL from the watched config.toml
+    // (agentmbx::config_watch): never a restart. The JSON field stays for scripts.
+    let restart_needed = false;
     let file_key = file
         .and_then(|c| c.relay)
         .filter(|r| r.url.trim_end_matches('/') == url)
@@ -231,17 +237,22 @@ pub fn set(args: SetArgs) -> anyhow::Result<()> {
 }
 
 /// When a running daemon uses what `relay set` wrote (module docs): the pin of the relay it
-/// uses from its next pass; another relay URL only after a restart.
+/// uses from its next pass; a first or another relay URL when it sees `config.toml` change.
+/// `relay set` cannot observe the daemon, so the note says how to check.
 fn daemon_note(previous_url: Option<&str>, url: &str) -> String {
+    const CHECK: &str =
+        "a stopped one uses it from its next start; check with: agentmbx doctor relay-enrolled";
     match previous_url {
         Some(p) if p == url => {
             "a running daemon uses it from its next relay pass (a stopped one from its next start)"
                 .to_string()
         }
         Some(p) => format!(
-            "a running daemon switches from {p} to the new relay when it re-reads config.toml (within a second)"
+            "a running daemon switches from {p} to the new relay when it re-reads config.toml, which it watches (it logs `config changed: relay.url …`); {CHECK}"
         ),
-        None => "restart the daemon to use the new relay: a running daemon started without a relay uses none until it restarts".to_string(),
+        None => format!(
+            "a running daemon starts using the new relay when it re-reads config.toml, which it watches (it logs `config changed: relay (unset) -> {url}`); {CHECK}"
+        ),
     }
 }
 
@@ -270,7 +281,7 @@ fn set_unreachable(
         pinned,
         previous_url,
     } = pinning;
-    let restart_needed = previous_url.is_none();
+    let restart_needed = false;
     let why = match &e {
         RelayError::Unreachable(why) => format!("cannot be reached ({why})"),
         other => format!("did not answer as a relay ({other})"),

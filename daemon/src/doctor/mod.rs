@@ -6,13 +6,22 @@
 //! need (the network probes — daemon, peers, relay — concurrently, each bounded by
 //! [`Options::timeout`]) and evaluates each selected check. A check returns
 //! `Result<Outcome, String>`: an `Err` becomes status [`Status::Error`] with that message, so one
-//! broken check never stops the others. [`Report`] is `{schema: 1, checks: [...], summary}`;
-//! every text in it passes through [`redact`] first.
+//! broken check never stops the others. [`Report`] is `{schema: 2, checks: [...], summary}`;
+//! every text in it passes through [`redact`] first. Exit status ([`Report::exit_code`]): 1 when
+//! any check is `fail` or `error` (a check that could not run has not shown the host healthy),
+//! else 0.
+//!
+//! A result's `fix` is one runnable POSIX shell command line (paths and other arguments quoted
+//! with [`shell_quote`]) or `null`; explanations go to `summary` and `details`. Schema 2 made
+//! that rule (schema 1's `fix` could hold prose) and added the `config` check. When
+//! `config.toml` does not load, the `config` check fails with the reason (it is reported even
+//! when not named) and the checks that need the configuration skip with "config.toml is
+//! invalid" instead of guessing.
 //!
 //! This module reads `config.toml`, `mailbox.db`, the key files' metadata and the network; it
 //! writes only with `--fix` ([`Options::fix`]), and then only safe local fixes (a missing home
-//! created 0700, key file permissions set to 0600). It never reads or prints private keys or
-//! tokens.
+//! created 0700, home and key file permissions tightened to 0700 and 0600, only on what the current
+//! user owns and never on a sticky directory). It never reads or prints private keys or tokens.
 
 pub mod checks;
 
@@ -24,8 +33,9 @@ use crate::config::Config;
 use crate::mailbox::Mailbox;
 use crate::paths::Paths;
 
-/// Version of the `--json` document.
-pub const SCHEMA: u32 = 1;
+/// Version of the `--json` document: 2 (`fix` is a runnable shell command or `null`; schema 1
+/// allowed prose there).
+pub const SCHEMA: u32 = 2;
 
 /// Default bound of each network probe (2 s).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -42,7 +52,7 @@ pub enum Status {
     Fail,
     /// Not applicable here (e.g. no relay configured).
     Skip,
-    /// The check itself could not run.
+    /// The check itself could not run: `doctor` exits 1 (health not shown).
     Error,
 }
 
@@ -70,6 +80,10 @@ pub struct Check {
 
 /// Every check, in the order they run and print.
 pub const CHECKS: &[Check] = &[
+    Check {
+        id: "config",
+        title: "config.toml valid",
+    },
     Check {
         id: "host-identity",
         title: "host initialized and host key",
@@ -133,7 +147,8 @@ pub struct Outcome {
     pub summary: String,
     /// Further lines.
     pub details: Vec<String>,
-    /// The command (or action) that fixes it, if any.
+    /// The shell command line that fixes it (arguments quoted with [`shell_quote`]), if any;
+    /// never prose.
     pub fix: Option<String>,
 }
 
@@ -173,7 +188,7 @@ pub struct CheckResult {
     pub summary: String,
     /// Further lines.
     pub details: Vec<String>,
-    /// Fix command, or `null`.
+    /// A runnable POSIX shell command line that fixes it, or `null`.
     pub fix: Option<String>,
 }
 
@@ -223,9 +238,9 @@ impl Report {
         }
     }
 
-    /// The process exit code: 1 when any check failed, else 0.
+    /// The process exit code: 1 when any check is `fail` or `error`, else 0.
     pub fn exit_code(&self) -> u8 {
-        u8::from(self.summary.fail > 0)
+        u8::from(self.summary.fail + self.summary.error > 0)
     }
 
     /// Text form: one `<mark> <title>: <summary>` line per check, details indented, then
@@ -269,6 +284,22 @@ pub fn select(ids: &[String]) -> Result<Vec<Check>, UnknownCheck> {
         .filter(|c| ids.is_empty() || ids.iter().any(|i| i == c.id))
         .copied()
         .collect())
+}
+
+/// `arg` quoted for a POSIX shell: unchanged when it is made only of characters no shell treats
+/// specially (`A-Z a-z 0-9 _ @ % + = : , . / -`) and not empty, else wrapped in single quotes
+/// with each `'` written as `'\''`.
+pub fn shell_quote(arg: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "_@%+=:,./-".contains(c);
+    if !arg.is_empty() && arg.chars().all(plain) {
+        return arg.to_string();
+    }
+    format!("'{}'", arg.replace('\'', "'\\''"))
+}
+
+/// `path` quoted for a POSIX shell ([`shell_quote`] of its lossy UTF-8 form).
+pub fn shell_path(path: &std::path::Path) -> String {
+    shell_quote(&path.to_string_lossy())
 }
 
 /// How to run.
@@ -391,6 +422,19 @@ pub struct Facts {
     pub secrets: Vec<String>,
 }
 
+impl Facts {
+    /// Why `config.toml` (with the environment) does not load, when this home has one or is
+    /// initialized; `None` when it loads, or when there is no home to configure yet.
+    pub fn config_invalid(&self) -> Option<&str> {
+        let present =
+            self.paths.config_file().exists() || crate::identity::is_initialized(&self.paths);
+        match &self.config {
+            Err(e) if present => Some(e.as_str()),
+            _ => None,
+        }
+    }
+}
+
 /// Runs `selected` against the home `paths` and returns the report. Never panics on a broken
 /// home: what cannot be read becomes `error` or `fail` results.
 pub async fn run(paths: Paths, selected: &[Check], opts: Options) -> Report {
@@ -441,6 +485,7 @@ pub async fn run(paths: Paths, selected: &[Check], opts: Options) -> Report {
         wants(&["daemon"]),
         wants(&["peers"]),
         wants(&[
+            "peers",
             "relay-reachable",
             "relay-key",
             "relay-enrolled",
@@ -448,7 +493,13 @@ pub async fn run(paths: Paths, selected: &[Check], opts: Options) -> Report {
         ]),
     )
     .await;
-    let results = selected
+    // An invalid config.toml fails `config` even when it was not named: the named checks that
+    // need the configuration skip, and the run must not look healthy.
+    let mut run_list: Vec<Check> = selected.to_vec();
+    if facts.config_invalid().is_some() && !run_list.iter().any(|c| c.id == "config") {
+        run_list.insert(0, CHECKS[0]);
+    }
+    let results = run_list
         .iter()
         .map(|c| {
             let outcome =

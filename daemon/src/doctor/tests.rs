@@ -158,7 +158,7 @@ fn json_has_schema_checks_and_summary() {
         result("d", Status::Error),
     ]);
     let v = serde_json::to_value(&r).unwrap();
-    assert_eq!(v["schema"], 1);
+    assert_eq!(v["schema"], 2);
     assert_eq!(
         v["summary"],
         json!({"ok": 1, "warn": 1, "fail": 0, "skip": 1, "error": 1})
@@ -170,7 +170,13 @@ fn json_has_schema_checks_and_summary() {
     }
     assert_eq!(c["status"], "warn");
     assert_eq!(v["checks"][3]["status"], "error");
-    assert_eq!(r.exit_code(), 0, "warn and error do not fail");
+    assert_eq!(r.exit_code(), 1, "a check that could not run fails the run");
+    let warned = Report::new(vec![
+        result("a", Status::Ok),
+        result("b", Status::Warn),
+        result("c", Status::Skip),
+    ]);
+    assert_eq!(warned.exit_code(), 0, "warn and skip do not fail");
     let failed = Report::new(vec![result("a", Status::Ok), result("b", Status::Fail)]);
     assert_eq!(failed.exit_code(), 1);
 }
@@ -206,6 +212,8 @@ fn select_keeps_the_order_and_refuses_unknown_ids() {
     assert_eq!(got, ["host-identity", "outbox"]);
     let err = select(&["outbox".into(), "nope".into()]).unwrap_err();
     assert_eq!(err, UnknownCheck("nope".into()));
+    // `config` comes first: an invalid config.toml puts it in front of any selection.
+    assert_eq!(CHECKS[0].id, "config");
     // Ids are unique and kebab-case.
     for (i, c) in CHECKS.iter().enumerate() {
         assert!(c.id.chars().all(|ch| ch.is_ascii_lowercase() || ch == '-'));
@@ -340,7 +348,7 @@ async fn loose_key_file_fails_and_fix_sets_0600() {
     let r = h.run_at(&["keystore"], NOW, true).await;
     let c = one(&r, "keystore");
     assert_eq!(c.status, Status::Ok);
-    assert!(c.details[0].contains("now 600"));
+    assert!(c.details[0].contains("was 0644, now 0600"), "{c:?}");
     assert_eq!(mode(), 0o600);
 }
 
@@ -393,7 +401,7 @@ async fn outbox_warns_on_pending_rows_older_than_an_hour() {
             timeout: DEFAULT_TIMEOUT,
             now_ms,
         },
-        config: Err("unused".into()),
+        config: Ok(Config::load(&h.paths).unwrap()),
         mailbox: Some(Mailbox::open(&s.path).unwrap()),
         relay_url: None,
         identity: Err("unused".into()),
@@ -462,9 +470,11 @@ async fn daemon_not_running_fails_and_another_host_warns() {
     };
     let other = serve(health("other", crate::VERSION)).await;
     std::fs::write(h.paths.api_addr_file(), other.to_string()).unwrap();
-    let c = h.run(&["daemon"]).await.checks.remove(0);
-    assert_eq!(c.status, Status::Warn);
+    let r = h.run(&["daemon"]).await;
+    let c = one(&r, "daemon");
+    assert_eq!(c.status, Status::Fail, "this host's daemon does not answer");
     assert!(c.summary.contains("serves host `other`"), "{}", c.summary);
+    assert_eq!(r.exit_code(), 1);
 
     let old = serve(health("doc", "0.0.1")).await;
     std::fs::write(h.paths.api_addr_file(), old.to_string()).unwrap();
@@ -477,11 +487,11 @@ async fn daemon_not_running_fails_and_another_host_warns() {
     let c = h.run(&["daemon"]).await.checks.remove(0);
     assert_eq!(c.status, Status::Ok, "{c:?}");
 
-    // Something else on the port: warn, not ok.
+    // Something else on the port: this host's daemon is not answering.
     let other_program = serve(Router::new().route("/v1/health", get(|| async { "hello" }))).await;
     std::fs::write(h.paths.api_addr_file(), other_program.to_string()).unwrap();
     let c = h.run(&["daemon"]).await.checks.remove(0);
-    assert_eq!(c.status, Status::Warn);
+    assert_eq!(c.status, Status::Fail);
     assert!(
         c.summary.contains("not an AgentMBX daemon"),
         "{}",
@@ -579,7 +589,11 @@ async fn peers_need_a_status_signed_by_the_pinned_key() {
         all.contains("den at ") && all.contains("does not accept our signed request"),
         "{all}"
     );
-    assert!(c.fix.is_some());
+    assert!(
+        all.contains("gone may be down; if it moved: agentmbx peers addr gone IP:PORT"),
+        "{all}"
+    );
+    assert_eq!(c.fix, None, "no command fixes a peer that is down");
 
     // A status not signed by the pinned key: fail.
     h.mailbox()
@@ -608,7 +622,7 @@ async fn peers_need_a_status_signed_by_the_pinned_key() {
         all.contains("den at ") && all.contains("does not accept our signed request"),
         "{all}"
     );
-    assert!(c.fix.is_some());
+    assert_eq!(c.fix.as_deref(), Some("agentmbx peers remove lab"));
 }
 
 // ---- relay ---------------------------------------------------------------------------------
@@ -742,7 +756,8 @@ async fn enrolment_must_match_the_key_epoch_and_host_key_the_client_writes() {
         .unwrap();
     let c = h.run(&["relay-enrolled"]).await.checks.remove(0);
     assert_eq!(c.status, Status::Fail);
-    assert_eq!(c.fix.as_deref(), Some(state::REVOKED_FIX));
+    assert_eq!(c.fix, None, "no command undoes a revocation");
+    assert!(c.details.iter().any(|d| d == state::REVOKED_FIX), "{c:?}");
 }
 
 #[tokio::test]
@@ -799,4 +814,331 @@ async fn clock_skew_against_the_relay_date() {
     let c = at(date - 301_000).await;
     assert_eq!(c.status, Status::Fail);
     assert!(c.fix.is_some());
+}
+
+// ---- config, fix commands, --fix limits, relay-only peers ---------------------------------
+
+fn append_to_config(h: &Home, line: &str) {
+    let mut text = std::fs::read_to_string(h.paths.config_file()).unwrap_or_default();
+    text.push_str(line);
+    std::fs::write(h.paths.config_file(), text).unwrap();
+}
+
+#[tokio::test]
+async fn an_invalid_config_fails_the_config_check_and_the_checks_needing_it_skip() {
+    let h = initialized();
+    let r = h.run(&["config"]).await;
+    assert_eq!(one(&r, "config").status, Status::Ok, "{r:?}");
+    h.set_relay("http://127.0.0.1:1", None);
+    append_to_config(&h, "bogus = 1\n");
+    let r = h.run(&[]).await;
+    let c = one(&r, "config");
+    assert_eq!(c.status, Status::Fail, "{c:?}");
+    assert_eq!(c.fix.as_deref(), Some("agentmbx config validate"));
+    assert!(c.details[0].contains("bogus"), "{c:?}");
+    for id in [
+        "host-identity",
+        "keystore",
+        "daemon",
+        "peers",
+        "relay-reachable",
+        "relay-key",
+        "relay-enrolled",
+        "enc-ad",
+        "clock-skew",
+    ] {
+        let c = one(&r, id);
+        assert_eq!(
+            (c.status, c.summary.as_str()),
+            (Status::Skip, "config.toml is invalid"),
+            "{id}"
+        );
+    }
+    assert_eq!((r.summary.fail, r.summary.error), (1, 0), "{r:?}");
+    assert_eq!(r.exit_code(), 1);
+    // Named checks alone: the config failure is reported with them, and the run fails.
+    let r = h.run(&["host-identity", "relay-key"]).await;
+    let ids: Vec<&str> = r.checks.iter().map(|c| c.id).collect();
+    assert_eq!(ids, ["config", "host-identity", "relay-key"]);
+    assert_eq!(r.exit_code(), 1);
+}
+
+#[tokio::test]
+async fn an_unreachable_relay_says_nothing_of_an_empty_outbox_or_of_72_hours() {
+    let h = initialized();
+    h.set_relay(&format!("http://127.0.0.1:{}", closed_port()), None);
+    drop(h.mailbox());
+    let r = h.run(&["relay-reachable"]).await;
+    let c = one(&r, "relay-reachable");
+    assert_eq!(c.status, Status::Fail);
+    let all = c.details.join("\n");
+    assert!(!all.contains("72 h") && !all.contains("pending"), "{all}");
+    assert_eq!(c.fix.as_deref(), Some("agentmbx relay info --live"));
+}
+
+#[test]
+fn proxy_in_use_names_the_variable_and_hides_credentials() {
+    use super::checks::net::proxy_in_use;
+    fn env(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+        move |k| {
+            pairs
+                .iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+    let https = "https://relay.example.com:8443/base";
+    assert_eq!(
+        proxy_in_use(https, &env(&[("HTTPS_PROXY", "http://me:pw@proxy:3128")])),
+        Some("http://***@proxy:3128 (HTTPS_PROXY)".into())
+    );
+    assert_eq!(
+        proxy_in_use(
+            "http://relay.example.com",
+            &env(&[("HTTPS_PROXY", "http://proxy:3128")])
+        ),
+        None,
+        "HTTPS_PROXY is for https URLs"
+    );
+    assert_eq!(
+        proxy_in_use(
+            "http://relay.example.com",
+            &env(&[("http_proxy", "proxy:8080"), ("ALL_PROXY", "socks5://s:1")])
+        ),
+        Some("proxy:8080 (http_proxy)".into())
+    );
+    assert_eq!(
+        proxy_in_use(https, &env(&[("ALL_PROXY", "socks5h://a:b@s:1")])),
+        Some("socks5h://***@s:1 (ALL_PROXY)".into())
+    );
+    for no in [
+        "localhost,.example.com",
+        "example.com",
+        "*",
+        "relay.example.com",
+    ] {
+        let vars: &'static [(&str, &str)] = Box::leak(Box::new([
+            ("HTTPS_PROXY", "http://p:1"),
+            (
+                "NO_PROXY",
+                Box::leak(no.to_string().into_boxed_str()) as &str,
+            ),
+        ]));
+        assert_eq!(proxy_in_use(https, &env(vars)), None, "{no}");
+    }
+    assert_eq!(
+        proxy_in_use(
+            https,
+            &env(&[("HTTPS_PROXY", "http://p:1"), ("NO_PROXY", "ample.com")])
+        ),
+        Some("http://p:1 (HTTPS_PROXY)".into())
+    );
+    assert_eq!(proxy_in_use(https, &env(&[])), None);
+}
+
+#[test]
+fn shell_quote_leaves_plain_words_and_quotes_the_rest() {
+    assert_eq!(
+        shell_quote("/var/lib/agentmbx-1.0/x_y@z"),
+        "/var/lib/agentmbx-1.0/x_y@z"
+    );
+    assert_eq!(shell_quote("http://127.0.0.1:9"), "http://127.0.0.1:9");
+    assert_eq!(shell_quote("/tmp/nu sp/home"), "'/tmp/nu sp/home'");
+    assert_eq!(shell_quote("it's"), "'it'\\''s'");
+    assert_eq!(shell_quote(""), "''");
+    assert_eq!(shell_quote("$(rm -rf ~)"), "'$(rm -rf ~)'");
+}
+
+#[cfg(unix)]
+#[tokio::test]
+async fn a_fix_command_runs_as_it_stands_on_a_path_with_spaces_and_quotes() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let paths = Paths::at(dir.path().join("nu sp").join("it's $HOME"));
+    paths.ensure_home().unwrap();
+    let store = FileStore::new(paths.home());
+    let name = crate::host_name::HostName::parse("doc").unwrap();
+    crate::identity::init_with(&paths, Some(&name), &store).unwrap();
+    let h = Home { _dir: dir, paths };
+    let keys = [h.paths.host_key(), h.paths.enc_key()];
+    for k in &keys {
+        std::fs::set_permissions(k, std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    std::fs::set_permissions(h.paths.home(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let r = h.run(&["host-identity", "keystore"]).await;
+    for id in ["host-identity", "keystore"] {
+        let fix = one(&r, id).fix.clone().expect("a fix");
+        let status = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(&fix)
+            .status()
+            .unwrap();
+        assert!(status.success(), "{fix}");
+    }
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode(h.paths.home()), 0o700);
+    for k in &keys {
+        assert_eq!(mode(k), 0o600, "{}", k.display());
+    }
+    let r = h.run(&["host-identity", "keystore"]).await;
+    assert!(r.checks.iter().all(|c| c.status == Status::Ok), "{r:?}");
+}
+
+#[cfg(unix)]
+#[tokio::test]
+async fn fix_tightens_a_home_this_user_owns_but_never_a_sticky_or_foreign_one() {
+    use std::os::unix::fs::PermissionsExt;
+    let h = initialized();
+    let home = h.paths.home().to_path_buf();
+    let set = |m| std::fs::set_permissions(&home, std::fs::Permissions::from_mode(m)).unwrap();
+    let mode = || std::fs::metadata(&home).unwrap().permissions().mode() & 0o7777;
+
+    set(0o1777);
+    let c = h.run(&["host-identity"]).await.checks.remove(0);
+    assert_eq!(c.status, Status::Warn);
+    assert!(c.details[0].contains("mode 1777"), "{c:?}");
+    assert_eq!(c.fix, None, "no chmod for a shared directory");
+    let c = h
+        .run_at(&["host-identity"], NOW, true)
+        .await
+        .checks
+        .remove(0);
+    assert_eq!(c.status, Status::Warn, "{c:?}");
+    assert!(
+        c.details
+            .iter()
+            .any(|d| d.contains("sticky") && d.contains("1777")),
+        "{c:?}"
+    );
+    assert_eq!(mode(), 0o1777, "--fix left the sticky directory alone");
+
+    set(0o755);
+    let c = h.run(&["host-identity"]).await.checks.remove(0);
+    assert_eq!(c.fix, Some(format!("chmod 700 {}", shell_path(&home))));
+    let c = h
+        .run_at(&["host-identity"], NOW, true)
+        .await
+        .checks
+        .remove(0);
+    assert_eq!(c.status, Status::Ok, "{c:?}");
+    assert_eq!(
+        c.details[0],
+        format!("fixed: {} was 0755, now 0700", home.display())
+    );
+    assert_eq!(mode(), 0o700);
+
+    // Another user's directory (only root can hand one over): reported, not changed.
+    #[allow(unsafe_code)]
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        use std::os::unix::ffi::OsStrExt;
+        set(0o755);
+        let c_path = std::ffi::CString::new(home.as_os_str().as_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path; uid/gid 65534 (nobody).
+        #[allow(unsafe_code)]
+        let rc = unsafe { libc::chown(c_path.as_ptr(), 65534, 65534) };
+        assert_eq!(rc, 0);
+        let c = h
+            .run_at(&["host-identity"], NOW, true)
+            .await
+            .checks
+            .remove(0);
+        assert_eq!(c.status, Status::Warn, "{c:?}");
+        assert!(
+            c.details.iter().any(|d| d.contains("belongs to uid 65534")),
+            "{c:?}"
+        );
+        assert_eq!(c.fix, None);
+        assert_eq!(mode(), 0o755);
+    }
+}
+
+#[tokio::test]
+async fn a_relay_key_mismatch_stops_enrolment_and_enc_ad_with_the_relay_set_fix() {
+    let h = initialized();
+    let served = HostKey::generate();
+    let url = fake_relay(&served).await;
+    let pinned = HostKey::generate().public();
+    h.set_relay(&url, Some(pinned.to_b64()));
+    let me = h.public();
+    // What the client wrote while the pinned key answered: an enrolment and a valid ad.
+    h.mailbox()
+        .with(|c| {
+            state::set_enrolment(
+                c,
+                &url,
+                &Enrolment {
+                    relay_pubkey: pinned.to_b64(),
+                    epoch: "ep1".into(),
+                    host_pubkey: me.host_pubkey.clone(),
+                    at: "2026-01-01T00:00:00.000Z".into(),
+                },
+            )?;
+            state::set_published_ad(
+                c,
+                &url,
+                &PublishedAd {
+                    host_pubkey: me.host_pubkey.clone(),
+                    enc_pub: me.enc_pub.clone(),
+                    iat: NOW,
+                    exp: NOW + 30 * 86_400_000,
+                    epoch: "ep1".into(),
+                },
+            )
+        })
+        .unwrap();
+    let r = h.run(&["relay-key", "relay-enrolled", "enc-ad"]).await;
+    let want = Some(format!(
+        "agentmbx relay set {url} --key {}",
+        served.public().fingerprint()
+    ));
+    let key = one(&r, "relay-key");
+    assert_eq!((key.status, &key.fix), (Status::Fail, &want));
+    for id in ["relay-enrolled", "enc-ad"] {
+        let c = one(&r, id);
+        assert_eq!(c.status, Status::Skip, "{id}: {c:?}");
+        assert!(c.summary.contains("relay use is stopped"), "{id}: {c:?}");
+        assert_eq!(c.fix, want, "{id}");
+    }
+}
+
+#[tokio::test]
+async fn a_peer_without_a_lan_address_is_fine_through_a_working_relay() {
+    let h = initialized();
+    h.mailbox()
+        .with(|c| {
+            crate::mailbox::peers::add(c, "hostb", &HostKey::generate().public().to_b64(), NOW)
+        })
+        .unwrap();
+    let r = h.run(&["peers"]).await;
+    let c = one(&r, "peers");
+    assert_eq!(c.status, Status::Warn, "{c:?}");
+    let all = c.details.join("\n");
+    assert!(
+        all.contains("hostb: no LAN address known, and no relay is configured"),
+        "{all}"
+    );
+    assert!(all.contains("agentmbx peers addr hostb IP:PORT"), "{all}");
+    assert_eq!(c.fix, None, "no placeholder command");
+
+    let relay = HostKey::generate();
+    let url = fake_relay(&relay).await;
+    h.set_relay(&url, Some(relay.public().to_b64()));
+    let r = h.run(&["peers"]).await;
+    let c = one(&r, "peers");
+    assert_eq!(c.status, Status::Ok, "{c:?}");
+    assert_eq!(
+        c.summary,
+        "1 peer(s) reachable, 1 of them via the relay only"
+    );
+    assert!(c.details[0].contains("hostb: via the relay only"), "{c:?}");
+
+    // The relay presents another key: relay use is stopped, so the peer has no route.
+    h.set_relay(&url, Some(HostKey::generate().public().to_b64()));
+    let c = h.run(&["peers"]).await.checks.remove(0);
+    assert_eq!(c.status, Status::Warn, "{c:?}");
+    assert!(
+        c.details[0].contains("the relay does not answer with its pinned key"),
+        "{c:?}"
+    );
 }

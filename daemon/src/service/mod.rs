@@ -10,6 +10,7 @@
 //! token) into a service file.
 
 pub mod launchd;
+pub mod liveness;
 pub mod notify;
 pub mod systemd;
 

@@ -1064,6 +1064,14 @@ pub trait RelayStore: Send + Sync + std::fmt::Debug {
     /// Record that the relay is alive (every 30 s, spec §5).
     fn set_heartbeat(&self, now_ms: i64) -> Result<(), StoreError>;
 
+    /// Proves that writes still go through: a request that changes nothing, answered once the
+    /// store's writer took it (the service watchdog's check, [`crate::watchdog`]). The default
+    /// reads the epoch (a store without a separate writer). Errors: the writer stopped or
+    /// failed ([`StoreError::WriterFailed`]), storage errors.
+    fn writer_answers(&self) -> Result<(), StoreError> {
+        self.epoch().map(|_| ())
+    }
+
     /// Switch to a new random epoch (spec §5: `relay rotate-epoch`, startup after a stale
     /// heartbeat, restore).
     fn rotate_epoch(&self) -> Result<EpochRotation, StoreError>;

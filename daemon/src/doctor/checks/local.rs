@@ -1,10 +1,12 @@
-//! Local checks: host identity, key store, outbox, quarantine, service and disk space. They read
-//! files and `mailbox.db` only; with `--fix` the identity and key store checks apply the safe
-//! local fixes (home 0700, key files 0600) and say so.
+//! Local checks: config, host identity, key store, outbox, quarantine, service and disk space.
+//! They read files and `mailbox.db` only; with `--fix` the identity and key store checks apply
+//! the safe local fixes (home 0700, key files 0600) and say so. A fix changes a mode only on a
+//! file or directory the current user owns, and never on a sticky directory (a shared one such
+//! as `/tmp`): those are reported with their full mode and left alone.
 
 use std::path::{Path, PathBuf};
 
-use super::super::{Facts, Outcome, Status};
+use super::super::{shell_path, Facts, Outcome, Status};
 use crate::keystore::{self, Backend};
 
 /// Pending rows older than this are stuck (ms): 1 hour.
@@ -14,16 +16,50 @@ pub const DISK_WARN_BYTES: u64 = 1 << 30;
 /// Free space below this fails (bytes): 100 MiB.
 pub const DISK_FAIL_BYTES: u64 = 100 << 20;
 
+/// The sticky bit of a mode.
+const STICKY: u32 = 0o1000;
+
+/// The permission bits of `path`, with setuid, setgid and sticky (`mode & 0o7777`).
 #[cfg(unix)]
 fn mode(path: &Path) -> Option<u32> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::metadata(path)
         .ok()
-        .map(|m| m.permissions().mode() & 0o777)
+        .map(|m| m.permissions().mode() & 0o7777)
 }
 
 #[cfg(not(unix))]
 fn mode(_path: &Path) -> Option<u32> {
+    None
+}
+
+/// Why `--fix` must leave `path` (mode `m`) alone: it is sticky (shared) or another user owns
+/// it; `None` when it may change the mode.
+#[cfg(unix)]
+fn not_ours(path: &Path, m: u32) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    if m & STICKY != 0 {
+        return Some(format!(
+            "{} is a sticky, shared directory (mode {m:04o}): --fix leaves it alone; give this host a private MBX_HOME",
+            path.display()
+        ));
+    }
+    #[allow(unsafe_code)]
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    match std::fs::metadata(path) {
+        Ok(md) if md.uid() == me => None,
+        Ok(md) => Some(format!(
+            "{} belongs to uid {}, not to this user (uid {me}): --fix leaves it alone",
+            path.display(),
+            md.uid()
+        )),
+        Err(e) => Some(format!("cannot read {}: {e}", path.display())),
+    }
+}
+
+#[cfg(not(unix))]
+fn not_ours(_path: &Path, _m: u32) -> Option<String> {
     None
 }
 
@@ -36,6 +72,26 @@ fn set_mode(path: &Path, mode: u32) -> std::io::Result<()> {
 #[cfg(not(unix))]
 fn set_mode(_path: &Path, _mode: u32) -> std::io::Result<()> {
     Ok(())
+}
+
+/// `config`: `config.toml` (with the environment) loads; `fail` with the reason and the
+/// `agentmbx config validate` fix when it does not.
+pub fn config(f: &Facts) -> Result<Outcome, String> {
+    let file = f.paths.config_file();
+    if let Some(why) = f.config_invalid() {
+        return Ok(Outcome::new(Status::Fail, "config.toml is invalid")
+            .detail(why.to_string())
+            .detail(format!(
+                "edit {} (or the MBX_* variable named); the fix command names the key and line",
+                file.display()
+            ))
+            .fix("agentmbx config validate"));
+    }
+    Ok(match (&f.config, file.exists()) {
+        (Err(_), _) => Outcome::new(Status::Skip, "this host is not initialized"),
+        (Ok(_), true) => Outcome::new(Status::Ok, format!("{} loads", file.display())),
+        (Ok(_), false) => Outcome::new(Status::Ok, "no config.toml: the defaults apply"),
+    })
 }
 
 /// `host-identity`: the home exists (0700) and holds an identity; its name and key fingerprint.
@@ -60,6 +116,9 @@ pub fn host_identity(f: &Facts) -> Result<Outcome, String> {
     if !crate::identity::is_initialized(&f.paths) {
         return Ok(Outcome::new(Status::Fail, "this host is not initialized").fix("agentmbx init"));
     }
+    if f.config_invalid().is_some() {
+        return Ok(super::config_skip());
+    }
     let me = f
         .identity
         .as_ref()
@@ -69,20 +128,24 @@ pub fn host_identity(f: &Facts) -> Result<Outcome, String> {
         format!("host {} with key {}", me.host, me.fingerprint),
     );
     if let Some(m) = mode(home).filter(|m| m & 0o077 != 0) {
-        if f.opts.fix {
+        let refuse = not_ours(home, m);
+        if f.opts.fix && refuse.is_none() {
             set_mode(home, 0o700).map_err(|e| format!("cannot chmod the home: {e}"))?;
-            out = out.detail(format!("fixed: {} was {m:o}, now 700", home.display()));
+            out = out.detail(format!("fixed: {} was {m:04o}, now 0700", home.display()));
         } else {
             out.status = Some(Status::Warn);
-            out = out
-                .detail(format!(
-                    "{} is mode {m:o}, others can read it",
-                    home.display()
-                ))
-                .fix(format!(
-                    "chmod 700 {} (or agentmbx doctor --fix)",
-                    home.display()
-                ));
+            out = out.detail(format!(
+                "{} is mode {m:04o}, other users can read it",
+                home.display()
+            ));
+            match refuse {
+                Some(why) => out = out.detail(why),
+                None => {
+                    out = out
+                        .detail("or: agentmbx doctor --fix")
+                        .fix(format!("chmod 700 {}", shell_path(home)));
+                }
+            }
         }
     }
     Ok(out)
@@ -96,10 +159,14 @@ pub fn keystore(f: &Facts) -> Result<Outcome, String> {
     match backend {
         Backend::Keyring => {
             let mut out = Outcome::new(Status::Ok, "private keys in the OS keyring");
-            if let Err(e) = &f.identity {
+            if f.config_invalid().is_some() {
+                out = super::config_skip();
+            } else if let Err(e) = &f.identity {
                 out = Outcome::new(Status::Fail, "the OS keyring does not give the keys")
                     .detail(e.clone())
-                    .fix("unlock the OS keyring (login keychain / Secret Service) and run again");
+                    .detail(
+                        "unlock the OS keyring (login keychain / Secret Service) and run again",
+                    );
             }
             Ok(out)
         }
@@ -120,25 +187,34 @@ pub fn keystore(f: &Facts) -> Result<Outcome, String> {
                     None => {}
                 }
             }
+            let mut to_fix = Vec::new();
             for (path, m) in loose {
-                if f.opts.fix {
+                let refuse = not_ours(&path, m);
+                if f.opts.fix && refuse.is_none() {
                     set_mode(&path, 0o600)
                         .map_err(|e| format!("cannot chmod {}: {e}", path.display()))?;
-                    out = out.detail(format!("fixed: {} was {m:o}, now 600", path.display()));
+                    out = out.detail(format!("fixed: {} was {m:04o}, now 0600", path.display()));
                 } else {
                     out.status = Some(Status::Fail);
                     out.summary = "a private key file is readable by others".into();
-                    out = out
-                        .detail(format!("{} is mode {m:o}", path.display()))
-                        .fix(format!(
-                            "chmod 600 {} (or agentmbx doctor --fix)",
-                            path.display()
-                        ));
+                    out = out.detail(format!("{} is mode {m:04o}", path.display()));
+                    match refuse {
+                        Some(why) => out = out.detail(why),
+                        None => to_fix.push(shell_path(&path)),
+                    }
                 }
             }
+            if !to_fix.is_empty() {
+                out = out
+                    .detail("or: agentmbx doctor --fix")
+                    .fix(format!("chmod 600 {}", to_fix.join(" ")));
+            }
             if let (Err(e), Some(Status::Ok)) = (&f.identity, out.status) {
-                out =
-                    Outcome::new(Status::Fail, "the key files cannot be loaded").detail(e.clone());
+                out = if f.config_invalid().is_some() {
+                    super::config_skip()
+                } else {
+                    Outcome::new(Status::Fail, "the key files cannot be loaded").detail(e.clone())
+                };
             }
             Ok(out)
         }
@@ -173,11 +249,15 @@ pub fn outbox(f: &Facts) -> Result<Outcome, String> {
         })
         .map_err(|e| format!("cannot read the outbox: {e}"))?;
     let mut out = Outcome::new(Status::Ok, format!("{pending} pending"));
+    if f.config_invalid().is_some() {
+        out = out.detail("relay counts not shown: config.toml is invalid (see the config check)");
+    }
     if stuck > 0 {
         out.status = Some(Status::Warn);
         out = out
             .detail(format!("{stuck} pending row(s) older than 1 h (stuck)"))
-            .fix("agentmbx doctor peers relay-reachable (find why the targets cannot be reached)");
+            .detail("the fix command shows why the targets cannot be reached")
+            .fix("agentmbx doctor peers relay-reachable");
     }
     if let Some(r) = relay {
         out.summary = format!(
@@ -190,9 +270,7 @@ pub fn outbox(f: &Facts) -> Result<Outcome, String> {
                 "{} expired and {} unconfirmed: their senders were alerted; resend what still matters",
                 r.expired, r.unconfirmed
             ));
-            if out.fix.is_none() {
-                out.fix = Some("agentmbx sent <agent> (shows each recipient's state)".into());
-            }
+            out = out.detail("agentmbx sent --as AGENT shows each recipient's state");
         }
     }
     Ok(out)
@@ -254,25 +332,27 @@ pub fn service_outcome(
         .as_ref()
         .map(|f| format!("{}, {}", state.name, f.display()))
         .unwrap_or_else(|| state.name.clone());
+    let name = super::super::shell_quote(&state.name);
     let restart = if macos {
-        format!(
-            "agentmbx daemon status; launchctl kickstart -k gui/$(id -u)/{}",
-            state.name
-        )
+        format!("launchctl kickstart -k gui/$(id -u)/{name}")
     } else {
-        format!(
-            "systemctl --user restart {0}; journalctl --user -u {0}",
-            state.name
-        )
+        format!("systemctl --user restart {name}")
+    };
+    let logs = if macos {
+        "agentmbx daemon status shows where the logs are".to_string()
+    } else {
+        format!("logs: journalctl --user -u {name}")
     };
     match state.health() {
         Health::NotInstalled => Outcome::new(Status::Warn, "no user service installed")
-            .fix("agentmbx daemon install (starts the daemon at login)"),
+            .detail("the fix installs a user service that starts the daemon at login")
+            .fix("agentmbx daemon install"),
         Health::Running => Outcome::new(Status::Ok, format!("enabled and active ({where_})")),
         Health::Down => Outcome::new(
             Status::Fail,
             format!("enabled but {} ({where_})", state.active),
         )
+        .detail(logs)
         .fix(restart),
         Health::Disabled => Outcome::new(
             Status::Warn,
@@ -281,7 +361,7 @@ pub fn service_outcome(
         .fix(if macos {
             "agentmbx daemon install".to_string()
         } else {
-            format!("systemctl --user enable --now {}", state.name)
+            format!("systemctl --user enable --now {name}")
         }),
         Health::Unknown if daemon_answers => Outcome::new(
             Status::Ok,
@@ -370,7 +450,7 @@ pub fn disk_space(f: &Facts) -> Result<Outcome, String> {
     );
     Ok(match status {
         Status::Ok => out,
-        _ => out.fix("free disk space: mail cannot be stored when the disk is full"),
+        _ => out.detail("free disk space: mail cannot be stored when the disk is full"),
     })
 }
 

@@ -1,5 +1,5 @@
 //! The checks of [`super::CHECKS`], one function each, evaluated over the gathered
-//! [`super::Facts`]: `local` (identity, key store, outbox, quarantine, service, disk space),
+//! [`super::Facts`]: `local` (config, identity, key store, outbox, quarantine, service, disk space),
 //! `relay` (reachable, key, enrolment, enc-key ad, clock skew) and `net` (the probes they read,
 //! plus the daemon and peer checks). A check never panics and never prints secrets: an `Err`
 //! is reported as status `error`.
@@ -8,11 +8,18 @@ pub mod local;
 pub mod net;
 pub mod relay;
 
-use super::{Facts, Outcome, Status};
+use super::{shell_quote, Facts, Outcome, Status};
+
+/// The outcome of a check that needs the configuration while `config.toml` does not load (the
+/// `config` check says why).
+pub fn config_skip() -> Outcome {
+    Outcome::new(Status::Skip, "config.toml is invalid")
+}
 
 /// Evaluates the check `id` over `f`. Errors: the check could not run (reported as `error`).
 pub fn evaluate(id: &str, f: &Facts) -> Result<Outcome, String> {
     match id {
+        "config" => local::config(f),
         "host-identity" => local::host_identity(f),
         "keystore" => local::keystore(f),
         "daemon" => daemon(f),
@@ -31,10 +38,14 @@ pub fn evaluate(id: &str, f: &Facts) -> Result<Outcome, String> {
 }
 
 /// `daemon`: the local API answers `GET /v1/health` as this host and this version
-/// (`wire.md` §7 item 3): nothing answering (connection refused, timed out) is `fail`; an
-/// answer from another program, another host or another version is `warn`.
+/// (`wire.md` §7 item 3): nothing answering (connection refused, timed out), or an answer from
+/// another program or another host's daemon, is `fail` (this host's daemon does not answer);
+/// this host's daemon running another version is `warn`.
 fn daemon(f: &Facts) -> Result<Outcome, String> {
     use net::DaemonProbe;
+    if f.config_invalid().is_some() {
+        return Ok(config_skip());
+    }
     let Ok(me) = &f.identity else {
         return Ok(Outcome::new(Status::Skip, "this host is not initialized"));
     };
@@ -49,26 +60,27 @@ fn daemon(f: &Facts) -> Result<Outcome, String> {
             Status::Fail,
             format!("daemon not answering on {addr} ({why})"),
         )
-        .fix("agentmbx daemon install (or run `agentmbx daemon`)"),
+        .detail("install and start the user service, or run `agentmbx daemon` in the foreground")
+        .fix("agentmbx daemon install"),
         DaemonProbe::Answered { addr, status, body } => {
             let host = body.get("host").and_then(|v| v.as_str());
             let version = body.get("version").and_then(|v| v.as_str());
             if *status != 200 || body.get("status").and_then(|v| v.as_str()) != Some("ok") {
                 Outcome::new(
-                    Status::Warn,
+                    Status::Fail,
                     format!("{addr} answered HTTP {status}, not an AgentMBX daemon health answer"),
                 )
-                .fix("check which program listens on that port (api_port in config.toml)")
+                .detail("another program listens on this host's API port: stop it, or set another api_port in config.toml")
             } else if host != Some(me.host.as_str()) {
                 Outcome::new(
-                    Status::Warn,
+                    Status::Fail,
                     format!(
                         "the daemon on {addr} serves host `{}`, not this host `{}`",
                         host.unwrap_or("?"),
                         me.host
                     ),
                 )
-                .fix("stop the other daemon, or give this home another api_port")
+                .detail("another home's daemon holds this host's API port: stop it, or set another api_port in config.toml")
             } else if version != Some(crate::VERSION) {
                 Outcome::new(
                     Status::Warn,
@@ -78,7 +90,7 @@ fn daemon(f: &Facts) -> Result<Outcome, String> {
                         crate::VERSION
                     ),
                 )
-                .fix("restart the daemon so it runs this version")
+                .detail("restart the daemon so it runs this version")
             } else {
                 Outcome::new(
                     Status::Ok,
@@ -95,9 +107,14 @@ fn daemon(f: &Facts) -> Result<Outcome, String> {
 
 /// `peers`: each pinned peer with a LAN address answers a status signed by its pinned key and
 /// accepts our hop-signed `GET /v1/agents` (`wire.md` §7 item 9, §2.7). A status not signed
-/// by the pinned key is `fail` (a key change or an impostor); an unreachable peer, or one that
-/// does not accept our signature, is `warn`.
+/// by the pinned key is `fail` (a key change or an impostor); a peer that does not answer at its
+/// address (down or moved), or does not accept our signature, is `warn`. A peer with no LAN
+/// address is fine while the relay answers with the pinned key ("via the relay only"), else
+/// `warn`.
 fn peers(f: &Facts) -> Result<Outcome, String> {
+    if f.config_invalid().is_some() {
+        return Ok(config_skip());
+    }
     let list = match &f.probes.peers {
         None => return Ok(Outcome::new(Status::Skip, "not probed")),
         Some(Err(e)) => return Err(format!("cannot list the peers: {e}")),
@@ -106,54 +123,88 @@ fn peers(f: &Facts) -> Result<Outcome, String> {
     if list.is_empty() {
         return Ok(Outcome::new(Status::Skip, "no peers paired"));
     }
+    let relay = relay::relay_usable(f);
     let mut out = Outcome::new(Status::Ok, "");
     let mut bad = 0usize;
-    let mut wrong_key = 0usize;
+    let mut relay_only = 0usize;
+    let mut wrong_key = Vec::new();
     for p in list {
+        let host = &p.host;
         match (&p.addr, &p.result) {
             (Some(addr), Ok(version)) => {
                 out = out.detail(format!(
-                    "{} at {addr}: status signed by the pinned key, accepts our signature (version {version})",
-                    p.host
+                    "{host} at {addr}: status signed by the pinned key, accepts our signature (version {version})"
                 ));
             }
-            (addr, Err(why)) => {
-                bad += 1;
-                if matches!(why, net::PeerProblem::WrongKey(_)) {
-                    wrong_key += 1;
-                }
+            (None, _) if relay == Some(true) => {
+                relay_only += 1;
                 out = out.detail(format!(
-                    "{}{}: {why}",
-                    p.host,
-                    addr.as_deref()
-                        .map(|a| format!(" at {a}"))
-                        .unwrap_or_default()
+                    "{host}: via the relay only (no LAN address known; the relay answers)"
                 ));
             }
-            (None, Ok(_)) => {}
+            (None, _) => {
+                bad += 1;
+                let why = match relay {
+                    None => "and no relay is configured",
+                    Some(_) => "and the relay does not answer with its pinned key",
+                };
+                out = out.detail(format!("{host}: no LAN address known, {why}"));
+                out = out.detail(format!(
+                    "  when {host} is on this LAN: agentmbx peers addr {} IP:PORT",
+                    shell_quote(host)
+                ));
+            }
+            (Some(addr), Err(why)) => {
+                bad += 1;
+                out = out.detail(format!("{host} at {addr}: {why}"));
+                match why {
+                    net::PeerProblem::WrongKey(_) => wrong_key.push(host.clone()),
+                    net::PeerProblem::Unreachable(_) => {
+                        out = out.detail(format!(
+                            "  {host} may be down; if it moved: agentmbx peers addr {} IP:PORT",
+                            shell_quote(host)
+                        ));
+                    }
+                    net::PeerProblem::Refuses(_) => {
+                        out = out.detail(format!(
+                            "  {host} does not know this host's current key: pair again"
+                        ));
+                    }
+                }
+            }
         }
     }
     if bad == 0 {
-        out.summary = format!("{} peer(s) reachable", list.len());
-    } else if wrong_key > 0 {
+        out.summary = if relay_only == 0 {
+            format!("{} peer(s) reachable", list.len())
+        } else {
+            format!(
+                "{} peer(s) reachable, {relay_only} of them via the relay only",
+                list.len()
+            )
+        };
+    } else if !wrong_key.is_empty() {
         out.status = Some(Status::Fail);
         out.summary = format!(
-            "{wrong_key} of {} peer(s) answered a status not signed by the pinned key; {bad} with problems in all",
+            "{} of {} peer(s) answered a status not signed by the pinned key; {bad} with problems in all",
+            wrong_key.len(),
             list.len()
         );
+        out = out.detail(
+            "a key change or an impostor: check with the peer's owner, remove it, then pair again to pin its current key",
+        );
         out.fix = Some(
-            "agentmbx peers remove <host>, then pair again to pin its current key (check with its owner first)"
-                .into(),
+            wrong_key
+                .iter()
+                .map(|h| format!("agentmbx peers remove {}", shell_quote(h)))
+                .collect::<Vec<_>>()
+                .join("; "),
         );
     } else {
         out.status = Some(Status::Warn);
         out.summary = format!(
             "{bad} of {} peer(s) not reachable or not accepting our signature",
             list.len()
-        );
-        out.fix = Some(
-            "agentmbx peers addr <host> <ip:port> for a moved peer; re-pair when its key changed"
-                .into(),
         );
     }
     Ok(out)

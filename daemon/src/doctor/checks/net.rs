@@ -143,6 +143,58 @@ fn describe(e: &reqwest::Error) -> String {
     }
 }
 
+/// The proxy the relay client uses for `url` by the standard environment, as `<proxy URL>
+/// (<variable>)` with any user name and password replaced by `***`; `None` when no proxy
+/// variable applies (none set, or `NO_PROXY` names the host or `*`). `env` reads a variable
+/// (`std::env::var` in the doctor; a map in tests). Mirrors reqwest's choice: `HTTPS_PROXY`
+/// for https URLs, `HTTP_PROXY` for http ones, then `ALL_PROXY`; each also in lower case.
+pub fn proxy_in_use(url: &str, env: &dyn Fn(&str) -> Option<String>) -> Option<String> {
+    let get = |name: &str| {
+        [name.to_string(), name.to_ascii_lowercase()]
+            .into_iter()
+            .find_map(|k| env(&k).filter(|v| !v.trim().is_empty()).map(|v| (k, v)))
+    };
+    let (scheme, rest) = url.split_once("://")?;
+    let host = rest
+        .split(['/', '?', '#'])
+        .next()
+        .unwrap_or("")
+        .rsplit('@')
+        .next()
+        .unwrap_or("");
+    let host = match host.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or(""),
+        None => host.split(':').next().unwrap_or(""),
+    }
+    .to_ascii_lowercase();
+    if let Some((_, no)) = get("NO_PROXY") {
+        let exempt = no.split(',').map(str::trim).any(|d| {
+            let d = d.trim_start_matches('.').to_ascii_lowercase();
+            d == "*" || (!d.is_empty() && (host == d || host.ends_with(&format!(".{d}"))))
+        });
+        if exempt {
+            return None;
+        }
+    }
+    let var = if scheme.eq_ignore_ascii_case("https") {
+        "HTTPS_PROXY"
+    } else {
+        "HTTP_PROXY"
+    };
+    let (name, value) = get(var).or_else(|| get("ALL_PROXY"))?;
+    let value = value.trim();
+    let (prefix, rest) = match value.split_once("://") {
+        Some((scheme, rest)) => (format!("{scheme}://"), rest),
+        None => (String::new(), value),
+    };
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    let shown = match rest[..authority_end].rfind('@') {
+        Some(at) => format!("{prefix}***{}", &rest[at..]),
+        None => value.to_string(),
+    };
+    Some(format!("{shown} ({name})"))
+}
+
 /// The local API address: `api.addr` written by the running daemon, else the configured one.
 fn api_addr(f: &Facts) -> Option<String> {
     if let Ok(text) = std::fs::read_to_string(f.paths.api_addr_file()) {

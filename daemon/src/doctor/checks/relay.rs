@@ -1,12 +1,14 @@
 //! Relay checks (`wire.md` §7 item 10, §3.5): reachable, key pinned and matching, enrolled for
 //! the current key and epoch, enc-key ad, clock skew. They read the relay state the client keeps
 //! in `mailbox.db` ([`crate::transport::relay_client::state`], the same kv keys the client
-//! writes: spec gap G13) and the probe of `GET /v2/relay/info`. All skip without a relay.
+//! writes: spec gap G13) and the probe of `GET /v2/relay/info`. All skip without a relay (and
+//! when `config.toml` is invalid, which hides the relay); enrolment and enc-key ad skip while
+//! the relay's key does not match the pin (relay use is stopped) and point at the relay key fix.
 
 use agentmbx_protocol::keys::PublicKey;
 use agentmbx_protocol::time::iso_ms;
 
-use super::super::{Facts, Outcome, Status};
+use super::super::{shell_quote, Facts, Outcome, Status};
 use crate::mailbox::relay_state::kv_get;
 use crate::transport::relay_client::state::{self, Enrolment, PublishedAd, RelayState, Standing};
 
@@ -16,6 +18,17 @@ pub const AD_EXPIRY_WARN_MS: i64 = 7 * 86_400_000;
 pub const SKEW_FAIL_MS: i64 = state::HOP_WINDOW_MS;
 /// Clock skew above this warns (ms): 30 seconds.
 pub const SKEW_WARN_MS: i64 = 30_000;
+
+/// What the daemon does about a missing or stale enrolment.
+const DAEMON_ENROLS: &str =
+    "the running daemon enrols on its next relay pass (see the daemon check)";
+
+/// The command that turns on clock synchronisation.
+const NTP_FIX: &str = if cfg!(target_os = "macos") {
+    "sudo systemsetup -setusingnetworktime on"
+} else {
+    "sudo timedatectl set-ntp true"
+};
 
 /// What `mailbox.db` records about the relay.
 #[derive(Debug, Default)]
@@ -74,14 +87,80 @@ fn fp_of(b64: &str) -> String {
     PublicKey::from_b64(b64).map_or_else(|_| "unparseable".into(), |k| k.fingerprint())
 }
 
-fn no_relay() -> Outcome {
-    Outcome::new(Status::Skip, "no relay configured")
+/// The configured relay URL, or the skip outcome: "config.toml is invalid" when it does not
+/// load, else "no relay configured".
+fn relay_url(f: &Facts) -> Result<&str, Outcome> {
+    if f.config_invalid().is_some() {
+        return Err(super::config_skip());
+    }
+    f.relay_url
+        .as_deref()
+        .ok_or_else(|| Outcome::new(Status::Skip, "no relay configured"))
+}
+
+/// `agentmbx relay set <url> --key <fingerprint>`, quoted for the shell.
+pub fn relay_set_fix(url: &str, fingerprint: &str) -> String {
+    format!(
+        "agentmbx relay set {} --key {}",
+        shell_quote(url),
+        shell_quote(fingerprint)
+    )
+}
+
+/// A relay key that does not match the pin: `(pinned fp, served fp)` from this probe, or as the
+/// client recorded it while the relay does not answer.
+fn mismatch(f: &Facts, r: &Recorded) -> Option<(String, String)> {
+    let pin_fp = r.pin.as_deref().map(fp_of).or(r.expect.clone());
+    if let (Some(pin), Some(Ok(p))) = (&pin_fp, &f.probes.relay) {
+        let served = fp_of(&p.info.relay_pubkey);
+        return (*pin != served).then(|| (pin.clone(), served));
+    }
+    if matches!(f.probes.relay, Some(Ok(_))) {
+        return None;
+    }
+    let st = r
+        .state
+        .as_ref()
+        .filter(|s| s.state == Standing::KeyMismatch)?;
+    Some((
+        st.pinned_fp.clone().unwrap_or_else(|| "?".into()),
+        st.relay_fp.clone().unwrap_or_else(|| "?".into()),
+    ))
+}
+
+/// The outcome of a check that needs the relay while its key does not match the pin.
+fn stopped_by_mismatch(url: &str, pinned: &str, served: &str) -> Outcome {
+    let out = Outcome::new(
+        Status::Skip,
+        format!("relay use is stopped: the relay presents key {served}, not the pinned {pinned}"),
+    )
+    .detail("see the relay-key check");
+    if served == "?" {
+        out
+    } else {
+        out.fix(relay_set_fix(url, served))
+    }
+}
+
+/// Whether mail can go through the relay now: `None` without a relay, else whether it answered
+/// this probe with the pinned key (or none pinned yet).
+pub fn relay_usable(f: &Facts) -> Option<bool> {
+    let url = f.relay_url.as_deref()?;
+    if !matches!(f.probes.relay, Some(Ok(_))) {
+        return Some(false);
+    }
+    Some(
+        recorded(f, url)
+            .map(|r| mismatch(f, &r).is_none())
+            .unwrap_or(false),
+    )
 }
 
 /// `relay-reachable`: the relay answers its info.
 pub fn reachable(f: &Facts) -> Result<Outcome, String> {
-    let Some(url) = &f.relay_url else {
-        return Ok(no_relay());
+    let url = match relay_url(f) {
+        Ok(u) => u,
+        Err(skip) => return Ok(skip),
     };
     Ok(match &f.probes.relay {
         None => Outcome::new(Status::Skip, "not probed"),
@@ -94,11 +173,17 @@ pub fn reachable(f: &Facts) -> Result<Outcome, String> {
         ),
         Some(Err(why)) => {
             let queued = recorded(f, url).map(|r| r.queued).unwrap_or(0);
-            Outcome::new(Status::Fail, format!("{url} not reachable: {why}"))
-                .detail(format!(
-                    "{queued} pending row(s) wait in the outbox; the relay keeps mail for 72 h once it has it"
-                ))
-                .fix("check the network and the relay URL, then: agentmbx relay info --live")
+            let mut out = Outcome::new(Status::Fail, format!("{url} not reachable: {why}"));
+            if let Some(proxy) = super::net::proxy_in_use(url, &|k| std::env::var(k).ok()) {
+                out = out.detail(format!("tried through the proxy {proxy}"));
+            }
+            if queued > 0 {
+                out = out.detail(format!(
+                    "{queued} pending outbox row(s) wait; they go out when a route answers"
+                ));
+            }
+            out.detail("check the network and the relay URL; the fix command asks the relay again")
+                .fix("agentmbx relay info --live")
         }
     })
 }
@@ -106,8 +191,9 @@ pub fn reachable(f: &Facts) -> Result<Outcome, String> {
 /// `relay-key`: a relay key is pinned and the relay serves it; on a mismatch the exact
 /// `agentmbx relay set <url> --key <served fp>` fix.
 pub fn key(f: &Facts) -> Result<Outcome, String> {
-    let Some(url) = &f.relay_url else {
-        return Ok(no_relay());
+    let url = match relay_url(f) {
+        Ok(u) => u,
+        Err(skip) => return Ok(skip),
     };
     let r = recorded(f, url)?;
     let pin_fp = r.pin.as_deref().map(fp_of).or(r.expect.clone());
@@ -115,43 +201,36 @@ pub fn key(f: &Facts) -> Result<Outcome, String> {
         Some(Ok(p)) => Some(fp_of(&p.info.relay_pubkey)),
         _ => None,
     };
-    if let (Some(pin), Some(served)) = (&pin_fp, &served) {
-        if pin != served {
-            return Ok(Outcome::new(
+    if let Some((pin, served_fp)) = mismatch(f, &r) {
+        let mut out = if served.is_some() {
+            Outcome::new(
                 Status::Fail,
                 format!(
-                    "the relay presents key {served}, not the pinned {pin}: relay use is stopped"
+                    "the relay presents key {served_fp}, not the pinned {pin}: relay use is stopped"
                 ),
             )
-            .detail("compare the served fingerprint with the one the relay's operator published")
-            .fix(format!("agentmbx relay set {url} --key {served}")));
-        }
-    }
-    if let Some(st) = r
-        .state
-        .as_ref()
-        .filter(|s| s.state == Standing::KeyMismatch)
-    {
-        if served.is_none() {
-            return Ok(Outcome::new(
+        } else {
+            Outcome::new(
                 Status::Fail,
-                format!(
-                    "recorded key mismatch: pinned {}, served {}",
-                    st.pinned_fp.as_deref().unwrap_or("?"),
-                    st.relay_fp.as_deref().unwrap_or("?")
-                ),
+                format!("recorded key mismatch: pinned {pin}, served {served_fp}"),
             )
-            .fix(st.fix(url).unwrap_or_default()));
         }
+        .detail("compare the served fingerprint with the one the relay's operator published");
+        if served_fp != "?" {
+            out = out.fix(relay_set_fix(url, &served_fp));
+        }
+        return Ok(out);
     }
     Ok(match (pin_fp, served) {
         (None, Some(served)) => Outcome::new(
             Status::Warn,
             format!("no relay key pinned yet; the relay presents {served}"),
         )
-        .fix(format!("agentmbx relay set {url} --key {served}")),
-        (None, None) => Outcome::new(Status::Warn, "no relay key pinned yet").fix(format!(
-            "agentmbx relay set {url} --key <fingerprint the operator published>"
+        .detail("compare it with the fingerprint the relay's operator published")
+        .fix(relay_set_fix(url, &served)),
+        (None, None) => Outcome::new(Status::Warn, "no relay key pinned yet").detail(format!(
+            "pin the fingerprint the relay's operator published: agentmbx relay set {} --key FINGERPRINT",
+            shell_quote(url)
         )),
         (Some(pin), Some(_)) => Outcome::new(
             Status::Ok,
@@ -175,14 +254,18 @@ pub fn key(f: &Facts) -> Result<Outcome, String> {
 /// is for the pinned relay key, the current epoch and this host key; the recorded relay state
 /// reports no refusal.
 pub fn enrolled(f: &Facts) -> Result<Outcome, String> {
-    let Some(url) = &f.relay_url else {
-        return Ok(no_relay());
+    let url = match relay_url(f) {
+        Ok(u) => u,
+        Err(skip) => return Ok(skip),
     };
     let me = f
         .identity
         .as_ref()
         .map_err(|e| format!("cannot load the identity: {e}"))?;
     let r = recorded(f, url)?;
+    if let Some((pin, served)) = mismatch(f, &r) {
+        return Ok(stopped_by_mismatch(url, &pin, &served));
+    }
     if let Some(st) = &r.state {
         let bad = match st.state {
             Standing::EnrolFailed => Some(if matches!(st.status, Some(401 | 403)) {
@@ -202,7 +285,11 @@ pub fn enrolled(f: &Facts) -> Result<Outcome, String> {
             if let Some(n) = &st.next_at {
                 out = out.detail(format!("next attempt {n}"));
             }
-            out.fix = st.fix(url).or_else(|| Some("agentmbx relay info".into()));
+            match st.state {
+                Standing::Denied => out = out.detail(state::DENIED_FIX),
+                Standing::Revoked => out = out.detail(state::REVOKED_FIX),
+                _ => out.fix = Some("agentmbx relay info".into()),
+            }
             return Ok(out);
         }
     }
@@ -215,11 +302,10 @@ pub fn enrolled(f: &Facts) -> Result<Outcome, String> {
             Status::Warn,
             "not enrolled yet (no pinned relay key or epoch known)",
         )
-        .fix("start the daemon (agentmbx daemon install): it enrols on its first relay pass"));
+        .detail(DAEMON_ENROLS));
     };
     Ok(match &r.enrolment {
-        None => Outcome::new(Status::Warn, "not enrolled yet")
-            .fix("start the daemon (agentmbx daemon install): it enrols on its first relay pass"),
+        None => Outcome::new(Status::Warn, "not enrolled yet").detail(DAEMON_ENROLS),
         Some(e) if e.matches(pin, epoch, &me.host_pubkey) => Outcome::new(
             Status::Ok,
             format!(
@@ -236,9 +322,9 @@ pub fn enrolled(f: &Facts) -> Result<Outcome, String> {
             } else {
                 "another host key (before a rotation)".to_string()
             };
-            Outcome::new(Status::Warn, format!("the enrolment is for {why}"))
-                .detail("the daemon enrols again on its next relay pass")
-                .fix("start or restart the daemon")
+            Outcome::new(Status::Warn, format!("the enrolment is for {why}")).detail(
+                "the running daemon enrols again on its next relay pass (see the daemon check)",
+            )
         }
     })
 }
@@ -246,14 +332,18 @@ pub fn enrolled(f: &Facts) -> Result<Outcome, String> {
 /// `enc-ad`: this host's published v2 enc-key ad names this host's keys and is not expired or
 /// within [`AD_EXPIRY_WARN_MS`] of expiry.
 pub fn enc_ad(f: &Facts) -> Result<Outcome, String> {
-    let Some(url) = &f.relay_url else {
-        return Ok(no_relay());
+    let url = match relay_url(f) {
+        Ok(u) => u,
+        Err(skip) => return Ok(skip),
     };
     let me = f
         .identity
         .as_ref()
         .map_err(|e| format!("cannot load the identity: {e}"))?;
     let r = recorded(f, url)?;
+    if let Some((pin, served)) = mismatch(f, &r) {
+        return Ok(stopped_by_mismatch(url, &pin, &served));
+    }
     if let Some(st) = r
         .state
         .as_ref()
@@ -273,7 +363,7 @@ pub fn enc_ad(f: &Facts) -> Result<Outcome, String> {
         return Ok(
             Outcome::new(Status::Warn, "no enc-key ad published at the relay yet")
                 .detail("peers cannot seal mail for this host through the relay until it is")
-                .fix("start the daemon: it publishes the ad on its first relay pass"),
+                .detail("the running daemon publishes it on its first relay pass (see the daemon check)"),
         );
     };
     if ad.host_pubkey != me.host_pubkey || ad.enc_pub != me.enc_pub {
@@ -284,7 +374,9 @@ pub fn enc_ad(f: &Facts) -> Result<Outcome, String> {
                 state::enc_fp(&ad.enc_pub)
             ),
         )
-        .fix("start or restart the daemon: it publishes a new ad"));
+        .detail(
+            "the running daemon publishes a new ad on its next relay pass (see the daemon check)",
+        ));
     }
     let left = ad.exp - f.opts.now_ms;
     Ok(if left <= 0 {
@@ -292,13 +384,13 @@ pub fn enc_ad(f: &Facts) -> Result<Outcome, String> {
             Status::Fail,
             format!("the enc-key ad expired at {}", iso_ms(ad.exp)),
         )
-        .fix("start the daemon: it renews the ad on its relay pass")
+        .detail("the running daemon renews it on its next relay pass (see the daemon check)")
     } else if left < AD_EXPIRY_WARN_MS {
         Outcome::new(
             Status::Warn,
             format!("the enc-key ad expires soon, at {}", iso_ms(ad.exp)),
         )
-        .fix("keep the daemon running: it renews the ad before expiry")
+        .detail("the running daemon renews it before expiry (see the daemon check)")
     } else {
         Outcome::new(
             Status::Ok,
@@ -325,8 +417,8 @@ pub fn skew_verdict(skew_ms: i64) -> Status {
 
 /// `clock-skew`: our clock against the relay's `Date` header.
 pub fn clock_skew(f: &Facts) -> Result<Outcome, String> {
-    if f.relay_url.is_none() {
-        return Ok(no_relay());
+    if let Err(skip) = relay_url(f) {
+        return Ok(skip);
     }
     Ok(match &f.probes.relay {
         None => Outcome::new(Status::Skip, "not probed"),
@@ -347,7 +439,9 @@ pub fn clock_skew(f: &Facts) -> Result<Outcome, String> {
                 );
                 match status {
                     Status::Ok => out,
-                    _ => out.fix("synchronise the system clock (NTP: timedatectl set-ntp true)"),
+                    _ => out
+                        .detail("synchronise the system clock (NTP)")
+                        .fix(NTP_FIX),
                 }
             }
         },

@@ -38,6 +38,7 @@ use crate::mailbox::peers::Peer;
 use crate::mailbox::receipts::{self, RECEIPT_BATCH};
 use crate::mailbox::{outbox, peers, Mailbox, MailboxError};
 use crate::node::alert;
+use crate::service::liveness;
 
 /// Outbox rows taken per pass (`wire.md` §4: ≤200).
 pub const MAX_ROWS_PER_PASS: usize = 200;
@@ -53,6 +54,15 @@ pub const MAX_RECEIPTS_PER_PASS: usize = 5 * RECEIPT_BATCH;
 pub const IDLE_WAIT_MS: u64 = 60_000;
 /// Longest pause after a failed pass (ms).
 pub const MAX_RETRY_DELAY_MS: u64 = 10_000;
+/// The loop's liveness bound ([`crate::service::liveness`]): 60 s. [`run`] stamps at each pass,
+/// before each call to a peer and while it waits (every 10 s), so between two stamps there is
+/// at most one call ([`super::client::REQUEST_TIMEOUT`], 15 s, connect included) and the store
+/// work around it (due rows, sealing up to [`MAX_ROWS_PER_PASS`] rows, one transaction per
+/// batch, the 72 h sweep and the deadline rule, each waiting at most SQLite's 5 s busy
+/// timeout); twice the call's timeout plus 30 s for the store, so a slow peer or a busy disk
+/// never costs a restart while a loop stuck for a minute is reported.
+pub const LIVENESS_MAX_GAP: Duration =
+    Duration::from_secs(2 * super::client::REQUEST_TIMEOUT.as_secs() + 30);
 
 /// The body size of `{"envelopes":[w1,…]}` for wires of these sizes (bytes).
 pub fn body_bytes(sizes: &[usize]) -> usize {
@@ -111,8 +121,10 @@ pub struct LanDelivery {
     pub client: LanClient,
     /// The host store.
     pub mailbox: Mailbox,
-    /// Whether a relay is configured: without one the LAN keeps every row (spec §10).
-    pub relay_configured: bool,
+    /// Whether a relay is configured: without one the LAN keeps every row (spec §10). Shared,
+    /// so the daemon can follow a `[relay]` table added or removed while it runs (read at each
+    /// pass).
+    pub relay_configured: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl LanDelivery {
@@ -121,7 +133,7 @@ impl LanDelivery {
         LanDelivery {
             client,
             mailbox,
-            relay_configured,
+            relay_configured: Arc::new(relay_configured.into()),
         }
     }
 
@@ -138,7 +150,9 @@ impl LanDelivery {
     /// rows, not returned).
     pub async fn pass(&self) -> Result<PassCounts, MailboxError> {
         let now = self.now();
-        let relay = self.relay_configured;
+        let relay = self
+            .relay_configured
+            .load(std::sync::atomic::Ordering::Acquire);
         let (rows, due_receipts) = self
             .mailbox
             .run(move |c| {
@@ -163,11 +177,15 @@ impl LanDelivery {
         let mut tasks = tokio::task::JoinSet::new();
         for (host, rows) in by_host {
             let this = self.clone();
-            tasks.spawn(async move { this.deliver_host(&host, rows).await });
+            tasks.spawn(liveness::inherit(async move {
+                this.deliver_host(&host, rows).await
+            }));
         }
         for (host, rows) in receipts_by_host {
             let this = self.clone();
-            tasks.spawn(async move { this.flush_receipts(&host, rows).await });
+            tasks.spawn(liveness::inherit(async move {
+                this.flush_receipts(&host, rows).await
+            }));
         }
         let mut counts = PassCounts::default();
         let mut first_error = None;
@@ -224,7 +242,9 @@ impl LanDelivery {
 
     /// The earliest `next_at` (ms) of anything the LAN takes, if any.
     pub async fn next_due(&self) -> Result<Option<i64>, MailboxError> {
-        let relay = self.relay_configured;
+        let relay = self
+            .relay_configured
+            .load(std::sync::atomic::Ordering::Acquire);
         self.mailbox
             .run(move |c| {
                 let rows = outbox::next_due_for_lan(c, relay)?;
@@ -242,6 +262,7 @@ impl LanDelivery {
                 return Ok(k);
             }
         }
+        liveness::progress();
         let enc = self
             .client
             .get_enc_key(addr, peer)
@@ -354,6 +375,7 @@ impl LanDelivery {
                 .iter()
                 .map(|r| r.wire.clone().unwrap_or_default())
                 .collect();
+            liveness::progress();
             match self.client.post_envelopes(addr, &wires).await {
                 Ok(results) => {
                     let (ident, h, now) = (self.client.ident.clone(), host.to_string(), self.now());
@@ -479,6 +501,7 @@ impl LanDelivery {
         let seqs: Vec<i64> = wires.iter().map(|w| w.0).collect();
         let bytes: Vec<Vec<u8>> = wires.into_iter().map(|w| w.1).collect();
         let now = self.now();
+        liveness::progress();
         match self.client.post_receipts(&addr, &bytes).await {
             Ok(results) => {
                 for (seq, r) in seqs.iter().zip(&results) {
@@ -524,7 +547,19 @@ impl LanDelivery {
 ///
 /// `wake` should be this loop's own `Notify` ([`tokio::sync::Notify::notify_one`] wakes one
 /// waiter only; see [`fan_out`] to feed it and the relay loop's from one source).
+///
+/// The loop is registered as `lan delivery` in [`liveness::global`] ([`LIVENESS_MAX_GAP`])
+/// while it runs; failpoint `lan:deliver-pass` (async) is at the start of each pass.
 pub async fn run(
+    delivery: LanDelivery,
+    wake: Arc<tokio::sync::Notify>,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+) {
+    let beat = liveness::global().register("lan delivery", LIVENESS_MAX_GAP);
+    beat.scope(run_loop(delivery, wake, shutdown)).await
+}
+
+async fn run_loop(
     delivery: LanDelivery,
     wake: Arc<tokio::sync::Notify>,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
@@ -534,6 +569,8 @@ pub async fn run(
         if *shutdown.borrow() {
             return;
         }
+        liveness::progress();
+        agentmbx_protocol::failpoint::hang_point("lan:deliver-pass").await;
         let delay = match delivery.pass().await {
             Ok(_) => {
                 failures = 0;
@@ -554,10 +591,17 @@ pub async fn run(
                 Duration::from_millis((500u64 << failures.min(7)).min(MAX_RETRY_DELAY_MS))
             }
         };
-        tokio::select! {
-            _ = tokio::time::sleep(delay) => {}
-            _ = wake.notified() => {}
-            _ = shutdown.changed() => return,
+        // Stamps the loop's liveness while it waits.
+        let stop = liveness::waiting(async {
+            tokio::select! {
+                _ = tokio::time::sleep(delay) => false,
+                _ = wake.notified() => false,
+                _ = shutdown.changed() => true,
+            }
+        })
+        .await;
+        if stop {
+            return;
         }
     }
 }

@@ -55,6 +55,17 @@ pub const CLOCK_WAIT_STEP_MS: u64 = 1_000;
 /// Client timeout of one relay request (`wire.md` §2.6: 15 s for v2).
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
 
+/// The relay loop's liveness bound ([`crate::service::liveness`]): 60 s. [`run`] stamps at each
+/// pass, before each relay call ([`RelayClient::call_capped`]), before each pulled item and
+/// while it waits (every 10 s), so between two stamps there is at most one call (the account
+/// token command, [`account::TOKEN_COMMAND_TIMEOUT`] 10 s, then the request,
+/// [`REQUEST_TIMEOUT`] 15 s with its answer) and the store work around it (one item received,
+/// a push's rows settled, each waiting at most SQLite's 5 s busy timeout); 25 s plus 35 s for the
+/// store, so a slow relay or a busy disk never costs a restart while a loop stuck for a minute
+/// is reported.
+pub const LIVENESS_MAX_GAP: Duration =
+    Duration::from_secs(account::TOKEN_COMMAND_TIMEOUT.as_secs() + REQUEST_TIMEOUT.as_secs() + 35);
+
 /// A relay exchange that did not give a usable answer.
 #[derive(Debug, thiserror::Error)]
 pub enum RelayError {
@@ -270,6 +281,7 @@ impl RelayClient {
         body: &str,
         cap: usize,
     ) -> Result<(u16, bytes::Bytes), RelayError> {
+        crate::service::liveness::progress();
         let target = hop::normalize_target(target);
         let h = hop::sign_relay_hop(
             &self.ident.host_key,
@@ -411,6 +423,7 @@ pub async fn wait_until_clock(
             return true;
         }
         let step = Duration::from_millis((left as u64).min(CLOCK_WAIT_STEP_MS));
+        crate::service::liveness::progress();
         tokio::select! {
             _ = tokio::time::sleep(step) => {}
             _ = shutdown.changed() => return false,
@@ -459,7 +472,22 @@ pub fn status_error(status: u16, bytes: &[u8]) -> RelayError {
 /// A [`RelayError::RateLimited`] (a 429 on any request of the pass: session, push, enc-key
 /// lookup, receipts, pull or ack) waits the time the relay gave, on the clock, before the next
 /// pass; a new send does not cut that wait short.
+///
+/// The loop is registered as `relay` in [`crate::service::liveness::global`]
+/// ([`LIVENESS_MAX_GAP`]) while it runs: a loop stopped because the relay left the config is
+/// not reported.
 pub async fn run(
+    client: RelayClient,
+    pull_interval: Duration,
+    wake: Arc<tokio::sync::Notify>,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+) {
+    let beat = crate::service::liveness::global().register("relay", LIVENESS_MAX_GAP);
+    beat.scope(run_loop(client, pull_interval, wake, shutdown))
+        .await
+}
+
+async fn run_loop(
     mut client: RelayClient,
     pull_interval: Duration,
     wake: Arc<tokio::sync::Notify>,
@@ -470,6 +498,7 @@ pub async fn run(
         if *shutdown.borrow() {
             return;
         }
+        crate::service::liveness::progress();
         let outcome = match client.reload_pin().await {
             Ok(()) => pass(&client).await,
             Err(e) => Err(e),
@@ -540,10 +569,17 @@ pub async fn run(
                 Duration::from_millis((500u64 << failures.min(7)).min(MAX_RETRY_DELAY_MS))
             }
         };
-        tokio::select! {
-            _ = tokio::time::sleep(delay) => {}
-            _ = wake.notified() => {}
-            _ = shutdown.changed() => return,
+        // Stamps the loop's liveness while it waits.
+        let stop = crate::service::liveness::waiting(async {
+            tokio::select! {
+                _ = tokio::time::sleep(delay) => false,
+                _ = wake.notified() => false,
+                _ = shutdown.changed() => true,
+            }
+        })
+        .await;
+        if stop {
+            return;
         }
     }
 }
