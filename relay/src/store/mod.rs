@@ -50,11 +50,11 @@
 mod schema;
 mod sqlite;
 
+#[cfg(test)]
+pub(crate) use schema::assert_usage_matches;
 pub(crate) use schema::stored_version;
 pub use schema::SCHEMA_VERSION;
 pub(crate) use schema::{migrate, rebuild_usage, MIGRATIONS};
-#[cfg(test)]
-pub(crate) use schema::assert_usage_matches;
 pub(crate) use sqlite::{append_op_signed, replay_rotation, ROTATION_META_PREFIX};
 pub use sqlite::{prepare_store_dir, SqliteStore, StoreLock, StoreStats};
 
