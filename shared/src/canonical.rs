@@ -93,24 +93,35 @@ fn write_number(out: &mut String, n: &serde_json::Number) -> Result<(), Canonica
     Ok(())
 }
 
-/// A JSON string literal as `JSON.stringify` writes it.
+/// A JSON string literal as `JSON.stringify` writes it. Runs of characters that need no escape
+/// are copied whole: only `"`, `\\` and U+0000–U+001F (all ASCII, so byte positions are
+/// character boundaries) are escaped.
 pub fn write_string(out: &mut String, s: &str) {
+    out.reserve(s.len() + 2);
     out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\u{08}' => out.push_str("\\b"),
-            '\u{0c}' => out.push_str("\\f"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if (c as u32) < 0x20 => {
-                out.push_str(&format!("\\u{:04x}", c as u32));
-            }
-            c => out.push(c),
+    let bytes = s.as_bytes();
+    let mut start = 0;
+    for (i, &b) in bytes.iter().enumerate() {
+        let escape = match b {
+            b'"' => "\\\"",
+            b'\\' => "\\\\",
+            0x08 => "\\b",
+            0x0c => "\\f",
+            b'\n' => "\\n",
+            b'\r' => "\\r",
+            b'\t' => "\\t",
+            0x00..=0x1f => "",
+            _ => continue,
+        };
+        out.push_str(&s[start..i]);
+        if escape.is_empty() {
+            out.push_str(&format!("\\u{:04x}", b));
+        } else {
+            out.push_str(escape);
         }
+        start = i + 1;
     }
+    out.push_str(&s[start..]);
     out.push('"');
 }
 
@@ -120,6 +131,19 @@ mod tests {
 
     fn canon(text: &str) -> String {
         to_string(&parse(text.as_bytes()).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn strings_escape_as_json_stringify() {
+        // serde_json escapes exactly as `JSON.stringify` for any Rust string: `\"`, `\\`,
+        // the five short forms, other C0 controls as lowercase `\u00xx`, all else literal.
+        let mut all: String = (0u32..0x80).filter_map(char::from_u32).collect();
+        all.push_str("é€😀\u{2028}\u{7f}/\\\"end");
+        for s in [all.as_str(), "", "plain", "\u{1}", "a\"b\\c\nd", "😀\u{1f}😀"] {
+            let mut out = String::new();
+            write_string(&mut out, s);
+            assert_eq!(out, serde_json::to_string(s).unwrap(), "{s:?}");
+        }
     }
 
     #[test]

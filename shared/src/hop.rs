@@ -83,14 +83,24 @@ pub fn relay_signed_path(target: &str) -> &str {
 }
 
 /// The relay hop's signed string (`wire.md` §2.6). `ts` is the header text.
+///
+/// `canonical({method, path, ts, body: "<method>:<path>:<ts>:<raw body>"})`, written directly
+/// (keys in canonical order: body, method, path, ts) rather than through a `Value`, since the
+/// raw body can be the whole push batch (up to `RELAY_MAX_BODY` bytes).
 pub fn relay_signed_string(method: &str, signed_path: &str, ts: &str, raw_body: &str) -> String {
-    let obj = json!({
-        "method": method,
-        "path": signed_path,
-        "ts": ts,
-        "body": format!("{method}:{signed_path}:{ts}:{raw_body}"),
-    });
-    crate::canonical::to_string(&obj).unwrap_or_default()
+    use crate::canonical::write_string;
+    let body = format!("{method}:{signed_path}:{ts}:{raw_body}");
+    let mut out = String::with_capacity(body.len() + signed_path.len() + 64);
+    out.push_str("{\"body\":");
+    write_string(&mut out, &body);
+    out.push_str(",\"method\":");
+    write_string(&mut out, method);
+    out.push_str(",\"path\":");
+    write_string(&mut out, signed_path);
+    out.push_str(",\"ts\":");
+    write_string(&mut out, ts);
+    out.push('}');
+    out
 }
 
 /// Signs a relay hop. `target` is the normalised request target (path + query); `v2` adds
@@ -263,6 +273,19 @@ pub fn relay_signed_value(method: &str, signed_path: &str, ts: &str, raw_body: &
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn relay_signed_string_is_the_canonical_object() {
+        for (method, path, ts, body) in [
+            ("POST", "/v2/relay/items", "1700000000000", r#"{"items":[{"a":"\"\\\n\u0001é😀"}]}"#),
+            ("GET", "/v2/relay/items?after=5", "1", ""),
+            ("POST", "/v1/x", "0", "tab\there\u{1f}\u{7f}\u{2028}"),
+        ] {
+            let want = crate::canonical::to_string(&relay_signed_value(method, path, ts, body))
+                .expect("canonical");
+            assert_eq!(relay_signed_string(method, path, ts, body), want);
+        }
+    }
 
     #[test]
     fn normalizes_targets() {
