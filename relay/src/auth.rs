@@ -20,7 +20,9 @@
 //! binding is recorded); a bearer that is present is checked in full. Info reveals only the
 //! caller's own queue position and ad, and every other request still needs the token.
 
+use std::collections::HashMap;
 use std::pin::Pin;
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes, HttpBody};
@@ -37,6 +39,33 @@ use crate::store::Enrolment;
 /// (`wire.md` §3.1: "then drain up to 2 s"), so a client still uploading reads the 413 instead
 /// of a reset connection.
 pub const DRAIN_FOR: Duration = Duration::from_secs(2);
+
+/// Keys the parse memo holds before it is emptied (each entry about 250 bytes).
+const KEY_MEMO_MAX: usize = 2_048;
+
+/// [`PublicKey::from_b64`] with a memo of the keys that parsed, by their exact text. Parsing
+/// decompresses the Ed25519 point (about 6 µs); a relay sees the same few keys on every hop
+/// and as the targets of every push. A text that does not parse is not remembered, and the
+/// memo is emptied when full, so it stays small whatever callers send. `None` for a text that
+/// is not an Ed25519 key ([`PublicKey::from_b64`]'s refusals).
+pub fn parse_key(text: &str) -> Option<PublicKey> {
+    static MEMO: OnceLock<Mutex<HashMap<String, PublicKey>>> = OnceLock::new();
+    let memo = MEMO.get_or_init(|| Mutex::new(HashMap::new()));
+    let lock = || {
+        memo.lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    };
+    if let Some(key) = lock().get(text) {
+        return Some(*key);
+    }
+    let key = PublicKey::from_b64(text).ok()?;
+    let mut known = lock();
+    if known.len() >= KEY_MEMO_MAX {
+        known.clear();
+    }
+    known.insert(text.to_owned(), key);
+    Some(key)
+}
 
 /// The next data chunk of a request body (`None` at its end; trailers are skipped).
 async fn next_data(body: &mut Body) -> Option<Result<Bytes, axum::Error>> {
@@ -172,7 +201,7 @@ async fn authenticate_as(
     let ts = header_str(headers, header::TS)?;
     let sig = header_str(headers, header::SIG)?;
     hop::parse_relay_ts(ts).map_err(|_| ApiError::bad_hop())?;
-    let key = PublicKey::from_b64(key_text).map_err(|_| ApiError::bad_hop())?;
+    let key = parse_key(key_text).ok_or_else(ApiError::bad_hop)?;
     let target = signed_target(uri);
     match hop::verify_relay_hop(
         &key,
@@ -374,6 +403,33 @@ mod tests {
     use std::task::{Context, Poll};
 
     use agentmbx_protocol::limits::RELAY_MAX_BODY;
+
+    #[test]
+    fn parse_key_agrees_with_from_b64_and_stays_bounded() {
+        use agentmbx_protocol::keys::HostKey;
+        let keys: Vec<String> = (0..KEY_MEMO_MAX + 10)
+            .map(|_| HostKey::generate().public().to_b64())
+            .collect();
+        for k in &keys {
+            assert_eq!(parse_key(k), PublicKey::from_b64(k).ok());
+            assert_eq!(
+                parse_key(k).map(|p| p.to_b64()).as_deref(),
+                Some(k.as_str())
+            );
+        }
+        // Past the bound the memo starts over; every key still parses.
+        assert_eq!(
+            parse_key(&keys[0]).map(|p| p.to_b64()),
+            Some(keys[0].clone())
+        );
+        // Not base64, the wrong length, a small-order point: refused every time.
+        let small_order = agentmbx_protocol::b64::encode(&[0u8; 32]);
+        for bad in ["", "not a key", "AAAA", small_order.as_str()] {
+            assert!(PublicKey::from_b64(bad).is_err());
+            assert_eq!(parse_key(bad), None, "{bad:?}");
+            assert_eq!(parse_key(bad), None, "{bad:?} again");
+        }
+    }
 
     /// A body that declares `declared` bytes in its size hint and then sends only `sent`.
     struct Lying {

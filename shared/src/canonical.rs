@@ -139,7 +139,14 @@ mod tests {
         // the five short forms, other C0 controls as lowercase `\u00xx`, all else literal.
         let mut all: String = (0u32..0x80).filter_map(char::from_u32).collect();
         all.push_str("é€😀\u{2028}\u{7f}/\\\"end");
-        for s in [all.as_str(), "", "plain", "\u{1}", "a\"b\\c\nd", "😀\u{1f}😀"] {
+        for s in [
+            all.as_str(),
+            "",
+            "plain",
+            "\u{1}",
+            "a\"b\\c\nd",
+            "😀\u{1f}😀",
+        ] {
             let mut out = String::new();
             write_string(&mut out, s);
             assert_eq!(out, serde_json::to_string(s).unwrap(), "{s:?}");

@@ -277,7 +277,12 @@ mod tests {
     #[test]
     fn relay_signed_string_is_the_canonical_object() {
         for (method, path, ts, body) in [
-            ("POST", "/v2/relay/items", "1700000000000", r#"{"items":[{"a":"\"\\\n\u0001é😀"}]}"#),
+            (
+                "POST",
+                "/v2/relay/items",
+                "1700000000000",
+                r#"{"items":[{"a":"\"\\\n\u0001é😀"}]}"#,
+            ),
             ("GET", "/v2/relay/items?after=5", "1", ""),
             ("POST", "/v1/x", "0", "tab\there\u{1f}\u{7f}\u{2028}"),
         ] {

@@ -21,6 +21,11 @@
 //! (`quota:<msg>`). Every fresh target is validated before anything is written: an item is
 //! stored for all its fresh targets or for none.
 //!
+//! The store-backed checks (dedup, enrolment, allowlist, quotas) run once, in the writer's
+//! transaction. Only an item that fails a content check (`duplicate target` onwards) needs
+//! them earlier, to tell whether `target not enrolled` or `sender not accepted by target` comes
+//! first; for those items alone the handler reads the store before answering.
+//!
 //! HTTP 200 means "the results are in this body"; each accepted or duplicate item carries the
 //! relay-signed accept statement, sent only after the commit that covers it.
 
@@ -53,7 +58,7 @@ fn rejected(item_id: &str, why: &str) -> PushResult {
     }
 }
 
-/// What the store said about one target key, read once per batch.
+/// What the store said about one target key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum TargetState {
     /// Enrolled, not revoked, and the sender is allowed.
@@ -66,20 +71,12 @@ enum TargetState {
 
 /// The target text as the relay stores it: an Ed25519 key in canonical padded base64.
 fn is_canonical_target(text: &str) -> bool {
-    PublicKey::from_b64(text).is_ok_and(|k| k.to_b64() == text)
+    crate::auth::parse_key(text).is_some_and(|k| k.to_b64() == text)
 }
 
-/// Validates one item that needs no store write, in `wire.md` §3.2 order (each check over
-/// every target before the next). `settled` holds the targets this item was already accepted
-/// for (dedup rows): the enrolment and allowlist checks skip them, the store answers them by
-/// dedup. Returns the decoded target wires in order.
-fn check_item(
-    state: &RelayState,
-    sender: &PublicKey,
-    targets: &HashMap<String, TargetState>,
-    settled: &HashSet<String>,
-    item: &agentmbx_protocol::wire::PushItem,
-) -> Result<Vec<Vec<u8>>, String> {
+/// The checks of one item that come before the store-backed ones (`wire.md` §3.2): `bad item
+/// id`, `bad kind`, `bad targets`.
+fn check_head(state: &RelayState, item: &agentmbx_protocol::wire::PushItem) -> Result<(), String> {
     let id_len = limits::utf16_len(&item.item_id);
     if id_len == 0 || id_len > MAX_ITEM_ID {
         return Err("bad item id".into());
@@ -96,7 +93,35 @@ fn check_item(
     {
         return Err("bad targets".into());
     }
-    let target_state = |t: &agentmbx_protocol::wire::PushTarget| {
+    Ok(())
+}
+
+/// The checks of one item that come after the store-backed ones: `duplicate target`, then the
+/// wire checks. Returns the decoded target wires in order.
+fn check_tail(
+    state: &RelayState,
+    sender: &PublicKey,
+    item: &agentmbx_protocol::wire::PushItem,
+) -> Result<Vec<Vec<u8>>, String> {
+    if item.targets.iter().enumerate().any(|(i, t)| {
+        item.targets[..i]
+            .iter()
+            .any(|u| u.host_pubkey == t.host_pubkey)
+    }) {
+        return Err("duplicate target".into());
+    }
+    check_wires(state, sender, item)
+}
+
+/// The first store-backed refusal of an item whose tail checks failed: `target not enrolled`,
+/// then `sender not accepted by target`, each over the targets this item was not already
+/// accepted for (`settled`, its dedup rows).
+fn store_refusal(
+    targets: &HashMap<String, TargetState>,
+    settled: &HashSet<String>,
+    item: &agentmbx_protocol::wire::PushItem,
+) -> Option<&'static str> {
+    let state = |t: &agentmbx_protocol::wire::PushTarget| {
         if settled.contains(&t.host_pubkey) {
             return TargetState::Ok;
         }
@@ -108,25 +133,61 @@ fn check_item(
     if item
         .targets
         .iter()
-        .any(|t| target_state(t) == TargetState::NotEnrolled)
+        .any(|t| state(t) == TargetState::NotEnrolled)
     {
-        return Err("target not enrolled".into());
+        return Some("target not enrolled");
     }
     if item
         .targets
         .iter()
-        .any(|t| target_state(t) == TargetState::NotAccepted)
+        .any(|t| state(t) == TargetState::NotAccepted)
     {
-        return Err("sender not accepted by target".into());
+        return Some("sender not accepted by target");
     }
-    if item.targets.iter().enumerate().any(|(i, t)| {
-        item.targets[..i]
-            .iter()
-            .any(|u| u.host_pubkey == t.host_pubkey)
-    }) {
-        return Err("duplicate target".into());
+    None
+}
+
+/// For the items whose tail checks failed, `(item_id, target keys)`: which targets each was
+/// already accepted for, and the enrolment and allowlist verdict of every other target, read
+/// once per key.
+fn read_target_states(
+    store: &dyn store::RelayStore,
+    sender: &str,
+    wanted: Vec<(String, Vec<String>)>,
+) -> Result<
+    (
+        HashMap<String, HashSet<String>>,
+        HashMap<String, TargetState>,
+    ),
+    ApiError,
+> {
+    let mut settled: HashMap<String, HashSet<String>> = HashMap::new();
+    let mut states: HashMap<String, TargetState> = HashMap::new();
+    for (item_id, keys) in wanted {
+        let done = match settled.entry(item_id) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => {
+                let done = store.dedup_targets(sender, e.key())?.into_iter().collect();
+                e.insert(done)
+            }
+        };
+        for k in keys {
+            if done.contains(&k) || states.contains_key(&k) {
+                continue;
+            }
+            let verdict = match store.enrolment(&k)? {
+                Some(e) if !e.is_revoked() => match store.sender_list(&k)? {
+                    Some(list) if !list.senders.iter().any(|s| s == sender) => {
+                        TargetState::NotAccepted
+                    }
+                    _ => TargetState::Ok,
+                },
+                _ => TargetState::NotEnrolled,
+            };
+            states.insert(k, verdict);
+        }
     }
-    check_wires(state, sender, item)
+    Ok((settled, states))
 }
 
 /// The wire checks of one item (`bad wire` onwards), each over every target in turn.
@@ -257,70 +318,23 @@ pub async fn post(
             .collect();
         return Ok(Json(PushResponse { results }));
     }
-    let sender = PublicKey::from_b64(&caller.host_pubkey).map_err(|_| ApiError::bad_hop())?;
-    // Store-backed target checks: first which targets each item was already accepted for
-    // (those settle by dedup and skip the checks), then, once per key, the enrolment and
-    // allowlist of every other target named in the batch.
-    let wanted: Vec<(String, Vec<String>)> = push
-        .items
-        .iter()
-        .map(|i| {
-            let keys = i
-                .targets
-                .iter()
-                .map(|t| t.host_pubkey.clone())
-                .filter(|k| is_canonical_target(k))
-                .collect();
-            (i.item_id.clone(), keys)
-        })
-        .collect();
-    let store = state.store.clone();
-    let me = caller.host_pubkey.clone();
-    let (settled, target_states) = blocking(move || {
-        let mut settled: HashMap<String, HashSet<String>> = HashMap::new();
-        let mut m: HashMap<String, TargetState> = HashMap::new();
-        for (item_id, keys) in wanted {
-            if keys.is_empty() {
-                continue;
-            }
-            let done = match settled.entry(item_id) {
-                Entry::Occupied(e) => e.into_mut(),
-                Entry::Vacant(e) => {
-                    let done = store.dedup_targets(&me, e.key())?.into_iter().collect();
-                    e.insert(done)
-                }
-            };
-            for k in keys {
-                if done.contains(&k) || m.contains_key(&k) {
-                    continue;
-                }
-                let verdict = match store.enrolment(&k)? {
-                    Some(e) if !e.is_revoked() => match store.sender_list(&k)? {
-                        Some(list) if !list.senders.iter().any(|s| s == &me) => {
-                            TargetState::NotAccepted
-                        }
-                        _ => TargetState::Ok,
-                    },
-                    _ => TargetState::NotEnrolled,
-                };
-                m.insert(k, verdict);
-            }
-        }
-        Ok((settled, m))
-    })
-    .await?;
-    let none_settled = HashSet::new();
+    let sender = crate::auth::parse_key(&caller.host_pubkey).ok_or_else(ApiError::bad_hop)?;
 
     let mut results: Vec<Option<PushResult>> = Vec::with_capacity(push.items.len());
     let mut to_store = Vec::new();
     let mut positions = Vec::new();
+    // Items that failed a tail check, with that check's reason: answered after the store says
+    // whether an earlier, store-backed check fails first.
+    let mut refused_late: Vec<(usize, String)> = Vec::new();
     for (idx, item) in push.items.iter().enumerate() {
-        let done = settled.get(&item.item_id).unwrap_or(&none_settled);
-        let verdict = check_item(&state, &sender, &target_states, done, item);
-        match verdict {
-            Err(why) => results.push(Some(rejected(&item.item_id, &why))),
+        results.push(None);
+        if let Err(why) = check_head(&state, item) {
+            results[idx] = Some(rejected(&item.item_id, &why));
+            continue;
+        }
+        match check_tail(&state, &sender, item) {
+            Err(why) => refused_late.push((idx, why)),
             Ok(wires) => {
-                results.push(None);
                 positions.push(idx);
                 to_store.push(store::PushItem {
                     kind: item.kind.clone(),
@@ -336,6 +350,28 @@ pub async fn post(
                         .collect(),
                 });
             }
+        }
+    }
+
+    if !refused_late.is_empty() {
+        let wanted: Vec<(String, Vec<String>)> = refused_late
+            .iter()
+            .map(|(idx, _)| {
+                let item = &push.items[*idx];
+                let keys = item.targets.iter().map(|t| t.host_pubkey.clone()).collect();
+                (item.item_id.clone(), keys)
+            })
+            .collect();
+        let store = state.store.clone();
+        let me = caller.host_pubkey.clone();
+        let (settled, target_states) =
+            blocking(move || Ok(read_target_states(store.as_ref(), &me, wanted))).await??;
+        let none_settled = HashSet::new();
+        for (idx, why) in refused_late {
+            let item = &push.items[idx];
+            let done = settled.get(&item.item_id).unwrap_or(&none_settled);
+            let why = store_refusal(&target_states, done, item).map_or(why, str::to_owned);
+            results[idx] = Some(rejected(&item.item_id, &why));
         }
     }
 

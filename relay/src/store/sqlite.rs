@@ -9,8 +9,10 @@
 //! - **The writer thread** owns the only write connection to `relay.db` (WAL,
 //!   `synchronous=FULL`). Requests reach it over a channel. It takes whatever is waiting (up to
 //!   [`MAX_GROUP_REQUESTS`]) and applies it inside one `BEGIN IMMEDIATE … COMMIT`: each request
-//!   in a SAVEPOINT, each pushed item in a nested SAVEPOINT, so a failed request or a rejected
-//!   item leaves nothing, and later requests see earlier ones. One COMMIT (one fsync) covers the
+//!   in a SAVEPOINT, so a failed request leaves nothing, and later requests see earlier ones. A
+//!   pushed item is checked completely (dedup, enrolment, allowlist, quotas) before its first
+//!   write, so a rejected item writes nothing and needs no savepoint of its own (a savepoint
+//!   per item copied every page the item touched into the sub-journal). One COMMIT (one fsync) covers the
 //!   group; only then are the replies sent. If the COMMIT fails, every request of the group gets
 //!   [`StoreError::NotCommitted`]. This is group commit (design README "Decisions already
 //!   taken"); for atomicity and visibility it is exactly one transaction per item (spec §3).
@@ -62,8 +64,14 @@ use super::{
 /// `busy_timeout` of every `relay.db` connection (`wire.md` §3.3).
 const BUSY_TIMEOUT: Duration = Duration::from_millis(5_000);
 
-/// Idle read connections kept for reuse; more are opened on demand and closed after use.
-const READ_POOL_IDLE: usize = 4;
+/// Idle read connections kept for reuse; more are opened on demand and closed after use. Every
+/// concurrent request may hold one (authentication reads the caller's enrolment), so this is
+/// sized for a busy relay: opening a connection costs far more than the read it serves.
+const READ_POOL_IDLE: usize = 16;
+
+/// Prepared statements each connection keeps (rusqlite's default is 16): the writer's push path
+/// alone uses a dozen, and a statement pushed out of the cache is parsed again on its next use.
+const STATEMENT_CACHE: usize = 64;
 
 /// Meta keys that only dedicated methods may write.
 const RESERVED_META: &[&str] = &["schema_version", "epoch", "relay_pubkey", "heartbeat"];
@@ -244,12 +252,12 @@ impl Writer {
         let has_push = group.iter().any(|j| j.kind() == JobKind::Push);
         let has_ack = group.iter().any(|j| j.kind() == JobKind::Ack);
 
-        if let Err(e) = self.conn.execute_batch("BEGIN IMMEDIATE") {
+        if let Err(e) = run_cached(&self.conn, "BEGIN IMMEDIATE") {
             return self.fail_group(group, &format!("could not begin a transaction: {e}"));
         }
         let mut broken: Option<String> = None;
         for job in group.iter_mut() {
-            if let Err(e) = self.conn.execute_batch("SAVEPOINT request") {
+            if let Err(e) = run_cached(&self.conn, "SAVEPOINT request") {
                 broken = Some(format!("could not open a savepoint: {e}"));
                 break;
             }
@@ -265,11 +273,12 @@ impl Writer {
                 }
             };
             let end = if keep {
-                "RELEASE request"
+                run_cached(&self.conn, "RELEASE request")
             } else {
-                "ROLLBACK TO request; RELEASE request"
+                run_cached(&self.conn, "ROLLBACK TO request")
+                    .and_then(|()| run_cached(&self.conn, "RELEASE request"))
             };
-            if let Err(e) = self.conn.execute_batch(end) {
+            if let Err(e) = end {
                 broken = Some(format!("could not close a savepoint: {e}"));
                 break;
             }
@@ -289,7 +298,7 @@ impl Writer {
         if has_ack {
             (self.failpoint)("ack:before-commit");
         }
-        if let Err(e) = self.conn.execute_batch("COMMIT") {
+        if let Err(e) = run_cached(&self.conn, "COMMIT") {
             let reason = format!("COMMIT failed: {e}");
             self.stop(&reason);
             return self.fail_group(group, &reason);
@@ -377,6 +386,7 @@ impl ReadPool {
             OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
         )?;
         conn.busy_timeout(BUSY_TIMEOUT)?;
+        conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
         Ok(conn)
     }
 }
@@ -1308,6 +1318,12 @@ fn is_busy(e: &rusqlite::Error) -> bool {
     )
 }
 
+/// Runs one parameterless statement (transaction control) through the statement cache, so the
+/// writer does not parse `SAVEPOINT request` and friends again for every request.
+fn run_cached(c: &Connection, sql: &str) -> Result<(), rusqlite::Error> {
+    c.prepare_cached(sql)?.execute([]).map(|_| ())
+}
+
 fn open_write_connection(path: &Path) -> Result<Connection, StoreError> {
     let conn = Connection::open_with_flags(
         path,
@@ -1322,7 +1338,12 @@ fn open_write_connection(path: &Path) -> Result<Connection, StoreError> {
             "relay.db cannot use WAL (journal mode stays {mode:?}); put the store on a local file system"
         )));
     }
-    conn.execute_batch("PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON;")?;
+    // temp_store = MEMORY keeps the statement and savepoint sub-journals in memory rather than
+    // in temporary files (they only matter until the transaction ends).
+    conn.execute_batch(
+        "PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON; PRAGMA temp_store = MEMORY;",
+    )?;
+    conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
     Ok(conn)
 }
 
@@ -1641,8 +1662,8 @@ fn get_enc_ad(c: &Connection, host_pubkey: &str) -> Result<Option<EncAd>, StoreE
 struct LiveTarget<'a> {
     pubkey: &'a str,
     wire: &'a [u8],
-    host_name: String,
-    account: Option<String>,
+    host_name: &'a str,
+    account: Option<&'a str>,
 }
 
 /// A dedup row: what an earlier push of the same (sender, item, target) stored.
@@ -1699,26 +1720,13 @@ fn push_apply(
         ),
         Expiry::Never => None,
     };
-    let mut items = Vec::with_capacity(batch.items.len());
-    for item in &batch.items {
-        c.execute_batch("SAVEPOINT item")?;
-        match push_item(c, limits, batch, expires_at, item) {
-            Ok(outcome) => {
-                let end = if matches!(outcome.status, ItemStatus::Rejected(_)) {
-                    "ROLLBACK TO item; RELEASE item"
-                } else {
-                    "RELEASE item"
-                };
-                c.execute_batch(end)?;
-                items.push(outcome);
-            }
-            Err(e) => {
-                // The request's own savepoint is rolled back by the writer as well.
-                let _ = c.execute_batch("ROLLBACK TO item; RELEASE item");
-                return Err(e);
-            }
-        }
-    }
+    // An error part way through an item fails the whole request: the writer rolls back the
+    // request's savepoint, so nothing of the request is stored.
+    let items = batch
+        .items
+        .iter()
+        .map(|item| push_item(c, limits, batch, expires_at, item))
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(PushOutcome { epoch, items })
 }
 
@@ -1731,8 +1739,8 @@ fn rejected(item: &PushItem, why: Rejection) -> ItemOutcome {
     }
 }
 
-/// One item inside its savepoint. A rejection is returned as an outcome; the caller rolls the
-/// savepoint back so nothing of it remains.
+/// One item: every check first, then the writes. A rejection is returned as an outcome before
+/// anything of the item was written, so a rejected item leaves nothing.
 ///
 /// A target that already has a dedup row for (sender, item id, target) is settled by dedup
 /// alone: the same bytes answer `duplicate` with the original seq even if the target was
@@ -1756,8 +1764,8 @@ fn push_item(
         .map(|t| dedup_hit(c, sender, &item.item_id, &t.target_pubkey))
         .collect::<Result<Vec<_>, _>>()?;
 
-    // 1. Validate every fresh target before writing anything, in `wire.md` §3.2 order, each
-    //    check over every target before the next one.
+    // 1. Validate every fresh target, in `wire.md` §3.2 order, each check over every target
+    //    before the next one.
     let mut facts = Vec::with_capacity(item.targets.len());
     for (t, hit) in item.targets.iter().zip(&hits) {
         facts.push(match hit {
@@ -1789,49 +1797,48 @@ fn push_item(
     {
         return Ok(rejected(item, Rejection::Conflict));
     }
-
-    // 2. Per target: reuse the dedup row, or quota and insert. Any refusal rejects the whole
-    //    item (the savepoint is rolled back).
-    let mut any_fresh = false;
-    let mut earliest: Option<i64> = None;
-    let mut targets = Vec::with_capacity(item.targets.len());
-    for ((t, hit), (fact, hash)) in item
-        .targets
-        .iter()
-        .zip(hits)
-        .zip(facts.into_iter().zip(hashes))
-    {
-        if let Some(hit) = hit {
-            earliest = Some(earliest.map_or(hit.accepted_at, |e| e.min(hit.accepted_at)));
-            targets.push(TargetAccept {
-                target_pubkey: t.target_pubkey.clone(),
-                seq: hit.seq,
-                wire_hash: hit.wire_hash,
-            });
-            continue;
-        }
+    // Quotas of every fresh target, in target order, before any write. The targets are
+    // distinct, so each target's own counters see only this item's one addition; an account
+    // quota also counts what this item adds to the account's earlier targets.
+    let mut fresh = Vec::with_capacity(item.targets.len());
+    let mut account_adds: Vec<(&str, i64, i64)> = Vec::new();
+    for (idx, (t, fact)) in item.targets.iter().zip(&facts).enumerate() {
         let Some((host_name, account)) = fact else {
-            return Err(StoreError::Corrupt(
-                "a fresh push target was not validated".to_owned(),
-            ));
+            continue;
         };
         let live = LiveTarget {
             pubkey: &t.target_pubkey,
             wire: &t.wire,
             host_name,
-            account,
+            account: account.as_deref(),
         };
         let bytes = i64::try_from(live.wire.len())
             .map_err(|_| StoreError::InvalidInput("wire larger than i64::MAX bytes".to_owned()))?;
-        if let Some(kind) = quota_exceeded(c, limits, &live, sender, bytes)? {
+        let before = live.account.map_or((0, 0), |a| {
+            account_adds
+                .iter()
+                .filter(|(acc, _, _)| *acc == a)
+                .fold((0, 0), |(n, b), (_, dn, db)| (n + dn, b + db))
+        });
+        if let Some(kind) = quota_exceeded(c, limits, &live, sender, bytes, before)? {
             return Ok(rejected(
                 item,
                 Rejection::Quota {
                     kind,
-                    host: live.host_name.clone(),
+                    host: live.host_name.to_owned(),
                 },
             ));
         }
+        if let Some(a) = live.account {
+            account_adds.push((a, 1, bytes));
+        }
+        fresh.push((idx, live, bytes));
+    }
+
+    // 2. Writes: per fresh target a seq, the item row and its dedup row.
+    let mut written = Vec::with_capacity(fresh.len());
+    for (idx, live, bytes) in &fresh {
+        let hash = &hashes[*idx];
         let seq = allocate_seq(c, live.pubkey, batch.now_ms)?;
         c.prepare_cached(
             "INSERT INTO items (target_pubkey, seq, kind, item_id, sender_pubkey, sender_host,
@@ -1863,7 +1870,27 @@ fn push_item(
             seq,
             batch.now_ms
         ])?;
-        any_fresh = true;
+        written.push((*idx, seq));
+    }
+
+    // 3. The outcome, in the sender's target order.
+    let any_fresh = !written.is_empty();
+    let mut earliest: Option<i64> = None;
+    let mut targets = Vec::with_capacity(item.targets.len());
+    for (i, ((t, hit), hash)) in item.targets.iter().zip(hits).zip(hashes).enumerate() {
+        let seq = match hit {
+            Some(hit) => {
+                earliest = Some(earliest.map_or(hit.accepted_at, |e| e.min(hit.accepted_at)));
+                hit.seq
+            }
+            None => written
+                .iter()
+                .find(|(idx, _)| *idx == i)
+                .map(|(_, seq)| *seq)
+                .ok_or_else(|| {
+                    StoreError::Corrupt("a fresh push target was not written".to_owned())
+                })?,
+        };
         targets.push(TargetAccept {
             target_pubkey: t.target_pubkey.clone(),
             seq,
@@ -1883,27 +1910,32 @@ fn push_item(
     })
 }
 
-/// No allowlist = everyone; else the sender must be listed (spec §2 "Sender allowlist").
+/// No allowlist = everyone; else the sender must be listed (spec §2 "Sender allowlist"). The
+/// list is read through a scalar subquery: a `json_each` joined to `sender_lists` made SQLite
+/// prepare the statement again on every run.
+const SENDER_ALLOWED_SQL: &str =
+    "SELECT NOT EXISTS (SELECT 1 FROM sender_lists WHERE target_pubkey = ?1)
+         OR EXISTS (SELECT 1 FROM json_each((SELECT senders FROM sender_lists
+                                             WHERE target_pubkey = ?1))
+                    WHERE value = ?2)";
+
 fn sender_allowed(c: &Connection, target: &str, sender: &str) -> Result<bool, StoreError> {
-    Ok(c.prepare_cached(
-        "SELECT CASE
-           WHEN NOT EXISTS (SELECT 1 FROM sender_lists WHERE target_pubkey = ?1) THEN 1
-           ELSE EXISTS (SELECT 1 FROM sender_lists s, json_each(s.senders) j
-                        WHERE s.target_pubkey = ?1 AND j.value = ?2)
-         END",
-    )?
-    .query_row([target, sender], |r| r.get(0))?)
+    Ok(c.prepare_cached(SENDER_ALLOWED_SQL)?
+        .query_row([target, sender], |r| r.get(0))?)
 }
 
 /// Would adding `bytes` to this target exceed a quota? Checked in the order of `wire.md` §3.2:
 /// target depth, target bytes, sender share, proven account. Reads the usage counters the
 /// schema's triggers keep (`schema.rs`, version 4): one row per check, whatever the queue depth.
+/// `account_pending` is `(items, bytes)` the same item adds to the account's other targets and
+/// has not written yet.
 fn quota_exceeded(
     c: &Connection,
     limits: &StoreLimits,
     t: &LiveTarget<'_>,
     sender: &str,
     bytes: i64,
+    account_pending: (i64, i64),
 ) -> Result<Option<QuotaKind>, StoreError> {
     let over = |used: i64, add: i64, max: u64| i128::from(used) + i128::from(add) > i128::from(max);
     let usage = |sql: &str, args: &[&dyn rusqlite::ToSql]| -> Result<(i64, i64), StoreError> {
@@ -1930,13 +1962,17 @@ fn quota_exceeded(
     if over(items, 1, limits.max_sender_items) || over(used, bytes, limits.max_sender_bytes) {
         return Ok(Some(QuotaKind::SenderShare));
     }
-    if let Some(account) = &t.account {
+    if let Some(account) = t.account {
         let (items, used) = usage(
             "SELECT COALESCE(SUM(u.items), 0), COALESCE(SUM(u.bytes), 0)
              FROM enrolments e JOIN target_usage u ON u.target_pubkey = e.host_pubkey
              WHERE e.account = ?1 AND e.revoked_at IS NULL",
-            &[account],
+            &[&account],
         )?;
+        let (items, used) = (
+            items.saturating_add(account_pending.0),
+            used.saturating_add(account_pending.1),
+        );
         if over(items, 1, limits.max_owner_items) {
             return Ok(Some(QuotaKind::OwnerQueueDepth));
         }
@@ -3142,6 +3178,102 @@ mod tests {
             "rejected:quota:owner queue depth exceeded for one"
         );
         assert_eq!(usage_matches(dir.path()), 6);
+    }
+
+    #[test]
+    fn account_quota_counts_the_items_own_earlier_targets() {
+        // One item to two targets of the same account, with room for one more item in the
+        // account: the second target sees the first target's addition and the whole item is
+        // refused, with nothing stored for either target.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open_limited(
+            dir.path(),
+            StoreLimits {
+                max_owner_items: 2,
+                ..StoreLimits::default()
+            },
+        );
+        let (alpha, b1, b2) = (key(1), key(2), key(3));
+        enrol(&store, &alpha, "alpha");
+        for (k, name) in [(&b1, "one"), (&b2, "two")] {
+            let out = enrol_as(&store, k, name, Some("acct"), AuthorityStrength::Account);
+            assert!(matches!(out, EnrolOutcome::Enrolled(_)));
+        }
+        assert_eq!(
+            push_one(&store, &alpha, 1, item("1", &[(&b1, b"x")])).status,
+            ItemStatus::Accepted
+        );
+        assert_eq!(
+            push_one(&store, &alpha, 1, item("2", &[(&b1, b"y"), (&b2, b"y")]))
+                .status
+                .wire(),
+            "rejected:quota:owner queue depth exceeded for two"
+        );
+        assert_eq!(pull_all(&store, &b1).items.len(), 1);
+        assert!(pull_all(&store, &b2).items.is_empty());
+        assert_eq!(
+            usage_matches(dir.path()),
+            1,
+            "a refused item counts nowhere"
+        );
+        // The refused item took no room: one more item fits the account.
+        assert_eq!(
+            push_one(&store, &alpha, 1, item("3", &[(&b2, b"z")])).status,
+            ItemStatus::Accepted
+        );
+        assert_eq!(usage_matches(dir.path()), 2);
+    }
+
+    #[test]
+    fn the_push_path_reuses_its_prepared_statements() {
+        // Every statement of a push is prepared once per connection: a statement SQLite
+        // re-prepares on each run (as a `json_each` joined to a table was) costs a full parse.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (alpha, beta, listed) = (key(1), key(2), key(3));
+        {
+            let store = open(dir.path());
+            for (k, name) in [(&alpha, "alpha"), (&beta, "beta"), (&listed, "listed")] {
+                enrol(&store, k, name);
+            }
+            let out = store
+                .put_sender_list(SenderList {
+                    target_pubkey: listed.clone(),
+                    senders: vec![alpha.clone()],
+                    iat_ms: 1,
+                    record: "{}".to_owned(),
+                    sig: "sig".to_owned(),
+                })
+                .expect("list");
+            assert_eq!(out, SenderListOutcome::Stored);
+            store.close().expect("close");
+        }
+        let c = open_write_connection(&dir.path().join(DB_FILE)).expect("open");
+        for i in 0..10 {
+            let batch = PushBatch {
+                sender_pubkey: alpha.clone(),
+                sender_host: "alpha".to_owned(),
+                now_ms: 10 + i,
+                expiry: Expiry::Retention,
+                items: vec![
+                    item(&format!("a{i}"), &[(&beta, b"one")]),
+                    item(&format!("b{i}"), &[(&listed, b"two")]),
+                ],
+            };
+            run_cached(&c, "BEGIN IMMEDIATE").expect("begin");
+            let out = push_apply(&c, &StoreLimits::default(), &batch).expect("push");
+            run_cached(&c, "COMMIT").expect("commit");
+            assert!(out.items.iter().all(|o| o.status == ItemStatus::Accepted));
+        }
+        let st = c.prepare_cached(SENDER_ALLOWED_SQL).expect("cached");
+        assert_eq!(
+            st.get_status(rusqlite::StatementStatus::RePrepare),
+            0,
+            "the allowlist check was prepared again"
+        );
+        assert!(
+            st.get_status(rusqlite::StatementStatus::VmStep) > 0,
+            "it ran"
+        );
     }
 
     #[test]
