@@ -383,8 +383,18 @@ pub async fn post(
             expiry: Expiry::Retention,
             items: to_store,
         };
-        let store = state.store.clone();
-        let outcome = blocking(move || store.push(batch)).await?;
+        // The writer answers through the channel after its commit; no thread waits for it.
+        let (done, answer) = tokio::sync::oneshot::channel();
+        state.store.push_then(
+            batch,
+            Box::new(move |r| {
+                // The request may have gone away (client closed); nobody else to tell.
+                let _ = done.send(r);
+            }),
+        );
+        let outcome = answer
+            .await
+            .map_err(|_| ApiError::from(store::StoreError::WriterStopped))??;
         let relay_pubkey = state.key.public().to_b64();
         for (pos, out) in positions.into_iter().zip(outcome.items) {
             let result = match &out.status {

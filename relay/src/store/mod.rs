@@ -520,6 +520,9 @@ pub struct PushBatch {
     pub items: Vec<PushItem>,
 }
 
+/// The reply of [`RelayStore::push_then`].
+pub type PushReply = Box<dyn FnOnce(Result<PushOutcome, StoreError>) + Send>;
+
 /// Which quota refused an item (spec §7, `wire.md` §3.2 "Quotas").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QuotaKind {
@@ -1129,6 +1132,15 @@ pub trait RelayStore: Send + Sync + std::fmt::Debug {
     /// (enrolled, sender allowed, not repeated) before seq allocation and quotas; one outcome
     /// per item.
     fn push(&self, batch: PushBatch) -> Result<PushOutcome, StoreError>;
+
+    /// [`RelayStore::push`] without holding the caller: `done` gets the same result once the
+    /// group commit that covers the batch has committed (or failed), on whatever thread
+    /// finished it (the writer's, for [`SqliteStore`]), so an async handler awaits a channel
+    /// instead of parking a blocking thread per request. `done` must not block. The default
+    /// runs [`RelayStore::push`] on the calling thread.
+    fn push_then(&self, batch: PushBatch, done: PushReply) {
+        done(self.push(batch))
+    }
 
     /// The target keys that already have a dedup row for (sender, item id), i.e. for which a
     /// push of this item was accepted earlier (its bytes may since have been acked or expired).

@@ -117,13 +117,16 @@ trait WriteJob: Send {
     fn reply(self: Box<Self>, failed: Option<&str>);
     /// Refuse without applying: the writer stopped after a failed commit.
     fn refuse(self: Box<Self>, reason: &str);
+    /// Refuse without applying: the writer thread is gone (the store is closing).
+    fn refuse_stopped(self: Box<Self>);
 }
 
 struct TypedJob<T, F> {
     kind: JobKind,
     op: Option<F>,
     result: Option<Result<T, StoreError>>,
-    reply_to: mpsc::SyncSender<Result<T, StoreError>>,
+    /// Called once with the result; must not block (the writer thread calls it).
+    reply_to: Box<dyn FnOnce(Result<T, StoreError>) + Send>,
 }
 
 impl<T, F> WriteJob for TypedJob<T, F>
@@ -160,11 +163,15 @@ where
             }),
         };
         // The caller may have gone away; there is nobody else to tell.
-        let _ = self.reply_to.send(message);
+        (self.reply_to)(message);
+    }
+
+    fn refuse_stopped(self: Box<Self>) {
+        (self.reply_to)(Err(StoreError::WriterStopped));
     }
 
     fn refuse(self: Box<Self>, reason: &str) {
-        let _ = self.reply_to.send(Err(StoreError::WriterFailed {
+        (self.reply_to)(Err(StoreError::WriterFailed {
             reason: reason.to_owned(),
         }));
     }
@@ -611,26 +618,49 @@ impl SqliteStore {
         T: Send + 'static,
         F: FnOnce(&Connection, &StoreLimits) -> Result<T, StoreError> + Send + 'static,
     {
-        if let Some(reason) = self.failure.get() {
-            return Err(StoreError::WriterFailed {
-                reason: reason.clone(),
-            });
-        }
-        let jobs = self.jobs.as_ref().ok_or(StoreError::WriterStopped)?;
         let (reply_to, reply) = mpsc::sync_channel(1);
+        self.submit_then(
+            kind,
+            op,
+            Box::new(move |r| {
+                // The caller may have gone away; there is nobody else to tell.
+                let _ = reply_to.send(r);
+            }),
+        );
+        reply.recv().map_err(|_| StoreError::WriterStopped)?
+    }
+
+    /// Hand a write to the writer thread; `done` gets its result once its group committed (or
+    /// failed), or at once when the writer no longer takes writes. Never blocks.
+    fn submit_then<T, F>(
+        &self,
+        kind: JobKind,
+        op: F,
+        done: Box<dyn FnOnce(Result<T, StoreError>) + Send>,
+    ) where
+        T: Send + 'static,
+        F: FnOnce(&Connection, &StoreLimits) -> Result<T, StoreError> + Send + 'static,
+    {
+        if let Some(reason) = self.failure.get() {
+            return done(Err(StoreError::WriterFailed {
+                reason: reason.clone(),
+            }));
+        }
+        let Some(jobs) = self.jobs.as_ref() else {
+            return done(Err(StoreError::WriterStopped));
+        };
         let job: Box<dyn WriteJob> = Box::new(TypedJob {
             kind,
             op: Some(op),
             result: None,
-            reply_to,
+            reply_to: done,
         });
         // Count before sending, so the writer never decrements below zero.
         self.counters.queued.fetch_add(1, Ordering::SeqCst);
-        if jobs.send(job).is_err() {
+        if let Err(mpsc::SendError(job)) = jobs.send(job) {
             self.counters.queued.fetch_sub(1, Ordering::SeqCst);
-            return Err(StoreError::WriterStopped);
+            job.refuse_stopped();
         }
-        reply.recv().map_err(|_| StoreError::WriterStopped)?
     }
 
     fn read<T>(
@@ -812,6 +842,14 @@ impl RelayStore for SqliteStore {
         self.submit(JobKind::Push, move |c, limits| {
             push_apply(c, limits, &batch)
         })
+    }
+
+    fn push_then(&self, batch: PushBatch, done: super::PushReply) {
+        self.submit_then(
+            JobKind::Push,
+            move |c, limits| push_apply(c, limits, &batch),
+            done,
+        )
     }
 
     fn dedup_targets(&self, sender_pubkey: &str, item_id: &str) -> Result<Vec<String>, StoreError> {

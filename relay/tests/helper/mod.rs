@@ -914,6 +914,12 @@ impl RelayStore for FailingStore {
         self.write()?;
         self.inner.push(batch)
     }
+    fn push_then(&self, batch: store::PushBatch, done: store::PushReply) {
+        match self.write() {
+            Err(e) => done(Err(e)),
+            Ok(()) => self.inner.push_then(batch, done),
+        }
+    }
     fn dedup_targets(
         &self,
         sender_pubkey: &str,
