@@ -161,7 +161,7 @@ fn read_target_states(
     ),
     ApiError,
 > {
-    let mut settled: HashMap<String, HashSet<String>> = HashMap::new();
+    let mut settled: Settled = HashMap::new();
     let mut states: HashMap<String, TargetState> = HashMap::new();
     for (item_id, keys) in wanted {
         let done = match settled.entry(item_id) {

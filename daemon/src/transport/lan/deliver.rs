@@ -10,7 +10,10 @@
 //! `rejected` plus a local alert to the sender. A failed call (network, HTTP, bad answer) is a
 //! LAN failure for every row of the host in this pass ([`outbox::fail_lan`]): backoff, and after
 //! two of them the relay takes the row ([`crate::transport::select`]); a row no relay ever
-//! accepted gives up after 72 h (`undelivered`, with an alert).
+//! accepted gives up after 72 h (`undelivered`, with an alert). A 429 (the peer's per-peer rate
+//! limit) is no failure: the same batch goes again after a short pause, in the same pass
+//! ([`RATE_LIMIT_PAUSE`]); only a peer still refusing after [`RATE_LIMIT_RETRIES`] pauses makes
+//! it one.
 //!
 //! Every pass ends with the 72 h sweep ([`outbox::give_up_stale`]): a pending row no relay ever
 //! accepted that is more than 72 h old ends `undelivered` with its alert, whichever transport
@@ -20,7 +23,8 @@
 //! every [`IDLE_WAIT_MS`].
 //!
 //! Then the due receipts the LAN takes, at most [`RECEIPT_BATCH`] per host in one
-//! `POST /v1/receipts`; a length mismatch or any error is a failure of all of them.
+//! `POST /v1/receipts` (a 429 waited out the same way); a length mismatch or any error is a
+//! failure of all of them.
 //!
 //! The loop ([`run`]) wakes on its `Notify` (new mail, a peer that is back) or at the earliest
 //! `next_at` of what it takes, never on a fast fixed tick. It never decides by itself what the
@@ -52,6 +56,13 @@ pub const MAX_RECEIPTS_PER_PASS: usize = 5 * RECEIPT_BATCH;
 /// Longest sleep when nothing is due (ms): a row whose peer only gains an address later is
 /// looked at within this time even without a wake.
 pub const IDLE_WAIT_MS: u64 = 60_000;
+/// First pause before a batch the peer refused with 429 goes again (its per-peer rate limit,
+/// `wire.md` §4: 600 signed requests a minute, one more every 100 ms); doubled per refusal in
+/// a row.
+pub const RATE_LIMIT_PAUSE: Duration = Duration::from_millis(100);
+/// Refusals (429) in a row waited out in one pass (pauses of 0.1 + 0.2 + 0.4 + 0.8 s); one
+/// more is a failed attempt like any other (backoff).
+pub const RATE_LIMIT_RETRIES: u32 = 4;
 /// Longest pause after a failed pass (ms).
 pub const MAX_RETRY_DELAY_MS: u64 = 10_000;
 /// The loop's liveness bound ([`crate::service::liveness`]): 60 s. [`run`] stamps at each pass,
@@ -375,8 +386,7 @@ impl LanDelivery {
                 .iter()
                 .map(|r| r.wire.clone().unwrap_or_default())
                 .collect();
-            liveness::progress();
-            match self.client.post_envelopes(addr, &wires).await {
+            match paced(host, || self.client.post_envelopes(addr, &wires)).await {
                 Ok(results) => {
                     let (ident, h, now) = (self.client.ident.clone(), host.to_string(), self.now());
                     let batch_rows = batch.to_vec();
@@ -501,8 +511,7 @@ impl LanDelivery {
         let seqs: Vec<i64> = wires.iter().map(|w| w.0).collect();
         let bytes: Vec<Vec<u8>> = wires.into_iter().map(|w| w.1).collect();
         let now = self.now();
-        liveness::progress();
-        match self.client.post_receipts(&addr, &bytes).await {
+        match paced(host, || self.client.post_receipts(&addr, &bytes)).await {
             Ok(results) => {
                 for (seq, r) in seqs.iter().zip(&results) {
                     if r.starts_with("rejected:") {
@@ -537,6 +546,36 @@ impl LanDelivery {
                     .await?;
                 Ok(PassCounts::default())
             }
+        }
+    }
+}
+
+/// Makes `call` (a delivery POST to `host`), again while the peer answers 429 (its per-peer
+/// rate limit), after [`RATE_LIMIT_PAUSE`] doubling, at most [`RATE_LIMIT_RETRIES`] times; then
+/// the last answer stands. A 429 is the peer asking to slow down, not a failure: counted as
+/// one it cost the row a 5 s backoff (and, twice, a hand-over to the relay) although this
+/// daemon's limit ([`super::hop::PeerLimiter`]) lets one more request through every 100 ms.
+/// Resending is safe: on these routes a 429 comes from the limit, checked before the route
+/// runs, so the refused request was never processed (and an envelope sent twice is answered
+/// `duplicate`, never stored twice).
+async fn paced<T, F, Fut>(host: &str, mut call: F) -> Result<T, LanError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, LanError>>,
+{
+    let mut pause = RATE_LIMIT_PAUSE;
+    let mut refusals = 0;
+    loop {
+        liveness::progress();
+        match call().await {
+            Err(LanError::Status { status: 429, .. }) if refusals < RATE_LIMIT_RETRIES => {
+                let pause_ms = u64::try_from(pause.as_millis()).unwrap_or(u64::MAX);
+                tracing::debug!(peer = %host, pause_ms, "rate-limited by the peer: sending again after a pause");
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+                refusals += 1;
+            }
+            answer => return answer,
         }
     }
 }
