@@ -854,7 +854,14 @@ impl Host {
 /// loop pauses a pseudo-random time in `[0, jitter)`, so that sends do not lock onto the phase
 /// of a periodic pull (`jitter` is the pull interval on the relay path, zero on the LAN path).
 /// Each latency runs from just before the send request until the first poll that lists it.
-fn latencies(a: &Host, b: &Host, n: usize, tag: &str, jitter: Duration) -> Result<Vec<f64>> {
+fn latencies(
+    a: &Host,
+    b: &Host,
+    n: usize,
+    tag: &str,
+    jitter: Duration,
+    spacing: Duration,
+) -> Result<Vec<f64>> {
     let body: String = (0..VALUE_BYTES)
         .map(|i| char::from(b'a' + (i % 26) as u8))
         .collect();
@@ -868,7 +875,11 @@ fn latencies(a: &Host, b: &Host, n: usize, tag: &str, jitter: Duration) -> Resul
         .unwrap_or(0x9e37_79b9_7f4a_7c15)
         | 1;
     let mut lat = Vec::with_capacity(n);
+    let mut last_send: Option<Instant> = None;
     for i in 0..n {
+        if let Some(gap) = last_send.map(|t| spacing.saturating_sub(t.elapsed())) {
+            std::thread::sleep(gap);
+        }
         if !jitter.is_zero() {
             seed ^= seed << 13;
             seed ^= seed >> 7;
@@ -878,6 +889,7 @@ fn latencies(a: &Host, b: &Host, n: usize, tag: &str, jitter: Duration) -> Resul
         let msg = json!({"from": "alice", "to": [to], "subject": format!("{tag} {i}"),
                          "body": body});
         let t0 = Instant::now();
+        last_send = Some(t0);
         let (status, answer) = a_api.call("POST", "/v1/messages", Some(&msg))?;
         if status != 201 {
             bail!("send answered {status}: {answer}");
@@ -931,12 +943,13 @@ fn latency_figures(
     label: &str,
     n: usize,
     jitter: Duration,
+    spacing: Duration,
     extra: Value,
 ) -> Result<()> {
     let (mut p50, mut p99, mut max) = (Vec::new(), Vec::new(), Vec::new());
     for run in 0..o.runs {
         eprintln!("{prefix}: run {}/{} ({n} messages)", run + 1, o.runs);
-        let lat = latencies(a, b, n, &format!("{prefix}-{run}"), jitter)?;
+        let lat = latencies(a, b, n, &format!("{prefix}-{run}"), jitter, spacing)?;
         p50.push(percentile(&lat, 50.0));
         p99.push(percentile(&lat, 99.0));
         max.push(percentile(&lat, 100.0));
@@ -951,6 +964,10 @@ fn latency_figures(
         m.insert(
             "send_jitter_ms".into(),
             json!(format!("uniform 0..{}", jitter.as_millis())),
+        );
+        m.insert(
+            "min_send_spacing_ms".into(),
+            json!(spacing.as_millis() as u64),
         );
         m.insert(
             "inbox_poll_pause_ms".into(),
@@ -975,6 +992,10 @@ fn latency_figures(
     );
     Ok(())
 }
+
+/// Least time between two LAN sends of the latency figure: B's per-peer rate limit
+/// (`wire.md` §4, 600 signed requests a minute, one more every 100 ms).
+const LAN_SEND_SPACING: Duration = Duration::from_millis(100);
 
 fn e2e(o: &Opts) -> Result<()> {
     let dir = o.dir.join("e2e");
@@ -1005,6 +1026,7 @@ fn e2e(o: &Opts) -> Result<()> {
             // would take over half an hour per run.
             if o.quick { 10 } else { 100 },
             Duration::from_millis(agentmbx::config::default_relay_pull_interval_ms()),
+            Duration::ZERO,
             json!({
                 "path": "relay only (peers pinned without a LAN address)",
                 "relay_pull_interval_ms": agentmbx::config::default_relay_pull_interval_ms(),
@@ -1040,6 +1062,10 @@ fn e2e(o: &Opts) -> Result<()> {
             "end-to-end over the LAN (send on A → listed in B's inbox)",
             if o.quick { 50 } else { 1000 },
             Duration::ZERO,
+            // One signed request from A to B per message; B's per-peer limit (`wire.md` §4) is
+            // 600 a minute, so sends start at least 100 ms apart: the figure is the latency of
+            // one message, not of a peer throttled for flooding.
+            LAN_SEND_SPACING,
             json!({"path": "LAN only (paired on 127.0.0.1, no relay configured)"}),
         )?;
     }

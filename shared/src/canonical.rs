@@ -101,29 +101,43 @@ pub fn write_string(out: &mut String, s: &str) {
     out.push('"');
     let bytes = s.as_bytes();
     let mut start = 0;
-    for (i, &b) in bytes.iter().enumerate() {
-        let escape = match b {
-            b'"' => "\\\"",
-            b'\\' => "\\\\",
-            0x08 => "\\b",
-            0x0c => "\\f",
-            b'\n' => "\\n",
-            b'\r' => "\\r",
-            b'\t' => "\\t",
-            0x00..=0x1f => "",
-            _ => continue,
-        };
-        out.push_str(&s[start..i]);
-        if escape.is_empty() {
-            out.push_str(&format!("\\u{:04x}", b));
-        } else {
-            out.push_str(escape);
+    let mut i = 0;
+    while i < bytes.len() {
+        // Skip the run of bytes that need no escape (the common case: a whole base64 wire).
+        while i < bytes.len() && !NEEDS_ESCAPE[usize::from(bytes[i])] {
+            i += 1;
         }
-        start = i + 1;
+        let Some(&b) = bytes.get(i) else { break };
+        out.push_str(&s[start..i]);
+        match b {
+            b'"' => out.push_str("\\\""),
+            b'\\' => out.push_str("\\\\"),
+            0x08 => out.push_str("\\b"),
+            0x0c => out.push_str("\\f"),
+            b'\n' => out.push_str("\\n"),
+            b'\r' => out.push_str("\\r"),
+            b'\t' => out.push_str("\\t"),
+            _ => out.push_str(&format!("\\u{b:04x}")),
+        }
+        i += 1;
+        start = i;
     }
     out.push_str(&s[start..]);
     out.push('"');
 }
+
+/// The bytes [`write_string`] escapes: `"`, `\\` and U+0000–U+001F.
+const NEEDS_ESCAPE: [bool; 256] = {
+    let mut t = [false; 256];
+    let mut b = 0;
+    while b < 0x20 {
+        t[b] = true;
+        b += 1;
+    }
+    t[b'"' as usize] = true;
+    t[b'\\' as usize] = true;
+    t
+};
 
 #[cfg(test)]
 mod tests {
