@@ -147,6 +147,9 @@ fn store_refusal(
     None
 }
 
+/// Per item id, the targets it was already accepted for (its dedup rows).
+type Settled = HashMap<String, HashSet<String>>;
+
 /// For the items whose tail checks failed, `(item_id, target keys)`: which targets each was
 /// already accepted for, and the enrolment and allowlist verdict of every other target, read
 /// once per key.
@@ -154,13 +157,7 @@ fn read_target_states(
     store: &dyn store::RelayStore,
     sender: &str,
     wanted: Vec<(String, Vec<String>)>,
-) -> Result<
-    (
-        HashMap<String, HashSet<String>>,
-        HashMap<String, TargetState>,
-    ),
-    ApiError,
-> {
+) -> Result<(Settled, HashMap<String, TargetState>), ApiError> {
     let mut settled: Settled = HashMap::new();
     let mut states: HashMap<String, TargetState> = HashMap::new();
     for (item_id, keys) in wanted {
