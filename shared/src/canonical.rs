@@ -93,6 +93,14 @@ fn write_number(out: &mut String, n: &serde_json::Number) -> Result<(), Canonica
     Ok(())
 }
 
+/// An integer as `JSON.stringify` writes the IEEE double it becomes (exact up to 2^53; beyond,
+/// the nearest double in ECMAScript's `Number#toString` form), as [`to_string`] writes a JSON
+/// integer.
+pub fn write_integer(out: &mut String, n: i64) {
+    let mut buf = ryu_js::Buffer::new();
+    out.push_str(buf.format_finite(n as f64));
+}
+
 /// A JSON string literal as `JSON.stringify` writes it. Runs of characters that need no escape
 /// are copied whole: only `"`, `\\` and U+0000–U+001F (all ASCII, so byte positions are
 /// character boundaries) are escaped.

@@ -48,9 +48,52 @@ pub struct AcceptStatement {
 }
 
 impl AcceptStatement {
-    /// Canonical JSON of the statement (the signed bytes).
+    /// Canonical JSON of the statement (the signed bytes): the same text as
+    /// `canonical::of(self)`, written directly (keys in their UTF-16 order, numbers as
+    /// ECMAScript prints them), since the relay signs one statement per accepted item.
     pub fn canonical(&self) -> String {
-        canonical::of(self).unwrap_or_default()
+        let mut out = String::with_capacity(
+            160 + self.relay_pubkey.len()
+                + self.epoch.len()
+                + self.sender_pubkey.len()
+                + self.item_id.len()
+                + self.at.len()
+                + self.kind.len()
+                + self
+                    .targets
+                    .iter()
+                    .map(|t| 48 + t.host_pubkey.len() + t.wire_hash.len())
+                    .sum::<usize>(),
+        );
+        out.push_str("{\"at\":");
+        canonical::write_string(&mut out, &self.at);
+        out.push_str(",\"epoch\":");
+        canonical::write_string(&mut out, &self.epoch);
+        out.push_str(",\"item_id\":");
+        canonical::write_string(&mut out, &self.item_id);
+        out.push_str(",\"relay_pubkey\":");
+        canonical::write_string(&mut out, &self.relay_pubkey);
+        out.push_str(",\"sender_pubkey\":");
+        canonical::write_string(&mut out, &self.sender_pubkey);
+        out.push_str(",\"targets\":[");
+        for (i, t) in self.targets.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            out.push_str("{\"host_pubkey\":");
+            canonical::write_string(&mut out, &t.host_pubkey);
+            out.push_str(",\"seq\":");
+            canonical::write_integer(&mut out, t.seq);
+            out.push_str(",\"wire_hash\":");
+            canonical::write_string(&mut out, &t.wire_hash);
+            out.push('}');
+        }
+        out.push_str("],\"type\":");
+        canonical::write_string(&mut out, &self.kind);
+        out.push_str(",\"v\":");
+        canonical::write_integer(&mut out, i64::from(self.v));
+        out.push('}');
+        out
     }
     /// Signs with the relay key; returns the base64 signature.
     pub fn sign(&self, relay_key: &HostKey) -> String {
@@ -373,4 +416,64 @@ pub fn parse_receipt_wire(wire: &[u8], signer: &PublicKey) -> Result<Receipt, &'
         return Err("bad signature");
     }
     Ok(rec)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn statement(targets: Vec<AcceptTarget>, odd: &str) -> AcceptStatement {
+        AcceptStatement {
+            v: 1,
+            kind: "relay-accept".to_owned(),
+            relay_pubkey: format!("relay{odd}"),
+            epoch: format!("e-{odd}"),
+            sender_pubkey: "c2VuZGVy+/=".to_owned(),
+            item_id: format!("01J{odd}"),
+            targets,
+            at: "2026-11-30T12:00:00.123Z".to_owned(),
+        }
+    }
+
+    #[test]
+    fn the_direct_canonical_form_equals_the_generic_one() {
+        let target = |seq: i64, odd: &str| AcceptTarget {
+            host_pubkey: format!("dGFyZ2V0{odd}"),
+            seq,
+            wire_hash: format!("ab{odd}"),
+        };
+        let odd_strings = [
+            "",
+            "\"quoted\\\\",
+            "\u{0}\u{1f}\n\t\r\u{8}\u{c}",
+            "é漢字😀\u{2028}",
+        ];
+        let seqs = [
+            0,
+            1,
+            -1,
+            MAX_SAFE_INT,
+            MAX_SAFE_INT + 2,
+            i64::MAX,
+            i64::MIN,
+            1_000_000_000_000_000_000,
+        ];
+        for odd in odd_strings {
+            for &seq in &seqs {
+                for targets in [
+                    vec![],
+                    vec![target(seq, odd)],
+                    vec![target(seq, odd), target(7, "x")],
+                ] {
+                    let st = statement(targets, odd);
+                    let generic = canonical::of(&st).expect("canonical");
+                    assert_eq!(st.canonical(), generic, "{st:?}");
+                    let parsed: Value = serde_json::from_str(&st.canonical()).expect("JSON");
+                    if seq.unsigned_abs() <= MAX_SAFE_INT.unsigned_abs() {
+                        assert_eq!(parsed, serde_json::to_value(&st).expect("value"));
+                    }
+                }
+            }
+        }
+    }
 }

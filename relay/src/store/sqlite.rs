@@ -8,12 +8,14 @@
 //!   lock per connection, so a second store in the same process is refused too.
 //! - **The writer thread** owns the only write connection to `relay.db` (WAL,
 //!   `synchronous=FULL`). Requests reach it over a channel. It takes whatever is waiting (up to
-//!   [`MAX_GROUP_REQUESTS`]) and applies it inside one `BEGIN IMMEDIATE … COMMIT`: each request
-//!   in a SAVEPOINT, so a failed request leaves nothing, and later requests see earlier ones. A
-//!   pushed item is checked completely (dedup, enrolment, allowlist, quotas) before its first
-//!   write, so a rejected item writes nothing and needs no savepoint of its own (a savepoint
-//!   per item copied every page the item touched into the sub-journal). One COMMIT (one fsync) covers the
-//!   group; only then are the replies sent. If the COMMIT fails, every request of the group gets
+//!   [`MAX_GROUP_REQUESTS`]) and applies it inside one `BEGIN IMMEDIATE … COMMIT`, in order, so
+//!   later requests see earlier ones. Each request other than a push runs in a SAVEPOINT, so a
+//!   failed request leaves nothing. A pushed item is checked completely (dedup, enrolment,
+//!   allowlist, quotas) before its first write, so a rejected item writes nothing and a push
+//!   fails only on an SQLite error: it needs no savepoint (one copied every page the push
+//!   touched into the sub-journal), and a push that fails part way fails its whole group
+//!   ([`StoreError::NotCommitted`] for every other request of it; none of them is stored).
+//!   One COMMIT (one fsync) covers the group; only then are the replies sent. If the COMMIT fails, every request of the group gets
 //!   [`StoreError::NotCommitted`]. This is group commit (design README "Decisions already
 //!   taken"); for atomicity and visibility it is exactly one transaction per item (spec §3).
 //! - **A failed COMMIT (or a failed ROLLBACK) stops the writer for good.** After an fsync or
@@ -72,6 +74,10 @@ const READ_POOL_IDLE: usize = 16;
 /// Prepared statements each connection keeps (rusqlite's default is 16): the writer's push path
 /// alone uses a dozen, and a statement pushed out of the cache is parsed again on its next use.
 const STATEMENT_CACHE: usize = 64;
+
+/// Page cache of the write connection, as SQLite's `cache_size` takes it: negative = KiB
+/// (here 16 MiB, against SQLite's default of 2 MiB).
+const WRITER_CACHE_KIB: i64 = -16_384;
 
 /// Meta keys that only dedicated methods may write.
 const RESERVED_META: &[&str] = &["schema_version", "epoch", "relay_pubkey", "heartbeat"];
@@ -264,9 +270,15 @@ impl Writer {
         }
         let mut broken: Option<String> = None;
         for job in group.iter_mut() {
-            if let Err(e) = run_cached(&self.conn, "SAVEPOINT request") {
-                broken = Some(format!("could not open a savepoint: {e}"));
-                break;
+            // A push checks every item completely before its first write, so it fails only on
+            // an SQLite error: it runs without a savepoint of its own (which would copy every
+            // page it touches into the sub-journal), and its failure fails the whole group.
+            let own_savepoint = job.kind() != JobKind::Push;
+            if own_savepoint {
+                if let Err(e) = run_cached(&self.conn, "SAVEPOINT request") {
+                    broken = Some(format!("could not open a savepoint: {e}"));
+                    break;
+                }
             }
             let conn = &self.conn;
             let limits = &self.limits;
@@ -279,15 +291,25 @@ impl Writer {
                     break;
                 }
             };
-            let end = if keep {
-                run_cached(&self.conn, "RELEASE request")
+            if !own_savepoint {
+                if !keep {
+                    broken = Some(
+                        "a push failed part way through; nothing of this group is stored"
+                            .to_owned(),
+                    );
+                    break;
+                }
             } else {
-                run_cached(&self.conn, "ROLLBACK TO request")
-                    .and_then(|()| run_cached(&self.conn, "RELEASE request"))
-            };
-            if let Err(e) = end {
-                broken = Some(format!("could not close a savepoint: {e}"));
-                break;
+                let end = if keep {
+                    run_cached(&self.conn, "RELEASE request")
+                } else {
+                    run_cached(&self.conn, "ROLLBACK TO request")
+                        .and_then(|()| run_cached(&self.conn, "RELEASE request"))
+                };
+                if let Err(e) = end {
+                    broken = Some(format!("could not close a savepoint: {e}"));
+                    break;
+                }
             }
             if self.conn.is_autocommit() {
                 // SQLite rolled the whole transaction back on its own (disk full, I/O error).
@@ -1381,6 +1403,10 @@ fn open_write_connection(path: &Path) -> Result<Connection, StoreError> {
     conn.execute_batch(
         "PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON; PRAGMA temp_store = MEMORY;",
     )?;
+    // A group of pushes dirties a few MiB (each item writes about three pages of rows and
+    // index entries); SQLite's default 2 MiB page cache spilled part of every such group to
+    // the WAL before its COMMIT and read index pages back from the file.
+    conn.pragma_update(None, "cache_size", WRITER_CACHE_KIB)?;
     conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
     Ok(conn)
 }
@@ -1759,7 +1785,7 @@ fn push_apply(
         Expiry::Never => None,
     };
     // An error part way through an item fails the whole request: the writer rolls back the
-    // request's savepoint, so nothing of the request is stored.
+    // whole group (a push has no savepoint of its own), so nothing of the request is stored.
     let items = batch
         .items
         .iter()
@@ -3983,6 +4009,76 @@ mod tests {
         // The store keeps working.
         let o = push_one(&store, &alpha, 1_000, item("m", &[(&beta, b"x")]));
         assert_eq!(o.status, ItemStatus::Accepted);
+    }
+
+    #[test]
+    fn a_push_that_fails_part_way_fails_its_whole_group_and_leaves_nothing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(dir.path());
+        let (alpha, beta) = (key(1), key(2));
+        enrol(&store, &alpha, "alpha");
+        enrol(&store, &beta, "beta");
+        let committed_before = store.stats().commits;
+        // Hold the writer in a first group until the next two requests are queued, so both
+        // land in one group.
+        let (release, held) = mpsc::channel::<()>();
+        let (started_tx, started) = mpsc::channel::<()>();
+        let (first_done, first) = mpsc::channel();
+        store.submit_then(
+            JobKind::Other,
+            move |_, _| -> Result<(), StoreError> {
+                let _ = started_tx.send(());
+                held.recv().map_err(|_| StoreError::WriterStopped)
+            },
+            Box::new(move |r| {
+                let _ = first_done.send(r);
+            }),
+        );
+        started.recv().expect("the writer runs the first request");
+        let (other_done, other) = mpsc::channel();
+        store.submit_then(
+            JobKind::Other,
+            |c, _| meta_put(c, "other", "written"),
+            Box::new(move |r| {
+                let _ = other_done.send(r);
+            }),
+        );
+        let (push_done, push) = mpsc::channel();
+        store.submit_then(
+            JobKind::Push,
+            |c, _| -> Result<(), StoreError> {
+                meta_put(c, "half", "written")?;
+                Err(StoreError::InvalidInput("boom".to_owned()))
+            },
+            Box::new(move |r| {
+                let _ = push_done.send(r);
+            }),
+        );
+        release.send(()).expect("release the writer");
+        first
+            .recv()
+            .expect("first answered")
+            .expect("first group commits");
+        let push_err = push.recv().expect("push answered").expect_err("push fails");
+        assert!(
+            matches!(push_err, StoreError::InvalidInput(_)),
+            "{push_err}"
+        );
+        let other_err = other
+            .recv()
+            .expect("other answered")
+            .expect_err("group fails");
+        assert!(
+            matches!(other_err, StoreError::NotCommitted { .. }),
+            "{other_err}"
+        );
+        assert_eq!(store.meta("half").expect("meta"), None);
+        assert_eq!(store.meta("other").expect("meta"), None);
+        assert_eq!(store.stats().commits, committed_before + 1);
+        // The writer keeps working: a push after it is stored.
+        let o = push_one(&store, &alpha, 1_000, item("m", &[(&beta, b"x")]));
+        assert_eq!(o.status, ItemStatus::Accepted);
+        assert_eq!(store.failed(), None);
     }
 
     // --- retries after the target changed ---------------------------------------------------
