@@ -166,9 +166,12 @@ pub struct TargetSeq {
     pub seq: i64,
 }
 
-/// Per item push result: status `accepted`, `duplicate` or `rejected:<why>`.
+/// Per item push result: status `accepted`, `duplicate` or `rejected:<why>`. `A` is how the
+/// accept statement is held: a parsed [`Value`] for a reader (verified as received), or the
+/// relay's already canonical text (`Box<serde_json::value::RawValue>`) for the writer.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct PushResult {
+#[serde(bound(deserialize = "A: Deserialize<'de>"))]
+pub struct PushResult<A = Value> {
     /// The item id as pushed.
     pub item_id: String,
     /// `accepted` | `duplicate` | `rejected:<why>`.
@@ -178,7 +181,7 @@ pub struct PushResult {
     pub targets: Vec<TargetSeq>,
     /// The signed accept statement (accepted/duplicate only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub accept: Option<Value>,
+    pub accept: Option<A>,
     /// Relay signature over canonical(accept).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sig: Option<String>,
@@ -186,9 +189,10 @@ pub struct PushResult {
 
 /// POST /v2/relay/items response (HTTP 200 = "results are in this body").
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct PushResponse {
+#[serde(bound(deserialize = "A: Deserialize<'de>"))]
+pub struct PushResponse<A = Value> {
     /// One per pushed item, same order.
-    pub results: Vec<PushResult>,
+    pub results: Vec<PushResult<A>>,
 }
 
 /// One pulled item.

@@ -40,13 +40,19 @@ use serde_json::Value;
 use agentmbx_protocol::keys::PublicKey;
 use agentmbx_protocol::limits::{self, MAX_ITEM_ID, RELAY_MAX_BODY};
 use agentmbx_protocol::records::{self, AcceptStatement, AcceptTarget};
-use agentmbx_protocol::wire::{PushRequest, PushResponse, PushResult, TargetSeq};
+use agentmbx_protocol::wire::{self, PushRequest, TargetSeq};
+use serde_json::value::RawValue;
 use agentmbx_protocol::{b64, canonical, envelope};
 
 use crate::auth::{authenticate, blocking, read_body, utf8};
 use crate::error::ApiError;
 use crate::server::{RelayState, SharedRelay};
 use crate::store::{self, Expiry, ItemStatus, PushBatch};
+
+/// A push result as the relay writes it: the accept statement as its canonical text (the bytes it
+/// signed), not parsed again into a `Value`.
+type PushResult = wire::PushResult<Box<RawValue>>;
+type PushResponse = wire::PushResponse<Box<RawValue>>;
 
 fn rejected(item_id: &str, why: &str) -> PushResult {
     PushResult {
@@ -415,7 +421,8 @@ pub async fn post(
                             .collect(),
                         at: agentmbx_protocol::time::iso_ms(out.at_ms.unwrap_or(0)),
                     };
-                    let sig = accept.sign(&state.key);
+                    let signed = accept.canonical();
+                    let sig = state.key.sign(signed.as_bytes());
                     PushResult {
                         item_id: out.item_id.clone(),
                         status: status.wire(),
@@ -427,7 +434,7 @@ pub async fn post(
                                 seq: t.seq,
                             })
                             .collect(),
-                        accept: serde_json::to_value(&accept).ok(),
+                        accept: RawValue::from_string(signed).ok(),
                         sig: Some(sig),
                     }
                 }
