@@ -303,6 +303,21 @@ impl RelayProc {
         proc_cpu_us(&format!("/proc/{}/stat", self.pid))
     }
 
+    /// CPU time (user + system, µs) of the relay's store writer thread (the one thread that
+    /// runs every SQLite write and commit; named `relay-store-writer`, which Linux shows cut to
+    /// 15 bytes in `/proc/<pid>/task/<tid>/comm`).
+    fn writer_cpu_us(&self) -> Res<f64> {
+        let tasks = format!("/proc/{}/task", self.pid);
+        for entry in std::fs::read_dir(&tasks).map_err(|e| format!("{tasks}: {e}"))? {
+            let dir = entry.map_err(|e| e.to_string())?.path();
+            let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+            if "relay-store-writer".starts_with(comm.trim_end()) && !comm.trim_end().is_empty() {
+                return proc_cpu_us(&dir.join("stat").to_string_lossy());
+            }
+        }
+        Err(format!("no relay-store-writer thread under {tasks}"))
+    }
+
     /// The store writer's counters.
     async fn stats(&self, ctx: &Ctx) -> Res<Value> {
         let r = ctx
@@ -749,6 +764,7 @@ async fn accept(ctx: &Ctx, sizes: &Sizes, runs: usize) -> Res<()> {
         let mut rates = Vec::new();
         let (mut per_fsync, mut reqs_per_commit, mut relay_cpu, mut gen_cpu, mut secs) =
             (vec![], vec![], vec![], vec![], vec![]);
+        let mut writer_cpu = vec![];
         let mut wire_bytes = 0usize;
         for run in 0..runs {
             let dir = ctx.store_dir(&format!("accept-{batch}-{run}"))?;
@@ -798,11 +814,11 @@ async fn accept(ctx: &Ctx, sizes: &Sizes, runs: usize) -> Res<()> {
             // Warm-up: one request per sender (connections opened, caches warm), not counted.
             run_senders(ctx, &relay, &senders, warm).await?;
             let stats0 = relay.stats(ctx).await?;
-            let (rcpu0, gcpu0) = (relay.cpu_us()?, self_cpu_us()?);
+            let (rcpu0, gcpu0, wcpu0) = (relay.cpu_us()?, self_cpu_us()?, relay.writer_cpu_us()?);
             let t0 = Instant::now();
             let n = run_senders(ctx, &relay, &senders, work).await?;
             let elapsed = t0.elapsed().as_secs_f64();
-            let (rcpu1, gcpu1) = (relay.cpu_us()?, self_cpu_us()?);
+            let (rcpu1, gcpu1, wcpu1) = (relay.cpu_us()?, self_cpu_us()?, relay.writer_cpu_us()?);
             let stats1 = relay.stats(ctx).await?;
             relay.check_alive()?;
             let d = |k: &str| {
@@ -822,6 +838,7 @@ async fn accept(ctx: &Ctx, sizes: &Sizes, runs: usize) -> Res<()> {
             per_fsync.push(n as f64 / commits);
             reqs_per_commit.push(d("write_requests") / commits);
             relay_cpu.push((rcpu1 - rcpu0) / n as f64);
+            writer_cpu.push((wcpu1 - wcpu0) / n as f64);
             gen_cpu.push((gcpu1 - gcpu0) / n as f64);
             secs.push(elapsed);
             relay.stop().await?;
@@ -838,6 +855,7 @@ async fn accept(ctx: &Ctx, sizes: &Sizes, runs: usize) -> Res<()> {
                 ("items_per_fsync", per_fsync),
                 ("write_requests_per_commit", reqs_per_commit),
                 ("relay_cpu_us_per_item", relay_cpu),
+                ("writer_cpu_us_per_item", writer_cpu),
                 ("loadgen_cpu_us_per_item", gen_cpu),
                 ("seconds", secs),
             ],

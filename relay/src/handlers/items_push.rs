@@ -41,8 +41,8 @@ use agentmbx_protocol::keys::PublicKey;
 use agentmbx_protocol::limits::{self, MAX_ITEM_ID, RELAY_MAX_BODY};
 use agentmbx_protocol::records::{self, AcceptStatement, AcceptTarget};
 use agentmbx_protocol::wire::{self, PushRequest, TargetSeq};
-use serde_json::value::RawValue;
 use agentmbx_protocol::{b64, canonical, envelope};
+use serde_json::value::RawValue;
 
 use crate::auth::{authenticate, blocking, read_body, utf8};
 use crate::error::ApiError;
