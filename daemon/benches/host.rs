@@ -1387,6 +1387,7 @@ fn figure_of(id: &str) -> &'static str {
     match id {
         s if s.starts_with("disk_") => "limit",
         s if s.starts_with("redis_") => "baseline",
+        s if s.starts_with("floor_") => "floor",
         s if s.starts_with("relay_accept") => "1",
         s if s.starts_with("relay_pull") => "2",
         s if s.starts_with("relay_page") => "3",

@@ -1,8 +1,9 @@
 //! Relay benchmarks (figures 1–3 of the benchmark report): durable accepts per second, pull
-//! drain throughput and the latency of one pull page at two queue depths.
+//! drain throughput and the latency of one pull page at two queue depths; and the protocol's
+//! floor under figure 1 ([`floor`]: the per-item work no relay code can avoid, measured here).
 //!
-//! `cargo bench -p agentmbx-relay --bench relay -- <accept|pull|page-latency|all> [--runs N]
-//! [--quick]`
+//! `cargo bench -p agentmbx-relay --bench relay -- <floor|accept|pull|page-latency|all>
+//! [--runs N] [--quick]`
 //!
 //! The relay runs as a separate process: the release `agentmbx` binary (`MBX_BENCH_BIN`, default
 //! `<target>/release/agentmbx`) as `relay serve` on 127.0.0.1, over a fresh store directory
@@ -86,15 +87,17 @@ fn main() {
         let ctx = Ctx::new()?;
         match scenario.as_str() {
             "accept" => accept(&ctx, &sizes, runs).await,
+            "floor" => floor(&ctx, &sizes, runs),
             "pull" => pull_drain(&ctx, &sizes, runs).await,
             "page-latency" => page_latency(&ctx, &sizes, runs).await,
             "all" => {
+                floor(&ctx, &sizes, runs)?;
                 accept(&ctx, &sizes, runs).await?;
                 pull_drain(&ctx, &sizes, runs).await?;
                 page_latency(&ctx, &sizes, runs).await
             }
             other => Err(format!(
-                "unknown scenario {other:?}: accept, pull, page-latency or all"
+                "unknown scenario {other:?}: floor, accept, pull, page-latency or all"
             )),
         }
     });
@@ -602,6 +605,211 @@ fn report(
         "extra": extra,
     });
     println!("BENCH {line}");
+}
+
+// ---- the protocol's floor under figure 1 ----------------------------------------------------
+
+/// Items the store-rows floor writes per run, and per transaction (about what the relay's group
+/// commit reaches at batch 20).
+const FLOOR_ROWS_ITEMS: usize = 40_000;
+const FLOOR_ROWS_PER_TX: usize = 400;
+
+/// The work every accepted item costs whatever the relay's code, measured on this machine on
+/// one thread: the accept statement's Ed25519 signature (one per item, `wire.md` §2.8), the
+/// hop's Ed25519 verification (one per request, §2.2), the SHA-256 of the wire bytes, and the
+/// SQLite rows the spec's store layout writes for an item (`wire.md` §3.3: the item row with its
+/// wire, its dedup row and the target's seq; the spec's indexes only, none of this relay's own
+/// counters, in WAL with `synchronous=FULL` and the relay writer's 16 MiB page cache,
+/// [`FLOOR_ROWS_PER_TX`] items per transaction).
+/// From these: the CPU floor per item at 20 and at 1 item per request, and the accepts per
+/// second that floor allows on this machine's cores if nothing else (HTTP, JSON, base64, the
+/// load generator, the kernel's network path) cost anything.
+fn floor(ctx: &Ctx, sizes: &Sizes, runs: usize) -> Res<()> {
+    let rows_items = if sizes.drain_items < 100_000 {
+        FLOOR_ROWS_ITEMS / 10
+    } else {
+        FLOOR_ROWS_ITEMS
+    };
+    let key = HostKey::generate();
+    let statement = records::AcceptStatement {
+        v: 1,
+        kind: "relay-accept".to_owned(),
+        relay_pubkey: key.public().to_b64(),
+        epoch: "e-0123456789abcdef".to_owned(),
+        sender_pubkey: HostKey::generate().public().to_b64(),
+        item_id: ulid::Generator::new().next(0),
+        targets: vec![records::AcceptTarget {
+            host_pubkey: HostKey::generate().public().to_b64(),
+            seq: 1_764_500_000_000_123,
+            wire_hash: "ab".repeat(32),
+        }],
+        at: "2026-11-30T12:00:00.123Z".to_owned(),
+    };
+    let signed = statement.canonical();
+    let wire = vec![b'x'; 1547];
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let (mut sign, mut verify, mut sha, mut rows, mut rows_wall) =
+        (vec![], vec![], vec![], vec![], vec![]);
+    for run in 0..runs {
+        let per_op = |n: usize, f: &mut dyn FnMut()| {
+            let t0 = Instant::now();
+            for _ in 0..n {
+                f();
+            }
+            t0.elapsed().as_secs_f64() * 1e6 / n as f64
+        };
+        let mut sig = String::new();
+        sign.push(per_op(4_000, &mut || {
+            sig = key.sign(std::hint::black_box(signed.as_bytes()));
+        }));
+        let public = key.public();
+        verify.push(per_op(2_000, &mut || {
+            assert!(public.verify(std::hint::black_box(signed.as_bytes()), &sig));
+        }));
+        sha.push(per_op(20_000, &mut || {
+            std::hint::black_box(agentmbx_protocol::hash::sha256_hex(std::hint::black_box(
+                &wire,
+            )));
+        }));
+        let dir = ctx.store_dir(&format!("floor-{run}"))?;
+        let (cpu, wall) = spec_rows(&dir.join("floor.db"), rows_items, &wire)?;
+        rows.push(cpu);
+        rows_wall.push(wall);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    report(
+        "floor_ed25519_sign",
+        "Ed25519 signature of one accept statement (one per accepted item)",
+        "µs",
+        &sign,
+        &[],
+        json!({"bytes_signed": signed.len()}),
+    );
+    report(
+        "floor_ed25519_verify",
+        "Ed25519 verification of one hop (one per push request)",
+        "µs",
+        &verify,
+        &[],
+        json!({}),
+    );
+    report(
+        "floor_sha256_wire",
+        "SHA-256 of one 1547 B wire (one per item target)",
+        "µs",
+        &sha,
+        &[],
+        json!({}),
+    );
+    report(
+        "floor_store_rows",
+        "SQLite rows of the spec's store layout per item (item + dedup + seq), CPU of one thread",
+        "µs/item",
+        &rows,
+        &[("wall_us_per_item", rows_wall)],
+        json!({"items_per_run": rows_items, "items_per_transaction": FLOOR_ROWS_PER_TX,
+               "journal": "WAL, synchronous=FULL"}),
+    );
+    for (batch, id) in [(20.0, "floor_batch20"), (1.0, "floor_batch1")] {
+        let per_item: Vec<f64> = (0..runs)
+            .map(|i| sign[i] + verify[i] / batch + sha[i] + rows[i])
+            .collect();
+        let ceiling: Vec<f64> = per_item.iter().map(|us| cores * 1e6 / us).collect();
+        report(
+            id,
+            &format!(
+                "protocol floor per item at {batch} item(s)/request (sign + verify/{batch} + SHA-256 + rows)"
+            ),
+            "µs/item",
+            &per_item,
+            &[("ceiling_items_per_s", ceiling)],
+            json!({"cores": cores}),
+        );
+    }
+    Ok(())
+}
+
+/// Writes `items` items the way the spec's store layout does (`wire.md` §3.3), in transactions
+/// of [`FLOOR_ROWS_PER_TX`], on this thread; `(CPU µs, wall µs)` per item.
+fn spec_rows(path: &Path, items: usize, wire: &[u8]) -> Res<(f64, f64)> {
+    let e = |e: rusqlite::Error| e.to_string();
+    let c = rusqlite::Connection::open(path).map_err(e)?;
+    c.execute_batch(
+        "PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA cache_size = -16384;
+         PRAGMA temp_store = MEMORY;
+         CREATE TABLE items (target_pubkey TEXT NOT NULL, seq INTEGER NOT NULL,
+           kind TEXT NOT NULL, item_id TEXT NOT NULL, sender_pubkey TEXT NOT NULL,
+           sender_host TEXT NOT NULL, wire BLOB NOT NULL, wire_hash TEXT NOT NULL,
+           bytes INTEGER NOT NULL, accepted_at INTEGER NOT NULL, expires_at INTEGER,
+           PRIMARY KEY (target_pubkey, seq));
+         CREATE INDEX items_expiry ON items(expires_at);
+         CREATE INDEX items_sender ON items(sender_pubkey, target_pubkey);
+         CREATE TABLE dedup (sender_pubkey TEXT NOT NULL, item_id TEXT NOT NULL,
+           target_pubkey TEXT NOT NULL, wire_hash TEXT NOT NULL, seq INTEGER NOT NULL,
+           accepted_at INTEGER NOT NULL, PRIMARY KEY (sender_pubkey, item_id, target_pubkey));
+         CREATE INDEX dedup_age ON dedup(accepted_at);
+         CREATE TABLE seqs (target_pubkey TEXT PRIMARY KEY NOT NULL, next_seq INTEGER NOT NULL);",
+    )
+    .map_err(e)?;
+    let senders: Vec<String> = (0..SENDERS)
+        .map(|_| HostKey::generate().public().to_b64())
+        .collect();
+    let targets: Vec<String> = (0..TARGETS)
+        .map(|_| HostKey::generate().public().to_b64())
+        .collect();
+    let mut ids = ulid::Generator::new();
+    let hash = "cd".repeat(32);
+    let (cpu0, t0) = (proc_cpu_us("/proc/thread-self/stat")?, Instant::now());
+    let mut n = 0usize;
+    while n < items {
+        c.execute_batch("BEGIN IMMEDIATE").map_err(e)?;
+        for _ in 0..FLOOR_ROWS_PER_TX.min(items - n) {
+            let (sender, target) = (&senders[n % SENDERS], &targets[(n / SENDERS) % TARGETS]);
+            let now = 1_764_500_000_000i64 + n as i64;
+            let seq: i64 = c
+                .prepare_cached(
+                    "INSERT INTO seqs (target_pubkey, next_seq) VALUES (?1, 1)
+                     ON CONFLICT (target_pubkey) DO UPDATE SET next_seq = next_seq + 1
+                     RETURNING next_seq",
+                )
+                .map_err(e)?
+                .query_row([target], |r| r.get(0))
+                .map_err(e)?;
+            let id = ids.next(now);
+            c.prepare_cached(
+                "INSERT INTO items (target_pubkey, seq, kind, item_id, sender_pubkey, sender_host,
+                                    wire, wire_hash, bytes, accepted_at, expires_at)
+                 VALUES (?1, ?2, 'envelope', ?3, ?4, 'sender', ?5, ?6, ?7, ?8, ?9)",
+            )
+            .map_err(e)?
+            .execute(rusqlite::params![
+                target,
+                seq,
+                id,
+                sender,
+                wire,
+                hash,
+                wire.len() as i64,
+                now,
+                now + 14 * 86_400_000
+            ])
+            .map_err(e)?;
+            c.prepare_cached(
+                "INSERT INTO dedup (sender_pubkey, item_id, target_pubkey, wire_hash, seq,
+                                    accepted_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            )
+            .map_err(e)?
+            .execute(rusqlite::params![sender, id, target, hash, seq, now])
+            .map_err(e)?;
+            n += 1;
+        }
+        c.execute_batch("COMMIT").map_err(e)?;
+    }
+    let (cpu1, wall) = (proc_cpu_us("/proc/thread-self/stat")?, t0.elapsed());
+    Ok((
+        (cpu1 - cpu0) / items as f64,
+        wall.as_secs_f64() * 1e6 / items as f64,
+    ))
 }
 
 // ---- figure 1: durable accepts -------------------------------------------------------------
