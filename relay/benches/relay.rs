@@ -87,11 +87,11 @@ fn main() {
         let ctx = Ctx::new()?;
         match scenario.as_str() {
             "accept" => accept(&ctx, &sizes, runs).await,
-            "floor" => floor(&ctx, &sizes, runs),
+            "floor" => floor(&ctx, &sizes, runs).await,
             "pull" => pull_drain(&ctx, &sizes, runs).await,
             "page-latency" => page_latency(&ctx, &sizes, runs).await,
             "all" => {
-                floor(&ctx, &sizes, runs)?;
+                floor(&ctx, &sizes, runs).await?;
                 accept(&ctx, &sizes, runs).await?;
                 pull_drain(&ctx, &sizes, runs).await?;
                 page_latency(&ctx, &sizes, runs).await
@@ -624,7 +624,7 @@ const FLOOR_ROWS_PER_TX: usize = 400;
 /// From these: the CPU floor per item at 20 and at 1 item per request, and the accepts per
 /// second that floor allows on this machine's cores if nothing else (HTTP, JSON, base64, the
 /// load generator, the kernel's network path) cost anything.
-fn floor(ctx: &Ctx, sizes: &Sizes, runs: usize) -> Res<()> {
+async fn floor(ctx: &Ctx, sizes: &Sizes, runs: usize) -> Res<()> {
     let rows_items = if sizes.drain_items < 100_000 {
         FLOOR_ROWS_ITEMS / 10
     } else {
@@ -710,11 +710,30 @@ fn floor(ctx: &Ctx, sizes: &Sizes, runs: usize) -> Res<()> {
         json!({"items_per_run": rows_items, "items_per_transaction": FLOOR_ROWS_PER_TX,
                "journal": "WAL, synchronous=FULL"}),
     );
+    let (http_relay, http_gen) = http_floor(ctx, sizes, runs).await?;
+    let http: Vec<f64> = http_relay
+        .iter()
+        .zip(&http_gen)
+        .map(|(r, g)| r + g)
+        .collect();
+    report(
+        "floor_http_request",
+        "one HTTP/1.1 request and answer on loopback, the relay's cheapest route (relay + load generator CPU)",
+        "µs",
+        &http,
+        &[("relay_us", http_relay), ("loadgen_us", http_gen)],
+        json!({"clients": SENDERS, "route": "GET /v2/relay/info (no hop; one store read, the epoch)"}),
+    );
     for (batch, id) in [(20.0, "floor_batch20"), (1.0, "floor_batch1")] {
         let per_item: Vec<f64> = (0..runs)
             .map(|i| sign[i] + verify[i] / batch + sha[i] + rows[i])
             .collect();
         let ceiling: Vec<f64> = per_item.iter().map(|us| cores * 1e6 / us).collect();
+        let with_http: Vec<f64> = per_item
+            .iter()
+            .zip(&http)
+            .map(|(us, h)| cores * 1e6 / (us + h / batch))
+            .collect();
         report(
             id,
             &format!(
@@ -722,11 +741,62 @@ fn floor(ctx: &Ctx, sizes: &Sizes, runs: usize) -> Res<()> {
             ),
             "µs/item",
             &per_item,
-            &[("ceiling_items_per_s", ceiling)],
+            &[
+                ("ceiling_items_per_s", ceiling),
+                ("ceiling_with_http_items_per_s", with_http),
+            ],
             json!({"cores": cores}),
         );
     }
     Ok(())
+}
+
+/// CPU (relay + this load generator, µs) of one HTTP request and its answer with nothing behind
+/// it but the relay's cheapest route: [`SENDERS`] concurrent clients on the same keep-alive
+/// client as figure 1, each sending `GET /v2/relay/info` (no hop to verify; one store read) in a
+/// closed loop. Per run: `(relay µs, load generator µs)` per request.
+async fn http_floor(ctx: &Ctx, sizes: &Sizes, runs: usize) -> Res<(Vec<f64>, Vec<f64>)> {
+    let per_client = if sizes.drain_items < 100_000 { 40 } else { 400 };
+    let mut out = (Vec::new(), Vec::new());
+    for run in 0..runs {
+        let dir = ctx.store_dir(&format!("floor-http-{run}"))?;
+        let mut relay = RelayProc::start(ctx, &dir, &HostKey::generate()).await?;
+        let info_url = format!("{}/v2/relay/info", relay.base);
+        let once = |n: usize| {
+            let tasks: Vec<_> = (0..SENDERS)
+                .map(|_| {
+                    let (http, url) = (ctx.http.clone(), info_url.clone());
+                    tokio::spawn(async move {
+                        for _ in 0..n {
+                            let r = http.get(&url).send().await.map_err(|e| e.to_string())?;
+                            if !r.status().is_success() {
+                                return Err(format!("relay info answered {}", r.status()));
+                            }
+                            r.bytes().await.map_err(|e| e.to_string())?;
+                        }
+                        Ok::<(), String>(())
+                    })
+                })
+                .collect();
+            async move {
+                for t in tasks {
+                    t.await.map_err(|e| e.to_string())??;
+                }
+                Ok::<(), String>(())
+            }
+        };
+        once(2).await?;
+        let (rcpu0, gcpu0) = (relay.cpu_us()?, self_cpu_us()?);
+        once(per_client).await?;
+        let (rcpu1, gcpu1) = (relay.cpu_us()?, self_cpu_us()?);
+        relay.check_alive()?;
+        let n = (SENDERS * per_client) as f64;
+        out.0.push((rcpu1 - rcpu0) / n);
+        out.1.push((gcpu1 - gcpu0) / n);
+        relay.stop().await?;
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    Ok(out)
 }
 
 /// Writes `items` items the way the spec's store layout does (`wire.md` §3.3), in transactions
