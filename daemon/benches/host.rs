@@ -1493,7 +1493,10 @@ fn report(o: &Opts) -> Result<()> {
     for m in &figures {
         let id = m.get("id").and_then(Value::as_str).unwrap_or("");
         let extra = m.get("extra");
-        if extra.is_some() && extra == previous {
+        if extra.is_none_or(|e| e.as_object().is_some_and(|o| o.is_empty())) {
+            continue;
+        }
+        if extra == previous {
             md.push_str(&format!("- `{id}`: as above\n"));
             continue;
         }
