@@ -15,7 +15,7 @@
 //! JSON (0.5.x parses after the size check), `bad envelope: <why>`,
 //! `item id is not the envelope id`, `envelope body is not sealed`, `bad receipt` (not a T218
 //! `{rec, sig}`), `item id is not the receipt id`, `receipt is not signed by the sending host`;
-//! then the store decides in the item's own savepoint: dedup first (a target already stored
+//! then the store decides, checking the whole item before its first write: dedup first (a target already stored
 //! under this item is `duplicate` with its original seq, or `conflict` for other bytes), then,
 //! for fresh targets only, enrolment and the allowlist again inside the transaction, and quotas
 //! (`quota:<msg>`). Every fresh target is validated before anything is written: an item is

@@ -12,9 +12,10 @@
 //! # Invariants
 //! - **Nothing is answered before it is committed.** Every write goes through one writer thread
 //!   that applies waiting requests inside one `BEGIN IMMEDIATE … COMMIT` (group commit, design
-//!   README "Decisions already taken"), each request and each pushed item inside its own
-//!   SAVEPOINT, and sends every reply only after that COMMIT succeeded. If the COMMIT fails,
-//!   every request of the group gets [`StoreError::NotCommitted`].
+//!   README "Decisions already taken"), each request other than a push inside its own
+//!   SAVEPOINT (a push checks everything before its first write; one that fails after writing
+//!   fails its group), and sends every reply only after that COMMIT succeeded. If the COMMIT
+//!   fails, every request of the group gets [`StoreError::NotCommitted`].
 //! - **An item is all-or-nothing over its targets** (spec §3): every target is validated before
 //!   anything of the item remains, and a rejected item leaves no row, no seq and no dedup entry.
 //! - **Sequence numbers never restart and are never reused** (spec §2): a new seq is

@@ -13,8 +13,9 @@
 //!   failed request leaves nothing. A pushed item is checked completely (dedup, enrolment,
 //!   allowlist, quotas) before its first write, so a rejected item writes nothing and a push
 //!   fails only on an SQLite error: it needs no savepoint (one copied every page the push
-//!   touched into the sub-journal), and a push that fails part way fails its whole group
-//!   ([`StoreError::NotCommitted`] for every other request of it; none of them is stored).
+//!   touched into the sub-journal). A push that fails before writing anything fails alone; one
+//!   that fails after a write fails its whole group ([`StoreError::NotCommitted`] for every
+//!   other request of it; none of them is stored).
 //!   One COMMIT (one fsync) covers the group; only then are the replies sent. If the COMMIT fails, every request of the group gets
 //!   [`StoreError::NotCommitted`]. This is group commit (design README "Decisions already
 //!   taken"); for atomicity and visibility it is exactly one transaction per item (spec §3).
@@ -116,7 +117,8 @@ enum JobKind {
 /// the group's fate is known.
 trait WriteJob: Send {
     fn kind(&self) -> JobKind;
-    /// Apply inside the request's savepoint; `true` keeps its effects, `false` rolls them back.
+    /// Apply inside the group transaction (inside the request's own savepoint, except for a
+    /// push); `true` keeps its effects, `false` rolls them back.
     fn apply(&mut self, conn: &Connection, limits: &StoreLimits) -> bool;
     /// Send the reply: the applied result if the group committed (`failed` is `None`), an error
     /// otherwise.
@@ -274,6 +276,7 @@ impl Writer {
             // an SQLite error: it runs without a savepoint of its own (which would copy every
             // page it touches into the sub-journal), and its failure fails the whole group.
             let own_savepoint = job.kind() != JobKind::Push;
+            let changes_before = self.conn.total_changes();
             if own_savepoint {
                 if let Err(e) = run_cached(&self.conn, "SAVEPOINT request") {
                     broken = Some(format!("could not open a savepoint: {e}"));
@@ -292,7 +295,10 @@ impl Writer {
                 }
             };
             if !own_savepoint {
-                if !keep {
+                // A push that failed before its first write (no row changed, triggers
+                // included) leaves nothing to undo: only it fails. One that wrote fails the
+                // group, since without a savepoint its rows cannot be undone alone.
+                if !keep && self.conn.total_changes() != changes_before {
                     broken = Some(
                         "a push failed part way through; nothing of this group is stored"
                             .to_owned(),
@@ -4011,14 +4017,12 @@ mod tests {
         assert_eq!(o.status, ItemStatus::Accepted);
     }
 
-    #[test]
-    fn a_push_that_fails_part_way_fails_its_whole_group_and_leaves_nothing() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let store = open(dir.path());
-        let (alpha, beta) = (key(1), key(2));
-        enrol(&store, &alpha, "alpha");
-        enrol(&store, &beta, "beta");
-        let committed_before = store.stats().commits;
+    /// Runs, in one group, a request that writes meta `other` and then a push running `push`;
+    /// returns `(other's result, push's result)`.
+    fn group_of_other_and_push(
+        store: &SqliteStore,
+        push: fn(&Connection) -> Result<(), StoreError>,
+    ) -> (Result<(), StoreError>, Result<(), StoreError>) {
         // Hold the writer in a first group until the next two requests are queued, so both
         // land in one group.
         let (release, held) = mpsc::channel::<()>();
@@ -4043,13 +4047,10 @@ mod tests {
                 let _ = other_done.send(r);
             }),
         );
-        let (push_done, push) = mpsc::channel();
+        let (push_done, push_result) = mpsc::channel();
         store.submit_then(
             JobKind::Push,
-            |c, _| -> Result<(), StoreError> {
-                meta_put(c, "half", "written")?;
-                Err(StoreError::InvalidInput("boom".to_owned()))
-            },
+            move |c, _| push(c),
             Box::new(move |r| {
                 let _ = push_done.send(r);
             }),
@@ -4059,15 +4060,30 @@ mod tests {
             .recv()
             .expect("first answered")
             .expect("first group commits");
-        let push_err = push.recv().expect("push answered").expect_err("push fails");
+        (
+            other.recv().expect("other answered"),
+            push_result.recv().expect("push answered"),
+        )
+    }
+
+    #[test]
+    fn a_push_that_fails_part_way_fails_its_whole_group_and_leaves_nothing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(dir.path());
+        let (alpha, beta) = (key(1), key(2));
+        enrol(&store, &alpha, "alpha");
+        enrol(&store, &beta, "beta");
+        let committed_before = store.stats().commits;
+        let (other, push) = group_of_other_and_push(&store, |c| {
+            meta_put(c, "half", "written")?;
+            Err(StoreError::InvalidInput("boom".to_owned()))
+        });
+        let push_err = push.expect_err("push fails");
         assert!(
             matches!(push_err, StoreError::InvalidInput(_)),
             "{push_err}"
         );
-        let other_err = other
-            .recv()
-            .expect("other answered")
-            .expect_err("group fails");
+        let other_err = other.expect_err("group fails");
         assert!(
             matches!(other_err, StoreError::NotCommitted { .. }),
             "{other_err}"
@@ -4078,6 +4094,29 @@ mod tests {
         // The writer keeps working: a push after it is stored.
         let o = push_one(&store, &alpha, 1_000, item("m", &[(&beta, b"x")]));
         assert_eq!(o.status, ItemStatus::Accepted);
+        assert_eq!(store.failed(), None);
+    }
+
+    #[test]
+    fn a_push_that_fails_before_writing_fails_alone() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = open(dir.path());
+        let committed_before = store.stats().commits;
+        let (other, push) = group_of_other_and_push(&store, |c| {
+            read_epoch(c)?;
+            Err(StoreError::InvalidInput("boom".to_owned()))
+        });
+        let push_err = push.expect_err("push fails");
+        assert!(
+            matches!(push_err, StoreError::InvalidInput(_)),
+            "{push_err}"
+        );
+        other.expect("the rest of the group commits");
+        assert_eq!(
+            store.meta("other").expect("meta").as_deref(),
+            Some("written")
+        );
+        assert_eq!(store.stats().commits, committed_before + 2);
         assert_eq!(store.failed(), None);
     }
 
