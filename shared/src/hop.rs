@@ -27,6 +27,9 @@ pub mod header {
     pub const SIG: &str = "x-mbx-sig";
     /// LAN hops: the sender's listening port (unsigned hint).
     pub const PORT: &str = "x-mbx-port";
+    /// Relay and LAN hops: the sending daemon's instance id (unsigned, advisory; see
+    /// [`crate::instance`]).
+    pub const INSTANCE: &str = crate::instance::INSTANCE_HEADER;
 }
 
 /// Why a hop was refused. All map to HTTP 401 except where a caller says otherwise.

@@ -20,6 +20,7 @@ pub mod envelope;
 pub mod failpoint;
 pub mod hash;
 pub mod hop;
+pub mod instance;
 pub mod keys;
 pub mod limits;
 pub mod pairing;

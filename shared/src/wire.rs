@@ -77,6 +77,11 @@ pub struct You {
     pub acked_through: i64,
     /// The caller's ad, if any.
     pub enc_ad: Option<YouEncAd>,
+    /// Set while the relay sees more than one daemon instance alternate on the caller's host
+    /// key (a cloned home or disk; [`crate::instance`]). An added field that 0.5.x ignores;
+    /// absent when there is none. Advisory only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance_conflict: Option<crate::instance::InstanceConflict>,
 }
 
 /// GET /v2/relay/info.

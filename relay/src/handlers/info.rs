@@ -61,6 +61,7 @@ pub async fn get(
                 head_seq: q.head_seq,
                 acked_through: q.acked_through,
                 enc_ad,
+                instance_conflict: None,
             });
         }
     }
