@@ -301,7 +301,10 @@ mod tests {
         let Observation::Detected(c) = t.observe(&1u8, "b", 30) else {
             panic!("expected a detection");
         };
-        assert_eq!((c.instances, c.returns, c.since_ms, c.window_ms), (2, 2, 30, W));
+        assert_eq!(
+            (c.instances, c.returns, c.since_ms, c.window_ms),
+            (2, 2, 30, W)
+        );
         assert_eq!(t.observe(&1u8, "a", 40), Observation::Ongoing);
         assert!(t.conflict(&1, 40).is_some());
         // Another key is not affected.
@@ -336,7 +339,10 @@ mod tests {
     fn invalid_ids_never_count() {
         let mut t = InstanceTracker::with_window(16, W);
         let long = "x".repeat(MAX_INSTANCE_ID + 1);
-        for (i, id) in ["", "a b", long.as_str(), "é", "", "a b"].iter().enumerate() {
+        for (i, id) in ["", "a b", long.as_str(), "é", "", "a b"]
+            .iter()
+            .enumerate()
+        {
             assert_eq!(t.observe(&1u8, id, i as i64), Observation::Quiet);
         }
         assert_eq!(t.conflict(&1, 10), None);
@@ -358,6 +364,10 @@ mod tests {
             t.observe(&0u8, &format!("id{i}"), i);
         }
         assert!(t.keys[&0].seen.len() <= MAX_IDS_PER_KEY);
-        assert_eq!(t.conflict(&0, 100), None, "a chain of restarts never returns");
+        assert_eq!(
+            t.conflict(&0, 100),
+            None,
+            "a chain of restarts never returns"
+        );
     }
 }
