@@ -149,10 +149,11 @@ impl RelayClient {
     pub async fn retry_quarantined(&self) -> Result<usize, RelayError> {
         let ident = self.ident.clone();
         let (url, now) = (self.url.clone(), self.clock.now_ms());
-        let (received, stored) = self
+        let (received, wake) = self
             .mailbox
             .run(move |c| {
-                let (mut received, mut stored) = (0, 0);
+                // `wake`: stored mail or receipts queued again, for the senders' loops.
+                let (mut received, mut wake) = (0, false);
                 for item in relay_state::retryable(c, &url, MAX_RETRIES_PER_PASS)? {
                     let tx = c.transaction()?;
                     let verdict = if item.kind == "receipt" {
@@ -178,9 +179,9 @@ impl RelayClient {
                         Ok(v) => {
                             match v {
                                 Verdict::Duplicate { .. } => {
-                                    stored += receipts::requeue(&tx, &item.item_id, now)?;
+                                    wake |= receipts::requeue(&tx, &item.item_id, now)? > 0;
                                 }
-                                Verdict::Stored { .. } => stored += 1,
+                                Verdict::Stored { .. } => wake = true,
                                 Verdict::Receipt(_) | Verdict::Notice(_) => {}
                             }
                             relay_state::release(&tx, item.id)?;
@@ -193,14 +194,14 @@ impl RelayClient {
                     }
                     tx.commit()?;
                 }
-                Ok((received, stored))
+                Ok((received, wake))
             })
             .await?;
         if received > 0 {
             tracing::info!(relay = %self.url, received, "received quarantined relay items after a pin change");
         }
         // Stored mail queued delivery receipts: let the senders' loops look now.
-        if stored > 0 {
+        if wake {
             if let Some(n) = &self.received {
                 n.notify_one();
             }
