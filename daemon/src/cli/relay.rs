@@ -27,6 +27,11 @@ pub enum RelayCommand {
     /// (offline; --live); exits 1 unless the state is ok
     Info(super::relay_info::InfoArgs),
     /// List relay items this host refused (bad signature, undecryptable, unknown sender…)
+    ///
+    /// Refused mail and delivery receipts are tried again on the daemon's next relay pass
+    /// whenever a change to the pins touches their sender's key or the host they name (a peer
+    /// pinned, renamed, unpaired and paired again, a key rotation learned), whatever reason
+    /// is shown; one refused again keeps its new reason until the next such change.
     Quarantine(QuarantineArgs),
     /// Revoke a host key on a relay for good (offline on --store-dir, or --url with the
     /// admin token); its next request is refused

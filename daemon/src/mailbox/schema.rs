@@ -5,7 +5,7 @@ use rusqlite::Connection;
 use super::MailboxError;
 
 /// The schema version this binary writes.
-pub const SCHEMA_VERSION: u32 = 4;
+pub const SCHEMA_VERSION: u32 = 5;
 
 /// Migrations in order: `(version reached, SQL)`. A new schema change appends a step; each
 /// step runs inside the one migration transaction.
@@ -172,6 +172,55 @@ CREATE INDEX outbox_due ON outbox(state, next_at);
 CREATE INDEX outbox_deadline ON outbox(state, deadline_at);
 "#,
     ),
+    (
+        5,
+        r#"
+-- Quarantined envelopes and receipts are received again whenever what refused them may have
+-- changed, whatever reason was recorded (`wire.md` §3.5): `retry` = 1 marks an item for the
+-- next pass; a retry that is refused again records its reason and clears it. `claimed_host` is
+-- the host the item's wire names (an envelope's `sig.host`, a receipt's recipient host).
+ALTER TABLE quarantine ADD COLUMN claimed_host TEXT;
+ALTER TABLE quarantine ADD COLUMN retry INTEGER NOT NULL DEFAULT 0;
+-- Items quarantined before this version are tried once more: their peers may have changed.
+UPDATE quarantine SET retry = 1 WHERE kind IN ('envelope', 'receipt');
+CREATE INDEX quarantine_retry ON quarantine(relay, id) WHERE retry = 1;
+-- Any change to a pin (paired, pinned, unpaired, renamed, rotated: in every path that writes
+-- `peers`, in the writer's transaction) marks every quarantined envelope and receipt whose
+-- pushing key or claimed host it touches: the old and the new name, the old and the new key
+-- and the keys the peer retired.
+CREATE TRIGGER peers_quarantine_insert AFTER INSERT ON peers
+BEGIN
+  UPDATE quarantine SET retry = 1
+  WHERE retry = 0 AND kind IN ('envelope', 'receipt')
+    AND (sender_pubkey = NEW.pubkey OR claimed_host = NEW.host
+         OR sender_pubkey IN (SELECT CASE r.type WHEN 'text' THEN r.value
+                                      WHEN 'object' THEN json_extract(r.value, '$.key') END
+                              FROM json_each(NEW.prev_keys) AS r));
+END;
+CREATE TRIGGER peers_quarantine_delete AFTER DELETE ON peers
+BEGIN
+  UPDATE quarantine SET retry = 1
+  WHERE retry = 0 AND kind IN ('envelope', 'receipt')
+    AND (sender_pubkey = OLD.pubkey OR claimed_host = OLD.host
+         OR sender_pubkey IN (SELECT CASE r.type WHEN 'text' THEN r.value
+                                      WHEN 'object' THEN json_extract(r.value, '$.key') END
+                              FROM json_each(OLD.prev_keys) AS r));
+END;
+CREATE TRIGGER peers_quarantine_update AFTER UPDATE OF host, pubkey, prev_keys ON peers
+WHEN OLD.host IS NOT NEW.host OR OLD.pubkey IS NOT NEW.pubkey OR OLD.prev_keys IS NOT NEW.prev_keys
+BEGIN
+  UPDATE quarantine SET retry = 1
+  WHERE retry = 0 AND kind IN ('envelope', 'receipt')
+    AND (sender_pubkey IN (OLD.pubkey, NEW.pubkey) OR claimed_host IN (OLD.host, NEW.host)
+         OR sender_pubkey IN (SELECT CASE r.type WHEN 'text' THEN r.value
+                                      WHEN 'object' THEN json_extract(r.value, '$.key') END
+                              FROM json_each(NEW.prev_keys) AS r)
+         OR sender_pubkey IN (SELECT CASE r.type WHEN 'text' THEN r.value
+                                      WHEN 'object' THEN json_extract(r.value, '$.key') END
+                              FROM json_each(OLD.prev_keys) AS r));
+END;
+"#,
+    ),
 ];
 
 /// Brings `conn` to [`SCHEMA_VERSION`] in one transaction; refuses a newer file.
@@ -209,15 +258,19 @@ mod tests {
         migrate(&mut c).unwrap();
         // A next schema step applies on top of the current version, in one transaction.
         let mut steps = MIGRATIONS.to_vec();
-        steps.push((5, "ALTER TABLE peers ADD COLUMN note TEXT;"));
+        let next = SCHEMA_VERSION + 1;
+        steps.push((next, "ALTER TABLE peers ADD COLUMN note TEXT;"));
         migrate_with(&mut c, &steps).unwrap();
         let v: u32 = c
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .unwrap();
-        assert_eq!(v, 5);
-        // Our binary (version 4) refuses the version-5 file.
+        assert_eq!(v, next);
+        // Our binary refuses the newer file.
         let err = migrate(&mut c).unwrap_err();
-        assert!(err.to_string().contains("schema version 5"), "{err}");
+        assert!(
+            err.to_string().contains(&format!("schema version {next}")),
+            "{err}"
+        );
     }
 
     #[test]
@@ -321,5 +374,28 @@ mod tests {
         assert!(c
             .execute("UPDATE outbox SET state = 'lost' WHERE msg_id = 'm1'", [])
             .is_err());
+    }
+
+    #[test]
+    fn a_version_4_quarantine_is_tried_once_more() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = Connection::open(dir.path().join("m.db")).unwrap();
+        migrate_with(&mut c, &MIGRATIONS[..4]).unwrap();
+        c.execute_batch(
+            "INSERT INTO quarantine(relay, epoch, seq, kind, item_id, sender_pubkey, reason, wire, at)
+               VALUES ('r','e',1,'envelope','a','K','sender host mismatch',x'7b7d',1),
+                      ('r','e',2,'receipt','b','K','bad signature',x'7b7d',1),
+                      ('r','e',3,'expired','c','K','not from the relay',x'7b7d',1);",
+        )
+        .unwrap();
+        migrate(&mut c).unwrap();
+        let rows: Vec<(i64, i64, Option<String>)> = c
+            .prepare("SELECT seq, retry, claimed_host FROM quarantine ORDER BY seq")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(rows, vec![(1, 1, None), (2, 1, None), (3, 0, None)]);
     }
 }

@@ -22,6 +22,11 @@
 //! row of this host, or that names a live row this relay does not hold goes to quarantine with
 //! its reason.
 //!
+//! Quarantined envelopes and receipts are received again ([`RelayClient::retry_quarantined`])
+//! once a change to the pins touched their pushing key or the host their wire names, whatever
+//! reason was recorded for them: that decision is the `peers` triggers' (schema 5), never the
+//! reason text, and a retry refused again only waits for the next such change.
+//!
 //! Another epoch and going back in time (spec §4, §5): a 409 or a page of another epoch is a new
 //! epoch, `head_seq` below the checkpoint or BAD_ACK a rewind; either way
 //! [`RelayClient::epoch_changed`] moves the relay's accepted rows to `repush` and resets the
@@ -65,20 +70,14 @@ fn receive_receipt(
     conn: &rusqlite::Connection,
     own_host: &str,
     wire: &[u8],
-    item: &PullItem,
+    sender_pubkey: &str,
     now_ms: i64,
 ) -> Result<Result<Verdict, String>, MailboxError> {
     let Ok(value) = agentmbx_protocol::canonical::parse(wire) else {
         return Ok(Err("invalid receipt".into()));
     };
-    let result = crate::node::receipts::accept(
-        conn,
-        own_host,
-        &value,
-        None,
-        Some(&item.sender_pubkey),
-        now_ms,
-    )?;
+    let result =
+        crate::node::receipts::accept(conn, own_host, &value, None, Some(sender_pubkey), now_ms)?;
     Ok(match result.strip_prefix("rejected:") {
         Some(why) => Err(why.to_string()),
         None => Ok(Verdict::Receipt(result)),
@@ -87,7 +86,7 @@ fn receive_receipt(
 
 /// Pages per pull pass (`wire.md` §3.5).
 pub const MAX_PAGES_PER_PASS: usize = 20;
-/// Quarantined items retried per pass once their sender is pinned (`wire.md` §3.5: ≤100).
+/// Quarantined items retried per pass once a pin change touched them (`wire.md` §3.5: ≤100).
 pub const MAX_RETRIES_PER_PASS: u32 = 100;
 
 /// Counts of one pull pass.
@@ -138,43 +137,74 @@ impl RelayClient {
         Ok(0)
     }
 
-    /// Receives quarantined `host not paired` envelopes whose sender has been pinned since
-    /// (at most [`MAX_RETRIES_PER_PASS`] per pass): each is stored (or found a duplicate, whose
-    /// delivery receipts are queued again) and leaves quarantine in one transaction, or stays with its new reason. Returns how many
-    /// were received.
+    /// Receives again the quarantined envelopes and receipts marked for another try (at most
+    /// [`MAX_RETRIES_PER_PASS`] per pass, oldest first): those whose pushing key or claimed host
+    /// a pin change touched since they were last refused (a peer pinned, renamed, unpaired and
+    /// paired again, a rotation learned: the `peers` triggers of schema 5 mark them in the
+    /// writer's transaction, in every path), whatever reason was recorded first or last. Each is
+    /// received like a pulled item (an envelope stored, or found a duplicate whose delivery
+    /// receipts are queued again; a receipt applied) and leaves quarantine in one transaction,
+    /// or stays with the reason of this refusal, unmarked until the next change that touches it.
+    /// Returns how many were received.
     pub async fn retry_quarantined(&self) -> Result<usize, RelayError> {
         let ident = self.ident.clone();
         let (url, now) = (self.url.clone(), self.clock.now_ms());
-        let received = self
+        let (received, wake) = self
             .mailbox
             .run(move |c| {
-                let mut received = 0;
+                // `wake`: stored mail or receipts queued again, for the senders' loops.
+                let (mut received, mut wake) = (0, false);
                 for item in relay_state::retryable(c, &url, MAX_RETRIES_PER_PASS)? {
                     let tx = c.transaction()?;
-                    match receive::receive_sealed(
-                        &tx,
-                        &ident,
-                        &item.wire,
-                        &item.item_id,
-                        &item.sender_pubkey,
-                        now,
-                    )? {
+                    let verdict = if item.kind == "receipt" {
+                        receive_receipt(
+                            &tx,
+                            ident.host.as_str(),
+                            &item.wire,
+                            &item.sender_pubkey,
+                            now,
+                        )?
+                    } else {
+                        receive::receive_sealed(
+                            &tx,
+                            &ident,
+                            &item.wire,
+                            &item.item_id,
+                            &item.sender_pubkey,
+                            now,
+                        )?
+                        .map(Verdict::from)
+                    };
+                    match verdict {
                         Ok(v) => {
-                            if v == receive::Verdict::Duplicate {
-                                receipts::requeue(&tx, &item.item_id, now)?;
+                            match v {
+                                Verdict::Duplicate { .. } => {
+                                    wake |= receipts::requeue(&tx, &item.item_id, now)? > 0;
+                                }
+                                Verdict::Stored { .. } => wake = true,
+                                Verdict::Receipt(_) | Verdict::Notice(_) => {}
                             }
                             relay_state::release(&tx, item.id)?;
                             received += 1;
                         }
-                        Err(reason) => relay_state::requarantine(&tx, item.id, &reason, now)?,
+                        Err(reason) => {
+                            tracing::debug!(relay = %url, id = %item.item_id, kind = %item.kind, reason = %reason, "quarantined relay item refused again");
+                            relay_state::requarantine(&tx, item.id, &reason, now)?;
+                        }
                     }
                     tx.commit()?;
                 }
-                Ok(received)
+                Ok((received, wake))
             })
             .await?;
         if received > 0 {
-            tracing::info!(relay = %self.url, received, "received quarantined mail from a host pinned since");
+            tracing::info!(relay = %self.url, received, "received quarantined relay items after a pin change");
+        }
+        // Stored mail queued delivery receipts: let the senders' loops look now.
+        if wake {
+            if let Some(n) = &self.received {
+                n.notify_one();
+            }
         }
         Ok(received)
     }
@@ -286,7 +316,7 @@ impl RelayClient {
                     )?
                     .map(Verdict::Notice)
                 } else if item.kind == "receipt" {
-                    receive_receipt(&tx, ident.host.as_str(), &wire, &item, now)?
+                    receive_receipt(&tx, ident.host.as_str(), &wire, &item.sender_pubkey, now)?
                 } else {
                     receive::receive_sealed(
                         &tx,

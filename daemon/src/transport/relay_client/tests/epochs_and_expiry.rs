@@ -14,6 +14,8 @@ use crate::mailbox::audit;
 use crate::mailbox::outbox::Repush;
 use crate::node::settle;
 
+mod quarantine_retry;
+
 const DAY: i64 = 86_400_000;
 
 // ---- the real relay, in process ---------------------------------------------------------------
