@@ -897,12 +897,6 @@ impl RelayStore for SqliteStore {
     }
 
     fn ack(&self, req: AckRequest) -> Result<AckResult, StoreError> {
-        if req.through < 0 {
-            return Err(StoreError::InvalidInput(format!(
-                "ack position {} is negative",
-                req.through
-            )));
-        }
         self.submit(JobKind::Ack, move |c, _| ack_apply(c, &req))
     }
 
@@ -2130,8 +2124,8 @@ fn ack_apply(c: &Connection, req: &AckRequest) -> Result<AckResult, StoreError> 
             head_seq: head,
         });
     }
-    if req.through > head {
-        return Ok(AckResult::BeyondHead {
+    if !(0..=head).contains(&req.through) {
+        return Ok(AckResult::OutOfRange {
             head_seq: head,
             epoch,
         });
@@ -2660,7 +2654,7 @@ mod tests {
 
         assert_eq!(
             ack(105, None),
-            AckResult::BeyondHead {
+            AckResult::OutOfRange {
                 head_seq: 104,
                 epoch: epoch.clone()
             }
@@ -2689,7 +2683,8 @@ mod tests {
             "stale epoch changes nothing"
         );
 
-        // Through 0 on an empty queue is fine; negative is refused.
+        // Through 0 on an empty queue is fine; below 0 is out of range like past the head
+        // (wire.md §3.2), whatever the i64, and changes nothing.
         assert!(matches!(
             store.ack(AckRequest {
                 target_pubkey: key(50),
@@ -2698,14 +2693,16 @@ mod tests {
             }),
             Ok(AckResult::Acked(_))
         ));
-        assert!(matches!(
-            store.ack(AckRequest {
-                target_pubkey: beta.clone(),
-                through: -1,
-                epoch: None
-            }),
-            Err(StoreError::InvalidInput(_))
-        ));
+        for through in [-1, i64::MIN, i64::MAX] {
+            assert_eq!(
+                ack(through, None),
+                AckResult::OutOfRange {
+                    head_seq: 104,
+                    epoch: epoch.clone()
+                }
+            );
+        }
+        assert_eq!(pull_all(&store, &beta).items.len(), 2, "nothing deleted");
         match ack(104, None) {
             AckResult::Acked(a) => assert_eq!((a.acked_through, a.deleted), (104, 2)),
             other => panic!("unexpected {other:?}"),
