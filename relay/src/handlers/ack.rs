@@ -90,3 +90,34 @@ pub async fn post(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn through_is_an_integer_only_in_integer_syntax_and_saturates_past_i64() {
+        let through = |body: &str| {
+            let ack: RawAck<'_> = serde_json::from_str(body).expect("ack body");
+            integer(ack.through.get())
+        };
+        assert_eq!(through(r#"{"epoch":"e","through": 5 }"#), Some(5));
+        assert_eq!(through("{\"through\":\n-7\t,\"epoch\":\"e\"}"), Some(-7));
+        assert_eq!(through(r#"{"epoch":"e","through":-0}"#), Some(0));
+        assert_eq!(
+            through(r#"{"epoch":"e","through":99999999999999999999999}"#),
+            Some(i64::MAX)
+        );
+        assert_eq!(
+            through(r#"{"epoch":"e","through":-99999999999999999999999}"#),
+            Some(i64::MIN)
+        );
+        for not in ["5.0", "1e2", "-1.5", "\"5\"", "null", "true", "[1]", "{}"] {
+            assert_eq!(
+                through(&format!(r#"{{"epoch":"e","through":{not}}}"#)),
+                None,
+                "{not}"
+            );
+        }
+    }
+}
