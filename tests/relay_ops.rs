@@ -432,3 +432,63 @@ fn relay_log_lists_an_unreadable_receipt_and_still_shows_the_rest() {
         "{out:#?}"
     );
 }
+
+/// A start after a killed relay (SIGKILL: no final checkpoint, relay.db-wal left behind) logs
+/// one WARN line saying the previous run did not stop cleanly, naming the killed process and
+/// what recovery did; what the killed relay committed is there. A clean restart logs no such
+/// line, and neither start logs `migrated_from` (the schema was already current).
+#[test]
+fn a_start_after_a_killed_relay_says_what_recovery_did_and_a_clean_restart_says_nothing() {
+    const UNCLEAN: &str = "previous run did not stop cleanly";
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let store = tmp.path().join("store");
+    let env = [("MBX_RELAY_ADMIN_TOKEN", ADMIN)];
+
+    let relay = serve(&store, &env);
+    let url = format!("http://{}", relay.addr);
+    relay_cli(&["deny", "client-x", "--client", "--url", &url], &env).assert_success();
+    let pid = relay.pid();
+    let first = relay.kill();
+    assert!(!first.contains(UNCLEAN), "{first}");
+    let wal = std::fs::metadata(store.join("relay.db-wal")).map_or(0, |m| m.len());
+    assert!(wal > 0, "a killed relay leaves its WAL");
+
+    let relay = serve(&store, &env);
+    let log = relay.stderr();
+    let lines: Vec<&str> = log.lines().filter(|l| l.contains(UNCLEAN)).collect();
+    assert_eq!(lines.len(), 1, "{log}");
+    let line = lines[0];
+    for part in [
+        "WARN",
+        &format!("{wal} bytes left in relay.db-wal"),
+        &format!("relay.lock last taken by pid {pid}"),
+        "recovered: ",
+        "committed WAL frames replayed into relay.db",
+    ] {
+        assert!(line.contains(part), "{part:?} missing in {line}");
+    }
+    let frames: u64 = line
+        .split("recovered: ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no frame count in {line}"));
+    assert!(frames > 0, "{line}");
+    assert!(!log.contains("migrated_from"), "{log}");
+    // The killed relay's last committed write is there.
+    let url = format!("http://{}", relay.addr);
+    let out = relay_cli(&["deny", "--list", "--url", &url, "--json"], &env);
+    out.assert_success();
+    assert!(out.stdout.contains("client-x"), "{out:#?}");
+    let (status, _) = relay.terminate();
+    assert!(status.success(), "{status:?}");
+
+    // A clean stop, then a start: nothing to say.
+    let relay = serve(&store, &env);
+    let log = relay.stderr();
+    assert!(log.contains("relay store opened"), "{log}");
+    assert!(!log.contains(UNCLEAN), "{log}");
+    assert!(!log.contains("migrated_from"), "{log}");
+    let (status, _) = relay.terminate();
+    assert!(status.success(), "{status:?}");
+}

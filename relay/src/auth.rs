@@ -13,6 +13,10 @@
 //! `Authorization: Bearer` token is checked last (spec §8; [`crate::authority`]). So whether a
 //! key is enrolled, revoked or denied is told only to a request that key signed.
 //!
+//! Every refusal of the caller (each 401 above, and the 403s `REVOKED` and `DENIED`) is
+//! counted by reason in [`RelayState::refused`] and logged at DEBUG with the method, the path
+//! and at most the key's fingerprint prefix ([`crate::refusals`]).
+//!
 //! Signed `GET /v2/relay/info` is the one exception to "every hop carries the token"
 //! ([`authenticate_info`]): a host sends its first signed info of a pass without the token,
 //! because it must see the relay's key before it hands the token to anyone. Without a bearer
@@ -32,6 +36,7 @@ use agentmbx_protocol::hop::{self, header, HopError};
 use agentmbx_protocol::keys::PublicKey;
 
 use crate::error::ApiError;
+use crate::refusals::AuthRefusal;
 use crate::server::RelayState;
 use crate::store::Enrolment;
 
@@ -197,11 +202,71 @@ async fn authenticate_as(
     raw_body: &str,
     rule: TokenRule,
 ) -> Result<Enrolment, ApiError> {
-    let key_text = header_str(headers, header::KEY)?;
-    let ts = header_str(headers, header::TS)?;
-    let sig = header_str(headers, header::SIG)?;
-    hop::parse_relay_ts(ts).map_err(|_| ApiError::bad_hop())?;
-    let key = parse_key(key_text).ok_or_else(ApiError::bad_hop)?;
+    match check_hop(state, method, uri, headers, raw_body, rule).await {
+        Ok(enrolment) => Ok(enrolment),
+        Err(Refused {
+            reason,
+            key_fp,
+            error,
+        }) => {
+            if let Some(reason) = reason {
+                state
+                    .refused
+                    .auth(reason, method.as_str(), uri.path(), key_fp.as_deref());
+            }
+            Err(error)
+        }
+    }
+}
+
+/// A hop [`check_hop`] refused: the answer, and for a refusal of the caller (not a store or
+/// authority fault) its reason and the caller's key fingerprint when the key parsed, for the
+/// counters and the DEBUG line ([`crate::refusals`]).
+struct Refused {
+    reason: Option<AuthRefusal>,
+    key_fp: Option<String>,
+    error: ApiError,
+}
+
+impl From<ApiError> for Refused {
+    /// A fault that is not the caller's (a store error): not counted.
+    fn from(error: ApiError) -> Self {
+        Refused {
+            reason: None,
+            key_fp: None,
+            error,
+        }
+    }
+}
+
+impl Refused {
+    fn new(reason: AuthRefusal, key_fp: Option<&str>, error: ApiError) -> Self {
+        Refused {
+            reason: Some(reason),
+            key_fp: key_fp.map(str::to_owned),
+            error,
+        }
+    }
+}
+
+/// The hop checks in the order of the module docs; every refusal carries its reason.
+async fn check_hop(
+    state: &RelayState,
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+    raw_body: &str,
+    rule: TokenRule,
+) -> Result<Enrolment, Refused> {
+    let missing = |_| Refused::new(AuthRefusal::MissingHeader, None, ApiError::bad_hop());
+    let key_text = header_str(headers, header::KEY).map_err(missing)?;
+    let ts = header_str(headers, header::TS).map_err(missing)?;
+    let sig = header_str(headers, header::SIG).map_err(missing)?;
+    hop::parse_relay_ts(ts)
+        .map_err(|_| Refused::new(AuthRefusal::BadTimestamp, None, ApiError::bad_hop()))?;
+    let key = parse_key(key_text)
+        .ok_or_else(|| Refused::new(AuthRefusal::BadKey, None, ApiError::bad_hop()))?;
+    let fp = key.fingerprint();
     let target = signed_target(uri);
     match hop::verify_relay_hop(
         &key,
@@ -214,45 +279,88 @@ async fn authenticate_as(
     ) {
         Ok(()) => {}
         Err(HopError::Stale) => {
-            return Err(ApiError::new(
-                StatusCode::UNAUTHORIZED,
-                "stale or bad hop timestamp (check clocks)",
-                "BAD_HOP",
+            return Err(Refused::new(
+                AuthRefusal::StaleTimestamp,
+                Some(&fp),
+                ApiError::new(
+                    StatusCode::UNAUTHORIZED,
+                    "stale or bad hop timestamp (check clocks)",
+                    "BAD_HOP",
+                ),
             ))
         }
-        Err(_) => return Err(ApiError::bad_hop()),
+        Err(HopError::BadTimestamp | HopError::Missing(_)) => {
+            return Err(Refused::new(
+                AuthRefusal::BadTimestamp,
+                Some(&fp),
+                ApiError::bad_hop(),
+            ))
+        }
+        Err(HopError::BadSignature) => {
+            return Err(Refused::new(
+                AuthRefusal::BadSignature,
+                Some(&fp),
+                ApiError::bad_hop(),
+            ))
+        }
     }
     // Looked up by the canonical text enrolment stored, whatever padding the header used.
     let store = state.store.clone();
     let k = key.to_b64();
-    let fp = key.fingerprint();
     let now = state.clock.now_ms();
     // Two point reads by key, run right here: they take microseconds in WAL mode, far less
     // than handing them to a blocking thread and waking this task again (measured on the
     // reference machine: `GET /v2/relay/info` cost the relay 88–108 µs of CPU with its one
     // read on a blocking thread, 45 µs with the read here; the difference is thread wake-ups).
-    let (enrolment, host_denied) = (store.enrolment(&k)?, store.denied(&fp, None, now)?);
+    let (enrolment, host_denied) = (
+        store.enrolment(&k).map_err(ApiError::from)?,
+        store.denied(&fp, None, now).map_err(ApiError::from)?,
+    );
     let Some(enrolment) = enrolment else {
-        return Err(ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "not enrolled",
-            "NOT_ENROLLED",
+        return Err(Refused::new(
+            AuthRefusal::NotEnrolled,
+            Some(&fp),
+            ApiError::new(StatusCode::UNAUTHORIZED, "not enrolled", "NOT_ENROLLED"),
         ));
     };
     if enrolment.is_revoked() {
-        return Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "this host key is revoked on this relay",
-            "REVOKED",
+        return Err(Refused::new(
+            AuthRefusal::Revoked,
+            Some(&fp),
+            ApiError::new(
+                StatusCode::FORBIDDEN,
+                "this host key is revoked on this relay",
+                "REVOKED",
+            ),
         ));
     }
     if host_denied.is_some() {
-        return Err(crate::handlers::enrol::denied(
-            crate::handlers::enrol::DENY_LISTED,
+        return Err(Refused::new(
+            AuthRefusal::Denied,
+            Some(&fp),
+            crate::handlers::enrol::denied(crate::handlers::enrol::DENY_LISTED),
         ));
     }
-    check_account_token(state, headers, &key, &enrolment, now, rule).await?;
+    check_account_token(state, headers, &key, &enrolment, now, rule)
+        .await
+        .map_err(|error| Refused {
+            reason: token_refusal(&error),
+            key_fp: Some(fp),
+            error,
+        })?;
     Ok(enrolment)
+}
+
+/// The reason of a refusal by [`check_account_token`], from its code; `None` for the faults
+/// that are not the caller's (503 `AUTHORITY_UNAVAILABLE`, a store error).
+fn token_refusal(e: &ApiError) -> Option<AuthRefusal> {
+    match e.body.code.as_str() {
+        "TOKEN_REQUIRED" => Some(AuthRefusal::TokenRequired),
+        "BAD_TOKEN" => Some(AuthRefusal::BadToken),
+        "NOT_ENROLLED" => Some(AuthRefusal::NoAccountBinding),
+        "DENIED" => Some(AuthRefusal::Denied),
+        _ => None,
+    }
 }
 
 /// The token of `Authorization: Bearer <token>` (scheme case-insensitive); `Ok(None)` without

@@ -16,7 +16,8 @@
 //! - [`status`]: `relay status`, an operator's read-only facts about a store;
 //! - [`config`]: `relay.toml` and environment; [`key`]: the relay key;
 //! - [`ratelimit`]: per-address and per-sender rate limits, the request-body budget;
-//!   [`log_gate`]: at most one WARN a minute per address for events anyone can cause.
+//!   [`log_gate`]: at most one WARN a minute per address for events anyone can cause;
+//!   [`refusals`]: the running relay's counters of refused items and requests by reason.
 //!
 //! Every successful answer is sent only after the transaction that made it true committed.
 
@@ -30,6 +31,7 @@ pub mod key;
 pub mod log_gate;
 pub mod ops;
 pub mod ratelimit;
+pub mod refusals;
 pub mod retention;
 pub mod run;
 pub mod server;

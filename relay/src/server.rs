@@ -74,6 +74,9 @@ pub struct RelayState {
     /// The absolute path of the store's `relay.db`: the `store` of the operation receipts the
     /// relay writes ([`crate::ops::store_db`]).
     pub store_db: String,
+    /// Refused pushed items and requests by reason since start (`Default::default()`;
+    /// `GET /v2/relay/admin/stats` `refused`).
+    pub refused: crate::refusals::Refusals,
 }
 
 /// Counts a request in [`RelayState::in_flight`] for as long as it lives.

@@ -241,3 +241,330 @@ async fn admin_routes_are_rate_limited_per_address_and_wrong_tokens_warned_once_
     assert_eq!(log.count("WARN", refused), 2);
     relay.stop().await;
 }
+
+/// Issue-level behaviour (relay log and counters): every refused pushed item and every request
+/// refused for its sender is counted by reason in `GET /v2/relay/admin/stats` `refused` (the
+/// writer's fields stay), and logged at DEBUG with its reason and at most a fingerprint
+/// prefix: no key, no signature, no token in those lines.
+#[tokio::test]
+async fn refused_pushes_and_callers_are_counted_by_reason_and_logged_at_debug_without_keys() {
+    use agentmbx_relay::config::LimitsConfig;
+    use agentmbx_relay::store::SenderList;
+    let log = Captured::default();
+    let writer = log.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::DEBUG)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let relay = Relay::start_with_config(RelayConfig {
+        rate: RateConfig {
+            push_per_min: 3,
+            enrol_per_min: 100_000,
+            ..RateConfig::default()
+        },
+        limits: LimitsConfig {
+            max_queue_items: 1,
+            ..LimitsConfig::default()
+        },
+        admin_token: Some(AdminToken::new(ADMIN).unwrap()),
+        ..RelayConfig::default()
+    })
+    .await;
+    let stats = |token: &'static str| {
+        let relay = &relay;
+        async move {
+            let auth = vec![("authorization".to_owned(), format!("Bearer {token}"))];
+            relay
+                .send("GET", "/v2/relay/admin/stats", &auth, Vec::new())
+                .await
+        }
+    };
+    let zero = stats(ADMIN).await.assert_ok().clone();
+    for (k, v) in zero["refused"]["push"].as_object().unwrap() {
+        assert_eq!(v, 0, "refused.push.{k} at start");
+    }
+    for (k, v) in zero["refused"]["auth"].as_object().unwrap() {
+        assert_eq!(v, 0, "refused.auth.{k} at start");
+    }
+
+    let (a, b, c, f, r) = (
+        Host::new("alpha"),
+        Host::new("beta"),
+        Host::new("gamma"),
+        Host::new("flood"),
+        Host::new("gone"),
+    );
+    let stranger = Host::new("stranger");
+    for h in [&a, &b, &c, &f, &r] {
+        relay.enrol(h).await;
+    }
+    // gamma accepts beta only.
+    let list = SenderList {
+        target_pubkey: c.pubkey(),
+        senders: vec![b.pubkey()],
+        iat_ms: relay.now(),
+        record: "{}".into(),
+        sig: "x".into(),
+    };
+    relay
+        .with_store(move |s| s.put_sender_list(list).unwrap())
+        .await;
+    relay.revoke(&r).await;
+
+    // Push refusals. One request: accepted, target not enrolled, sender not accepted,
+    // duplicate target, bad item id.
+    let now = relay.now();
+    let plain = plain_envelope(&a, &b, "first", now);
+    let seal = |p: &agentmbx_protocol::envelope::Envelope| {
+        agentmbx_protocol::seal::seal_envelope(p, &b.enc.public(), &a.name, &a.key)
+            .unwrap()
+            .wire_json()
+    };
+    let (first, second) = (seal(&plain), seal(&plain));
+    let (id_d, wire_d) = sealed_wire(&a, &stranger, "to nobody", now);
+    let (id_c, wire_c) = sealed_wire(&a, &c, "not accepted", now);
+    let (id_bb, wire_bb) = sealed_wire(&a, &b, "twice", now);
+    let twice = item(
+        "envelope",
+        &id_bb,
+        &[(&b, wire_bb.as_bytes()), (&b, wire_bb.as_bytes())],
+    );
+    let p = relay
+        .push(
+            &a,
+            vec![
+                env_item(&plain.id, &b, &first),
+                env_item(&id_d, &stranger, &wire_d),
+                env_item(&id_c, &c, &wire_c),
+                twice,
+                env_item("", &b, &first),
+            ],
+        )
+        .await;
+    assert_eq!(
+        p.statuses(),
+        [
+            "accepted",
+            "rejected:target not enrolled",
+            "rejected:sender not accepted by target",
+            "rejected:duplicate target",
+            "rejected:bad item id"
+        ]
+    );
+    // Another: a conflict (same id, other bytes) and a full queue (max_queue_items 1).
+    relay.clock.advance(1_000);
+    let (id_q, wire_q) = sealed_wire(&a, &b, "one too many", relay.now());
+    let p = relay
+        .push(
+            &a,
+            vec![
+                env_item(&plain.id, &b, &second),
+                env_item(&id_q, &b, &wire_q),
+            ],
+        )
+        .await;
+    let s = p.statuses();
+    assert_eq!(s[0], "rejected:conflict");
+    assert!(s[1].starts_with("rejected:quota:queue depth"), "{s:?}");
+    // Four pushes of two items by one sender with a limit of three a minute: the last two
+    // items are `rate`.
+    for i in 0..4 {
+        let items = (0..2)
+            .map(|j| {
+                let (id, wire) = sealed_wire(&f, &stranger, &format!("{i}.{j}"), relay.now());
+                env_item(&id, &stranger, &wire)
+            })
+            .collect();
+        let want = if i < 3 {
+            "rejected:target not enrolled"
+        } else {
+            "rejected:rate"
+        };
+        assert_eq!(relay.push(&f, items).await.statuses(), [want, want]);
+    }
+
+    // Caller refusals.
+    let target = "/v2/relay/items";
+    let signed = |h: &Host, ts: i64| h.hop_headers("GET", target, "", ts);
+    let without = |headers: Vec<(String, String)>, name: &str| {
+        headers
+            .into_iter()
+            .filter(|(k, _)| k != name)
+            .collect::<Vec<_>>()
+    };
+    let with = |headers: Vec<(String, String)>, name: &str, value: &str| {
+        headers
+            .into_iter()
+            .map(|(k, v)| {
+                if k == name {
+                    (k, value.to_owned())
+                } else {
+                    (k, v)
+                }
+            })
+            .collect::<Vec<_>>()
+    };
+    let mut sigs = Vec::new();
+    let send = |headers: Vec<(String, String)>| {
+        let relay = &relay;
+        async move { relay.send("GET", target, &headers, Vec::new()).await }
+    };
+    let h = signed(&a, relay.now());
+    sigs.extend(
+        h.iter()
+            .filter(|(k, _)| k == "x-mbx-sig")
+            .map(|(_, v)| v.clone()),
+    );
+    assert_eq!(send(without(h.clone(), "x-mbx-sig")).await.status, 401);
+    assert_eq!(send(with(h.clone(), "x-mbx-ts", "soon")).await.status, 401);
+    assert_eq!(
+        send(with(h.clone(), "x-mbx-key", "not-a-key")).await.status,
+        401
+    );
+    // Signed for another target: the signature does not verify for this one.
+    let other = a.hop_headers("GET", "/v2/relay/items?after=1", "", relay.now());
+    let other_sig = other
+        .iter()
+        .find(|(k, _)| k == "x-mbx-sig")
+        .unwrap()
+        .1
+        .clone();
+    sigs.push(other_sig.clone());
+    assert_eq!(
+        send(with(h.clone(), "x-mbx-sig", &other_sig)).await.status,
+        401
+    );
+    let stale = signed(&a, relay.now() - 400_000);
+    sigs.extend(
+        stale
+            .iter()
+            .filter(|(k, _)| k == "x-mbx-sig")
+            .map(|(_, v)| v.clone()),
+    );
+    assert_eq!(send(stale).await.status, 401);
+    let h = signed(&stranger, relay.now());
+    sigs.extend(
+        h.iter()
+            .filter(|(k, _)| k == "x-mbx-sig")
+            .map(|(_, v)| v.clone()),
+    );
+    assert_eq!(send(h).await.json["code"], "NOT_ENROLLED");
+    let h = signed(&r, relay.now());
+    sigs.extend(
+        h.iter()
+            .filter(|(k, _)| k == "x-mbx-sig")
+            .map(|(_, v)| v.clone()),
+    );
+    assert_eq!(send(h).await.json["code"], "REVOKED");
+    const WRONG: &str = "wrong-token-0123456789abcdef";
+    assert_eq!(stats(WRONG).await.status, 401);
+    // An enrolment with no challenge pending.
+    let e = relay
+        .plain(
+            "POST",
+            "/v1/relay/enrol",
+            &stranger.enrol_body("no-such-challenge"),
+        )
+        .await;
+    assert_eq!(e.json["code"], "NO_CHALLENGE", "{e:#?}");
+
+    let after = stats(ADMIN).await.assert_ok().clone();
+    // The writer's counters are still there.
+    for k in ["write_requests", "groups", "commits", "queued"] {
+        assert!(after[k].is_u64(), "{k}: {after}");
+    }
+    let nonzero = |side: &str| {
+        after["refused"][side]
+            .as_object()
+            .unwrap()
+            .iter()
+            .filter(|(_, v)| **v != 0)
+            .map(|(k, v)| (k.clone(), v.as_u64().unwrap()))
+            .collect::<std::collections::BTreeMap<String, u64>>()
+    };
+    let want = |pairs: &[(&str, u64)]| {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), *v))
+            .collect::<std::collections::BTreeMap<String, u64>>()
+    };
+    assert_eq!(
+        nonzero("push"),
+        want(&[
+            ("target_not_enrolled", 1 + 6),
+            ("sender_not_accepted", 1),
+            ("duplicate_target", 1),
+            ("bad_item_id", 1),
+            ("conflict", 1),
+            ("quota_queue_depth", 1),
+            ("rate_limit", 2),
+        ]),
+        "{after}"
+    );
+    assert_eq!(
+        nonzero("auth"),
+        want(&[
+            ("missing_header", 1),
+            ("bad_timestamp", 1),
+            ("bad_key", 1),
+            ("bad_signature", 1),
+            ("stale_timestamp", 1),
+            ("not_enrolled", 1),
+            ("revoked", 1),
+            ("admin_token", 1),
+            ("no_challenge", 1),
+        ]),
+        "{after}"
+    );
+    // Every key is listed, zero or not.
+    assert!(
+        after["refused"]["push"]["quota_owner_queue_bytes"] == 0,
+        "{after}"
+    );
+    assert!(after["refused"]["auth"]["bad_token"] == 0, "{after}");
+
+    // One DEBUG line per refusal, with its reason and no key material.
+    let text = String::from_utf8_lossy(&log.0.lock().unwrap()).into_owned();
+    let lines = |what: &str| -> Vec<String> {
+        text.lines()
+            .filter(|l| l.contains("DEBUG") && l.contains(what))
+            .map(str::to_owned)
+            .collect()
+    };
+    let (pushed, callers) = (lines("push item refused"), lines("caller refused"));
+    assert_eq!(pushed.len(), 14, "{pushed:#?}");
+    assert_eq!(callers.len(), 9, "{callers:#?}");
+    for reason in [
+        "quota_queue_depth",
+        "conflict",
+        "rate_limit",
+        "sender_not_accepted",
+    ] {
+        assert!(
+            pushed.iter().any(|l| l.contains(reason)),
+            "{reason}: {pushed:#?}"
+        );
+    }
+    let a_fp = a.key.public().fingerprint();
+    assert!(
+        callers
+            .iter()
+            .any(|l| l.contains("stale_timestamp") && l.contains(&a_fp[..9])),
+        "{callers:#?}"
+    );
+    let mut secrets: Vec<String> = vec![ADMIN.into(), WRONG.into()];
+    for h in [&a, &b, &c, &f, &r, &stranger] {
+        secrets.push(h.pubkey());
+        secrets.push(h.pubkey().trim_end_matches('=').to_owned());
+        secrets.push(h.key.public().fingerprint());
+    }
+    secrets.extend(sigs);
+    for line in pushed.iter().chain(&callers) {
+        for secret in &secrets {
+            assert!(!line.contains(secret.as_str()), "{secret} in {line}");
+        }
+    }
+    relay.stop().await;
+}

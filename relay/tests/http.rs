@@ -1127,22 +1127,26 @@ async fn ack_refusals() {
     r.assert_error(409, "stale epoch", "EPOCH");
     assert_eq!(r.json["epoch"], epoch);
     assert_eq!(r.json["head_seq"], T0);
-    // `through` must be a non-negative safe integer.
+    // `through` must be an integer: anything else is a plain 400 (an integer outside
+    // [0, head_seq] is BAD_ACK: `ack_through_outside_zero_to_head_is_bad_ack`).
     for through in [
         json!(1.5),
-        json!(-1),
+        json!(-1.5),
         json!(T0 as f64 + 0.5),
         json!("5"),
         json!(null),
-        json!(MAX_SAFE_INT + 1),
+        json!(true),
+        json!([1]),
         json!(1e300),
     ] {
-        let r = relay.ack(&b, &epoch, through).await;
-        r.assert_error(
-            400,
-            "bad ack: through must be a non-negative integer",
-            "BAD_REQUEST",
-        );
+        let r = relay.ack(&b, &epoch, through.clone()).await;
+        r.assert_error(400, "bad ack: through must be an integer", "BAD_REQUEST");
+        assert_eq!(r.json.get("epoch"), None, "{through}");
+    }
+    for raw in ["5.0", "1e2", "-0.0"] {
+        let body = format!(r#"{{"epoch":"{epoch}","through":{raw}}}"#);
+        let r = relay.hop(&b, "POST", "/v2/relay/ack", &body).await;
+        r.assert_error(400, "bad ack: through must be an integer", "BAD_REQUEST");
     }
     for body in ["{}", r#"{"epoch":"e"}"#, r#"{"through":1}"#, "[]", "nope"] {
         let r = relay.hop(&b, "POST", "/v2/relay/ack", body).await;
@@ -1150,6 +1154,59 @@ async fn ack_refusals() {
     }
     // Nothing was deleted by any of these.
     assert_eq!(relay.queue_ids(&b).await.len(), 1);
+    relay.stop().await;
+}
+
+/// wire.md §3.2: "`through` safe int in [0, head_seq] else BAD_ACK". Every integer outside that
+/// range, below zero as well as past the head (and past what i64 or a JS number can hold),
+/// answers 400 BAD_ACK with the epoch and head seq, so a receiver treats it as a rewind;
+/// nothing is deleted and `acked_through` does not move.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ack_through_outside_zero_to_head_is_bad_ack() {
+    let relay = Relay::start().await;
+    let (a, b) = two_hosts(&relay).await;
+    push_one(&relay, &a, &b, "one").await;
+    let epoch = relay.epoch().await;
+    let beyond = "ack beyond the last allocated seq: treat as an epoch change";
+    let below = "ack below seq 0: treat as an epoch change";
+    let cases: Vec<(String, &str)> = vec![
+        ("-1".into(), below),
+        ("-0".into(), ""),
+        (format!("-{T0}"), below),
+        (format!("-{}", MAX_SAFE_INT + 1), below),
+        ("-9223372036854775808".into(), below),
+        ("-9223372036854775809".into(), below),
+        ("-100000000000000000000000000000".into(), below),
+        ((T0 + 1).to_string(), beyond),
+        ((MAX_SAFE_INT + 1).to_string(), beyond),
+        ("9223372036854775807".into(), beyond),
+        ("9223372036854775808".into(), beyond),
+        ("18446744073709551616".into(), beyond),
+        ("100000000000000000000000000000".into(), beyond),
+    ];
+    for (through, error) in cases {
+        let body = format!(r#"{{"epoch":"{epoch}","through":{through}}}"#);
+        let r = relay.hop(&b, "POST", "/v2/relay/ack", &body).await;
+        if error.is_empty() {
+            // -0 is zero: in range, acked, nothing deleted.
+            assert_eq!(
+                r.assert_ok(),
+                &json!({"acked_through": 0, "deleted": 0, "head_seq": T0})
+            );
+            continue;
+        }
+        r.assert_error(400, error, "BAD_ACK");
+        assert_eq!(r.json["epoch"], epoch, "through {through}");
+        assert_eq!(r.json["head_seq"], T0, "through {through}");
+    }
+    // A stale epoch is still told first, whatever `through` is.
+    let r = relay.ack(&b, "old-epoch", json!(-1)).await;
+    r.assert_error(409, "stale epoch", "EPOCH");
+    assert_eq!(r.json["head_seq"], T0);
+    // Nothing was deleted, and the position did not move.
+    assert_eq!(relay.queue_ids(&b).await.len(), 1);
+    let info = relay.hop(&b, "GET", "/v2/relay/info", "").await;
+    assert_eq!(info.assert_ok()["you"]["acked_through"], 0);
     relay.stop().await;
 }
 

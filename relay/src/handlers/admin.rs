@@ -11,7 +11,35 @@
 //! | POST /v2/relay/admin/undeny | `{target, kind?}` | `{ok:true, removed, kind, value}` |
 //! | POST /v2/relay/admin/rotate-epoch | `{}` | the receipt `{v:1, type:"relay-epoch-rotated", at, store, from, to, by:"operator"}` |
 //! | POST /v2/relay/admin/backup-receipt | `{receipt}` (a `relay-backup` receipt of this relay's store, [`crate::ops::check_backup_receipt`]) | `{ok:true, id, receipt}` (its relay-log id, and the receipt as logged: signed by the relay key) |
-//! | GET /v2/relay/admin/stats | — | `{write_requests, groups, commits, queued}`: the store writer's counters since the relay started ([`crate::store::StoreStats`]; `commits` is the number of fsynced group transactions, so accepted items ÷ commits is items per fsync); 404 `NOT_FOUND` for a store that keeps none |
+//! | GET /v2/relay/admin/stats | — | `{write_requests, groups, commits, queued, refused}`: the store writer's counters since the relay started ([`crate::store::StoreStats`]; `commits` is the number of fsynced group transactions, so accepted items ÷ commits is items per fsync) and `refused: {push: {<reason>: n}, auth: {<reason>: n}}`, refusals by reason since the relay started (table below); 404 `NOT_FOUND` for a store that keeps none |
+//!
+//! `refused` ([`crate::refusals`]) lists every key, 0 when it never happened; the counters live
+//! in the running relay's memory only (`relay status` reads the store and cannot show them).
+//! Each counted refusal is also logged at DEBUG, with at most a key's fingerprint prefix.
+//!
+//! | `refused.push.<key>` (items) | rejection on the wire (`rejected:<why>`, `wire.md` §3.2) |
+//! |---|---|
+//! | `rate_limit` | `rate` (the sender's push rate; every item of the request) |
+//! | `bad_item_id`, `bad_kind`, `bad_targets` | `bad item id`, `bad kind`, `bad targets` |
+//! | `target_not_enrolled` | `target not enrolled` (unknown or revoked target) |
+//! | `sender_not_accepted` | `sender not accepted by target` (the target's allowlist) |
+//! | `duplicate_target` | `duplicate target` |
+//! | `bad_wire`, `over_size_limit` | `bad wire`, `item over size limit` |
+//! | `bad_envelope`, `envelope_id_mismatch`, `not_sealed` | `bad envelope: <why>`, `item id is not the envelope id`, `envelope body is not sealed` |
+//! | `bad_receipt`, `receipt_id_mismatch`, `receipt_not_signed` | `bad receipt`, `item id is not the receipt id`, `receipt is not signed by the sending host` |
+//! | `conflict` | `conflict` (same sender, item id and target stored with other bytes) |
+//! | `quota_queue_depth`, `quota_queue_bytes`, `quota_sender_share`, `quota_owner_queue_depth`, `quota_owner_queue_bytes` | `quota:<which> exceeded for <host>` |
+//! | `other` | `internal`, or anything else |
+//!
+//! | `refused.auth.<key>` (requests) | answer |
+//! |---|---|
+//! | `missing_header`, `bad_timestamp`, `bad_key` | 401 `BAD_HOP`: a hop header missing, `x-mbx-ts` not decimal ms, `x-mbx-key` not an Ed25519 key |
+//! | `stale_timestamp`, `bad_signature` | 401 `BAD_HOP`: `x-mbx-ts` outside ±300 s, a signature that does not verify |
+//! | `not_enrolled`, `revoked`, `denied` | 401 `NOT_ENROLLED`, 403 `REVOKED`, 403 `DENIED` |
+//! | `token_required`, `bad_token`, `no_account_binding` | account relay: 401 `TOKEN_REQUIRED`, `BAD_TOKEN`, `NOT_ENROLLED` (key enrolled without an account token) |
+//! | `admin_token` | 401 `ADMIN_TOKEN` on an admin route |
+//! | `no_challenge`, `bad_enrol_signature`, `authority_denied` | `POST /v1/relay/enrol`: 401 `NO_CHALLENGE`, 401 `BAD_SIGNATURE`, 403 `DENIED` by the enrolment authority (an enrolment of a revoked or deny-listed key counts as `revoked`, `denied`) |
+//! | `bad_list_signature` | `POST /v2/relay/senders`: 401 `BAD_SIGNATURE` |
 //!
 //! `backup-receipt` exists because `relay backup` copies the store from its own process (a
 //! read-only connection, allowed while the relay serves) but only the relay may write its
@@ -79,6 +107,12 @@ fn guard(state: &SharedRelay, req: &Request) -> Result<(), Refusal> {
                 .map(|c| c.0);
             let address = client_address(headers, socket, state.rates.trust_proxy);
             let gate = &state.rates.warn_gate;
+            state.refused.auth(
+                crate::refusals::AuthRefusal::AdminToken,
+                req.method().as_str(),
+                req.uri().path(),
+                None,
+            );
             if gate.warn(&format!("admin-token:{address}"), state.clock.now_ms()) {
                 tracing::warn!(client = %address, "admin request refused: missing or wrong admin token (further refusals from this address in the next minute are logged at debug)");
             } else {
@@ -288,8 +322,10 @@ pub async fn backup_receipt(
 }
 
 /// `GET /v2/relay/admin/stats`: the store writer's counters since the relay started
-/// (`{write_requests, groups, commits, queued}`, [`crate::store::StoreStats`]); 404 `NOT_FOUND`
-/// when the store keeps none. Reads atomics only: it never touches the database.
+/// (`{write_requests, groups, commits, queued}`, [`crate::store::StoreStats`]) and `refused`,
+/// the refusals by reason since the relay started (`{push: {<reason>: n}, auth: {<reason>: n}}`,
+/// every key of [`crate::refusals`] listed); 404 `NOT_FOUND` when the store keeps none. Reads
+/// atomics only: it never touches the database.
 pub async fn stats(State(state): State<SharedRelay>, req: Request) -> Result<Json<Value>, Refusal> {
     guard(&state, &req)?;
     let Some(s) = state.store.writer_stats() else {
@@ -300,5 +336,6 @@ pub async fn stats(State(state): State<SharedRelay>, req: Request) -> Result<Jso
         "groups": s.groups,
         "commits": s.commits,
         "queued": s.queued,
+        "refused": state.refused.to_json(),
     })))
 }

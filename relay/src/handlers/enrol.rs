@@ -28,6 +28,7 @@ use crate::auth::{blocking, read_body, utf8};
 use crate::authority::challenge::ChallengeError;
 use crate::authority::{AuthorizeRequest, UNAVAILABLE, UNAVAILABLE_CODE, UNAVAILABLE_RETRY_S};
 use crate::error::ApiError;
+use crate::refusals::AuthRefusal;
 use crate::server::SharedRelay;
 use crate::store::{AccountBinding, EnrolOutcome, EnrolRequest};
 
@@ -182,6 +183,12 @@ pub async fn enrol(
     }
     let key = canonical_host_key(&pubkey)?;
     let now = state.clock.now_ms();
+    let refused = |reason: AuthRefusal, error: ApiError| {
+        state
+            .refused
+            .auth(reason, "POST", "/v1/relay/enrol", Some(&key.fingerprint()));
+        error
+    };
     let no_challenge = || {
         ApiError::new(
             StatusCode::UNAUTHORIZED,
@@ -194,15 +201,18 @@ pub async fn enrol(
         .pending(&pubkey, now)
         .map_err(|_| poisoned())?
     else {
-        return Err(no_challenge());
+        return Err(refused(AuthRefusal::NoChallenge, no_challenge()));
     };
     let signed = records::enrol_canonical(&challenge, &host, &pubkey, &owner_fp);
     if !key.verify(signed.as_bytes(), &sig) {
         // The challenge stays pending: only its key's signature may use it up.
-        return Err(ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "bad enrolment signature",
-            "BAD_SIGNATURE",
+        return Err(refused(
+            AuthRefusal::BadEnrolSignature,
+            ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "bad enrolment signature",
+                "BAD_SIGNATURE",
+            ),
         ));
     }
     // Single use: a concurrent enrolment that verified the same challenge first wins.
@@ -211,7 +221,7 @@ pub async fn enrol(
         .consume(&pubkey, &challenge, now)
         .map_err(|_| poisoned())?
     {
-        return Err(no_challenge());
+        return Err(refused(AuthRefusal::NoChallenge, no_challenge()));
     }
     // The deny-list by host fingerprint, before the authority is asked anything.
     let fp = key.fingerprint();
@@ -222,7 +232,7 @@ pub async fn enrol(
             .is_some()
         {
             tracing::info!(host_fingerprint = %fp, "enrolment refused: deny-listed host");
-            return Err(denied(DENY_LISTED));
+            return Err(refused(AuthRefusal::Denied, denied(DENY_LISTED)));
         }
     }
     let ask = AuthorizeRequest {
@@ -245,7 +255,7 @@ pub async fn enrol(
             .reason
             .unwrap_or_else(|| "enrolment denied by the enrolment authority".to_owned());
         tracing::info!(host_fingerprint = %fp, reason = %reason, "enrolment denied by the authority");
-        return Err(denied(reason));
+        return Err(refused(AuthRefusal::AuthorityDenied, denied(reason)));
     }
     if let Some(b) = &answer.binding {
         let (store, fp2, client) = (state.store.clone(), fp.clone(), b.client_id.clone());
@@ -254,7 +264,7 @@ pub async fn enrol(
             .is_some()
         {
             tracing::info!(host_fingerprint = %fp, "enrolment refused: deny-listed client");
-            return Err(denied(DENY_LISTED));
+            return Err(refused(AuthRefusal::Denied, denied(DENY_LISTED)));
         }
     }
     let binding = answer.binding.map(|b| AccountBinding {
@@ -277,10 +287,13 @@ pub async fn enrol(
     };
     match blocking(move || store.enrol_bound(req, binding)).await? {
         EnrolOutcome::Enrolled(_) => Ok(Json(json!({"ok": true}))),
-        EnrolOutcome::Revoked => Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "this host key is revoked on this relay",
-            "REVOKED",
+        EnrolOutcome::Revoked => Err(refused(
+            AuthRefusal::Revoked,
+            ApiError::new(
+                StatusCode::FORBIDDEN,
+                "this host key is revoked on this relay",
+                "REVOKED",
+            ),
         )),
         EnrolOutcome::NameTaken => Err(ApiError::new(
             StatusCode::CONFLICT,

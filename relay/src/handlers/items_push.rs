@@ -27,7 +27,8 @@
 //! first; for those items alone the handler reads the store before answering.
 //!
 //! HTTP 200 means "the results are in this body"; each accepted or duplicate item carries the
-//! relay-signed accept statement, sent only after the commit that covers it.
+//! relay-signed accept statement, sent only after the commit that covers it. Every rejected
+//! item is counted by reason and logged at DEBUG ([`crate::refusals`]; admin stats `refused.push`).
 
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
@@ -314,11 +315,12 @@ pub async fn post(
         .rates
         .allow_push(&caller.host_pubkey, state.clock.now_ms())
     {
-        let results = push
+        let results: Vec<PushResult> = push
             .items
             .iter()
             .map(|item| rejected(&item.item_id, "rate"))
             .collect();
+        count_refused(&state, &caller.host_pubkey, &results);
         return Ok(Json(PushResponse { results }));
     }
     let sender = crate::auth::parse_key(&caller.host_pubkey).ok_or_else(ApiError::bad_hop)?;
@@ -442,10 +444,26 @@ pub async fn post(
             results[pos] = Some(result);
         }
     }
-    let results = results
+    let results: Vec<PushResult> = results
         .into_iter()
         .zip(push.items.iter())
         .map(|(r, item)| r.unwrap_or_else(|| rejected(&item.item_id, "internal")))
         .collect();
+    count_refused(&state, &caller.host_pubkey, &results);
     Ok(Json(PushResponse { results }))
+}
+
+/// Counts every `rejected:<why>` result of a push answer by its reason and logs each at DEBUG
+/// ([`crate::refusals::Refusals::push`]): one pass over the answer, whatever check refused the
+/// item (rate, content, store). Costs nothing but the scan when nothing was refused.
+fn count_refused(state: &RelayState, sender_pubkey: &str, results: &[PushResult]) {
+    let mut sender_fp = None;
+    for r in results {
+        if let Some(why) = r.status.strip_prefix("rejected:") {
+            let fp = sender_fp.get_or_insert_with(|| {
+                crate::auth::parse_key(sender_pubkey).map_or_else(String::new, |k| k.fingerprint())
+            });
+            state.refused.push(why, &r.item_id, fp);
+        }
+    }
 }

@@ -103,6 +103,12 @@ pub async fn post(State(state): State<SharedRelay>, req: Request) -> Result<Json
     let key = PublicKey::from_b64(&caller.host_pubkey).map_err(|_| ApiError::bad_hop())?;
     let sig = post.get("sig").and_then(Value::as_str).unwrap_or("");
     if !key.verify(record.as_bytes(), sig) {
+        state.refused.auth(
+            crate::refusals::AuthRefusal::BadListSignature,
+            parts.method.as_str(),
+            parts.uri.path(),
+            Some(&key.fingerprint()),
+        );
         return Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
             "sender list is not signed by the target",

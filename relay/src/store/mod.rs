@@ -694,7 +694,8 @@ pub struct PullPage {
 pub struct AckRequest {
     /// The authenticated caller's host key.
     pub target_pubkey: String,
-    /// Delete items with `seq <= through`; must be in `[0, head_seq]`.
+    /// Delete items with `seq <= through`; outside `[0, head_seq]` the answer is
+    /// [`AckResult::OutOfRange`] (any i64 is a valid request).
     pub through: i64,
     /// When set, the ack applies only if this is still the current epoch (checked in the same
     /// transaction), else [`AckResult::StaleEpoch`].
@@ -719,9 +720,10 @@ pub struct AckOutcome {
 pub enum AckResult {
     /// Done.
     Acked(AckOutcome),
-    /// `through` is past the last allocated seq: nothing changed (400 BAD_ACK; the receiver
-    /// treats it as an epoch change, spec §4).
-    BeyondHead {
+    /// `through` is outside `[0, head_seq]` (negative, or past the last allocated seq):
+    /// nothing changed (400 BAD_ACK; the receiver treats it as an epoch change, spec §4,
+    /// `wire.md` §3.2 "Ack").
+    OutOfRange {
         /// The last allocated seq.
         head_seq: i64,
         /// The current epoch.

@@ -499,7 +499,7 @@ impl SqliteStore {
             &relay_pubkey,
             now_ms,
             options,
-            Some(lock.conn),
+            Some((lock.conn, lock.previous)),
             Some(signer),
         )
     }
@@ -509,7 +509,7 @@ impl SqliteStore {
         relay_pubkey: &str,
         now_ms: i64,
         options: OpenOptions,
-        lock: Option<Connection>,
+        lock: Option<Taken>,
         signer: Option<Arc<dyn OpSigner>>,
     ) -> Result<Self, StoreError> {
         if relay_pubkey.trim().is_empty() {
@@ -517,16 +517,21 @@ impl SqliteStore {
                 "the relay public key is empty".to_owned(),
             ));
         }
-        let lock = match lock {
-            Some(lock) => lock,
+        let (lock, previous) = match lock {
+            Some(taken) => taken,
             None => {
                 create_private_dir(dir)?;
                 acquire_lock_checked(dir, options.lock_wait_ms, now_ms)?
             }
         };
         let db_path = dir.join(DB_FILE);
+        // Read before SQLite opens the database (its recovery starts at the first read).
+        let left_wal = wal_bytes(dir);
         create_private_file(&db_path)?;
         let mut conn = open_write_connection(&db_path)?;
+        if left_wal > 0 {
+            recover_unclean_stop(&conn, dir, left_wal, previous.as_ref());
+        }
 
         let found = schema::stored_version(&conn)?;
         if found > SCHEMA_VERSION {
@@ -547,14 +552,7 @@ impl SqliteStore {
         bind_identity(&mut conn, relay_pubkey)?;
         restrict_store_files(dir);
         let epoch = read_epoch(&conn)?;
-        tracing::info!(
-            store = %dir.display(),
-            schema_version = SCHEMA_VERSION,
-            migrated_from = found,
-            epoch = %epoch,
-            relay_fingerprint = %key_fingerprint(relay_pubkey),
-            "relay store opened"
-        );
+        log_opened(dir, found, &epoch, relay_pubkey);
 
         let counters = Arc::new(Counters::default());
         let failure = Arc::new(OnceLock::new());
@@ -897,12 +895,6 @@ impl RelayStore for SqliteStore {
     }
 
     fn ack(&self, req: AckRequest) -> Result<AckResult, StoreError> {
-        if req.through < 0 {
-            return Err(StoreError::InvalidInput(format!(
-                "ack position {} is negative",
-                req.through
-            )));
-        }
         self.submit(JobKind::Ack, move |c, _| ack_apply(c, &req))
     }
 
@@ -1101,6 +1093,9 @@ impl RelayStore for SqliteStore {
 pub struct StoreLock {
     conn: Connection,
     dir: PathBuf,
+    /// The holder row `relay.lock` held when this lock was taken (the last process that took
+    /// it, running or not): named in the unclean-stop line of [`SqliteStore::open_signed`].
+    previous: Option<super::LockHolder>,
 }
 
 impl std::fmt::Debug for StoreLock {
@@ -1120,10 +1115,11 @@ impl StoreLock {
     /// is given up and its file removed, and the error is [`StoreError::LiveHeartbeat`].
     pub fn acquire(dir: &Path, wait_ms: u64, now_ms: i64) -> Result<Self, StoreError> {
         create_private_dir(dir)?;
-        let conn = acquire_lock_checked(dir, wait_ms, now_ms)?;
+        let (conn, previous) = acquire_lock_checked(dir, wait_ms, now_ms)?;
         Ok(Self {
             conn,
             dir: dir.to_path_buf(),
+            previous,
         })
     }
 
@@ -1136,10 +1132,11 @@ impl StoreLock {
         now_ms: i64,
     ) -> Result<Self, StoreError> {
         create_private_dir(dir)?;
-        let conn = acquire_lock(&dir.join(LOCK_FILE), wait_ms, now_ms)?;
+        let (conn, previous) = acquire_lock(&dir.join(LOCK_FILE), wait_ms, now_ms)?;
         Ok(Self {
             conn,
             dir: dir.to_path_buf(),
+            previous,
         })
     }
 
@@ -1181,10 +1178,10 @@ pub(crate) fn live_heartbeat_age(dir: &Path, now_ms: i64) -> Option<i64> {
 
 /// [`acquire_lock`] on `dir/relay.lock` with the lock-less heartbeat check of
 /// [`StoreLock::acquire`].
-fn acquire_lock_checked(dir: &Path, wait_ms: u64, now_ms: i64) -> Result<Connection, StoreError> {
+fn acquire_lock_checked(dir: &Path, wait_ms: u64, now_ms: i64) -> Result<Taken, StoreError> {
     let path = dir.join(LOCK_FILE);
     let had_lock_file = path.symlink_metadata().is_ok();
-    let conn = acquire_lock(&path, wait_ms, now_ms)?;
+    let (conn, previous) = acquire_lock(&path, wait_ms, now_ms)?;
     if !had_lock_file {
         if let Some(age_ms) = live_heartbeat_age(dir, now_ms) {
             drop(conn);
@@ -1196,13 +1193,18 @@ fn acquire_lock_checked(dir: &Path, wait_ms: u64, now_ms: i64) -> Result<Connect
             });
         }
     }
-    Ok(conn)
+    Ok((conn, previous))
 }
+
+/// A taken `relay.lock`: its connection (the lock lives as long as it) and the holder row it
+/// held before (the previous holder's, `None` for a new lock file).
+type Taken = (Connection, Option<super::LockHolder>);
 
 /// Take `relay.lock`: an exclusive SQLite lock held by the returned connection until it is
 /// dropped (`wire.md` §3.4). When another process holds it, logs once who (the holder row) and
 /// how long this waits, then waits up to `wait_ms`; [`StoreError::Locked`] names the holder.
-fn acquire_lock(path: &Path, wait_ms: u64, now_ms: i64) -> Result<Connection, StoreError> {
+/// Also returns the holder row found once the lock is taken (the last process that held it).
+fn acquire_lock(path: &Path, wait_ms: u64, now_ms: i64) -> Result<Taken, StoreError> {
     create_private_file(path)?;
     let conn = Connection::open(path)?;
     let _mode: String = conn.query_row("PRAGMA locking_mode = EXCLUSIVE", [], |r| r.get(0))?;
@@ -1240,9 +1242,20 @@ fn acquire_lock(path: &Path, wait_ms: u64, now_ms: i64) -> Result<Connection, St
         tracing::info!("{} released; taking it", path.display());
     }
     conn.execute_batch(
-        "CREATE TABLE IF NOT EXISTS holder (pid INTEGER NOT NULL, at INTEGER NOT NULL);
-         DELETE FROM holder;",
+        "CREATE TABLE IF NOT EXISTS holder (pid INTEGER NOT NULL, at INTEGER NOT NULL);",
     )?;
+    let previous = conn
+        .query_row("SELECT pid, at FROM holder LIMIT 1", [], |r| {
+            Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?))
+        })
+        .optional()?
+        .and_then(|(pid, since_ms)| {
+            Some(super::LockHolder {
+                pid: u32::try_from(pid).ok()?,
+                since_ms,
+            })
+        });
+    conn.execute_batch("DELETE FROM holder;")?;
     conn.execute(
         "INSERT INTO holder (pid, at) VALUES (?1, ?2)",
         params![i64::from(std::process::id()), now_ms],
@@ -1250,7 +1263,7 @@ fn acquire_lock(path: &Path, wait_ms: u64, now_ms: i64) -> Result<Connection, St
     // In EXCLUSIVE locking mode the lock outlives the commit: it is released only when the
     // connection closes (or the process dies).
     conn.execute_batch("COMMIT")?;
-    Ok(conn)
+    Ok((conn, previous))
 }
 
 /// `BEGIN EXCLUSIVE`; a refused one leaves no transaction open, so it can be tried again.
@@ -1415,6 +1428,106 @@ fn open_write_connection(path: &Path) -> Result<Connection, StoreError> {
     conn.pragma_update(None, "cache_size", WRITER_CACHE_KIB)?;
     conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
     Ok(conn)
+}
+
+/// The one "relay store opened" line: `created=true` for a new store, `migrated_from=<v>` only
+/// when this open migrated the schema from version `v` (never for a store already at
+/// [`SCHEMA_VERSION`]).
+fn log_opened(dir: &Path, found: u32, epoch: &str, relay_pubkey: &str) {
+    let (store, fingerprint) = (dir.display(), key_fingerprint(relay_pubkey));
+    match found {
+        0 => tracing::info!(
+            store = %store,
+            schema_version = SCHEMA_VERSION,
+            created = true,
+            epoch = %epoch,
+            relay_fingerprint = %fingerprint,
+            "relay store opened"
+        ),
+        v if v < SCHEMA_VERSION => tracing::info!(
+            store = %store,
+            schema_version = SCHEMA_VERSION,
+            migrated_from = v,
+            epoch = %epoch,
+            relay_fingerprint = %fingerprint,
+            "relay store opened"
+        ),
+        _ => tracing::info!(
+            store = %store,
+            schema_version = SCHEMA_VERSION,
+            epoch = %epoch,
+            relay_fingerprint = %fingerprint,
+            "relay store opened"
+        ),
+    }
+}
+
+/// The size (bytes) of `relay.db-wal` in `dir`; 0 when it is missing or empty.
+///
+/// A clean stop leaves none: the writer's last act is `wal_checkpoint(TRUNCATE)` (module
+/// docs), and SQLite deletes the file when its last connection closes (a read-only connection
+/// that closes last leaves it empty). Read under `relay.lock`, before this process opens the
+/// database, bytes in it mean the previous writer stopped without that: killed, crashed, the
+/// machine lost power, or (logged at its stop) its final checkpoint could not finish.
+fn wal_bytes(dir: &Path) -> u64 {
+    std::fs::metadata(dir.join(format!("{DB_FILE}-wal"))).map_or(0, |m| m.len())
+}
+
+/// The start after an unclean stop ([`wal_bytes`] > 0): SQLite's recovery already ran when
+/// `conn` opened the database (it keeps the committed transactions of the WAL, drops a torn
+/// tail); this copies them into `relay.db` (`wal_checkpoint(FULL)`, then `TRUNCATE` to empty
+/// the file) and logs one WARN line
+/// saying so: what was left (bytes of WAL, the last holder of `relay.lock` when known) and what
+/// recovery did (committed WAL frames replayed into `relay.db`). Never fails: a checkpoint that
+/// cannot finish now is said in the line and done by the next one.
+fn recover_unclean_stop(
+    conn: &Connection,
+    dir: &Path,
+    left_wal: u64,
+    previous: Option<&super::LockHolder>,
+) {
+    let holder = previous.map_or_else(
+        || "relay.lock had no holder row".to_owned(),
+        |h| format!("relay.lock last taken by {h}, released when that process ended"),
+    );
+    let run = |mode: &str| {
+        conn.query_row(&format!("PRAGMA wal_checkpoint({mode})"), [], |r| {
+            Ok((
+                r.get::<_, i64>(0)?,
+                r.get::<_, i64>(1)?,
+                r.get::<_, i64>(2)?,
+            ))
+        })
+    };
+    // FULL counts the frames (TRUNCATE answers 0 for a WAL it emptied), then TRUNCATE empties
+    // the file.
+    let checkpoint = run("FULL").and_then(|(busy, frames, copied)| {
+        if busy == 0 && frames == copied {
+            run("TRUNCATE").map(|(busy, _, _)| (busy, frames, copied))
+        } else {
+            Ok((busy.max(1), frames, copied))
+        }
+    });
+    let recovered = match checkpoint {
+        Ok((0, frames, _)) => format!(
+            "{frames} committed WAL frames replayed into relay.db and the WAL emptied (a torn \
+             tail, if any, was dropped)"
+        ),
+        Ok((_, frames, copied)) => format!(
+            "{copied} of {frames} committed WAL frames replayed into relay.db (a reader was \
+             busy; the rest stays in relay.db-wal until the next checkpoint)"
+        ),
+        Err(e) => format!(
+            "SQLite recovered the WAL on open, but copying it into relay.db failed ({e}); it \
+             stays in relay.db-wal"
+        ),
+    };
+    tracing::warn!(
+        store = %dir.display(),
+        wal_bytes = left_wal,
+        "previous run did not stop cleanly ({left_wal} bytes left in relay.db-wal; {holder}); \
+         recovered: {recovered}"
+    );
 }
 
 /// Record the relay key and an epoch on a fresh store; refuse another relay's store.
@@ -2130,8 +2243,8 @@ fn ack_apply(c: &Connection, req: &AckRequest) -> Result<AckResult, StoreError> 
             head_seq: head,
         });
     }
-    if req.through > head {
-        return Ok(AckResult::BeyondHead {
+    if !(0..=head).contains(&req.through) {
+        return Ok(AckResult::OutOfRange {
             head_seq: head,
             epoch,
         });
@@ -2660,7 +2773,7 @@ mod tests {
 
         assert_eq!(
             ack(105, None),
-            AckResult::BeyondHead {
+            AckResult::OutOfRange {
                 head_seq: 104,
                 epoch: epoch.clone()
             }
@@ -2689,7 +2802,8 @@ mod tests {
             "stale epoch changes nothing"
         );
 
-        // Through 0 on an empty queue is fine; negative is refused.
+        // Through 0 on an empty queue is fine; below 0 is out of range like past the head
+        // (wire.md §3.2), whatever the i64, and changes nothing.
         assert!(matches!(
             store.ack(AckRequest {
                 target_pubkey: key(50),
@@ -2698,14 +2812,16 @@ mod tests {
             }),
             Ok(AckResult::Acked(_))
         ));
-        assert!(matches!(
-            store.ack(AckRequest {
-                target_pubkey: beta.clone(),
-                through: -1,
-                epoch: None
-            }),
-            Err(StoreError::InvalidInput(_))
-        ));
+        for through in [-1, i64::MIN, i64::MAX] {
+            assert_eq!(
+                ack(through, None),
+                AckResult::OutOfRange {
+                    head_seq: 104,
+                    epoch: epoch.clone()
+                }
+            );
+        }
+        assert_eq!(pull_all(&store, &beta).items.len(), 2, "nothing deleted");
         match ack(104, None) {
             AckResult::Acked(a) => assert_eq!((a.acked_through, a.deleted), (104, 2)),
             other => panic!("unexpected {other:?}"),
@@ -2797,6 +2913,89 @@ mod tests {
         assert_eq!(ops.len(), 1);
         assert_eq!(ops[0].op, "relay-backup");
         assert_eq!(ops[0].receipt, serde_json::json!({"v": 1}));
+    }
+
+    /// What the store logs on this thread while the guard lives (DEBUG and up, no colours).
+    #[derive(Clone, Default)]
+    struct Logged(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Logged {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().expect("log").extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl Logged {
+        fn capture() -> (Logged, tracing::subscriber::DefaultGuard) {
+            let log = Logged::default();
+            let writer = log.clone();
+            let subscriber = tracing_subscriber::fmt()
+                .with_max_level(tracing::Level::DEBUG)
+                .with_ansi(false)
+                .with_writer(move || writer.clone())
+                .finish();
+            (log, tracing::subscriber::set_default(subscriber))
+        }
+
+        /// The lines logged since the last call.
+        fn take(&self) -> Vec<String> {
+            let bytes = std::mem::take(&mut *self.0.lock().expect("log"));
+            String::from_utf8_lossy(&bytes)
+                .lines()
+                .map(str::to_owned)
+                .collect()
+        }
+    }
+
+    #[test]
+    fn the_open_line_names_migrated_from_only_when_the_open_migrated() {
+        let (log, _guard) = Logged::capture();
+        let opened = |lines: &[String]| -> String {
+            let found: Vec<&String> = lines
+                .iter()
+                .filter(|l| l.contains("relay store opened"))
+                .collect();
+            assert_eq!(found.len(), 1, "{lines:#?}");
+            assert!(
+                !lines.iter().any(|l| l.contains("did not stop cleanly")),
+                "{lines:#?}"
+            );
+            found[0].clone()
+        };
+        // A new store: created, nothing migrated.
+        let dir = tempfile::tempdir().expect("tempdir");
+        open(dir.path()).close().expect("close");
+        let line = opened(&log.take());
+        assert!(line.contains("created=true"), "{line}");
+        assert!(!line.contains("migrated_from"), "{line}");
+        // Opened again at the current version: neither.
+        open(dir.path()).close().expect("close");
+        let line = opened(&log.take());
+        assert!(!line.contains("migrated_from"), "{line}");
+        assert!(!line.contains("created"), "{line}");
+        assert!(
+            line.contains(&format!("schema_version={SCHEMA_VERSION}")),
+            "{line}"
+        );
+        // A store one version behind: the open migrates it and says from which version.
+        let old = tempfile::tempdir().expect("tempdir");
+        {
+            let mut conn = Connection::open(old.path().join(DB_FILE)).expect("raw");
+            schema::migrate(&mut conn, 0, SCHEMA_VERSION - 1, MIGRATIONS).expect("old schema");
+        }
+        open(old.path()).close().expect("close");
+        let line = opened(&log.take());
+        assert!(
+            line.contains(&format!("migrated_from={}", SCHEMA_VERSION - 1)),
+            "{line}"
+        );
+        open(old.path()).close().expect("close");
+        let line = opened(&log.take());
+        assert!(!line.contains("migrated_from"), "{line}");
     }
 
     #[test]
