@@ -235,7 +235,8 @@ pub struct PullResponse {
 pub struct AckRequest {
     /// Epoch the receiver pulled in.
     pub epoch: String,
-    /// Highest seq durably processed (a non-negative integer).
+    /// Highest seq durably processed. An integer outside `[0, head_seq]` (a negative one
+    /// included) is answered 400 `BAD_ACK` with `epoch` and `head_seq` (`wire.md` §3.2).
     pub through: Value,
 }
 
