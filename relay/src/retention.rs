@@ -386,6 +386,7 @@ mod tests {
             version: crate::VERSION,
             in_flight: Default::default(),
             store_db: crate::ops::store_db(dir.path()),
+            instances: Default::default(),
         });
         let queued = |_: &Arc<dyn RelayStore>| -> u64 {
             rusqlite::Connection::open(dir.path().join(crate::store::DB_FILE))

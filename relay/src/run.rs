@@ -289,6 +289,7 @@ pub async fn serve_prepared_until(
         version: crate::VERSION,
         in_flight: Default::default(),
         store_db: crate::ops::store_db(&prepared.store_dir),
+        instances: Default::default(),
     });
     let served = server::serve(listener, state, shutdown).await;
     if let Some(reason) = store.failed() {

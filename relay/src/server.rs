@@ -74,6 +74,8 @@ pub struct RelayState {
     /// The absolute path of the store's `relay.db`: the `store` of the operation receipts the
     /// relay writes ([`crate::ops::store_db`]).
     pub store_db: String,
+    /// Instance ids seen per host key: two daemons on one key (`Instances::default()`).
+    pub instances: crate::instances::Instances,
 }
 
 /// Counts a request in [`RelayState::in_flight`] for as long as it lives.

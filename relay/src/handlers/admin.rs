@@ -11,7 +11,7 @@
 //! | POST /v2/relay/admin/undeny | `{target, kind?}` | `{ok:true, removed, kind, value}` |
 //! | POST /v2/relay/admin/rotate-epoch | `{}` | the receipt `{v:1, type:"relay-epoch-rotated", at, store, from, to, by:"operator"}` |
 //! | POST /v2/relay/admin/backup-receipt | `{receipt}` (a `relay-backup` receipt of this relay's store, [`crate::ops::check_backup_receipt`]) | `{ok:true, id, receipt}` (its relay-log id, and the receipt as logged: signed by the relay key) |
-//! | GET /v2/relay/admin/stats | — | `{write_requests, groups, commits, queued}`: the store writer's counters since the relay started ([`crate::store::StoreStats`]; `commits` is the number of fsynced group transactions, so accepted items ÷ commits is items per fsync); 404 `NOT_FOUND` for a store that keeps none |
+//! | GET /v2/relay/admin/stats | — | `{write_requests, groups, commits, queued, instance_conflicts:{detected, active}}`: the store writer's counters since the relay started ([`crate::store::StoreStats`]; `commits` is the number of fsynced group transactions, so accepted items ÷ commits is items per fsync) and the host keys seen used by two daemons at once ([`crate::instances`]); 404 `NOT_FOUND` for a store that keeps none |
 //!
 //! `backup-receipt` exists because `relay backup` copies the store from its own process (a
 //! read-only connection, allowed while the relay serves) but only the relay may write its
@@ -288,8 +288,10 @@ pub async fn backup_receipt(
 }
 
 /// `GET /v2/relay/admin/stats`: the store writer's counters since the relay started
-/// (`{write_requests, groups, commits, queued}`, [`crate::store::StoreStats`]); 404 `NOT_FOUND`
-/// when the store keeps none. Reads atomics only: it never touches the database.
+/// (`{write_requests, groups, commits, queued}`, [`crate::store::StoreStats`]) and
+/// `instance_conflicts: {detected, active}` (two daemons on one host key: detections since the
+/// start, keys reported now; [`crate::instances::InstanceStats`]); 404 `NOT_FOUND` when the
+/// store keeps none. Reads atomics and memory only: it never touches the database.
 pub async fn stats(State(state): State<SharedRelay>, req: Request) -> Result<Json<Value>, Refusal> {
     guard(&state, &req)?;
     let Some(s) = state.store.writer_stats() else {
@@ -300,5 +302,6 @@ pub async fn stats(State(state): State<SharedRelay>, req: Request) -> Result<Jso
         "groups": s.groups,
         "commits": s.commits,
         "queued": s.queued,
+        "instance_conflicts": state.instances.stats(),
     })))
 }

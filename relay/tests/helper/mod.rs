@@ -207,6 +207,7 @@ impl Relay {
             version: agentmbx_relay::VERSION,
             in_flight: Default::default(),
             store_db: agentmbx_relay::ops::store_db(&dir.path().join("store")),
+            instances: Default::default(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
