@@ -48,7 +48,7 @@ fn status_of<'a>(report: &'a Value, id: &str) -> &'a str {
 fn assert_shape(report: &Value) {
     assert_eq!(report["schema"], 2);
     let checks = report["checks"].as_array().expect("checks");
-    assert_eq!(checks.len(), 14);
+    assert_eq!(checks.len(), 16);
     let mut counted = 0;
     for c in checks {
         assert!(c["id"].is_string() && c["title"].is_string() && c["summary"].is_string());
@@ -91,6 +91,9 @@ fn doctor_on_fresh_and_running_homes() {
     assert_eq!(status_of(&report, "keystore"), "ok");
     assert_eq!(status_of(&report, "daemon"), "fail");
     assert_eq!(status_of(&report, "peers"), "skip");
+    // Only a running daemon hears of another daemon on this key or a peer's.
+    assert_eq!(status_of(&report, "host-key-clone"), "skip");
+    assert_eq!(status_of(&report, "peer-key-clone"), "skip");
     for id in [
         "relay-reachable",
         "relay-key",
@@ -115,6 +118,12 @@ fn doctor_on_fresh_and_running_homes() {
     assert_eq!(out.code(), Some(0), "{out:#?}");
     let report = out.json();
     assert_eq!(status_of(&report, "daemon"), "ok", "{report}");
+    assert_eq!(
+        status_of(&report, "host-key-clone"),
+        "skip",
+        "no relay: {report}"
+    );
+    assert_eq!(status_of(&report, "peer-key-clone"), "ok", "{report}");
     assert_eq!(status_of(&report, "outbox"), "ok");
     assert_eq!(status_of(&report, "quarantine"), "ok");
     assert!(!out.stdout.contains(&token), "the API token never appears");
@@ -231,7 +240,9 @@ fn list_and_unknown_ids() {
             "host-identity",
             "keystore",
             "daemon",
+            "host-key-clone",
             "peers",
+            "peer-key-clone",
             "relay-reachable",
             "relay-key",
             "relay-enrolled",

@@ -11,6 +11,8 @@
 //! - [`discovery`]: mDNS advertisement and browsing (suggests addresses, never grants trust);
 //! - [`host_name`]: the host name rule and fitting a machine name to it;
 //! - [`identity`]: the host key and enc key files, created once, loaded at start;
+//! - [`instance`]: this daemon process's instance id and the detection of two daemons on one
+//!   host key (its own, or a peer's);
 //! - [`token`]: the local API bearer token file;
 //! - [`service`]: the systemd user unit and launchd agent files, and sd-notify while running;
 //! - [`api`]: the local HTTP API for agents (router, auth, error mapping, one file per resource);
@@ -32,6 +34,7 @@ pub mod doctor;
 pub mod fsutil;
 pub mod host_name;
 pub mod identity;
+pub mod instance;
 pub mod keystore;
 pub mod mailbox;
 pub mod node;

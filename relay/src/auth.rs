@@ -23,6 +23,10 @@
 //! the info still counts as the host's when the key was enrolled with an account token (a
 //! binding is recorded); a bearer that is present is checked in full. Info reveals only the
 //! caller's own queue position and ad, and every other request still needs the token.
+//!
+//! A hop that passed every check is fed, with its unsigned `x-mbx-instance` header, into the
+//! relay's record of daemon instances per host key ([`crate::instances`]); that header is
+//! trusted for nothing else.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -348,6 +352,8 @@ async fn check_hop(
             key_fp: Some(fp),
             error,
         })?;
+    // Only a hop that passed every check counts for the instance record (advisory).
+    state.instances.observe(&key, &enrolment.host_name, headers);
     Ok(enrolment)
 }
 

@@ -27,6 +27,7 @@ pub mod authority;
 pub mod config;
 pub mod error;
 pub mod handlers;
+pub mod instances;
 pub mod key;
 pub mod log_gate;
 pub mod ops;

@@ -387,6 +387,7 @@ mod tests {
             in_flight: Default::default(),
             store_db: crate::ops::store_db(dir.path()),
             refused: Default::default(),
+            instances: Default::default(),
         });
         let queued = |_: &Arc<dyn RelayStore>| -> u64 {
             rusqlite::Connection::open(dir.path().join(crate::store::DB_FILE))

@@ -290,6 +290,7 @@ pub async fn serve_prepared_until(
         in_flight: Default::default(),
         store_db: crate::ops::store_db(&prepared.store_dir),
         refused: Default::default(),
+        instances: Default::default(),
     });
     let served = server::serve(listener, state, shutdown).await;
     if let Some(reason) = store.failed() {

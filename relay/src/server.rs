@@ -77,6 +77,8 @@ pub struct RelayState {
     /// Refused pushed items and requests by reason since start (`Default::default()`;
     /// `GET /v2/relay/admin/stats` `refused`).
     pub refused: crate::refusals::Refusals,
+    /// Instance ids seen per host key: two daemons on one key (`Instances::default()`).
+    pub instances: crate::instances::Instances,
 }
 
 /// Counts a request in [`RelayState::in_flight`] for as long as it lives.

@@ -42,12 +42,14 @@ pub const MAX_INSTANCE_ID: usize = 64;
 /// clone whatever the window, because its old id never returns.
 pub const CONFLICT_WINDOW_MS: i64 = 10 * 60 * 1000;
 
-/// Returns of an earlier id needed within the window to report a conflict: 2.
+/// Returns of an earlier id needed within the window to report a conflict: 3.
 ///
-/// One return could be a single request of the previous process that was still in flight
-/// when the new one started (A, B, A); two (A, B, A, B or A, B, A, …, A) cannot come from a
-/// restart.
-pub const CONFLICT_RETURNS: u32 = 2;
+/// A single request of the previous process that is handled after the new process's first
+/// hop (it was still in flight at the restart) makes two returns: A, B, A (A comes back),
+/// then B again (B comes back). A third return needs the replaced id to come back once more
+/// after that, which a process that has exited cannot do; two live daemons make one return
+/// at nearly every switch between them (A, B, A, B, A: three returns by the fifth hop).
+pub const CONFLICT_RETURNS: u32 = 3;
 
 /// Ids remembered per key. A clone pair needs 2; a few more cover restarts in between.
 const MAX_IDS_PER_KEY: usize = 8;
@@ -284,12 +286,17 @@ mod tests {
 
     #[test]
     fn one_stray_hop_of_the_old_process_is_not_a_conflict() {
+        // The old process's last request is handled after the new process's first hop: a
+        // comes back once, then b goes on alone (two returns, under the threshold).
         let mut t = InstanceTracker::with_window(16, W);
-        assert_eq!(t.observe(&1u8, "a", 0), Observation::Quiet);
-        assert_eq!(t.observe(&1u8, "b", 10), Observation::Quiet);
-        assert_eq!(t.observe(&1u8, "a", 20), Observation::Quiet);
-        assert_eq!(t.observe(&1u8, "a", 30), Observation::Quiet);
-        assert_eq!(t.conflict(&1, 30), None);
+        for (i, id) in ["a", "b", "a", "b", "b", "b"].iter().enumerate() {
+            assert_eq!(
+                t.observe(&1u8, id, i as i64 * 10),
+                Observation::Quiet,
+                "hop {i}"
+            );
+        }
+        assert_eq!(t.conflict(&1, 60), None);
     }
 
     #[test]
@@ -298,27 +305,29 @@ mod tests {
         t.observe(&1u8, "a", 0);
         t.observe(&1u8, "b", 10);
         assert_eq!(t.observe(&1u8, "a", 20), Observation::Quiet);
-        let Observation::Detected(c) = t.observe(&1u8, "b", 30) else {
+        assert_eq!(t.observe(&1u8, "b", 30), Observation::Quiet);
+        let Observation::Detected(c) = t.observe(&1u8, "a", 40) else {
             panic!("expected a detection");
         };
         assert_eq!(
             (c.instances, c.returns, c.since_ms, c.window_ms),
-            (2, 2, 30, W)
+            (2, 3, 40, W)
         );
-        assert_eq!(t.observe(&1u8, "a", 40), Observation::Ongoing);
-        assert!(t.conflict(&1, 40).is_some());
+        assert_eq!(t.observe(&1u8, "b", 50), Observation::Ongoing);
+        assert!(t.conflict(&1, 50).is_some());
         // Another key is not affected.
-        assert_eq!(t.conflict(&2, 40), None);
+        assert_eq!(t.conflict(&2, 50), None);
         // One id from now on: reported until a whole window passes without a return.
-        assert_eq!(t.observe(&1u8, "a", 500), Observation::Ongoing);
-        assert!(t.conflict(&1, 1_040).is_some(), "still inside the window");
-        assert_eq!(t.conflict(&1, 1_041), None);
-        assert_eq!(t.observe(&1u8, "a", 1_100), Observation::Quiet);
+        assert_eq!(t.observe(&1u8, "b", 500), Observation::Ongoing);
+        assert!(t.conflict(&1, 1_050).is_some(), "still inside the window");
+        assert_eq!(t.conflict(&1, 1_051), None);
+        assert_eq!(t.observe(&1u8, "b", 1_100), Observation::Quiet);
         // A new alternation after clearing is a new detection.
-        t.observe(&1u8, "b", 1_200);
-        t.observe(&1u8, "a", 1_210);
+        t.observe(&1u8, "a", 1_200);
+        t.observe(&1u8, "b", 1_210);
+        t.observe(&1u8, "a", 1_220);
         assert!(matches!(
-            t.observe(&1u8, "b", 1_220),
+            t.observe(&1u8, "b", 1_230),
             Observation::Detected(_)
         ));
     }
@@ -329,10 +338,12 @@ mod tests {
         t.observe(&1u8, "a", 0);
         t.observe(&1u8, "b", 10);
         t.observe(&1u8, "a", 20); // one return
+        t.observe(&1u8, "b", 30); // two returns
         t.observe(&1u8, "a", 1_500);
-        t.observe(&1u8, "b", 1_600); // b was last seen at 10: outside the window, not a return
+        t.observe(&1u8, "b", 1_600); // b was last seen at 30: outside the window, not a return
         assert_eq!(t.conflict(&1, 1_600), None);
         assert_eq!(t.observe(&1u8, "a", 1_700), Observation::Quiet); // first return in window
+        assert_eq!(t.observe(&1u8, "b", 1_800), Observation::Quiet); // second
     }
 
     #[test]

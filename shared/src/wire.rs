@@ -79,7 +79,9 @@ pub struct You {
     pub enc_ad: Option<YouEncAd>,
     /// Set while the relay sees more than one daemon instance alternate on the caller's host
     /// key (a cloned home or disk; [`crate::instance`]). An added field that 0.5.x ignores;
-    /// absent when there is none. Advisory only.
+    /// absent when there is none. Advisory only. Its `since_ms` and `last_ms` are on the
+    /// relay's own monotonic clock (ms since the relay process started): compare them only
+    /// with each other (a changed `since_ms` is a new detection).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instance_conflict: Option<crate::instance::InstanceConflict>,
 }

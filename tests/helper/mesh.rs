@@ -268,6 +268,45 @@ impl Host {
         self.daemon = Some(daemon);
     }
 
+    /// A copy of this host's whole home (a restored backup, a cloned disk or VM) as another
+    /// [`Host`] labelled `label`, its daemon not running: every file is copied except
+    /// `api.addr` and `lan.addr`, so the copy's daemon takes ports of its own. Same host name,
+    /// same keys, same store. This host's daemon must be stopped.
+    pub fn copy_home(&self, label: &str) -> Host {
+        assert!(
+            self.daemon.is_none(),
+            "stop {} before copying its home",
+            self.name
+        );
+        fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+            std::fs::create_dir_all(to).expect("create the copy's directory");
+            let mode = std::fs::metadata(from)
+                .expect("home metadata")
+                .permissions();
+            std::fs::set_permissions(to, mode).expect("the copy's directory mode");
+            for entry in std::fs::read_dir(from).expect("read the home") {
+                let entry = entry.expect("home entry");
+                let target = to.join(entry.file_name());
+                if entry.file_type().expect("file type").is_dir() {
+                    copy_dir(&entry.path(), &target);
+                } else {
+                    std::fs::copy(entry.path(), &target).expect("copy a home file");
+                }
+            }
+        }
+        let home = Home::new();
+        copy_dir(self.home.path(), home.path());
+        for name in ["api.addr", "lan.addr"] {
+            let _ = std::fs::remove_file(home.file(name));
+        }
+        Host {
+            name: label.to_string(),
+            home,
+            pubkey: self.pubkey.clone(),
+            daemon: None,
+        }
+    }
+
     /// The running daemon's LAN server address (from its `LAN server listening on` line).
     pub fn lan_addr(&self) -> std::net::SocketAddr {
         super::lan_addr(&self.log()).expect("the daemon announced its LAN address")

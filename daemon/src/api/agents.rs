@@ -118,6 +118,7 @@ mod tests {
             mailbox: store.mailbox.clone(),
             wake: Arc::new(tokio::sync::Notify::new()),
             ids: std::sync::Mutex::new(agentmbx_protocol::ulid::Generator::new()),
+            instance: Default::default(),
         });
         let body = Bytes::from(r#"{"name":"bob","role":"dev","description":"builds"}"#);
         let Json(entry) = post(State(state.clone()), body).await.unwrap();

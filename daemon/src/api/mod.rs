@@ -61,6 +61,8 @@ pub struct AppState {
     pub wake: Arc<tokio::sync::Notify>,
     /// Envelope id generator (monotonic ULIDs).
     pub ids: Mutex<ulid::Generator>,
+    /// This daemon process's instance and its findings (`/v1/health` reasons).
+    pub instance: Arc<crate::instance::Instance>,
 }
 
 /// Checks an agent name given as `as` (NAME_RE): 400 with the rule otherwise, so a typo such as

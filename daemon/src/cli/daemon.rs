@@ -95,11 +95,14 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
     if !config.api_bind.is_loopback() {
         tracing::warn!(bind = %config.api_bind, "the local API is bound to a non-loopback address; it is meant for agents on this machine");
     }
+    // One instance id per daemon start, sent on every relay and LAN hop (agentmbx::instance).
+    let instance = Arc::new(agentmbx::instance::Instance::new());
     tracing::info!(
         host = %identity.host,
         fingerprint = %identity.host_key.public().fingerprint(),
         home = %paths.home().display(),
         version = agentmbx::VERSION,
+        instance = %instance.id(),
         "starting agentmbx daemon"
     );
 
@@ -116,6 +119,7 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
         mailbox: mailbox.clone(),
         wake: wake.clone(),
         ids: std::sync::Mutex::new(ulid::Generator::new()),
+        instance: instance.clone(),
     });
     let addr = config.api_addr();
     let lan_addr = config.lan_addr();
@@ -182,6 +186,7 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
             self_addrs: self_addrs(&config, lan_bound),
             wake: wake.clone(),
             pairing: PairingMemory::default(),
+            instance: instance.clone(),
         });
         tracing::info!(advertise = %lan_state.advertise, "pairing address");
         let lan_addr_file = paths.lan_addr_file();
@@ -208,7 +213,8 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
             stop_rx.clone(),
         );
         let client = lan::client::LanClient::new(ident.clone(), clock.clone(), lan_bound.port())
-            .context("cannot build the LAN client")?;
+            .context("cannot build the LAN client")?
+            .with_instance(instance.clone());
         let delivery = lan::deliver::LanDelivery::new(client.clone(), mailbox.clone(), relay_configured);
         let relay_flag = delivery.relay_configured.clone();
         let deliver_task = tokio::spawn(lan::deliver::run(delivery, lan_wake, stop_rx.clone()));
@@ -253,8 +259,14 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
         let notify_config = config_rx.clone();
         // Always runs: starts, stops and restarts the relay loop as config.toml changes.
         let relay_task = Some({
-            let (ident, mailbox, clock, wake, home) =
-                (ident.clone(), mailbox.clone(), clock.clone(), wake.clone(), paths.home().to_path_buf());
+            let (ident, mailbox, clock, wake, home, instance) = (
+                ident.clone(),
+                mailbox.clone(),
+                clock.clone(),
+                wake.clone(),
+                paths.home().to_path_buf(),
+                instance.clone(),
+            );
             let relay_on = {
                 let wake = wake.clone();
                 move |on: bool| {
@@ -284,6 +296,7 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
                         relay_wake.clone(),
                         Some(wake.clone()),
                         account,
+                        Some(instance.clone()),
                         stop,
                     ))
                 },

@@ -97,8 +97,16 @@ pub const CHECKS: &[Check] = &[
         title: "daemon answering on the local API",
     },
     Check {
+        id: "host-key-clone",
+        title: "no other daemon using this host key",
+    },
+    Check {
         id: "peers",
         title: "peers reachable and accepting our signature",
+    },
+    Check {
+        id: "peer-key-clone",
+        title: "no peer running two daemons with one host key",
     },
     Check {
         id: "relay-reachable",
@@ -482,7 +490,7 @@ pub async fn run(paths: Paths, selected: &[Check], opts: Options) -> Report {
     };
     facts.probes = checks::net::probe(
         &facts,
-        wants(&["daemon"]),
+        wants(&["daemon", "host-key-clone", "peer-key-clone"]),
         wants(&["peers"]),
         wants(&[
             "peers",

@@ -70,6 +70,7 @@ async fn host_with(ident: Identity) -> Host {
         self_addrs: vec![bound.ip()],
         wake: Arc::new(tokio::sync::Notify::new()),
         pairing: PairingMemory::default(),
+        instance: Default::default(),
     });
     let app = server::router().with_state(lan);
     tokio::spawn(async move {

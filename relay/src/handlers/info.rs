@@ -3,13 +3,17 @@
 //! not verify, or whose key is not enrolled, simply gets no `you`. On an account relay a hop
 //! without the token still gets `you` (`auth::authenticate_info`): hosts send their first info
 //! of a pass without it, to see the relay key before the token leaves the host.
+//!
+//! `you.instance_conflict` (an added field 0.5.x ignores; absent when there is none) is set
+//! while the relay sees two daemon instances alternate on the caller's host key
+//! ([`crate::instances`]).
 
 use axum::extract::{Request, State};
 use axum::Json;
 
 use agentmbx_protocol::wire::{RelayInfo, You, YouEncAd};
 
-use crate::auth::{authenticate_info, blocking};
+use crate::auth::{authenticate_info, blocking, parse_key};
 use crate::error::ApiError;
 use crate::server::SharedRelay;
 
@@ -55,13 +59,15 @@ pub async fn get(
                     v1: true,
                 },
             });
+            let instance_conflict =
+                parse_key(&enrolment.host_pubkey).and_then(|k| state.instances.conflict(&k));
             info.you = Some(You {
                 host: enrolment.host_name,
                 pubkey: enrolment.host_pubkey,
                 head_seq: q.head_seq,
                 acked_through: q.acked_through,
                 enc_ad,
-                instance_conflict: None,
+                instance_conflict,
             });
         }
     }

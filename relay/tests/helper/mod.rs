@@ -208,6 +208,7 @@ impl Relay {
             in_flight: Default::default(),
             store_db: agentmbx_relay::ops::store_db(&dir.path().join("store")),
             refused: Default::default(),
+            instances: Default::default(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await

@@ -1,9 +1,10 @@
 //! The checks of [`super::CHECKS`], one function each, evaluated over the gathered
 //! [`super::Facts`]: `local` (config, identity, key store, outbox, quarantine, service, disk space),
-//! `relay` (reachable, key, enrolment, enc-key ad, clock skew) and `net` (the probes they read,
-//! plus the daemon and peer checks). A check never panics and never prints secrets: an `Err`
+//! `relay` (reachable, key, enrolment, enc-key ad, clock skew), `clone` (two daemons on this
+//! host's or a peer's key) and `net` (the probes they read, plus the daemon and peer checks). A check never panics and never prints secrets: an `Err`
 //! is reported as status `error`.
 
+pub mod clone;
 pub mod local;
 pub mod net;
 pub mod relay;
@@ -23,7 +24,9 @@ pub fn evaluate(id: &str, f: &Facts) -> Result<Outcome, String> {
         "host-identity" => local::host_identity(f),
         "keystore" => local::keystore(f),
         "daemon" => daemon(f),
+        "host-key-clone" => clone::host_key_clone(f),
         "peers" => peers(f),
+        "peer-key-clone" => clone::peer_key_clone(f),
         "relay-reachable" => relay::reachable(f),
         "relay-key" => relay::key(f),
         "relay-enrolled" => relay::enrolled(f),
@@ -40,7 +43,9 @@ pub fn evaluate(id: &str, f: &Facts) -> Result<Outcome, String> {
 /// `daemon`: the local API answers `GET /v1/health` as this host and this version
 /// (`wire.md` §7 item 3): nothing answering (connection refused, timed out), or an answer from
 /// another program or another host's daemon, is `fail` (this host's daemon does not answer);
-/// this host's daemon running another version is `warn`.
+/// this host's daemon running another version is `warn`. A health status `degraded` (with
+/// `reasons`) is still this host's daemon answering: the reasons are their own checks
+/// (`host-key-clone`, `peer-key-clone`).
 fn daemon(f: &Facts) -> Result<Outcome, String> {
     use net::DaemonProbe;
     if f.config_invalid().is_some() {
@@ -65,7 +70,8 @@ fn daemon(f: &Facts) -> Result<Outcome, String> {
         DaemonProbe::Answered { addr, status, body } => {
             let host = body.get("host").and_then(|v| v.as_str());
             let version = body.get("version").and_then(|v| v.as_str());
-            if *status != 200 || body.get("status").and_then(|v| v.as_str()) != Some("ok") {
+            let health = body.get("status").and_then(|v| v.as_str());
+            if *status != 200 || !matches!(health, Some("ok" | "degraded")) {
                 Outcome::new(
                     Status::Fail,
                     format!("{addr} answered HTTP {status}, not an AgentMBX daemon health answer"),
@@ -92,14 +98,19 @@ fn daemon(f: &Facts) -> Result<Outcome, String> {
                 )
                 .detail("restart the daemon so it runs this version")
             } else {
-                Outcome::new(
+                let mut out = Outcome::new(
                     Status::Ok,
                     format!(
                         "daemon answering on {addr} as {} {}",
                         me.host,
                         crate::VERSION
                     ),
-                )
+                );
+                if health == Some("degraded") {
+                    out.summary
+                        .push_str(" (health degraded: see the checks below)");
+                }
+                out
             }
         }
     })

@@ -3,7 +3,8 @@
 //! (`host:port`, IPv6 as `[ip]:port`).
 //!
 //! Every request carries the LAN hop (`x-mbx-host`, `x-mbx-ts`, `x-mbx-sig`, `x-mbx-port` = this
-//! host's LAN port) signed at send time. Redirects are refused (keys and mail are concerned),
+//! host's LAN port) signed at send time, and from the daemon also `x-mbx-instance` (its
+//! instance id, unsigned and advisory: [`crate::instance`]). Redirects are refused (keys and mail are concerned),
 //! connecting may take 3 s and a whole call 15 s. Envelopes and receipts are sent as their
 //! persisted wire bytes, byte for byte, never re-serialized (Decision 4).
 //!
@@ -130,6 +131,9 @@ pub struct LanClient {
     pub clock: SharedClock,
     /// This host's LAN port, sent as `x-mbx-port` (an unsigned hint for address healing).
     pub port: u16,
+    /// The daemon's instance, whose id goes in `x-mbx-instance` on every hop (unsigned,
+    /// advisory; [`crate::instance`]); `None` (CLI commands): no such header.
+    pub instance: Option<Arc<crate::instance::Instance>>,
 }
 
 impl LanClient {
@@ -149,7 +153,14 @@ impl LanClient {
             ident,
             clock,
             port,
+            instance: None,
         })
+    }
+
+    /// This client with the daemon's instance: its hops carry `x-mbx-instance`.
+    pub fn with_instance(mut self, instance: Arc<crate::instance::Instance>) -> Self {
+        self.instance = Some(instance);
+        self
     }
 
     /// Sends a signed hop `method path` with `body` to `addr` and returns the status and the raw
@@ -195,6 +206,9 @@ impl LanClient {
             .header(header::SIG, h.sig)
             .header(header::PORT, h.port.to_string())
             .header("content-type", "application/json");
+        if let Some(instance) = &self.instance {
+            req = req.header(header::INSTANCE, instance.id());
+        }
         if !body.is_empty() {
             req = req.body(body);
         }

@@ -55,6 +55,7 @@ impl Host {
             self_addrs: Vec::new(),
             wake: Arc::new(tokio::sync::Notify::new()),
             pairing: crate::pairing::PairingMemory::default(),
+            instance: Default::default(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         self.addr = Some(listener.local_addr().unwrap().to_string());

@@ -10,7 +10,9 @@
 //! `peer-lastseen:<host>` = `ip:port`, not for presence beacons). After the commit, when that
 //! candidate is not the pinned address, address healing is started in the background
 //! ([`presence::learn_from_hop`], `wire.md` §4 "Presence/healing"); the request never waits
-//! for it. `/v1/presence` is left out: its handler heals from the beacon itself.
+//! for it. `/v1/presence` is left out: its handler heals from the beacon itself. A verified
+//! hop's unsigned `x-mbx-instance` header feeds the daemon's record of the peer's instance ids
+//! ([`crate::instance::Instance::observe_peer`]), and nothing else.
 //!
 //! This module never changes trust: a peer is its pinned key; a source address or a port hint
 //! is remembered for address healing, which must prove the key before moving anything.
@@ -208,6 +210,13 @@ async fn verified(
     )?;
     if !limiter.check(&peer.host) {
         return Err(limiter.refusal(&peer.host));
+    }
+    // Two daemons on the peer's key (advisory; a hop without the header never counts).
+    let instance_id = header_text(&parts.headers, header::INSTANCE);
+    if !instance_id.is_empty() {
+        state
+            .instance
+            .observe_peer(&peer.host, &peer.pubkey, instance_id);
     }
     let remote = parts
         .extensions

@@ -54,6 +54,9 @@ pub struct LanState {
     pub wake: Arc<tokio::sync::Notify>,
     /// In-memory pairing state: hello nonces, comparison commitments, rate limits.
     pub pairing: crate::pairing::PairingMemory,
+    /// This daemon process's instance: its id goes on this host's LAN hops, and verified hops
+    /// of peers feed its tracker ([`crate::instance`]).
+    pub instance: Arc<crate::instance::Instance>,
 }
 
 /// Shared handle to [`LanState`].

@@ -989,7 +989,7 @@ pub async fn send_presence(state: &SharedLan, only: Option<&[String]>) -> Vec<St
     }
     crate::install_tls_provider();
     let client = match LanClient::new(state.ident.clone(), state.clock.clone(), state.port) {
-        Ok(c) => c,
+        Ok(c) => c.with_instance(state.instance.clone()),
         Err(e) => {
             tracing::warn!(error = %e, "cannot build the LAN client for presence");
             return Vec::new();

@@ -69,6 +69,7 @@ async fn serve_host(ident: Arc<Identity>, store: Store, self_addrs: Vec<IpAddr>)
         self_addrs,
         wake: Arc::new(tokio::sync::Notify::new()),
         pairing: crate::pairing::PairingMemory::default(),
+        instance: Default::default(),
     });
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(serve(listener, state.clone(), async move {
@@ -937,4 +938,48 @@ async fn answers_over_their_cap_are_refused_without_reading_the_rest() {
         n.client.get_enc_key(&n.beta.addr, &peer).await.unwrap(),
         n.beta_enc.to_b64()
     );
+}
+
+#[tokio::test]
+async fn a_peer_whose_two_daemons_alternate_on_its_key_is_reported_and_its_mail_stored_once() {
+    use crate::instance::{Instance, PEER_KEY_CLONE};
+    let n = net().await;
+    let mut ids = testutil::ids();
+    // Two daemons of alpha (one home and a copy of it): one identity, two instances.
+    let first = n.client.clone().with_instance(Arc::new(Instance::new()));
+    let copy = n.client.clone().with_instance(Arc::new(Instance::new()));
+    // Without the header (the CLI, 0.5.x), and one restart (one id, then the other for good).
+    let plain = n.client.clone();
+    let mut sent = Vec::new();
+    let mut post = async |client: &LanClient| {
+        let id = ids.next(T0);
+        let r = client
+            .post_envelopes(&n.beta.addr, &[n.wire(&id)])
+            .await
+            .unwrap();
+        assert_eq!(results(&r), ["accepted"]);
+        sent.push(id);
+    };
+    for client in [&plain, &first, &first, &plain, &copy, &copy, &plain] {
+        post(client).await;
+    }
+    assert_eq!(n.beta.state.instance.reasons(), []);
+    // Both running: their hops alternate (the third return is the detection).
+    for client in [&first, &copy, &first, &copy] {
+        post(client).await;
+    }
+    let reasons = n.beta.state.instance.reasons();
+    assert_eq!(reasons.len(), 1, "{reasons:?}");
+    assert_eq!(reasons[0].code, PEER_KEY_CLONE);
+    assert_eq!(reasons[0].peer.as_deref(), Some("alpha"));
+    assert!(reasons[0].detail.contains("peer alpha"), "{reasons:?}");
+    // Mail is what it was: every envelope stored once, whichever daemon sent it.
+    for id in &sent {
+        assert_eq!(
+            n.beta
+                .count(&format!("SELECT COUNT(*) FROM messages WHERE id = '{id}'")),
+            1
+        );
+    }
+    assert_eq!(n.beta.count("SELECT COUNT(*) FROM messages"), 11);
 }

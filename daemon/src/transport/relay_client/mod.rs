@@ -10,7 +10,8 @@
 //! - [`pull`]: pulling after `received_through`, receiving in seq order with the checkpoint in
 //!   the last item's transaction, quarantine, then the transport ack.
 //!
-//! Every request carries the v2 signed hop ([`agentmbx_protocol::hop`]). This module never
+//! Every request carries the v2 signed hop ([`agentmbx_protocol::hop`]), and from the daemon
+//! its instance id in `x-mbx-instance` (unsigned, advisory: [`crate::instance`]). This module never
 //! trusts the relay for content: peers' enc keys come only from ads signed by their pinned host
 //! key, accepts only count when signed by the pinned relay key.
 
@@ -197,6 +198,10 @@ pub struct RelayClient {
     /// `Authorization: Bearer <token>` and enrolment carries the proof. `None`: the host-key
     /// challenge only.
     pub account: Option<Arc<account::AccountTokens>>,
+    /// The daemon's instance: its id goes in `x-mbx-instance` on every hop (unsigned,
+    /// advisory), and the relay's `you.instance_conflict` is noted in it each pass
+    /// ([`crate::instance`]). `None` (tests, CLI): no header, nothing noted.
+    pub instance: Option<Arc<crate::instance::Instance>>,
     /// Whether the relay presented the pinned key in this pass ([`Self::confirm_relay_key`]).
     /// The account token is sent only while it is true: the first signed info of a pass goes
     /// without it, and a relay presenting another key never receives it.
@@ -237,6 +242,7 @@ impl RelayClient {
             received: None,
             observed: Arc::new(state::Observed::default()),
             account: None,
+            instance: None,
             key_confirmed: Arc::new(AtomicBool::new(false)),
         })
     }
@@ -302,6 +308,10 @@ impl RelayClient {
         };
         for (k, v) in h.pairs() {
             req = req.header(k, v);
+        }
+        // Not part of the signed bytes: advisory only (crate::instance).
+        if let Some(instance) = &self.instance {
+            req = req.header(hop::header::INSTANCE, instance.id());
         }
         // The token only to a relay that presented the pinned key in this pass (spec §1, §8).
         if let Some(account) = self.account.as_ref().filter(|_| self.relay_key_confirmed()) {
@@ -589,7 +599,8 @@ async fn run_loop(
 /// delay up to 60 s, so a relay that is down at daemon start is used once it is up), then
 /// [`run`]s until `shutdown`. `received` is notified when a pull stored new mail or queued receipts again
 /// ([`RelayClient::received`]). `account` (from `[relay] token_command`) makes every call
-/// carry the account token ([`RelayClient::account`]).
+/// carry the account token ([`RelayClient::account`]). `instance` is the daemon's
+/// ([`RelayClient::instance`]).
 #[allow(clippy::too_many_arguments)]
 pub async fn start(
     url: String,
@@ -601,6 +612,7 @@ pub async fn start(
     wake: Arc<tokio::sync::Notify>,
     received: Option<Arc<tokio::sync::Notify>>,
     account: Option<Arc<account::AccountTokens>>,
+    instance: Option<Arc<crate::instance::Instance>>,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
     let mut delay = Duration::from_millis(500);
@@ -644,6 +656,7 @@ pub async fn start(
         Ok(mut client) => {
             client.received = received;
             client.account = account;
+            client.instance = instance;
             run(client, pull_interval, wake, shutdown).await
         }
         Err(e) => tracing::error!(relay = %url, error = %e, "relay transport off"),

@@ -29,6 +29,10 @@
 //! is called only once the served key equals the pinned one (the relay answers that info with
 //! `you` all the same; the later requests carry the token).
 //!
+//! Each session also hands the relay's `you.instance_conflict` (two daemons alternating on this
+//! host key, as the relay sees them) to the daemon's [`crate::instance::Instance`], which logs
+//! a new detection once and reports it in `/v1/health` and `doctor`.
+//!
 //! The v2 enc-key ad (`wire.md` §2.8) is valid 30 days and republished when the relay's copy is
 //! missing, v1-only, names another key or is older than a day, once a day, when this host's
 //! keys change and in a new epoch. This module never sends a request to a relay whose key is
@@ -253,6 +257,10 @@ impl RelayClient {
                 }
                 _ => tracing::info!(relay = %self.url, epoch = %info.epoch, "relay session open"),
             }
+        }
+        // Two daemons on this host key, as the relay sees them (advisory; crate::instance).
+        if let (Some(instance), Some(you)) = (&self.instance, &info.you) {
+            instance.note_relay(&self.url, you.instance_conflict.clone());
         }
         Ok(Session {
             epoch: info.epoch,

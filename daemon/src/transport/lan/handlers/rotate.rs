@@ -474,6 +474,7 @@ mod tests {
             self_addrs: Vec::new(),
             wake: Arc::new(tokio::sync::Notify::new()),
             pairing: crate::pairing::PairingMemory::default(),
+            instance: Default::default(),
         });
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         tokio::spawn(serve(listener, state.clone(), async move {

@@ -58,6 +58,7 @@ async fn node(name: &str, clock: &Arc<ManualClock>, self_addrs: Option<Vec<IpAdd
         self_addrs: self_addrs.unwrap_or_else(|| vec![LOCAL]),
         wake: Arc::new(tokio::sync::Notify::new()),
         pairing: crate::pairing::PairingMemory::default(),
+        instance: Default::default(),
     });
     let limiter = Arc::new(PeerLimiter::new(clock.clone(), 600));
     let signed = Router::new()

@@ -76,6 +76,7 @@ impl RealRelay {
             in_flight: Default::default(),
             store_db: path.join("relay.db").display().to_string(),
             refused: Default::default(),
+            instances: Default::default(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
