@@ -74,6 +74,41 @@ pub fn backoff_ms(attempts: u32) -> i64 {
         .min(BACKOFF_MAX_MS)
 }
 
+/// How far ahead of `now` a row's `next_at` can legitimately be after `attempts` failed
+/// attempts (ms): the delay its last failure chose, [`backoff_ms`]`(attempts - 1)`; 0 before
+/// any failure (a new row is due at once, and "peer is back", a re-target and a re-push make
+/// a row due now). Every writer of `next_at` keeps to it. A `next_at` further ahead was
+/// written while the clock was ahead of the current one (a skew fixed since): the row is due
+/// now ([`due_sql`]), so mail queued during the skew does not wait it out.
+pub fn max_horizon_ms(attempts: u32) -> i64 {
+    match attempts {
+        0 => 0,
+        n => backoff_ms(n - 1),
+    }
+}
+
+/// [`max_horizon_ms`] in SQL, over the integer column (or expression) `attempts`.
+pub(crate) fn horizon_sql(attempts: &str) -> String {
+    format!(
+        "(CASE WHEN {attempts} <= 0 THEN 0 ELSE MIN({BACKOFF_BASE_MS} << MIN({attempts} - 1, 20), {BACKOFF_MAX_MS}) END)"
+    )
+}
+
+/// The "due at `:now`" condition in SQL for a schedule column `next_at` whose furthest
+/// legitimate distance ahead is the SQL expression `horizon` (ms): `next_at ≤ :now`, or
+/// `next_at` further ahead than `horizon` (written by a clock that was ahead; see
+/// [`max_horizon_ms`]). Written as a difference so `:now` = `i64::MAX` cannot overflow.
+pub(crate) fn due_sql(next_at: &str, horizon: &str) -> String {
+    format!("({next_at} <= :now OR {next_at} - :now > {horizon})")
+}
+
+/// The time (ms) the loops should wake for a schedule column `next_at` in SQL: `:now` for a
+/// row [`due_sql`] finds due because it lies beyond its `horizon`, else `next_at`. Take its
+/// `MIN` for a loop's next wake-up, so a loop never sleeps until a skewed time.
+pub(crate) fn wake_sql(next_at: &str, horizon: &str) -> String {
+    format!("(CASE WHEN {next_at} - :now > {horizon} THEN :now ELSE {next_at} END)")
+}
+
 /// `text` cut to at most [`MAX_LAST_ERROR`] characters.
 pub fn cut_error(text: &str) -> String {
     text.chars().take(MAX_LAST_ERROR).collect()
@@ -182,26 +217,48 @@ pub fn enqueue(
     Ok(())
 }
 
-/// Every `pending` or `repush` row due at `now_ms`, whichever transport takes it, soonest
-/// first, at most `limit` (the transports use [`due_for_lan`] and [`due_for_relay`]).
+/// Every `pending` or `repush` row due at `now_ms` (as in [`due_for_lan`]), whichever transport
+/// takes it, soonest first (a row due for being beyond its horizon counts as due at `now_ms`),
+/// then in the order they were queued, at most `limit` (the transports use [`due_for_lan`] and
+/// [`due_for_relay`]).
 pub fn due(conn: &Connection, now_ms: i64, limit: usize) -> Result<Vec<Row>, MailboxError> {
     let mut st = conn.prepare(&format!(
-        "SELECT {COLS} FROM outbox o WHERE o.state IN {SENDABLE_SQL} AND o.next_at <= ?1 ORDER BY o.next_at, o.created_at, o.msg_id LIMIT ?2"
+        "SELECT {COLS} FROM outbox o WHERE o.state IN {SENDABLE_SQL} AND {}
+         ORDER BY {}, o.rowid LIMIT :limit",
+        row_due_sql(),
+        row_wake_sql()
     ))?;
     let rows = st
-        .query_map(params![now_ms, limit as i64], row)?
+        .query_map(
+            rusqlite::named_params! {":now": now_ms, ":limit": limit as i64},
+            row,
+        )?
         .collect::<Result<Vec<_>, _>>()?;
     Ok(rows)
 }
 
-/// The earliest `next_at` among all `pending` and `repush` rows (ms); each sender loop sleeps
-/// on its own ([`next_due_for_lan`], [`next_due_for_relay`]).
-pub fn next_due_at(conn: &Connection) -> Result<Option<i64>, MailboxError> {
+/// The earliest time (ms) any `pending` or `repush` row is due at `now_ms` ([`wake_sql`]: a
+/// row scheduled beyond its [`max_horizon_ms`] counts as due now); each sender loop sleeps on
+/// its own ([`next_due_for_lan`], [`next_due_for_relay`]).
+pub fn next_due_at(conn: &Connection, now_ms: i64) -> Result<Option<i64>, MailboxError> {
     Ok(conn.query_row(
-        &format!("SELECT MIN(next_at) FROM outbox WHERE state IN {SENDABLE_SQL}"),
-        [],
+        &format!(
+            "SELECT MIN({}) FROM outbox o WHERE o.state IN {SENDABLE_SQL}",
+            row_wake_sql()
+        ),
+        rusqlite::named_params! {":now": now_ms},
         |r| r.get(0),
     )?)
+}
+
+/// [`due_sql`] for an outbox row `o`.
+fn row_due_sql() -> String {
+    due_sql("o.next_at", &horizon_sql("o.attempts"))
+}
+
+/// [`wake_sql`] for an outbox row `o`.
+fn row_wake_sql() -> String {
+    wake_sql("o.next_at", &horizon_sql("o.attempts"))
 }
 
 /// The LAN part of the selection rule ([`crate::transport::select::choose`]) over `outbox o`
@@ -215,8 +272,9 @@ fn lan_sql() -> String {
     format!("p.pubkey = o.target_pubkey AND {LAN_PEER_SQL} AND (o.lan_failures < :t OR NOT :r)")
 }
 
-/// `pending` and `repush` rows due at `now_ms` that the LAN takes (spec §10,
-/// [`crate::transport::select`]): oldest first, at most `limit`. `relay_configured` false lets
+/// `pending` and `repush` rows due at `now_ms` (`next_at ≤ now`, or beyond the row's
+/// [`max_horizon_ms`]) that the LAN takes (spec §10, [`crate::transport::select`]): in the
+/// order they were queued here (rowid, never a stored time), at most `limit`. `relay_configured` false lets
 /// the LAN keep every row whose peer has an address, however often it failed.
 pub fn due_for_lan(
     conn: &Connection,
@@ -226,8 +284,9 @@ pub fn due_for_lan(
 ) -> Result<Vec<Row>, MailboxError> {
     let sql = format!(
         "SELECT {COLS} FROM outbox o JOIN peers p ON p.host = o.host
-         WHERE o.state IN {SENDABLE_SQL} AND o.next_at <= :now AND {}
-         ORDER BY o.created_at, o.msg_id LIMIT :limit",
+         WHERE o.state IN {SENDABLE_SQL} AND {} AND {}
+         ORDER BY o.rowid LIMIT :limit",
+        row_due_sql(),
         lan_sql()
     );
     super::select_due(conn, &sql, now_ms, limit, relay_configured, row)
@@ -235,7 +294,8 @@ pub fn due_for_lan(
 
 /// `pending` and `repush` rows due at `now_ms` that the relay takes (spec §10): every due row
 /// the LAN does not take with a relay configured — the LAN failed twice, or the peer has no LAN
-/// address (or is no longer pinned with the row's key). Oldest first, at most `limit`.
+/// address (or is no longer pinned with the row's key). Due as in [`due_for_lan`]; in the
+/// order they were queued here, at most `limit`.
 pub fn due_for_relay(
     conn: &Connection,
     now_ms: i64,
@@ -243,42 +303,48 @@ pub fn due_for_relay(
 ) -> Result<Vec<Row>, MailboxError> {
     let sql = format!(
         "SELECT {COLS} FROM outbox o LEFT JOIN peers p ON p.host = o.host
-         WHERE o.state IN {SENDABLE_SQL} AND o.next_at <= :now AND NOT COALESCE(({}), 0)
-         ORDER BY o.next_at, o.created_at, o.msg_id LIMIT :limit",
+         WHERE o.state IN {SENDABLE_SQL} AND {} AND NOT COALESCE(({}), 0)
+         ORDER BY o.rowid LIMIT :limit",
+        row_due_sql(),
         lan_sql()
     );
     super::select_due(conn, &sql, now_ms, limit, true, row)
 }
 
-/// The earliest `next_at` (ms) among `pending` and `repush` rows the LAN takes (due or not),
-/// for the LAN loop's sleep.
+/// The earliest time (ms) a `pending` or `repush` row the LAN takes is due at `now_ms` (due or
+/// not; `now_ms` for a row scheduled beyond its [`max_horizon_ms`]), for the LAN loop's sleep.
 pub fn next_due_for_lan(
     conn: &Connection,
     relay_configured: bool,
+    now_ms: i64,
 ) -> Result<Option<i64>, MailboxError> {
     let sql = format!(
-        "SELECT MIN(o.next_at) FROM outbox o JOIN peers p ON p.host = o.host
+        "SELECT MIN({}) FROM outbox o JOIN peers p ON p.host = o.host
          WHERE o.state IN {SENDABLE_SQL} AND {}",
+        row_wake_sql(),
         lan_sql()
     );
     Ok(conn.query_row(
         &sql,
-        rusqlite::named_params! {":t": LAN_FAILURES_BEFORE_RELAY, ":r": relay_configured},
+        rusqlite::named_params! {
+            ":t": LAN_FAILURES_BEFORE_RELAY, ":r": relay_configured, ":now": now_ms,
+        },
         |r| r.get(0),
     )?)
 }
 
-/// The earliest `next_at` (ms) among `pending` and `repush` rows the relay takes, for the relay
-/// loop's sleep.
-pub fn next_due_for_relay(conn: &Connection) -> Result<Option<i64>, MailboxError> {
+/// The earliest time (ms) a `pending` or `repush` row the relay takes is due at `now_ms`
+/// (`now_ms` for a row scheduled beyond its [`max_horizon_ms`]), for the relay loop's sleep.
+pub fn next_due_for_relay(conn: &Connection, now_ms: i64) -> Result<Option<i64>, MailboxError> {
     let sql = format!(
-        "SELECT MIN(o.next_at) FROM outbox o LEFT JOIN peers p ON p.host = o.host
+        "SELECT MIN({}) FROM outbox o LEFT JOIN peers p ON p.host = o.host
          WHERE o.state IN {SENDABLE_SQL} AND NOT COALESCE(({}), 0)",
+        row_wake_sql(),
         lan_sql()
     );
     Ok(conn.query_row(
         &sql,
-        rusqlite::named_params! {":t": LAN_FAILURES_BEFORE_RELAY, ":r": true},
+        rusqlite::named_params! {":t": LAN_FAILURES_BEFORE_RELAY, ":r": true, ":now": now_ms},
         |r| r.get(0),
     )?)
 }
@@ -937,6 +1003,22 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_horizon_in_sql_is_the_horizon_in_rust() {
+        let c = Connection::open_in_memory().unwrap();
+        for attempts in 0..=64u32 {
+            let sql: i64 = c
+                .query_row(&format!("SELECT {}", horizon_sql("?1")), [attempts], |r| {
+                    r.get(0)
+                })
+                .unwrap();
+            assert_eq!(sql, max_horizon_ms(attempts), "{attempts}");
+        }
+        assert_eq!(max_horizon_ms(0), 0);
+        assert_eq!(max_horizon_ms(1), backoff_ms(0));
+        assert_eq!(max_horizon_ms(64), BACKOFF_MAX_MS);
+    }
+
+    #[test]
     fn backoff_doubles_and_caps() {
         assert_eq!(backoff_ms(0), 5_000);
         assert_eq!(backoff_ms(1), 10_000);
@@ -1225,8 +1307,8 @@ mod durability_tests {
                 );
                 repush_for_epoch(c, R, "e2", Repush::Epoch, T0 + 100)?;
                 assert_eq!(due_for_relay(c, T0 + 100, 10)?.len(), 1);
-                assert_eq!(next_due_for_relay(c)?, Some(T0 + 100));
-                assert_eq!(next_due_at(c)?, Some(T0 + 100));
+                assert_eq!(next_due_for_relay(c, T0 + 100)?, Some(T0 + 100));
+                assert_eq!(next_due_at(c, T0 + 100)?, Some(T0 + 100));
                 // With a LAN address and fewer than two LAN failures the LAN takes it.
                 c.execute("UPDATE peers SET addr = '127.0.0.1:1'", [])?;
                 c.execute("UPDATE outbox SET lan_failures = 0", [])?;

@@ -23,7 +23,7 @@ use agentmbx_protocol::limits::utf16_len;
 use agentmbx_protocol::records::Receipt;
 use agentmbx_protocol::time::iso_ms;
 
-use super::outbox::{backoff_ms, cut_error, LAN_PEER_SQL};
+use super::outbox::{backoff_ms, cut_error, due_sql, horizon_sql, wake_sql, LAN_PEER_SQL};
 use super::MailboxError;
 use crate::transport::select::LAN_FAILURES_BEFORE_RELAY;
 
@@ -33,6 +33,33 @@ pub const RECEIPT_BATCH: usize = 200;
 pub const RECEIPT_TTL_MS: i64 = 72 * 3_600_000;
 /// Retry delay for a peer that does not know `POST /v1/receipts` (ms): 1 h (`wire.md` §2.11).
 pub const UNSUPPORTED_RETRY_MS: i64 = 3_600_000;
+/// How a receipt's `last_error` starts when the peer does not know `POST /v1/receipts`: the
+/// mark that its `next_at` may be [`UNSUPPORTED_RETRY_MS`] ahead ([`horizon_of_sql`]).
+pub const UNSUPPORTED_ERROR_PREFIX: &str = "receipts unsupported by the peer: ";
+
+/// How far ahead of now a receipt's `next_at` can legitimately be (ms), in SQL over a
+/// `receipt_outbox r`: the delay its last failure chose ([`fail`]): [`UNSUPPORTED_RETRY_MS`]
+/// after a peer that does not know receipts (`last_error` starts with
+/// [`UNSUPPORTED_ERROR_PREFIX`]), else the outbox rule
+/// ([`super::outbox::max_horizon_ms`]`(attempts)`; 0 for a new receipt, queued due now). A
+/// receipt scheduled further ahead was scheduled by a clock that was ahead (a skew fixed
+/// since): it is due now.
+pub fn horizon_of_sql() -> String {
+    format!(
+        "(CASE WHEN r.attempts > 0 AND substr(r.last_error, 1, {}) = '{}' THEN {UNSUPPORTED_RETRY_MS} ELSE {} END)",
+        UNSUPPORTED_ERROR_PREFIX.len(),
+        UNSUPPORTED_ERROR_PREFIX,
+        horizon_sql("r.attempts")
+    )
+}
+
+fn receipt_due_sql() -> String {
+    due_sql("r.next_at", &horizon_of_sql())
+}
+
+fn receipt_wake_sql() -> String {
+    wake_sql("r.next_at", &horizon_of_sql())
+}
 /// Longest receipt note (UTF-16 code units, `wire.md` §2.11).
 pub const MAX_NOTE: usize = 500;
 
@@ -99,7 +126,8 @@ pub fn due_for_lan(
 ) -> Result<Vec<Row>, MailboxError> {
     let sql = format!(
         "SELECT {COLS} FROM receipt_outbox r JOIN peers p ON p.host = r.host
-         WHERE r.next_at <= :now AND {} ORDER BY r.seq LIMIT :limit",
+         WHERE {} AND {} ORDER BY r.seq LIMIT :limit",
+        receipt_due_sql(),
         lan_sql()
     );
     super::select_due(conn, &sql, now_ms, limit, relay_configured, row)
@@ -114,38 +142,46 @@ pub fn due_for_relay(
 ) -> Result<Vec<Row>, MailboxError> {
     let sql = format!(
         "SELECT {COLS} FROM receipt_outbox r JOIN peers p ON p.host = r.host
-         WHERE r.next_at <= :now AND NOT COALESCE(({}), 0) ORDER BY r.seq LIMIT :limit",
+         WHERE {} AND NOT COALESCE(({}), 0) ORDER BY r.seq LIMIT :limit",
+        receipt_due_sql(),
         lan_sql()
     );
     super::select_due(conn, &sql, now_ms, limit, true, row)
 }
 
-/// The earliest `next_at` (ms) of receipts the LAN takes, for the LAN loop's sleep.
+/// The earliest time (ms) a receipt the LAN takes is due at `now_ms` (`now_ms` for one
+/// scheduled beyond its horizon, [`horizon_of_sql`]), for the LAN loop's sleep.
 pub fn next_due_for_lan(
     conn: &Connection,
     relay_configured: bool,
+    now_ms: i64,
 ) -> Result<Option<i64>, MailboxError> {
     let sql = format!(
-        "SELECT MIN(r.next_at) FROM receipt_outbox r JOIN peers p ON p.host = r.host WHERE {}",
+        "SELECT MIN({}) FROM receipt_outbox r JOIN peers p ON p.host = r.host WHERE {}",
+        receipt_wake_sql(),
         lan_sql()
     );
     Ok(conn.query_row(
         &sql,
-        rusqlite::named_params! {":t": LAN_FAILURES_BEFORE_RELAY, ":r": relay_configured},
+        rusqlite::named_params! {
+            ":t": LAN_FAILURES_BEFORE_RELAY, ":r": relay_configured, ":now": now_ms,
+        },
         |r| r.get(0),
     )?)
 }
 
-/// The earliest `next_at` (ms) of receipts the relay takes, for the relay loop's sleep.
-pub fn next_due_for_relay(conn: &Connection) -> Result<Option<i64>, MailboxError> {
+/// The earliest time (ms) a receipt the relay takes is due at `now_ms` (`now_ms` for one
+/// scheduled beyond its horizon, [`horizon_of_sql`]), for the relay loop's sleep.
+pub fn next_due_for_relay(conn: &Connection, now_ms: i64) -> Result<Option<i64>, MailboxError> {
     let sql = format!(
-        "SELECT MIN(r.next_at) FROM receipt_outbox r JOIN peers p ON p.host = r.host
+        "SELECT MIN({}) FROM receipt_outbox r JOIN peers p ON p.host = r.host
          WHERE NOT COALESCE(({}), 0)",
+        receipt_wake_sql(),
         lan_sql()
     );
     Ok(conn.query_row(
         &sql,
-        rusqlite::named_params! {":t": LAN_FAILURES_BEFORE_RELAY, ":r": true},
+        rusqlite::named_params! {":t": LAN_FAILURES_BEFORE_RELAY, ":r": true, ":now": now_ms},
         |r| r.get(0),
     )?)
 }
@@ -240,8 +276,9 @@ pub fn sent(conn: &Connection, seqs: &[i64]) -> Result<usize, MailboxError> {
 }
 
 /// Records a failed attempt for each of `seqs`: `attempts` + 1, next attempt after
-/// `min(5 s·2^attempts, 1 h)` (1 h for a peer that does not support receipts, `unsupported`),
-/// `last_error` cut to 300 characters; `lan` also counts a LAN failure (spec §10).
+/// `min(5 s·2^attempts, 1 h)` (1 h for a peer that does not support receipts, `unsupported`,
+/// whose `last_error` then starts with [`UNSUPPORTED_ERROR_PREFIX`]), `last_error` cut to 300
+/// characters; `lan` also counts a LAN failure (spec §10).
 pub fn fail(
     conn: &Connection,
     seqs: &[i64],
@@ -250,7 +287,11 @@ pub fn fail(
     unsupported: bool,
     now_ms: i64,
 ) -> Result<(), MailboxError> {
-    let error = cut_error(error);
+    let error = if unsupported {
+        cut_error(&format!("{UNSUPPORTED_ERROR_PREFIX}{error}"))
+    } else {
+        cut_error(error)
+    };
     for s in seqs {
         let attempts: Option<u32> = conn
             .query_row(
@@ -368,20 +409,24 @@ pub struct SentMessage {
 /// A page of sent messages.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct SentPage {
-    /// Messages, newest first.
+    /// Messages, newest first in the order this host stored them (not by `ts`, which a wrong
+    /// clock may have written).
     pub messages: Vec<SentMessage>,
     /// Opaque cursor for the next (older) page; absent when this page reached the end.
     pub next_cursor: Option<String>,
 }
 
-fn parse_cursor(cursor: Option<&str>) -> Result<Option<(i64, String)>, MailboxError> {
+/// The sent cursor: the local insertion position (`messages.rowid`) of the last message of the
+/// previous page, in decimal. Errors: [`MailboxError::Invalid`] for anything else.
+fn parse_cursor(cursor: Option<&str>) -> Result<Option<i64>, MailboxError> {
     match cursor {
         None | Some("") => Ok(None),
-        Some(c) => {
-            let bad = || MailboxError::Invalid("bad cursor".into());
-            let (at, id) = c.split_once(':').ok_or_else(bad)?;
-            Ok(Some((at.parse().map_err(|_| bad())?, id.to_string())))
-        }
+        Some(c) => c
+            .parse::<i64>()
+            .ok()
+            .filter(|n| *n > 0)
+            .map(Some)
+            .ok_or_else(|| MailboxError::Invalid("bad cursor".into())),
     }
 }
 
@@ -605,8 +650,11 @@ fn unqualified_labels(
 }
 
 /// A page of the messages `agent` sent from this host, newest first, after `cursor`, bounded
-/// by `limit` (1..=100) and [`MAX_SENT_BYTES`], each with its per-recipient state. Errors:
-/// [`MailboxError::Invalid`] for a bad cursor.
+/// by `limit` (1..=100) and [`MAX_SENT_BYTES`], each with its per-recipient state. "Newest" is
+/// the order this host stored them in (`messages.rowid`; the store is never vacuumed, so rowids
+/// keep their order), never a stored time: a send time written while the clock was wrong
+/// (e.g. ahead, then fixed) does not reorder the list, and the cursor follows the same order.
+/// Errors: [`MailboxError::Invalid`] for a bad cursor.
 pub fn sent_page(
     conn: &Connection,
     agent: &str,
@@ -614,25 +662,16 @@ pub fn sent_page(
     cursor: Option<&str>,
     limit: u32,
 ) -> Result<SentPage, MailboxError> {
-    let after = parse_cursor(cursor)?;
+    let before = parse_cursor(cursor)?.unwrap_or(i64::MAX);
     let limit = limit.clamp(1, MAX_SENT_LIMIT);
-    let (c_at, c_id) = after.unwrap_or((i64::MAX, String::new()));
-    let unbounded = cursor.is_none_or(str::is_empty);
     let mut st = conn.prepare(
-        "SELECT id, ts, subject, kind, thread, envelope, received_at FROM messages
-         WHERE origin = 'local' AND from_addr = ?1
-           AND (?2 OR received_at < ?3 OR (received_at = ?3 AND id < ?4))
-         ORDER BY received_at DESC, id DESC LIMIT ?5",
+        "SELECT id, ts, subject, kind, thread, envelope, rowid FROM messages
+         WHERE origin = 'local' AND from_addr = ?1 AND rowid < ?2
+         ORDER BY rowid DESC LIMIT ?3",
     )?;
     let found: Vec<(String, String, String, String, String, String, i64)> = st
         .query_map(
-            params![
-                format!("{agent}@{own_host}"),
-                unbounded,
-                c_at,
-                c_id,
-                limit + 1
-            ],
+            params![format!("{agent}@{own_host}"), before, limit + 1],
             |r| {
                 Ok((
                     r.get(0)?,
@@ -648,9 +687,9 @@ pub fn sent_page(
         .collect::<Result<_, _>>()?;
     let mut messages = Vec::new();
     let mut bytes = 0usize;
-    let mut last: Option<(i64, String)> = None;
+    let mut last: Option<i64> = None;
     let mut cut = false;
-    for (i, (id, ts, subject, kind, thread, env, received_at)) in found.into_iter().enumerate() {
+    for (i, (id, ts, subject, kind, thread, env, rowid)) in found.into_iter().enumerate() {
         if i as u32 >= limit {
             cut = true;
             break;
@@ -668,7 +707,7 @@ pub fn sent_page(
             .unwrap_or_default();
         let recipients = recipients_of(conn, &id, own_host, &to)?;
         let entry = SentMessage {
-            id: id.clone(),
+            id,
             ts,
             to,
             subject,
@@ -682,13 +721,13 @@ pub fn sent_page(
             break;
         }
         bytes += size;
-        last = Some((received_at, id));
+        last = Some(rowid);
         messages.push(entry);
     }
     Ok(SentPage {
         messages,
         next_cursor: if cut {
-            last.map(|(at, id)| format!("{at}:{id}"))
+            last.map(|n| n.to_string())
         } else {
             None
         },
@@ -1033,6 +1072,55 @@ mod tests {
             .with(|c| sent_page(c, "nobody", "home", None, 20))
             .unwrap();
         assert!(empty.messages.is_empty());
+    }
+
+    /// Case `clock-fix-does-not-release-mail`: a message sent while the clock was 10 min ahead
+    /// (its send time and id are from the skewed clock) does not stay at the top of `sent` once
+    /// the clock is right: the list and its cursor follow the order this host stored them in.
+    #[test]
+    fn sent_orders_by_local_insertion_not_by_times_a_clock_ahead_wrote() {
+        const SKEW: i64 = 600_000;
+        let s = testutil::store();
+        let me = testutil::identity("home");
+        let mut ids = testutil::ids();
+        let skewed = ids.next(T0 + SKEW);
+        s.send(
+            &me,
+            "alice",
+            &["bob"],
+            "during the skew",
+            &skewed,
+            T0 + SKEW,
+        )
+        .unwrap();
+        let (after1, after2) = (ids.next(T0), ids.next(T0 + 1));
+        s.send(&me, "alice", &["bob"], "after the fix", &after1, T0)
+            .unwrap();
+        s.send(&me, "alice", &["bob"], "later", &after2, T0 + 1)
+            .unwrap();
+        let newest_first = vec![after2.clone(), after1.clone(), skewed.clone()];
+        let page = s
+            .mailbox
+            .with(|c| sent_page(c, "alice", "home", None, 20))
+            .unwrap();
+        let got: Vec<String> = page.messages.iter().map(|m| m.id.clone()).collect();
+        assert_eq!(got, newest_first);
+        // One per page: the cursor follows the same order, then the end.
+        let mut paged = Vec::new();
+        let mut cursor: Option<String> = None;
+        loop {
+            let p = s
+                .mailbox
+                .with(|c| sent_page(c, "alice", "home", cursor.as_deref(), 1))
+                .unwrap();
+            paged.extend(p.messages.iter().map(|m| m.id.clone()));
+            match p.next_cursor {
+                Some(c) => cursor = Some(c),
+                None => break,
+            }
+            assert!(paged.len() <= 3, "the cursor ends");
+        }
+        assert_eq!(paged, newest_first);
     }
 
     #[test]

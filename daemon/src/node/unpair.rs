@@ -22,9 +22,7 @@ pub fn forget_peer(
     now_ms: i64,
 ) -> Result<usize, MailboxError> {
     let ids: Vec<String> = conn
-        .prepare(
-            "SELECT msg_id FROM outbox WHERE host = ?1 AND state = 'pending' ORDER BY created_at",
-        )?
+        .prepare("SELECT msg_id FROM outbox WHERE host = ?1 AND state = 'pending' ORDER BY rowid")?
         .query_map([host], |r| r.get(0))?
         .collect::<Result<_, _>>()?;
     for id in &ids {

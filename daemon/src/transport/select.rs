@@ -140,14 +140,17 @@ mod tests {
                         let id = gen.next(T0);
                         s.send(&me, "alice", &[&format!("bob@{host}")], "s", &id, T0)
                             .unwrap();
+                        // A row not due waits within the backoff of its failed attempts.
                         let next_at = if due { T0 } else { T0 + 1 };
+                        let attempts = lan_failures.max(1);
                         s.mailbox
                             .with(|c| {
                                 c.execute(
                                     "UPDATE outbox SET lan_failures = ?2, next_at = ?3, state = ?4,
-                                       accepted_at = CASE WHEN ?4 <> 'pending' THEN ?3 END
+                                       accepted_at = CASE WHEN ?4 <> 'pending' THEN ?3 END,
+                                       attempts = ?5
                                      WHERE msg_id = ?1",
-                                    rusqlite::params![id, lan_failures, next_at, state],
+                                    rusqlite::params![id, lan_failures, next_at, state, attempts],
                                 )?;
                                 Ok(())
                             })

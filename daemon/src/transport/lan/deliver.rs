@@ -251,15 +251,18 @@ impl LanDelivery {
         }
     }
 
-    /// The earliest `next_at` (ms) of anything the LAN takes, if any.
+    /// The earliest time (ms) anything the LAN takes is due, if any: its `next_at`, or now for
+    /// a row or receipt scheduled further ahead than its backoff allows (a clock that was
+    /// ahead when it was scheduled; [`outbox::max_horizon_ms`]).
     pub async fn next_due(&self) -> Result<Option<i64>, MailboxError> {
         let relay = self
             .relay_configured
             .load(std::sync::atomic::Ordering::Acquire);
+        let now = self.now();
         self.mailbox
             .run(move |c| {
-                let rows = outbox::next_due_for_lan(c, relay)?;
-                let rec = receipts::next_due_for_lan(c, relay)?;
+                let rows = outbox::next_due_for_lan(c, relay, now)?;
+                let rec = receipts::next_due_for_lan(c, relay, now)?;
                 Ok(rows.into_iter().chain(rec).min())
             })
             .await

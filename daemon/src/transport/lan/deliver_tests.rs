@@ -213,6 +213,7 @@ async fn closed_addr() -> String {
 
 const ID1: &str = "01KDVDNA3VG2MH8KWSQRCWJZ0S";
 const ID2: &str = "01KDVDNA3VG2MH8KWSQRCWJZ0T";
+const ID3: &str = "01KDVDNA3VG2MH8KWSQRCWJZ0V";
 
 // ---- batching -------------------------------------------------------------------------------------
 
@@ -980,6 +981,78 @@ async fn a_peer_without_the_receipts_route_is_retried_hourly() {
     home.delivery(false).pass().await.unwrap();
     let next_at: i64 = home.store.scalar("SELECT next_at FROM receipt_outbox");
     assert_eq!(next_at, T0 + receipt_store::UNSUPPORTED_RETRY_MS);
+}
+
+/// Case `clock-fix-does-not-release-mail` over the LAN: with the clock 10 min ahead a row
+/// failed once, another was queued after it and a receipt failed once; once the clock is right
+/// again all three are due at once (the pass takes them and the loop's wake-up is now), instead
+/// of waiting out the skew.
+#[tokio::test]
+async fn mail_and_receipts_scheduled_under_a_clock_ahead_are_due_once_it_is_right() {
+    const SKEW: i64 = 600_000;
+    let clock = testutil::clock();
+    clock.set(T0 + SKEW);
+    let home = Host::new("home", clock.clone());
+    let work = testutil::identity("work");
+    let peer = FakePeer::start().await;
+    home.pin(&work, true, Some(&peer.addr));
+    home.receive_from(&work, ID3);
+    peer.on("POST /v2/envelopes", |_| (500, json!({"error": "boom"})));
+    peer.on("POST /v1/receipts", |_| (500, json!({"error": "boom"})));
+    home.send(ID1, &["bob@work"]);
+    let d = home.delivery(true);
+    let counts = d.pass().await.unwrap();
+    assert_eq!((counts.failed, counts.receipts_sent), (1, 0));
+    assert_eq!(
+        home.row(ID1, "work").next_at,
+        T0 + SKEW + outbox::backoff_ms(0)
+    );
+    assert_eq!(home.receipt_rows(), vec![(1, 1)]);
+    home.send(ID2, &["bob@work"]);
+    assert_eq!(home.row(ID2, "work").next_at, T0 + SKEW);
+
+    // The clock is right again.
+    clock.set(T0);
+    assert_eq!(d.next_due().await.unwrap(), Some(T0), "the loop wakes now");
+    peer.on("POST /v2/envelopes", answer_all("accepted"));
+    peer.on("POST /v1/receipts", |_| {
+        (200, json!({"results": ["accepted"]}))
+    });
+    let counts = d.pass().await.unwrap();
+    assert_eq!((counts.delivered, counts.receipts_sent), (2, 1));
+    for id in [ID1, ID2] {
+        assert_eq!(home.row(id, "work").state, "delivered", "{id}");
+    }
+    assert!(home.receipt_rows().is_empty());
+}
+
+/// A receipt a peer without the receipts route put off for an hour is not due early: that hour
+/// is within its backoff rule, unlike a time a clock ahead wrote.
+#[tokio::test]
+async fn an_hour_put_off_for_a_peer_without_receipts_is_kept() {
+    let clock = testutil::clock();
+    let home = Host::new("home", clock.clone());
+    let work = testutil::identity("work");
+    let peer = FakePeer::start().await;
+    home.pin(&work, true, Some(&peer.addr));
+    home.receive_from(&work, ID1);
+    let d = home.delivery(false);
+    d.pass().await.unwrap();
+    assert_eq!(peer.seen("POST /v1/receipts").len(), 1);
+    clock.advance(receipt_store::UNSUPPORTED_RETRY_MS - 1);
+    assert_eq!(
+        d.next_due().await.unwrap(),
+        Some(T0 + receipt_store::UNSUPPORTED_RETRY_MS)
+    );
+    d.pass().await.unwrap();
+    assert_eq!(
+        peer.seen("POST /v1/receipts").len(),
+        1,
+        "not before the hour"
+    );
+    clock.advance(1);
+    d.pass().await.unwrap();
+    assert_eq!(peer.seen("POST /v1/receipts").len(), 2);
 }
 
 #[tokio::test]

@@ -506,7 +506,9 @@ fn should_move(
 }
 
 /// Takes the once-a-minute healing `slot` of `host` at `now_ms`: false when a run from that
-/// slot started less than [`HEAL_THROTTLE_MS`] ago. Persisted in kv so the clock drives it.
+/// slot started less than [`HEAL_THROTTLE_MS`] ago. Persisted in kv so the clock drives it. A
+/// run recorded after `now_ms` was recorded by a clock ahead of the current one (a skew fixed
+/// since; the next run would be more than [`HEAL_THROTTLE_MS`] ahead): the slot is free.
 fn take_heal_slot(
     conn: &Connection,
     host: &str,
@@ -517,7 +519,7 @@ fn take_heal_slot(
     let last = relay_state::kv_get(conn, &key)?
         .and_then(|v| v.parse::<i64>().ok())
         .unwrap_or(i64::MIN / 2);
-    if now_ms - last < HEAL_THROTTLE_MS {
+    if last <= now_ms && now_ms - last < HEAL_THROTTLE_MS {
         return Ok(false);
     }
     relay_state::kv_set(conn, &key, &now_ms.to_string())?;

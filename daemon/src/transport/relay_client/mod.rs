@@ -421,15 +421,18 @@ pub fn rate_limited(retry_after_header: Option<&str>, body: &[u8]) -> RelayError
 
 /// Waits until `clock` reads `until_ms` or later, looking at it at least every
 /// [`CLOCK_WAIT_STEP_MS`] (so a shifted or manual clock is followed); nothing but `shutdown`
-/// cuts it short. `false` when shutdown came first.
+/// cuts it short. The wait never grows: should `until_ms` ever lie further ahead than it did
+/// at the start (the clock was set back meanwhile, e.g. a skew fixed), it is over. `false`
+/// when shutdown came first.
 pub async fn wait_until_clock(
     clock: &SharedClock,
     until_ms: i64,
     shutdown: &mut tokio::sync::watch::Receiver<bool>,
 ) -> bool {
+    let longest = until_ms.saturating_sub(clock.now_ms());
     loop {
         let left = until_ms.saturating_sub(clock.now_ms());
-        if left <= 0 {
+        if left <= 0 || left > longest {
             return true;
         }
         let step = Duration::from_millis((left as u64).min(CLOCK_WAIT_STEP_MS));
@@ -520,17 +523,19 @@ async fn run_loop(
                 }
                 failures = 0;
                 // Only what the relay takes (spec §10): rows the LAN takes must not spin this loop.
+                // A row scheduled beyond its backoff (by a clock that was ahead) counts as due
+                // now, so the loop never sleeps until a skewed time.
+                let now = client.clock.now_ms();
                 let next_due = client
                     .mailbox
-                    .run(|c| {
-                        let rows = crate::mailbox::outbox::next_due_for_relay(c)?;
-                        let receipts = crate::mailbox::receipts::next_due_for_relay(c)?;
+                    .run(move |c| {
+                        let rows = crate::mailbox::outbox::next_due_for_relay(c, now)?;
+                        let receipts = crate::mailbox::receipts::next_due_for_relay(c, now)?;
                         Ok(rows.into_iter().chain(receipts).min())
                     })
                     .await
                     .ok()
                     .flatten();
-                let now = client.clock.now_ms();
                 let until_due = next_due.map_or(pull_interval, |t| {
                     Duration::from_millis((t - now).max(0) as u64)
                 });

@@ -8,7 +8,7 @@
 //! old key: nothing to move) both advance it. After a 200 the relay has re-sequenced the moved
 //! items, so this host's receive position for that relay goes back to 0 in the same transaction
 //! (dedup by envelope id makes the re-pull safe). Any other answer stops the pass and is tried
-//! again after [`RETRY_MS`] (or the relay's `retry_after`).
+//! again after [`RETRY_MS`] (or the relay's `retry_after`, at most [`RETRY_MAX_MS`]).
 //!
 //! Called at the start of every session ([`RelayClient::open_session`]): when nothing is owed it
 //! costs one kv read. Records go only to a relay that presents the pinned key; otherwise the
@@ -26,15 +26,34 @@ use crate::mailbox::{audit, relay_state};
 
 /// Pause before a refused or failed announcement is tried again (ms): one minute.
 pub const RETRY_MS: i64 = 60_000;
+/// Longest pause before the next announcement (ms): one hour, however long a relay's
+/// `retry_after` asks for (as for any relay wait, [`super::MAX_RATE_LIMIT_WAIT_MS`]).
+pub const RETRY_MAX_MS: i64 = 3_600_000;
 
 /// kv key of the number of records the relay at `url` has answered.
 pub fn counter_key(url: &str) -> String {
     format!("relay-rotations:{url}")
 }
 
-/// kv key of the earliest time (ms) the next announcement to `url` may be tried.
+/// kv key of the earliest time (ms) the next announcement to `url` may be tried, stored as
+/// `<at>/<pause>` (ms; see [`waits_at`]).
 pub fn next_try_key(url: &str) -> String {
     format!("relay-rotations-next:{url}")
+}
+
+/// Whether the stored next-try value `stored` (`<at>/<pause>`, or a bare `<at>` from an older
+/// build, taken as paused by [`RETRY_MAX_MS`]) still holds the announcement back at `now_ms`:
+/// `at` is ahead, but no further ahead than its pause. A time further ahead was written while
+/// the clock was ahead of the current one (a skew fixed since): it is due now.
+pub fn waits_at(stored: &str, now_ms: i64) -> bool {
+    let (at, pause) = match stored.split_once('/') {
+        Some((at, pause)) => (at.parse::<i64>().ok(), pause.parse::<i64>().ok()),
+        None => (stored.parse::<i64>().ok(), Some(RETRY_MAX_MS)),
+    };
+    match (at, pause) {
+        (Some(at), Some(pause)) => at > now_ms && at.saturating_sub(now_ms) <= pause,
+        _ => false,
+    }
 }
 
 fn fingerprint(b64: &str) -> String {
@@ -62,11 +81,7 @@ impl RelayClient {
             })
             .await?;
         let sent: usize = sent.and_then(|s| s.parse().ok()).unwrap_or(0);
-        if sent >= records.len()
-            || next_try
-                .and_then(|n| n.parse::<i64>().ok())
-                .is_some_and(|n| now < n)
-        {
+        if sent >= records.len() || next_try.is_some_and(|n| waits_at(&n, now)) {
             return Ok(0);
         }
         match self
@@ -152,13 +167,14 @@ impl RelayClient {
     }
 
     async fn defer_rotations(&self, wait_ms: i64, why: &str) -> Result<(), RelayError> {
+        let wait_ms = wait_ms.clamp(0, RETRY_MAX_MS);
         tracing::warn!(relay = %self.url, error = %why, retry_in_ms = wait_ms, "key rotation not announced to the relay yet");
         let (url, at) = (
             self.url.clone(),
             self.clock.now_ms().saturating_add(wait_ms),
         );
         self.mailbox
-            .run(move |c| relay_state::kv_set(c, &next_try_key(&url), &at.to_string()))
+            .run(move |c| relay_state::kv_set(c, &next_try_key(&url), &format!("{at}/{wait_ms}")))
             .await?;
         Ok(())
     }
@@ -478,6 +494,22 @@ mod tests {
         );
     }
 
+    /// Case `clock-fix-does-not-release-mail`: a retry put off by a minute while the clock was
+    /// 10 min ahead is due once the clock is right; one put off at the right clock waits.
+    #[test]
+    fn a_retry_put_off_under_a_clock_ahead_is_due_once_the_clock_is_right() {
+        let skewed = format!("{}/{RETRY_MS}", T0 + 600_000 + RETRY_MS);
+        assert!(waits_at(&skewed, T0 + 600_000));
+        assert!(!waits_at(&skewed, T0));
+        let right = format!("{}/{RETRY_MS}", T0 + RETRY_MS);
+        assert!(waits_at(&right, T0));
+        assert!(!waits_at(&right, T0 + RETRY_MS));
+        // An older bare time is held to the longest pause.
+        assert!(waits_at(&(T0 + RETRY_MAX_MS).to_string(), T0));
+        assert!(!waits_at(&(T0 + RETRY_MAX_MS + 1).to_string(), T0));
+        assert!(!waits_at("junk", T0));
+    }
+
     #[tokio::test]
     async fn an_oversized_answer_to_the_rotation_is_no_answer() {
         use crate::transport::relay_client::answer::{raw, MAX_ANSWER};
@@ -519,7 +551,11 @@ mod tests {
             })
             .unwrap();
         assert_eq!(counter, None, "not counted as answered");
-        assert_eq!(next, Some((T0 + RETRY_MS).to_string()), "tried again later");
+        assert_eq!(
+            next,
+            Some(format!("{}/{RETRY_MS}", T0 + RETRY_MS)),
+            "tried again later"
+        );
         task.abort();
     }
 }

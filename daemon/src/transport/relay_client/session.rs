@@ -132,6 +132,11 @@ pub fn ad_due(
             Some("this host's keys changed")
         }
         Some(p) if p.epoch != epoch => Some("new relay epoch"),
+        // The next refresh (`iat` + a day) is further ahead than its rule allows: the ad was
+        // published while the clock was ahead of the current one (a skew fixed since), so
+        // peers may refuse its `iat` as not yet valid, and no retry would come before the
+        // clock caught up.
+        Some(p) if p.iat > now_ms => Some("published while the clock was ahead"),
         Some(p) if now_ms - p.iat >= ENC_AD_REFRESH_MS => Some("daily refresh"),
         Some(p) if !fresh && now_ms - p.iat >= ENC_AD_DRIFT_RETRY_MS => {
             Some("the relay's copy is missing, v1-only, stale or names another key")
@@ -532,7 +537,7 @@ impl RelayClient {
             .mailbox
             .run(move |c| {
                 Ok(state::backoff(c, &url)?
-                    .filter(|b| b.next_at > now)
+                    .filter(|b| b.holds_at(now))
                     .map(|b| (b, state::state(c, &url).ok().flatten())))
             })
             .await?;

@@ -525,6 +525,16 @@ pub fn backoff_delay_ms(n: u32) -> i64 {
     (ENROL_BACKOFF_BASE_MS << shift).min(ENROL_BACKOFF_MAX_MS)
 }
 
+impl Backoff {
+    /// Whether this pause still holds at `now_ms`: `next_at` is ahead, but no further ahead
+    /// than the pause of its `n`-th refusal ([`backoff_delay_ms`], at most
+    /// [`ENROL_BACKOFF_MAX_MS`]). A `next_at` further ahead was written while the clock was
+    /// ahead of the current one (a skew fixed since): the pause is over.
+    pub fn holds_at(&self, now_ms: i64) -> bool {
+        self.next_at > now_ms && self.next_at.saturating_sub(now_ms) <= backoff_delay_ms(self.n)
+    }
+}
+
 /// The enrolment backoff of `url`, if any. Errors: SQLite failures.
 pub fn backoff(conn: &Connection, url: &str) -> Result<Option<Backoff>, MailboxError> {
     get_json(conn, &backoff_kv(url))
@@ -836,6 +846,29 @@ mod tests {
                 );
                 assert!(clear_backoff(c, "http://r")?);
                 assert_eq!(backoff(c, "http://r")?, None);
+                Ok(())
+            })
+            .unwrap();
+    }
+
+    /// Case `clock-fix-does-not-release-mail`: a refusal pause started while the clock was
+    /// 10 min ahead (e.g. the relay refused the skewed hops) is over once the clock is right;
+    /// one started at the right clock holds for its whole delay.
+    #[test]
+    fn a_pause_begun_under_a_clock_ahead_is_over_once_the_clock_is_right() {
+        const T: i64 = 1_767_225_660_000;
+        let store = crate::testutil::store();
+        store
+            .mailbox
+            .with(|c| {
+                let skewed = bump_backoff(c, "http://r", T + 600_000)?;
+                assert!(skewed.holds_at(T + 600_000));
+                assert!(!skewed.holds_at(T));
+                let right = bump_backoff(c, "http://r", T)?;
+                assert_eq!(right.n, 2);
+                assert!(right.holds_at(T));
+                assert!(right.holds_at(T + backoff_delay_ms(2) - 1));
+                assert!(!right.holds_at(T + backoff_delay_ms(2)));
                 Ok(())
             })
             .unwrap();

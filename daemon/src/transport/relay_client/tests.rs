@@ -489,6 +489,7 @@ impl Setup {
 
 const ID1: &str = "01KDVDNA3VG2MH8KWSQRCWJZ0S";
 const ID2: &str = "01KDVDNA3VG2MH8KWSQRCWJZ0T";
+const ID3: &str = "01KDVDNA3VG2MH8KWSQRCWJZ0V";
 
 #[tokio::test]
 async fn rejected_target_not_enrolled_is_retried_with_backoff() {
@@ -868,7 +869,10 @@ async fn next_at_is_respected() {
     assert_eq!(s.relay.seen("POST /v2/relay/items").len(), 1);
     assert_eq!(s.row(&id).attempts, 1);
     assert_eq!(
-        s.store.mailbox.with(|c| outbox::next_due_at(c)).unwrap(),
+        s.store
+            .mailbox
+            .with(|c| outbox::next_due_at(c, next_at - 1))
+            .unwrap(),
         Some(next_at)
     );
 
@@ -880,9 +884,80 @@ async fn next_at_is_respected() {
     assert_eq!(s.relay.seen("POST /v2/relay/items").len(), 2);
     assert_eq!(s.row(&id).state, "relay-accepted");
     assert_eq!(
-        s.store.mailbox.with(|c| outbox::next_due_at(c)).unwrap(),
+        s.store
+            .mailbox
+            .with(|c| outbox::next_due_at(c, next_at))
+            .unwrap(),
         None
     );
+}
+
+/// Case `clock-fix-does-not-release-mail` over the relay: with the clock 10 min ahead a row
+/// failed once and another was queued after it; once the clock is right again both are due at
+/// once (pushed by the next pass, and the loop's wake-up is now), instead of waiting out the
+/// skew. A row that fails at the right clock still waits its backoff.
+#[tokio::test]
+async fn rows_scheduled_under_a_clock_ahead_are_due_once_it_is_right() {
+    const SKEW: i64 = 600_000;
+    let s = Setup::new(true).await;
+    s.clock.set(T0 + SKEW);
+    let failed = s.send_to_peer(ID1);
+    s.relay.on("POST /v2/relay/items", |_| {
+        (503, json!({"error": "busy", "code": "BUSY"}))
+    });
+    s.client.push_due(&session("e1")).await.unwrap();
+    assert_eq!(s.row(&failed).next_at, T0 + SKEW + outbox::backoff_ms(0));
+    let queued = s.send_to_peer(ID2);
+    assert_eq!(s.row(&queued).next_at, T0 + SKEW);
+
+    // The clock is right again.
+    s.clock.set(T0);
+    let next_due = |now: i64| {
+        s.store
+            .mailbox
+            .with(|c| outbox::next_due_for_relay(c, now))
+            .unwrap()
+    };
+    assert_eq!(next_due(T0), Some(T0), "the loop wakes now");
+    s.accept_all("e1", "accepted");
+    let pass = s.client.push_due(&session("e1")).await.unwrap();
+    assert_eq!(pass.accepted, 2);
+    for id in [&failed, &queued] {
+        assert_eq!(s.row(id).state, "relay-accepted", "{id}");
+    }
+
+    // A failure at the right clock keeps its backoff.
+    let later = s.send_to_peer(ID3);
+    s.relay.on("POST /v2/relay/items", |_| {
+        (503, json!({"error": "busy", "code": "BUSY"}))
+    });
+    s.client.push_due(&session("e1")).await.unwrap();
+    assert_eq!(s.row(&later).next_at, T0 + outbox::backoff_ms(0));
+    assert_eq!(next_due(T0), Some(T0 + outbox::backoff_ms(0)));
+    let pass = s.client.push_due(&session("e1")).await.unwrap();
+    assert_eq!((pass.accepted, pass.failed), (0, 0));
+}
+
+/// A wait on the clock (after a 429) started while the clock was 10 min ahead ends once the
+/// clock is set right, instead of lasting the skew on top of the wait.
+#[tokio::test]
+async fn a_wait_on_the_clock_ends_when_the_clock_is_set_back() {
+    let clock = testutil::clock();
+    clock.set(T0 + 600_000);
+    let shared: SharedClock = clock.clone();
+    let (_stop, mut stopped) = tokio::sync::watch::channel(false);
+    let wait = tokio::spawn(async move {
+        super::wait_until_clock(&shared, T0 + 600_000 + 60_000, &mut stopped).await
+    });
+    // The wait has started (this test's runtime is single-threaded: the sleep lets it run).
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    assert!(!wait.is_finished());
+    clock.set(T0);
+    let done = tokio::time::timeout(std::time::Duration::from_secs(10), wait)
+        .await
+        .expect("the wait ends once the clock is set back")
+        .unwrap();
+    assert!(done);
 }
 
 #[tokio::test]
@@ -3496,6 +3571,37 @@ async fn the_enc_ad_is_republished_on_a_new_epoch_daily_and_on_a_key_change() {
     s.client.open_session().await.unwrap();
     let st = s.relay_state().unwrap();
     assert_eq!((st.state, st.status), (Standing::EncAdFailed, Some(400)));
+}
+
+/// Case `clock-fix-does-not-release-mail`: an ad published while the clock was 10 min ahead
+/// (its `iat` ahead of the right clock, the relay's copy expiring too late to look fresh) is
+/// published again as soon as the clock is right, not once the clock has caught up.
+#[test]
+fn an_ad_published_under_a_clock_ahead_is_due_once_the_clock_is_right() {
+    const SKEW: i64 = 600_000;
+    let (host, enc, iat) = ("H", "E", T0 + SKEW);
+    let published = super::state::PublishedAd {
+        host_pubkey: host.into(),
+        enc_pub: enc.into(),
+        iat,
+        exp: iat + 30 * DAY_MS,
+        epoch: "e1".into(),
+    };
+    let served = agentmbx_protocol::wire::YouEncAd {
+        enc_pub: enc.into(),
+        exp: iso_ms(iat + 30 * DAY_MS),
+        v1: false,
+    };
+    let due = super::session::ad_due;
+    assert_eq!(
+        due(Some(&published), Some(&served), host, enc, "e1", T0),
+        Some("published while the clock was ahead")
+    );
+    // Under the skewed clock itself it was current.
+    assert_eq!(
+        due(Some(&published), Some(&served), host, enc, "e1", iat),
+        None
+    );
 }
 
 #[test]

@@ -527,6 +527,30 @@ async fn the_failure_ladder_tries_last_seen_alternates_then_mdns_and_hops_heal_t
     );
 }
 
+/// Case `clock-fix-does-not-release-mail`: a healing run recorded while the clock was 10 min
+/// ahead does not hold the peer's slot for the length of the skew once the clock is right.
+#[test]
+fn a_heal_slot_taken_under_a_clock_ahead_is_free_once_the_clock_is_right() {
+    let s = testutil::store();
+    s.mailbox
+        .with(|c| {
+            assert!(take_heal_slot(c, "work", Slot::Presence, T0 + 600_000)?);
+            assert!(take_heal_slot(c, "work", Slot::Presence, T0)?);
+            assert!(
+                !take_heal_slot(c, "work", Slot::Presence, T0 + 1)?,
+                "throttled"
+            );
+            assert!(take_heal_slot(
+                c,
+                "work",
+                Slot::Presence,
+                T0 + HEAL_THROTTLE_MS
+            )?);
+            Ok(())
+        })
+        .unwrap();
+}
+
 #[test]
 fn announced_addresses_prefer_physical_interfaces() {
     let ip = |s: &str| s.parse::<IpAddr>().unwrap();
