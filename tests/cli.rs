@@ -782,3 +782,266 @@ fn init_keeps_its_header_first_and_validate_json_names_each_source() {
         "{out:#?}"
     );
 }
+
+/// Runs every command at once and waits for all of them (polling, under `limit`); kills the
+/// rest and panics when one is still running then.
+fn run_all(cmds: Vec<std::process::Command>, limit: std::time::Duration) -> Vec<helper::Output> {
+    use std::io::Read;
+    use std::process::Stdio;
+    let reader = |mut stream: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = stream.read_to_string(&mut text);
+            text
+        })
+    };
+    let mut running: Vec<_> = cmds
+        .into_iter()
+        .map(|mut cmd| {
+            let mut child = cmd
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn agentmbx");
+            let out = reader(Box::new(child.stdout.take().expect("stdout")));
+            let err = reader(Box::new(child.stderr.take().expect("stderr")));
+            (child, out, err)
+        })
+        .collect();
+    let deadline = std::time::Instant::now() + limit;
+    let mut statuses = vec![None; running.len()];
+    while statuses.iter().any(Option::is_none) {
+        for (i, (child, _, _)) in running.iter_mut().enumerate() {
+            if statuses[i].is_none() {
+                statuses[i] = child.try_wait().expect("try_wait");
+            }
+        }
+        if std::time::Instant::now() >= deadline {
+            for (child, _, _) in &mut running {
+                let _ = child.kill();
+            }
+            panic!("commands still running after {limit:?}: {statuses:?}");
+        }
+        std::thread::sleep(helper::POLL);
+    }
+    running
+        .into_iter()
+        .zip(statuses)
+        .map(|((_, out, err), status)| helper::Output {
+            status: status.expect("finished"),
+            stdout: out.join().expect("stdout reader"),
+            stderr: err.join().expect("stderr reader"),
+        })
+        .collect()
+}
+
+/// How many messages in bob's inbox (acked ones too) have `subject`.
+fn stored_with_subject(home: &Home, subject: &str) -> usize {
+    let page = home
+        .run(&["inbox", "--as", "bob", "--all", "--limit", "200", "--json"])
+        .assert_success()
+        .json();
+    page["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .filter(|m| m["subject"] == subject)
+        .count()
+}
+
+/// The key a send that exited 75 printed after `--idempotency-key `.
+fn printed_key(out: &helper::Output) -> String {
+    let (_, rest) = out
+        .stderr
+        .split_once("--idempotency-key ")
+        .unwrap_or_else(|| panic!("no key printed: {out:#?}"));
+    rest.chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_')
+        .collect()
+}
+
+/// Holds the mailbox write lock (`BEGIN IMMEDIATE`) from this process until dropped, as
+/// another program (a backup, a `sqlite3` shell) may.
+struct StoreLock(rusqlite::Connection);
+
+impl StoreLock {
+    fn take(home: &Home) -> StoreLock {
+        let db = rusqlite::Connection::open(home.file("mailbox.db")).expect("open mailbox.db");
+        db.execute_batch("BEGIN IMMEDIATE")
+            .expect("take the write lock");
+        StoreLock(db)
+    }
+
+    fn release(self) {
+        self.0
+            .execute_batch("ROLLBACK")
+            .expect("release the write lock");
+    }
+}
+
+fn send_args<'a>(subject: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "send",
+        "--as",
+        "alice",
+        "--to",
+        "bob",
+        "--subject",
+        subject,
+        "-m",
+        "x",
+    ];
+    args.extend_from_slice(extra);
+    args
+}
+
+/// Case `cli-reports-failure-after-commit`: while another process holds the store's write lock
+/// for 33 s, ten concurrent sends neither report a failure for a message the daemon stored nor
+/// store one twice: each exits 0 with its message stored once, or 75 with a key whose rerun
+/// stores it once.
+#[test]
+fn concurrent_sends_while_another_process_holds_the_store_lock_store_each_message_once() {
+    let home = Home::new();
+    let _daemon = Daemon::start(&home);
+    home.run(&send_args("warm-up", &[])).assert_success();
+
+    let lock = StoreLock::take(&home);
+    let subjects: Vec<String> = (0..10).map(|n| format!("s{n}")).collect();
+    let cmds = subjects
+        .iter()
+        .map(|s| home.command(&send_args(s, &[])))
+        .collect();
+    let holder = std::thread::spawn(move || {
+        // The case's 33 s: longer than one HTTP attempt of the CLI (30 s).
+        std::thread::sleep(std::time::Duration::from_secs(33));
+        lock.release();
+    });
+    let outs = run_all(cmds, std::time::Duration::from_secs(150));
+    holder.join().expect("lock holder");
+
+    for (subject, out) in subjects.iter().zip(&outs) {
+        match out.code() {
+            Some(0) => {}
+            Some(75) => {
+                let key = printed_key(out);
+                home.run(&send_args(subject, &["--idempotency-key", &key]))
+                    .assert_success();
+            }
+            _ => panic!(
+                "send {subject} failed ({} stored): {out:#?}",
+                stored_with_subject(&home, subject)
+            ),
+        }
+    }
+    for subject in &subjects {
+        assert_eq!(stored_with_subject(&home, subject), 1, "{subject}");
+    }
+}
+
+/// When the daemon cannot confirm a send within the CLI's retry budget (shortened for the test
+/// with `MBX_CLI_RETRY_MS`), the CLI exits 75, says the outcome is unknown, how to check it and
+/// the key; the daemon logs that the request outlived its client; a rerun with the key stores
+/// the message once, however often it runs, and the key with another message is refused.
+#[test]
+fn a_send_not_confirmed_in_time_exits_75_with_its_key_and_reruns_with_the_key_store_it_once() {
+    let home = Home::new();
+    let daemon = Daemon::start(&home);
+    home.run(&send_args("warm-up", &[])).assert_success();
+
+    let lock = StoreLock::take(&home);
+    let mut cmd = home.command(&send_args("once", &[]));
+    cmd.env("MBX_CLI_RETRY_MS", "2000");
+    let out = helper::run(cmd);
+    lock.release();
+    assert_eq!(out.code(), Some(75), "{out:#?}");
+    assert!(out.stderr.contains("outcome is unknown"), "{out:#?}");
+    assert!(out.stderr.contains("agentmbx sent --as alice"), "{out:#?}");
+    let key = printed_key(&out);
+    assert!(key.len() >= 16, "{key:?}: {out:#?}");
+    // The request the CLI gave up on is visible in the daemon's log, done or dropped.
+    helper::wait_for("the log line about the abandoned request", || {
+        let log = daemon.stderr();
+        log.lines()
+            .find(|l| {
+                l.contains("WARN")
+                    && l.contains("/v1/messages")
+                    && (l.contains("after its client disconnected")
+                        || l.contains("before it started"))
+            })
+            .map(str::to_string)
+    });
+
+    for _ in 0..2 {
+        let again = home.run(&send_args("once", &["--idempotency-key", &key]));
+        again.assert_success();
+        assert_eq!(stored_with_subject(&home, "once"), 1, "{again:#?}");
+    }
+    // The key with another message is refused (exit 1) and stores nothing.
+    let other = home.run(&send_args("other", &["--idempotency-key", &key]));
+    assert_eq!(other.code(), Some(1), "{other:#?}");
+    assert!(other.stderr.contains("Idempotency-Key"), "{other:#?}");
+    assert_eq!(stored_with_subject(&home, "other"), 0);
+}
+
+/// A rerun of a committed send with its `--idempotency-key` answers the first answer (the
+/// same id) and stores nothing more; so does an ack.
+#[test]
+fn a_rerun_with_the_idempotency_key_of_a_committed_send_does_not_duplicate() {
+    let home = Home::new();
+    let _daemon = Daemon::start(&home);
+    let first = home
+        .run(&send_args(
+            "keyed",
+            &["--idempotency-key", "script-run-42", "--json"],
+        ))
+        .assert_success()
+        .json();
+    let again = home
+        .run(&send_args(
+            "keyed",
+            &["--idempotency-key", "script-run-42", "--json"],
+        ))
+        .assert_success()
+        .json();
+    assert_eq!(first["id"], again["id"]);
+    assert_eq!(stored_with_subject(&home, "keyed"), 1);
+
+    let id = first["id"].as_str().expect("id");
+    for _ in 0..2 {
+        let out = home.run(&["ack", id, "--as", "bob", "--idempotency-key", "ack-42"]);
+        out.assert_success();
+        assert_eq!(out.stdout.trim(), "acked 1", "{out:#?}");
+    }
+}
+
+/// Case `ack-note-truncated-silently`: `ack --note` over the receipt's 500 UTF-16 units is
+/// refused with the unit named and acks nothing; a note at the limit is taken.
+#[test]
+fn ack_refuses_a_note_over_500_utf16_units_and_takes_one_at_the_limit() {
+    let home = Home::new();
+    let _daemon = Daemon::start(&home);
+    let sent = home
+        .run(&send_args("to ack", &["--json"]))
+        .assert_success()
+        .json();
+    let id = sent["id"].as_str().expect("id");
+    let over = "😀".repeat(251);
+    let out = home.run(&["ack", id, "--as", "bob", "--note", &over]);
+    assert_eq!(out.code(), Some(2), "{out:#?}");
+    assert!(
+        out.stderr
+            .contains("note is 502 UTF-16 code units; the limit is 500"),
+        "{out:#?}"
+    );
+    let page = home
+        .run(&["inbox", "--as", "bob", "--json"])
+        .assert_success()
+        .json();
+    assert_eq!(page["messages"][0]["id"], id, "{page}");
+    assert_ne!(page["messages"][0]["state"], "acked", "{page}");
+
+    let at = "😀".repeat(250);
+    let out = home.run(&["ack", id, "--as", "bob", "--note", &at]);
+    out.assert_success();
+    assert_eq!(out.stdout.trim(), "acked 1", "{out:#?}");
+}

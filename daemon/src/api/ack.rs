@@ -7,7 +7,7 @@ use axum::Json;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::mailbox::{messages, MailboxError};
+use crate::mailbox::{messages, receipts, MailboxError};
 
 use super::{idempotent, ApiError, SharedState};
 
@@ -20,7 +20,9 @@ pub struct AckRequest {
     pub as_agent: String,
     /// Message ids, 1..=50.
     pub ids: Vec<String>,
-    /// Optional note, ≤500 characters.
+    /// Optional note, at most 500 UTF-16 code units (the delivery receipt's limit, which
+    /// 0.5.x peers enforce; an emoji counts two); a longer one is refused (400 `BAD_REQUEST`,
+    /// nothing acked), never cut.
     #[serde(default)]
     pub note: Option<String>,
 }
@@ -35,7 +37,10 @@ pub struct AckAnswer {
 /// Acks messages for an agent; all or nothing (an unknown id changes nothing, 404).
 #[utoipa::path(post, path = "/v1/ack", operation_id = "ack_messages", request_body = AckRequest,
     params(("Idempotency-Key" = Option<String>, Header, description = "replay protection, ≤200 chars")),
-    responses((status = 200, body = AckAnswer), (status = 404, body = super::ErrorBody)),
+    responses((status = 200, body = AckAnswer),
+        (status = 400, description = "BAD_REQUEST: e.g. a note over 500 UTF-16 code units; nothing acked", body = super::ErrorBody),
+        (status = 404, body = super::ErrorBody),
+        (status = 503, description = "STORE_BUSY: the store is locked elsewhere or busy; nothing acked; retry with the same Idempotency-Key", body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn post(
     State(state): State<SharedState>,
@@ -48,13 +53,14 @@ pub async fn post(
     if req.ids.is_empty() || req.ids.len() > 50 {
         return Err(ApiError::Invalid("ids must hold 1..=50 message ids".into()));
     }
-    if req.note.as_ref().is_some_and(|n| n.chars().count() > 500) {
-        return Err(ApiError::Invalid("note over 500 characters".into()));
+    if let Some(note) = &req.note {
+        receipts::check_note(note)?;
     }
     let now = state.clock.now_ms();
     let answer = idempotent(
         &state,
         &headers,
+        "/v1/ack",
         format!("ack:{}", req.as_agent),
         &body,
         StatusCode::OK,

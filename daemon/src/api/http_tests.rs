@@ -14,6 +14,10 @@ use crate::token::ApiToken;
 
 struct Api {
     store: Store,
+    /// This host (`home`): mail from `work` is sealed for its enc key.
+    ident: Arc<Identity>,
+    /// The pinned peer `work`.
+    work: Identity,
     _clock: Arc<ManualClock>,
     base: String,
     token: String,
@@ -33,7 +37,8 @@ impl Api {
         let store = testutil::store();
         let clock = testutil::clock();
         let ident: Arc<Identity> = Arc::new(testutil::identity("home"));
-        store.add_peer(&testutil::identity("work"), true);
+        let work = testutil::identity("work");
+        store.add_peer(&work, true);
         let token = ApiToken::generate();
         let secret = token.expose_secret().to_string();
         let shared: SharedClock = clock.clone();
@@ -42,7 +47,7 @@ impl Api {
             token,
             version: crate::VERSION,
             clock: shared,
-            ident,
+            ident: ident.clone(),
             mailbox: store.mailbox.clone(),
             wake: Arc::new(tokio::sync::Notify::new()),
             ids: std::sync::Mutex::new(agentmbx_protocol::ulid::Generator::new()),
@@ -55,6 +60,8 @@ impl Api {
         });
         Api {
             store,
+            ident,
+            work,
             _clock: clock,
             base,
             token: secret,
@@ -368,4 +375,127 @@ async fn a_malformed_agent_name_is_a_bad_request_on_every_mailbox_route() {
     // Nothing changed: bob's copy is still new.
     let (_, page) = api.inbox("").await;
     assert_eq!(page["messages"][0]["state"], "new");
+}
+
+/// Stores a message `id` from `ann@work` to `bob@home` as if it had arrived from the peer, so
+/// acking it queues a receipt back to `work`.
+fn receive_from_work(api: &Api, id: &str) {
+    let wire = testutil::sealed_wire(
+        &api.work,
+        &api.ident.enc_key.public(),
+        id,
+        "ann@work",
+        &["bob@home"],
+        "from work",
+        testutil::T0,
+    );
+    let pk = api.work.host_key.public().to_b64();
+    let ident = api.ident.clone();
+    api.store
+        .mailbox
+        .with(|c| {
+            let verdict =
+                crate::node::receive::receive_sealed(c, &ident, &wire, id, &pk, testutil::T0)?;
+            assert!(verdict.is_ok());
+            Ok(())
+        })
+        .unwrap();
+}
+
+#[tokio::test]
+async fn an_ack_note_over_the_receipt_limit_is_refused_in_utf16_units_and_one_at_it_is_carried_whole(
+) {
+    use crate::mailbox::receipts;
+    let api = Api::start().await;
+    let (over, at) = ("01KDVDNA3VG2MH8KWSQRCWJZ0S", "01KDVDNA3VG2MH8KWSQRCWJZ0T");
+    receive_from_work(&api, over);
+    receive_from_work(&api, at);
+
+    // 251 four-byte emoji: 251 characters but 502 UTF-16 units, over the receipt's 500.
+    let long = "😀".repeat(251);
+    let (status, body) = api
+        .post(
+            "/v1/ack",
+            &json!({"as": "bob", "ids": [over], "note": long}),
+            None,
+        )
+        .await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["code"], "BAD_REQUEST", "{body}");
+    assert_eq!(
+        body["error"], "note is 502 UTF-16 code units; the limit is 500",
+        "{body}"
+    );
+    // Nothing changed: no ack, no acked receipt queued.
+    let acked: i64 = api
+        .store
+        .scalar("SELECT COUNT(*) FROM deliveries WHERE state = 'acked'");
+    assert_eq!(acked, 0);
+    assert_eq!(
+        api.store
+            .scalar::<i64>("SELECT COUNT(*) FROM receipt_outbox WHERE state = 'acked'"),
+        0
+    );
+
+    // 250 of them (500 units, the limit): accepted, and the receipt carries the note whole.
+    let whole = "😀".repeat(250);
+    let (status, body) = api
+        .post(
+            "/v1/ack",
+            &json!({"as": "bob", "ids": [at], "note": whole}),
+            None,
+        )
+        .await;
+    assert_eq!((status, body["acked"].as_i64()), (200, Some(1)), "{body}");
+    let rows = api
+        .store
+        .mailbox
+        .with(|c| receipts::due_for_relay(c, i64::MAX, 50))
+        .unwrap();
+    let acked: Vec<_> = rows.iter().filter(|r| r.state == "acked").collect();
+    assert_eq!(acked.len(), 1);
+    assert_eq!(acked[0].msg_id, at);
+    let record = receipts::record(acked[0], "home");
+    assert_eq!(record.note.as_deref(), Some(whole.as_str()));
+}
+
+#[tokio::test]
+async fn a_store_locked_by_another_process_answers_503_store_busy_and_changes_nothing() {
+    let api = Api::start().await;
+    // Another process (a backup, a `sqlite3` shell) holds the write lock.
+    let other = api.store.fresh_conn();
+    other.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let req = json!({"from": "alice", "to": ["bob"], "subject": "busy"});
+    let resp = api
+        .http
+        .post(format!("{}/v1/messages", api.base))
+        .bearer_auth(&api.token)
+        .header("idempotency-key", "busy-1")
+        .json(&req)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 503);
+    let retry_after = resp
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    assert_eq!(retry_after.as_deref(), Some("1"));
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["code"], "STORE_BUSY", "{body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .contains("locked by another"),
+        "{body}"
+    );
+    other.execute_batch("ROLLBACK").unwrap();
+    assert_eq!(api.count("messages"), 0);
+    // Nothing was recorded under the key: the retry stores the message, once.
+    let (status, body) = api.post("/v1/messages", &req, Some("busy-1")).await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(api.post("/v1/messages", &req, Some("busy-1")).await.0, 201);
+    assert_eq!(api.count("messages"), 1);
 }

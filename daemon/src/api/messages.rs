@@ -18,7 +18,8 @@ use super::{idempotent, ApiError, SharedState};
 /// `Idempotency-Key` and body return the first answer; another body is 409.
 #[utoipa::path(post, path = "/v1/messages", operation_id = "send_message", request_body = SendRequest,
     params(("Idempotency-Key" = Option<String>, Header, description = "replay protection, ≤200 chars")),
-    responses((status = 201, body = SendOutcome), (status = 400, body = super::ErrorBody), (status = 409, body = super::ErrorBody)),
+    responses((status = 201, body = SendOutcome), (status = 400, body = super::ErrorBody), (status = 409, body = super::ErrorBody),
+        (status = 503, description = "STORE_BUSY: the store is locked elsewhere or busy; nothing was stored; retry after Retry-After with the same Idempotency-Key", body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn post(
     State(state): State<SharedState>,
@@ -31,6 +32,7 @@ pub async fn post(
     let answer = idempotent(
         &state,
         &headers,
+        "/v1/messages",
         format!("send:{}", req.from),
         &body,
         StatusCode::CREATED,

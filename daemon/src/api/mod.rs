@@ -5,6 +5,14 @@
 //! <stable machine code>}`). Each resource lives in its own file (`health`, …) and only turns a
 //! request into a call on the daemon's state and the result into JSON.
 //!
+//! A store lock held by another process or connection is a clear answer, never a 500: a
+//! statement that still meets it after the store's busy timeout
+//! ([`crate::mailbox::BUSY_TIMEOUT_MS`]) is answered 503 `STORE_BUSY` with `Retry-After`, and so
+//! is a mutating request that waited longer than [`MAX_START_WAIT`] for the store; neither
+//! changed anything. A request that outlives its client is logged at warn (route, elapsed ms), as
+//! is every answer slower than [`SLOW_REQUEST`]; a mutating request whose client disconnected
+//! before it reached the store is dropped without doing anything.
+//!
 //! Every route except `GET /v1/health` requires `Authorization: Bearer <token>` with the token
 //! from `api.token` ([`crate::token`]); unknown paths answer 404 only to an authenticated
 //! caller (401 otherwise), so the API's shape is not probed without the token.
@@ -24,7 +32,9 @@ pub mod sent;
 mod http_tests;
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
@@ -106,6 +116,11 @@ pub enum ApiError {
     /// body). 409 `CONFLICT`.
     #[error("{0}")]
     Conflict(String),
+    /// The store is locked by another process or connection, or too busy to start the request
+    /// in time; nothing was changed. 503 `STORE_BUSY` with `Retry-After:`
+    /// [`STORE_BUSY_RETRY_AFTER_S`]: retry (with the same `Idempotency-Key`).
+    #[error("{0}")]
+    StoreBusy(String),
     /// A fault on our side. 500 `INTERNAL`; the detail is logged, never sent.
     #[error("internal error")]
     Internal(#[source] Box<dyn std::error::Error + Send + Sync>),
@@ -117,6 +132,11 @@ impl From<MailboxError> for ApiError {
             MailboxError::NotFound(m) => ApiError::Missing(m),
             MailboxError::Conflict(m) => ApiError::Conflict(m),
             MailboxError::Invalid(m) => ApiError::Invalid(m),
+            e if e.is_busy() => ApiError::StoreBusy(format!(
+                "the mailbox store is locked by another process or connection (still locked after \
+                 {} ms); nothing was changed: retry later",
+                crate::mailbox::BUSY_TIMEOUT_MS
+            )),
             other => ApiError::Internal(Box::new(other)),
         }
     }
@@ -140,6 +160,7 @@ impl ApiError {
             ApiError::Invalid(_) | ApiError::UnknownHost(_) => StatusCode::BAD_REQUEST,
             ApiError::Missing(_) => StatusCode::NOT_FOUND,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
+            ApiError::StoreBusy(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -154,6 +175,7 @@ impl ApiError {
             ApiError::UnknownHost(_) => "UNKNOWN_HOST",
             ApiError::Missing(_) => "NOT_FOUND",
             ApiError::Conflict(_) => "CONFLICT",
+            ApiError::StoreBusy(_) => "STORE_BUSY",
             ApiError::Internal(_) => "INTERNAL",
         }
     }
@@ -170,18 +192,31 @@ pub struct ErrorBody {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        if let ApiError::Internal(source) = &self {
-            tracing::error!(error = %source, "local API request failed");
+        match &self {
+            ApiError::Internal(source) => {
+                tracing::error!(error = %source, "local API request failed");
+            }
+            ApiError::StoreBusy(why) => tracing::warn!("local API answered 503 STORE_BUSY: {why}"),
+            _ => {}
         }
         let body = ErrorBody {
             error: self.to_string(),
             code: self.code(),
         };
         let mut response = (self.status(), Json(body)).into_response();
-        if matches!(self, ApiError::Unauthorized) {
-            response
-                .headers_mut()
-                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        match &self {
+            ApiError::Unauthorized => {
+                response
+                    .headers_mut()
+                    .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            }
+            ApiError::StoreBusy(_) => {
+                response.headers_mut().insert(
+                    header::RETRY_AFTER,
+                    HeaderValue::from(STORE_BUSY_RETRY_AFTER_S),
+                );
+            }
+            _ => {}
         }
         response
     }
@@ -203,7 +238,8 @@ pub fn router(state: SharedState) -> Router {
         .route("/v1/agents", get(agents::get).post(agents::post))
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
-        .layer(middleware::from_fn_with_state(state.clone(), require_token));
+        .layer(middleware::from_fn_with_state(state.clone(), require_token))
+        .layer(middleware::from_fn(watch_duration));
     open.merge(authed).with_state(state)
 }
 
@@ -242,15 +278,37 @@ pub const MAX_CONNECTIONS: usize = 256;
 /// Longest accepted `Idempotency-Key` (characters).
 pub const MAX_IDEMPOTENCY_KEY: usize = 200;
 
-/// Runs a mutating call `f` in one immediate transaction with idempotency (keys are scoped
-/// per operation and agent, e.g. `send:alice`, as 0.5.x's `idem:<agent>:<key>`): with an
+/// `Retry-After` of a 503 `STORE_BUSY` answer (seconds): 1. The lock may go at any moment; a
+/// retry costs one busy wait.
+pub const STORE_BUSY_RETRY_AFTER_S: u32 = 1;
+
+/// A mutating request that waited this long for the store before it could start (other
+/// requests ahead of it meeting a lock held elsewhere, each for up to the store's 5-s busy
+/// timeout) is answered 503 `STORE_BUSY` and does nothing: 20 s. With the busy wait it may then
+/// meet, every answer comes before the CLI gives up on an attempt (30 s), so the CLI hears a
+/// clear "not done" instead of guessing.
+pub const MAX_START_WAIT: Duration = Duration::from_secs(20);
+
+/// An answer slower than this is logged at warn with its route and elapsed ms: 2 s (the store
+/// is local; anything slower means it waited on a lock or on other requests).
+pub const SLOW_REQUEST: Duration = Duration::from_secs(2);
+
+/// Runs a mutating call `f` for `route` in one immediate transaction with idempotency (keys are
+/// scoped per operation and agent, e.g. `send:alice`, as 0.5.x's `idem:<agent>:<key>`): with an
 /// `Idempotency-Key` header, a replay with the same body returns the first answer (status and
 /// body) and the same key with another body is 409; the answer is recorded in the same
 /// transaction as the effect. `f` returns `Ok(Ok(json))` to commit, `Ok(Err(api_error))` to roll
 /// back with that answer, `Err(_)` on a storage fault.
+///
+/// Waiting for the store: a request whose client disconnected before it reached the store does
+/// nothing (logged at warn); one that waited longer than [`MAX_START_WAIT`] is 503
+/// `STORE_BUSY`, as is a lock still held elsewhere after the busy timeout. One that finishes
+/// after its client disconnected is logged at warn with the route and elapsed ms (what it did
+/// stands; a retry with the same key gets its answer).
 pub(crate) async fn idempotent<F>(
     state: &SharedState,
     headers: &axum::http::HeaderMap,
+    route: &'static str,
     scope: String,
     body: &[u8],
     ok_status: StatusCode,
@@ -275,32 +333,139 @@ where
     };
     let hash = agentmbx_protocol::hash::sha256_hex(body);
     let now = state.clock.now_ms();
+    let started = Instant::now();
+    // Set when this future is dropped (the client disconnected) before the store answered.
+    let gone = Arc::new(AtomicBool::new(false));
+    let _client = SetOnDrop(gone.clone());
     let outcome = state
         .mailbox
         .run(move |c| {
-            let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
-            if let Some(k) = &key {
-                if let Some(stored) = idempotency::lookup(&tx, &scope, k, &hash)? {
-                    return Ok(Ok((stored.status, stored.response)));
-                }
+            let waited_ms = started.elapsed().as_millis() as u64;
+            if gone.load(Ordering::SeqCst) {
+                tracing::warn!(
+                    route,
+                    waited_ms,
+                    "local API request dropped before it started: its client had disconnected (nothing done)"
+                );
+                return Ok(Err(ApiError::StoreBusy("the client disconnected".into())));
             }
-            match f(&tx)? {
-                Ok(value) => {
-                    let text = value.to_string();
-                    if let Some(k) = &key {
-                        idempotency::record(&tx, &scope, k, &hash, ok_status.as_u16(), &text, now)?;
-                    }
-                    tx.commit()?;
-                    Ok(Ok((ok_status.as_u16(), text)))
-                }
-                Err(e) => Ok(Err(e)),
+            if started.elapsed() > MAX_START_WAIT {
+                return Ok(Err(ApiError::StoreBusy(format!(
+                    "the mailbox store is busy: the request could not start within {} ms; \
+                     nothing was changed: retry later",
+                    MAX_START_WAIT.as_millis()
+                ))));
             }
+            let done = run_idempotent(c, key, &scope, &hash, ok_status, now, f);
+            if gone.load(Ordering::SeqCst) {
+                let outcome = match &done {
+                    Ok(Ok(_)) => "committed; a retry with the same Idempotency-Key gets its answer",
+                    _ => "nothing changed",
+                };
+                tracing::warn!(
+                    route,
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "local API request finished after its client disconnected: {outcome}"
+                );
+            }
+            done
         })
         .await??;
     let (status, text) = outcome;
     let status = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
     let value = serde_json::from_str(&text).unwrap_or(serde_json::Value::Null);
     Ok((status, Json(value)))
+}
+
+/// The transaction of [`idempotent`]: replay, or run `f` and record its answer.
+fn run_idempotent<F>(
+    c: &mut rusqlite::Connection,
+    key: Option<String>,
+    scope: &str,
+    hash: &str,
+    ok_status: StatusCode,
+    now: i64,
+    f: F,
+) -> Result<Result<(u16, String), ApiError>, MailboxError>
+where
+    F: FnOnce(
+        &rusqlite::Transaction<'_>,
+    ) -> Result<Result<serde_json::Value, ApiError>, MailboxError>,
+{
+    let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    if let Some(k) = &key {
+        if let Some(stored) = idempotency::lookup(&tx, scope, k, hash)? {
+            return Ok(Ok((stored.status, stored.response)));
+        }
+    }
+    match f(&tx)? {
+        Ok(value) => {
+            let text = value.to_string();
+            if let Some(k) = &key {
+                idempotency::record(&tx, scope, k, hash, ok_status.as_u16(), &text, now)?;
+            }
+            tx.commit()?;
+            Ok(Ok((ok_status.as_u16(), text)))
+        }
+        Err(e) => Ok(Err(e)),
+    }
+}
+
+/// Sets its flag when dropped: a handler future dropped before the store answered means the
+/// client disconnected.
+struct SetOnDrop(Arc<AtomicBool>);
+
+impl Drop for SetOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Middleware: logs at warn an answer slower than [`SLOW_REQUEST`], and a request whose client
+/// disconnected before the answer, each with its method, route (the path, without the query)
+/// and elapsed ms.
+async fn watch_duration(request: Request, next: Next) -> Response {
+    let mut watch = Watch {
+        method: request.method().clone(),
+        // The path only: the query names agents and cursors, which the log does not need.
+        route: request.uri().path().to_string(),
+        started: Instant::now(),
+        answered: false,
+    };
+    let response = next.run(request).await;
+    watch.answered = true;
+    let elapsed = watch.started.elapsed();
+    if elapsed > SLOW_REQUEST {
+        tracing::warn!(
+            method = %watch.method,
+            route = %watch.route,
+            status = response.status().as_u16(),
+            elapsed_ms = elapsed.as_millis() as u64,
+            "slow local API request"
+        );
+    }
+    response
+}
+
+/// One request under [`watch_duration`].
+struct Watch {
+    method: axum::http::Method,
+    route: String,
+    started: Instant,
+    answered: bool,
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        if !self.answered {
+            tracing::warn!(
+                method = %self.method,
+                route = %self.route,
+                elapsed_ms = self.started.elapsed().as_millis() as u64,
+                "local API client disconnected before the answer"
+            );
+        }
+    }
 }
 
 async fn not_found() -> ApiError {

@@ -1,10 +1,14 @@
 //! `agentmbx send | inbox | read | ack | sent`: front-ends of the local API for agents and
 //! people (`wire.md` §5 flags: `send --as <agent> --to <addr,…> --subject <s> [-m <body>|
 //! --body-file <f>|stdin]`, `inbox --as <agent>`, `sent --as <agent>`). They talk to the running daemon over loopback with the
-//! token from `api.token`; every mutating call carries a fresh `Idempotency-Key`.
+//! token from `api.token`. Every mutating call (`send`, `ack`) carries one `Idempotency-Key`
+//! per invocation (or `--idempotency-key`) and is retried with it until the daemon settles it
+//! (`DEFAULT_RETRY_MS`); the CLI never reports a failure for what may have been done: an
+//! unsettled call exits 75 with the key and how to check (`Api::mutate`).
 
 use std::io::Read;
 use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
@@ -14,7 +18,7 @@ use agentmbx::config::Config;
 use agentmbx::paths::Paths;
 use agentmbx::token::ApiToken;
 
-use super::{NotFoundError, UsageError};
+use super::{NotFoundError, TempFailError, UsageError};
 
 /// Flags of `send`.
 #[derive(Debug, Args)]
@@ -52,6 +56,11 @@ pub struct SendArgs {
     /// A reference (repeatable)
     #[arg(long = "ref", value_name = "REF")]
     pub refs: Vec<String>,
+    /// The Idempotency-Key to send with (default: a fresh random key). Rerunning the same
+    /// command with the key printed by a send that exited 75 cannot send it twice; the key
+    /// with another message is refused
+    #[arg(long, value_name = "KEY", value_parser = parse_key)]
+    pub idempotency_key: Option<String>,
     /// Print the API answer as JSON
     #[arg(long)]
     pub json: bool,
@@ -99,9 +108,13 @@ pub struct AckArgs {
     /// The acking agent
     #[arg(long = "as", value_name = "AGENT", env = "MBX_AGENT")]
     pub as_agent: String,
-    /// A note kept with the ack
+    /// A note kept with the ack and carried in the delivery receipt: at most 500 UTF-16 code
+    /// units (an emoji counts two); a longer one is refused and nothing is acked
     #[arg(long)]
     pub note: Option<String>,
+    /// The Idempotency-Key to send with (default: a fresh random key); as for `send`
+    #[arg(long, value_name = "KEY", value_parser = parse_key)]
+    pub idempotency_key: Option<String>,
     /// Print the answer as JSON
     #[arg(long)]
     pub json: bool,
@@ -124,14 +137,88 @@ pub struct SentArgs {
     pub json: bool,
 }
 
+/// How long a mutating call keeps retrying with its one Idempotency-Key before the CLI says the
+/// outcome is unknown (exit 75): 60 s, past the longest wait a lock held elsewhere should cause.
+/// `MBX_CLI_RETRY_MS` overrides it (tests).
+pub const DEFAULT_RETRY_MS: u64 = 60_000;
+/// One HTTP attempt gives up after this (the daemon answers a request it cannot start within
+/// 20 s with 503 `STORE_BUSY`, before this).
+const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(30);
+/// An attempt gets at least this long, even when less of the budget is left.
+const MIN_ATTEMPT: Duration = Duration::from_secs(1);
+/// Pause before the first retry; doubled up to [`MAX_PAUSE`] (a `Retry-After` wins, capped too).
+const FIRST_PAUSE: Duration = Duration::from_millis(250);
+const MAX_PAUSE: Duration = Duration::from_secs(2);
+
+/// A mutating call: what the CLI says when it cannot settle it.
+struct Mutation<'a> {
+    /// What it does, e.g. "send".
+    what: &'a str,
+    /// The `Idempotency-Key`, one per invocation (or `--idempotency-key`).
+    key: &'a str,
+    /// The command that shows whether it happened, e.g. "agentmbx sent --as alice".
+    check: String,
+}
+
+/// A fresh `Idempotency-Key`: 128 random bits, base64url (22 characters).
+fn mint_key() -> String {
+    agentmbx_protocol::b64::encode_url(&rand::random::<[u8; 16]>())
+}
+
+/// Parses `--idempotency-key`: 1..=200 visible ASCII characters, no spaces (the API's header).
+fn parse_key(s: &str) -> Result<String, String> {
+    let max = agentmbx::api::MAX_IDEMPOTENCY_KEY;
+    if (1..=max).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_graphic()) {
+        Ok(s.to_string())
+    } else {
+        Err(format!(
+            "an idempotency key is 1 to {max} visible ASCII characters without spaces"
+        ))
+    }
+}
+
+/// The retry budget: `MBX_CLI_RETRY_MS` (ms) or [`DEFAULT_RETRY_MS`].
+fn retry_budget() -> anyhow::Result<Duration> {
+    match std::env::var("MBX_CLI_RETRY_MS") {
+        Err(_) => Ok(Duration::from_millis(DEFAULT_RETRY_MS)),
+        Ok(v) => v
+            .trim()
+            .parse::<u64>()
+            .map(Duration::from_millis)
+            .map_err(|_| {
+                UsageError(format!(
+                    "MBX_CLI_RETRY_MS must be a whole number of milliseconds, not {v:?}"
+                ))
+                .into()
+            }),
+    }
+}
+
+/// What one attempt came to.
+enum Attempt {
+    /// A final answer (success, or an error that retrying cannot change).
+    Done(anyhow::Result<Value>),
+    /// Not settled; retry. `maybe_done`: the daemon may have carried the request out (a timeout,
+    /// a broken connection, a 5xx other than `STORE_BUSY`). `pause`: the server's `Retry-After`.
+    Retry {
+        why: String,
+        maybe_done: bool,
+        pause: Option<Duration>,
+    },
+    /// The daemon could not be reached at all: nothing was sent.
+    Unreachable(String),
+}
+
 struct Api {
     base: String,
     token: ApiToken,
     http: reqwest::Client,
+    budget: Duration,
 }
 
 impl Api {
     fn connect() -> anyhow::Result<Self> {
+        let budget = retry_budget()?;
         let paths = Paths::from_env()?;
         let token = ApiToken::load(&paths.api_token())?.ok_or_else(|| {
             anyhow::anyhow!(
@@ -146,40 +233,168 @@ impl Api {
         // The local API is on this machine: never through HTTP(S)_PROXY.
         let http = reqwest::Client::builder()
             .no_proxy()
-            .timeout(std::time::Duration::from_secs(30))
+            .connect_timeout(Duration::from_secs(5))
             .build()?;
         Ok(Api {
             base: format!("http://{addr}"),
             token,
             http,
+            budget,
         })
     }
 
-    async fn call(
+    fn unreachable(&self, why: &str) -> anyhow::Error {
+        anyhow::anyhow!(
+            "the daemon does not answer at {} (is `agentmbx daemon` running?): {why}",
+            self.base
+        )
+    }
+
+    /// A read (`GET`). Retried only while the daemon answers 503 `STORE_BUSY`, within the
+    /// budget (then exit 75); any other failure is reported at once.
+    async fn get(&self, path: &str) -> anyhow::Result<Value> {
+        let started = Instant::now();
+        let mut pause = FIRST_PAUSE;
+        loop {
+            let req = self.request(reqwest::Method::GET, path, ATTEMPT_TIMEOUT);
+            match self.attempt(req).await {
+                Attempt::Done(result) => return result,
+                Attempt::Unreachable(why) => return Err(self.unreachable(&why)),
+                Attempt::Retry {
+                    why,
+                    maybe_done: true,
+                    ..
+                } => return Err(anyhow::anyhow!("{why}")),
+                Attempt::Retry {
+                    why, pause: after, ..
+                } => {
+                    if started.elapsed() >= self.budget {
+                        return Err(TempFailError(format!(
+                            "the daemon's store stayed busy for {} s (last: {why}): rerun later",
+                            started.elapsed().as_secs()
+                        ))
+                        .into());
+                    }
+                    tokio::time::sleep(after.unwrap_or(pause).min(MAX_PAUSE)).await;
+                    pause = (pause * 2).min(MAX_PAUSE);
+                }
+            }
+        }
+    }
+
+    /// A change (`POST`): sent with `m.key` as `Idempotency-Key` and retried with the same key
+    /// and bytes on timeouts, broken connections, 5xx and 503 `STORE_BUSY` until it is
+    /// settled or the budget is spent; the daemon replays the first answer to a repeated key,
+    /// so a retry never does it twice. A daemon that cannot be reached before anything was
+    /// sent is a plain failure (exit 1); an unsettled call is [`TempFailError`] (exit 75) that
+    /// says whether the outcome is unknown, how to check, and the key to rerun with.
+    async fn mutate(&self, path: &str, body: &Value, m: &Mutation<'_>) -> anyhow::Result<Value> {
+        let bytes = serde_json::to_vec(body)?;
+        let started = Instant::now();
+        let deadline = started + self.budget;
+        let mut pause = FIRST_PAUSE;
+        let mut maybe_done = false;
+        let mut last: String;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let req = self
+                .request(
+                    reqwest::Method::POST,
+                    path,
+                    left.clamp(MIN_ATTEMPT, ATTEMPT_TIMEOUT),
+                )
+                .header("idempotency-key", m.key)
+                .header(reqwest::header::CONTENT_TYPE, "application/json")
+                .body(bytes.clone());
+            let after = match self.attempt(req).await {
+                Attempt::Done(result) => return result,
+                // Nothing ever reached the daemon: nothing was done.
+                Attempt::Unreachable(why) if !maybe_done => return Err(self.unreachable(&why)),
+                Attempt::Unreachable(why) => {
+                    last = why;
+                    None
+                }
+                Attempt::Retry {
+                    why,
+                    maybe_done: maybe,
+                    pause: retry_after,
+                } => {
+                    maybe_done |= maybe;
+                    last = why;
+                    retry_after
+                }
+            };
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            tokio::time::sleep(after.unwrap_or(pause).min(MAX_PAUSE).min(left)).await;
+            pause = (pause * 2).min(MAX_PAUSE);
+        }
+        let secs = started.elapsed().as_secs();
+        let (what, key, check) = (m.what, m.key, &m.check);
+        let text = if maybe_done {
+            format!(
+                "the daemon did not confirm the {what} within {secs} s (last: {last}); the outcome \
+                 is unknown: it may have been done. Check with `{check}`; to retry without doing \
+                 it twice, rerun the same command with --idempotency-key {key}"
+            )
+        } else {
+            format!(
+                "the daemon's store stayed busy for {secs} s (last: {last}); the {what} was not \
+                 done: rerun later (with --idempotency-key {key} it cannot be done twice)"
+            )
+        };
+        Err(TempFailError(text).into())
+    }
+
+    fn request(
         &self,
         method: reqwest::Method,
         path: &str,
-        body: Option<Value>,
-    ) -> anyhow::Result<Value> {
-        let mut req = self
-            .http
-            .request(method.clone(), format!("{}{path}", self.base))
-            .bearer_auth(self.token.expose_secret());
-        if let Some(b) = body {
-            let key = agentmbx_protocol::b64::encode_url(&rand::random::<[u8; 16]>());
-            req = req.header("idempotency-key", key).json(&b);
-        }
-        let resp = req.send().await.map_err(|e| {
-            anyhow::anyhow!(
-                "the daemon does not answer at {} (is `agentmbx daemon` running?): {}",
-                self.base,
-                agentmbx::transport::relay_client::describe(&e)
-            )
-        })?;
+        timeout: Duration,
+    ) -> reqwest::RequestBuilder {
+        self.http
+            .request(method, format!("{}{path}", self.base))
+            .bearer_auth(self.token.expose_secret())
+            .timeout(timeout)
+    }
+
+    /// Sends one attempt and sorts its outcome.
+    async fn attempt(&self, req: reqwest::RequestBuilder) -> Attempt {
+        let describe = agentmbx::transport::relay_client::describe;
+        let resp = match req.send().await {
+            Ok(resp) => resp,
+            Err(e) if e.is_connect() => return Attempt::Unreachable(describe(&e)),
+            Err(e) => {
+                return Attempt::Retry {
+                    why: format!("the daemon does not answer: {}", describe(&e)),
+                    maybe_done: true,
+                    pause: None,
+                }
+            }
+        };
         let status = resp.status();
-        let value: Value = resp.json().await.unwrap_or(Value::Null);
+        let retry_after = resp
+            .headers()
+            .get(reqwest::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map(Duration::from_secs);
+        let bytes = match resp.bytes().await {
+            Ok(bytes) => bytes,
+            // The answer broke off: it may have been a success.
+            Err(e) => {
+                return Attempt::Retry {
+                    why: format!("the daemon's answer broke off: {}", describe(&e)),
+                    maybe_done: true,
+                    pause: None,
+                }
+            }
+        };
+        let value: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
         if status.is_success() {
-            return Ok(value);
+            return Attempt::Done(Ok(value));
         }
         let msg = value
             .get("error")
@@ -190,12 +405,20 @@ impl Api {
             .get("code")
             .and_then(Value::as_str)
             .unwrap_or_default();
-        match status.as_u16() {
-            404 => Err(NotFoundError(msg).into()),
-            400 if code == "UNKNOWN_HOST" => Err(NotFoundError(msg).into()),
-            400 => Err(UsageError(msg).into()),
-            _ => Err(anyhow::anyhow!("{msg} (HTTP {status})")),
+        if status.is_server_error() {
+            return Attempt::Retry {
+                why: format!("{msg} (HTTP {status})"),
+                // 503 STORE_BUSY: the daemon did nothing. Any other 5xx may follow a commit.
+                maybe_done: !(status.as_u16() == 503 && code == "STORE_BUSY"),
+                pause: retry_after,
+            };
         }
+        Attempt::Done(Err(match status.as_u16() {
+            404 => NotFoundError(msg).into(),
+            400 if code == "UNKNOWN_HOST" => NotFoundError(msg).into(),
+            400 => UsageError(msg).into(),
+            _ => anyhow::anyhow!("{msg} (HTTP {status})"),
+        }))
     }
 }
 
@@ -233,7 +456,13 @@ pub fn send(args: SendArgs) -> anyhow::Result<()> {
         "kind": args.kind, "reply_to": args.reply_to, "needs_reply": args.needs_reply, "refs": args.refs,
     });
     let api = Api::connect()?;
-    let out = block_on(api.call(reqwest::Method::POST, "/v1/messages", Some(req)))?;
+    let key = args.idempotency_key.clone().unwrap_or_else(mint_key);
+    let m = Mutation {
+        what: "send",
+        key: &key,
+        check: format!("agentmbx sent --as {}", args.as_agent),
+    };
+    let out = block_on(api.mutate("/v1/messages", &req, &m))?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
@@ -267,7 +496,7 @@ pub fn inbox(args: InboxArgs) -> anyhow::Result<()> {
         path.push_str(&format!("&cursor={}", enc(c)));
     }
     let api = Api::connect()?;
-    let page = block_on(api.call(reqwest::Method::GET, &path, None))?;
+    let page = block_on(api.get(&path))?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&page)?);
         return Ok(());
@@ -295,11 +524,11 @@ pub fn inbox(args: InboxArgs) -> anyhow::Result<()> {
 /// `read`.
 pub fn read(args: ReadArgs) -> anyhow::Result<()> {
     let api = Api::connect()?;
-    let m = block_on(api.call(
-        reqwest::Method::GET,
-        &format!("/v1/messages/{}?as={}", enc(&args.id), enc(&args.as_agent)),
-        None,
-    ))?;
+    let m = block_on(api.get(&format!(
+        "/v1/messages/{}?as={}",
+        enc(&args.id),
+        enc(&args.as_agent)
+    )))?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&m)?);
     } else {
@@ -327,11 +556,14 @@ pub fn read(args: ReadArgs) -> anyhow::Result<()> {
 /// `ack`.
 pub fn ack(args: AckArgs) -> anyhow::Result<()> {
     let api = Api::connect()?;
-    let out = block_on(api.call(
-        reqwest::Method::POST,
-        "/v1/ack",
-        Some(json!({"as": args.as_agent, "ids": args.ids, "note": args.note})),
-    ))?;
+    let key = args.idempotency_key.clone().unwrap_or_else(mint_key);
+    let m = Mutation {
+        what: "ack",
+        key: &key,
+        check: format!("agentmbx inbox --as {} --all", args.as_agent),
+    };
+    let req = json!({"as": args.as_agent, "ids": args.ids, "note": args.note});
+    let out = block_on(api.mutate("/v1/ack", &req, &m))?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
@@ -351,7 +583,7 @@ pub fn sent(args: SentArgs) -> anyhow::Result<()> {
         path.push_str(&format!("&cursor={}", enc(c)));
     }
     let api = Api::connect()?;
-    let page = block_on(api.call(reqwest::Method::GET, &path, None))?;
+    let page = block_on(api.get(&path))?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&page)?);
         return Ok(());

@@ -4,7 +4,8 @@
 //! One file per command group, each thin: parse flags, call the library (`agentmbx::…`), print.
 //! Exit codes: 0 success, 1 other failure, 2 usage, 3 not found, 4 a relay runs on the store
 //! (offline relay operator commands, and a `relay serve` that gave up waiting for
-//! `relay.lock`). Errors go to stderr as one line
+//! `relay.lock`), 75 temporary failure (EX_TEMPFAIL: the daemon did not confirm a change in
+//! time, so its outcome is unknown, or its store stayed busy). Errors go to stderr as one line
 //! `agentmbx: <msg>`, usage errors followed by `(see: agentmbx <cmd> --help)`.
 //!
 //! This is the only place (with `main.rs`) that uses `anyhow`, prints to stdout, or decides the
@@ -41,6 +42,10 @@ pub const EXIT_FAILURE: u8 = 1;
 pub const EXIT_USAGE: u8 = 2;
 /// Exit code when the thing asked for does not exist (e.g. the host is not initialized).
 pub const EXIT_NOT_FOUND: u8 = 3;
+/// Exit code for a temporary failure (EX_TEMPFAIL, sysexits.h): the daemon did not confirm a
+/// change within the retry budget (the outcome is unknown; the message says how to check and
+/// prints the Idempotency-Key to rerun with), or its store stayed busy.
+pub const EXIT_TEMPFAIL: u8 = 75;
 
 /// Shown after `agentmbx --help` and in `agentmbx(1)`: the environment and the exit codes.
 const ENVIRONMENT_HELP: &str = "\
@@ -60,10 +65,25 @@ Environment (each overrides the matching config.toml setting):
   MBX_LOG: log filter (default: log_level for the daemon, else info for daemon and relay,
     error otherwise: one-shot commands print their own findings)
   MBX_CLOCK_OFFSET_MS, MBX_FAILPOINTS: for tests and drills only
+  MBX_CLI_RETRY_MS: how long send and ack keep retrying a call the daemon did not confirm
+    (default 60000; for tests only)
 
 Exit status: 0 success, 1 failure, 2 usage error, 3 not found (e.g. host not initialized),
 4 a relay runs on the store (offline relay operator commands; relay serve when another
-relay still holds relay.lock after lock_wait_ms).";
+relay still holds relay.lock after lock_wait_ms), 75 temporary failure (EX_TEMPFAIL): send or
+ack got no answer that settles it within 60 s of retries with one Idempotency-Key, so the
+outcome is unknown (the message prints the key and how to check; rerunning with
+--idempotency-key <key> cannot do it twice), or the daemon's store stayed busy.";
+
+/// Shown after `send --help` and `ack --help` and in their man pages: retries and exit 75.
+const MUTATION_HELP: &str = "\
+The call carries one Idempotency-Key (--idempotency-key, else a fresh one) and is retried with
+it for 60 s while the daemon does not settle it (no answer, a broken connection, a 5xx, a busy
+store); the daemon answers a repeated key with its first answer, so it is never done twice.
+Exit status: 0 done, 1 failure (nothing done), 2 usage error (e.g. a note over 500 UTF-16 code
+units), 3 not found, 75 (EX_TEMPFAIL) still unsettled after 60 s: the message says whether the
+outcome is unknown, how to check it (agentmbx sent / inbox) and prints the key; rerun the same
+command with --idempotency-key <key> to finish it without doing it twice.";
 
 /// AgentMBX: a signed, end-to-end-sealed mailbox for AI agents.
 #[derive(Debug, Parser)]
@@ -112,12 +132,14 @@ pub enum Command {
     /// List the AgentMBX hosts that answer on the LAN (mDNS, 3 s) and whether they are paired
     Discover(discover::DiscoverArgs),
     /// Send a message from an agent on this host (through the running daemon)
+    #[command(after_help = MUTATION_HELP)]
     Send(mail::SendArgs),
     /// List an agent's messages
     Inbox(mail::InboxArgs),
     /// Show one message (marks it read for the agent)
     Read(mail::ReadArgs),
     /// Acknowledge messages in an agent's mailbox
+    #[command(after_help = MUTATION_HELP)]
     Ack(mail::AckArgs),
     /// List an agent's sent messages with each recipient's delivery state
     Sent(mail::SentArgs),
@@ -142,6 +164,12 @@ pub struct UsageError(pub String);
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct NotFoundError(pub String);
+
+/// A temporary failure (exit code 75, EX_TEMPFAIL): the outcome is unknown or the daemon's
+/// store stayed busy; the text says what to do.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct TempFailError(pub String);
 
 /// The full command definition, as `--help` and the man pages show it.
 pub fn command() -> clap::Command {
@@ -219,6 +247,9 @@ pub fn exit_code(err: &anyhow::Error) -> u8 {
         }
         if cause.is::<NotFoundError>() {
             return EXIT_NOT_FOUND;
+        }
+        if cause.is::<TempFailError>() {
+            return EXIT_TEMPFAIL;
         }
         if cause.is::<relay_admin::RelayRunning>() || relay_lock_held(cause) {
             return relay_admin::EXIT_RELAY_RUNNING;
@@ -363,6 +394,10 @@ mod tests {
             EXIT_USAGE
         );
         assert_eq!(exit_code(&anyhow::anyhow!("other")), EXIT_FAILURE);
+        assert_eq!(
+            exit_code(&anyhow::Error::new(TempFailError("x".into()))),
+            EXIT_TEMPFAIL
+        );
         let locked = agentmbx_relay::store::StoreError::Locked {
             path: "relay.lock".into(),
             holder: None,

@@ -288,7 +288,8 @@ pub fn read(
 }
 
 /// Acks `ids` for `agent` (mailbox ack, never a transport ack). Returns how many changed state;
-/// an id not delivered to the agent is [`MailboxError::NotFound`] and nothing changes.
+/// an id not delivered to the agent is [`MailboxError::NotFound`] and a note over the receipt's
+/// limit ([`super::receipts::check_note`]) is [`MailboxError::Invalid`]; either changes nothing.
 /// Runs inside the caller's transaction (all or nothing).
 pub fn ack(
     tx: &Connection,
@@ -297,6 +298,9 @@ pub fn ack(
     note: Option<&str>,
     now_ms: i64,
 ) -> Result<u64, MailboxError> {
+    if let Some(note) = note {
+        super::receipts::check_note(note)?;
+    }
     let mut changed = 0;
     for id in ids {
         let state: Option<String> = tx

@@ -67,6 +67,25 @@ pub enum MailboxError {
     Task,
 }
 
+impl MailboxError {
+    /// True when SQLite gave up waiting for a lock another connection or process holds
+    /// (`SQLITE_BUSY` after [`BUSY_TIMEOUT_MS`], or `SQLITE_LOCKED`): nothing was changed and a
+    /// retry may succeed. The local API answers it 503 `STORE_BUSY`.
+    pub fn is_busy(&self) -> bool {
+        matches!(
+            self,
+            MailboxError::Sqlite(rusqlite::Error::SqliteFailure(e, _))
+                if matches!(e.code, rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked)
+        )
+    }
+}
+
+/// How long a statement waits for a write lock another connection or process holds before it
+/// fails with `SQLITE_BUSY` (ms): 5000. Long enough for any transaction of the daemon's own, short
+/// enough that a lock held by another program (a backup, a `sqlite3` shell) becomes a clear
+/// answer instead of a hang: the local API answers 503 `STORE_BUSY`.
+pub const BUSY_TIMEOUT_MS: u64 = 5000;
+
 /// Shared handle to `mailbox.db`.
 #[derive(Clone, Debug)]
 pub struct Mailbox {
@@ -77,7 +96,7 @@ impl Mailbox {
     /// Opens (creating or migrating) `mailbox.db` at `path`. The file (and its `-wal`/`-shm`
     /// companions, which SQLite creates with the file's mode) is owner-only, 0600: it holds
     /// plaintext bodies and pairing-token keys. Pragmas: WAL, synchronous=FULL, foreign_keys,
-    /// busy_timeout 5000 ms. Errors: [`MailboxError::SchemaTooNew`], [`MailboxError::File`],
+    /// busy_timeout [`BUSY_TIMEOUT_MS`]. Errors: [`MailboxError::SchemaTooNew`], [`MailboxError::File`],
     /// SQLite.
     pub fn open(path: &Path) -> Result<Self, MailboxError> {
         restrict(path)?;
@@ -85,7 +104,7 @@ impl Mailbox {
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "FULL")?;
         conn.pragma_update(None, "foreign_keys", "ON")?;
-        conn.busy_timeout(std::time::Duration::from_millis(5000))?;
+        conn.busy_timeout(std::time::Duration::from_millis(BUSY_TIMEOUT_MS))?;
         schema::migrate(&mut conn)?;
         Ok(Mailbox {
             conn: Arc::new(Mutex::new(conn)),

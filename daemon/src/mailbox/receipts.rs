@@ -60,8 +60,23 @@ fn receipt_due_sql() -> String {
 fn receipt_wake_sql() -> String {
     wake_sql("r.next_at", &horizon_of_sql())
 }
-/// Longest receipt note (UTF-16 code units, `wire.md` §2.11).
+
+/// Longest receipt note (UTF-16 code units, `wire.md` §2.11): the T218 bound 0.5.x peers
+/// enforce when they check a receipt. An ack note is held to it at the door ([`check_note`]).
 pub const MAX_NOTE: usize = 500;
+
+/// Checks an ack note against [`MAX_NOTE`], in the receipt's unit (UTF-16 code units, as
+/// JavaScript counts: an emoji is two). Errors: [`MailboxError::Invalid`] naming the note's
+/// length and the limit in that unit.
+pub fn check_note(note: &str) -> Result<(), MailboxError> {
+    let units = utf16_len(note);
+    if units > MAX_NOTE {
+        return Err(MailboxError::Invalid(format!(
+            "note is {units} UTF-16 code units; the limit is {MAX_NOTE}"
+        )));
+    }
+    Ok(())
+}
 
 /// A queued receipt.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -187,7 +202,9 @@ pub fn next_due_for_relay(conn: &Connection, now_ms: i64) -> Result<Option<i64>,
 }
 
 /// The record for a queued row (`wire.md` §2.11): recipient `<agent>@<own_host>`, `at` in ISO
-/// `Z` form, `note` cut to 500 UTF-16 units and omitted when empty, `seq` the row's seq.
+/// `Z` form, `note` omitted when empty, `seq` the row's seq. An ack note is refused over
+/// [`MAX_NOTE`] at the door ([`check_note`]); a longer one stored by an older version is cut
+/// to it here so the receipt stays valid.
 pub fn record(row: &Row, own_host: &str) -> Receipt {
     let note = row.note.as_deref().filter(|n| !n.is_empty()).map(|n| {
         let mut out = String::new();
