@@ -5,7 +5,7 @@
 //! relay, the token) feeds its key and the unsigned `x-mbx-instance` header into one
 //! per-process [`Instances`]; a hop without the header, or with a malformed one, never counts.
 //! When two instance ids alternate on one key within
-//! [`CONFLICT_WINDOW_MS`](agentmbx_protocol::instance::CONFLICT_WINDOW_MS) (10 min) the relay
+//! [`CONFLICT_WINDOW_MS`] (10 min) the relay
 //! logs one WARN line (host name and key fingerprint, never the key), counts the detection in
 //! `GET /v2/relay/admin/stats` (`instance_conflicts`), and tells that key in the `you` object
 //! of its signed `GET /v2/relay/info` answers (`you.instance_conflict`) until the window

@@ -79,7 +79,7 @@ pub fn backoff_ms(attempts: u32) -> i64 {
 /// any failure (a new row is due at once, and "peer is back", a re-target and a re-push make
 /// a row due now). Every writer of `next_at` keeps to it. A `next_at` further ahead was
 /// written while the clock was ahead of the current one (a skew fixed since): the row is due
-/// now ([`due_sql`]), so mail queued during the skew does not wait it out.
+/// now (`due_sql`), so mail queued during the skew does not wait it out.
 pub fn max_horizon_ms(attempts: u32) -> i64 {
     match attempts {
         0 => 0,
@@ -237,7 +237,7 @@ pub fn due(conn: &Connection, now_ms: i64, limit: usize) -> Result<Vec<Row>, Mai
     Ok(rows)
 }
 
-/// The earliest time (ms) any `pending` or `repush` row is due at `now_ms` ([`wake_sql`]: a
+/// The earliest time (ms) any `pending` or `repush` row is due at `now_ms` (`wake_sql`: a
 /// row scheduled beyond its [`max_horizon_ms`] counts as due now); each sender loop sleeps on
 /// its own ([`next_due_for_lan`], [`next_due_for_relay`]).
 pub fn next_due_at(conn: &Connection, now_ms: i64) -> Result<Option<i64>, MailboxError> {
