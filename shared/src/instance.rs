@@ -18,7 +18,7 @@
 //! state and reads no clock: callers pass the time (ms, from a monotonic source where they can)
 //! and own the tracker (the relay one per process, the daemon one for its LAN server).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
 
 use serde::{Deserialize, Serialize};
@@ -54,6 +54,11 @@ pub const CONFLICT_RETURNS: u32 = 3;
 /// Ids remembered per key. A clone pair needs 2; a few more cover restarts in between.
 const MAX_IDS_PER_KEY: usize = 8;
 
+/// Return times remembered per key: the latest 16. Detection needs [`CONFLICT_RETURNS`]; the
+/// cap keeps a key's record a fixed size whatever its hop rate (the header is unsigned, so a
+/// caller could alternate ids on every hop), and [`InstanceConflict::returns`] counts up to it.
+const MAX_RETURNS_KEPT: usize = 16;
+
 /// A fresh random instance id: 16 random bytes as 32 lowercase hex characters.
 pub fn new_instance_id() -> String {
     hex::encode(rand::random::<[u8; 16]>())
@@ -77,7 +82,8 @@ pub fn valid_instance_id(id: &str) -> bool {
 pub struct InstanceConflict {
     /// Distinct instance ids seen for the key within the window (≥ 2).
     pub instances: u32,
-    /// Returns of an earlier id counted within the window.
+    /// Returns of an earlier id counted within the window (counted up to 16: a key keeps its
+    /// latest 16 return times).
     pub returns: u32,
     /// When the conflict was first detected (ms, the tracker's time base).
     pub since_ms: i64,
@@ -105,8 +111,8 @@ struct KeyState {
     current: String,
     /// Ids seen, with the time each was last seen (ms).
     seen: Vec<(String, i64)>,
-    /// Times of returns within the window (ms), oldest first.
-    returns: Vec<i64>,
+    /// Times of the latest returns (ms), oldest first; at most [`MAX_RETURNS_KEPT`].
+    returns: VecDeque<i64>,
     /// When the conflict now reported was detected.
     since_ms: Option<i64>,
     /// The latest hop of any id (ms), for eviction.
@@ -151,7 +157,7 @@ impl<K: Eq + Hash + Clone> InstanceTracker<K> {
                 KeyState {
                     current: id.to_owned(),
                     seen: vec![(id.to_owned(), now_ms)],
-                    returns: Vec::new(),
+                    returns: VecDeque::new(),
                     since_ms: None,
                     last_ms: now_ms,
                 },
@@ -170,7 +176,15 @@ impl<K: Eq + Hash + Clone> InstanceTracker<K> {
         if st.current != id {
             let returning = st.seen.iter().any(|(s, _)| s == id);
             if returning {
-                st.returns.push(now_ms);
+                if st.returns.len() >= MAX_RETURNS_KEPT {
+                    st.returns.pop_front();
+                }
+                st.returns.push_back(now_ms);
+            } else if st.since_ms.is_none() {
+                // A never-seen id with no conflict reported: a restart (or a clone's first
+                // hop). Returns counted before it belong to earlier processes; forgetting them
+                // keeps a stray request of each of several restarts from adding up.
+                st.returns.clear();
             }
             st.current = id.to_owned();
         }
@@ -211,7 +225,7 @@ impl<K: Eq + Hash + Clone> InstanceTracker<K> {
     pub fn conflict(&self, key: &K, now_ms: i64) -> Option<InstanceConflict> {
         let st = self.keys.get(key)?;
         st.since_ms?;
-        let last = *st.returns.last()?;
+        let last = *st.returns.back()?;
         if now_ms - last > self.window_ms {
             return None;
         }
@@ -243,7 +257,7 @@ impl<K: Eq + Hash + Clone> InstanceTracker<K> {
             instances: st.seen.len().max(2) as u32,
             returns: st.returns.len() as u32,
             since_ms: st.since_ms.unwrap_or(st.last_ms),
-            last_ms: st.returns.last().copied().unwrap_or(st.last_ms),
+            last_ms: st.returns.back().copied().unwrap_or(st.last_ms),
             window_ms,
         }
     }
@@ -297,6 +311,22 @@ mod tests {
             );
         }
         assert_eq!(t.conflict(&1, 60), None);
+    }
+
+    #[test]
+    fn stray_hops_of_several_restarts_in_one_window_do_not_add_up() {
+        // Three restarts inside one window, each with one request of the old process handled
+        // after the new one's first hop: two returns each, never three in a row.
+        let mut t = InstanceTracker::with_window(16, W);
+        let hops = ["a", "b", "a", "b", "c", "b", "c", "d", "c", "d", "d"];
+        for (i, id) in hops.iter().enumerate() {
+            assert_eq!(
+                t.observe(&1u8, id, i as i64 * 10),
+                Observation::Quiet,
+                "hop {i}"
+            );
+        }
+        assert_eq!(t.conflict(&1, 110), None);
     }
 
     #[test]
@@ -380,5 +410,15 @@ mod tests {
             None,
             "a chain of restarts never returns"
         );
+        // Two ids alternating on every hop (the header is unsigned): the record stays the same
+        // size, and the conflict is still reported.
+        let mut t = InstanceTracker::with_window(4, W);
+        for i in 0..10_000i64 {
+            t.observe(&0u8, if i % 2 == 0 { "a" } else { "b" }, i / 100);
+        }
+        assert_eq!(t.keys[&0].returns.len(), MAX_RETURNS_KEPT);
+        assert_eq!(t.keys[&0].seen.len(), 2);
+        let c = t.conflict(&0, 100).expect("reported");
+        assert_eq!((c.instances, c.returns), (2, MAX_RETURNS_KEPT as u32));
     }
 }
