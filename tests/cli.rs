@@ -983,6 +983,96 @@ fn a_send_not_confirmed_in_time_exits_75_with_its_key_and_reruns_with_the_key_st
     assert_eq!(stored_with_subject(&home, "other"), 0);
 }
 
+/// A stand-in for the daemon's local API on 127.0.0.1: it answers each request with what
+/// `answer` gives for the request's number (0, 1, …); `None` breaks the answer off after its
+/// head (a 200 promising a body that never comes), as a daemon that may have committed the
+/// request and then died would. Returns the address and a counter of requests.
+fn fake_api(
+    answer: impl Fn(usize) -> Option<String> + Send + 'static,
+) -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let count = std::sync::Arc::new(AtomicUsize::new(0));
+    let seen = count.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && conn.read(&mut byte).is_ok_and(|n| n == 1) {
+                head.push(byte[0]);
+            }
+            let n = seen.fetch_add(1, Ordering::SeqCst);
+            let reply = match answer(n) {
+                Some(body) => format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                ),
+                None => "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 500\r\nconnection: close\r\n\r\n{\"id\"".to_string(),
+            };
+            let _ = conn.write_all(reply.as_bytes());
+        }
+    });
+    (addr, count)
+}
+
+/// A home whose CLI talks to `addr` with a made-up token.
+fn home_for_api(addr: std::net::SocketAddr) -> Home {
+    let home = Home::new();
+    std::fs::create_dir_all(home.path()).expect("create home");
+    std::fs::write(home.file("api.token"), "test-token\n").expect("write api.token");
+    std::fs::write(home.file("api.addr"), addr.to_string()).expect("write api.addr");
+    home
+}
+
+/// `read` is a GET that marks the message read and queues a read receipt: an answer that
+/// breaks off may follow that commit. The CLI retries it (a repeated read is safe) within
+/// `MBX_CLI_RETRY_MS`: a later good answer is a success; none is exit 75 saying the outcome is
+/// unknown and how to check, never exit 1.
+#[test]
+fn a_read_whose_answer_breaks_off_is_retried_then_exits_75_with_the_outcome_unknown() {
+    use std::sync::atomic::Ordering;
+    let read = ["read", "m-1", "--as", "bob"];
+
+    let (addr, count) = fake_api(|_| None);
+    let home = home_for_api(addr);
+    let mut cmd = home.command(&read);
+    cmd.env("MBX_CLI_RETRY_MS", "1500");
+    let out = helper::run(cmd);
+    assert_eq!(out.code(), Some(75), "{out:#?}");
+    assert!(out.stderr.contains("outcome is unknown"), "{out:#?}");
+    assert!(out.stderr.contains("marked read"), "{out:#?}");
+    assert!(
+        out.stderr.contains("agentmbx inbox --as bob --all"),
+        "{out:#?}"
+    );
+    assert!(count.load(Ordering::SeqCst) >= 2, "{out:#?}");
+
+    let message = serde_json::json!({"id": "m-1", "from": "alice", "to": ["bob"],
+        "ts": "2026-01-01T00:00:00.000Z", "subject": "second try", "body": "hello"})
+    .to_string();
+    let (addr, _) = fake_api(move |n| (n > 0).then(|| message.clone()));
+    let home = home_for_api(addr);
+    let mut cmd = home.command(&read);
+    cmd.env("MBX_CLI_RETRY_MS", "5000");
+    let out = helper::run(cmd);
+    out.assert_success();
+    assert!(out.stdout.contains("subject: second try"), "{out:#?}");
+
+    // A daemon that cannot be reached at all did nothing: exit 1 at once.
+    let closed = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = closed.local_addr().expect("addr");
+    drop(closed);
+    let out = home_for_api(addr).run(&read);
+    assert_eq!(out.code(), Some(1), "{out:#?}");
+    assert!(out.stderr.contains("does not answer"), "{out:#?}");
+}
+
 /// A rerun of a committed send with its `--idempotency-key` answers the first answer (the
 /// same id) and stores nothing more; so does an ack.
 #[test]

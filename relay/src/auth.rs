@@ -13,8 +13,8 @@
 //! `Authorization: Bearer` token is checked last (spec §8; [`crate::authority`]). So whether a
 //! key is enrolled, revoked or denied is told only to a request that key signed.
 //!
-//! Every refusal of the caller (each 401 above, and the 403s `REVOKED` and `DENIED`) is
-//! counted by reason in [`RelayState::refused`] and logged at DEBUG with the method, the path
+//! Every refusal of the caller (each 401 above, and the 403s `REVOKED` and `DENIED`; not a
+//! signed info that fails a check, which is answered 200 without `you`) is counted by reason in [`RelayState::refused`] and logged at DEBUG with the method, the path
 //! and at most the key's fingerprint prefix ([`crate::refusals`]).
 //!
 //! Signed `GET /v2/relay/info` is the one exception to "every hop carries the token"
@@ -188,14 +188,26 @@ pub async fn authenticate(
 
 /// [`authenticate`] for signed `GET /v2/relay/info`: on an account relay a hop without
 /// `Authorization` is still the caller's when its key was enrolled with an account token
-/// (module docs); a bearer that is present must pass every check.
+/// (module docs); a bearer that is present must pass every check. A hop that fails a check is
+/// not a refusal (info answers 200 all the same, without `you`): it is not counted in
+/// [`RelayState::refused`], only logged at DEBUG with its reason.
 pub async fn authenticate_info(
     state: &RelayState,
     method: &Method,
     uri: &Uri,
     headers: &HeaderMap,
 ) -> Result<Enrolment, ApiError> {
-    authenticate_as(state, method, uri, headers, "", TokenRule::IfPresent).await
+    check_hop(state, method, uri, headers, "", TokenRule::IfPresent)
+        .await
+        .map_err(|Refused { reason, error, .. }| {
+            if let Some(reason) = reason {
+                tracing::debug!(
+                    reason = reason.key(),
+                    "signed relay info answered without `you`"
+                );
+            }
+            error
+        })
 }
 
 async fn authenticate_as(

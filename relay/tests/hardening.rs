@@ -242,6 +242,48 @@ async fn admin_routes_are_rate_limited_per_address_and_wrong_tokens_warned_once_
     relay.stop().await;
 }
 
+/// Signed `GET /v2/relay/info` refuses nothing: a hop with a stale timestamp, a bad signature
+/// or an unenrolled key is answered 200 without `you`, and counts no `refused.auth`.
+#[tokio::test]
+async fn a_signed_info_answered_without_you_counts_no_refusal() {
+    let relay = relay().await;
+    let (a, stranger) = (Host::new("alpha"), Host::new("stranger"));
+    relay.enrol(&a).await;
+    let target = "/v2/relay/info";
+    let bad_sig = a
+        .hop_headers("GET", target, "", relay.now())
+        .into_iter()
+        .map(|(k, v)| {
+            if k == "x-mbx-sig" {
+                (k, "AAAA".to_owned())
+            } else {
+                (k, v)
+            }
+        })
+        .collect::<Vec<_>>();
+    for headers in [
+        a.hop_headers("GET", target, "", relay.now() - 400_000),
+        stranger.hop_headers("GET", target, "", relay.now()),
+        bad_sig,
+    ] {
+        let info = relay.send("GET", target, &headers, Vec::new()).await;
+        let info = info.assert_ok();
+        assert!(info.get("you").is_none(), "{info}");
+    }
+    // A good one still gets `you`.
+    let good = a.hop_headers("GET", target, "", relay.now());
+    let info = relay.send("GET", target, &good, Vec::new()).await;
+    assert!(info.assert_ok().get("you").is_some());
+
+    let auth = vec![("authorization".to_owned(), format!("Bearer {ADMIN}"))];
+    let stats = relay
+        .send("GET", "/v2/relay/admin/stats", &auth, Vec::new())
+        .await;
+    for (k, v) in stats.assert_ok()["refused"]["auth"].as_object().unwrap() {
+        assert_eq!(v, 0, "refused.auth.{k}");
+    }
+}
+
 /// Issue-level behaviour (relay log and counters): every refused pushed item and every request
 /// refused for its sender is counted by reason in `GET /v2/relay/admin/stats` `refused` (the
 /// writer's fields stay), and logged at DEBUG with its reason and at most a fingerprint

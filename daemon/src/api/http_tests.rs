@@ -19,6 +19,8 @@ struct Api {
     /// The pinned peer `work`.
     work: Identity,
     _clock: Arc<ManualClock>,
+    /// The daemon's instance (health reasons).
+    instance: Arc<crate::instance::Instance>,
     base: String,
     token: String,
     http: reqwest::Client,
@@ -42,6 +44,7 @@ impl Api {
         let token = ApiToken::generate();
         let secret = token.expose_secret().to_string();
         let shared: SharedClock = clock.clone();
+        let instance: Arc<crate::instance::Instance> = Default::default();
         let state: SharedState = Arc::new(AppState {
             host: ident.host.clone(),
             token,
@@ -51,7 +54,7 @@ impl Api {
             mailbox: store.mailbox.clone(),
             wake: Arc::new(tokio::sync::Notify::new()),
             ids: std::sync::Mutex::new(agentmbx_protocol::ulid::Generator::new()),
-            instance: Default::default(),
+            instance: instance.clone(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
@@ -63,6 +66,7 @@ impl Api {
             ident,
             work,
             _clock: clock,
+            instance,
             base,
             token: secret,
             http: reqwest::Client::new(),
@@ -349,6 +353,52 @@ async fn every_route_but_health_needs_the_token() {
         .await
         .unwrap();
     assert_eq!(resp.status().as_u16(), 200);
+}
+
+/// `/v1/health` needs no token, and without one names no peer, relay or detail: a degraded
+/// answer gives each reason's code only; with the API token (a wrong one counts as none), the
+/// whole reasons.
+#[tokio::test]
+async fn health_without_the_token_gives_reason_codes_only_and_with_it_the_details() {
+    let api = Api::start().await;
+    let health = |bearer: Option<&str>| {
+        let mut req = api.http.get(format!("{}/v1/health", api.base));
+        if let Some(t) = bearer {
+            req = req.bearer_auth(t);
+        }
+        async move {
+            let resp = req.send().await.unwrap();
+            assert_eq!(resp.status().as_u16(), 200);
+            resp.json::<Value>().await.unwrap()
+        }
+    };
+    assert_eq!(health(None).await["status"], "ok");
+    // Peer `work`'s LAN hops alternate between two daemon instances.
+    for id in ["a", "b"].iter().cycle().take(20) {
+        if !api.instance.reasons().is_empty() {
+            break;
+        }
+        api.instance
+            .observe_peer("work", &api.work.host_key.public().to_b64(), id);
+    }
+    assert!(!api.instance.reasons().is_empty());
+
+    for bearer in [None, Some("not-the-token")] {
+        let h = health(bearer).await;
+        assert_eq!(h["status"], "degraded", "{h}");
+        assert_eq!(h["host"], "home", "{h}");
+        assert_eq!(h["reasons"], json!([{"code": "peer-key-clone"}]), "{h}");
+        assert!(!h.to_string().contains("work"), "{h}");
+    }
+    let h = health(Some(&api.token)).await;
+    assert_eq!(h["status"], "degraded", "{h}");
+    let r = &h["reasons"][0];
+    assert_eq!(r["code"], "peer-key-clone", "{h}");
+    assert_eq!(r["peer"], "work", "{h}");
+    assert!(
+        r["detail"].as_str().is_some_and(|d| d.contains("work")),
+        "{h}"
+    );
 }
 
 #[tokio::test]

@@ -160,6 +160,24 @@ struct Mutation<'a> {
     check: String,
 }
 
+/// A `GET` call: what the CLI says when it cannot settle it.
+struct Query<'a> {
+    /// What it does, e.g. "read".
+    what: &'a str,
+    /// For a `GET` that changes something: what it may have done (e.g. "the message may have
+    /// been marked read") and the command that shows it (e.g. "agentmbx inbox --as bob --all").
+    changes: Option<(&'a str, String)>,
+}
+
+/// A call not settled within the budget.
+struct Unsettled {
+    /// The daemon may have carried it out (a timeout, a broken answer, a 5xx other than
+    /// `STORE_BUSY`).
+    maybe_done: bool,
+    /// The last failure, for the message.
+    last: String,
+}
+
 /// A fresh `Idempotency-Key`: 128 random bits, base64url (22 characters).
 fn mint_key() -> String {
     agentmbx_protocol::b64::encode_url(&rand::random::<[u8; 16]>())
@@ -250,36 +268,39 @@ impl Api {
         )
     }
 
-    /// A read (`GET`). Retried only while the daemon answers 503 `STORE_BUSY`, within the
-    /// budget (then exit 75); any other failure is reported at once.
-    async fn get(&self, path: &str) -> anyhow::Result<Value> {
-        let started = Instant::now();
-        let mut pause = FIRST_PAUSE;
-        loop {
-            let req = self.request(reqwest::Method::GET, path, ATTEMPT_TIMEOUT);
-            match self.attempt(req).await {
-                Attempt::Done(result) => return result,
-                Attempt::Unreachable(why) => return Err(self.unreachable(&why)),
-                Attempt::Retry {
-                    why,
-                    maybe_done: true,
-                    ..
-                } => return Err(anyhow::anyhow!("{why}")),
-                Attempt::Retry {
-                    why, pause: after, ..
-                } => {
-                    if started.elapsed() >= self.budget {
-                        return Err(TempFailError(format!(
-                            "the daemon's store stayed busy for {} s (last: {why}): rerun later",
-                            started.elapsed().as_secs()
-                        ))
-                        .into());
-                    }
-                    tokio::time::sleep(after.unwrap_or(pause).min(MAX_PAUSE)).await;
-                    pause = (pause * 2).min(MAX_PAUSE);
-                }
+    /// A `GET`: retried within the budget on timeouts, broken answers and 5xx (a repeated GET
+    /// is safe: at most it marks read again what one already marked) and while the daemon
+    /// answers 503 `STORE_BUSY`. A daemon that cannot be reached before anything was sent is a
+    /// plain failure (exit 1). An unsettled call is [`TempFailError`] (exit 75): a `read`
+    /// marks the message read and queues its `read` receipt, so after a timeout or a broken
+    /// answer the outcome is unknown; the message says so and how to check (`q.check`).
+    async fn get(&self, path: &str, q: &Query<'_>) -> anyhow::Result<Value> {
+        let (started, settled) = self
+            .settle(|timeout| self.request(reqwest::Method::GET, path, timeout))
+            .await;
+        let Unsettled { maybe_done, last } = match settled {
+            Ok(result) => return result,
+            Err(unsettled) => unsettled,
+        };
+        let secs = started.elapsed().as_secs();
+        let what = q.what;
+        Err(TempFailError(match (&q.changes, maybe_done) {
+            (Some((effect, check)), true) => format!(
+                "the daemon did not answer the {what} within {secs} s (last: {last}); the outcome \
+                 is unknown: {effect}. Check with `{check}`; running it again is safe"
+            ),
+            (None, true) => format!(
+                "the daemon did not answer the {what} within {secs} s (last: {last}); it changes \
+                 nothing: rerun later"
+            ),
+            (_, false) => {
+                format!(
+                "the daemon's store stayed busy for {secs} s (last: {last}); the {what} was not \
+                 done: rerun later"
+            )
             }
-        }
+        })
+        .into())
     }
 
     /// A change (`POST`): sent with `m.key` as `Idempotency-Key` and retried with the same key
@@ -290,6 +311,44 @@ impl Api {
     /// says whether the outcome is unknown, how to check, and the key to rerun with.
     async fn mutate(&self, path: &str, body: &Value, m: &Mutation<'_>) -> anyhow::Result<Value> {
         let bytes = serde_json::to_vec(body)?;
+        let (started, settled) = self
+            .settle(|timeout| {
+                self.request(reqwest::Method::POST, path, timeout)
+                    .header("idempotency-key", m.key)
+                    .header(reqwest::header::CONTENT_TYPE, "application/json")
+                    .body(bytes.clone())
+            })
+            .await;
+        let Unsettled { maybe_done, last } = match settled {
+            Ok(result) => return result,
+            Err(unsettled) => unsettled,
+        };
+        let secs = started.elapsed().as_secs();
+        let (what, key, check) = (m.what, m.key, &m.check);
+        let text = if maybe_done {
+            format!(
+                "the daemon did not confirm the {what} within {secs} s (last: {last}); the outcome \
+                 is unknown: it may have been done. Check with `{check}`; to retry without doing \
+                 it twice, rerun the same command with --idempotency-key {key}"
+            )
+        } else {
+            format!(
+                "the daemon's store stayed busy for {secs} s (last: {last}); the {what} was not \
+                 done: rerun later (with --idempotency-key {key} it cannot be done twice)"
+            )
+        };
+        Err(TempFailError(text).into())
+    }
+
+    /// Sends the request `build` makes (given the attempt's timeout) until it is settled or
+    /// the budget is spent: retried on timeouts, broken connections, 5xx and 503
+    /// `STORE_BUSY`, pausing [`FIRST_PAUSE`] doubling to [`MAX_PAUSE`] (or `Retry-After`).
+    /// Returns when it started and the final answer, or [`Unsettled`] once the budget is
+    /// spent. A daemon unreachable before any attempt reached it is a final answer (an error).
+    async fn settle(
+        &self,
+        build: impl Fn(Duration) -> reqwest::RequestBuilder,
+    ) -> (Instant, Result<anyhow::Result<Value>, Unsettled>) {
         let started = Instant::now();
         let deadline = started + self.budget;
         let mut pause = FIRST_PAUSE;
@@ -297,19 +356,13 @@ impl Api {
         let mut last: String;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            let req = self
-                .request(
-                    reqwest::Method::POST,
-                    path,
-                    left.clamp(MIN_ATTEMPT, ATTEMPT_TIMEOUT),
-                )
-                .header("idempotency-key", m.key)
-                .header(reqwest::header::CONTENT_TYPE, "application/json")
-                .body(bytes.clone());
+            let req = build(left.clamp(MIN_ATTEMPT, ATTEMPT_TIMEOUT));
             let after = match self.attempt(req).await {
-                Attempt::Done(result) => return result,
+                Attempt::Done(result) => return (started, Ok(result)),
                 // Nothing ever reached the daemon: nothing was done.
-                Attempt::Unreachable(why) if !maybe_done => return Err(self.unreachable(&why)),
+                Attempt::Unreachable(why) if !maybe_done => {
+                    return (started, Ok(Err(self.unreachable(&why))))
+                }
                 Attempt::Unreachable(why) => {
                     last = why;
                     None
@@ -326,26 +379,11 @@ impl Api {
             };
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                break;
+                return (started, Err(Unsettled { maybe_done, last }));
             }
             tokio::time::sleep(after.unwrap_or(pause).min(MAX_PAUSE).min(left)).await;
             pause = (pause * 2).min(MAX_PAUSE);
         }
-        let secs = started.elapsed().as_secs();
-        let (what, key, check) = (m.what, m.key, &m.check);
-        let text = if maybe_done {
-            format!(
-                "the daemon did not confirm the {what} within {secs} s (last: {last}); the outcome \
-                 is unknown: it may have been done. Check with `{check}`; to retry without doing \
-                 it twice, rerun the same command with --idempotency-key {key}"
-            )
-        } else {
-            format!(
-                "the daemon's store stayed busy for {secs} s (last: {last}); the {what} was not \
-                 done: rerun later (with --idempotency-key {key} it cannot be done twice)"
-            )
-        };
-        Err(TempFailError(text).into())
     }
 
     fn request(
@@ -496,7 +534,11 @@ pub fn inbox(args: InboxArgs) -> anyhow::Result<()> {
         path.push_str(&format!("&cursor={}", enc(c)));
     }
     let api = Api::connect()?;
-    let page = block_on(api.get(&path))?;
+    let q = Query {
+        what: "inbox listing",
+        changes: None,
+    };
+    let page = block_on(api.get(&path, &q))?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&page)?);
         return Ok(());
@@ -524,11 +566,15 @@ pub fn inbox(args: InboxArgs) -> anyhow::Result<()> {
 /// `read`.
 pub fn read(args: ReadArgs) -> anyhow::Result<()> {
     let api = Api::connect()?;
-    let m = block_on(api.get(&format!(
-        "/v1/messages/{}?as={}",
-        enc(&args.id),
-        enc(&args.as_agent)
-    )))?;
+    let q = Query {
+        what: "read",
+        changes: Some((
+            "the message may have been marked read (and its read receipt queued)",
+            format!("agentmbx inbox --as {} --all", args.as_agent),
+        )),
+    };
+    let path = format!("/v1/messages/{}?as={}", enc(&args.id), enc(&args.as_agent));
+    let m = block_on(api.get(&path, &q))?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&m)?);
     } else {
@@ -583,7 +629,11 @@ pub fn sent(args: SentArgs) -> anyhow::Result<()> {
         path.push_str(&format!("&cursor={}", enc(c)));
     }
     let api = Api::connect()?;
-    let page = block_on(api.get(&path))?;
+    let q = Query {
+        what: "sent listing",
+        changes: None,
+    };
+    let page = block_on(api.get(&path, &q))?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&page)?);
         return Ok(());

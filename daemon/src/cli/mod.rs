@@ -5,7 +5,8 @@
 //! Exit codes: 0 success, 1 other failure, 2 usage, 3 not found, 4 a relay runs on the store
 //! (offline relay operator commands, and a `relay serve` that gave up waiting for
 //! `relay.lock`), 75 temporary failure (EX_TEMPFAIL: the daemon did not confirm a change in
-//! time, so its outcome is unknown, or its store stayed busy). Errors go to stderr as one line
+//! time, so its outcome is unknown, or its store stayed busy; `read`, a GET that marks read,
+//! too). Errors go to stderr as one line
 //! `agentmbx: <msg>`, usage errors followed by `(see: agentmbx <cmd> --help)`.
 //!
 //! This is the only place (with `main.rs`) that uses `anyhow`, prints to stdout, or decides the
@@ -65,15 +66,16 @@ Environment (each overrides the matching config.toml setting):
   MBX_LOG: log filter (default: log_level for the daemon, else info for daemon and relay,
     error otherwise: one-shot commands print their own findings)
   MBX_CLOCK_OFFSET_MS, MBX_FAILPOINTS: for tests and drills only
-  MBX_CLI_RETRY_MS: how long send and ack keep retrying a call the daemon did not confirm
-    (default 60000; for tests only)
+  MBX_CLI_RETRY_MS: how long send, ack, read, inbox and sent keep retrying a call the daemon
+    did not settle (default 60000; for tests only)
 
 Exit status: 0 success, 1 failure, 2 usage error, 3 not found (e.g. host not initialized),
 4 a relay runs on the store (offline relay operator commands; relay serve when another
 relay still holds relay.lock after lock_wait_ms), 75 temporary failure (EX_TEMPFAIL): send or
 ack got no answer that settles it within 60 s of retries with one Idempotency-Key, so the
 outcome is unknown (the message prints the key and how to check; rerunning with
---idempotency-key <key> cannot do it twice), or the daemon's store stayed busy.";
+--idempotency-key <key> cannot do it twice), read likewise (it marks the message read; the
+message says how to check; reading again is safe), or the daemon's store stayed busy.";
 
 /// Shown after `send --help` and `ack --help` and in their man pages: retries and exit 75.
 const MUTATION_HELP: &str = "\

@@ -563,6 +563,44 @@ async fn a_degraded_daemon_answers_and_its_clone_reasons_fail_or_warn_with_what_
     assert!(r.checks.iter().all(|c| c.status == Status::Skip), "{r:?}");
 }
 
+/// Doctor reads health with this home's API token, so the clone checks get each reason's
+/// peer and relay (the daemon gives only codes without it); without a readable token a peer
+/// conflict is still a warning, not `ok`.
+#[tokio::test]
+async fn doctor_reads_health_with_the_api_token_and_still_warns_without_it() {
+    let h = initialized();
+    h.set_relay("http://127.0.0.1:9", None);
+    const TOKEN: &str = "doctor-test-token";
+    let fake = serve(Router::new().route(
+        "/v1/health",
+        get(|headers: axum::http::HeaderMap| async move {
+            let authed = headers
+                .get("authorization")
+                .is_some_and(|v| v.as_bytes() == format!("Bearer {TOKEN}").as_bytes());
+            let reason = if authed {
+                json!({"code": "peer-key-clone", "detail": "…", "peer": "xb"})
+            } else {
+                json!({"code": "peer-key-clone"})
+            };
+            axum::Json(json!({"status": "degraded", "host": "doc",
+                              "version": crate::VERSION, "reasons": [reason]}))
+        }),
+    ))
+    .await;
+    std::fs::write(h.paths.api_addr_file(), fake.to_string()).unwrap();
+    std::fs::write(h.paths.api_token(), format!("{TOKEN}\n")).unwrap();
+    let r = h.run(&["peer-key-clone"]).await;
+    let p = one(&r, "peer-key-clone");
+    assert_eq!(p.status, Status::Warn, "{p:?}");
+    assert!(p.summary.contains("(xb)"), "{p:?}");
+
+    std::fs::remove_file(h.paths.api_token()).unwrap();
+    let r = h.run(&["peer-key-clone"]).await;
+    let p = one(&r, "peer-key-clone");
+    assert_eq!(p.status, Status::Warn, "{p:?}");
+    assert!(p.details.join("\n").contains("api.token"), "{p:?}");
+}
+
 /// A fake peer answering `/v1/status?challenge=` signed by `key` as `host`, and `/v1/agents`
 /// with an empty directory when `accepts`, else 401.
 async fn fake_peer(key: HostKey, host: &'static str, accepts: bool) -> SocketAddr {

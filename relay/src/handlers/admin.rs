@@ -16,6 +16,8 @@
 //! `refused` ([`crate::refusals`]) lists every key, 0 when it never happened; the counters live
 //! in the running relay's memory only (`relay status` reads the store and cannot show them).
 //! Each counted refusal is also logged at DEBUG, with at most a key's fingerprint prefix.
+//! Signed `GET /v2/relay/info` refuses nothing (a hop that fails a check gets the answer
+//! without `you`), so it counts in no `refused.auth` key.
 //!
 //! | `refused.push.<key>` (items) | rejection on the wire (`rejected:<why>`, `wire.md` §3.2) |
 //! |---|---|

@@ -98,11 +98,19 @@ pub fn peer_key_clone(f: &Facts) -> Result<Outcome, String> {
         .collect();
     peers.sort_unstable();
     peers.dedup();
-    if peers.is_empty() {
+    if found.is_empty() {
         return Ok(Outcome::new(
             Status::Ok,
             "no peer seen with two daemons on one host key",
         ));
+    }
+    if peers.is_empty() {
+        // Health named no peer: doctor could not read this host's api.token.
+        return Ok(Outcome::new(
+            Status::Warn,
+            "a peer runs two daemons with one host key: mail to it is split between its daemons",
+        )
+        .detail("the daemon names the peer only to a caller with its API token: check that api.token in the home is readable, or see the daemon's log (`peer <name> has two daemons`)"));
     }
     let mut out = Outcome::new(
         Status::Warn,

@@ -2,7 +2,8 @@
 //! each peer's signed `GET /v1/status?challenge=…` (verified against the pinned key) followed
 //! by a hop-signed `GET /v1/agents` (the peer accepts our signature), and the relay's
 //! `GET /v2/relay/info` with its `Date` header. They run concurrently, each bounded by
-//! [`super::super::Options::timeout`]; they send no token. The local API and peer probes never
+//! [`super::super::Options::timeout`]. Only the local API probe sends a token (this host's
+//! `api.token`, so health answers its reasons in full). The local API and peer probes never
 //! go through a proxy (`HTTP_PROXY` and friends are ignored, as for every LAN call); the relay
 //! probe honours the proxy environment exactly as the relay client does.
 
@@ -116,7 +117,13 @@ fn relay_http(timeout: Duration) -> Result<reqwest::Client, String> {
 
 /// GET `url`: status, `Date` header and body (at most [`MAX_PROBE_ANSWER`] bytes).
 async fn get(http: &reqwest::Client, url: &str) -> Result<(u16, Option<String>, Vec<u8>), String> {
-    let mut resp = http.get(url).send().await.map_err(|e| describe(&e))?;
+    fetch(http.get(url)).await
+}
+
+/// Sends `req` and reads its answer (at most [`MAX_PROBE_ANSWER`] bytes): status, `Date`
+/// header and body.
+async fn fetch(req: reqwest::RequestBuilder) -> Result<(u16, Option<String>, Vec<u8>), String> {
+    let mut resp = req.send().await.map_err(|e| describe(&e))?;
     let status = resp.status().as_u16();
     let date = resp
         .headers()
@@ -207,9 +214,15 @@ fn api_addr(f: &Facts) -> Option<String> {
     Some(std::net::SocketAddr::new(c.api_bind, c.api_port).to_string())
 }
 
+/// `GET /v1/health` of the local daemon, with the API token from `api.token` when there is one
+/// (so a `degraded` answer carries each reason's detail, peer and relay, not its code alone).
 async fn probe_daemon(f: &Facts, http: &reqwest::Client) -> Option<DaemonProbe> {
     let addr = api_addr(f)?;
-    Some(match get(http, &format!("http://{addr}/v1/health")).await {
+    let mut req = http.get(format!("http://{addr}/v1/health"));
+    if let Ok(Some(token)) = crate::token::ApiToken::load(&f.paths.api_token()) {
+        req = req.bearer_auth(token.expose_secret());
+    }
+    Some(match fetch(req).await {
         Err(why) => DaemonProbe::Unreachable { addr, why },
         Ok((status, _, body)) => DaemonProbe::Answered {
             addr,

@@ -17,7 +17,8 @@
 //! that is refused too, the digest stays unpublished and the next attempt waits
 //! [`RETRY_AFTER_FAILURE_MS`]; later iats grow with the clock until one is newer. Any other
 //! refusal also waits [`RETRY_AFTER_FAILURE_MS`] and is audited `relay.senders_failed` once per
-//! digest; it never stops mail. A 401 or 403 is returned to the session (this host's standing,
+//! digest; it never stops mail. A retry time further ahead than that minute was written under a
+//! clock since set back, and is due at once ([`Published::holds_back`]). A 401 or 403 is returned to the session (this host's standing,
 //! not the list's). This module never publishes a key that is not a pinned peer's.
 
 use serde::{Deserialize, Serialize};
@@ -54,6 +55,19 @@ pub struct Published {
     /// No new attempt for `failed_digest` before this time (ms).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_at: Option<i64>,
+}
+
+impl Published {
+    /// Whether the refusal of the list with digest `digest` still holds its next attempt back
+    /// at `now_ms`: `retry_at` is ahead, but no further than [`RETRY_AFTER_FAILURE_MS`]. A time
+    /// further ahead was written while the clock was ahead of the current one (a skew fixed
+    /// since; spec §3 "clock"): the list is due now.
+    pub fn holds_back(&self, digest: &str, now_ms: i64) -> bool {
+        self.failed_digest.as_deref() == Some(digest)
+            && self
+                .retry_at
+                .is_some_and(|t| t > now_ms && t.saturating_sub(now_ms) <= RETRY_AFTER_FAILURE_MS)
+    }
 }
 
 /// The allowlist of a host: its peers' host keys, sorted (byte order, which for base64 is
@@ -124,9 +138,7 @@ impl RelayClient {
             return Ok(Outcome::Unchanged);
         }
         let now = self.clock.now_ms();
-        if record.failed_digest.as_deref() == Some(d.as_str())
-            && record.retry_at.is_some_and(|t| t > now)
-        {
+        if record.holds_back(&d, now) {
             return Ok(Outcome::Deferred);
         }
         if total > list.len() {
@@ -214,6 +226,30 @@ mod tests {
         assert_eq!(list[..], many[..MAX_SENDERS]);
         let (list, total) = senders(many[..MAX_SENDERS].to_vec());
         assert_eq!((list.len(), total), (MAX_SENDERS, MAX_SENDERS));
+    }
+
+    /// Case `clock-fix-does-not-release-mail`: a list refused while the clock was 10 min ahead
+    /// is due once the clock is right; one refused at the right clock waits its minute.
+    #[test]
+    fn a_refused_list_put_off_under_a_clock_ahead_is_due_once_the_clock_is_right() {
+        use agentmbx_protocol::clock::{Clock, ManualClock};
+        const T0: i64 = 1_767_225_600_000;
+        let clock = ManualClock::new(T0 + 600_000);
+        let refused = |now: i64| Published {
+            failed_digest: Some("d".into()),
+            retry_at: Some(now + RETRY_AFTER_FAILURE_MS),
+            ..Published::default()
+        };
+        let skewed = refused(clock.now_ms());
+        assert!(skewed.holds_back("d", clock.now_ms()));
+        clock.set(T0);
+        assert!(!skewed.holds_back("d", clock.now_ms()));
+
+        let right = refused(clock.now_ms());
+        assert!(right.holds_back("d", clock.now_ms()));
+        assert!(!right.holds_back("other", clock.now_ms()));
+        clock.set(T0 + RETRY_AFTER_FAILURE_MS);
+        assert!(!right.holds_back("d", clock.now_ms()));
     }
 
     #[test]
