@@ -1,6 +1,5 @@
 //! `POST /v1/ack`: an agent acks messages in its mailbox (a mailbox ack, never a transport ack).
 
-use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::Json;
@@ -9,7 +8,7 @@ use serde_json::Value;
 
 use crate::mailbox::{messages, receipts, MailboxError};
 
-use super::{idempotent, ApiError, SharedState};
+use super::{idempotent, ApiError, ApiJson, ApiQuery, NoQuery, SharedState};
 
 /// Body of `POST /v1/ack`.
 #[derive(Debug, Deserialize, Serialize, utoipa::ToSchema)]
@@ -45,10 +44,12 @@ pub struct AckAnswer {
 pub async fn post(
     State(state): State<SharedState>,
     headers: HeaderMap,
-    body: Bytes,
+    _: ApiQuery<NoQuery>,
+    ApiJson {
+        value: req,
+        raw: body,
+    }: ApiJson<AckRequest>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
-    let req: AckRequest = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::Invalid(format!("bad ack request: {e}")))?;
     super::check_agent(&req.as_agent)?;
     if req.ids.is_empty() || req.ids.len() > 50 {
         return Err(ApiError::Invalid("ids must hold 1..=50 message ids".into()));

@@ -3,14 +3,13 @@
 //! `agentmbx whoami --as <agent> --role R` does). What a local mailbox is, and what `*` and
 //! `role:R` reach, is defined in [`crate::mailbox::agents`].
 
-use axum::body::Bytes;
 use axum::extract::State;
 use axum::Json;
 use serde::{Deserialize, Serialize};
 
 use crate::mailbox::agents::{self, AgentEntry, DirectoryEntry};
 
-use super::{ApiError, SharedState};
+use super::{ApiError, ApiJson, ApiQuery, NoQuery, SharedState};
 
 /// Body of `POST /v1/agents`.
 #[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
@@ -39,7 +38,10 @@ pub struct DirectoryAnswer {
 #[utoipa::path(get, path = "/v1/agents", operation_id = "list_agents",
     responses((status = 200, body = DirectoryAnswer)),
     security(("bearer" = [])))]
-pub async fn get(State(state): State<SharedState>) -> Result<Json<DirectoryAnswer>, ApiError> {
+pub async fn get(
+    State(state): State<SharedState>,
+    _: ApiQuery<NoQuery>,
+) -> Result<Json<DirectoryAnswer>, ApiError> {
     let host = state.ident.host.to_string();
     let own = host.clone();
     let list = state
@@ -56,10 +58,9 @@ pub async fn get(State(state): State<SharedState>) -> Result<Json<DirectoryAnswe
     security(("bearer" = [])))]
 pub async fn post(
     State(state): State<SharedState>,
-    body: Bytes,
+    _: ApiQuery<NoQuery>,
+    ApiJson { value: req, .. }: ApiJson<RegisterRequest>,
 ) -> Result<Json<AgentEntry>, ApiError> {
-    let req: RegisterRequest = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::Invalid(format!("bad register request: {e}")))?;
     let own = state.ident.host.to_string();
     let now = state.clock.now_ms();
     let entry = state
@@ -120,8 +121,17 @@ mod tests {
             ids: std::sync::Mutex::new(agentmbx_protocol::ulid::Generator::new()),
             instance: Default::default(),
         });
-        let body = Bytes::from(r#"{"name":"bob","role":"dev","description":"builds"}"#);
-        let Json(entry) = post(State(state.clone()), body).await.unwrap();
+        let body = |text: &'static str| -> Result<ApiJson<RegisterRequest>, ApiError> {
+            Ok(ApiJson {
+                value: crate::api::extract::parse_json(text.as_bytes())?,
+                raw: text.into(),
+            })
+        };
+        let none = || ApiQuery(NoQuery {});
+        let registered = body(r#"{"name":"bob","role":"dev","description":"builds"}"#).unwrap();
+        let Json(entry) = post(State(state.clone()), none(), registered)
+            .await
+            .unwrap();
         assert_eq!(
             (entry.name.as_str(), entry.role.as_deref()),
             ("bob", Some("dev"))
@@ -131,12 +141,13 @@ mod tests {
             r#"{"name":"bob","role":"Dev Ops"}"#,
             r#"{"name":"bob","color":"red"}"#,
         ] {
-            let err = post(State(state.clone()), Bytes::from(bad))
-                .await
-                .unwrap_err();
+            let err = match body(bad) {
+                Ok(req) => post(State(state.clone()), none(), req).await.unwrap_err(),
+                Err(e) => e,
+            };
             assert_eq!(err.status().as_u16(), 400, "{bad}");
         }
-        let Json(dir) = get(State(state)).await.unwrap();
+        let Json(dir) = get(State(state), none()).await.unwrap();
         assert_eq!(dir.host, "home");
         let listed: Vec<(&str, &str)> = dir
             .agents

@@ -77,7 +77,11 @@ impl HealthReason {
     description = "Liveness. Needs no token; with `Authorization: Bearer <token>` (the API token) a `degraded` answer's reasons also carry detail, peer and relay, else only their code.",
     responses((status = 200, body = Health)))]
 #[tracing::instrument(skip_all)]
-pub async fn get(State(state): State<SharedState>, headers: HeaderMap) -> Json<Health> {
+pub async fn get(
+    State(state): State<SharedState>,
+    headers: HeaderMap,
+    _: super::ApiQuery<super::NoQuery>,
+) -> Result<Json<Health>, super::ApiError> {
     // A missing, malformed or wrong token is not refused: it gets the short answer.
     let full = headers
         .get(header::AUTHORIZATION)
@@ -89,10 +93,10 @@ pub async fn get(State(state): State<SharedState>, headers: HeaderMap) -> Json<H
         .into_iter()
         .map(|r| HealthReason::of(r, full))
         .collect();
-    Json(Health {
+    Ok(Json(Health {
         status: if reasons.is_empty() { "ok" } else { "degraded" },
         host: state.host.to_string(),
         version: state.version,
         reasons,
-    })
+    }))
 }

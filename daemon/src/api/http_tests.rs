@@ -549,3 +549,331 @@ async fn a_store_locked_by_another_process_answers_503_store_busy_and_changes_no
     assert_eq!(api.post("/v1/messages", &req, Some("busy-1")).await.0, 201);
     assert_eq!(api.count("messages"), 1);
 }
+
+/// Phrases of serde, serde_json, serde_urlencoded and axum that must never reach a client.
+const LIBRARY_PHRASES: [&str; 6] = [
+    "Failed to deserialize",
+    "Failed to parse",
+    "missing field",
+    "unknown field `",
+    "Json",
+    "axum",
+];
+
+/// Every malformed request on every route kind (query routes, body routes, the open route,
+/// unknown routes and methods) is answered `{error, code}` in our words with a stable code:
+/// missing and unknown query parameters and body fields are named, invalid JSON has its own
+/// code and position, an oversized body is 413 `BODY_TOO_LARGE`, a body not sent as JSON is
+/// 415; nothing is stored.
+#[tokio::test]
+async fn malformed_requests_get_our_words_and_a_stable_code_on_every_route() {
+    let api = Api::start().await;
+    let send = json!({"from": "alice", "to": ["bob"], "subject": "s", "body": "b"}).to_string();
+    let ack = json!({"as": "bob", "ids": ["01KDVDNA3VG2MH8KWSQRCWJZ0S"]}).to_string();
+    let agent = json!({"name": "bob"}).to_string();
+    let with_colour = |body: &str| {
+        let mut v: Value = serde_json::from_str(body).unwrap();
+        v["colour"] = json!("red");
+        v.to_string()
+    };
+    let big = format!(
+        r#"{{"from":"alice","to":["bob"],"subject":"s","body":"{}"}}"#,
+        "x".repeat(super::MAX_REQUEST_BODY + 1)
+    );
+    const JSON: &str = "application/json";
+    // (method, path, content type, body, status, code, a phrase the error must hold)
+    let cases: Vec<(&str, String, &str, String, u16, &str, &str)> = vec![
+        // Query routes: missing, unknown and mistyped parameters.
+        (
+            "GET",
+            "/v1/inbox".into(),
+            "",
+            "".into(),
+            400,
+            "BAD_REQUEST",
+            "missing query parameter `as`",
+        ),
+        (
+            "GET",
+            "/v1/sent".into(),
+            "",
+            "".into(),
+            400,
+            "BAD_REQUEST",
+            "missing query parameter `as`",
+        ),
+        (
+            "GET",
+            "/v1/messages/01KDVDNA3VG2MH8KWSQRCWJZ0S".into(),
+            "",
+            "".into(),
+            400,
+            "BAD_REQUEST",
+            "missing query parameter `as`",
+        ),
+        (
+            "GET",
+            "/v1/inbox?as=bob&colour=red".into(),
+            "",
+            "".into(),
+            400,
+            "BAD_REQUEST",
+            "unknown query parameter `colour`",
+        ),
+        (
+            "GET",
+            "/v1/sent?as=bob&colour=red".into(),
+            "",
+            "".into(),
+            400,
+            "BAD_REQUEST",
+            "unknown query parameter `colour`",
+        ),
+        (
+            "GET",
+            "/v1/messages/01KDVDNA3VG2MH8KWSQRCWJZ0S?as=bob&colour=red".into(),
+            "",
+            "".into(),
+            400,
+            "BAD_REQUEST",
+            "unknown query parameter `colour`",
+        ),
+        (
+            "GET",
+            "/v1/agents?colour=red".into(),
+            "",
+            "".into(),
+            400,
+            "BAD_REQUEST",
+            "unknown query parameter `colour`",
+        ),
+        (
+            "GET",
+            "/v1/health?colour=red".into(),
+            "",
+            "".into(),
+            400,
+            "BAD_REQUEST",
+            "unknown query parameter `colour`",
+        ),
+        (
+            "GET",
+            "/v1/inbox?as=bob&limit=ten".into(),
+            "",
+            "".into(),
+            400,
+            "BAD_REQUEST",
+            "query parameter `limit`",
+        ),
+        // Body routes: missing and unknown fields, invalid JSON, size, content type, query.
+        (
+            "POST",
+            "/v1/messages".into(),
+            JSON,
+            "{}".into(),
+            400,
+            "BAD_REQUEST",
+            "missing body field `from`",
+        ),
+        (
+            "POST",
+            "/v1/ack".into(),
+            JSON,
+            r#"{"as":"bob"}"#.into(),
+            400,
+            "BAD_REQUEST",
+            "missing body field `ids`",
+        ),
+        (
+            "POST",
+            "/v1/agents".into(),
+            JSON,
+            "{}".into(),
+            400,
+            "BAD_REQUEST",
+            "missing body field `name`",
+        ),
+        (
+            "POST",
+            "/v1/messages".into(),
+            JSON,
+            with_colour(&send),
+            400,
+            "BAD_REQUEST",
+            "unknown body field `colour`",
+        ),
+        (
+            "POST",
+            "/v1/ack".into(),
+            JSON,
+            with_colour(&ack),
+            400,
+            "BAD_REQUEST",
+            "unknown body field `colour`",
+        ),
+        (
+            "POST",
+            "/v1/agents".into(),
+            JSON,
+            with_colour(&agent),
+            400,
+            "BAD_REQUEST",
+            "unknown body field `colour`",
+        ),
+        (
+            "POST",
+            "/v1/messages".into(),
+            JSON,
+            r#"{"from": "alice",}"#.into(),
+            400,
+            "INVALID_JSON",
+            "line 1 column 18",
+        ),
+        (
+            "POST",
+            "/v1/ack".into(),
+            JSON,
+            r#"{"as": "#.into(),
+            400,
+            "INVALID_JSON",
+            "line 1 column 7",
+        ),
+        (
+            "POST",
+            "/v1/agents".into(),
+            JSON,
+            "".into(),
+            400,
+            "INVALID_JSON",
+            "empty",
+        ),
+        (
+            "POST",
+            "/v1/messages".into(),
+            JSON,
+            r#"{"from":"alice","to":"bob","subject":"s"}"#.into(),
+            400,
+            "BAD_REQUEST",
+            "body field `to` must be",
+        ),
+        (
+            "POST",
+            "/v1/messages".into(),
+            JSON,
+            big.clone(),
+            413,
+            "BODY_TOO_LARGE",
+            "limit",
+        ),
+        (
+            "POST",
+            "/v1/agents".into(),
+            JSON,
+            big,
+            413,
+            "BODY_TOO_LARGE",
+            "limit",
+        ),
+        (
+            "POST",
+            "/v1/messages".into(),
+            "text/plain",
+            send.clone(),
+            415,
+            "UNSUPPORTED_MEDIA_TYPE",
+            "application/json",
+        ),
+        (
+            "POST",
+            "/v1/ack".into(),
+            "",
+            ack.clone(),
+            415,
+            "UNSUPPORTED_MEDIA_TYPE",
+            "application/json",
+        ),
+        (
+            "POST",
+            "/v1/agents".into(),
+            "application/x-www-form-urlencoded",
+            agent.clone(),
+            415,
+            "UNSUPPORTED_MEDIA_TYPE",
+            "application/json",
+        ),
+        (
+            "POST",
+            "/v1/messages?colour=red".into(),
+            JSON,
+            send.clone(),
+            400,
+            "BAD_REQUEST",
+            "unknown query parameter `colour`",
+        ),
+        // Unknown routes and methods.
+        (
+            "GET",
+            "/v1/nothing".into(),
+            "",
+            "".into(),
+            404,
+            "NOT_FOUND",
+            "not found",
+        ),
+        (
+            "DELETE",
+            "/v1/inbox?as=bob".into(),
+            "",
+            "".into(),
+            405,
+            "METHOD_NOT_ALLOWED",
+            "method",
+        ),
+        (
+            "PUT",
+            "/v1/messages".into(),
+            JSON,
+            send,
+            405,
+            "METHOD_NOT_ALLOWED",
+            "method",
+        ),
+        (
+            "POST",
+            "/v1/health".into(),
+            JSON,
+            "{}".into(),
+            405,
+            "METHOD_NOT_ALLOWED",
+            "method",
+        ),
+    ];
+    for (method, path, content_type, body, status, code, phrase) in cases {
+        let mut req = api
+            .http
+            .request(method.parse().unwrap(), format!("{}{path}", api.base))
+            .bearer_auth(&api.token);
+        if !content_type.is_empty() {
+            req = req.header("content-type", content_type);
+        }
+        if !body.is_empty() {
+            req = req.body(body);
+        }
+        let resp = req.send().await.unwrap();
+        let got = resp.status().as_u16();
+        let text = resp.text().await.unwrap();
+        let answer: Value = serde_json::from_str(&text)
+            .unwrap_or_else(|_| panic!("{method} {path}: not JSON: {text}"));
+        let error = answer["error"].as_str().unwrap_or_default();
+        assert_eq!(
+            (got, answer["code"].as_str()),
+            (status, Some(code)),
+            "{method} {path}: {text}"
+        );
+        assert!(error.contains(phrase), "{method} {path}: {error}");
+        for library in LIBRARY_PHRASES {
+            assert!(!error.contains(library), "{method} {path}: {error}");
+        }
+    }
+    assert_eq!(api.count("messages"), 0);
+}

@@ -1,16 +1,16 @@
 //! `GET /v1/inbox`: an agent's inbox in bounded pages.
 
-use axum::extract::rejection::QueryRejection;
-use axum::extract::{Query, State};
+use axum::extract::State;
 use axum::Json;
 use serde::Deserialize;
 
 use crate::mailbox::messages::{self, InboxPage};
 
-use super::{ApiError, SharedState};
+use super::{ApiError, ApiQuery, SharedState};
 
 /// Query of `GET /v1/inbox`.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
 pub struct InboxQuery {
     /// The agent whose inbox to list.
     #[serde(rename = "as")]
@@ -30,9 +30,8 @@ pub struct InboxQuery {
     security(("bearer" = [])))]
 pub async fn get(
     State(state): State<SharedState>,
-    q: Result<Query<InboxQuery>, QueryRejection>,
+    ApiQuery(q): ApiQuery<InboxQuery>,
 ) -> Result<Json<InboxPage>, ApiError> {
-    let Query(q) = q?;
     super::check_agent(&q.as_agent)?;
     let limit = q.limit.unwrap_or(messages::DEFAULT_INBOX_LIMIT);
     if !(1..=messages::MAX_INBOX_LIMIT).contains(&limit) {

@@ -1,8 +1,7 @@
 //! `POST /v1/messages` (send) and `GET /v1/messages/{id}` (read).
 
-use axum::body::Bytes;
-use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::rejection::PathRejection;
+use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::Json;
 use serde::Deserialize;
@@ -11,7 +10,7 @@ use serde_json::Value;
 use crate::mailbox::{messages, MailboxError};
 use crate::node::send::{self, SendError, SendOutcome, SendRequest};
 
-use super::{idempotent, ApiError, SharedState};
+use super::{idempotent, ApiError, ApiJson, ApiQuery, NoQuery, SharedState};
 
 /// Sends a message from an agent of this host. Local recipients get it at once; each remote
 /// host gets one outbox row, sealed and pushed by the relay loop. Replays with the same
@@ -24,10 +23,12 @@ use super::{idempotent, ApiError, SharedState};
 pub async fn post(
     State(state): State<SharedState>,
     headers: HeaderMap,
-    body: Bytes,
+    _: ApiQuery<NoQuery>,
+    ApiJson {
+        value: req,
+        raw: body,
+    }: ApiJson<SendRequest>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
-    let req: SendRequest = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::Invalid(format!("bad send request: {e}")))?;
     let st = state.clone();
     let answer = idempotent(
         &state,
@@ -57,6 +58,7 @@ pub async fn post(
 
 /// Query of `GET /v1/messages/{id}`.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
 pub struct ReadQuery {
     /// The reading agent.
     #[serde(rename = "as")]
@@ -69,10 +71,10 @@ pub struct ReadQuery {
     security(("bearer" = [])))]
 pub async fn get(
     State(state): State<SharedState>,
-    Path(id): Path<String>,
-    q: Result<Query<ReadQuery>, QueryRejection>,
+    id: Result<Path<String>, PathRejection>,
+    ApiQuery(q): ApiQuery<ReadQuery>,
 ) -> Result<Json<messages::Message>, ApiError> {
-    let Query(q) = q?;
+    let Path(id) = id?;
     super::check_agent(&q.as_agent)?;
     let (host, now) = (state.ident.host.to_string(), state.clock.now_ms());
     let msg = state

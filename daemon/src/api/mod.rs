@@ -22,6 +22,7 @@
 
 pub mod ack;
 pub mod agents;
+pub mod extract;
 pub mod health;
 pub mod inbox;
 pub mod messages;
@@ -51,6 +52,8 @@ use crate::host_name::HostName;
 use crate::identity::Identity;
 use crate::mailbox::{idempotency, Mailbox, MailboxError};
 use crate::token::ApiToken;
+
+pub use extract::{ApiJson, ApiQuery, NoQuery, MAX_REQUEST_BODY};
 
 /// What every handler can reach.
 #[derive(Debug)]
@@ -103,9 +106,19 @@ pub enum ApiError {
     /// The path exists but not with this method. 405 `METHOD_NOT_ALLOWED`.
     #[error("method not allowed")]
     MethodNotAllowed,
-    /// The request is invalid (the message says why). 400 `BAD_REQUEST`.
+    /// The request is invalid (the message says why, naming a missing, unknown or mistyped
+    /// field or query parameter). 400 `BAD_REQUEST`.
     #[error("{0}")]
     Invalid(String),
+    /// The request body is not JSON (the message gives the line and column). 400 `INVALID_JSON`.
+    #[error("{0}")]
+    InvalidJson(String),
+    /// The request body is over [`MAX_REQUEST_BODY`]. 413 `BODY_TOO_LARGE`.
+    #[error("{0}")]
+    BodyTooLarge(String),
+    /// The request body is not sent as `application/json`. 415 `UNSUPPORTED_MEDIA_TYPE`.
+    #[error("{0}")]
+    UnsupportedMediaType(String),
     /// A recipient host is not a known peer. 400 `UNKNOWN_HOST`.
     #[error("{0}")]
     UnknownHost(String),
@@ -142,11 +155,11 @@ impl From<MailboxError> for ApiError {
     }
 }
 
-/// A query string that does not parse (missing or mistyped parameter) is a 400 in the API's
-/// own error format, not axum's plain-text rejection.
-impl From<axum::extract::rejection::QueryRejection> for ApiError {
-    fn from(e: axum::extract::rejection::QueryRejection) -> Self {
-        ApiError::Invalid(e.body_text())
+/// A path segment that does not decode (e.g. bad percent-encoding) is a 400 in the API's own
+/// words, not axum's plain-text rejection.
+impl From<axum::extract::rejection::PathRejection> for ApiError {
+    fn from(_: axum::extract::rejection::PathRejection) -> Self {
+        ApiError::Invalid("the path holds an id that is not valid UTF-8 text".into())
     }
 }
 
@@ -157,7 +170,11 @@ impl ApiError {
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::NotFound => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            ApiError::Invalid(_) | ApiError::UnknownHost(_) => StatusCode::BAD_REQUEST,
+            ApiError::Invalid(_) | ApiError::InvalidJson(_) | ApiError::UnknownHost(_) => {
+                StatusCode::BAD_REQUEST
+            }
+            ApiError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::Missing(_) => StatusCode::NOT_FOUND,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::StoreBusy(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -172,6 +189,9 @@ impl ApiError {
             ApiError::NotFound => "NOT_FOUND",
             ApiError::MethodNotAllowed => "METHOD_NOT_ALLOWED",
             ApiError::Invalid(_) => "BAD_REQUEST",
+            ApiError::InvalidJson(_) => "INVALID_JSON",
+            ApiError::BodyTooLarge(_) => "BODY_TOO_LARGE",
+            ApiError::UnsupportedMediaType(_) => "UNSUPPORTED_MEDIA_TYPE",
             ApiError::UnknownHost(_) => "UNKNOWN_HOST",
             ApiError::Missing(_) => "NOT_FOUND",
             ApiError::Conflict(_) => "CONFLICT",
@@ -240,7 +260,9 @@ pub fn router(state: SharedState) -> Router {
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), require_token))
         .layer(middleware::from_fn(watch_duration));
-    open.merge(authed).with_state(state)
+    open.merge(authed)
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_REQUEST_BODY))
+        .with_state(state)
 }
 
 /// Serves the API on `listener` until `shutdown` completes, then stops accepting and lets

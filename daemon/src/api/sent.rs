@@ -1,17 +1,17 @@
 //! `GET /v1/sent`: the messages an agent sent, newest first, with each recipient's delivery
 //! state (spec §9; design README "Local API for agents").
 
-use axum::extract::rejection::QueryRejection;
-use axum::extract::{Query, State};
+use axum::extract::State;
 use axum::Json;
 use serde::Deserialize;
 
 use crate::mailbox::receipts::{self, SentPage};
 
-use super::{ApiError, SharedState};
+use super::{ApiError, ApiQuery, SharedState};
 
 /// Query of `GET /v1/sent`.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
 pub struct SentQuery {
     /// The agent whose sent messages to list.
     #[serde(rename = "as")]
@@ -32,9 +32,8 @@ pub struct SentQuery {
     security(("bearer" = [])))]
 pub async fn get(
     State(state): State<SharedState>,
-    q: Result<Query<SentQuery>, QueryRejection>,
+    ApiQuery(q): ApiQuery<SentQuery>,
 ) -> Result<Json<SentPage>, ApiError> {
-    let Query(q) = q?;
     super::check_agent(&q.as_agent)?;
     let limit = q.limit.unwrap_or(receipts::DEFAULT_SENT_LIMIT);
     if !(1..=receipts::MAX_SENT_LIMIT).contains(&limit) {
