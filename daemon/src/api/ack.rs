@@ -37,8 +37,10 @@ pub struct AckAnswer {
 #[utoipa::path(post, path = "/v1/ack", operation_id = "ack_messages", request_body = AckRequest,
     params(("Idempotency-Key" = Option<String>, Header, description = "replay protection, ≤200 chars")),
     responses((status = 200, body = AckAnswer),
-        (status = 400, description = "BAD_REQUEST: e.g. a note over 500 UTF-16 code units; nothing acked", body = super::ErrorBody),
+        (status = 400, description = "BAD_REQUEST: e.g. a note over 500 UTF-16 code units, or a missing, unknown or mistyped field (named); INVALID_JSON; nothing acked", body = super::ErrorBody),
         (status = 404, body = super::ErrorBody),
+        (status = 413, description = "BODY_TOO_LARGE: the body is over 2 MiB; nothing was read", body = super::ErrorBody),
+        (status = 415, description = "UNSUPPORTED_MEDIA_TYPE: the body is not sent as application/json", body = super::ErrorBody),
         (status = 503, description = "STORE_BUSY: the store is locked elsewhere or busy; nothing acked; retry with the same Idempotency-Key", body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn post(

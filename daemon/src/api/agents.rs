@@ -36,7 +36,7 @@ pub struct DirectoryAnswer {
 
 /// Lists the agent directory.
 #[utoipa::path(get, path = "/v1/agents", operation_id = "list_agents",
-    responses((status = 200, body = DirectoryAnswer)),
+    responses((status = 200, body = DirectoryAnswer), (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped query parameter, named", body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn get(
     State(state): State<SharedState>,
@@ -54,7 +54,9 @@ pub async fn get(
 /// Registers (or updates) a local mailbox; `*` reaches it from now on, and `role:<R>` when it
 /// has role R.
 #[utoipa::path(post, path = "/v1/agents", operation_id = "register_agent", request_body = RegisterRequest,
-    responses((status = 200, body = AgentEntry), (status = 400, body = super::ErrorBody)),
+    responses((status = 200, body = AgentEntry), (status = 400, description = "BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named) or INVALID_JSON (with line and column)", body = super::ErrorBody),
+        (status = 413, description = "BODY_TOO_LARGE: the body is over 2 MiB; nothing was read", body = super::ErrorBody),
+        (status = 415, description = "UNSUPPORTED_MEDIA_TYPE: the body is not sent as application/json", body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn post(
     State(state): State<SharedState>,

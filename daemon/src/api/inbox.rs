@@ -26,7 +26,7 @@ pub struct InboxQuery {
 
 /// Lists an agent's messages, oldest first, without bodies.
 #[utoipa::path(get, path = "/v1/inbox", operation_id = "list_inbox", params(InboxQuery),
-    responses((status = 200, body = InboxPage), (status = 400, body = super::ErrorBody)),
+    responses((status = 200, body = InboxPage), (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped query parameter, named", body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn get(
     State(state): State<SharedState>,

@@ -17,7 +17,9 @@ use super::{idempotent, ApiError, ApiJson, ApiQuery, NoQuery, SharedState};
 /// `Idempotency-Key` and body return the first answer; another body is 409.
 #[utoipa::path(post, path = "/v1/messages", operation_id = "send_message", request_body = SendRequest,
     params(("Idempotency-Key" = Option<String>, Header, description = "replay protection, ≤200 chars")),
-    responses((status = 201, body = SendOutcome), (status = 400, body = super::ErrorBody), (status = 409, body = super::ErrorBody),
+    responses((status = 201, body = SendOutcome), (status = 400, description = "BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named) or INVALID_JSON (with line and column)", body = super::ErrorBody), (status = 409, body = super::ErrorBody),
+        (status = 413, description = "BODY_TOO_LARGE: the body is over 2 MiB; nothing was read", body = super::ErrorBody),
+        (status = 415, description = "UNSUPPORTED_MEDIA_TYPE: the body is not sent as application/json", body = super::ErrorBody),
         (status = 503, description = "STORE_BUSY: the store is locked elsewhere or busy; nothing was stored; retry after Retry-After with the same Idempotency-Key", body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn post(
@@ -67,7 +69,7 @@ pub struct ReadQuery {
 
 /// Reads one message as an agent (marks the agent's copy read). The sender may read its own copy.
 #[utoipa::path(get, path = "/v1/messages/{id}", operation_id = "read_message", params(("id" = String, Path), ReadQuery),
-    responses((status = 200, body = messages::Message), (status = 404, body = super::ErrorBody)),
+    responses((status = 200, body = messages::Message), (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped query parameter, named", body = super::ErrorBody), (status = 404, body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn get(
     State(state): State<SharedState>,

@@ -3,7 +3,10 @@
 //! This module owns the router, bearer-token authentication and the one mapping from domain
 //! errors to HTTP answers ([`ApiError`]: a status plus `{"error": <human text>, "code":
 //! <stable machine code>}`). Each resource lives in its own file (`health`, …) and only turns a
-//! request into a call on the daemon's state and the result into JSON.
+//! request into a call on the daemon's state and the result into JSON. Every route reads its
+//! body and query through [`ApiJson`] and [`ApiQuery`] ([`extract`]), so no library's error text
+//! reaches a client: 404 `NOT_FOUND` for unknown routes, 405 `METHOD_NOT_ALLOWED`, 400
+//! `BAD_REQUEST` / `INVALID_JSON`, 413 `BODY_TOO_LARGE`, 415 `UNSUPPORTED_MEDIA_TYPE`.
 //!
 //! A store lock held by another process or connection is a clear answer, never a 500: a
 //! statement that still meets it after the store's busy timeout

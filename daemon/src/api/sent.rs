@@ -28,7 +28,7 @@ pub struct SentQuery {
 /// attempt's error in `last_error` once one failed, `relay-accepted`, `repush` with its last
 /// error, `delivered`, `undelivered`, `expired` and `unconfirmed` with their reason).
 #[utoipa::path(get, path = "/v1/sent", operation_id = "list_sent", params(SentQuery),
-    responses((status = 200, body = SentPage), (status = 400, body = super::ErrorBody)),
+    responses((status = 200, body = SentPage), (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped query parameter, named", body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn get(
     State(state): State<SharedState>,
