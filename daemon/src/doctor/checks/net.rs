@@ -39,6 +39,9 @@ pub enum DaemonProbe {
     Unreachable {
         /// `ip:port` tried.
         addr: String,
+        /// Where `addr` came from: `api.addr` (written by the daemon last started in this
+        /// home) or `config.toml` (`api_bind`/`api_port`, with their `MBX_*` overrides).
+        source: &'static str,
         /// Why.
         why: String,
     },
@@ -202,28 +205,32 @@ pub fn proxy_in_use(url: &str, env: &dyn Fn(&str) -> Option<String>) -> Option<S
     Some(format!("{shown} ({name})"))
 }
 
-/// The local API address: `api.addr` written by the running daemon, else the configured one.
-fn api_addr(f: &Facts) -> Option<String> {
+/// The local API address and where it came from: `api.addr` written by the running daemon
+/// (`"api.addr"`), else the configured one (`"config.toml"`).
+fn api_addr(f: &Facts) -> Option<(String, &'static str)> {
     if let Ok(text) = std::fs::read_to_string(f.paths.api_addr_file()) {
         let t = text.trim();
         if !t.is_empty() {
-            return Some(t.to_string());
+            return Some((t.to_string(), "api.addr"));
         }
     }
     let c = f.config.as_ref().ok()?;
-    Some(std::net::SocketAddr::new(c.api_bind, c.api_port).to_string())
+    Some((
+        std::net::SocketAddr::new(c.api_bind, c.api_port).to_string(),
+        "config.toml",
+    ))
 }
 
 /// `GET /v1/health` of the local daemon, with the API token from `api.token` when there is one
 /// (so a `degraded` answer carries each reason's detail, peer and relay, not its code alone).
 async fn probe_daemon(f: &Facts, http: &reqwest::Client) -> Option<DaemonProbe> {
-    let addr = api_addr(f)?;
+    let (addr, source) = api_addr(f)?;
     let mut req = http.get(format!("http://{addr}/v1/health"));
     if let Ok(Some(token)) = crate::token::ApiToken::load(&f.paths.api_token()) {
         req = req.bearer_auth(token.expose_secret());
     }
     Some(match fetch(req).await {
-        Err(why) => DaemonProbe::Unreachable { addr, why },
+        Err(why) => DaemonProbe::Unreachable { addr, source, why },
         Ok((status, _, body)) => DaemonProbe::Answered {
             addr,
             status,
