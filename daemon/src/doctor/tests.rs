@@ -445,6 +445,17 @@ async fn disk_space_measures_the_home() {
 #[tokio::test]
 async fn daemon_not_running_fails_and_another_host_warns() {
     let h = initialized();
+    let set_api_port = |port: u16| {
+        let cfg = std::fs::read_to_string(h.paths.config_file()).unwrap_or_default();
+        let cfg: String = cfg
+            .lines()
+            .filter(|l| !l.trim_start().starts_with("api_port"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        std::fs::write(h.paths.config_file(), format!("api_port = {port}\n{cfg}")).unwrap();
+    };
+    let configured = closed_port();
+    set_api_port(configured);
     std::fs::write(
         h.paths.api_addr_file(),
         format!("127.0.0.1:{}", closed_port()),
@@ -470,17 +481,17 @@ async fn daemon_not_running_fails_and_another_host_warns() {
     );
     assert!(all.contains("agentmbx daemon\n"), "{all}");
     assert!(all.contains("agentmbx daemon install"), "{all}");
+    assert!(
+        all.contains(&format!(
+            "also tried 127.0.0.1:{configured} (from config.toml)"
+        )),
+        "a stale api.addr does not hide the configured port: {all}"
+    );
 
     // Without api.addr, the configured port is tried and named as such.
     std::fs::remove_file(h.paths.api_addr_file()).unwrap();
     let port = closed_port();
-    let cfg = std::fs::read_to_string(h.paths.config_file()).unwrap_or_default();
-    let cfg: String = cfg
-        .lines()
-        .filter(|l| !l.trim_start().starts_with("api_port"))
-        .map(|l| format!("{l}\n"))
-        .collect();
-    std::fs::write(h.paths.config_file(), format!("api_port = {port}\n{cfg}")).unwrap();
+    set_api_port(port);
     let r = h.run(&["daemon"]).await;
     let c = one(&r, "daemon");
     assert_eq!(c.status, Status::Fail, "{c:?}");
@@ -516,6 +527,17 @@ async fn daemon_not_running_fails_and_another_host_warns() {
     std::fs::write(h.paths.api_addr_file(), me.to_string()).unwrap();
     let c = h.run(&["daemon"]).await.checks.remove(0);
     assert_eq!(c.status, Status::Ok, "{c:?}");
+
+    // A stale api.addr (the daemon now runs on the configured port): found there.
+    set_api_port(me.port());
+    std::fs::write(
+        h.paths.api_addr_file(),
+        format!("127.0.0.1:{}", closed_port()),
+    )
+    .unwrap();
+    let c = h.run(&["daemon"]).await.checks.remove(0);
+    assert_eq!(c.status, Status::Ok, "{c:?}");
+    assert!(c.summary.contains(&me.to_string()), "{c:?}");
 
     // Something else on the port: this host's daemon is not answering.
     let other_program = serve(Router::new().route("/v1/health", get(|| async { "hello" }))).await;

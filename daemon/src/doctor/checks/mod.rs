@@ -64,7 +64,12 @@ fn daemon(f: &Facts) -> Result<Outcome, String> {
         ));
     };
     Ok(match probe {
-        DaemonProbe::Unreachable { addr, source, why } => {
+        DaemonProbe::Unreachable {
+            addr,
+            source,
+            also,
+            why,
+        } => {
             let home = f.paths.home();
             let from = match *source {
                 "api.addr" => format!(
@@ -81,14 +86,18 @@ fn daemon(f: &Facts) -> Result<Outcome, String> {
             } else {
                 String::new()
             };
-            Outcome::new(
+            let mut out = Outcome::new(
                 Status::Fail,
                 format!(
                     "daemon not answering on {addr} for the home {} ({why})",
                     home.display()
                 ),
             )
-            .detail(from)
+            .detail(from);
+            for other in also {
+                out = out.detail(format!("also tried {other}: not answering either"));
+            }
+            out
             .detail(format!("start it in the foreground: {env}agentmbx daemon"))
             .detail(format!(
                 "or as a user service that starts at login: {env}agentmbx daemon install"
