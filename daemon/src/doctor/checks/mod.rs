@@ -41,9 +41,9 @@ pub fn evaluate(id: &str, f: &Facts) -> Result<Outcome, String> {
 }
 
 /// `daemon`: the local API answers `GET /v1/health` as this host and this version
-/// (`wire.md` §7 item 3). The address is `api.addr` in the home (the port the daemon last
-/// started here bound), else `api_bind`/`api_port` from `config.toml`; when nothing answers,
-/// the finding names that address, where it came from and the home, and suggests both
+/// (`wire.md` §7 item 3). It tries `api.addr` in the home (the port the daemon last started
+/// here bound), then `api_bind`/`api_port` from `config.toml` when they differ; when nothing
+/// answers, the finding names each address tried, where it came from and the home, and suggests both
 /// `agentmbx daemon` (foreground) and `agentmbx daemon install` (service). Nothing answering (connection refused, timed out), or an answer from
 /// another program or another host's daemon, is `fail` (this host's daemon does not answer);
 /// this host's daemon running another version is `warn`. A health status `degraded` (with
