@@ -127,6 +127,8 @@ fn doctor_on_fresh_and_running_homes() {
     assert_eq!(status_of(&report, "outbox"), "ok");
     assert_eq!(status_of(&report, "quarantine"), "ok");
     assert!(!out.stdout.contains(&token), "the API token never appears");
+    // No user service while the daemon runs (in the foreground): information, not a warning.
+    assert_ne!(status_of(&report, "service"), "warn", "{report}");
 
     // A unit file with the daemon running: installed and running.
     let unit = user.path().join(".config/systemd/user/agentmbx.service");
@@ -143,6 +145,17 @@ fn doctor_on_fresh_and_running_homes() {
     // Text form: a mark per line and the fix lines; the stopped daemon fails.
     let out = doctor(&home, user.path(), &["daemon"]);
     assert_eq!(out.code(), Some(1));
+    // It names the address it tried, where it came from and the home, and suggests the
+    // foreground daemon as well as the service.
+    let home_text = home.path().display().to_string();
+    assert!(
+        out.stdout.contains(&format!("for the home {home_text}"))
+            && out.stdout.contains("api.addr")
+            && out.stdout.contains("agentmbx daemon\n")
+            && out.stdout.contains("agentmbx daemon install"),
+        "{}",
+        out.stdout
+    );
     assert!(
         out.stdout
             .starts_with("✗ daemon answering on the local API: "),

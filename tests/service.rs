@@ -477,6 +477,26 @@ fn install_plan_names_what_the_service_will_not_get() {
     );
     assert!(has("MBX_NO_MDNS") && has("`mdns = false`"), "{notes:#?}");
     assert!(!has("MBX_HOME"), "MBX_HOME is carried: {notes:#?}");
+    // The exact config.toml lines that keep them, for a script to append.
+    assert!(has("(`api_port = 7999`)"), "{notes:#?}");
+    let lines = v["config_toml"].as_str().expect("config_toml");
+    assert!(
+        lines.starts_with("api_port = 7999\n") && lines.contains("\nmdns = false\n"),
+        "{v}"
+    );
+    assert!(
+        !lines.contains("MBX_HOME") && !lines.contains("home"),
+        "{v}"
+    );
+    // The text plan shows them too.
+    let mut cmd = in_user_home(&home, user.path(), &["daemon", "install", "--dry-run"]);
+    cmd.env("MBX_API_PORT", "7999").env("MBX_NO_MDNS", "1");
+    let out = run(cmd);
+    assert!(
+        out.stdout.contains("put these lines in") && out.stdout.contains("#     api_port = 7999\n"),
+        "{}",
+        out.stdout
+    );
     // The tests run the binary from cargo's target directory.
     assert!(has("a cargo build output"), "{notes:#?}");
 

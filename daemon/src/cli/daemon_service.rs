@@ -2,7 +2,11 @@
 //! user unit on Linux, launchd agent on macOS), remove it, or report its state.
 //!
 //! `--dry-run` prints the files and the exact commands and runs or writes nothing (`--json`:
-//! `{platform, files:[{path, contents}], dirs:[path], removes:[path], commands:[[argv]], notes}`);
+//! `{platform, files:[{path, contents}], dirs:[path], removes:[path], commands:[[argv]], notes,
+//! config_toml}`). A service does not get this shell's `MBX_*` settings (but `MBX_HOME`):
+//! `install` warns about each (on stderr; `--dry-run` lists them as notes) and prints the exact
+//! `config.toml` lines that keep them (`config_toml` in the JSON, `null` when none), so a
+//! script can append them; nothing is written to `config.toml` by `install`.
 //! `--platform` picks the other platform's plan for a dry run. An install whose commands fail
 //! puts back the service file it replaced (or removes the one it created), so nothing is left
 //! half-installed. `status` reports `unknown` with the reason when no user manager answers;
@@ -24,7 +28,9 @@ use super::{NotFoundError, UsageError};
 /// `daemon` subcommands (without one, `agentmbx daemon` runs the daemon).
 #[derive(Debug, Subcommand)]
 pub enum DaemonAction {
-    /// Install and start the daemon as a user service (systemd user unit, launchd agent)
+    /// Install and start the daemon as a user service (systemd user unit, launchd agent).
+    /// The service does not get this shell's MBX_* settings (only MBX_HOME): each one set is
+    /// warned about, with the config.toml lines that keep it
     Install(PlanArgs),
     /// Stop the user service and remove its file
     Uninstall(PlanArgs),
@@ -48,7 +54,9 @@ pub struct PlanArgs {
     /// Print the files and commands; write and run nothing
     #[arg(long)]
     pub dry_run: bool,
-    /// With --dry-run: print as JSON {platform, files:[{path, contents}], dirs, removes, commands:[[argv]], notes}
+    /// With --dry-run: print as JSON {platform, files:[{path, contents}], dirs, removes,
+    /// commands:[[argv]], notes, config_toml}; config_toml holds the config.toml lines that
+    /// keep this shell's MBX_* settings for the service (null when none)
     #[arg(long, requires = "dry_run")]
     pub json: bool,
     /// With --dry-run: the plan for this platform instead of this machine's
@@ -201,19 +209,34 @@ fn plan_command(args: PlanArgs, install: bool) -> anyhow::Result<()> {
             &ctx.user
         };
         let mut plan = service::install_plan(platform, &spec, &ctx.file, ctx.uid, user, lingering);
-        plan.notes.extend(install_notes(
-            &spec.binary,
-            std::env::vars_os().filter_map(|(k, _)| k.into_string().ok()),
-        ));
+        plan.notes
+            .extend(install_notes(&spec.binary, shell_settings()));
         plan
     } else {
         service::uninstall_plan(platform, &ctx.file, ctx.uid, &ctx.label)
     };
+    let keep = if install {
+        config_lines(shell_settings())
+    } else {
+        String::new()
+    };
+    let config_file = Paths::from_env()
+        .map(|p| p.config_file().display().to_string())
+        .unwrap_or_else(|_| "config.toml".into());
     if args.dry_run {
         if args.json {
-            println!("{}", serde_json::to_string_pretty(&plan_json(&plan))?);
+            let mut v = plan_json(&plan);
+            v["config_toml"] = if keep.is_empty() {
+                serde_json::Value::Null
+            } else {
+                json!(keep)
+            };
+            println!("{}", serde_json::to_string_pretty(&v)?);
         } else {
             print!("{}", plan_text(&plan));
+            if !keep.is_empty() {
+                print!("{}", keep_text(&config_file, &keep, "# "));
+            }
         }
         return Ok(());
     }
@@ -262,30 +285,96 @@ fn plan_command(args: PlanArgs, install: bool) -> anyhow::Result<()> {
         println!("removed {}", ctx.file.display());
     }
     for note in &plan.notes {
-        println!("note: {note}");
+        if note.contains("the service does not get it") {
+            eprintln!("agentmbx: warning: {note}");
+        } else {
+            println!("note: {note}");
+        }
+    }
+    if !keep.is_empty() {
+        eprint!("{}", keep_text(&config_file, &keep, ""));
     }
     Ok(())
 }
 
-/// What to tell the user about the environment of an install: `MBX_*` variables of this
-/// shell (`vars`: the names) that the service will not see, with the `config.toml` key that
-/// does the same, and a binary inside a cargo `target/` directory (a rebuild or `cargo clean`
-/// replaces or removes it under the running service).
-fn install_notes(binary: &Path, vars: impl Iterator<Item = String>) -> Vec<String> {
-    let mut notes = Vec::new();
-    let mut names: Vec<String> = vars
-        .filter(|v| v.starts_with("MBX_"))
-        // MBX_HOME is carried; the label names the service; MBX_KEYSTORE matters at init
-        // only (config.toml records the choice).
-        .filter(|v| ![agentmbx::paths::HOME_ENV, LABEL_ENV, "MBX_KEYSTORE"].contains(&v.as_str()))
-        .filter(|v| std::env::var_os(v).is_some_and(|x| !x.is_empty()))
+/// This shell's `MBX_*` variables (name, value) that a service would not get: every one with
+/// a non-empty value but `MBX_HOME` (the service file carries it), `MBX_SERVICE_LABEL` (it
+/// names the service) and `MBX_KEYSTORE` (it matters at `init` only; `config.toml` records
+/// the choice). Sorted by name.
+fn shell_settings() -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+        .filter(|(k, v)| k.starts_with("MBX_") && !v.is_empty())
+        .filter(|(k, _)| {
+            ![agentmbx::paths::HOME_ENV, LABEL_ENV, "MBX_KEYSTORE"].contains(&k.as_str())
+        })
         .collect();
-    names.sort();
-    for name in names {
+    out.sort();
+    out
+}
+
+/// The `config.toml` lines that give a service what `settings` (`MBX_*` name, value) give
+/// this shell: top-level keys first, then a `[relay]` table for `MBX_RELAY_URL`; numbers as
+/// integers when they parse, `MBX_SELF_ADDRS` as an array, `MBX_NO_MDNS` (not `0`) as
+/// `mdns = false`. Variables with no `config.toml` key are left out. Empty when none.
+fn config_lines(settings: Vec<(String, String)>) -> String {
+    use agentmbx::config::ENV_KEYS;
+    let quote = |v: &str| toml::Value::String(v.to_string()).to_string();
+    let mut top = String::new();
+    let mut relay = String::new();
+    for (name, value) in settings {
+        let Some(key) = ENV_KEYS.iter().find(|(v, _)| *v == name).map(|(_, k)| *k) else {
+            continue;
+        };
+        let v = value.trim();
+        match key {
+            "mdns" if v == "0" => {}
+            "mdns" => top.push_str("mdns = false\n"),
+            "api_port" | "lan_port" | "relay_pull_interval_ms" if v.parse::<u64>().is_ok() => {
+                top.push_str(&format!("{key} = {v}\n"))
+            }
+            "self_addrs" => {
+                let items: Vec<String> = v
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|a| !a.is_empty())
+                    .map(quote)
+                    .collect();
+                top.push_str(&format!("{key} = [{}]\n", items.join(", ")));
+            }
+            "relay.url" => relay.push_str(&format!("[relay]\nurl = {}\n", quote(v))),
+            _ => top.push_str(&format!("{key} = {}\n", quote(v))),
+        }
+    }
+    top + &relay
+}
+
+/// The text that offers `lines` for `config_file`, each line prefixed with `prefix`.
+fn keep_text(config_file: &str, lines: &str, prefix: &str) -> String {
+    let mut out = format!(
+        "{prefix}to give the service these settings, put these lines in {config_file} \
+         (replacing the same keys there; `agentmbx config validate` checks it), then restart \
+         the service:\n"
+    );
+    for l in lines.lines() {
+        out.push_str(&format!("{prefix}    {l}\n"));
+    }
+    out
+}
+
+/// What to tell the user about the environment of an install: `MBX_*` variables of this
+/// shell (`vars`: name and value, as [`shell_settings`] gives them) that the service will not
+/// see, with the `config.toml` line that does the same, and a binary inside a cargo `target/`
+/// directory (a rebuild or `cargo clean` replaces or removes it under the running service).
+fn install_notes(binary: &Path, vars: Vec<(String, String)>) -> Vec<String> {
+    let mut notes = Vec::new();
+    for (name, value) in vars {
         let key = agentmbx::config::ENV_KEYS
             .iter()
             .find(|(var, _)| *var == name)
             .map(|(_, key)| *key);
+        let line = config_lines(vec![(name.clone(), value)]).replace('\n', " ");
+        let line = line.trim();
         notes.push(match key {
             Some("mdns") => format!(
                 "{name} is set in this shell, but the service does not get it: put \
@@ -293,7 +382,7 @@ fn install_notes(binary: &Path, vars: impl Iterator<Item = String>) -> Vec<Strin
             ),
             Some(key) => format!(
                 "{name} is set in this shell, but the service does not get it: set `{key}` \
-                 in config.toml instead"
+                 in config.toml instead (`{line}`)"
             ),
             None => format!("{name} is set in this shell, but the service does not get it"),
         });
@@ -522,9 +611,46 @@ mod tests {
     }
 
     #[test]
+    fn shell_settings_become_the_config_toml_lines_that_keep_them() {
+        let set = |pairs: &[(&str, &str)]| {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect::<Vec<_>>()
+        };
+        let lines = config_lines(set(&[
+            ("MBX_API_PORT", "7999"),
+            ("MBX_LAN_BIND", "0.0.0.0"),
+            ("MBX_NO_MDNS", "1"),
+            ("MBX_RELAY_PULL_INTERVAL_MS", "2000"),
+            ("MBX_RELAY_URL", "https://relay.example.com"),
+            ("MBX_SELF_ADDRS", "10.0.0.2, 10.0.0.3"),
+            ("MBX_FAILPOINTS", "x"),
+        ]));
+        assert_eq!(
+            lines,
+            "api_port = 7999\nlan_bind = \"0.0.0.0\"\nmdns = false\n\
+             relay_pull_interval_ms = 2000\nself_addrs = [\"10.0.0.2\", \"10.0.0.3\"]\n\
+             [relay]\nurl = \"https://relay.example.com\"\n"
+        );
+        // The lines are valid TOML that config.toml accepts.
+        let v: toml::Table = toml::from_str(&lines).expect("valid TOML");
+        assert_eq!(v["api_port"].as_integer(), Some(7999));
+        assert_eq!(config_lines(set(&[("MBX_NO_MDNS", "0")])), "");
+        let notes = install_notes(
+            Path::new("/usr/bin/agentmbx"),
+            set(&[("MBX_LAN_PORT", "7400")]),
+        );
+        assert!(
+            notes.iter().any(|n| n.contains("(`lan_port = 7400`)")),
+            "{notes:?}"
+        );
+    }
+
+    #[test]
     fn a_binary_in_a_cargo_target_directory_is_noted() {
         let noted = |p: &str| {
-            install_notes(Path::new(p), std::iter::empty())
+            install_notes(Path::new(p), Vec::new())
                 .iter()
                 .any(|n| n.contains("a cargo build output"))
         };

@@ -491,7 +491,9 @@ pub async fn run(paths: Paths, selected: &[Check], opts: Options) -> Report {
     facts.probes = checks::net::probe(
         &facts,
         wants(&["daemon", "host-key-clone", "peer-key-clone"]),
-        wants(&["peers"]),
+        // `relay-reachable` reads the peers' probe too: a relay that is down while every
+        // peer answers over the LAN only warns.
+        wants(&["peers", "relay-reachable"]),
         wants(&[
             "peers",
             "relay-reachable",

@@ -445,6 +445,17 @@ async fn disk_space_measures_the_home() {
 #[tokio::test]
 async fn daemon_not_running_fails_and_another_host_warns() {
     let h = initialized();
+    let set_api_port = |port: u16| {
+        let cfg = std::fs::read_to_string(h.paths.config_file()).unwrap_or_default();
+        let cfg: String = cfg
+            .lines()
+            .filter(|l| !l.trim_start().starts_with("api_port"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        std::fs::write(h.paths.config_file(), format!("api_port = {port}\n{cfg}")).unwrap();
+    };
+    let configured = closed_port();
+    set_api_port(configured);
     std::fs::write(
         h.paths.api_addr_file(),
         format!("127.0.0.1:{}", closed_port()),
@@ -459,6 +470,36 @@ async fn daemon_not_running_fails_and_another_host_warns() {
     );
     assert!(c.summary.starts_with("daemon not answering"));
     assert_eq!(r.exit_code(), 1);
+    // It names the address it tried, where that came from and the home, and suggests the
+    // foreground daemon as well as the service.
+    let home = h.paths.home().display().to_string();
+    assert!(c.summary.contains(&home), "{c:?}");
+    let all = c.details.join("\n");
+    assert!(
+        all.contains("api.addr") && all.contains("written by the daemon last started"),
+        "{all}"
+    );
+    assert!(all.contains("agentmbx daemon\n"), "{all}");
+    assert!(all.contains("agentmbx daemon install"), "{all}");
+    assert!(
+        all.contains(&format!(
+            "also tried 127.0.0.1:{configured} (from config.toml)"
+        )),
+        "a stale api.addr does not hide the configured port: {all}"
+    );
+
+    // Without api.addr, the configured port is tried and named as such.
+    std::fs::remove_file(h.paths.api_addr_file()).unwrap();
+    let port = closed_port();
+    set_api_port(port);
+    let r = h.run(&["daemon"]).await;
+    let c = one(&r, "daemon");
+    assert_eq!(c.status, Status::Fail, "{c:?}");
+    assert!(c.summary.contains(&format!(":{port} ")), "{c:?}");
+    assert!(
+        c.details.join("\n").contains("is from config.toml"),
+        "{c:?}"
+    );
 
     let health = |host: &'static str, version: &'static str| {
         Router::new().route(
@@ -486,6 +527,17 @@ async fn daemon_not_running_fails_and_another_host_warns() {
     std::fs::write(h.paths.api_addr_file(), me.to_string()).unwrap();
     let c = h.run(&["daemon"]).await.checks.remove(0);
     assert_eq!(c.status, Status::Ok, "{c:?}");
+
+    // A stale api.addr (the daemon now runs on the configured port): found there.
+    set_api_port(me.port());
+    std::fs::write(
+        h.paths.api_addr_file(),
+        format!("127.0.0.1:{}", closed_port()),
+    )
+    .unwrap();
+    let c = h.run(&["daemon"]).await.checks.remove(0);
+    assert_eq!(c.status, Status::Ok, "{c:?}");
+    assert!(c.summary.contains(&me.to_string()), "{c:?}");
 
     // Something else on the port: this host's daemon is not answering.
     let other_program = serve(Router::new().route("/v1/health", get(|| async { "hello" }))).await;
@@ -754,6 +806,63 @@ async fn unreachable_relay_fails_quickly() {
     assert_eq!(one(&r, "relay-reachable").status, Status::Fail);
     assert_eq!(one(&r, "clock-skew").status, Status::Skip);
     assert_eq!(r.exit_code(), 1);
+}
+
+#[tokio::test]
+async fn a_down_relay_says_what_to_check_and_only_warns_while_every_peer_answers_on_the_lan() {
+    let h = initialized();
+    let url = format!("https://127.0.0.1:{}", closed_port());
+    h.set_relay(&url, None);
+    let r = h.run(&["relay-reachable"]).await;
+    let c = one(&r, "relay-reachable");
+    assert_eq!(
+        c.status,
+        Status::Fail,
+        "no peers: the relay is the only route"
+    );
+    let all = c.details.join("\n");
+    for what in [
+        "is the URL right?",
+        "is the relay running?",
+        "proxy:",
+        "TLS: the URL starts with https://",
+        "firewall:",
+    ] {
+        assert!(all.contains(what), "{what}: {all}");
+    }
+
+    // Every paired peer answers over the LAN: a warning with the reason, not a failure.
+    let key = HostKey::generate();
+    let public = key.public().to_b64();
+    let addr = fake_peer(key, "work", true).await;
+    h.mailbox()
+        .with(|c| {
+            crate::mailbox::peers::add(c, "work", &public, NOW)?;
+            crate::mailbox::peers::set_addr(c, "work", &addr.to_string(), "cli")?;
+            Ok(())
+        })
+        .unwrap();
+    let r = h.run(&["relay-reachable"]).await;
+    let c = one(&r, "relay-reachable");
+    assert_eq!(c.status, Status::Warn, "{c:?}");
+    assert!(c.summary.contains("answer over the LAN"), "{c:?}");
+    assert_eq!(r.exit_code(), 0);
+
+    // One peer that does not answer: the relay is needed again, so it fails.
+    h.mailbox()
+        .with(|c| {
+            crate::mailbox::peers::add(c, "gone", &HostKey::generate().public().to_b64(), NOW)?;
+            crate::mailbox::peers::set_addr(
+                c,
+                "gone",
+                &format!("127.0.0.1:{}", closed_port()),
+                "cli",
+            )?;
+            Ok(())
+        })
+        .unwrap();
+    let r = h.run(&["relay-reachable"]).await;
+    assert_eq!(one(&r, "relay-reachable").status, Status::Fail);
 }
 
 #[tokio::test]

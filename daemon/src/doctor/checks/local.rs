@@ -319,7 +319,9 @@ fn service_state() -> Option<crate::service::ServiceState> {
 }
 
 /// The doctor's verdict on a service state: fail when enabled but not running, warn when not
-/// installed or not enabled, ok when running; with no supervisor answering, the file alone
+/// installed (while the daemon does not answer) or not enabled, ok when running; not
+/// installed while the daemon answers (run in the foreground on purpose) is `skip` with an
+/// information summary, so such a host gets no warning on every run; with no supervisor answering, the file alone
 /// decides (ok when the daemon answers, else warn) and the state is `unknown`.
 pub fn service_outcome(
     state: &crate::service::ServiceState,
@@ -344,6 +346,13 @@ pub fn service_outcome(
         format!("logs: journalctl --user -u {name}")
     };
     match state.health() {
+        // A daemon run in the foreground (or by other means) on purpose: said as information,
+        // not a warning on every run.
+        Health::NotInstalled if daemon_answers => Outcome::new(
+            Status::Skip,
+            "no user service installed; the daemon runs without one (info, not a problem)",
+        )
+        .detail("to start it at login instead: agentmbx daemon install"),
         Health::NotInstalled => Outcome::new(Status::Warn, "no user service installed")
             .detail("the fix installs a user service that starts the daemon at login")
             .fix("agentmbx daemon install"),
@@ -512,6 +521,16 @@ mod service_tests {
             )),
             Status::Warn
         );
+        // Not installed while the daemon answers (run in the foreground): information, not a
+        // warning on every run; with the daemon down it still warns.
+        let foreground = service_outcome(&state(false, "not-found", "inactive"), true, false);
+        assert_eq!(foreground.status, Some(Status::Skip), "{foreground:?}");
+        assert!(
+            foreground.summary.contains("info"),
+            "{}",
+            foreground.summary
+        );
+        assert_eq!(foreground.fix, None);
         let unknown = service_outcome(&state(true, "unknown", "unknown"), false, false);
         assert!(unknown.summary.contains("unknown"), "{}", unknown.summary);
         assert_eq!(s(unknown), Status::Warn);

@@ -41,7 +41,10 @@ pub fn evaluate(id: &str, f: &Facts) -> Result<Outcome, String> {
 }
 
 /// `daemon`: the local API answers `GET /v1/health` as this host and this version
-/// (`wire.md` §7 item 3): nothing answering (connection refused, timed out), or an answer from
+/// (`wire.md` §7 item 3). It tries `api.addr` in the home (the port the daemon last started
+/// here bound), then `api_bind`/`api_port` from `config.toml` when they differ; when nothing
+/// answers, the finding names each address tried, where it came from and the home, and suggests both
+/// `agentmbx daemon` (foreground) and `agentmbx daemon install` (service). Nothing answering (connection refused, timed out), or an answer from
 /// another program or another host's daemon, is `fail` (this host's daemon does not answer);
 /// this host's daemon running another version is `warn`. A health status `degraded` (with
 /// `reasons`) is still this host's daemon answering: the reasons are their own checks
@@ -61,12 +64,49 @@ fn daemon(f: &Facts) -> Result<Outcome, String> {
         ));
     };
     Ok(match probe {
-        DaemonProbe::Unreachable { addr, why } => Outcome::new(
-            Status::Fail,
-            format!("daemon not answering on {addr} ({why})"),
-        )
-        .detail("install and start the user service, or run `agentmbx daemon` in the foreground")
-        .fix("agentmbx daemon install"),
+        DaemonProbe::Unreachable {
+            addr,
+            source,
+            also,
+            why,
+        } => {
+            let home = f.paths.home();
+            let from = match *source {
+                "api.addr" => format!(
+                    "{addr} is from {}, written by the daemon last started in this home",
+                    f.paths.api_addr_file().display()
+                ),
+                _ => format!(
+                    "{addr} is from config.toml (api_bind, api_port; no daemon has written {} yet)",
+                    f.paths.api_addr_file().display()
+                ),
+            };
+            let env = if std::env::var_os(crate::paths::HOME_ENV).is_some_and(|v| !v.is_empty()) {
+                format!("MBX_HOME={} ", shell_quote(&home.to_string_lossy()))
+            } else {
+                String::new()
+            };
+            let mut out = Outcome::new(
+                Status::Fail,
+                format!(
+                    "daemon not answering on {addr} for the home {} ({why})",
+                    home.display()
+                ),
+            )
+            .detail(from);
+            for other in also {
+                out = out.detail(format!("also tried {other}: not answering either"));
+            }
+            out
+            .detail(format!("start it in the foreground: {env}agentmbx daemon"))
+            .detail(format!(
+                "or as a user service that starts at login: {env}agentmbx daemon install"
+            ))
+            .detail(
+                "if a daemon runs for another home, set MBX_HOME to that home and run doctor again",
+            )
+            .fix(format!("{env}agentmbx daemon install"))
+        }
         DaemonProbe::Answered { addr, status, body } => {
             let host = body.get("host").and_then(|v| v.as_str());
             let version = body.get("version").and_then(|v| v.as_str());

@@ -39,6 +39,11 @@ pub enum DaemonProbe {
     Unreachable {
         /// `ip:port` tried.
         addr: String,
+        /// Where `addr` came from: `api.addr` (written by the daemon last started in this
+        /// home) or `config.toml` (`api_bind`/`api_port`, with their `MBX_*` overrides).
+        source: &'static str,
+        /// The other addresses tried, none answering (`"ip:port (from config.toml)"`).
+        also: Vec<String>,
         /// Why.
         why: String,
     },
@@ -202,33 +207,60 @@ pub fn proxy_in_use(url: &str, env: &dyn Fn(&str) -> Option<String>) -> Option<S
     Some(format!("{shown} ({name})"))
 }
 
-/// The local API address: `api.addr` written by the running daemon, else the configured one.
-fn api_addr(f: &Facts) -> Option<String> {
+/// The local API addresses to try, each with where it came from: `api.addr` written by the
+/// daemon last started in this home (`"api.addr"`), then the configured one (`"config.toml"`,
+/// `api_bind`/`api_port` with their `MBX_*` overrides) when it differs (a stale `api.addr`
+/// must not hide a daemon on the configured port).
+fn api_addrs(f: &Facts) -> Vec<(String, &'static str)> {
+    let mut out = Vec::new();
     if let Ok(text) = std::fs::read_to_string(f.paths.api_addr_file()) {
         let t = text.trim();
         if !t.is_empty() {
-            return Some(t.to_string());
+            out.push((t.to_string(), "api.addr"));
         }
     }
-    let c = f.config.as_ref().ok()?;
-    Some(std::net::SocketAddr::new(c.api_bind, c.api_port).to_string())
+    if let Ok(c) = f.config.as_ref() {
+        let configured = std::net::SocketAddr::new(c.api_bind, c.api_port).to_string();
+        if !out.iter().any(|(a, _)| *a == configured) {
+            out.push((configured, "config.toml"));
+        }
+    }
+    out
 }
 
-/// `GET /v1/health` of the local daemon, with the API token from `api.token` when there is one
-/// (so a `degraded` answer carries each reason's detail, peer and relay, not its code alone).
+/// `GET /v1/health` of the local daemon at each of [`api_addrs`] in turn until one answers,
+/// with the API token from `api.token` when there is one (so a `degraded` answer carries each
+/// reason's detail, peer and relay, not its code alone). `None` when there is no address to
+/// try; [`DaemonProbe::Unreachable`] names the first address and lists the others tried.
 async fn probe_daemon(f: &Facts, http: &reqwest::Client) -> Option<DaemonProbe> {
-    let addr = api_addr(f)?;
-    let mut req = http.get(format!("http://{addr}/v1/health"));
-    if let Ok(Some(token)) = crate::token::ApiToken::load(&f.paths.api_token()) {
-        req = req.bearer_auth(token.expose_secret());
+    let token = crate::token::ApiToken::load(&f.paths.api_token())
+        .ok()
+        .flatten();
+    let mut first: Option<(String, &'static str, String)> = None;
+    let mut also = Vec::new();
+    for (addr, source) in api_addrs(f) {
+        let mut req = http.get(format!("http://{addr}/v1/health"));
+        if let Some(token) = &token {
+            req = req.bearer_auth(token.expose_secret());
+        }
+        match fetch(req).await {
+            Err(why) if first.is_none() => first = Some((addr, source, why)),
+            Err(_) => also.push(format!("{addr} (from {source})")),
+            Ok((status, _, body)) => {
+                return Some(DaemonProbe::Answered {
+                    addr,
+                    status,
+                    body: serde_json::from_slice(&body).unwrap_or(Value::Null),
+                })
+            }
+        }
     }
-    Some(match fetch(req).await {
-        Err(why) => DaemonProbe::Unreachable { addr, why },
-        Ok((status, _, body)) => DaemonProbe::Answered {
-            addr,
-            status,
-            body: serde_json::from_slice(&body).unwrap_or(Value::Null),
-        },
+    let (addr, source, why) = first?;
+    Some(DaemonProbe::Unreachable {
+        addr,
+        source,
+        also,
+        why,
     })
 }
 

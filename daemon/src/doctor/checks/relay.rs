@@ -173,8 +173,22 @@ pub fn reachable(f: &Facts) -> Result<Outcome, String> {
         ),
         Some(Err(why)) => {
             let queued = recorded(f, url).map(|r| r.queued).unwrap_or(0);
-            let mut out = Outcome::new(Status::Fail, format!("{url} not reachable: {why}"));
-            if let Some(proxy) = super::net::proxy_in_use(url, &|k| std::env::var(k).ok()) {
+            let lan_peers = all_peers_on_lan(f);
+            let mut out = match lan_peers {
+                Some(n) => Outcome::new(
+                    Status::Warn,
+                    format!(
+                        "{url} not reachable: {why}; all {n} peer(s) answer over the LAN, so mail between them still flows"
+                    ),
+                )
+                .detail(
+                    "a warning, not a failure: every paired peer takes mail directly; mail for a \
+                     peer off this LAN waits in the outbox until the relay answers",
+                ),
+                None => Outcome::new(Status::Fail, format!("{url} not reachable: {why}")),
+            };
+            let proxy = super::net::proxy_in_use(url, &|k| std::env::var(k).ok());
+            if let Some(proxy) = &proxy {
                 out = out.detail(format!("tried through the proxy {proxy}"));
             }
             if queued > 0 {
@@ -182,10 +196,68 @@ pub fn reachable(f: &Facts) -> Result<Outcome, String> {
                     "{queued} pending outbox row(s) wait; they go out when a route answers"
                 ));
             }
-            out.detail("check the network and the relay URL; the fix command asks the relay again")
-                .fix("agentmbx relay info --live")
+            for line in relay_down_advice(url, proxy.is_some()) {
+                out = out.detail(line);
+            }
+            out.fix("agentmbx relay info --live")
         }
     })
+}
+
+/// The number of paired peers when there is at least one and every one answered the LAN
+/// probe with its pinned key and accepted our signature; `None` otherwise (no peers, not
+/// probed, or any peer not reachable over the LAN).
+fn all_peers_on_lan(f: &Facts) -> Option<usize> {
+    let list = f.probes.peers.as_ref()?.as_ref().ok()?;
+    (!list.is_empty() && list.iter().all(|p| p.addr.is_some() && p.result.is_ok()))
+        .then_some(list.len())
+}
+
+/// What to check when the relay at `url` does not answer, in words a user can act on: the
+/// URL, the relay process, proxy variables (`proxied`: one is in use for this URL), TLS
+/// against plain HTTP, and a firewall on the relay's port.
+pub fn relay_down_advice(url: &str, proxied: bool) -> Vec<String> {
+    let parsed = reqwest::Url::parse(url).ok();
+    let scheme = parsed.as_ref().map_or("", |u| u.scheme()).to_string();
+    let host = parsed
+        .as_ref()
+        .and_then(|u| u.host_str().map(str::to_string))
+        .unwrap_or_else(|| "the relay host".into());
+    let port = parsed
+        .as_ref()
+        .and_then(reqwest::Url::port_or_known_default)
+        .map_or_else(|| "its port".to_string(), |p| format!("port {p}"));
+    let mut out = vec![
+        "what to check:".to_string(),
+        format!(
+            "  is the URL right? `agentmbx relay info` shows the one configured ({url}); \
+             compare it with the one the relay's operator gave"
+        ),
+        format!(
+            "  is the relay running? on {host}, the relay process (`agentmbx relay serve` or the agentmbx-relay service) must be up and listening on {port}"
+        ),
+    ];
+    out.push(if proxied {
+        "  proxy: the request went through the proxy above; if the relay is on your network, \
+         add its host to NO_PROXY, or unset HTTPS_PROXY/HTTP_PROXY/ALL_PROXY"
+            .to_string()
+    } else {
+        "  proxy: if this network needs one, set HTTPS_PROXY (or HTTP_PROXY for an http:// URL)"
+            .to_string()
+    });
+    out.push(match scheme.as_str() {
+        "https" => "  TLS: the URL starts with https://; if the relay serves plain HTTP (no TLS \
+                    in front of it), use http:// instead"
+            .to_string(),
+        _ => "  TLS: the URL starts with http://; if the relay sits behind TLS (a reverse proxy \
+              on 443), use https:// instead"
+            .to_string(),
+    });
+    out.push(format!(
+        "  firewall: {port} on {host} must be open from this host (try: curl -v {})",
+        shell_quote(&format!("{}/v2/relay/info", url.trim_end_matches('/')))
+    ));
+    out
 }
 
 /// `relay-key`: a relay key is pinned and the relay serves it; on a mismatch the exact
