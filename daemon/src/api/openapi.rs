@@ -4,13 +4,13 @@
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use super::{ack, agents, health, inbox, messages, sent};
+use super::{ack, agents, health, inbox, messages, sent, threads};
 
 /// The OpenAPI description of the local API.
 #[derive(Debug, OpenApi)]
 #[openapi(
-    info(title = "agentmbx local API", description = "Loopback API for agents on this host: send, inbox, read, ack, sent, agent directory. Bearer token from api.token; errors are {error, code}."),
-    paths(health::get, messages::post, messages::get, inbox::get, ack::post, agents::get, agents::post, sent::get),
+    info(title = "agentmbx local API", description = "Loopback API for agents on this host: send, reply, inbox, read, thread, ack, sent, agent directory. Bearer token from api.token; errors are {error, code}."),
+    paths(health::get, messages::post, messages::reply, messages::get, threads::get, inbox::get, ack::post, agents::get, agents::post, sent::get),
     modifiers(&BearerAuth)
 )]
 pub struct ApiDoc;
