@@ -310,6 +310,66 @@ mod tests {
 
     const ID: &str = "01KDVDNA3VG2MH8KWSQRCWJZ0S";
 
+    #[test]
+    fn a_reply_subject_gets_one_re_prefix() {
+        assert_eq!(re_subject("plan"), "Re: plan");
+        assert_eq!(re_subject("Re: plan"), "Re: plan");
+        assert_eq!(re_subject("RE:plan"), "RE:plan");
+        assert_eq!(re_subject("Ré"), "Re: Ré");
+        assert_eq!(re_subject("R"), "Re: R");
+    }
+
+    #[test]
+    fn a_reply_to_mail_from_another_host_is_addressed_to_its_sender_there() {
+        let s = testutil::store();
+        // Mail alice@work sent to bob here, in a thread of its own.
+        let draft = Draft {
+            from: "alice@work".into(),
+            to: vec!["bob@home".into()],
+            subject: "from work".into(),
+            body: String::new(),
+            kind: None,
+            thread: Some("T1".into()),
+            reply_to: None,
+            needs_reply: true,
+            refs: vec![],
+        };
+        let env = envelope::build(&draft, ID.into(), T0).unwrap();
+        s.mailbox
+            .with(|c| {
+                messages::insert(c, &env.to_value(), "work", T0)?;
+                messages::deliver(c, ID, "bob", T0)
+            })
+            .unwrap();
+        let req = ReplyRequest {
+            from: "bob".into(),
+            body: String::new(),
+            kind: None,
+            needs_reply: false,
+            refs: vec![],
+        };
+        let out = s
+            .mailbox
+            .with(|c| Ok::<_, MailboxError>(reply_request(c, "home", ID, &req)))
+            .unwrap()
+            .unwrap();
+        assert_eq!(out.to, vec!["alice@work".to_string()]);
+        assert_eq!(out.subject, "Re: from work");
+        assert_eq!(out.reply_to.as_deref(), Some(ID));
+        assert_eq!(out.thread.as_deref(), Some("T1"));
+        // Another local agent cannot answer bob's mail.
+        let carol = ReplyRequest {
+            from: "carol".into(),
+            ..req
+        };
+        assert!(matches!(
+            s.mailbox
+                .with(|c| Ok::<_, MailboxError>(reply_request(c, "home", ID, &carol)))
+                .unwrap(),
+            Err(SendError::ParentNotFound(_))
+        ));
+    }
+
     fn counts(s: &testutil::Store) -> (i64, i64, i64) {
         (
             s.scalar("SELECT COUNT(*) FROM messages"),
