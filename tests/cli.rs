@@ -1135,3 +1135,175 @@ fn ack_refuses_a_note_over_500_utf16_units_and_takes_one_at_the_limit() {
     out.assert_success();
     assert_eq!(out.stdout.trim(), "acked 1", "{out:#?}");
 }
+
+/// Registers `name` as an agent of the daemon's host (`POST /v1/agents`).
+fn register(home: &Home, daemon: &Daemon, name: &str) {
+    let token = home.token();
+    let resp = helper::request(
+        daemon.addr,
+        "POST",
+        "/v1/agents",
+        Some(&token),
+        &[],
+        Some(&format!(r#"{{"name":"{name}"}}"#)),
+    );
+    assert!(resp.status < 300, "{resp:?}");
+}
+
+#[test]
+fn reply_and_send_reply_to_stay_in_the_thread_and_inbox_read_and_thread_show_it() {
+    let home = Home::new();
+    let daemon = Daemon::start(&home);
+    for name in ["alice", "bob", "carol"] {
+        register(&home, &daemon, name);
+    }
+    let first = home
+        .run(&[
+            "send",
+            "--as",
+            "alice",
+            "--to",
+            "bob",
+            "--subject",
+            "plan",
+            "-m",
+            "step one",
+            "--needs-reply",
+            "--json",
+        ])
+        .assert_success()
+        .json();
+    let first = first["id"].as_str().expect("id").to_string();
+
+    // The inbox line and `read` show kind, needs-reply and thread; filters as 0.5.x.
+    let inbox = home.run(&["inbox", "--as", "bob"]);
+    inbox.assert_success();
+    assert!(
+        inbox.stdout.contains("kind:message needs-reply"),
+        "{inbox:#?}"
+    );
+    let none = home.run(&["inbox", "--as", "bob", "--from", "carol", "--json"]);
+    assert_eq!(
+        none.assert_success().json()["messages"],
+        serde_json::json!([])
+    );
+    let asks = home.run(&[
+        "inbox",
+        "--as",
+        "bob",
+        "--needs-reply",
+        "--from",
+        "alice",
+        "--json",
+    ]);
+    assert_eq!(
+        asks.assert_success().json()["messages"][0]["id"],
+        first.as_str()
+    );
+
+    // `reply`: to the sender, same thread, `Re:`, kind reply.
+    let out = home.run(&["reply", &first, "--as", "bob", "-m", "done", "--json"]);
+    let reply = out.assert_success().json();
+    assert_eq!(reply["thread"], first.as_str(), "{out:#?}");
+    let reply_id = reply["id"].as_str().expect("id").to_string();
+    let read = home.run(&["read", &reply_id, "--as", "alice"]);
+    read.assert_success();
+    for line in [
+        "subject: Re: plan".to_string(),
+        "kind: reply".into(),
+        "needs-reply: no".into(),
+        format!("thread: {first}"),
+        format!("reply-to: {first}"),
+    ] {
+        assert!(read.stdout.lines().any(|l| l == line), "{line}: {read:#?}");
+    }
+    let inbox = home.run(&["inbox", "--as", "alice"]);
+    assert!(
+        inbox
+            .stdout
+            .contains(&format!("kind:reply thread:{first} re:{first}")),
+        "{inbox:#?}"
+    );
+
+    // `send --reply-to` continues the thread too; `send --thread` sends into one.
+    let out = home.run(&[
+        "send",
+        "--as",
+        "alice",
+        "--to",
+        "bob",
+        "--subject",
+        "more",
+        "-m",
+        "x",
+        "--reply-to",
+        &reply_id,
+        "--json",
+    ]);
+    assert_eq!(
+        out.assert_success().json()["thread"],
+        first.as_str(),
+        "{out:#?}"
+    );
+    let out = home.run(&[
+        "send",
+        "--as",
+        "alice",
+        "--to",
+        "bob",
+        "--subject",
+        "aside",
+        "-m",
+        "y",
+        "--thread",
+        &first,
+        "--json",
+    ]);
+    assert_eq!(
+        out.assert_success().json()["thread"],
+        first.as_str(),
+        "{out:#?}"
+    );
+
+    // `thread`: every message of it, oldest first, with bodies; paged with a cursor on stderr.
+    let out = home.run(&["thread", &reply_id, "--as", "bob"]);
+    out.assert_success();
+    let order: Vec<usize> = ["step one", "done", "x", "y"]
+        .iter()
+        .map(|b| out.stdout.lines().position(|l| l == *b).expect(b))
+        .collect();
+    assert!(order.windows(2).all(|w| w[0] < w[1]), "{out:#?}");
+    let out = home.run(&["thread", &first, "--as", "bob", "--limit", "1"]);
+    assert!(out.stderr.contains("more: agentmbx thread"), "{out:#?}");
+
+    // A parent the agent cannot see: not found (exit 3), nothing sent.
+    for args in [
+        vec![
+            "reply",
+            "01KDVDNA3VG2MH8KWSQRCWJZ0S",
+            "--as",
+            "bob",
+            "-m",
+            "x",
+        ],
+        vec!["reply", &first, "--as", "carol", "-m", "x"],
+        vec![
+            "send",
+            "--as",
+            "bob",
+            "--to",
+            "alice",
+            "--subject",
+            "s",
+            "-m",
+            "x",
+            "--reply-to",
+            "01KDVDNA3VG2MH8KWSQRCWJZ0S",
+        ],
+        vec!["thread", "01KDVDNA3VG2MH8KWSQRCWJZ0S", "--as", "bob"],
+    ] {
+        let out = home.run(&args);
+        assert_eq!(out.code(), Some(3), "{args:?}: {out:#?}");
+        assert!(out.stderr.contains("no message"), "{out:#?}");
+    }
+}

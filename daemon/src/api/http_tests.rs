@@ -877,3 +877,268 @@ async fn malformed_requests_get_our_words_and_a_stable_code_on_every_route() {
     }
     assert_eq!(api.count("messages"), 0);
 }
+
+impl Api {
+    /// Sends `body` (a `POST /v1/messages` request) and returns the answer, asserting 201.
+    async fn send_json(&self, body: Value) -> Value {
+        let (status, out) = self.post("/v1/messages", &body, None).await;
+        assert_eq!(status, 201, "{out}");
+        out
+    }
+
+    async fn read_as(&self, agent: &str, id: &str) -> Value {
+        let (status, m) = self.get(&format!("/v1/messages/{id}?as={agent}")).await;
+        assert_eq!(status, 200, "{m}");
+        m
+    }
+}
+
+#[tokio::test]
+async fn a_reply_continues_its_parents_thread_as_kind_reply() {
+    let api = Api::start().await;
+    let first = api.send(&["bob"], "plan").await;
+    // `reply_to` in a send: the parent's thread, kind `reply` (not a new thread of its own).
+    let out = api
+        .send_json(json!({"from": "bob", "to": ["alice"], "subject": "ok", "reply_to": first}))
+        .await;
+    let second = out["id"].as_str().unwrap().to_string();
+    assert_eq!(out["thread"], first.as_str(), "{out}");
+    let m = api.read_as("alice", &second).await;
+    assert_eq!(
+        (
+            m["thread"].as_str(),
+            m["kind"].as_str(),
+            m["reply_to"].as_str()
+        ),
+        (Some(first.as_str()), Some("reply"), Some(first.as_str())),
+        "{m}"
+    );
+    // A kind given stays.
+    let out = api
+        .send_json(json!({"from": "alice", "to": ["bob"], "subject": "s", "reply_to": second, "kind": "decision", "thread": first}))
+        .await;
+    assert_eq!(out["thread"], first.as_str());
+    assert_eq!(
+        api.read_as("bob", out["id"].as_str().unwrap()).await["kind"],
+        "decision"
+    );
+
+    // The reply route: to the parent's sender, same thread, `Re:` subject, idempotent.
+    let before = api.count("messages");
+    let req = json!({"from": "bob", "body": "done", "needs_reply": true});
+    let (status, out) = api
+        .post(&format!("/v1/messages/{first}/reply"), &req, Some("k1"))
+        .await;
+    assert_eq!(status, 201, "{out}");
+    assert_eq!(out["thread"], first.as_str());
+    assert_eq!(out["recipients"][0]["name"], "alice", "{out}");
+    let (status, again) = api
+        .post(&format!("/v1/messages/{first}/reply"), &req, Some("k1"))
+        .await;
+    assert_eq!((status, &again["id"]), (201, &out["id"]));
+    assert_eq!(api.count("messages"), before + 1);
+    let m = api.read_as("alice", out["id"].as_str().unwrap()).await;
+    assert_eq!(
+        (
+            m["subject"].as_str(),
+            m["kind"].as_str(),
+            m["reply_to"].as_str(),
+            m["needs_reply"].as_bool()
+        ),
+        (
+            Some("Re: plan"),
+            Some("reply"),
+            Some(first.as_str()),
+            Some(true)
+        ),
+        "{m}"
+    );
+    // Replying to a reply does not stack `Re:`.
+    let (status, out) = api
+        .post(
+            &format!("/v1/messages/{}/reply", out["id"].as_str().unwrap()),
+            &json!({"from": "alice"}),
+            None,
+        )
+        .await;
+    assert_eq!(status, 201, "{out}");
+    assert_eq!(
+        api.read_as("bob", out["id"].as_str().unwrap()).await["subject"],
+        "Re: plan"
+    );
+
+    // A parent the agent cannot see (unknown, or another mailbox's) is 404; a thread other than
+    // the parent's is 400; nothing is stored.
+    let before = api.count("messages");
+    for (agent, parent) in [
+        ("bob", "01KDVDNA3VG2MH8KWSQRCWJZ0S"),
+        ("carol", first.as_str()),
+    ] {
+        let (status, body) = api
+            .send_json_status(
+                json!({"from": agent, "to": ["alice"], "subject": "s", "reply_to": parent}),
+            )
+            .await;
+        assert_eq!(
+            (status, body["code"].as_str()),
+            (404, Some("NOT_FOUND")),
+            "{body}"
+        );
+        let (status, body) = api
+            .post(
+                &format!("/v1/messages/{parent}/reply"),
+                &json!({"from": agent}),
+                None,
+            )
+            .await;
+        assert_eq!(
+            (status, body["code"].as_str()),
+            (404, Some("NOT_FOUND")),
+            "{body}"
+        );
+    }
+    let (status, body) = api
+        .send_json_status(json!({"from": "bob", "to": ["alice"], "subject": "s", "reply_to": first, "thread": "other"}))
+        .await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body["error"].as_str().unwrap().contains("thread"), "{body}");
+    assert_eq!(api.count("messages"), before);
+}
+
+impl Api {
+    async fn send_json_status(&self, body: Value) -> (u16, Value) {
+        self.post("/v1/messages", &body, None).await
+    }
+}
+
+#[tokio::test]
+async fn a_thread_lists_what_the_agent_sees_in_order_in_bounded_pages() {
+    let api = Api::start().await;
+    let first = api.send(&["bob"], "plan").await;
+    let mut ids = vec![first.clone()];
+    for (from, to) in [("bob", "alice"), ("alice", "bob")] {
+        let out = api
+            .send_json(
+                json!({"from": from, "to": [to], "subject": "r", "reply_to": ids.last().unwrap()}),
+            )
+            .await;
+        ids.push(out["id"].as_str().unwrap().to_string());
+    }
+    // Mail of the same thread to carol only: bob does not see it.
+    api.send_json(json!({"from": "alice", "to": ["carol"], "subject": "aside", "thread": first}))
+        .await;
+    let unrelated = api.send(&["bob"], "other").await;
+    // By a message id (any of the thread's) or by the thread id, oldest first, bodies included.
+    for by in [&first, &ids[2]] {
+        let (status, page) = api.get(&format!("/v1/threads/{by}?as=bob")).await;
+        assert_eq!(status, 200, "{page}");
+        assert_eq!(page["thread"], first.as_str());
+        assert_eq!(ids_of(&page), ids, "{page}");
+        assert!(page["next_cursor"].is_null());
+        assert_eq!(page["messages"][0]["body"], "b");
+    }
+    assert!(
+        !ids_of(&api.get(&format!("/v1/threads/{first}?as=alice")).await.1).contains(&unrelated)
+    );
+    assert_eq!(
+        ids_of(&api.get(&format!("/v1/threads/{first}?as=carol")).await.1).len(),
+        1
+    );
+    // Pages with a cursor.
+    let mut seen = vec![];
+    let mut cursor = String::new();
+    loop {
+        let (status, page) = api
+            .get(&format!(
+                "/v1/threads/{first}?as=bob&limit=2&cursor={cursor}"
+            ))
+            .await;
+        assert_eq!(status, 200, "{page}");
+        seen.extend(ids_of(&page));
+        match page["next_cursor"].as_str() {
+            Some(c) => cursor = c.to_string(),
+            None => break,
+        }
+    }
+    assert_eq!(seen, ids);
+    // Listing marks nothing read.
+    let (_, inbox) = api.inbox("").await;
+    assert!(
+        inbox["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|m| m["state"] == "new"),
+        "{inbox}"
+    );
+    // Nothing the agent can see: 404; bad cursor and limit: 400.
+    for q in [
+        format!("{first}?as=dave"),
+        "01KDVDNA3VG2MH8KWSQRCWJZ0S?as=bob".into(),
+    ] {
+        let (status, body) = api.get(&format!("/v1/threads/{q}")).await;
+        assert_eq!(
+            (status, body["code"].as_str()),
+            (404, Some("NOT_FOUND")),
+            "{body}"
+        );
+    }
+    for q in [
+        format!("cursor={unrelated}"),
+        "limit=0".into(),
+        "limit=201".into(),
+    ] {
+        let (status, _) = api.get(&format!("/v1/threads/{first}?as=bob&{q}")).await;
+        assert_eq!(status, 400, "{q}");
+    }
+}
+
+#[tokio::test]
+async fn inbox_filters_by_needs_reply_and_sender_and_shows_what_a_message_replies_to() {
+    let api = Api::start().await;
+    let plain = api.send(&["bob"], "plain").await;
+    let asks = api
+        .send_json(json!({"from": "alice", "to": ["bob"], "subject": "q", "needs_reply": true}))
+        .await["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let from_carol = api
+        .send_json(
+            json!({"from": "carol", "to": ["bob", "alice"], "subject": "c", "reply_to": null}),
+        )
+        .await["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (status, page) = api.inbox("&needs_reply=true").await;
+    assert_eq!(status, 200, "{page}");
+    assert_eq!(ids_of(&page), vec![asks.clone()]);
+    assert_eq!(
+        ids_of(&api.inbox("&from=carol").await.1),
+        vec![from_carol.clone()]
+    );
+    assert_eq!(
+        ids_of(&api.inbox("&from=alice@home").await.1),
+        vec![plain.clone(), asks.clone()]
+    );
+    assert!(ids_of(&api.inbox("&from=alice@work").await.1).is_empty());
+    assert!(ids_of(&api.inbox("&from=alic").await.1).is_empty());
+    assert_eq!(
+        ids_of(&api.inbox("&from=alice&needs_reply=true").await.1),
+        vec![asks.clone()]
+    );
+    for bad in ["&from=Bad%20Name", "&from=a@", "&needs_reply=maybe"] {
+        assert_eq!(api.inbox(bad).await.0, 400, "{bad}");
+    }
+    // Entries say what they reply to (alice got carol's message too).
+    let reply = api
+        .send_json(json!({"from": "alice", "to": ["bob"], "subject": "r", "reply_to": from_carol}))
+        .await;
+    assert!(reply.get("id").is_some());
+    let (_, page) = api.inbox("&from=alice").await;
+    let last = page["messages"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(last["reply_to"], from_carol.as_str(), "{page}");
+    assert_eq!(last["kind"], "reply");
+    assert_eq!(last["thread"], from_carol.as_str());
+}

@@ -4,7 +4,7 @@ use axum::extract::State;
 use axum::Json;
 use serde::Deserialize;
 
-use crate::mailbox::messages::{self, InboxPage};
+use crate::mailbox::messages::{self, InboxFilter, InboxPage};
 
 use super::{ApiError, ApiQuery, SharedState};
 
@@ -22,6 +22,11 @@ pub struct InboxQuery {
     /// Include acked messages.
     #[serde(default)]
     pub all: bool,
+    /// Only messages that ask for a reply.
+    #[serde(default)]
+    pub needs_reply: bool,
+    /// Only messages from this sender: `name@host`, or a bare `name` (from any host).
+    pub from: Option<String>,
 }
 
 /// Lists an agent's messages, oldest first, without bodies.
@@ -40,9 +45,27 @@ pub async fn get(
             messages::MAX_INBOX_LIMIT
         )));
     }
+    if let Some(from) = q.from.as_deref() {
+        let (name, host) = match from.split_once('@') {
+            Some((n, h)) => (n, Some(h)),
+            None => (from, None),
+        };
+        if !agentmbx_protocol::limits::is_name(name)
+            || host.is_some_and(|h| h.is_empty() || h.contains('@'))
+        {
+            return Err(ApiError::Invalid(format!(
+                "bad from {from:?}: an agent name or name@host"
+            )));
+        }
+    }
+    let filter = InboxFilter {
+        include_acked: q.all,
+        needs_reply: q.needs_reply,
+        from: q.from,
+    };
     let page = state
         .mailbox
-        .run(move |c| messages::inbox(c, &q.as_agent, q.cursor.as_deref(), limit, q.all))
+        .run(move |c| messages::inbox(c, &q.as_agent, q.cursor.as_deref(), limit, &filter))
         .await?;
     Ok(Json(page))
 }

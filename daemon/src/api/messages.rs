@@ -1,4 +1,5 @@
-//! `POST /v1/messages` (send) and `GET /v1/messages/{id}` (read).
+//! `POST /v1/messages` (send), `POST /v1/messages/{id}/reply` (reply) and
+//! `GET /v1/messages/{id}` (read).
 
 use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
@@ -8,7 +9,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::mailbox::{messages, MailboxError};
-use crate::node::send::{self, SendError, SendOutcome, SendRequest};
+use crate::node::send::{self, ReplyRequest, SendError, SendOutcome, SendRequest};
 
 use super::{idempotent, ApiError, ApiJson, ApiQuery, NoQuery, SharedState};
 
@@ -39,17 +40,80 @@ pub async fn post(
         format!("send:{}", req.from),
         &body,
         StatusCode::CREATED,
+        move |tx| send_in(&st, tx, &req),
+    )
+    .await?;
+    state.wake.notify_one();
+    Ok(answer)
+}
+
+/// Sends `req` inside `tx`: the closure body of the mutating routes (`Ok(Err(_))` rolls back).
+fn send_in(
+    st: &SharedState,
+    tx: &rusqlite::Transaction<'_>,
+    req: &SendRequest,
+) -> Result<Result<Value, ApiError>, MailboxError> {
+    let id = st
+        .ids
+        .lock()
+        .map_err(|_| MailboxError::Task)?
+        .next(st.clock.now_ms());
+    match send::send(tx, &st.ident, req, id, st.clock.now_ms()) {
+        Ok(outcome) => Ok(Ok(serde_json::to_value(outcome).unwrap_or(Value::Null))),
+        Err(e) => send_error(e).map(Err),
+    }
+}
+
+/// A refused send as the API answers it (a storage fault stays a storage fault).
+fn send_error(e: SendError) -> Result<ApiError, MailboxError> {
+    Ok(match e {
+        SendError::Store(e) => return Err(e),
+        SendError::Invalid(m) => ApiError::Invalid(m),
+        SendError::ParentNotFound(m) => ApiError::Missing(m),
+        e @ SendError::UnknownHost(_) => ApiError::UnknownHost(e.to_string()),
+    })
+}
+
+/// Replies to message `{id}` as agent `from` (0.5.x `mbx_reply`): to the message's sender, in its
+/// thread, subject `Re: <subject>`, kind `reply` unless given. `{id}` must be delivered to
+/// `from` or sent by it, else 404 and nothing is sent. `Idempotency-Key` as for a send.
+#[utoipa::path(post, path = "/v1/messages/{id}/reply", operation_id = "reply_message", request_body = ReplyRequest,
+    params(("id" = String, Path, description = "the message answered"),
+        ("Idempotency-Key" = Option<String>, Header, description = "replay protection, ≤200 chars")),
+    responses((status = 201, body = SendOutcome), (status = 400, description = "BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named) or INVALID_JSON (with line and column)", body = super::ErrorBody),
+        (status = 404, description = "no such message for this agent", body = super::ErrorBody), (status = 409, body = super::ErrorBody),
+        (status = 413, description = "BODY_TOO_LARGE: the body is over 2 MiB; nothing was read", body = super::ErrorBody),
+        (status = 415, description = "UNSUPPORTED_MEDIA_TYPE: the body is not sent as application/json", body = super::ErrorBody),
+        (status = 503, description = "STORE_BUSY: nothing was stored; retry with the same Idempotency-Key", body = super::ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn reply(
+    State(state): State<SharedState>,
+    Path(parent): Path<String>,
+    headers: HeaderMap,
+    _: ApiQuery<NoQuery>,
+    ApiJson {
+        value: req,
+        raw: body,
+    }: ApiJson<ReplyRequest>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let st = state.clone();
+    // The parent is part of what the key protects: the same key and body for another parent
+    // is another request (409).
+    let mut keyed = parent.as_bytes().to_vec();
+    keyed.push(0);
+    keyed.extend_from_slice(&body);
+    let answer = idempotent(
+        &state,
+        &headers,
+        "/v1/messages/{id}/reply",
+        format!("send:{}", req.from),
+        &keyed,
+        StatusCode::CREATED,
         move |tx| {
-            let id = st
-                .ids
-                .lock()
-                .map_err(|_| MailboxError::Task)?
-                .next(st.clock.now_ms());
-            match send::send(tx, &st.ident, &req, id, st.clock.now_ms()) {
-                Ok(outcome) => Ok(Ok(serde_json::to_value(outcome).unwrap_or(Value::Null))),
-                Err(SendError::Store(e)) => Err(e),
-                Err(SendError::Invalid(m)) => Ok(Err(ApiError::Invalid(m))),
-                Err(e @ SendError::UnknownHost(_)) => Ok(Err(ApiError::UnknownHost(e.to_string()))),
+            let host = st.ident.host.to_string();
+            match send::reply_request(tx, &host, &parent, &req) {
+                Ok(send_req) => send_in(&st, tx, &send_req),
+                Err(e) => send_error(e).map(Err),
             }
         },
     )

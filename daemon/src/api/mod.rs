@@ -31,6 +31,7 @@ pub mod inbox;
 pub mod messages;
 pub mod openapi;
 pub mod sent;
+pub mod threads;
 
 #[cfg(test)]
 mod http_tests;
@@ -255,6 +256,8 @@ pub fn router(state: SharedState) -> Router {
     let authed = Router::new()
         .route("/v1/messages", post(messages::post))
         .route("/v1/messages/{id}", get(messages::get))
+        .route("/v1/messages/{id}/reply", post(messages::reply))
+        .route("/v1/threads/{id}", get(threads::get))
         .route("/v1/inbox", get(inbox::get))
         .route("/v1/ack", post(ack::post))
         .route("/v1/sent", get(sent::get))

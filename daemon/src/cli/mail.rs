@@ -44,12 +44,17 @@ pub struct SendArgs {
     /// Read the body from a file
     #[arg(long, value_name = "FILE")]
     pub body_file: Option<PathBuf>,
-    /// Kind: message, request, reply, status, decision, alert, task
+    /// Kind: message, request, reply, status, decision, alert, task (default message, or
+    /// reply with --reply-to)
     #[arg(long)]
     pub kind: Option<String>,
-    /// Message id this replies to
+    /// Message id this replies to (one delivered to the agent or sent by it): the message
+    /// continues that message's thread
     #[arg(long, value_name = "ID")]
     pub reply_to: Option<String>,
+    /// Thread id to send in (default: the --reply-to message's thread, else a new thread)
+    #[arg(long, value_name = "THREAD")]
+    pub thread: Option<String>,
     /// Ask for a reply
     #[arg(long)]
     pub needs_reply: bool,
@@ -76,6 +81,67 @@ pub struct InboxArgs {
     #[arg(long)]
     pub all: bool,
     /// Page size, 1..=200
+    #[arg(long, default_value_t = 50)]
+    pub limit: u32,
+    /// Cursor from a previous page
+    #[arg(long)]
+    pub cursor: Option<String>,
+    /// Only messages that ask for a reply
+    #[arg(long)]
+    pub needs_reply: bool,
+    /// Only messages from this sender: name@host, or a bare name (from any host)
+    #[arg(long, value_name = "SENDER")]
+    pub from: Option<String>,
+    /// Print the page as JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Flags of `reply`.
+#[derive(Debug, Args)]
+pub struct ReplyArgs {
+    /// Id of the message to answer (delivered to the agent or sent by it)
+    pub id: String,
+    /// The replying agent's name on this host
+    #[arg(long = "as", value_name = "AGENT", env = "MBX_AGENT")]
+    pub as_agent: String,
+    /// Body text (else --body-file, else stdin when it is not a terminal)
+    #[arg(
+        short = 'm',
+        long = "message",
+        value_name = "BODY",
+        conflicts_with = "body_file"
+    )]
+    pub message: Option<String>,
+    /// Read the body from a file
+    #[arg(long, value_name = "FILE")]
+    pub body_file: Option<PathBuf>,
+    /// Kind: message, request, reply, status, decision, alert, task (default reply)
+    #[arg(long)]
+    pub kind: Option<String>,
+    /// Ask for a reply
+    #[arg(long)]
+    pub needs_reply: bool,
+    /// A reference (repeatable)
+    #[arg(long = "ref", value_name = "REF")]
+    pub refs: Vec<String>,
+    /// The Idempotency-Key to send with (default: a fresh random key); as for `send`
+    #[arg(long, value_name = "KEY", value_parser = parse_key)]
+    pub idempotency_key: Option<String>,
+    /// Print the API answer as JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Flags of `thread`.
+#[derive(Debug, Args)]
+pub struct ThreadArgs {
+    /// A message id (its thread is shown) or a thread id
+    pub id: String,
+    /// The agent whose view of the thread to show
+    #[arg(long = "as", value_name = "AGENT", env = "MBX_AGENT")]
+    pub as_agent: String,
+    /// Page size, 1..=200 (pages are also bounded to 256 KiB)
     #[arg(long, default_value_t = 50)]
     pub limit: u32,
     /// Cursor from a previous page
@@ -471,9 +537,9 @@ fn enc(s: &str) -> String {
     agentmbx::transport::relay_client::push::urlencode(s)
 }
 
-/// `send`.
-pub fn send(args: SendArgs) -> anyhow::Result<()> {
-    let body = match (&args.message, &args.body_file) {
+/// The body: `-m`, else `--body-file`, else stdin when it is not a terminal, else empty.
+fn read_body(message: &Option<String>, file: &Option<PathBuf>) -> anyhow::Result<String> {
+    Ok(match (message, file) {
         (Some(m), _) => m.clone(),
         (None, Some(f)) => {
             std::fs::read_to_string(f).with_context(|| format!("cannot read {}", f.display()))?
@@ -488,10 +554,43 @@ pub fn send(args: SendArgs) -> anyhow::Result<()> {
             }
             s
         }
-    };
+    })
+}
+
+/// Prints a send's answer (`send`, `reply`).
+fn print_sent(out: &Value, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(out)?);
+        return Ok(());
+    }
+    println!(
+        "sent {} (thread {})",
+        out["id"].as_str().unwrap_or_default(),
+        out["thread"].as_str().unwrap_or_default()
+    );
+    for r in out["recipients"].as_array().into_iter().flatten() {
+        let to = r["to"].as_str().unwrap_or_default();
+        match r["route"].as_str() {
+            Some("local") => println!("  {to}: delivered on this host"),
+            _ => println!(
+                "  {to}: queued for {}",
+                r["host"].as_str().unwrap_or_default()
+            ),
+        }
+    }
+    for w in out["warnings"].as_array().into_iter().flatten() {
+        println!("  warning: {}", w.as_str().unwrap_or_default());
+    }
+    Ok(())
+}
+
+/// `send`.
+pub fn send(args: SendArgs) -> anyhow::Result<()> {
+    let body = read_body(&args.message, &args.body_file)?;
     let req = json!({
         "from": args.as_agent, "to": args.to, "subject": args.subject, "body": body,
-        "kind": args.kind, "reply_to": args.reply_to, "needs_reply": args.needs_reply, "refs": args.refs,
+        "kind": args.kind, "thread": args.thread, "reply_to": args.reply_to,
+        "needs_reply": args.needs_reply, "refs": args.refs,
     });
     let api = Api::connect()?;
     let key = args.idempotency_key.clone().unwrap_or_else(mint_key);
@@ -501,23 +600,85 @@ pub fn send(args: SendArgs) -> anyhow::Result<()> {
         check: format!("agentmbx sent --as {}", args.as_agent),
     };
     let out = block_on(api.mutate("/v1/messages", &req, &m))?;
+    print_sent(&out, args.json)
+}
+
+/// `reply`: answers a message (to its sender, in its thread, subject `Re: …`).
+pub fn reply(args: ReplyArgs) -> anyhow::Result<()> {
+    let body = read_body(&args.message, &args.body_file)?;
+    let req = json!({
+        "from": args.as_agent, "body": body, "kind": args.kind,
+        "needs_reply": args.needs_reply, "refs": args.refs,
+    });
+    let api = Api::connect()?;
+    let key = args.idempotency_key.clone().unwrap_or_else(mint_key);
+    let m = Mutation {
+        what: "reply",
+        key: &key,
+        check: format!("agentmbx sent --as {}", args.as_agent),
+    };
+    let path = format!("/v1/messages/{}/reply", enc(&args.id));
+    let out = block_on(api.mutate(&path, &req, &m))?;
+    print_sent(&out, args.json)
+}
+
+/// The flags part of a message line: kind (unless `message`), `needs-reply`, the thread when it
+/// is not the message's own, and what it replies to.
+fn tags(m: &Value) -> String {
+    let id = m["id"].as_str().unwrap_or_default();
+    let mut tags = vec![format!("kind:{}", m["kind"].as_str().unwrap_or("message"))];
+    if m["needs_reply"].as_bool() == Some(true) {
+        tags.push("needs-reply".into());
+    }
+    let thread = m["thread"].as_str().unwrap_or_default();
+    if !thread.is_empty() && thread != id {
+        tags.push(format!("thread:{thread}"));
+    }
+    if let Some(r) = m["reply_to"].as_str() {
+        tags.push(format!("re:{r}"));
+    }
+    tags.join(" ")
+}
+
+/// `thread`: the messages of a thread the agent can see, oldest first, with bodies.
+pub fn thread(args: ThreadArgs) -> anyhow::Result<()> {
+    let mut path = format!(
+        "/v1/threads/{}?as={}&limit={}",
+        enc(&args.id),
+        enc(&args.as_agent),
+        args.limit
+    );
+    if let Some(c) = &args.cursor {
+        path.push_str(&format!("&cursor={}", enc(c)));
+    }
+    let api = Api::connect()?;
+    let q = Query {
+        what: "thread listing",
+        changes: None,
+    };
+    let page = block_on(api.get(&path, &q))?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&out)?);
-    } else {
-        println!("sent {}", out["id"].as_str().unwrap_or_default());
-        for r in out["recipients"].as_array().into_iter().flatten() {
-            let to = r["to"].as_str().unwrap_or_default();
-            match r["route"].as_str() {
-                Some("local") => println!("  {to}: delivered on this host"),
-                _ => println!(
-                    "  {to}: queued for {}",
-                    r["host"].as_str().unwrap_or_default()
-                ),
-            }
-        }
-        for w in out["warnings"].as_array().into_iter().flatten() {
-            println!("  warning: {}", w.as_str().unwrap_or_default());
-        }
+        println!("{}", serde_json::to_string_pretty(&page)?);
+        return Ok(());
+    }
+    println!("thread {}", page["thread"].as_str().unwrap_or_default());
+    for m in page["messages"].as_array().into_iter().flatten() {
+        println!();
+        println!(
+            "{}  {}  {}  {}",
+            m["id"].as_str().unwrap_or_default(),
+            m["ts"].as_str().unwrap_or_default(),
+            m["from"].as_str().unwrap_or_default(),
+            tags(m)
+        );
+        println!("subject: {}", m["subject"].as_str().unwrap_or_default());
+        println!("{}", m["body"].as_str().unwrap_or_default());
+    }
+    if let Some(c) = page["next_cursor"].as_str() {
+        eprintln!(
+            "more: agentmbx thread {} --as {} --cursor {c}",
+            args.id, args.as_agent
+        );
     }
     Ok(())
 }
@@ -532,6 +693,12 @@ pub fn inbox(args: InboxArgs) -> anyhow::Result<()> {
     );
     if let Some(c) = &args.cursor {
         path.push_str(&format!("&cursor={}", enc(c)));
+    }
+    if args.needs_reply {
+        path.push_str("&needs_reply=true");
+    }
+    if let Some(f) = &args.from {
+        path.push_str(&format!("&from={}", enc(f)));
     }
     let api = Api::connect()?;
     let q = Query {
@@ -549,12 +716,13 @@ pub fn inbox(args: InboxArgs) -> anyhow::Result<()> {
     }
     for m in msgs {
         println!(
-            "{}  {:4}  {}  {}  {}",
+            "{}  {:4}  {}  {}  {}  [{}]",
             m["id"].as_str().unwrap_or_default(),
             m["state"].as_str().unwrap_or_default(),
             m["ts"].as_str().unwrap_or_default(),
             m["from"].as_str().unwrap_or_default(),
-            m["subject"].as_str().unwrap_or_default()
+            m["subject"].as_str().unwrap_or_default(),
+            tags(&m)
         );
     }
     if let Some(c) = page["next_cursor"].as_str() {
@@ -592,6 +760,19 @@ pub fn read(args: ReadArgs) -> anyhow::Result<()> {
                 .unwrap_or_default()
         );
         println!("date: {}", m["ts"].as_str().unwrap_or_default());
+        println!("kind: {}", m["kind"].as_str().unwrap_or_default());
+        println!(
+            "needs-reply: {}",
+            if m["needs_reply"].as_bool() == Some(true) {
+                "yes"
+            } else {
+                "no"
+            }
+        );
+        println!("thread: {}", m["thread"].as_str().unwrap_or_default());
+        if let Some(r) = m["reply_to"].as_str() {
+            println!("reply-to: {r}");
+        }
         println!("subject: {}", m["subject"].as_str().unwrap_or_default());
         println!();
         println!("{}", m["body"].as_str().unwrap_or_default());

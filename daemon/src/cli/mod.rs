@@ -140,6 +140,11 @@ pub enum Command {
     Inbox(mail::InboxArgs),
     /// Show one message (marks it read for the agent)
     Read(mail::ReadArgs),
+    /// Answer a message: to its sender, in its thread, subject `Re: …`, kind reply
+    #[command(after_help = MUTATION_HELP)]
+    Reply(mail::ReplyArgs),
+    /// Show the messages of a thread the agent can see, oldest first (bounded pages)
+    Thread(mail::ThreadArgs),
     /// Acknowledge messages in an agent's mailbox
     #[command(after_help = MUTATION_HELP)]
     Ack(mail::AckArgs),
@@ -229,6 +234,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Send(args) => mail::send(args),
         Command::Inbox(args) => mail::inbox(args),
         Command::Read(args) => mail::read(args),
+        Command::Reply(args) => mail::reply(args),
+        Command::Thread(args) => mail::thread(args),
         Command::Ack(args) => mail::ack(args),
         Command::Sent(args) => mail::sent(args),
         Command::Completions(args) => completions::run(args),

@@ -63,8 +63,21 @@ pub struct InboxEntry {
     pub thread: String,
     /// Whether a reply is expected.
     pub needs_reply: bool,
+    /// The message this one replies to, if any.
+    pub reply_to: Option<String>,
     /// `new`, `read` or `acked`.
     pub state: String,
+}
+
+/// Which inbox entries to list (`GET /v1/inbox` query, `inbox` flags as 0.5.x).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct InboxFilter {
+    /// Include acked messages.
+    pub include_acked: bool,
+    /// Only messages that ask for a reply.
+    pub needs_reply: bool,
+    /// Only messages from this sender: `name@host` exactly, or a bare `name` from any host.
+    pub from: Option<String>,
 }
 
 /// An inbox page.
@@ -141,13 +154,14 @@ pub fn deliver(
 }
 
 /// A page of `agent`'s inbox after `cursor`, bounded by `limit` (1..=200) and
-/// [`MAX_INBOX_BYTES`]. `include_acked` shows acked mail too.
+/// [`MAX_INBOX_BYTES`], holding the entries `filter` selects. A bad cursor is
+/// [`MailboxError::Invalid`].
 pub fn inbox(
     conn: &Connection,
     agent: &str,
     cursor: Option<&str>,
     limit: u32,
-    include_acked: bool,
+    filter: &InboxFilter,
 ) -> Result<InboxPage, MailboxError> {
     let after: i64 = match cursor {
         None | Some("") => 0,
@@ -157,32 +171,45 @@ pub fn inbox(
     };
     let limit = limit.clamp(1, MAX_INBOX_LIMIT);
     let mut st = conn.prepare(
-        "SELECT d.seq, m.id, m.ts, m.from_addr, m.subject, m.kind, m.thread, m.envelope, d.state
+        "SELECT d.seq, m.id, m.ts, m.from_addr, m.subject, m.kind, m.thread, m.envelope, d.state, m.reply_to
          FROM deliveries d JOIN messages m ON m.id = d.msg_id
          WHERE d.agent = ?1 AND d.seq > ?2 AND (?3 OR d.state != 'acked')
+           AND (NOT ?5 OR json_extract(m.envelope, '$.needs_reply') = 1)
+           AND (?6 IS NULL OR m.from_addr = ?6 OR substr(m.from_addr, 1, length(?6) + 1) = ?6 || '@')
          ORDER BY d.seq LIMIT ?4",
     )?;
     let rows = st
-        .query_map(params![agent, after, include_acked, limit + 1], |r| {
-            let env: String = r.get(7)?;
-            let needs_reply = serde_json::from_str::<Value>(&env)
-                .ok()
-                .and_then(|v| v.get("needs_reply").and_then(Value::as_bool))
-                .unwrap_or(false);
-            Ok((
-                r.get::<_, i64>(0)?,
-                InboxEntry {
-                    id: r.get(1)?,
-                    ts: r.get(2)?,
-                    from: r.get(3)?,
-                    subject: r.get(4)?,
-                    kind: r.get(5)?,
-                    thread: r.get(6)?,
-                    needs_reply,
-                    state: r.get(8)?,
-                },
-            ))
-        })?
+        .query_map(
+            params![
+                agent,
+                after,
+                filter.include_acked,
+                limit + 1,
+                filter.needs_reply,
+                filter.from
+            ],
+            |r| {
+                let env: String = r.get(7)?;
+                let needs_reply = serde_json::from_str::<Value>(&env)
+                    .ok()
+                    .and_then(|v| v.get("needs_reply").and_then(Value::as_bool))
+                    .unwrap_or(false);
+                Ok((
+                    r.get::<_, i64>(0)?,
+                    InboxEntry {
+                        id: r.get(1)?,
+                        ts: r.get(2)?,
+                        from: r.get(3)?,
+                        subject: r.get(4)?,
+                        kind: r.get(5)?,
+                        thread: r.get(6)?,
+                        needs_reply,
+                        reply_to: r.get(9)?,
+                        state: r.get(8)?,
+                    },
+                ))
+            },
+        )?
         .collect::<Result<Vec<_>, _>>()?;
     let mut messages = Vec::new();
     let mut bytes = 0usize;
@@ -285,6 +312,163 @@ pub fn read(
             "no message {id} for {agent}"
         ))),
     }
+}
+
+/// What a reply needs from the message it answers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Parent {
+    /// The parent's id.
+    pub id: String,
+    /// Its thread (the reply's thread).
+    pub thread: String,
+    /// `name@host` of its sender (whom `reply` addresses).
+    pub from: String,
+    /// Its subject (`reply` answers `Re: <subject>`).
+    pub subject: String,
+}
+
+/// SQL condition: message `m` is visible to agent `?1` (delivered to it, or sent by it: `?2` is
+/// `agent@own_host`).
+const VISIBLE: &str = "(m.from_addr = ?2 OR EXISTS (SELECT 1 FROM deliveries d WHERE d.msg_id = m.id AND d.agent = ?1))";
+
+/// The message `id` as a parent of a reply by `agent`: it must be visible to the agent
+/// (delivered to it, or its own sent message). [`MailboxError::NotFound`] otherwise, with the
+/// same text whether it does not exist or is someone else's (no probing of other mailboxes).
+pub fn parent(
+    conn: &Connection,
+    agent: &str,
+    own_host: &str,
+    id: &str,
+) -> Result<Parent, MailboxError> {
+    let me = format!("{agent}@{own_host}");
+    conn.query_row(
+        &format!("SELECT m.id, m.thread, m.from_addr, m.subject FROM messages m WHERE m.id = ?3 AND {VISIBLE}"),
+        params![agent, me, id],
+        |r| {
+            Ok(Parent {
+                id: r.get(0)?,
+                thread: r.get(1)?,
+                from: r.get(2)?,
+                subject: r.get(3)?,
+            })
+        },
+    )
+    .optional()?
+    .ok_or_else(|| MailboxError::NotFound(format!("no message {id} for {agent}")))
+}
+
+/// Largest thread page (count).
+pub const MAX_THREAD_LIMIT: u32 = 200;
+/// Default thread page (count).
+pub const DEFAULT_THREAD_LIMIT: u32 = 50;
+/// Byte budget of one thread page (sum of message JSON sizes, bodies included); a page always
+/// holds ≥1 message.
+pub const MAX_THREAD_BYTES: usize = 256 * 1024;
+
+/// A page of a thread.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct ThreadPage {
+    /// The thread id.
+    pub thread: String,
+    /// The thread's messages this agent can see, oldest first (send time, then id), with
+    /// bodies; `state` is the agent's delivery state (absent on its own sent messages).
+    /// Listing marks nothing read.
+    pub messages: Vec<Message>,
+    /// Opaque cursor for the next page; absent when this page reached the end.
+    pub next_cursor: Option<String>,
+}
+
+/// A page of the thread of `id` as `agent` sees it: `id` is a message id the agent can see (its
+/// thread is listed) or a thread id of which the agent can see a message. Messages of the
+/// thread the agent cannot see (another mailbox's) are left out. Bounded by `limit`
+/// (1..=[`MAX_THREAD_LIMIT`]) and [`MAX_THREAD_BYTES`]; `cursor` is a previous page's
+/// `next_cursor`. Errors: [`MailboxError::NotFound`] when the agent sees nothing of it,
+/// [`MailboxError::Invalid`] for a bad cursor. Reads only.
+pub fn thread(
+    conn: &Connection,
+    agent: &str,
+    own_host: &str,
+    id: &str,
+    cursor: Option<&str>,
+    limit: u32,
+) -> Result<ThreadPage, MailboxError> {
+    let me = format!("{agent}@{own_host}");
+    let by_message: Option<String> = conn
+        .query_row(
+            &format!("SELECT m.thread FROM messages m WHERE m.id = ?3 AND {VISIBLE}"),
+            params![agent, me, id],
+            |r| r.get(0),
+        )
+        .optional()?;
+    let thread = match by_message {
+        Some(t) => t,
+        None => conn
+            .query_row(
+                &format!(
+                    "SELECT m.thread FROM messages m WHERE m.thread = ?3 AND {VISIBLE} LIMIT 1"
+                ),
+                params![agent, me, id],
+                |r| r.get(0),
+            )
+            .optional()?
+            .ok_or_else(|| {
+                MailboxError::NotFound(format!("no message or thread {id} for {agent}"))
+            })?,
+    };
+    // The cursor is the last listed message's id; it must be a message of this thread.
+    let (after_ts, after_id) = match cursor {
+        None | Some("") => (String::new(), String::new()),
+        Some(c) => conn
+            .query_row(
+                "SELECT ts, id FROM messages WHERE id = ?1 AND thread = ?2",
+                params![c, thread],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()?
+            .ok_or_else(|| MailboxError::Invalid("bad cursor".into()))?,
+    };
+    let limit = limit.clamp(1, MAX_THREAD_LIMIT);
+    let mut st = conn.prepare(&format!(
+        "SELECT m.id, m.envelope, m.origin,
+                (SELECT d.state FROM deliveries d WHERE d.msg_id = m.id AND d.agent = ?1)
+         FROM messages m
+         WHERE m.thread = ?3 AND {VISIBLE} AND (m.ts, m.id) > (?4, ?5)
+         ORDER BY m.ts, m.id LIMIT ?6"
+    ))?;
+    let rows = st
+        .query_map(
+            params![agent, me, thread, after_ts, after_id, limit + 1],
+            |r| {
+                let env: String = r.get(1)?;
+                Ok((
+                    r.get::<_, String>(0)?,
+                    message_from_row(&env, r.get(2)?, r.get(3)?),
+                ))
+            },
+        )?
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut messages = Vec::new();
+    let mut bytes = 0usize;
+    let mut cut = false;
+    for (i, (_, msg)) in rows.iter().enumerate() {
+        let size = serde_json::to_string(msg).map_or(0, |s| s.len());
+        if i as u32 >= limit || (!messages.is_empty() && bytes + size > MAX_THREAD_BYTES) {
+            cut = true;
+            break;
+        }
+        bytes += size;
+        messages.push(msg.clone());
+    }
+    let next_cursor = if cut {
+        messages.last().map(|m: &Message| m.id.clone())
+    } else {
+        None
+    };
+    Ok(ThreadPage {
+        thread,
+        messages,
+        next_cursor,
+    })
 }
 
 /// Acks `ids` for `agent` (mailbox ack, never a transport ack). Returns how many changed state;

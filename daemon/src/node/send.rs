@@ -42,13 +42,16 @@ pub struct SendRequest {
     /// Body, ≤ 262,144 UTF-8 bytes.
     #[serde(default)]
     pub body: String,
-    /// `message` (default), `request`, `reply`, `status`, `decision`, `alert`, `task`.
+    /// `message` (default; `reply` when `reply_to` is given), `request`, `reply`, `status`,
+    /// `decision`, `alert`, `task`.
     #[serde(default)]
     pub kind: Option<String>,
-    /// Thread id; default the new message's id.
+    /// Thread id; default the parent's thread when `reply_to` is given, else the new message's
+    /// id. With `reply_to`, a thread other than the parent's is refused (400).
     #[serde(default)]
     pub thread: Option<String>,
-    /// Message this replies to.
+    /// Id of the message this replies to: one delivered to the sender or sent by it, else 404
+    /// (nothing sent). The reply continues that message's thread.
     #[serde(default)]
     pub reply_to: Option<String>,
     /// Whether a reply is expected.
@@ -57,6 +60,77 @@ pub struct SendRequest {
     /// References (≤20, each ≤2048).
     #[serde(default)]
     pub refs: Vec<String>,
+}
+
+/// What an agent asks to answer (`POST /v1/messages/{id}/reply`): a message to the sender of
+/// `{id}`, in its thread, with subject `Re: <its subject>` (0.5.x `mbx_reply`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReplyRequest {
+    /// The replying agent's name on this host (NAME_RE); `{id}` must be delivered to it or
+    /// sent by it.
+    pub from: String,
+    /// Body, ≤ 262,144 UTF-8 bytes.
+    #[serde(default)]
+    pub body: String,
+    /// Kind (default `reply`); as for a send.
+    #[serde(default)]
+    pub kind: Option<String>,
+    /// Whether a reply is expected.
+    #[serde(default)]
+    pub needs_reply: bool,
+    /// References (≤20, each ≤2048).
+    #[serde(default)]
+    pub refs: Vec<String>,
+}
+
+/// `Re: <subject>`, not doubled when the subject already starts with `Re:` (any case).
+pub fn re_subject(subject: &str) -> String {
+    if subject
+        .get(..3)
+        .is_some_and(|p| p.eq_ignore_ascii_case("re:"))
+    {
+        subject.to_string()
+    } else {
+        format!("Re: {subject}")
+    }
+}
+
+/// The send that answers message `parent_id` for `req`: addressed to the parent's sender (its
+/// bare name when that is an agent of this host), same thread, `Re:` subject. Errors:
+/// [`SendError::ParentNotFound`] when the agent cannot see `parent_id`.
+pub fn reply_request(
+    conn: &Connection,
+    own_host: &str,
+    parent_id: &str,
+    req: &ReplyRequest,
+) -> Result<SendRequest, SendError> {
+    if !limits::is_name(&req.from) {
+        return Err(SendError::Invalid(format!(
+            "bad sender {:?}: {NAME_RULE}",
+            req.from
+        )));
+    }
+    let parent = match messages::parent(conn, &req.from, own_host, parent_id) {
+        Ok(p) => p,
+        Err(MailboxError::NotFound(m)) => return Err(SendError::ParentNotFound(m)),
+        Err(e) => return Err(e.into()),
+    };
+    let to = match parent.from.split_once('@') {
+        Some((name, host)) if host == own_host => name.to_string(),
+        _ => parent.from.clone(),
+    };
+    Ok(SendRequest {
+        from: req.from.clone(),
+        to: vec![to],
+        subject: re_subject(&parent.subject),
+        body: req.body.clone(),
+        kind: req.kind.clone(),
+        thread: Some(parent.thread),
+        reply_to: Some(parent.id),
+        needs_reply: req.needs_reply,
+        refs: req.refs.clone(),
+    })
 }
 
 /// One target an address reached (an address such as `*` can reach several).
@@ -99,6 +173,9 @@ pub enum SendError {
     /// A recipient host is not a known peer.
     #[error("unknown host {0}: add it with `agentmbx peers add {0} <host_pubkey>`")]
     UnknownHost(String),
+    /// The message replied to is not one the sender can see (unknown id, or another mailbox's).
+    #[error("{0}")]
+    ParentNotFound(String),
     /// Storage failed.
     #[error(transparent)]
     Store(#[from] MailboxError),
@@ -153,6 +230,26 @@ pub fn send(
             "more than {MAX_LOCAL_REFS} refs"
         )));
     }
+    // A reply continues its parent's thread and is a `reply` unless told otherwise.
+    let mut thread = req.thread.clone();
+    let mut kind = req.kind.clone();
+    if let Some(parent_id) = req.reply_to.as_deref() {
+        let parent = match messages::parent(conn, &req.from, own, parent_id) {
+            Ok(p) => p,
+            Err(MailboxError::NotFound(m)) => return Err(SendError::ParentNotFound(m)),
+            Err(e) => return Err(e.into()),
+        };
+        if let Some(t) = thread.as_deref() {
+            if t != parent.thread {
+                return Err(SendError::Invalid(format!(
+                    "thread {t:?} is not the thread of {parent_id} ({}): a reply stays in its parent's thread",
+                    parent.thread
+                )));
+            }
+        }
+        thread = Some(parent.thread);
+        kind.get_or_insert_with(|| "reply".into());
+    }
     // The sender is a local mailbox from its first send on (`agents` module docs).
     agents::touch(conn, own, &req.from, now_ms)?;
     let plan = route::expand(conn, own, &req.from, &req.to)?;
@@ -171,8 +268,8 @@ pub fn send(
         to: req.to.clone(),
         subject: req.subject.clone(),
         body: req.body.clone(),
-        kind: req.kind.clone(),
-        thread: req.thread.clone(),
+        kind,
+        thread,
         reply_to: req.reply_to.clone(),
         needs_reply: req.needs_reply,
         refs: req.refs.clone(),
@@ -212,6 +309,66 @@ mod tests {
     use crate::testutil::{self, T0};
 
     const ID: &str = "01KDVDNA3VG2MH8KWSQRCWJZ0S";
+
+    #[test]
+    fn a_reply_subject_gets_one_re_prefix() {
+        assert_eq!(re_subject("plan"), "Re: plan");
+        assert_eq!(re_subject("Re: plan"), "Re: plan");
+        assert_eq!(re_subject("RE:plan"), "RE:plan");
+        assert_eq!(re_subject("Ré"), "Re: Ré");
+        assert_eq!(re_subject("R"), "Re: R");
+    }
+
+    #[test]
+    fn a_reply_to_mail_from_another_host_is_addressed_to_its_sender_there() {
+        let s = testutil::store();
+        // Mail alice@work sent to bob here, in a thread of its own.
+        let draft = Draft {
+            from: "alice@work".into(),
+            to: vec!["bob@home".into()],
+            subject: "from work".into(),
+            body: String::new(),
+            kind: None,
+            thread: Some("T1".into()),
+            reply_to: None,
+            needs_reply: true,
+            refs: vec![],
+        };
+        let env = envelope::build(&draft, ID.into(), T0).unwrap();
+        s.mailbox
+            .with(|c| {
+                messages::insert(c, &env.to_value(), "work", T0)?;
+                messages::deliver(c, ID, "bob", T0)
+            })
+            .unwrap();
+        let req = ReplyRequest {
+            from: "bob".into(),
+            body: String::new(),
+            kind: None,
+            needs_reply: false,
+            refs: vec![],
+        };
+        let out = s
+            .mailbox
+            .with(|c| Ok::<_, MailboxError>(reply_request(c, "home", ID, &req)))
+            .unwrap()
+            .unwrap();
+        assert_eq!(out.to, vec!["alice@work".to_string()]);
+        assert_eq!(out.subject, "Re: from work");
+        assert_eq!(out.reply_to.as_deref(), Some(ID));
+        assert_eq!(out.thread.as_deref(), Some("T1"));
+        // Another local agent cannot answer bob's mail.
+        let carol = ReplyRequest {
+            from: "carol".into(),
+            ..req
+        };
+        assert!(matches!(
+            s.mailbox
+                .with(|c| Ok::<_, MailboxError>(reply_request(c, "home", ID, &carol)))
+                .unwrap(),
+            Err(SendError::ParentNotFound(_))
+        ));
+    }
 
     fn counts(s: &testutil::Store) -> (i64, i64, i64) {
         (
@@ -268,7 +425,7 @@ mod tests {
         assert_eq!(counts(&s), (1, 2, 0));
         let page = s
             .mailbox
-            .with(|c| crate::mailbox::messages::inbox(c, "bob", None, 50, false))
+            .with(|c| crate::mailbox::messages::inbox(c, "bob", None, 50, &Default::default()))
             .unwrap();
         assert_eq!(page.messages.len(), 1);
         assert_eq!(page.messages[0].state, "new");

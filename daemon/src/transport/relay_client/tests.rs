@@ -1995,7 +1995,7 @@ async fn a_terminal_rejection_alerts_the_sending_agent() {
     let page = s
         .store
         .mailbox
-        .with(|c| crate::mailbox::messages::inbox(c, "alice", None, 50, false))
+        .with(|c| crate::mailbox::messages::inbox(c, "alice", None, 50, &Default::default()))
         .unwrap();
     assert_eq!(page.messages.len(), 1, "one alert for alice");
     let alert = &page.messages[0];
@@ -2015,7 +2015,7 @@ async fn a_terminal_rejection_alerts_the_sending_agent() {
     let page = s
         .store
         .mailbox
-        .with(|c| crate::mailbox::messages::inbox(c, "alice", None, 50, false))
+        .with(|c| crate::mailbox::messages::inbox(c, "alice", None, 50, &Default::default()))
         .unwrap();
     assert!(page.messages.is_empty());
 }

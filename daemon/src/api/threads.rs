@@ -1,0 +1,51 @@
+//! `GET /v1/threads/{id}`: a thread as one agent sees it, in bounded pages.
+
+use axum::extract::{Path, State};
+use axum::Json;
+use serde::Deserialize;
+
+use crate::mailbox::messages::{self, ThreadPage};
+
+use super::{ApiError, ApiQuery, SharedState};
+
+/// Query of `GET /v1/threads/{id}`.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct ThreadQuery {
+    /// The agent whose view of the thread to list.
+    #[serde(rename = "as")]
+    pub as_agent: String,
+    /// Opaque cursor from the previous page's `next_cursor`.
+    pub cursor: Option<String>,
+    /// Page size, 1..=200 (default 50); pages are also bounded to 256 KiB.
+    pub limit: Option<u32>,
+}
+
+/// Lists the messages of a thread that the agent can see (delivered to it or sent by it),
+/// oldest first, with bodies; marks nothing read. `{id}` is a message id (its thread is listed)
+/// or a thread id. 404 when the agent sees nothing of it.
+#[utoipa::path(get, path = "/v1/threads/{id}", operation_id = "get_thread",
+    params(("id" = String, Path, description = "a message id or a thread id"), ThreadQuery),
+    responses((status = 200, body = ThreadPage), (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped query parameter, named; a bad cursor or limit", body = super::ErrorBody),
+        (status = 404, description = "no such message or thread for this agent", body = super::ErrorBody)),
+    security(("bearer" = [])))]
+pub async fn get(
+    State(state): State<SharedState>,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<ThreadQuery>,
+) -> Result<Json<ThreadPage>, ApiError> {
+    super::check_agent(&q.as_agent)?;
+    let limit = q.limit.unwrap_or(messages::DEFAULT_THREAD_LIMIT);
+    if !(1..=messages::MAX_THREAD_LIMIT).contains(&limit) {
+        return Err(ApiError::Invalid(format!(
+            "limit must be 1..={}",
+            messages::MAX_THREAD_LIMIT
+        )));
+    }
+    let host = state.ident.host.to_string();
+    let page = state
+        .mailbox
+        .run(move |c| messages::thread(c, &q.as_agent, &host, &id, q.cursor.as_deref(), limit))
+        .await?;
+    Ok(Json(page))
+}
