@@ -1135,3 +1135,98 @@ fn ack_refuses_a_note_over_500_utf16_units_and_takes_one_at_the_limit() {
     out.assert_success();
     assert_eq!(out.stdout.trim(), "acked 1", "{out:#?}");
 }
+
+/// Issue 17 (8e): every mail command on a home that was never initialized is "not
+/// initialized" (exit 3, saying to run `agentmbx init`), as `whoami` is, not a plain failure.
+#[test]
+fn mail_commands_on_an_uninitialized_home_exit_3_saying_to_run_init() {
+    let home = Home::new();
+    for args in [
+        &[
+            "send",
+            "--as",
+            "alice",
+            "--to",
+            "bob",
+            "--subject",
+            "s",
+            "-m",
+            "x",
+        ][..],
+        &["inbox", "--as", "alice"],
+        &["sent", "--as", "alice"],
+    ] {
+        let out = home.run(args);
+        assert_eq!(out.code(), Some(3), "{args:?}: {out:#?}");
+        assert!(
+            out.stderr
+                .starts_with("agentmbx: this host is not initialized"),
+            "{args:?}: {out:#?}"
+        );
+        assert!(out.stderr.contains("agentmbx init"), "{args:?}: {out:#?}");
+    }
+    assert!(!home.file("api.token").exists(), "nothing is created");
+}
+
+/// Issue 17 (8d): a token the daemon refuses (401) is named with the file it was read from and
+/// the MBX_HOME the CLI used, so a user can see which home they are talking from.
+#[test]
+fn a_refused_api_token_names_the_token_file_and_the_home() {
+    let home = Home::new();
+    let _daemon = Daemon::start(&home);
+    // The daemon keeps the token it started with; the file now says another one.
+    std::fs::write(home.file("api.token"), format!("{}\n", "A".repeat(43))).expect("write");
+    let out = home.run(&["inbox", "--as", "alice"]);
+    assert_eq!(out.code(), Some(1), "{out:#?}");
+    let token_file = home.file("api.token").display().to_string();
+    let home_dir = home.path().display().to_string();
+    assert!(out.stderr.contains(&token_file), "{out:#?}");
+    assert!(
+        out.stderr.contains(&format!("MBX_HOME {home_dir}")),
+        "{out:#?}"
+    );
+    assert!(out.stderr.contains("401"), "{out:#?}");
+}
+
+/// Issue 17 (8f): in text mode the `more: …` continuation line of `inbox` and `sent` goes to
+/// stderr, so stdout holds only the listing.
+#[test]
+fn the_more_line_of_inbox_and_sent_goes_to_stderr() {
+    let page = r#"{"messages":[{"id":"m-1","state":"new","ts":"2026-01-01T00:00:00Z","from":"alice@h","subject":"s","recipients":[]}],"next_cursor":"c-2"}"#;
+    let (addr, _) = fake_api(move |_| Some(page.to_string()));
+    let home = home_for_api(addr);
+    for what in ["inbox", "sent"] {
+        let out = home.run(&[what, "--as", "bob", "--limit", "1"]);
+        out.assert_success();
+        assert!(out.stdout.contains("m-1"), "{what}: {out:#?}");
+        assert!(!out.stdout.contains("more:"), "{what}: {out:#?}");
+        assert!(
+            out.stderr
+                .contains(&format!("more: agentmbx {what} --as bob --cursor c-2")),
+            "{what}: {out:#?}"
+        );
+    }
+}
+
+/// Issue 17 (8g): when the OS keyring does not answer and `init` falls back to 0600 files, it
+/// says so on stderr (whatever MBX_LOG) and prints where the keys went.
+#[test]
+fn init_says_where_the_keys_went_when_it_falls_back_to_files() {
+    let home = Home::new();
+    let mut cmd = home.command(&["init", "--host", "fallback"]);
+    cmd.env_remove("MBX_KEYSTORE")
+        .env_remove("MBX_LOG")
+        .env_remove("DBUS_SESSION_BUS_ADDRESS");
+    let out = helper::run(cmd);
+    out.assert_success();
+    let home_dir = home.path().display().to_string();
+    assert!(
+        out.stdout
+            .contains(&format!("keys: 0600 files in {home_dir}")),
+        "{out:#?}"
+    );
+    assert!(out.stderr.contains("warning:"), "{out:#?}");
+    assert!(out.stderr.contains("keyring is not available"), "{out:#?}");
+    assert!(out.stderr.contains(&home_dir), "{out:#?}");
+    assert!(out.stderr.contains("MBX_KEYSTORE=file"), "{out:#?}");
+}
