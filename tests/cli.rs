@@ -1230,3 +1230,37 @@ fn init_says_where_the_keys_went_when_it_falls_back_to_files() {
     assert!(out.stderr.contains(&home_dir), "{out:#?}");
     assert!(out.stderr.contains("MBX_KEYSTORE=file"), "{out:#?}");
 }
+
+/// Issue 17 (8b): `send --to x@hots` where `hostb` is paired names `hostb` as what was meant
+/// (exit 3), and does not advise pinning the typo.
+#[test]
+fn send_to_a_mistyped_host_suggests_the_paired_name() {
+    let other = Home::new();
+    other.run(&["init", "--host", "hostb"]).assert_success();
+    let key = other.run(&["whoami", "--json"]).json()["host_pubkey"]
+        .as_str()
+        .expect("host_pubkey")
+        .to_string();
+    let home = Home::new();
+    home.run(&["init", "--host", "hosta"]).assert_success();
+    home.run(&["peers", "add", "hostb", &key]).assert_success();
+    let _daemon = Daemon::start(&home);
+    let out = home.run(&[
+        "send",
+        "--as",
+        "alice",
+        "--to",
+        "bob@hots",
+        "--subject",
+        "s",
+        "-m",
+        "x",
+    ]);
+    assert_eq!(out.code(), Some(3), "{out:#?}");
+    assert!(
+        out.stderr
+            .contains("unknown host hots; did you mean hostb?"),
+        "{out:#?}"
+    );
+    assert!(!out.stderr.contains("peers add hots"), "{out:#?}");
+}

@@ -18,7 +18,7 @@ use agentmbx_protocol::limits;
 
 use crate::identity::Identity;
 use crate::mailbox::{agents, messages, outbox, MailboxError};
-use crate::node::route::{self, AddressError};
+use crate::node::route::{self, AddressError, UnknownHost};
 
 pub use crate::node::route::NAME_RULE;
 
@@ -97,8 +97,8 @@ pub enum SendError {
     #[error("{0}")]
     Invalid(String),
     /// A recipient host is not a known peer.
-    #[error("unknown host {0}: add it with `agentmbx peers add {0} <host_pubkey>`")]
-    UnknownHost(String),
+    #[error("{0}")]
+    UnknownHost(UnknownHost),
     /// Storage failed.
     #[error(transparent)]
     Store(#[from] MailboxError),
@@ -229,7 +229,7 @@ mod tests {
             .send(&me, "alice", &["bob", "carol@nowhere"], "s", ID, T0)
             .unwrap_err();
         assert!(
-            matches!(&err, SendError::UnknownHost(h) if h == "nowhere"),
+            matches!(&err, SendError::UnknownHost(h) if h.host == "nowhere"),
             "{err}"
         );
         assert_eq!(counts(&s), (0, 0, 0));
