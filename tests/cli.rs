@@ -1264,3 +1264,27 @@ fn send_to_a_mistyped_host_suggests_the_paired_name() {
     );
     assert!(!out.stderr.contains("peers add hots"), "{out:#?}");
 }
+
+/// Issue 17 (8a): `join` aimed at the other host's local API port (not its LAN port) says so
+/// and which port to use (usage, exit 2), instead of quoting the API's token refusal.
+#[test]
+fn join_aimed_at_the_local_api_port_says_to_use_the_lan_port() {
+    let holder = Home::new();
+    let daemon = Daemon::start(&holder);
+    let home = Home::new();
+    home.run(&["init", "--host", "joiner"]).assert_success();
+    let api = daemon.addr.to_string();
+    let out = home.run(&["join", &api, "ABCD-EFGH-JKMN"]);
+    assert_eq!(out.code(), Some(2), "{out:#?}");
+    assert!(
+        out.stderr
+            .contains(&format!("{api} is agentmbx's local API port")),
+        "{out:#?}"
+    );
+    assert!(
+        out.stderr
+            .contains("pair with the LAN port (7373 by default"),
+        "{out:#?}"
+    );
+    assert!(!out.stderr.contains("bearer token"), "{out:#?}");
+}
