@@ -1288,3 +1288,20 @@ fn join_aimed_at_the_local_api_port_says_to_use_the_lan_port() {
     );
     assert!(!out.stderr.contains("bearer token"), "{out:#?}");
 }
+
+/// Issue 17 (9): `sent` shows the relay's standing after the LAN error when both fail.
+#[test]
+fn sent_shows_the_relay_state_after_the_lan_error() {
+    let page = r#"{"messages":[{"id":"m-1","ts":"2026-01-01T00:00:00Z","subject":"s","recipients":[{"recipient":"dan@work","host":"work","state":"queued","last_error":"cannot connect: refused","relay":"unreachable since 2026-01-01T00:00:00.000Z: cannot connect: timed out"}]}]}"#;
+    let (addr, _) = fake_api(move |_| Some(page.to_string()));
+    let home = home_for_api(addr);
+    let out = home.run(&["sent", "--as", "alice"]);
+    out.assert_success();
+    assert!(
+        out.stdout.contains(
+            "  dan@work: queued (cannot connect: refused) (relay unreachable since \
+             2026-01-01T00:00:00.000Z: cannot connect: timed out)"
+        ),
+        "{out:#?}"
+    );
+}

@@ -643,7 +643,8 @@ pub fn ack(args: AckArgs) -> anyhow::Result<()> {
 /// `relay-accepted`, `repush`, `delivered` (or the receipt's `notified`, `read`, `acked`),
 /// `undelivered`, `expired`, `unconfirmed`; with the reason when undelivered, expired or
 /// unconfirmed (`: <reason>`), the last error when queued or re-pushed (`queued (<last
-/// error>)`); both with anything but printable text escaped.
+/// error>)`) and, when the relay is not working either, its standing (`(relay unreachable
+/// since <time>: <detail>)`); all with anything but printable text escaped.
 pub fn sent(args: SentArgs) -> anyhow::Result<()> {
     let mut path = format!("/v1/sent?as={}&limit={}", enc(&args.as_agent), args.limit);
     if let Some(c) = &args.cursor {
@@ -681,6 +682,9 @@ pub fn sent(args: SentArgs) -> anyhow::Result<()> {
             }
             if let Some(via) = r["via"].as_str() {
                 line.push_str(&format!(" (via {via})"));
+            }
+            if let Some(relay) = r["relay"].as_str() {
+                line.push_str(&format!(" (relay {})", printable(relay)));
             }
             if let Some(why) = r["reason"].as_str() {
                 line.push_str(&format!(": {}", printable(why)));
