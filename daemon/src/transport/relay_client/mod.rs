@@ -380,7 +380,7 @@ impl RelayClient {
 /// A network error in one line a person can act on: what failed, then the root cause (e.g.
 /// `cannot connect to the relay: Connection refused (os error 111)`), without repeating the URL.
 ///
-/// A TLS failure is said in our words, never the TLS library's ([`tls_failure`]): e.g. an
+/// A TLS failure is said in our words, never the TLS library's: e.g. an
 /// `https://` URL aimed at a relay that speaks plain HTTP is `cannot connect: the relay does
 /// not speak TLS at this address …`.
 pub fn describe(e: &reqwest::Error) -> String {
