@@ -1307,3 +1307,173 @@ fn reply_and_send_reply_to_stay_in_the_thread_and_inbox_read_and_thread_show_it(
         assert!(out.stderr.contains("no message"), "{out:#?}");
     }
 }
+
+/// Issue 17 (8e): every mail command on a home that was never initialized is "not
+/// initialized" (exit 3, saying to run `agentmbx init`), as `whoami` is, not a plain failure.
+#[test]
+fn mail_commands_on_an_uninitialized_home_exit_3_saying_to_run_init() {
+    let home = Home::new();
+    for args in [
+        &[
+            "send",
+            "--as",
+            "alice",
+            "--to",
+            "bob",
+            "--subject",
+            "s",
+            "-m",
+            "x",
+        ][..],
+        &["inbox", "--as", "alice"],
+        &["sent", "--as", "alice"],
+    ] {
+        let out = home.run(args);
+        assert_eq!(out.code(), Some(3), "{args:?}: {out:#?}");
+        assert!(
+            out.stderr
+                .starts_with("agentmbx: this host is not initialized"),
+            "{args:?}: {out:#?}"
+        );
+        assert!(out.stderr.contains("agentmbx init"), "{args:?}: {out:#?}");
+    }
+    assert!(!home.file("api.token").exists(), "nothing is created");
+}
+
+/// Issue 17 (8d): a token the daemon refuses (401) is named with the file it was read from and
+/// the MBX_HOME the CLI used, so a user can see which home they are talking from.
+#[test]
+fn a_refused_api_token_names_the_token_file_and_the_home() {
+    let home = Home::new();
+    let _daemon = Daemon::start(&home);
+    // The daemon keeps the token it started with; the file now says another one.
+    std::fs::write(home.file("api.token"), format!("{}\n", "A".repeat(43))).expect("write");
+    let out = home.run(&["inbox", "--as", "alice"]);
+    assert_eq!(out.code(), Some(1), "{out:#?}");
+    let token_file = home.file("api.token").display().to_string();
+    let home_dir = home.path().display().to_string();
+    assert!(out.stderr.contains(&token_file), "{out:#?}");
+    assert!(
+        out.stderr.contains(&format!("MBX_HOME {home_dir}")),
+        "{out:#?}"
+    );
+    assert!(out.stderr.contains("401"), "{out:#?}");
+}
+
+/// Issue 17 (8f): in text mode the `more: …` continuation line of `inbox` and `sent` goes to
+/// stderr, so stdout holds only the listing.
+#[test]
+fn the_more_line_of_inbox_and_sent_goes_to_stderr() {
+    let page = r#"{"messages":[{"id":"m-1","state":"new","ts":"2026-01-01T00:00:00Z","from":"alice@h","subject":"s","recipients":[]}],"next_cursor":"c-2"}"#;
+    let (addr, _) = fake_api(move |_| Some(page.to_string()));
+    let home = home_for_api(addr);
+    for what in ["inbox", "sent"] {
+        let out = home.run(&[what, "--as", "bob", "--limit", "1"]);
+        out.assert_success();
+        assert!(out.stdout.contains("m-1"), "{what}: {out:#?}");
+        assert!(!out.stdout.contains("more:"), "{what}: {out:#?}");
+        assert!(
+            out.stderr
+                .contains(&format!("more: agentmbx {what} --as bob --cursor c-2")),
+            "{what}: {out:#?}"
+        );
+    }
+}
+
+/// Issue 17 (8g): when the OS keyring does not answer and `init` falls back to 0600 files, it
+/// says so on stderr (whatever MBX_LOG) and prints where the keys went.
+#[test]
+fn init_says_where_the_keys_went_when_it_falls_back_to_files() {
+    let home = Home::new();
+    let mut cmd = home.command(&["init", "--host", "fallback"]);
+    cmd.env_remove("MBX_KEYSTORE")
+        .env_remove("MBX_LOG")
+        .env_remove("DBUS_SESSION_BUS_ADDRESS");
+    let out = helper::run(cmd);
+    out.assert_success();
+    let home_dir = home.path().display().to_string();
+    assert!(
+        out.stdout
+            .contains(&format!("keys: 0600 files in {home_dir}")),
+        "{out:#?}"
+    );
+    assert!(out.stderr.contains("warning:"), "{out:#?}");
+    assert!(out.stderr.contains("keyring is not available"), "{out:#?}");
+    assert!(out.stderr.contains(&home_dir), "{out:#?}");
+    assert!(out.stderr.contains("MBX_KEYSTORE=file"), "{out:#?}");
+}
+
+/// Issue 17 (8b): `send --to x@hots` where `hostb` is paired names `hostb` as what was meant
+/// (exit 3), and does not advise pinning the typo.
+#[test]
+fn send_to_a_mistyped_host_suggests_the_paired_name() {
+    let other = Home::new();
+    other.run(&["init", "--host", "hostb"]).assert_success();
+    let key = other.run(&["whoami", "--json"]).json()["host_pubkey"]
+        .as_str()
+        .expect("host_pubkey")
+        .to_string();
+    let home = Home::new();
+    home.run(&["init", "--host", "hosta"]).assert_success();
+    home.run(&["peers", "add", "hostb", &key]).assert_success();
+    let _daemon = Daemon::start(&home);
+    let out = home.run(&[
+        "send",
+        "--as",
+        "alice",
+        "--to",
+        "bob@hots",
+        "--subject",
+        "s",
+        "-m",
+        "x",
+    ]);
+    assert_eq!(out.code(), Some(3), "{out:#?}");
+    assert!(
+        out.stderr
+            .contains("unknown host hots; did you mean hostb?"),
+        "{out:#?}"
+    );
+    assert!(!out.stderr.contains("peers add hots"), "{out:#?}");
+}
+
+/// Issue 17 (8a): `join` aimed at the other host's local API port (not its LAN port) says so
+/// and which port to use (usage, exit 2), instead of quoting the API's token refusal.
+#[test]
+fn join_aimed_at_the_local_api_port_says_to_use_the_lan_port() {
+    let holder = Home::new();
+    let daemon = Daemon::start(&holder);
+    let home = Home::new();
+    home.run(&["init", "--host", "joiner"]).assert_success();
+    let api = daemon.addr.to_string();
+    let out = home.run(&["join", &api, "ABCD-EFGH-JKMN"]);
+    assert_eq!(out.code(), Some(2), "{out:#?}");
+    assert!(
+        out.stderr
+            .contains(&format!("{api} is agentmbx's local API port")),
+        "{out:#?}"
+    );
+    assert!(
+        out.stderr
+            .contains("pair with the LAN port (7373 by default"),
+        "{out:#?}"
+    );
+    assert!(!out.stderr.contains("bearer token"), "{out:#?}");
+}
+
+/// Issue 17 (9): `sent` shows the relay's standing after the LAN error when both fail.
+#[test]
+fn sent_shows_the_relay_state_after_the_lan_error() {
+    let page = r#"{"messages":[{"id":"m-1","ts":"2026-01-01T00:00:00Z","subject":"s","recipients":[{"recipient":"dan@work","host":"work","state":"queued","last_error":"cannot connect: refused","relay":"unreachable since 2026-01-01T00:00:00.000Z: cannot connect: timed out"}]}]}"#;
+    let (addr, _) = fake_api(move |_| Some(page.to_string()));
+    let home = home_for_api(addr);
+    let out = home.run(&["sent", "--as", "alice"]);
+    out.assert_success();
+    assert!(
+        out.stdout.contains(
+            "  dan@work: queued (cannot connect: refused) (relay unreachable since \
+             2026-01-01T00:00:00.000Z: cannot connect: timed out)"
+        ),
+        "{out:#?}"
+    );
+}

@@ -217,14 +217,39 @@ pub fn is_initialized(paths: &Paths) -> bool {
 /// Errors: [`IdentityError::AlreadyInitialized`] when an identity exists (nothing is changed),
 /// a name conflicting with `config.toml`, a key store that cannot be used, I/O errors.
 pub fn init(paths: &Paths, requested: Option<&HostName>) -> Result<Identity, IdentityError> {
+    let (identity, created) = init_reporting(paths, requested)?;
+    if let Some(warning) = &created.warning {
+        tracing::warn!("{warning}");
+    }
+    Ok(identity)
+}
+
+/// Where [`init_reporting`] put the new keys.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeysCreated {
+    /// The store's [`KeyStore::location`], e.g. "0600 files in /home/u/.agentmbx".
+    pub location: String,
+    /// Set when the OS keyring was tried and did not answer, so the keys fell back to files:
+    /// says why, where they are and how to choose ([`keystore::Choice::warning`]).
+    pub warning: Option<String>,
+}
+
+/// [`init`] that leaves the key store's fall-back warning to the caller (the CLI prints it;
+/// its log level hides warnings) and says where the keys went. Errors: as [`init`].
+pub fn init_reporting(
+    paths: &Paths,
+    requested: Option<&HostName>,
+) -> Result<(Identity, KeysCreated), IdentityError> {
     paths.ensure_home()?;
     refuse_existing(paths)?;
     let choice = keystore::choose(paths, |v| std::env::var(v).ok(), keystore::probe_keyring)?;
-    if let Some(warning) = &choice.warning {
-        tracing::warn!("{warning}");
-    }
     let store = keystore::open_backend(paths, choice.backend)?;
-    init_with(paths, requested, &*store)
+    let identity = init_with(paths, requested, &*store)?;
+    let created = KeysCreated {
+        location: store.location(),
+        warning: choice.warning,
+    };
+    Ok((identity, created))
 }
 
 /// [`init`] into an already chosen `store` (its [`KeyStore::backend`] is what gets recorded).

@@ -20,15 +20,21 @@ pub struct InitArgs {
 }
 
 /// Creates the identity (refusing when one exists) and the host store `mailbox.db`, and prints
-/// the identity's public half.
+/// the identity's public half and where the keys went (`keys:`; JSON `keys`); when the OS
+/// keyring did not answer and the keys fell back to 0600 files, a warning on stderr says so,
+/// why, and how to choose (JSON also `warning`).
 pub fn run(args: InitArgs) -> anyhow::Result<()> {
     let paths = Paths::from_env()?;
-    let identity = identity::init(&paths, args.host.as_ref())?;
+    let (identity, keys) = identity::init_reporting(&paths, args.host.as_ref())?;
     Mailbox::open(&paths.mailbox_db()).context("cannot create mailbox.db")?;
     let public = identity.public();
     if args.json {
         let mut value = serde_json::to_value(&public)?;
         value["home"] = paths.home().display().to_string().into();
+        value["keys"] = keys.location.clone().into();
+        if let Some(warning) = &keys.warning {
+            value["warning"] = warning.clone().into();
+        }
         println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
         println!(
@@ -38,6 +44,11 @@ pub fn run(args: InitArgs) -> anyhow::Result<()> {
         );
         println!("host_pubkey: {}", public.host_pubkey);
         println!("fingerprint: {}", public.fingerprint);
+        println!("keys: {}", keys.location);
+    }
+    // The fall-back to files is worth a word whatever the output: the log level hides it.
+    if let Some(warning) = &keys.warning {
+        eprintln!("agentmbx: warning: {warning}");
     }
     Ok(())
 }

@@ -296,6 +296,9 @@ enum Attempt {
 struct Api {
     base: String,
     token: ApiToken,
+    /// Where the token was read, and the home it belongs to: named when the daemon refuses it.
+    token_file: PathBuf,
+    home: PathBuf,
     http: reqwest::Client,
     budget: Duration,
 }
@@ -304,12 +307,20 @@ impl Api {
     fn connect() -> anyhow::Result<Self> {
         let budget = retry_budget()?;
         let paths = Paths::from_env()?;
-        let token = ApiToken::load(&paths.api_token())?.ok_or_else(|| {
-            anyhow::anyhow!(
+        let token = match ApiToken::load(&paths.api_token())? {
+            Some(token) => token,
+            // Exit 3 with the same words as every other command on an uninitialized home.
+            None if !agentmbx::identity::is_initialized(&paths) => {
+                return Err(agentmbx::identity::IdentityError::NotInitialized {
+                    path: paths.host_key(),
+                }
+                .into())
+            }
+            None => anyhow::bail!(
                 "no api.token in {}: start the daemon first (agentmbx daemon)",
                 paths.home().display()
-            )
-        })?;
+            ),
+        };
         let addr = match std::fs::read_to_string(paths.api_addr_file()) {
             Ok(text) => text.trim().to_string(),
             Err(_) => Config::load(&paths)?.api_addr().to_string(),
@@ -322,6 +333,8 @@ impl Api {
         Ok(Api {
             base: format!("http://{addr}"),
             token,
+            token_file: paths.api_token(),
+            home: paths.home().to_path_buf(),
             http,
             budget,
         })
@@ -521,6 +534,14 @@ impl Api {
             404 => NotFoundError(msg).into(),
             400 if code == "UNKNOWN_HOST" => NotFoundError(msg).into(),
             400 => UsageError(msg).into(),
+            401 => anyhow::anyhow!(
+                "the daemon at {} refused the API token read from {} (MBX_HOME {}): that \
+                 daemon runs with another home's token, or api.token changed since it started; \
+                 use the MBX_HOME the daemon runs with, or restart the daemon (HTTP 401)",
+                self.base,
+                self.token_file.display(),
+                self.home.display()
+            ),
             _ => anyhow::anyhow!("{msg} (HTTP {status})"),
         }))
     }
@@ -726,7 +747,7 @@ pub fn inbox(args: InboxArgs) -> anyhow::Result<()> {
         );
     }
     if let Some(c) = page["next_cursor"].as_str() {
-        println!("more: agentmbx inbox --as {} --cursor {c}", args.as_agent);
+        eprintln!("more: agentmbx inbox --as {} --cursor {c}", args.as_agent);
     }
     Ok(())
 }
@@ -803,7 +824,8 @@ pub fn ack(args: AckArgs) -> anyhow::Result<()> {
 /// `relay-accepted`, `repush`, `delivered` (or the receipt's `notified`, `read`, `acked`),
 /// `undelivered`, `expired`, `unconfirmed`; with the reason when undelivered, expired or
 /// unconfirmed (`: <reason>`), the last error when queued or re-pushed (`queued (<last
-/// error>)`); both with anything but printable text escaped.
+/// error>)`) and, when the relay is not working either, its standing (`(relay unreachable
+/// since <time>: <detail>)`); all with anything but printable text escaped.
 pub fn sent(args: SentArgs) -> anyhow::Result<()> {
     let mut path = format!("/v1/sent?as={}&limit={}", enc(&args.as_agent), args.limit);
     if let Some(c) = &args.cursor {
@@ -842,6 +864,9 @@ pub fn sent(args: SentArgs) -> anyhow::Result<()> {
             if let Some(via) = r["via"].as_str() {
                 line.push_str(&format!(" (via {via})"));
             }
+            if let Some(relay) = r["relay"].as_str() {
+                line.push_str(&format!(" (relay {})", printable(relay)));
+            }
             if let Some(why) = r["reason"].as_str() {
                 line.push_str(&format!(": {}", printable(why)));
             }
@@ -849,7 +874,7 @@ pub fn sent(args: SentArgs) -> anyhow::Result<()> {
         }
     }
     if let Some(c) = page["next_cursor"].as_str() {
-        println!("more: agentmbx sent --as {} --cursor {c}", args.as_agent);
+        eprintln!("more: agentmbx sent --as {} --cursor {c}", args.as_agent);
     }
     Ok(())
 }

@@ -399,6 +399,11 @@ pub struct RecipientState {
     /// one is cut and ends with `…`); absent before any failed attempt.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
+    /// `queued` remote recipients only: the relay's standing when no relay this host uses is
+    /// `ok` (`<state> since <ISO ms>[: <detail>]`, e.g. `unreachable since …: cannot connect:
+    /// …`), so a LAN error in `last_error` is not the whole story; at most 120 characters.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub relay: Option<String>,
 }
 
 /// Longest `last_error` a sent page shows (characters; longer ones are cut and end with `…`).
@@ -538,6 +543,7 @@ fn recipients_of(
             reason: None,
             via: None,
             last_error: None,
+            relay: None,
         });
     };
     for addr in to {
@@ -564,6 +570,7 @@ fn recipients_of(
                 reason: None,
                 via: via_of(h),
                 last_error: None,
+                relay: None,
             });
             continue;
         }
@@ -577,6 +584,7 @@ fn recipients_of(
                 reason,
                 via: row.via.clone().filter(|v| v == "lan" || v == "relay"),
                 last_error,
+                relay: None,
             });
         }
     }
@@ -596,6 +604,7 @@ fn recipients_of(
                 reason: None,
                 via: via_of(h),
                 last_error: None,
+                relay: None,
             });
         }
     }
@@ -616,6 +625,7 @@ fn recipients_of(
                     reason: reason.clone(),
                     via: row.via.clone().filter(|v| v == "lan" || v == "relay"),
                     last_error: last_error.clone(),
+                    relay: None,
                 });
             }
         }
@@ -666,6 +676,36 @@ fn unqualified_labels(
     Ok(labels)
 }
 
+/// The relay's standing for a `queued` recipient ([`RecipientState::relay`]): `None` when no
+/// relay state is recorded (no relay used) or one relay is `ok`; else the newest recorded one,
+/// `<state> since <at>[: <detail>]`, cut as `last_error` is. Reads the relay loop's kv
+/// `relay-state:<url>` records (`transport::relay_client::state`).
+fn relay_trouble(conn: &Connection) -> Result<Option<String>, MailboxError> {
+    let states: Vec<Value> = conn
+        .prepare("SELECT v FROM kv WHERE k LIKE 'relay-state:%'")?
+        .query_map([], |r| r.get::<_, String>(0))?
+        .filter_map(|v| v.ok().and_then(|v| serde_json::from_str(&v).ok()))
+        .collect();
+    let field = |v: &Value, k: &str| v.get(k).and_then(Value::as_str).map(str::to_string);
+    if states
+        .iter()
+        .any(|v| field(v, "state").as_deref() == Some("ok"))
+    {
+        return Ok(None);
+    }
+    let newest = states
+        .iter()
+        .filter_map(|v| Some((field(v, "at")?, field(v, "state")?, field(v, "detail"))))
+        .max();
+    Ok(newest.map(|(at, state, detail)| {
+        let text = match detail {
+            Some(d) => format!("{state} since {at}: {d}"),
+            None => format!("{state} since {at}"),
+        };
+        cut_shown(&text)
+    }))
+}
+
 /// A page of the messages `agent` sent from this host, newest first, after `cursor`, bounded
 /// by `limit` (1..=100) and [`MAX_SENT_BYTES`], each with its per-recipient state. "Newest" is
 /// the order this host stored them in (`messages.rowid`; the store is never vacuumed, so rowids
@@ -702,6 +742,7 @@ pub fn sent_page(
             },
         )?
         .collect::<Result<_, _>>()?;
+    let relay_trouble = relay_trouble(conn)?;
     let mut messages = Vec::new();
     let mut bytes = 0usize;
     let mut last: Option<i64> = None;
@@ -722,7 +763,13 @@ pub fn sent_page(
                 })
             })
             .unwrap_or_default();
-        let recipients = recipients_of(conn, &id, own_host, &to)?;
+        let mut recipients = recipients_of(conn, &id, own_host, &to)?;
+        for r in recipients
+            .iter_mut()
+            .filter(|r| r.state == "queued" && r.host != own_host)
+        {
+            r.relay = relay_trouble.clone();
+        }
         let entry = SentMessage {
             id,
             ts,
@@ -865,6 +912,83 @@ mod tests {
                 Ok(())
             })
             .unwrap();
+    }
+
+    /// Issue 17 (9): when the LAN failed (`last_error`) and the relay is not working either, a
+    /// queued recipient also shows the relay's standing; a working relay, or none, adds nothing.
+    #[test]
+    fn a_queued_recipient_shows_the_relay_state_when_the_relay_fails_too() {
+        let s = testutil::store();
+        let me = testutil::identity("home");
+        s.add_peer(&testutil::identity("work"), true);
+        let m1 = testutil::ids().next(T0);
+        s.send(&me, "alice", &["dan@work", "bob"], "one", &m1, T0)
+            .unwrap();
+        let relay_of = |s: &testutil::Store| {
+            let page = s
+                .mailbox
+                .with(|c| sent_page(c, "alice", "home", None, 20))
+                .unwrap();
+            page.messages[0]
+                .recipients
+                .iter()
+                .map(|r| (r.recipient.clone(), r.last_error.clone(), r.relay.clone()))
+                .collect::<Vec<_>>()
+        };
+        let lan = "cannot connect: Connection refused (os error 111)";
+        s.mailbox
+            .with(|c| outbox::fail_lan(c, &m1, "work", lan, T0 + 1).map(|_| ()))
+            .unwrap();
+        // No relay used: the LAN error alone.
+        assert_eq!(
+            relay_of(&s)[0],
+            ("dan@work".to_string(), Some(lan.to_string()), None)
+        );
+        let set = |url: &str, v: serde_json::Value| {
+            s.mailbox
+                .with(|c| {
+                    crate::mailbox::relay_state::kv_set(
+                        c,
+                        &format!("relay-state:{url}"),
+                        &v.to_string(),
+                    )
+                })
+                .unwrap()
+        };
+        set(
+            "https://relay.example",
+            serde_json::json!({"state": "unreachable", "at": "2026-01-01T00:00:00.000Z",
+                "detail": "cannot connect: the relay does not speak TLS at this address"}),
+        );
+        let got = relay_of(&s);
+        assert_eq!(got[1].2, None, "a local recipient: {got:?}");
+        assert_eq!(
+            got[0],
+            (
+                "dan@work".to_string(),
+                Some(lan.to_string()),
+                Some(
+                    "unreachable since 2026-01-01T00:00:00.000Z: cannot connect: the relay does \
+                     not speak TLS at this address"
+                        .to_string()
+                )
+            )
+        );
+        let page = s
+            .mailbox
+            .with(|c| sent_page(c, "alice", "home", None, 20))
+            .unwrap();
+        let json = serde_json::to_value(&page.messages[0].recipients[0]).unwrap();
+        assert!(json["relay"]
+            .as_str()
+            .unwrap()
+            .starts_with("unreachable since"));
+        // The relay works again: nothing more to say.
+        set(
+            "https://relay.example",
+            serde_json::json!({"state": "ok", "at": "2026-01-01T00:01:00.000Z"}),
+        );
+        assert_eq!(relay_of(&s)[0].2, None);
     }
 
     #[test]

@@ -10,4 +10,5 @@ pub mod receive;
 pub mod route;
 pub mod send;
 pub mod settle;
+pub mod suggest;
 pub mod unpair;

@@ -31,6 +31,7 @@ use agentmbx_protocol::limits;
 
 use crate::mailbox::agents::{self, OWNER};
 use crate::mailbox::{peers, MailboxError};
+use crate::node::suggest;
 
 /// How agent names are formed (NAME_RE `^[a-z0-9][a-z0-9-]{1,39}$`), for error messages.
 pub const NAME_RULE: &str =
@@ -79,11 +80,49 @@ pub enum AddressError {
     #[error("{0}")]
     Invalid(String),
     /// `name@host` names a host that is not a pinned peer.
-    #[error("unknown host {0}")]
-    UnknownHost(String),
+    #[error("{0}")]
+    UnknownHost(UnknownHost),
     /// Reading the store failed.
     #[error(transparent)]
     Store(#[from] MailboxError),
+}
+
+/// A host named in an address that is not a pinned peer, with the pinned names closest to it
+/// ([`suggest::closest`]). Its text is the refusal a user sees: `unknown host hots; did you
+/// mean hostb?` when some pinned name is close, else how to pin a new host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownHost {
+    /// The host as written.
+    pub host: String,
+    /// Up to 3 pinned host names close to it, closest first.
+    pub suggestions: Vec<String>,
+}
+
+impl UnknownHost {
+    /// `host`, with the names in `peers` close to it.
+    pub fn new(host: &str, peers: &[peers::Peer]) -> Self {
+        UnknownHost {
+            host: host.to_string(),
+            suggestions: suggest::closest(host, peers.iter().map(|p| p.host.as_str())),
+        }
+    }
+}
+
+impl std::fmt::Display for UnknownHost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let host = &self.host;
+        match self.suggestions.as_slice() {
+            [] => write!(
+                f,
+                "unknown host {host}: add it with `agentmbx peers add {host} <host_pubkey>`"
+            ),
+            names => write!(
+                f,
+                "unknown host {host}; did you mean {}? (`agentmbx peers` lists the paired hosts)",
+                names.join(", ")
+            ),
+        }
+    }
 }
 
 fn bad_recipient(to: &str) -> AddressError {
@@ -202,7 +241,7 @@ pub fn expand(
                 b.local(t, name);
             } else {
                 let peer = peers::by_name(conn, host)?
-                    .ok_or_else(|| AddressError::UnknownHost(host.to_string()))?;
+                    .ok_or_else(|| AddressError::UnknownHost(UnknownHost::new(host, &all_peers)))?;
                 b.remote(t, Some(name), peer);
             }
             continue;
@@ -225,7 +264,7 @@ pub fn expand(
         match listing.as_slice() {
             [host] => {
                 let peer = peers::by_name(conn, host)?
-                    .ok_or_else(|| AddressError::UnknownHost(host.clone()))?;
+                    .ok_or_else(|| AddressError::UnknownHost(UnknownHost::new(host, &all_peers)))?;
                 b.remote(t, Some(t), peer);
             }
             [] => {
@@ -379,8 +418,29 @@ mod tests {
         assert_eq!(e.targets.len(), 5);
         assert!(matches!(
             exp(&s, "alice", &["bob", "xy@nowhere"]),
-            Err(AddressError::UnknownHost(h)) if h == "nowhere"
+            Err(AddressError::UnknownHost(h)) if h.host == "nowhere"
         ));
+    }
+
+    /// Issue 17 (8b): a typo of a paired host's name is refused with the closest paired names,
+    /// not with advice to pin the typo; a name close to none still says how to pin a new host.
+    #[test]
+    fn an_unknown_host_suggests_the_closest_paired_names() {
+        let s = world();
+        let err = exp(&s, "alice", &["carol@wrok"]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "unknown host wrok; did you mean work? (`agentmbx peers` lists the paired hosts)"
+        );
+        assert!(
+            matches!(&err, AddressError::UnknownHost(u) if u.suggestions == ["work"]),
+            "{err:?}"
+        );
+        let err = exp(&s, "alice", &["carol@elsewhere"]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "unknown host elsewhere: add it with `agentmbx peers add elsewhere <host_pubkey>`"
+        );
     }
 
     #[test]

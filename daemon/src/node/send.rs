@@ -18,7 +18,7 @@ use agentmbx_protocol::limits;
 
 use crate::identity::Identity;
 use crate::mailbox::{agents, messages, outbox, MailboxError};
-use crate::node::route::{self, AddressError};
+use crate::node::route::{self, AddressError, UnknownHost};
 
 pub use crate::node::route::NAME_RULE;
 
@@ -171,8 +171,8 @@ pub enum SendError {
     #[error("{0}")]
     Invalid(String),
     /// A recipient host is not a known peer.
-    #[error("unknown host {0}: add it with `agentmbx peers add {0} <host_pubkey>`")]
-    UnknownHost(String),
+    #[error("{0}")]
+    UnknownHost(UnknownHost),
     /// The message replied to is not one the sender can see (unknown id, or another mailbox's).
     #[error("{0}")]
     ParentNotFound(String),
@@ -386,7 +386,7 @@ mod tests {
             .send(&me, "alice", &["bob", "carol@nowhere"], "s", ID, T0)
             .unwrap_err();
         assert!(
-            matches!(&err, SendError::UnknownHost(h) if h == "nowhere"),
+            matches!(&err, SendError::UnknownHost(h) if h.host == "nowhere"),
             "{err}"
         );
         assert_eq!(counts(&s), (0, 0, 0));

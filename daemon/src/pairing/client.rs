@@ -71,6 +71,13 @@ pub enum PairError {
     /// The other host refused; the text quotes its `error`.
     #[error("{0}")]
     Refused(String),
+    /// The address is an agentmbx local API (it asked for the API's bearer token), not the
+    /// LAN port pairing uses (a usage error).
+    #[error("{addr} is agentmbx's local API port (7375 by default), not its LAN port; pair with the LAN port (7373 by default: `agentmbx doctor` on that host shows it)")]
+    ApiPort {
+        /// `host:port` called.
+        addr: String,
+    },
     /// The other host answered something that is not a valid pairing message.
     #[error("{addr} sent a malformed pairing {what}")]
     Malformed {
@@ -123,6 +130,7 @@ impl PairError {
         matches!(
             self,
             PairError::BadAddress(_)
+                | PairError::ApiPort { .. }
                 | PairError::Token(PairingError::MalformedToken)
                 | PairError::BadTtl(_)
                 | PairError::BadCode(_)
@@ -317,7 +325,8 @@ fn describe(e: &reqwest::Error) -> String {
     text
 }
 
-/// Sends `req` and reads the answer (≤ [`MAX_ANSWER_BYTES`]).
+/// Sends `req` and reads the answer (≤ [`MAX_ANSWER_BYTES`]). A 401 asking for a bearer token
+/// is [`PairError::ApiPort`]: `addr` is the local API, not a LAN port.
 async fn send(
     req: reqwest::RequestBuilder,
     addr: &str,
@@ -328,6 +337,17 @@ async fn send(
     };
     let mut res = req.send().await.map_err(unreachable)?;
     let status = res.status();
+    // Only agentmbx's local API asks for a bearer token; the LAN server never does.
+    let bearer = res
+        .headers()
+        .get(reqwest::header::WWW_AUTHENTICATE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("Bearer"));
+    if status == reqwest::StatusCode::UNAUTHORIZED && bearer {
+        return Err(PairError::ApiPort {
+            addr: addr.to_string(),
+        });
+    }
     let mut body = Vec::new();
     while let Some(chunk) = res.chunk().await.map_err(unreachable)? {
         if body.len() + chunk.len() > MAX_ANSWER_BYTES {

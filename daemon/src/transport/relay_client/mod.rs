@@ -379,11 +379,19 @@ impl RelayClient {
 
 /// A network error in one line a person can act on: what failed, then the root cause (e.g.
 /// `cannot connect to the relay: Connection refused (os error 111)`), without repeating the URL.
+///
+/// A TLS failure is said in our words, never the TLS library's: e.g. an
+/// `https://` URL aimed at a relay that speaks plain HTTP is `cannot connect: the relay does
+/// not speak TLS at this address …`.
 pub fn describe(e: &reqwest::Error) -> String {
     use std::error::Error as _;
     let mut root: Option<String> = None;
     let mut source = e.source();
     while let Some(s) = source {
+        if let Some(tls) = tls_failure(s) {
+            root = Some(tls);
+            break;
+        }
         root = Some(s.to_string());
         source = s.source();
     }
@@ -400,6 +408,38 @@ pub fn describe(e: &reqwest::Error) -> String {
         Some(r) if !e.is_timeout() => format!("{what}: {r}"),
         _ => what.to_string(),
     }
+}
+
+/// The TLS library's error inside `e` (directly, or wrapped in `std::io::Error`s, whose
+/// `source` skips it), said in words a user can act on; `None` when `e` holds none.
+fn tls_failure(e: &(dyn std::error::Error + 'static)) -> Option<String> {
+    use rustls::{CertificateError, Error as Tls};
+    if let Some(io) = e.downcast_ref::<std::io::Error>() {
+        return io.get_ref().and_then(|inner| tls_failure(inner));
+    }
+    Some(match e.downcast_ref::<Tls>()? {
+        // The first bytes back were not TLS: typically an HTTP answer to the TLS greeting.
+        Tls::InvalidMessage(_) => "the relay does not speak TLS at this address (it answered \
+            in plain HTTP); use its http:// URL, or the port where it serves TLS"
+            .to_string(),
+        Tls::InvalidCertificate(why) => {
+            let why = match why {
+                CertificateError::UnknownIssuer => {
+                    "it is issued by an authority this host does not trust"
+                }
+                CertificateError::Expired | CertificateError::ExpiredContext { .. } => {
+                    "it has expired"
+                }
+                CertificateError::NotValidForName
+                | CertificateError::NotValidForNameContext { .. } => {
+                    "it is issued for another name than the URL's"
+                }
+                _ => "it is not valid",
+            };
+            format!("the relay's TLS certificate was refused: {why}")
+        }
+        _ => "the TLS handshake with the relay failed".to_string(),
+    })
 }
 
 /// The [`RelayError::RateLimited`] of a 429 answer: the `Retry-After` header (whole seconds)

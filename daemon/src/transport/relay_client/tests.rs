@@ -30,6 +30,7 @@ use crate::testutil::{self, Store, T0};
 mod account_tokens;
 mod epochs_and_expiry;
 mod pins_and_caps;
+mod tls_mismatch;
 
 // ---- the fake relay ---------------------------------------------------------------------------
 
