@@ -20,6 +20,22 @@ use agentmbx::token::ApiToken;
 
 use super::{NotFoundError, TempFailError, UsageError};
 
+/// The body flags of `send` and `reply`; read by [`read_body`].
+#[derive(Debug, Args)]
+pub struct BodyArgs {
+    /// Body text (else --body-file, else stdin when it is not a terminal)
+    #[arg(
+        short = 'm',
+        long = "message",
+        value_name = "BODY",
+        conflicts_with = "body_file"
+    )]
+    pub message: Option<String>,
+    /// Read the body from a file
+    #[arg(long, value_name = "FILE")]
+    pub body_file: Option<PathBuf>,
+}
+
 /// Flags of `send`.
 #[derive(Debug, Args)]
 pub struct SendArgs {
@@ -33,17 +49,8 @@ pub struct SendArgs {
     /// One-line subject
     #[arg(long)]
     pub subject: String,
-    /// Body text (else --body-file, else stdin when it is not a terminal)
-    #[arg(
-        short = 'm',
-        long = "message",
-        value_name = "BODY",
-        conflicts_with = "body_file"
-    )]
-    pub message: Option<String>,
-    /// Read the body from a file
-    #[arg(long, value_name = "FILE")]
-    pub body_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub body: BodyArgs,
     /// Kind: message, request, reply, status, decision, alert, task (default message, or
     /// reply with --reply-to)
     #[arg(long)]
@@ -105,17 +112,8 @@ pub struct ReplyArgs {
     /// The replying agent's name on this host
     #[arg(long = "as", value_name = "AGENT", env = "MBX_AGENT")]
     pub as_agent: String,
-    /// Body text (else --body-file, else stdin when it is not a terminal)
-    #[arg(
-        short = 'm',
-        long = "message",
-        value_name = "BODY",
-        conflicts_with = "body_file"
-    )]
-    pub message: Option<String>,
-    /// Read the body from a file
-    #[arg(long, value_name = "FILE")]
-    pub body_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub body: BodyArgs,
     /// Kind: message, request, reply, status, decision, alert, task (default reply)
     #[arg(long)]
     pub kind: Option<String>,
@@ -559,7 +557,12 @@ fn enc(s: &str) -> String {
 }
 
 /// The body: `-m`, else `--body-file`, else stdin when it is not a terminal, else empty.
-fn read_body(message: &Option<String>, file: &Option<PathBuf>) -> anyhow::Result<String> {
+fn read_body(
+    BodyArgs {
+        message,
+        body_file: file,
+    }: &BodyArgs,
+) -> anyhow::Result<String> {
     Ok(match (message, file) {
         (Some(m), _) => m.clone(),
         (None, Some(f)) => {
@@ -607,7 +610,7 @@ fn print_sent(out: &Value, json: bool) -> anyhow::Result<()> {
 
 /// `send`.
 pub fn send(args: SendArgs) -> anyhow::Result<()> {
-    let body = read_body(&args.message, &args.body_file)?;
+    let body = read_body(&args.body)?;
     let req = json!({
         "from": args.as_agent, "to": args.to, "subject": args.subject, "body": body,
         "kind": args.kind, "thread": args.thread, "reply_to": args.reply_to,
@@ -626,7 +629,7 @@ pub fn send(args: SendArgs) -> anyhow::Result<()> {
 
 /// `reply`: answers a message (to its sender, in its thread, subject `Re: …`).
 pub fn reply(args: ReplyArgs) -> anyhow::Result<()> {
-    let body = read_body(&args.message, &args.body_file)?;
+    let body = read_body(&args.body)?;
     let req = json!({
         "from": args.as_agent, "body": body, "kind": args.kind,
         "needs_reply": args.needs_reply, "refs": args.refs,
