@@ -1160,3 +1160,44 @@ async fn inbox_filters_by_needs_reply_and_sender_and_shows_what_a_message_replie
     assert_eq!(last["kind"], "reply");
     assert_eq!(last["thread"], from_carol.as_str());
 }
+
+/// The body limit is exact: a request of `MAX_REQUEST_BODY` bytes is read (here an ack padded
+/// with JSON whitespace, answered 200), one byte more is 413 `BODY_TOO_LARGE` and changes
+/// nothing; a thread page of the largest size is served, one past it refused.
+#[tokio::test]
+async fn a_body_at_the_size_limit_is_read_and_one_byte_more_is_413() {
+    let api = Api::start().await;
+    let id = api.send(&["bob"], "s").await;
+    let ack = json!({"as": "bob", "ids": [id]}).to_string();
+    let at_limit = ack.clone() + &" ".repeat(super::MAX_REQUEST_BODY - ack.len());
+    assert_eq!(at_limit.len(), super::MAX_REQUEST_BODY);
+    let over = format!("{at_limit} ");
+    let post = |body: String| {
+        api.http
+            .post(format!("{}/v1/ack", api.base))
+            .bearer_auth(&api.token)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    let resp = post(over).await.unwrap();
+    assert_eq!(resp.status().as_u16(), 413);
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["code"], "BODY_TOO_LARGE", "{body}");
+    let (_, inbox) = api.inbox("").await;
+    assert_eq!(
+        inbox["messages"].as_array().map(Vec::len),
+        Some(1),
+        "{inbox}"
+    );
+    let resp = post(at_limit).await.unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let (_, inbox) = api.inbox("").await;
+    assert_eq!(
+        inbox["messages"].as_array().map(Vec::len),
+        Some(0),
+        "acked: {inbox}"
+    );
+    let (status, page) = api.get(&format!("/v1/threads/{id}?as=bob&limit=200")).await;
+    assert_eq!(status, 200, "{page}");
+}
