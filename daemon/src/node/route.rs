@@ -175,8 +175,9 @@ impl std::fmt::Display for UnknownAgent {
         match self.suggestions.as_slice() {
             [] => write!(
                 f,
-                "no agent named {name} here or on a paired host: register it on its host \
-                 (`agentmbx whoami --as {name}`), or send with --new-mailbox (API: \
+                "no agent named {name} here or on a paired host: write {name}@<host> for an \
+                 agent of a host whose directory is not known yet, register a new agent on its \
+                 host (`agentmbx whoami --as {name}`), or send with --new-mailbox (API: \
                  \"new_mailbox\": true) to create the mailbox {name} on this host"
             ),
             names => write!(
@@ -565,7 +566,8 @@ mod tests {
         let err = exp(&s, "alice", &["zzzzzz"]).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "no agent named zzzzzz here or on a paired host: register it on its host \
+            "no agent named zzzzzz here or on a paired host: write zzzzzz@<host> for an agent \
+             of a host whose directory is not known yet, register a new agent on its host \
              (`agentmbx whoami --as zzzzzz`), or send with --new-mailbox (API: \
              \"new_mailbox\": true) to create the mailbox zzzzzz on this host"
         );
