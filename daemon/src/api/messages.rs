@@ -18,7 +18,7 @@ use super::{idempotent, ApiError, ApiJson, ApiQuery, NoQuery, SharedState};
 /// `Idempotency-Key` and body return the first answer; another body is 409.
 #[utoipa::path(post, path = "/v1/messages", operation_id = "send_message", request_body = SendRequest,
     params(("Idempotency-Key" = Option<String>, Header, description = "replay protection, ≤200 chars")),
-    responses((status = 201, body = SendOutcome), (status = 400, description = "BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named) or INVALID_JSON (with line and column)", body = super::ErrorBody), (status = 409, body = super::ErrorBody),
+    responses((status = 201, body = SendOutcome), (status = 400, description = "BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named), INVALID_JSON (with line and column), UNKNOWN_HOST (a recipient host that is not paired) or UNKNOWN_AGENT (a bare recipient name that is no agent here nor on any paired host, with the closest known names; nothing was sent; `new_mailbox` creates it)", body = super::ErrorBody), (status = 409, body = super::ErrorBody),
         (status = 413, description = "BODY_TOO_LARGE: the body is over 2 MiB; nothing was read", body = super::ErrorBody),
         (status = 415, description = "UNSUPPORTED_MEDIA_TYPE: the body is not sent as application/json", body = super::ErrorBody),
         (status = 503, description = "STORE_BUSY: the store is locked elsewhere or busy; nothing was stored; retry after Retry-After with the same Idempotency-Key", body = super::ErrorBody)),
@@ -71,6 +71,7 @@ fn send_error(e: SendError) -> Result<ApiError, MailboxError> {
         SendError::Invalid(m) => ApiError::Invalid(m),
         SendError::ParentNotFound(m) => ApiError::Missing(m),
         e @ SendError::UnknownHost(_) => ApiError::UnknownHost(e.to_string()),
+        e @ SendError::UnknownAgent(_) => ApiError::UnknownAgent(e.to_string()),
     })
 }
 
@@ -132,8 +133,11 @@ pub struct ReadQuery {
 }
 
 /// Reads one message as an agent (marks the agent's copy read). The sender may read its own copy.
+/// An `as` that is no agent of this host is 404 `UNKNOWN_AGENT`; a message the agent cannot
+/// see is 404 `NOT_FOUND`.
 #[utoipa::path(get, path = "/v1/messages/{id}", operation_id = "read_message", params(("id" = String, Path), ReadQuery),
-    responses((status = 200, body = messages::Message), (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped query parameter, named", body = super::ErrorBody), (status = 404, body = super::ErrorBody)),
+    responses((status = 200, body = messages::Message), (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped query parameter, named", body = super::ErrorBody),
+        (status = 404, description = "NOT_FOUND: no such message for this agent; UNKNOWN_AGENT: `as` is no agent of this host (the error names the closest agents)", body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn get(
     State(state): State<SharedState>,
@@ -142,6 +146,7 @@ pub async fn get(
 ) -> Result<Json<messages::Message>, ApiError> {
     let Path(id) = id?;
     super::check_agent(&q.as_agent)?;
+    super::check_reader(&state, &q.as_agent).await?;
     let (host, now) = (state.ident.host.to_string(), state.clock.now_ms());
     let msg = state
         .mailbox
