@@ -85,6 +85,19 @@ impl Store {
             .unwrap();
     }
 
+    /// Registers the local agents `names` on host `own` (as `whoami --as` does), so mail from
+    /// peers addressed `name@own` is delivered to them, not held as unclaimed.
+    pub fn register(&self, own: &str, names: &[&str]) {
+        self.mailbox
+            .with(|c| {
+                for n in names {
+                    crate::mailbox::agents::register(c, own, n, None, None, T0)?;
+                }
+                Ok(())
+            })
+            .unwrap();
+    }
+
     /// Sends through [`send::send`] in one transaction, committed on success.
     pub fn send(
         &self,
@@ -105,6 +118,7 @@ impl Store {
             reply_to: None,
             needs_reply: false,
             refs: vec![],
+            force: false,
         };
         self.mailbox
             .with(|c| {

@@ -428,8 +428,10 @@ async fn a_malformed_agent_name_is_a_bad_request_on_every_mailbox_route() {
 }
 
 /// Stores a message `id` from `ann@work` to `bob@home` as if it had arrived from the peer, so
-/// acking it queues a receipt back to `work`.
+/// acking it queues a receipt back to `work` (bob is registered first: mail for a name with no
+/// mailbox here would be held, not delivered).
 fn receive_from_work(api: &Api, id: &str) {
+    api.store.register("home", &["bob"]);
     let wire = testutil::sealed_wire(
         &api.work,
         &api.ident.enc_key.public(),

@@ -32,6 +32,7 @@ pub mod messages;
 pub mod openapi;
 pub mod sent;
 pub mod threads;
+pub mod unclaimed;
 
 #[cfg(test)]
 mod http_tests;
@@ -126,6 +127,10 @@ pub enum ApiError {
     /// A recipient host is not a known peer. 400 `UNKNOWN_HOST`.
     #[error("{0}")]
     UnknownHost(String),
+    /// `name@host` names an agent the paired host's known directory does not list (the text
+    /// lists the agents it has; `"force": true` sends anyway). 400 `UNKNOWN_AGENT`.
+    #[error("{0}")]
+    UnknownAgent(String),
     /// The named resource does not exist. 404 `NOT_FOUND`.
     #[error("{0}")]
     Missing(String),
@@ -174,9 +179,10 @@ impl ApiError {
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::NotFound => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            ApiError::Invalid(_) | ApiError::InvalidJson(_) | ApiError::UnknownHost(_) => {
-                StatusCode::BAD_REQUEST
-            }
+            ApiError::Invalid(_)
+            | ApiError::InvalidJson(_)
+            | ApiError::UnknownHost(_)
+            | ApiError::UnknownAgent(_) => StatusCode::BAD_REQUEST,
             ApiError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::Missing(_) => StatusCode::NOT_FOUND,
@@ -197,6 +203,7 @@ impl ApiError {
             ApiError::BodyTooLarge(_) => "BODY_TOO_LARGE",
             ApiError::UnsupportedMediaType(_) => "UNSUPPORTED_MEDIA_TYPE",
             ApiError::UnknownHost(_) => "UNKNOWN_HOST",
+            ApiError::UnknownAgent(_) => "UNKNOWN_AGENT",
             ApiError::Missing(_) => "NOT_FOUND",
             ApiError::Conflict(_) => "CONFLICT",
             ApiError::StoreBusy(_) => "STORE_BUSY",
@@ -261,6 +268,7 @@ pub fn router(state: SharedState) -> Router {
         .route("/v1/inbox", get(inbox::get))
         .route("/v1/ack", post(ack::post))
         .route("/v1/sent", get(sent::get))
+        .route("/v1/unclaimed", get(unclaimed::get))
         .route("/v1/agents", get(agents::get).post(agents::post))
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)

@@ -18,7 +18,7 @@ use agentmbx_protocol::limits;
 
 use crate::identity::Identity;
 use crate::mailbox::{agents, messages, outbox, MailboxError};
-use crate::node::route::{self, AddressError, UnknownHost};
+use crate::node::route::{self, AddressError, UnknownAgent, UnknownHost};
 
 pub use crate::node::route::NAME_RULE;
 
@@ -60,6 +60,11 @@ pub struct SendRequest {
     /// References (≤20, each ≤2048).
     #[serde(default)]
     pub refs: Vec<String>,
+    /// Send to `name@host` even when that paired host's known agent directory lists no `name`
+    /// (e.g. an agent that will register there later; the host holds the mail until then).
+    /// Without it such an address is refused (400 `UNKNOWN_AGENT`, listing the host's agents).
+    #[serde(default)]
+    pub force: bool,
 }
 
 /// What an agent asks to answer (`POST /v1/messages/{id}/reply`): a message to the sender of
@@ -130,6 +135,8 @@ pub fn reply_request(
         reply_to: Some(parent.id),
         needs_reply: req.needs_reply,
         refs: req.refs.clone(),
+        // A reply goes to an agent that sent from that host: it exists there.
+        force: true,
     })
 }
 
@@ -173,6 +180,9 @@ pub enum SendError {
     /// A recipient host is not a known peer.
     #[error("{0}")]
     UnknownHost(UnknownHost),
+    /// `name@host` where the peer's known agent directory lists no `name` (not forced).
+    #[error("{0}")]
+    UnknownAgent(UnknownAgent),
     /// The message replied to is not one the sender can see (unknown id, or another mailbox's).
     #[error("{0}")]
     ParentNotFound(String),
@@ -186,6 +196,7 @@ impl From<AddressError> for SendError {
         match e {
             AddressError::Invalid(m) => SendError::Invalid(m),
             AddressError::UnknownHost(h) => SendError::UnknownHost(h),
+            AddressError::UnknownAgent(a) => SendError::UnknownAgent(a),
             AddressError::Store(e) => SendError::Store(e),
         }
     }
@@ -252,7 +263,7 @@ pub fn send(
     }
     // The sender is a local mailbox from its first send on (`agents` module docs).
     agents::touch(conn, own, &req.from, now_ms)?;
-    let plan = route::expand(conn, own, &req.from, &req.to)?;
+    let plan = route::expand(conn, own, &req.from, &req.to, req.force)?;
     let recipients = plan
         .targets
         .iter()
