@@ -565,6 +565,57 @@ mod tests {
         assert!(stored_envelope(&s)["meta"].get("local_names").is_none());
     }
 
+    /// Issue 17 (3): `name@peer` missing from the peer's known directory is refused with the
+    /// host's agents and stores nothing; `force` sends it with a warning; a peer whose
+    /// directory is not known yet gets it with a warning in the answer.
+    #[test]
+    fn an_agent_missing_from_a_known_directory_is_refused_unless_forced() {
+        let s = testutil::store();
+        let me = testutil::identity("home");
+        s.add_peer(&testutil::identity("work"), false);
+        s.add_peer(&testutil::identity("lab"), false);
+        directory(&s, "work", &["bob", "carol"]);
+        let err = s
+            .send(&me, "alice", &["nobody@work"], "s", ID, T0)
+            .unwrap_err();
+        assert!(
+            matches!(&err, SendError::UnknownAgent(u) if u.host == "work" && u.agents == ["bob", "carol"]),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("its agents: bob, carol"), "{err}");
+        assert_eq!(counts(&s), (0, 0, 0));
+        let req = SendRequest {
+            from: "alice".into(),
+            to: vec!["nobody@work".into(), "zed@lab".into()],
+            subject: "s".into(),
+            body: String::new(),
+            kind: None,
+            thread: None,
+            reply_to: None,
+            needs_reply: false,
+            refs: vec![],
+            force: true,
+        };
+        let out = s
+            .mailbox
+            .with(|c| {
+                let tx = c.transaction()?;
+                let out = send(&tx, &me, &req, ID.into(), T0);
+                tx.commit()?;
+                Ok(out)
+            })
+            .unwrap()
+            .unwrap();
+        assert_eq!(out.queued_for_hosts, vec!["lab".to_string(), "work".into()]);
+        assert_eq!(out.warnings.len(), 2, "{:?}", out.warnings);
+        assert!(out.warnings[0].starts_with("work's agent directory lists no nobody; sent anyway"));
+        assert!(out.warnings[1].starts_with("lab's agent directory is not known here yet"));
+        // A request body without "force" is not forced.
+        let body: SendRequest =
+            serde_json::from_str(r#"{"from":"alice","to":["x@work"],"subject":"s"}"#).unwrap();
+        assert!(!body.force);
+    }
+
     #[test]
     fn local_names_keep_the_receiving_host_from_delivering_a_bare_name_again() {
         use crate::node::receive::{self, Verdict};
