@@ -68,6 +68,12 @@ pub struct SendArgs {
     /// A reference (repeatable)
     #[arg(long = "ref", value_name = "REF")]
     pub refs: Vec<String>,
+    /// Send to agent@host even when that host's agent directory (known here once fetched)
+    /// lists no such agent, e.g. an agent that will register there later: the host holds the
+    /// message until it does. Without it such an address is refused (exit 3) with the agents
+    /// the host has
+    #[arg(long)]
+    pub force: bool,
     /// The Idempotency-Key to send with (default: a fresh random key). Rerunning the same
     /// command with the key printed by a send that exited 75 cannot send it twice; the key
     /// with another message is refused
@@ -82,8 +88,19 @@ pub struct SendArgs {
 #[derive(Debug, Args)]
 pub struct InboxArgs {
     /// The agent whose inbox to list
-    #[arg(long = "as", value_name = "AGENT", env = "MBX_AGENT")]
-    pub as_agent: String,
+    #[arg(
+        long = "as",
+        value_name = "AGENT",
+        env = "MBX_AGENT",
+        required_unless_present = "unclaimed"
+    )]
+    pub as_agent: Option<String>,
+    /// List instead the mail this host holds for names it has no agent for (mail from a
+    /// paired host to name@<this host>): no inbox shows it and no delivered receipt went back;
+    /// `agentmbx whoami --as <name>` makes it that agent's mail and sends the receipts
+    /// (--as is not needed and not used)
+    #[arg(long, conflicts_with_all = ["all", "cursor", "needs_reply", "from"])]
+    pub unclaimed: bool,
     /// Include acked messages
     #[arg(long)]
     pub all: bool,
@@ -530,7 +547,7 @@ impl Api {
         }
         Attempt::Done(Err(match status.as_u16() {
             404 => NotFoundError(msg).into(),
-            400 if code == "UNKNOWN_HOST" => NotFoundError(msg).into(),
+            400 if code == "UNKNOWN_HOST" || code == "UNKNOWN_AGENT" => NotFoundError(msg).into(),
             400 => UsageError(msg).into(),
             401 => anyhow::anyhow!(
                 "the daemon at {} refused the API token read from {} (MBX_HOME {}): that \
@@ -614,7 +631,7 @@ pub fn send(args: SendArgs) -> anyhow::Result<()> {
     let req = json!({
         "from": args.as_agent, "to": args.to, "subject": args.subject, "body": body,
         "kind": args.kind, "thread": args.thread, "reply_to": args.reply_to,
-        "needs_reply": args.needs_reply, "refs": args.refs,
+        "needs_reply": args.needs_reply, "refs": args.refs, "force": args.force,
     });
     let api = Api::connect()?;
     let key = args.idempotency_key.clone().unwrap_or_else(mint_key);
@@ -707,11 +724,55 @@ pub fn thread(args: ThreadArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `inbox`.
+/// `inbox --unclaimed`: what this host holds for names it has no agent for, oldest first.
+fn unclaimed(args: &InboxArgs) -> anyhow::Result<()> {
+    let api = Api::connect()?;
+    let q = Query {
+        what: "unclaimed listing",
+        changes: None,
+    };
+    let page = block_on(api.get(&format!("/v1/unclaimed?limit={}", args.limit), &q))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&page)?);
+        return Ok(());
+    }
+    let msgs = page["messages"].as_array().cloned().unwrap_or_default();
+    if msgs.is_empty() {
+        println!("no unclaimed messages");
+        return Ok(());
+    }
+    for m in &msgs {
+        println!(
+            "{}  for {}  since {}  {}  {}",
+            m["id"].as_str().unwrap_or_default(),
+            m["name"].as_str().unwrap_or_default(),
+            m["since"].as_str().unwrap_or_default(),
+            m["from"].as_str().unwrap_or_default(),
+            printable(m["subject"].as_str().unwrap_or_default())
+        );
+    }
+    let total = page["total"].as_u64().unwrap_or(0);
+    if total > msgs.len() as u64 {
+        eprintln!(
+            "more: {} of {total} shown; agentmbx inbox --unclaimed --limit 200",
+            msgs.len()
+        );
+    }
+    eprintln!(
+        "held until an agent of that name registers here: agentmbx whoami --as <name> (its delivered receipts go out then)"
+    );
+    Ok(())
+}
+
+/// `inbox` (`--unclaimed`: the mail held for names this host has no agent for).
 pub fn inbox(args: InboxArgs) -> anyhow::Result<()> {
+    if args.unclaimed {
+        return unclaimed(&args);
+    }
+    let as_agent = args.as_agent.clone().unwrap_or_default();
     let mut path = format!(
         "/v1/inbox?as={}&limit={}&all={}",
-        enc(&args.as_agent),
+        enc(&as_agent),
         args.limit,
         args.all
     );
@@ -736,7 +797,7 @@ pub fn inbox(args: InboxArgs) -> anyhow::Result<()> {
     }
     let msgs = page["messages"].as_array().cloned().unwrap_or_default();
     if msgs.is_empty() {
-        println!("no messages for {}", args.as_agent);
+        println!("no messages for {as_agent}");
     }
     for m in msgs {
         println!(
@@ -750,7 +811,7 @@ pub fn inbox(args: InboxArgs) -> anyhow::Result<()> {
         );
     }
     if let Some(c) = page["next_cursor"].as_str() {
-        eprintln!("more: agentmbx inbox --as {} --cursor {c}", args.as_agent);
+        eprintln!("more: agentmbx inbox --as {as_agent} --cursor {c}");
     }
     Ok(())
 }

@@ -89,7 +89,8 @@ pub fn check_role(role: &str) -> Result<(), MailboxError> {
 /// `description`: `None` keeps what is stored, `Some("")` clears it, anything else sets it
 /// (role: NAME_RE; description: one line, ≤ 200 UTF-16 units). Errors:
 /// [`MailboxError::Invalid`] for a bad name, role or description (nothing changes). Mail held
-/// for `name` ([`super::unclaimed`]) is delivered to it in the caller's transaction.
+/// for `name` ([`super::unclaimed`]) is delivered to it atomically with the row (one
+/// savepoint: inside the caller's transaction when there is one).
 pub fn register(
     conn: &Connection,
     own: &str,
@@ -118,6 +119,38 @@ pub fn register(
             ));
         }
     }
+    in_savepoint(conn, |conn| {
+        register_in(conn, own, name, role, description, now_ms)
+    })
+}
+
+/// Runs `f` inside a SAVEPOINT: all of it or nothing, whether or not the caller holds a
+/// transaction (outside one, the savepoint is the transaction).
+fn in_savepoint<T>(
+    conn: &Connection,
+    f: impl FnOnce(&Connection) -> Result<T, MailboxError>,
+) -> Result<T, MailboxError> {
+    conn.execute_batch("SAVEPOINT agents_local_row")?;
+    match f(conn) {
+        Ok(v) => {
+            conn.execute_batch("RELEASE agents_local_row")?;
+            Ok(v)
+        }
+        Err(e) => {
+            let _ = conn.execute_batch("ROLLBACK TO agents_local_row; RELEASE agents_local_row");
+            Err(e)
+        }
+    }
+}
+
+fn register_in(
+    conn: &Connection,
+    own: &str,
+    name: &str,
+    role: Option<&str>,
+    description: Option<&str>,
+    now_ms: i64,
+) -> Result<AgentEntry, MailboxError> {
     // NULL keeps the stored value; '' clears it.
     conn.execute(
         "INSERT INTO agents(name, host, role, description, last_seen)
@@ -149,13 +182,15 @@ pub fn touch(conn: &Connection, own: &str, name: &str, now_ms: i64) -> Result<()
     if !limits::is_name(name) {
         return Ok(());
     }
-    conn.execute(
-        "INSERT INTO agents(name, host, last_seen) VALUES (?1, ?2, ?3)
-         ON CONFLICT(name, host) DO UPDATE SET last_seen = MAX(last_seen, excluded.last_seen)",
-        params![name, own, now_ms],
-    )?;
-    super::unclaimed::claim(conn, name, now_ms)?;
-    Ok(())
+    in_savepoint(conn, |conn| {
+        conn.execute(
+            "INSERT INTO agents(name, host, last_seen) VALUES (?1, ?2, ?3)
+             ON CONFLICT(name, host) DO UPDATE SET last_seen = MAX(last_seen, excluded.last_seen)",
+            params![name, own, now_ms],
+        )?;
+        super::unclaimed::claim(conn, name, now_ms)?;
+        Ok(())
+    })
 }
 
 fn entry_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<AgentEntry> {
