@@ -562,6 +562,26 @@ impl Api {
     }
 }
 
+/// Best effort, for `whoami --as <name>` after its direct write delivered mail held for
+/// `name`: tells a running daemon, with the same `POST /v1/agents {"name"}` (which changes
+/// nothing more: no role or description given keeps them), so the delivered receipts queued
+/// go out now instead of at the daemon's next idle pass. Returns whether the daemon answered
+/// 200; any failure (no daemon, no token) is only `false`.
+pub(super) fn wake_daemon_for(name: &str) -> bool {
+    let Ok(api) = Api::connect() else {
+        return false;
+    };
+    block_on(async {
+        let r = api
+            .request(reqwest::Method::POST, "/v1/agents", Duration::from_secs(3))
+            .json(&json!({ "name": name }))
+            .send()
+            .await?;
+        Ok(r.status().is_success())
+    })
+    .unwrap_or(false)
+}
+
 fn block_on<T>(f: impl std::future::Future<Output = anyhow::Result<T>>) -> anyhow::Result<T> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()

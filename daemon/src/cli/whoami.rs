@@ -5,8 +5,8 @@
 //! needed) and print its directory entry. From then on `*` reaches it, and `role:R` when it has
 //! role R (`wire.md` §4 "Addressing"). `--role ""` or `--description ""` clears the value; an
 //! omitted flag keeps what is stored. Mail this host held for the name (`inbox --unclaimed`)
-//! becomes the agent's mail in the same transaction; its `delivered` receipts go out with the
-//! daemon's next pass (at most a minute, as the daemon is not told of a direct write).
+//! becomes the agent's mail in the same transaction; a running daemon is then told (best
+//! effort, through the local API) so its `delivered` receipts go out at once.
 
 use anyhow::Context;
 use clap::Args;
@@ -85,8 +85,13 @@ pub fn run(args: WhoamiArgs) -> anyhow::Result<()> {
             println!("last_seen: {}", entry.last_seen.as_deref().unwrap_or("-"));
         }
         if held > 0 {
+            let when = if super::mail::wake_daemon_for(name) {
+                "now"
+            } else {
+                "once the daemon runs"
+            };
             eprintln!(
-                "{held} message(s) this host held for {name} are now in its inbox; their delivered receipts go out with the daemon's next pass (within a minute)"
+                "{held} message(s) this host held for {name} are now in its inbox; their delivered receipts go out {when}"
             );
         }
         return Ok(());
