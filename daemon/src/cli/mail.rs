@@ -905,7 +905,9 @@ pub fn ack(args: AckArgs) -> anyhow::Result<()> {
 }
 
 /// `sent`: each message newest first, then one line per recipient with its state: `queued`,
-/// `relay-accepted`, `repush`, `delivered` (or the receipt's `notified`, `read`, `acked`),
+/// `relay-accepted`, `repush`, `accepted` (the host took it; the named agent's delivered
+/// receipt has not come back: the host may hold it for an agent it does not have yet),
+/// `delivered` (or the receipt's `notified`, `read`, `acked`),
 /// `undelivered`, `expired`, `unconfirmed`; with the reason when undelivered, expired or
 /// unconfirmed (`: <reason>`), the last error when queued or re-pushed (`queued (<last
 /// error>)`) and, when the relay is not working either, its standing (`(relay unreachable
