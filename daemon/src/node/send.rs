@@ -68,7 +68,8 @@ pub struct SendRequest {
 }
 
 /// What an agent asks to answer (`POST /v1/messages/{id}/reply`): a message to the sender of
-/// `{id}`, in its thread, with subject `Re: <its subject>` (0.5.x `mbx_reply`).
+/// `{id}`, in its thread, with subject `Re: <its subject>` (0.5.x `mbx_reply`). It takes no
+/// `force`: its recipient sent from its host, so a reply is never refused as `UNKNOWN_AGENT`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReplyRequest {
@@ -368,6 +369,8 @@ mod tests {
         assert_eq!(out.subject, "Re: from work");
         assert_eq!(out.reply_to.as_deref(), Some(ID));
         assert_eq!(out.thread.as_deref(), Some("T1"));
+        // Its recipient sent from work: never refused for work's directory (issue 17, 3).
+        assert!(out.force);
         // Another local agent cannot answer bob's mail.
         let carol = ReplyRequest {
             from: "carol".into(),
