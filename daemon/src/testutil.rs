@@ -86,7 +86,7 @@ impl Store {
     }
 
     /// Registers `names` as local mailboxes of host `own` (as `agentmbx whoami --as` does), so
-    /// mail to them is delivered rather than refused as a typo.
+    /// mail to them is delivered rather than refused as a typo or held as unclaimed.
     pub fn register(&self, own: &str, names: &[&str]) {
         self.mailbox
             .with(|c| {
@@ -119,6 +119,7 @@ impl Store {
             needs_reply: false,
             refs: vec![],
             new_mailbox: false,
+            force: false,
         };
         self.mailbox
             .with(|c| {

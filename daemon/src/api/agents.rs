@@ -52,7 +52,8 @@ pub async fn get(
 }
 
 /// Registers (or updates) a local mailbox; `*` reaches it from now on, and `role:<R>` when it
-/// has role R.
+/// has role R. Mail this host held for the name (`GET /v1/unclaimed`) becomes its mail in the
+/// same transaction, and its `delivered` receipts go out.
 #[utoipa::path(post, path = "/v1/agents", operation_id = "register_agent", request_body = RegisterRequest,
     responses((status = 200, body = AgentEntry), (status = 400, description = "BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named) or INVALID_JSON (with line and column)", body = super::ErrorBody),
         (status = 413, description = "BODY_TOO_LARGE: the body is over 2 MiB; nothing was read", body = super::ErrorBody),
@@ -78,6 +79,8 @@ pub async fn post(
             )
         })
         .await?;
+    // Mail held for this name became its mail: its delivered receipts are queued, send them now.
+    state.wake.notify_one();
     Ok(Json(entry))
 }
 

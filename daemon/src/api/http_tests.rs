@@ -494,8 +494,10 @@ async fn a_malformed_agent_name_is_a_bad_request_on_every_mailbox_route() {
 }
 
 /// Stores a message `id` from `ann@work` to `bob@home` as if it had arrived from the peer, so
-/// acking it queues a receipt back to `work`.
+/// acking it queues a receipt back to `work` (bob is registered first: mail for a name with no
+/// mailbox here would be held, not delivered).
 fn receive_from_work(api: &Api, id: &str) {
+    api.store.register("home", &["bob"]);
     let wire = testutil::sealed_wire(
         &api.work,
         &api.ident.enc_key.public(),
@@ -1266,4 +1268,122 @@ async fn a_body_at_the_size_limit_is_read_and_one_byte_more_is_413() {
     );
     let (status, page) = api.get(&format!("/v1/threads/{id}?as=bob&limit=200")).await;
     assert_eq!(status, 200, "{page}");
+}
+
+/// Issue 17 (3), API: `name@work` missing from work's known directory is 400 `UNKNOWN_AGENT`
+/// listing work's agents, nothing stored; `"force": true` sends it (201, with a warning); mail
+/// that arrived for a name this host does not have is listed by `GET /v1/unclaimed` and becomes
+/// the agent's mail when it registers with `POST /v1/agents`.
+#[tokio::test]
+async fn an_unlisted_agent_is_refused_unless_forced_and_unclaimed_mail_is_listed_until_claimed() {
+    let api = Api::start().await;
+    api.store
+        .mailbox
+        .with(|c| {
+            crate::mailbox::agents::replace_host(
+                c,
+                "work",
+                &[crate::mailbox::agents::AgentEntry {
+                    name: "carol".into(),
+                    role: None,
+                    cli: None,
+                    description: None,
+                    last_seen: None,
+                }],
+                testutil::T0,
+            )
+        })
+        .unwrap();
+    let (status, body) = api
+        .post(
+            "/v1/messages",
+            &json!({"from": "alice", "to": ["carl@work"], "subject": "s"}),
+            None,
+        )
+        .await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["code"], "UNKNOWN_AGENT", "{body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .starts_with("work has no agent carl; its agents: carol."),
+        "{body}"
+    );
+    assert_eq!(api.count("messages"), 0);
+    let (status, body) = api
+        .post(
+            "/v1/messages",
+            &json!({"from": "alice", "to": ["carl@work"], "subject": "s", "force": true}),
+            None,
+        )
+        .await;
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(body["queued_for_hosts"], json!(["work"]));
+    assert!(
+        body["warnings"][0]
+            .as_str()
+            .unwrap()
+            .contains("sent anyway (forced)"),
+        "{body}"
+    );
+    let (status, body) = api
+        .post(
+            "/v1/messages",
+            &json!({"from": "alice", "to": ["carl@work"], "subject": "s", "force": "yes"}),
+            None,
+        )
+        .await;
+    assert_eq!((status, body["code"].as_str()), (400, Some("BAD_REQUEST")));
+
+    // Mail from work for nobody@home: held, listed, no receipt.
+    let id = "01KDVDNA3VG2MH8KWSQRCWJZ0S";
+    let wire = testutil::sealed_wire(
+        &api.work,
+        &api.ident.enc_key.public(),
+        id,
+        "ann@work",
+        &["nobody@home"],
+        "early",
+        testutil::T0,
+    );
+    let pk = api.work.host_key.public().to_b64();
+    let ident = api.ident.clone();
+    api.store
+        .mailbox
+        .with(|c| {
+            let v = crate::node::receive::receive_sealed(c, &ident, &wire, id, &pk, testutil::T0)?;
+            assert!(v.is_ok(), "{v:?}");
+            Ok(())
+        })
+        .unwrap();
+    let (status, page) = api.get("/v1/unclaimed").await;
+    assert_eq!(status, 200, "{page}");
+    assert_eq!(page["total"], 1);
+    assert_eq!(page["messages"][0]["id"], id);
+    assert_eq!(page["messages"][0]["name"], "nobody");
+    assert_eq!(page["messages"][0]["from"], "ann@work");
+    assert_eq!(api.count("receipt_outbox"), 0);
+    for bad in ["/v1/unclaimed?limit=0", "/v1/unclaimed?as=bob"] {
+        let (status, body) = api.get(bad).await;
+        assert_eq!(
+            (status, body["code"].as_str()),
+            (400, Some("BAD_REQUEST")),
+            "{bad}"
+        );
+    }
+    let (status, body) = api
+        .post("/v1/agents", &json!({"name": "nobody"}), None)
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let (_, page) = api.get("/v1/inbox?as=nobody").await;
+    assert_eq!(ids_of(&page), vec![id.to_string()]);
+    assert_eq!(api.count("receipt_outbox"), 1);
+    let (_, page) = api.get("/v1/unclaimed").await;
+    assert_eq!(page["total"], 0);
+    // Registering again delivers nothing twice.
+    api.post("/v1/agents", &json!({"name": "nobody"}), None)
+        .await;
+    assert_eq!(api.count("receipt_outbox"), 1);
+    assert_eq!(api.count("deliveries"), 1);
 }

@@ -14,11 +14,13 @@ use crate::node::send::{self, ReplyRequest, SendError, SendOutcome, SendRequest}
 use super::{idempotent, ApiError, ApiJson, ApiQuery, NoQuery, SharedState};
 
 /// Sends a message from an agent of this host. Local recipients get it at once; each remote
-/// host gets one outbox row, sealed and pushed by the relay loop. Replays with the same
+/// host gets one outbox row, sealed and pushed by the relay loop. `name@host` for an agent the
+/// host's known directory does not list is refused (400 `UNKNOWN_AGENT`) unless `"force":
+/// true`; while that directory is not known yet, the answer's `warnings` say so. Replays with the same
 /// `Idempotency-Key` and body return the first answer; another body is 409.
 #[utoipa::path(post, path = "/v1/messages", operation_id = "send_message", request_body = SendRequest,
     params(("Idempotency-Key" = Option<String>, Header, description = "replay protection, ≤200 chars")),
-    responses((status = 201, body = SendOutcome), (status = 400, description = "BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named), INVALID_JSON (with line and column), UNKNOWN_HOST (a recipient host that is not paired) or UNKNOWN_AGENT (a bare recipient name that is no agent here nor on any paired host, with the closest known names; nothing was sent; `new_mailbox` creates it)", body = super::ErrorBody), (status = 409, body = super::ErrorBody),
+    responses((status = 201, body = SendOutcome), (status = 400, description = "BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named), INVALID_JSON (with line and column), UNKNOWN_HOST (a recipient host that is not paired) or UNKNOWN_AGENT (a bare recipient name that is no agent here nor on any paired host, with the closest known names, `new_mailbox` creates it; or name@host where that host's known agent directory lists no such agent, with its agents, `force` sends anyway); nothing was sent", body = super::ErrorBody), (status = 409, body = super::ErrorBody),
         (status = 413, description = "BODY_TOO_LARGE: the body is over 2 MiB; nothing was read", body = super::ErrorBody),
         (status = 415, description = "UNSUPPORTED_MEDIA_TYPE: the body is not sent as application/json", body = super::ErrorBody),
         (status = 503, description = "STORE_BUSY: the store is locked elsewhere or busy; nothing was stored; retry after Retry-After with the same Idempotency-Key", body = super::ErrorBody)),
@@ -71,7 +73,9 @@ fn send_error(e: SendError) -> Result<ApiError, MailboxError> {
         SendError::Invalid(m) => ApiError::Invalid(m),
         SendError::ParentNotFound(m) => ApiError::Missing(m),
         e @ SendError::UnknownHost(_) => ApiError::UnknownHost(e.to_string()),
-        e @ SendError::UnknownAgent(_) => ApiError::UnknownAgent(e.to_string()),
+        e @ (SendError::UnknownAgent(_) | SendError::Unlisted(_)) => {
+            ApiError::UnknownAgent(e.to_string())
+        }
     })
 }
 

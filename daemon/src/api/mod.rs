@@ -32,6 +32,7 @@ pub mod messages;
 pub mod openapi;
 pub mod sent;
 pub mod threads;
+pub mod unclaimed;
 
 #[cfg(test)]
 mod http_tests;
@@ -160,8 +161,11 @@ pub enum ApiError {
     /// A recipient host is not a known peer. 400 `UNKNOWN_HOST`.
     #[error("{0}")]
     UnknownHost(String),
-    /// A bare recipient name is no agent here nor on any paired host (a likely typo; the
-    /// message names the closest known names). 400 `UNKNOWN_AGENT`, as `UNKNOWN_HOST`.
+    /// A recipient is no agent the sender can know of: a bare name that is no agent here nor
+    /// on any paired host (a likely typo; the text names the closest known names;
+    /// `"new_mailbox": true` creates it), or `name@host` that the paired host's known directory
+    /// does not list (the text lists the agents it has; `"force": true` sends anyway).
+    /// 400 `UNKNOWN_AGENT`, as `UNKNOWN_HOST`.
     #[error("{0}")]
     UnknownAgent(String),
     /// The agent a request is made as (`as`) is no agent of this host: no local mailbox and
@@ -306,6 +310,7 @@ pub fn router(state: SharedState) -> Router {
         .route("/v1/inbox", get(inbox::get))
         .route("/v1/ack", post(ack::post))
         .route("/v1/sent", get(sent::get))
+        .route("/v1/unclaimed", get(unclaimed::get))
         .route("/v1/agents", get(agents::get).post(agents::post))
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)

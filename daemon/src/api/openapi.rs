@@ -4,13 +4,13 @@
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use super::{ack, agents, health, inbox, messages, sent, threads};
+use super::{ack, agents, health, inbox, messages, sent, threads, unclaimed};
 
 /// The OpenAPI description of the local API.
 #[derive(Debug, OpenApi)]
 #[openapi(
-    info(title = "agentmbx local API", description = "Loopback API for agents on this host: send, reply, inbox, read, thread, ack, sent, agent directory. Bearer token from api.token; errors are {error, code} with a stable code: 400 BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named; unknown ones are refused), 400 INVALID_JSON, 400 UNKNOWN_HOST, 401 UNAUTHORIZED, 404 NOT_FOUND (also unknown routes), 405 METHOD_NOT_ALLOWED, 409 CONFLICT, 413 BODY_TOO_LARGE (over 2 MiB), 415 UNSUPPORTED_MEDIA_TYPE (a body not sent as application/json), 500 INTERNAL, 503 STORE_BUSY."),
-    paths(health::get, messages::post, messages::reply, messages::get, threads::get, inbox::get, ack::post, agents::get, agents::post, sent::get),
+    info(title = "agentmbx local API", description = "Loopback API for agents on this host: send, reply, inbox, read, thread, ack, sent, agent directory, unclaimed mail. Bearer token from api.token; errors are {error, code} with a stable code: 400 BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named; unknown ones are refused), 400 INVALID_JSON, 400 UNKNOWN_HOST, 400 UNKNOWN_AGENT, 401 UNAUTHORIZED, 404 NOT_FOUND (also unknown routes), 405 METHOD_NOT_ALLOWED, 409 CONFLICT, 413 BODY_TOO_LARGE (over 2 MiB), 415 UNSUPPORTED_MEDIA_TYPE (a body not sent as application/json), 500 INTERNAL, 503 STORE_BUSY."),
+    paths(health::get, messages::post, messages::reply, messages::get, threads::get, inbox::get, ack::post, agents::get, agents::post, sent::get, unclaimed::get),
     modifiers(&BearerAuth)
 )]
 pub struct ApiDoc;

@@ -26,7 +26,9 @@ pub struct SentQuery {
 /// recipients `delivered`, `read` or `acked`; remote ones from the newest delivery receipt
 /// (`delivered`, `notified`, `read`, `acked`), else from the outbox (`queued` with the last
 /// attempt's error in `last_error` once one failed, `relay-accepted`, `repush` with its last
-/// error, `delivered`, `undelivered`, `expired` and `unconfirmed` with their reason).
+/// error, `accepted` (a named agent's host took it but no delivered receipt from that agent has
+/// come back: the host holds mail for an agent it does not have until it registers; with a
+/// `reason`), `delivered`, `undelivered`, `expired` and `unconfirmed` with their reason).
 #[utoipa::path(get, path = "/v1/sent", operation_id = "list_sent", params(SentQuery),
     responses((status = 200, body = SentPage), (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped query parameter, named", body = super::ErrorBody)),
     security(("bearer" = [])))]

@@ -74,6 +74,12 @@ pub struct SendArgs {
     /// A reference (repeatable)
     #[arg(long = "ref", value_name = "REF")]
     pub refs: Vec<String>,
+    /// Send to agent@host even when that host's agent directory (known here once fetched)
+    /// lists no such agent, e.g. an agent that will register there later: the host holds the
+    /// message until it does. Without it such an address is refused (exit 3) with the agents
+    /// the host has
+    #[arg(long)]
+    pub force: bool,
     /// The Idempotency-Key to send with (default: a fresh random key). Rerunning the same
     /// command with the key printed by a send that exited 75 cannot send it twice; the key
     /// with another message is refused
@@ -88,8 +94,19 @@ pub struct SendArgs {
 #[derive(Debug, Args)]
 pub struct InboxArgs {
     /// The agent whose inbox to list (a name that is no agent here is refused, exit 3)
-    #[arg(long = "as", value_name = "AGENT", env = "MBX_AGENT")]
-    pub as_agent: String,
+    #[arg(
+        long = "as",
+        value_name = "AGENT",
+        env = "MBX_AGENT",
+        required_unless_present = "unclaimed"
+    )]
+    pub as_agent: Option<String>,
+    /// List instead the mail this host holds for names it has no agent for (mail from a
+    /// paired host to name@<this host>): no inbox shows it and no delivered receipt went back;
+    /// `agentmbx whoami --as <name>` makes it that agent's mail and sends the receipts
+    /// (--as is not needed and not used)
+    #[arg(long, conflicts_with_all = ["all", "cursor", "needs_reply", "from"])]
+    pub unclaimed: bool,
     /// Include acked messages
     #[arg(long)]
     pub all: bool,
@@ -551,6 +568,26 @@ impl Api {
     }
 }
 
+/// Best effort, for `whoami --as <name>` after its direct write delivered mail held for
+/// `name`: tells a running daemon, with the same `POST /v1/agents {"name"}` (which changes
+/// nothing more: no role or description given keeps them), so the delivered receipts queued
+/// go out now instead of at the daemon's next idle pass. Returns whether the daemon answered
+/// 200; any failure (no daemon, no token) is only `false`.
+pub(super) fn wake_daemon_for(name: &str) -> bool {
+    let Ok(api) = Api::connect() else {
+        return false;
+    };
+    block_on(async {
+        let r = api
+            .request(reqwest::Method::POST, "/v1/agents", Duration::from_secs(3))
+            .json(&json!({ "name": name }))
+            .send()
+            .await?;
+        Ok(r.status().is_success())
+    })
+    .unwrap_or(false)
+}
+
 fn block_on<T>(f: impl std::future::Future<Output = anyhow::Result<T>>) -> anyhow::Result<T> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -621,6 +658,7 @@ pub fn send(args: SendArgs) -> anyhow::Result<()> {
         "from": args.as_agent, "to": args.to, "subject": args.subject, "body": body,
         "kind": args.kind, "thread": args.thread, "reply_to": args.reply_to,
         "needs_reply": args.needs_reply, "refs": args.refs, "new_mailbox": args.new_mailbox,
+        "force": args.force,
     });
     let api = Api::connect()?;
     let key = args.idempotency_key.clone().unwrap_or_else(mint_key);
@@ -713,11 +751,55 @@ pub fn thread(args: ThreadArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `inbox`.
+/// `inbox --unclaimed`: what this host holds for names it has no agent for, oldest first.
+fn unclaimed(args: &InboxArgs) -> anyhow::Result<()> {
+    let api = Api::connect()?;
+    let q = Query {
+        what: "unclaimed listing",
+        changes: None,
+    };
+    let page = block_on(api.get(&format!("/v1/unclaimed?limit={}", args.limit), &q))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&page)?);
+        return Ok(());
+    }
+    let msgs = page["messages"].as_array().cloned().unwrap_or_default();
+    if msgs.is_empty() {
+        println!("no unclaimed messages");
+        return Ok(());
+    }
+    for m in &msgs {
+        println!(
+            "{}  for {}  since {}  {}  {}",
+            m["id"].as_str().unwrap_or_default(),
+            m["name"].as_str().unwrap_or_default(),
+            m["since"].as_str().unwrap_or_default(),
+            m["from"].as_str().unwrap_or_default(),
+            printable(m["subject"].as_str().unwrap_or_default())
+        );
+    }
+    let total = page["total"].as_u64().unwrap_or(0);
+    if total > msgs.len() as u64 {
+        eprintln!(
+            "more: {} of {total} shown; agentmbx inbox --unclaimed --limit 200",
+            msgs.len()
+        );
+    }
+    eprintln!(
+        "held until an agent of that name registers here: agentmbx whoami --as <name> (its delivered receipts go out then)"
+    );
+    Ok(())
+}
+
+/// `inbox` (`--unclaimed`: the mail held for names this host has no agent for).
 pub fn inbox(args: InboxArgs) -> anyhow::Result<()> {
+    if args.unclaimed {
+        return unclaimed(&args);
+    }
+    let as_agent = args.as_agent.clone().unwrap_or_default();
     let mut path = format!(
         "/v1/inbox?as={}&limit={}&all={}",
-        enc(&args.as_agent),
+        enc(&as_agent),
         args.limit,
         args.all
     );
@@ -742,7 +824,7 @@ pub fn inbox(args: InboxArgs) -> anyhow::Result<()> {
     }
     let msgs = page["messages"].as_array().cloned().unwrap_or_default();
     if msgs.is_empty() {
-        println!("no messages for {}", args.as_agent);
+        println!("no messages for {as_agent}");
     }
     for m in msgs {
         println!(
@@ -756,7 +838,7 @@ pub fn inbox(args: InboxArgs) -> anyhow::Result<()> {
         );
     }
     if let Some(c) = page["next_cursor"].as_str() {
-        eprintln!("more: agentmbx inbox --as {} --cursor {c}", args.as_agent);
+        eprintln!("more: agentmbx inbox --as {as_agent} --cursor {c}");
     }
     Ok(())
 }
@@ -830,7 +912,9 @@ pub fn ack(args: AckArgs) -> anyhow::Result<()> {
 }
 
 /// `sent`: each message newest first, then one line per recipient with its state: `queued`,
-/// `relay-accepted`, `repush`, `delivered` (or the receipt's `notified`, `read`, `acked`),
+/// `relay-accepted`, `repush`, `accepted` (the host took it; the named agent's delivered
+/// receipt has not come back: the host may hold it for an agent it does not have yet),
+/// `delivered` (or the receipt's `notified`, `read`, `acked`),
 /// `undelivered`, `expired`, `unconfirmed`; with the reason when undelivered, expired or
 /// unconfirmed (`: <reason>`), the last error when queued or re-pushed (`queued (<last
 /// error>)`) and, when the relay is not working either, its standing (`(relay unreachable

@@ -4,7 +4,9 @@
 //! local mailbox of this host (written to `mailbox.db` directly, so no running daemon is
 //! needed) and print its directory entry. From then on `*` reaches it, and `role:R` when it has
 //! role R (`wire.md` §4 "Addressing"). `--role ""` or `--description ""` clears the value; an
-//! omitted flag keeps what is stored.
+//! omitted flag keeps what is stored. Mail this host held for the name (`inbox --unclaimed`)
+//! becomes the agent's mail in the same transaction; a running daemon is then told (best
+//! effort, through the local API) so its `delivered` receipts go out at once.
 
 use anyhow::Context;
 use clap::Args;
@@ -20,7 +22,8 @@ use super::UsageError;
 /// Flags of `whoami`.
 #[derive(Debug, Args)]
 pub struct WhoamiArgs {
-    /// Register this agent as a local mailbox of this host (and print its entry)
+    /// Register this agent as a local mailbox of this host (and print its entry); mail held for
+    /// that name (`agentmbx inbox --unclaimed`) becomes its mail
     #[arg(long = "as", value_name = "AGENT")]
     pub as_agent: Option<String>,
     /// With --as: the agent's role, reached by `role:<R>` addresses ("" clears it)
@@ -45,6 +48,14 @@ pub fn run(args: WhoamiArgs) -> anyhow::Result<()> {
         let mailbox = Mailbox::open(&paths.mailbox_db()).context("cannot open mailbox.db")?;
         let now = SystemClock::from_env()?.now_ms();
         let host = public.host.to_string();
+        let held = mailbox
+            .with(|c| {
+                Ok(agentmbx::mailbox::unclaimed::counts(c)?
+                    .into_iter()
+                    .find(|(n, _)| n == name)
+                    .map_or(0, |(_, k)| k))
+            })
+            .unwrap_or(0);
         let entry = mailbox
             .with(|c| {
                 agents::register(
@@ -72,6 +83,16 @@ pub fn run(args: WhoamiArgs) -> anyhow::Result<()> {
                 entry.description.as_deref().unwrap_or("-")
             );
             println!("last_seen: {}", entry.last_seen.as_deref().unwrap_or("-"));
+        }
+        if held > 0 {
+            let when = if super::mail::wake_daemon_for(name) {
+                "now"
+            } else {
+                "once the daemon runs"
+            };
+            eprintln!(
+                "{held} message(s) this host held for {name} are now in its inbox; their delivered receipts go out {when}"
+            );
         }
         return Ok(());
     }

@@ -137,6 +137,10 @@ pub const CHECKS: &[Check] = &[
         title: "quarantined relay items",
     },
     Check {
+        id: "unclaimed",
+        title: "mail held for names with no agent here",
+    },
+    Check {
         id: "service",
         title: "service installed and running",
     },

@@ -379,6 +379,47 @@ async fn quarantine_warns_with_the_relay_quarantine_fix() {
     assert_eq!(c.fix.as_deref(), Some("agentmbx relay quarantine"));
 }
 
+/// Issue 17 (3): mail held for names with no agent here is a warning naming how many wait
+/// for which names, with what to do; none is ok.
+#[tokio::test]
+async fn unclaimed_mail_warns_with_the_names_and_what_to_do() {
+    let h = initialized();
+    let r = h.run(&["unclaimed"]).await;
+    assert_eq!(
+        one(&r, "unclaimed").status,
+        Status::Skip,
+        "no mailbox.db yet"
+    );
+    drop(h.mailbox());
+    let r = h.run(&["unclaimed"]).await;
+    assert_eq!(one(&r, "unclaimed").status, Status::Ok);
+    h.mailbox()
+        .with(|c| {
+            c.execute_batch(
+                "INSERT INTO messages VALUES ('m1','t','a@work','m1',NULL,'message','s','b','{}','work',1);
+                 INSERT INTO messages VALUES ('m2','t','a@work','m2',NULL,'message','s','b','{}','work',1);",
+            )?;
+            crate::mailbox::unclaimed::hold(c, "m1", "nobody", 1)?;
+            crate::mailbox::unclaimed::hold(c, "m2", "nobody", 1)?;
+            crate::mailbox::unclaimed::hold(c, "m2", "zoe", 1)
+        })
+        .unwrap();
+    let r = h.run(&["unclaimed"]).await;
+    let c = one(&r, "unclaimed");
+    assert_eq!(c.status, Status::Warn);
+    assert_eq!(
+        c.summary,
+        "3 message(s) held for name(s) with no agent here: nobody (2), zoe (1)"
+    );
+    assert!(
+        c.details
+            .iter()
+            .any(|d| d.contains("agentmbx whoami --as <name>")),
+        "{c:?}"
+    );
+    assert_eq!(c.fix.as_deref(), Some("agentmbx inbox --unclaimed"));
+}
+
 #[tokio::test]
 async fn outbox_warns_on_pending_rows_older_than_an_hour() {
     let h = initialized();

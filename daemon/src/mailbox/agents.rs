@@ -6,7 +6,12 @@
 //!   `agentmbx whoami --as <agent> [--role R] [--description D]` (or `POST /v1/agents`), and any
 //!   agent that sent mail from this host (its `last_seen` is refreshed on every send);
 //! - rows with another `host` are what that paired host answered to `GET /v1/agents` (the
-//!   directory refresh replaces a host's rows as a whole).
+//!   directory refresh replaces a host's rows as a whole and records when, in
+//!   `peers.directory_at`: [`directory_known`]), and the senders of mail received from it.
+//!
+//! Direct mail from a peer for a name with no local row here is held, not delivered
+//! ([`super::unclaimed`]); creating the local row ([`register`], [`touch`]) delivers it in the
+//! same transaction.
 //!
 //! What "every local mailbox" means (the audience of `*` on this host): every name with a local
 //! row, i.e. registered here, seen sending from here, or created on purpose by a send with
@@ -86,7 +91,9 @@ pub fn check_role(role: &str) -> Result<(), MailboxError> {
 /// Registers (or updates) the local mailbox `name` on host `own` at `now_ms`. `role` and
 /// `description`: `None` keeps what is stored, `Some("")` clears it, anything else sets it
 /// (role: NAME_RE; description: one line, ≤ 200 UTF-16 units). Errors:
-/// [`MailboxError::Invalid`] for a bad name, role or description (nothing changes).
+/// [`MailboxError::Invalid`] for a bad name, role or description (nothing changes). Mail held
+/// for `name` ([`super::unclaimed`]) is delivered to it atomically with the row (one
+/// savepoint: inside the caller's transaction when there is one).
 pub fn register(
     conn: &Connection,
     own: &str,
@@ -115,6 +122,38 @@ pub fn register(
             ));
         }
     }
+    in_savepoint(conn, |conn| {
+        register_in(conn, own, name, role, description, now_ms)
+    })
+}
+
+/// Runs `f` inside a SAVEPOINT: all of it or nothing, whether or not the caller holds a
+/// transaction (outside one, the savepoint is the transaction).
+fn in_savepoint<T>(
+    conn: &Connection,
+    f: impl FnOnce(&Connection) -> Result<T, MailboxError>,
+) -> Result<T, MailboxError> {
+    conn.execute_batch("SAVEPOINT agents_local_row")?;
+    match f(conn) {
+        Ok(v) => {
+            conn.execute_batch("RELEASE agents_local_row")?;
+            Ok(v)
+        }
+        Err(e) => {
+            let _ = conn.execute_batch("ROLLBACK TO agents_local_row; RELEASE agents_local_row");
+            Err(e)
+        }
+    }
+}
+
+fn register_in(
+    conn: &Connection,
+    own: &str,
+    name: &str,
+    role: Option<&str>,
+    description: Option<&str>,
+    now_ms: i64,
+) -> Result<AgentEntry, MailboxError> {
     // NULL keeps the stored value; '' clears it.
     conn.execute(
         "INSERT INTO agents(name, host, role, description, last_seen)
@@ -132,22 +171,29 @@ pub fn register(
             entry_row,
         )
         .optional()?;
-    entry.ok_or_else(|| MailboxError::NotFound(format!("agent {name} vanished")))
+    let entry = entry.ok_or_else(|| MailboxError::NotFound(format!("agent {name} vanished")))?;
+    // Mail held for this name becomes its mail now (and its delivered receipts go out).
+    super::unclaimed::claim(conn, name, now_ms)?;
+    Ok(entry)
 }
 
 /// Records that the local agent `name` was active at `now_ms` (it sent mail): creates its
-/// local row without a role, or moves `last_seen` forward. A name that is not NAME_RE is
-/// ignored (the sender check refuses it first).
+/// local row without a role, or moves `last_seen` forward; mail held for `name`
+/// ([`super::unclaimed`]) is delivered to it. A name that is not NAME_RE is ignored (the sender
+/// check refuses it first).
 pub fn touch(conn: &Connection, own: &str, name: &str, now_ms: i64) -> Result<(), MailboxError> {
     if !limits::is_name(name) {
         return Ok(());
     }
-    conn.execute(
-        "INSERT INTO agents(name, host, last_seen) VALUES (?1, ?2, ?3)
-         ON CONFLICT(name, host) DO UPDATE SET last_seen = MAX(last_seen, excluded.last_seen)",
-        params![name, own, now_ms],
-    )?;
-    Ok(())
+    in_savepoint(conn, |conn| {
+        conn.execute(
+            "INSERT INTO agents(name, host, last_seen) VALUES (?1, ?2, ?3)
+             ON CONFLICT(name, host) DO UPDATE SET last_seen = MAX(last_seen, excluded.last_seen)",
+            params![name, own, now_ms],
+        )?;
+        super::unclaimed::claim(conn, name, now_ms)?;
+        Ok(())
+    })
 }
 
 fn entry_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<AgentEntry> {
@@ -269,11 +315,37 @@ pub fn peers_listing(
     Ok(rows)
 }
 
+/// When this host last stored the agent directory of peer `host` (ms), or `None` when it never
+/// did (or `host` is not a pinned peer): rows of a peer in `agents` also come from mail it sent,
+/// so rows alone do not say the directory is known.
+pub fn directory_known(conn: &Connection, host: &str) -> Result<Option<i64>, MailboxError> {
+    Ok(conn
+        .query_row(
+            "SELECT directory_at FROM peers WHERE host = ?1",
+            [host],
+            |r| r.get::<_, Option<i64>>(0),
+        )
+        .optional()?
+        .flatten())
+}
+
+/// The agent names this host knows on peer `host` (its directory and the senders of its mail),
+/// sorted.
+pub fn names_on(conn: &Connection, host: &str) -> Result<Vec<String>, MailboxError> {
+    let mut st = conn.prepare("SELECT name FROM agents WHERE host = ?1 ORDER BY name")?;
+    let rows = st
+        .query_map([host], |r| r.get::<_, String>(0))?
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(rows)
+}
+
 /// Replaces the directory rows of paired host `host` with `entries` (what it answered to
 /// `GET /v1/agents`) in one transaction: entries whose name is not NAME_RE are skipped, a role
 /// that is not NAME_RE is dropped, descriptions are made one line and cut to 200 UTF-16 units,
 /// a repeated name keeps its first entry, and at most [`MAX_PEER_AGENTS`] are kept. `last_seen`
-/// is the entry's own time when it parses, else `now_ms`. Returns how many rows were stored.
+/// is the entry's own time when it parses, else `now_ms`. The peer's `directory_at` becomes
+/// `now_ms` (its directory is known from now on, even when empty). Returns how many rows were
+/// stored.
 /// Errors: [`MailboxError::Invalid`] when `host` is not a NAME_RE name; SQLite.
 pub fn replace_host(
     conn: &mut Connection,
@@ -310,6 +382,10 @@ pub fn replace_host(
             stored += st.execute(params![e.name, host, role, description, seen])?;
         }
     }
+    tx.execute(
+        "UPDATE peers SET directory_at = ?2 WHERE host = ?1",
+        params![host, now_ms],
+    )?;
     tx.commit()?;
     Ok(stored)
 }
@@ -446,5 +522,28 @@ mod tests {
             s.mailbox.with(|c| peers_listing(c, "home", "bob")).unwrap(),
             vec!["work".to_string()]
         );
+    }
+
+    /// Issue 17 (3): a peer's directory is known once stored, even empty; rows from mail it
+    /// sent do not make it known.
+    #[test]
+    fn a_fetched_empty_directory_is_known_and_rows_from_mail_are_not() {
+        let s = testutil::store();
+        s.add_peer(&testutil::identity("work"), false);
+        s.mailbox
+            .with(|c| {
+                c.execute(
+                    "INSERT INTO agents(name, host, last_seen) VALUES ('ann', 'work', 1)",
+                    [],
+                )?;
+                assert_eq!(directory_known(c, "work")?, None);
+                assert_eq!(names_on(c, "work")?, vec!["ann".to_string()]);
+                replace_host(c, "work", &[], T0)?;
+                assert_eq!(directory_known(c, "work")?, Some(T0));
+                assert!(names_on(c, "work")?.is_empty());
+                assert_eq!(directory_known(c, "nowhere")?, None);
+                Ok(())
+            })
+            .unwrap();
     }
 }

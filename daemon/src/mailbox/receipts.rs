@@ -381,14 +381,17 @@ pub struct RecipientState {
     /// Local recipients: `delivered`, `read`, `acked`. Remote ones: the newest receipt
     /// (`delivered`, `notified`, `read`, `acked`), else from the outbox: `queued`,
     /// `relay-accepted`, `repush` (a relay accepted it, then a new epoch: pushed again),
-    /// `delivered`, `undelivered`, `expired` (the relay's notice), `unconfirmed` (no receipt by
-    /// the deadline).
+    /// `accepted` (an agent named by `name@host`: the host took the message but no `delivered`
+    /// receipt from that agent has come back; a host holds mail for a name it does not have
+    /// until that agent registers), `delivered` (the host took it, for a recipient the address
+    /// did not name), `undelivered`, `expired` (the relay's notice), `unconfirmed` (no receipt
+    /// by the deadline).
     pub state: String,
     /// ISO ms time of that state, when known.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub at: Option<String>,
     /// Why it is undelivered, expired or unconfirmed (the peer's, the relay's or the local
-    /// reason).
+    /// reason); for `accepted`, what is still missing.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
     /// The transport that delivered it to the host: `lan`, `relay` (remote recipients).
@@ -575,7 +578,16 @@ fn recipients_of(
             continue;
         }
         if let Some(row) = rows.iter().find(|r| r.host == host) {
-            let (state, reason, last_error) = outbox_state(&row.state, row.last_error.clone());
+            let (mut state, mut reason, last_error) =
+                outbox_state(&row.state, row.last_error.clone());
+            // The host took the message; whether an agent `name` has it only its receipt says
+            // (a host holds mail for a name it does not have, without a receipt).
+            if state == "delivered" {
+                state = "accepted".into();
+                reason = Some(format!(
+                    "{host} has it; no delivered receipt from {name} yet ({host} holds mail for an agent it does not have until one registers as {name})"
+                ));
+            }
             out.push(RecipientState {
                 recipient: label,
                 host: row.host.clone(),
@@ -848,6 +860,7 @@ mod tests {
         s.register("home", &["bob"]);
         let work = testutil::identity("work");
         s.add_peer(&work, true);
+        s.register("home", &["bob"]);
         let wire = testutil::sealed_wire(
             &work,
             &me.enc_key.public(),
@@ -1098,7 +1111,7 @@ mod tests {
     fn sent_shows_each_recipient_newest_message_first() {
         let s = testutil::store();
         let me = testutil::identity("home");
-        s.register("home", &["bob"]);
+        s.register("home", &["bob", "carol"]);
         s.add_peer(&testutil::identity("work"), true);
         s.add_peer(&testutil::identity("lab"), true);
         s.add_peer(&testutil::identity("sea"), true);
@@ -1181,7 +1194,14 @@ mod tests {
                 ("carol@home", "home", "acked", None, None),
                 ("dan@work", "work", "read", None, Some("relay")),
                 ("eve@work", "work", "relay-accepted", None, Some("relay")),
-                ("fay@lab", "lab", "delivered", None, Some("lan")),
+                // The host took it over the LAN; no receipt from fay: not `delivered`.
+                (
+                    "fay@lab",
+                    "lab",
+                    "accepted",
+                    Some("lab has it; no delivered receipt from fay yet (lab holds mail for an agent it does not have until one registers as fay)"),
+                    Some("lan")
+                ),
                 (
                     "gus@sea",
                     "sea",

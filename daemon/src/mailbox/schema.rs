@@ -5,7 +5,7 @@ use rusqlite::Connection;
 use super::MailboxError;
 
 /// The schema version this binary writes.
-pub const SCHEMA_VERSION: u32 = 5;
+pub const SCHEMA_VERSION: u32 = 6;
 
 /// Migrations in order: `(version reached, SQL)`. A new schema change appends a step; each
 /// step runs inside the one migration transaction.
@@ -221,6 +221,22 @@ BEGIN
 END;
 "#,
     ),
+    (
+        6,
+        r#"
+-- When this host last stored a peer's agent directory (`GET /v1/agents`, ms; NULL: never), so
+-- "fetched and lists no such agent" can be told from "not fetched yet" (issue 17, point 3):
+-- rows of a peer in `agents` also come from mail it sent, not only from its directory.
+ALTER TABLE peers ADD COLUMN directory_at INTEGER;
+-- Direct mail (`name@<this host>`) for a name with no local mailbox here: stored, not
+-- delivered, and no `delivered` receipt, until an agent of that name registers (or sends) on
+-- this host, which turns each row into a delivery in the same transaction.
+CREATE TABLE unclaimed(
+  msg_id TEXT NOT NULL REFERENCES messages(id), name TEXT NOT NULL, since INTEGER NOT NULL,
+  PRIMARY KEY(msg_id, name));
+CREATE INDEX unclaimed_name ON unclaimed(name, since);
+"#,
+    ),
 ];
 
 /// Brings `conn` to [`SCHEMA_VERSION`] in one transaction; refuses a newer file.
@@ -373,6 +389,42 @@ mod tests {
         }
         assert!(c
             .execute("UPDATE outbox SET state = 'lost' WHERE msg_id = 'm1'", [])
+            .is_err());
+    }
+
+    /// Issue 17 (3): a version 5 store gains `peers.directory_at` (NULL: the directory of a
+    /// peer pinned before is not known until the next refresh) and the `unclaimed` table.
+    #[test]
+    fn a_version_5_store_gains_the_directory_time_and_the_unclaimed_table() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = Connection::open(dir.path().join("m.db")).unwrap();
+        migrate_with(&mut c, &MIGRATIONS[..5]).unwrap();
+        c.execute_batch(
+            "INSERT INTO peers(host, pubkey, added_at) VALUES ('work','K',1);
+             INSERT INTO agents(name, host, last_seen) VALUES ('bob','work',1);
+             INSERT INTO messages VALUES ('m1','t','a@work','m1',NULL,'message','s','b','{}','work',1);",
+        )
+        .unwrap();
+        migrate(&mut c).unwrap();
+        let at: Option<i64> = c
+            .query_row(
+                "SELECT directory_at FROM peers WHERE host = 'work'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(at, None);
+        c.execute(
+            "INSERT INTO unclaimed(msg_id, name, since) VALUES ('m1', 'zoe', 5)",
+            [],
+        )
+        .unwrap();
+        // One row per message and name.
+        assert!(c
+            .execute(
+                "INSERT INTO unclaimed(msg_id, name, since) VALUES ('m1', 'zoe', 6)",
+                []
+            )
             .is_err());
     }
 

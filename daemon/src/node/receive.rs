@@ -14,13 +14,13 @@ use agentmbx_protocol::time::parse_iso_ms;
 use agentmbx_protocol::{canonical, envelope, keys::PublicKey, seal};
 
 use crate::identity::Identity;
-use crate::mailbox::{messages, peers, MailboxError};
+use crate::mailbox::{messages, peers, unclaimed, MailboxError};
 use crate::node::route;
 
 /// What happened to an accepted envelope.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {
-    /// Stored now; delivered to these local agents.
+    /// Stored now; delivered to these local agents (names held as unclaimed are not listed).
     Stored {
         /// Local agent names that got a delivery.
         delivered: Vec<String>,
@@ -65,7 +65,8 @@ pub fn receive_sealed(
 /// or by a key the peer retired in a rotation for mail whose `ts` is at most
 /// [`peers::RETIRED_KEY_GRACE_MS`] after it (`bad signature`; `signed by a key <host> retired at
 /// <iso>: not valid for mail dated after <iso>`) → the sealed body opens (`undecryptable body`)
-/// → dedup by id → routing → store + deliveries.
+/// → dedup by id → routing → store + deliveries (and unclaimed rows for direct mail to names
+/// with no mailbox here: no delivery and no receipt until that agent registers).
 ///
 /// `Ok(Ok(verdict))` accepted or duplicate, `Ok(Err(reason))` rejected (nothing stored; the
 /// reason is the text after `rejected:`), `Err(_)` a storage fault (retry later).
@@ -132,12 +133,17 @@ pub fn receive(
         Some(origin) => return Ok(Err(format!("conflicting id: already stored from {origin}"))),
         None => {}
     }
-    let recipients = route::receive_recipients(conn, ident.host.as_str(), env)?;
+    let route::Arrival {
+        deliver: recipients,
+        hold,
+    } = route::receive_recipients(conn, ident.host.as_str(), env)?;
     // Mail that names no agent of this host would be stored where no inbox shows it: refuse
     // it instead, where the sender and the owner see it (spec §4: never dropped silently).
     // A broadcast or role address is the exception: it reaches every matching mailbox here,
-    // and none matching is a complete delivery, stored (for dedup) with no deliveries.
-    if recipients.is_empty() && !is_broadcast(env) {
+    // and none matching is a complete delivery, stored (for dedup) with no deliveries. Direct
+    // mail for a name this host does not have is neither: it is stored and held as unclaimed
+    // (listed by `inbox --unclaimed` and doctor) until that agent registers here.
+    if recipients.is_empty() && hold.is_empty() && !is_broadcast(env) {
         return Ok(Err(format!("no recipient on this host ({})", ident.host)));
     }
     let mut stored = env.clone();
@@ -147,6 +153,10 @@ pub fn receive(
     messages::insert(conn, &stored, &via.host, now_ms)?;
     for name in &recipients {
         messages::deliver(conn, &id, name, now_ms)?;
+    }
+    // No delivery, so no `delivered` receipt: nobody has it yet.
+    for name in &hold {
+        unclaimed::hold(conn, &id, name, now_ms)?;
     }
     // The sender joins the directory under its host (`wire.md` §4 receive), so a bare-name
     // reply finds its way back.
@@ -182,6 +192,7 @@ mod tests {
         let other = testutil::identity("lab");
         store.add_peer(&peer, true);
         store.add_peer(&other, true);
+        store.register("home", &["bob"]);
         let my_enc = me.enc_key.public();
         let id = "01KDVDND1K20BQNR5GAFG5HETT";
         let pk = |i: &Identity| i.host_key.public().to_b64();
@@ -228,6 +239,81 @@ mod tests {
         );
     }
 
+    /// Issue 17 (3): direct mail for a name with no mailbox here is stored and held, not
+    /// delivered and not refused, with no receipt; a repeat is a duplicate; a known name in the
+    /// same message is delivered as before.
+    #[test]
+    fn direct_mail_for_a_name_this_host_does_not_have_is_held_without_a_receipt() {
+        let store = testutil::store();
+        let me = testutil::identity("home");
+        let peer = testutil::identity("work");
+        store.add_peer(&peer, true);
+        store
+            .mailbox
+            .with(|c| crate::mailbox::agents::register(c, "home", "bob", None, None, T0))
+            .unwrap();
+        let pk = peer.host_key.public().to_b64();
+        let id = "01KDVDND1K20BQNR5GAFG5HETW";
+        let wire = testutil::sealed_wire(
+            &peer,
+            &me.enc_key.public(),
+            id,
+            "ann@work",
+            &["nobody@home", "bob@home", "nobody@home"],
+            "s",
+            T0,
+        );
+        let v = store
+            .mailbox
+            .with(|c| receive_sealed(c, &me, &wire, id, &pk, T0))
+            .unwrap();
+        assert_eq!(
+            v,
+            Ok(Verdict::Stored {
+                delivered: vec!["bob".into()]
+            })
+        );
+        assert_eq!(
+            store.scalar::<String>("SELECT group_concat(agent) FROM deliveries"),
+            "bob"
+        );
+        assert_eq!(
+            store.scalar::<String>("SELECT name FROM unclaimed"),
+            "nobody"
+        );
+        assert_eq!(
+            store.scalar::<String>("SELECT group_concat(agent) FROM receipt_outbox"),
+            "bob",
+            "no receipt for the held name"
+        );
+        // Mail only for unclaimed names is stored (held), not quarantined.
+        let id2 = "01KDVDND1K20BQNR5GAFG5HETX";
+        let wire = testutil::sealed_wire(
+            &peer,
+            &me.enc_key.public(),
+            id2,
+            "ann@work",
+            &["nobody@home"],
+            "s",
+            T0,
+        );
+        let v = store
+            .mailbox
+            .with(|c| receive_sealed(c, &me, &wire, id2, &pk, T0))
+            .unwrap();
+        assert_eq!(v, Ok(Verdict::Stored { delivered: vec![] }));
+        let v = store
+            .mailbox
+            .with(|c| receive_sealed(c, &me, &wire, id2, &pk, T0))
+            .unwrap();
+        assert_eq!(v, Ok(Verdict::Duplicate));
+        assert_eq!(store.scalar::<i64>("SELECT COUNT(*) FROM unclaimed"), 2);
+        assert_eq!(
+            store.scalar::<i64>("SELECT COUNT(*) FROM receipt_outbox"),
+            1
+        );
+    }
+
     #[test]
     fn a_broadcast_matching_no_mailbox_here_is_stored_without_deliveries_and_the_sender_is_known() {
         let store = testutil::store();
@@ -265,6 +351,7 @@ mod tests {
         let old = testutil::identity("work");
         let new = testutil::identity("work");
         store.add_peer(&old, true);
+        store.register("home", &["bob"]);
         let pk = |i: &Identity| i.host_key.public().to_b64();
         // work rotated at T0 (the record's iat); this host accepted it a minute later.
         store

@@ -8,8 +8,8 @@
 //!
 //! | address | sending host | receiving host |
 //! |---|---|---|
-//! | `name@<this host>` | local `name` | local `name` |
-//! | `name@<peer>` | that pinned peer (unknown → error) | ignored (not ours) |
+//! | `name@<this host>` | local `name` when it is a mailbox here; else refused like an unknown bare name (unless `--new-mailbox`) | local `name`; held as unclaimed when it has no local row |
+//! | `name@<peer>` | that pinned peer (unknown → error; its directory known and without `name` → [`UnlistedAgent`] unless forced; not known → a warning) | ignored (not ours) |
 //! | `name` | local if known here; else the unique peer whose directory lists it (several → error); else refused with the closest known names ([`UnknownAgent`]), unless the send asks for a new mailbox (`--new-mailbox`: registered here, then local) | local if known here and not in `meta.local_names` |
 //! | `*` | every local mailbox but the sender + every pinned peer | every local mailbox |
 //! | `role:R` | local mailboxes with role R but the sender + every pinned peer | local mailboxes with role R |
@@ -95,6 +95,10 @@ pub enum AddressError {
     /// for).
     #[error("{0}")]
     UnknownAgent(UnknownAgent),
+    /// `name@host` names a pinned peer whose agent directory is known and lists no `name`
+    /// (and the send was not forced).
+    #[error("{0}")]
+    Unlisted(UnlistedAgent),
     /// Reading the store failed.
     #[error(transparent)]
     Store(#[from] MailboxError),
@@ -169,6 +173,45 @@ impl UnknownAgent {
     }
 }
 
+/// Most agent names an [`UnlistedAgent`] refusal lists.
+pub const MAX_LISTED_AGENTS: usize = 10;
+
+/// `name@host` where the agent directory of the pinned peer `host` is known and has no agent
+/// `name`. Its text is the refusal a user sees: the agents the host has (closest to `name`
+/// first, at most [`MAX_LISTED_AGENTS`], with how many more) and how to send anyway.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnlistedAgent {
+    /// The agent name as written.
+    pub name: String,
+    /// The peer (its local name).
+    pub host: String,
+    /// Agents the host has: up to 3 close to `name` first ([`suggest::closest`]), then the
+    /// others by name; at most [`MAX_LISTED_AGENTS`].
+    pub agents: Vec<String>,
+    /// How many more agents the host has than `agents` lists.
+    pub more: usize,
+}
+
+impl UnlistedAgent {
+    /// `name` on `host`, whose known agents are `known`.
+    pub fn new(name: &str, host: &str, known: &[String]) -> Self {
+        let mut agents = suggest::closest(name, known.iter().map(String::as_str));
+        for k in known {
+            if !agents.contains(k) {
+                agents.push(k.clone());
+            }
+        }
+        let more = agents.len().saturating_sub(MAX_LISTED_AGENTS);
+        agents.truncate(MAX_LISTED_AGENTS);
+        UnlistedAgent {
+            name: name.to_string(),
+            host: host.to_string(),
+            agents,
+            more,
+        }
+    }
+}
+
 impl std::fmt::Display for UnknownAgent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let name = &self.name;
@@ -187,6 +230,26 @@ impl std::fmt::Display for UnknownAgent {
                 names.join(", ")
             ),
         }
+    }
+}
+
+impl std::fmt::Display for UnlistedAgent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (name, host) = (&self.name, &self.host);
+        write!(f, "{host} has no agent {name}")?;
+        match self.agents.as_slice() {
+            [] => write!(f, " (its agent directory lists none)")?,
+            list => {
+                write!(f, "; its agents: {}", list.join(", "))?;
+                if self.more > 0 {
+                    write!(f, " and {} more", self.more)?;
+                }
+            }
+        }
+        write!(
+            f,
+            ". To send anyway (for an agent that will register there later), use --force (API: \"force\": true): {host} holds it until {name} registers"
+        )
     }
 }
 
@@ -252,20 +315,34 @@ impl Builder {
     }
 }
 
+/// What a send chose for addresses that name no agent this host knows of (the send body's
+/// `new_mailbox` and `force`; `--new-mailbox`, `--force`). Both default to off: refuse.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Choices {
+    /// Create a local mailbox for a bare name (or `name@<this host>`) known nowhere.
+    pub new_mailbox: bool,
+    /// Send `name@peer` even when the peer's known directory lists no `name` (it holds the
+    /// mail until such an agent registers there).
+    pub force: bool,
+}
+
 /// Expands the addresses `to` that agent `sender` of host `own` wrote (spec G10: broadcast,
 /// role and bare names become concrete hosts before anything reaches a transport). It only
 /// reads; the first refused address ends it. Errors: [`AddressError::Invalid`] for a
 /// malformed address, a bad role, an ambiguous bare name (`name exists on a, b; address it as
 /// name@<host>`) or a send that reaches nobody; [`AddressError::UnknownHost`] for `name@host`
-/// with a host that is not pinned; [`AddressError::UnknownAgent`] for a bare name known
-/// nowhere, unless `new_mailbox` (then it is local and listed in
-/// [`Expansion::new_mailboxes`]).
+/// with a host that is not pinned; [`AddressError::UnknownAgent`] for a bare name (or
+/// `name@<this host>`) known nowhere, unless `choices.new_mailbox` (then it is local and listed
+/// in [`Expansion::new_mailboxes`]); [`AddressError::Unlisted`] for `name@host` where the
+/// peer's agent directory is known ([`agents::directory_known`]) and lists no `name`, unless
+/// `choices.force` (then, and when the directory is not known yet, a warning says the host
+/// holds the mail until such an agent registers there). `owner@host` is never refused.
 pub fn expand(
     conn: &Connection,
     own: &str,
     sender: &str,
     to: &[String],
-    new_mailbox: bool,
+    choices: Choices,
 ) -> Result<Expansion, AddressError> {
     let mut b = Builder::default();
     let all_peers = peers::list(conn)?;
@@ -306,10 +383,25 @@ pub fn expand(
                 return Err(bad_recipient(t));
             }
             if host == own {
+                // As a bare name: a name known nowhere here is a likely typo.
+                if !agents::has_mailbox(conn, own, name)? {
+                    if !choices.new_mailbox {
+                        let directory = agents::directory(conn, own)?;
+                        return Err(AddressError::UnknownAgent(UnknownAgent::new(
+                            name, own, &directory,
+                        )));
+                    }
+                    if !b.out.new_mailboxes.iter().any(|n| n == name) {
+                        b.out.new_mailboxes.push(name.to_string());
+                    }
+                }
                 b.local(t, name);
             } else {
                 let peer = peers::by_name(conn, host)?
                     .ok_or_else(|| AddressError::UnknownHost(UnknownHost::new(host, &all_peers)))?;
+                if let Some(w) = check_listed(conn, name, &peer.host, choices.force)? {
+                    b.out.warnings.push(w);
+                }
                 b.remote(t, Some(name), peer);
             }
             continue;
@@ -335,7 +427,7 @@ pub fn expand(
                     .ok_or_else(|| AddressError::UnknownHost(UnknownHost::new(host, &all_peers)))?;
                 b.remote(t, Some(t), peer);
             }
-            [] if new_mailbox => {
+            [] if choices.new_mailbox => {
                 if !b.out.new_mailboxes.iter().any(|n| n == t) {
                     b.out.new_mailboxes.push(t.to_string());
                 }
@@ -366,17 +458,60 @@ pub fn expand(
     Ok(out)
 }
 
+/// Whether `name@host` (a pinned peer) may be sent to: `Ok(None)` when the peer's known
+/// directory lists `name` (or it is `owner`), `Ok(Some(warning))` when the directory is not
+/// known yet, or when it lists no `name` and `force` is set; else
+/// [`AddressError::Unlisted`].
+fn check_listed(
+    conn: &Connection,
+    name: &str,
+    host: &str,
+    force: bool,
+) -> Result<Option<String>, AddressError> {
+    if name == OWNER {
+        return Ok(None);
+    }
+    if agents::directory_known(conn, host)?.is_none() {
+        return Ok(Some(format!(
+            "{host}'s agent directory is not known here yet: if {host} has no agent {name}, it holds the message until an agent {name} registers there"
+        )));
+    }
+    let known = agents::names_on(conn, host)?;
+    if known.iter().any(|k| k == name) {
+        Ok(None)
+    } else if force {
+        Ok(Some(format!(
+            "{host}'s agent directory lists no {name}; sent anyway (forced): {host} holds it until an agent {name} registers there"
+        )))
+    } else {
+        Err(AddressError::Unlisted(UnlistedAgent::new(
+            name, host, &known,
+        )))
+    }
+}
+
+/// Where an arriving envelope goes on this host ([`receive_recipients`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Arrival {
+    /// Local agent names it is delivered to, each once, in order.
+    pub deliver: Vec<String>,
+    /// Names addressed directly (`name@<this host>`) that have no local mailbox here: the
+    /// message is held for them as unclaimed ([`crate::mailbox::unclaimed`]), each once.
+    pub hold: Vec<String>,
+}
+
 /// The local agent names an arriving envelope is delivered to on the host `own` (`wire.md` §4
 /// receive, routing in receive mode), each once, in order: `name@own` → `name`; a bare `name`
 /// only when it is a local mailbox here and not listed in `meta.local_names` (the sending host
 /// delivered it to its own namesake); `*` → every local mailbox; `role:R` → the local mailboxes
 /// with role R; `owner` → `owner`. Names that are not NAME_RE and other hosts' addresses are
-/// dropped.
+/// dropped. A `name@own` whose `name` has no local row (and is not `owner`) is not delivered:
+/// it goes to [`Arrival::hold`].
 pub fn receive_recipients(
     conn: &Connection,
     own: &str,
     env: &Value,
-) -> Result<Vec<String>, MailboxError> {
+) -> Result<Arrival, MailboxError> {
     let skip: Vec<&str> = env
         .get("meta")
         .and_then(|m| m.get("local_names"))
@@ -386,6 +521,7 @@ pub fn receive_recipients(
         .filter_map(Value::as_str)
         .collect();
     let mut recipients: Vec<String> = Vec::new();
+    let mut hold: Vec<String> = Vec::new();
     let mut add = |name: &str| {
         if limits::is_name(name) && !recipients.iter().any(|d| d == name) {
             recipients.push(name.to_string());
@@ -411,14 +547,21 @@ pub fn receive_recipients(
         } else if to == OWNER {
             add(OWNER);
         } else if let Some((name, host)) = to.split_once('@') {
-            if host == own {
-                add(name);
+            if host == own && limits::is_name(name) {
+                if name == OWNER || agents::is_local(conn, own, name)? {
+                    add(name);
+                } else if !hold.iter().any(|h| h == name) {
+                    hold.push(name.to_string());
+                }
             }
         } else if limits::is_name(to) && !skip.contains(&to) && agents::is_local(conn, own, to)? {
             add(to);
         }
     }
-    Ok(recipients)
+    Ok(Arrival {
+        deliver: recipients,
+        hold,
+    })
 }
 
 #[cfg(test)]
@@ -463,9 +606,24 @@ mod tests {
     }
 
     fn exp(s: &testutil::Store, sender: &str, to: &[&str]) -> Result<Expansion, AddressError> {
+        exp_forced(s, sender, to, false)
+    }
+
+    fn exp_forced(
+        s: &testutil::Store,
+        sender: &str,
+        to: &[&str],
+        force: bool,
+    ) -> Result<Expansion, AddressError> {
         let to: Vec<String> = to.iter().map(|t| t.to_string()).collect();
         s.mailbox
-            .with(|c| Ok(expand(c, "home", sender, &to, false)))
+            .with(|c| {
+                let choices = Choices {
+                    force,
+                    ..Choices::default()
+                };
+                Ok(expand(c, "home", sender, &to, choices))
+            })
             .unwrap()
     }
 
@@ -479,10 +637,10 @@ mod tests {
         let e = exp(
             &s,
             "alice",
-            &["bob@home", "zoe@home", "x1@work", "x2@work", "owner"],
+            &["bob@home", "dan@home", "carol@work", "erin@work", "owner"],
         )
         .unwrap();
-        assert_eq!(e.local, vec!["bob", "zoe", "owner"]);
+        assert_eq!(e.local, vec!["bob", "dan", "owner"]);
         assert_eq!(hosts(&e), vec!["work"]);
         assert!(
             e.local_names.is_empty(),
@@ -589,17 +747,21 @@ mod tests {
     #[test]
     fn new_mailbox_makes_an_unknown_bare_name_local() {
         let s = world();
-        let to: Vec<String> = ["zoe", "bob", "carol", "zoe"]
+        let to: Vec<String> = ["zoe", "bob", "carol", "zoe", "zed@home"]
             .iter()
             .map(|t| t.to_string())
             .collect();
+        let choices = Choices {
+            new_mailbox: true,
+            ..Choices::default()
+        };
         let e = s
             .mailbox
-            .with(|c| Ok(expand(c, "home", "alice", &to, true)))
+            .with(|c| Ok(expand(c, "home", "alice", &to, choices)))
             .unwrap()
             .unwrap();
-        assert_eq!(e.new_mailboxes, vec!["zoe"]);
-        assert_eq!(e.local, vec!["zoe", "bob"]);
+        assert_eq!(e.new_mailboxes, vec!["zoe", "zed"]);
+        assert_eq!(e.local, vec!["zoe", "bob", "zed"]);
         assert_eq!(e.local_names, vec!["zoe", "bob"]);
         assert_eq!(hosts(&e), vec!["work"]);
         assert!(exp(&s, "alice", &["bob", "carol"])
@@ -660,7 +822,7 @@ mod tests {
         let e = exp(
             &s,
             "alice",
-            &["carol", "xy@work", "*", "bob", "bob@home", "role:dev"],
+            &["carol", "erin@work", "*", "bob", "bob@home", "role:dev"],
         )
         .unwrap();
         assert_eq!(hosts(&e), vec!["lab", "work"]);
@@ -674,12 +836,31 @@ mod tests {
         let to = vec!["*".to_string()];
         let r = s
             .mailbox
-            .with(|c| Ok(expand(c, "home", "alice", &to, false)))
+            .with(|c| Ok(expand(c, "home", "alice", &to, Choices::default())))
             .unwrap();
         assert!(matches!(r, Err(AddressError::Invalid(m)) if m.contains("reach no mailbox")));
     }
 
+    /// Issue 17 (4): `name@<this host>` for a name that is no mailbox here is the same typo as
+    /// the bare name (refused with the closest names); `owner@<this host>` and a name that was
+    /// delivered to before are mailboxes.
+    #[test]
+    fn a_name_at_this_host_that_is_no_mailbox_here_is_refused_like_a_bare_typo() {
+        let s = world();
+        let err = exp(&s, "alice", &["bbo@home"]).unwrap_err();
+        assert!(
+            matches!(&err, AddressError::UnknownAgent(a) if a.name == "bbo" && a.suggestions[0] == "bob"),
+            "{err:?}"
+        );
+        let e = exp(&s, "alice", &["owner@home", "dan@home"]).unwrap();
+        assert_eq!(e.local, vec!["owner", "dan"]);
+    }
+
     fn recv(s: &testutil::Store, env: Value) -> Vec<String> {
+        arrive(s, env).deliver
+    }
+
+    fn arrive(s: &testutil::Store, env: Value) -> Arrival {
         s.mailbox
             .with(|c| receive_recipients(c, "home", &env))
             .unwrap()
@@ -689,7 +870,11 @@ mod tests {
     fn receiving_routes_each_form_to_this_hosts_mailboxes() {
         let s = world();
         let r = |to: Value| recv(&s, json!({"to": to, "meta": {}}));
-        assert_eq!(r(json!(["zoe@home", "bob@work", "zoe@home"])), vec!["zoe"]);
+        // zoe has no mailbox here: held, not delivered (see below).
+        assert_eq!(
+            r(json!(["zoe@home", "bob@work", "alice@home"])),
+            vec!["alice"]
+        );
         // Bare names only when known here.
         assert_eq!(r(json!(["bob", "carol"])), vec!["bob"]);
         assert_eq!(r(json!(["*"])), vec!["alice", "bob", "dan"]);
@@ -703,6 +888,109 @@ mod tests {
         assert_eq!(
             r(json!(["Bob@home", "../x@home", "-x@home", "x@home"])),
             Vec::<String>::new()
+        );
+    }
+
+    /// Issue 17 (3): `name@<this host>` for a name with no local row is held, each once;
+    /// `owner@<this host>` is always delivered; bare names and broadcasts hold nothing.
+    #[test]
+    fn direct_mail_for_a_name_without_a_mailbox_here_is_held() {
+        let s = world();
+        let a = arrive(
+            &s,
+            json!({"to": ["zoe@home", "bob@home", "zoe@home", "owner@home", "yan", "*"], "meta": {}}),
+        );
+        assert_eq!(a.deliver, vec!["bob", "owner", "alice", "dan"]);
+        assert_eq!(a.hold, vec!["zoe"]);
+        let a = arrive(
+            &s,
+            json!({"to": ["yan", "role:ops", "zoe@work"], "meta": {}}),
+        );
+        assert_eq!(a, Arrival::default());
+    }
+
+    /// Issue 17 (3): `name@peer` where the peer's directory is known and has no `name` is
+    /// refused, listing its agents closest first; `force` sends with a warning; `owner@peer`
+    /// is never refused.
+    #[test]
+    fn an_agent_a_known_directory_does_not_list_is_refused_unless_forced() {
+        let s = world();
+        let err = exp(&s, "alice", &["bob", "carl@work"]).unwrap_err();
+        let AddressError::Unlisted(u) = &err else {
+            panic!("{err:?}")
+        };
+        assert_eq!(
+            (u.name.as_str(), u.host.as_str(), u.more),
+            ("carl", "work", 0)
+        );
+        assert_eq!(u.agents, vec!["carol", "bob", "erin"], "closest first");
+        assert_eq!(
+            err.to_string(),
+            "work has no agent carl; its agents: carol, bob, erin. To send anyway (for an agent \
+             that will register there later), use --force (API: \"force\": true): work holds \
+             it until carl registers"
+        );
+        let e = exp_forced(&s, "alice", &["carl@work"], true).unwrap();
+        assert_eq!(hosts(&e), vec!["work"]);
+        assert_eq!(
+            e.warnings,
+            vec![
+                "work's agent directory lists no carl; sent anyway (forced): work holds it until \
+                 an agent carl registers there"
+            ]
+        );
+        let e = exp(&s, "alice", &["owner@work", "carol@work"]).unwrap();
+        assert_eq!((hosts(&e), e.warnings.len()), (vec!["work"], 0));
+        // An empty known directory refuses every name but owner, and says it lists none.
+        s.mailbox
+            .with(|c| replace_host(c, "lab", &[], T0).map(|_| ()))
+            .unwrap();
+        let err = exp(&s, "alice", &["erin@lab"]).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("lab has no agent erin (its agent directory lists none). "),
+            "{err}"
+        );
+    }
+
+    /// Issue 17 (3): a refusal lists at most 10 agents and says how many more there are.
+    #[test]
+    fn a_refusal_lists_a_bounded_number_of_agents() {
+        let known: Vec<String> = (0..25).map(|i| format!("agent-{i:02}")).collect();
+        let u = UnlistedAgent::new("agent-7", "work", &known);
+        assert_eq!(u.agents.len(), MAX_LISTED_AGENTS);
+        assert_eq!(u.more, 15);
+        assert_eq!(
+            &u.agents[..4],
+            &["agent-07", "agent-17", "agent-00", "agent-01"]
+        );
+        assert!(u.to_string().contains(" and 15 more."), "{u}");
+    }
+
+    /// Issue 17 (3): while a peer's directory is not known, `name@peer` is sent with a warning
+    /// that says the host holds it when it has no such agent.
+    #[test]
+    fn an_unknown_directory_sends_with_a_warning() {
+        let s = testutil::store();
+        s.add_peer(&testutil::identity("work"), false);
+        // A row from mail work sent does not make its directory known.
+        s.mailbox
+            .with(|c| {
+                c.execute(
+                    "INSERT INTO agents(name, host, last_seen) VALUES ('ann', 'work', 1)",
+                    [],
+                )?;
+                Ok(())
+            })
+            .unwrap();
+        let e = exp(&s, "alice", &["nobody@work"]).unwrap();
+        assert_eq!(hosts(&e), vec!["work"]);
+        assert_eq!(
+            e.warnings,
+            vec![
+                "work's agent directory is not known here yet: if work has no agent nobody, it \
+                 holds the message until an agent nobody registers there"
+            ]
         );
     }
 

@@ -18,7 +18,7 @@ use agentmbx_protocol::limits;
 
 use crate::identity::Identity;
 use crate::mailbox::{agents, messages, outbox, MailboxError};
-use crate::node::route::{self, AddressError, UnknownAgent, UnknownHost};
+use crate::node::route::{self, AddressError, UnknownAgent, UnknownHost, UnlistedAgent};
 
 pub use crate::node::route::NAME_RULE;
 
@@ -65,10 +65,16 @@ pub struct SendRequest {
     /// is refused (400 `UNKNOWN_AGENT`, with the closest known names) as a likely typo.
     #[serde(default)]
     pub new_mailbox: bool,
+    /// Send to `name@host` even when that paired host's known agent directory lists no `name`
+    /// (e.g. an agent that will register there later; the host holds the mail until then).
+    /// Without it such an address is refused (400 `UNKNOWN_AGENT`, listing the host's agents).
+    #[serde(default)]
+    pub force: bool,
 }
 
 /// What an agent asks to answer (`POST /v1/messages/{id}/reply`): a message to the sender of
-/// `{id}`, in its thread, with subject `Re: <its subject>` (0.5.x `mbx_reply`).
+/// `{id}`, in its thread, with subject `Re: <its subject>` (0.5.x `mbx_reply`). It takes no
+/// `force`: its recipient sent from its host, so a reply is never refused as `UNKNOWN_AGENT`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReplyRequest {
@@ -136,6 +142,8 @@ pub fn reply_request(
         needs_reply: req.needs_reply,
         refs: req.refs.clone(),
         new_mailbox: false,
+        // A reply goes to an agent that sent from that host: it exists there.
+        force: true,
     })
 }
 
@@ -183,6 +191,9 @@ pub enum SendError {
     /// not asked for.
     #[error("{0}")]
     UnknownAgent(UnknownAgent),
+    /// `name@host` where the peer's known agent directory lists no `name` (not forced).
+    #[error("{0}")]
+    Unlisted(UnlistedAgent),
     /// The message replied to is not one the sender can see (unknown id, or another mailbox's).
     #[error("{0}")]
     ParentNotFound(String),
@@ -197,6 +208,7 @@ impl From<AddressError> for SendError {
             AddressError::Invalid(m) => SendError::Invalid(m),
             AddressError::UnknownHost(h) => SendError::UnknownHost(h),
             AddressError::UnknownAgent(a) => SendError::UnknownAgent(a),
+            AddressError::Unlisted(a) => SendError::Unlisted(a),
             AddressError::Store(e) => SendError::Store(e),
         }
     }
@@ -263,7 +275,11 @@ pub fn send(
     }
     // The sender is a local mailbox from its first send on (`agents` module docs).
     agents::touch(conn, own, &req.from, now_ms)?;
-    let plan = route::expand(conn, own, &req.from, &req.to, req.new_mailbox)?;
+    let choices = route::Choices {
+        new_mailbox: req.new_mailbox,
+        force: req.force,
+    };
+    let plan = route::expand(conn, own, &req.from, &req.to, choices)?;
     // Mailboxes created on purpose are real mailboxes from now on (`agents` module docs).
     for name in &plan.new_mailboxes {
         agents::register(conn, own, name, None, None, now_ms)?;
@@ -375,6 +391,8 @@ mod tests {
         assert_eq!(out.subject, "Re: from work");
         assert_eq!(out.reply_to.as_deref(), Some(ID));
         assert_eq!(out.thread.as_deref(), Some("T1"));
+        // Its recipient sent from work: never refused for work's directory (issue 17, 3).
+        assert!(out.force);
         // Another local agent cannot answer bob's mail.
         let carol = ReplyRequest {
             from: "carol".into(),
@@ -459,6 +477,7 @@ mod tests {
             needs_reply: false,
             refs: vec![],
             new_mailbox: true,
+            force: false,
         };
         let out = s
             .mailbox
@@ -485,7 +504,7 @@ mod tests {
     fn local_recipients_get_the_message_at_once() {
         let s = testutil::store();
         let me = testutil::identity("home");
-        s.register("home", &["bob"]);
+        s.register("home", &["bob", "carol"]);
         let out = s
             .send(
                 &me,
@@ -629,6 +648,58 @@ mod tests {
         assert_eq!(out.queued_for_hosts, vec!["lab".to_string(), "work".into()]);
         assert_eq!(counts(&s), (1, 0, 2));
         assert!(stored_envelope(&s)["meta"].get("local_names").is_none());
+    }
+
+    /// Issue 17 (3): `name@peer` missing from the peer's known directory is refused with the
+    /// host's agents and stores nothing; `force` sends it with a warning; a peer whose
+    /// directory is not known yet gets it with a warning in the answer.
+    #[test]
+    fn an_agent_missing_from_a_known_directory_is_refused_unless_forced() {
+        let s = testutil::store();
+        let me = testutil::identity("home");
+        s.add_peer(&testutil::identity("work"), false);
+        s.add_peer(&testutil::identity("lab"), false);
+        directory(&s, "work", &["bob", "carol"]);
+        let err = s
+            .send(&me, "alice", &["nobody@work"], "s", ID, T0)
+            .unwrap_err();
+        assert!(
+            matches!(&err, SendError::Unlisted(u) if u.host == "work" && u.agents == ["bob", "carol"]),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("its agents: bob, carol"), "{err}");
+        assert_eq!(counts(&s), (0, 0, 0));
+        let req = SendRequest {
+            from: "alice".into(),
+            to: vec!["nobody@work".into(), "zed@lab".into()],
+            subject: "s".into(),
+            body: String::new(),
+            kind: None,
+            thread: None,
+            reply_to: None,
+            needs_reply: false,
+            refs: vec![],
+            new_mailbox: false,
+            force: true,
+        };
+        let out = s
+            .mailbox
+            .with(|c| {
+                let tx = c.transaction()?;
+                let out = send(&tx, &me, &req, ID.into(), T0);
+                tx.commit()?;
+                Ok(out)
+            })
+            .unwrap()
+            .unwrap();
+        assert_eq!(out.queued_for_hosts, vec!["lab".to_string(), "work".into()]);
+        assert_eq!(out.warnings.len(), 2, "{:?}", out.warnings);
+        assert!(out.warnings[0].starts_with("work's agent directory lists no nobody; sent anyway"));
+        assert!(out.warnings[1].starts_with("lab's agent directory is not known here yet"));
+        // A request body without "force" is not forced.
+        let body: SendRequest =
+            serde_json::from_str(r#"{"from":"alice","to":["x@work"],"subject":"s"}"#).unwrap();
+        assert!(!body.force);
     }
 
     #[test]

@@ -292,6 +292,47 @@ pub fn quarantine(f: &Facts) -> Result<Outcome, String> {
     })
 }
 
+/// Most names the `unclaimed` finding lists (then `and N more`).
+const MAX_UNCLAIMED_NAMES: usize = 10;
+
+/// `unclaimed`: direct mail from paired hosts for names with no agent on this host
+/// ([`crate::mailbox::unclaimed`]), held without a delivered receipt: warn with how many
+/// messages wait for which names, and what to do.
+pub fn unclaimed(f: &Facts) -> Result<Outcome, String> {
+    let Some(m) = &f.mailbox else {
+        return Ok(Outcome::new(Status::Skip, "no mailbox.db yet"));
+    };
+    let counts = m
+        .with(|c| crate::mailbox::unclaimed::counts(c))
+        .map_err(|e| format!("cannot read the unclaimed mail: {e}"))?;
+    if counts.is_empty() {
+        return Ok(Outcome::new(
+            Status::Ok,
+            "no mail waiting for names with no agent here",
+        ));
+    }
+    let total: u64 = counts.iter().map(|(_, n)| n).sum();
+    let mut names: Vec<String> = counts
+        .iter()
+        .take(MAX_UNCLAIMED_NAMES)
+        .map(|(name, n)| format!("{name} ({n})"))
+        .collect();
+    if counts.len() > MAX_UNCLAIMED_NAMES {
+        names.push(format!("and {} more", counts.len() - MAX_UNCLAIMED_NAMES));
+    }
+    Ok(Outcome::new(
+        Status::Warn,
+        format!(
+            "{total} message(s) held for name(s) with no agent here: {}",
+            names.join(", ")
+        ),
+    )
+    .detail("no inbox shows them and their senders got no delivered receipt")
+    .detail("an agent of that name gets them, and the receipts go out, once it registers: agentmbx whoami --as <name>")
+    .detail("a misspelt name: tell the sender to resend to the right agent")
+    .fix("agentmbx inbox --unclaimed"))
+}
+
 /// The service's state on this machine: the user's unit or agent, the package's or
 /// Homebrew's, as the supervisor reports it ([`crate::service::service_state`]).
 fn service_state() -> Option<crate::service::ServiceState> {

@@ -1,5 +1,6 @@
 //! The checks of [`super::CHECKS`], one function each, evaluated over the gathered
-//! [`super::Facts`]: `local` (config, identity, key store, outbox, quarantine, service, disk space),
+//! [`super::Facts`]: `local` (config, identity, key store, outbox, quarantine, unclaimed mail,
+//! service, disk space),
 //! `relay` (reachable, key, enrolment, enc-key ad, clock skew), `clone` (two daemons on this
 //! host's or a peer's key) and `net` (the probes they read, plus the daemon and peer checks). A check never panics and never prints secrets: an `Err`
 //! is reported as status `error`.
@@ -34,6 +35,7 @@ pub fn evaluate(id: &str, f: &Facts) -> Result<Outcome, String> {
         "clock-skew" => relay::clock_skew(f),
         "outbox" => local::outbox(f),
         "quarantine" => local::quarantine(f),
+        "unclaimed" => local::unclaimed(f),
         "service" => local::service(f),
         "disk-space" => local::disk_space(f),
         other => Err(format!("no such check: {other}")),

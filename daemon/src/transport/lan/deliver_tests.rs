@@ -33,9 +33,17 @@ struct Host {
 impl Host {
     fn new(name: &str, clock: Arc<ManualClock>) -> Self {
         crate::install_tls_provider();
+        let store = testutil::store();
+        // The agents these tests mail have mailboxes (else their mail is held as unclaimed):
+        // alice on home, bob and carol on work.
+        match name {
+            "home" => store.register(name, &["alice"]),
+            "work" => store.register(name, &["bob", "carol"]),
+            _ => {}
+        }
         Host {
             ident: Arc::new(testutil::identity(name)),
-            store: testutil::store(),
+            store,
             clock,
             addr: None,
             _stop: None,
@@ -261,6 +269,7 @@ async fn a_backlog_of_large_envelopes_goes_in_bodies_under_the_peer_cap() {
             needs_reply: false,
             refs: vec![],
             new_mailbox: false,
+            force: false,
         };
         home.store
             .mailbox

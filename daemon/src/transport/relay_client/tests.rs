@@ -358,6 +358,8 @@ impl Setup {
         let me = Arc::new(testutil::identity("home"));
         let peer = testutil::identity("work");
         store.add_peer(&peer, peer_enc_known);
+        // alice has a mailbox here: mail from work for alice@home is delivered, not held.
+        store.register("home", &["alice"]);
         let relay = FakeRelay::start(me.host_key.public(), clock.clone()).await;
         let client = Self::client_for(&relay.url, &relay.key, &me, &store, &clock);
         Setup {
@@ -2395,6 +2397,7 @@ async fn a_receipt_travels_through_the_relay_and_settles_the_sent_row() {
     let work = Arc::new(s.peer.clone());
     let work_store = testutil::store();
     work_store.add_peer(&s.me, true);
+    work_store.register("work", &["bob"]);
     let work_relay = FakeRelay::start(work.host_key.public(), s.clock.clone()).await;
     let work_client = Setup::client_for(
         &work_relay.url,

@@ -187,6 +187,8 @@ async fn two_hosts() -> (Arc<ManualClock>, RealRelay, Node, Node) {
     let work = Node::new("work", &relay, &clock);
     home.store.add_peer(&work.ident, true);
     work.store.add_peer(&home.ident, true);
+    home.store.register("home", &["alice"]);
+    work.store.register("work", &["bob"]);
     super::super::pass(&work.client).await.unwrap();
     super::super::pass(&home.client).await.unwrap();
     (clock, relay, home, work)
