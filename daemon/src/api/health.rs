@@ -75,7 +75,7 @@ impl HealthReason {
 /// Handler for `GET /v1/health` (no token needed; with it, the reasons in full).
 #[utoipa::path(get, path = "/v1/health", operation_id = "health",
     description = "Liveness. Needs no token; with `Authorization: Bearer <token>` (the API token) a `degraded` answer's reasons also carry detail, peer and relay, else only their code.",
-    responses((status = 200, body = Health), (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped query parameter, named", body = super::ErrorBody)))]
+    responses((status = 200, body = Health)))]
 #[tracing::instrument(skip_all)]
 pub async fn get(
     State(state): State<SharedState>,
