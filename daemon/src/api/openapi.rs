@@ -39,7 +39,7 @@ use super::{ack, agents, health, inbox, messages, sent, threads};
 #[openapi(
     info(title = "agentmbx local API", description = "Loopback API for agents on this host: send, reply, inbox, read, thread, ack, sent, agent directory. Bearer token from api.token; errors are {error, code} with a stable code: 400 BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named; unknown ones are refused), 400 INVALID_JSON, 400 UNKNOWN_HOST, 401 UNAUTHORIZED, 404 NOT_FOUND (also unknown routes), 405 METHOD_NOT_ALLOWED, 409 CONFLICT, 413 BODY_TOO_LARGE (over 2 MiB), 415 UNSUPPORTED_MEDIA_TYPE (a body not sent as application/json), 500 INTERNAL, 503 STORE_BUSY. Each operation lists the answers it can give; the request schemas state every rule the daemon checks on the shape of a request (names, lengths, counts, enums), so a request valid by this document is refused only for the state it names (an id that names nothing this agent can see: 404; a host that is not paired: 400 UNKNOWN_HOST; an address that reaches nobody, or a thread cursor from another thread: 400 BAD_REQUEST; a reused Idempotency-Key: 409)."),
     paths(health::get, messages::post, messages::reply, messages::get, threads::get, inbox::get, ack::post, agents::get, agents::post, sent::get),
-    components(schemas(AgentName, Address, MessageId, ThreadId, RefText, Kind)),
+    components(schemas(AgentName, Address, MessageId, ThreadId, RefText, Kind, DeliveryState, SentState, RouteKind, Via, HealthStatus, HealthReasonCode)),
     modifiers(&BearerAuth, &ErrorResponses)
 )]
 pub struct ApiDoc;
@@ -122,6 +122,95 @@ pub enum Kind {
     Alert,
     /// A task.
     Task,
+}
+
+/// An agent's delivery state of a message (inbox, read, thread): `new` (not read yet), `read`,
+/// `acked`.
+#[derive(Debug, utoipa::ToSchema)]
+#[schema(rename_all = "lowercase")]
+#[allow(dead_code)] // A shape for the document only.
+pub enum DeliveryState {
+    /// Not read yet.
+    New,
+    /// Read by the agent.
+    Read,
+    /// Acked by the agent.
+    Acked,
+}
+
+/// One recipient's state in `GET /v1/sent`: local recipients `delivered`, `read`, `acked`;
+/// remote ones the newest receipt (`delivered`, `notified`, `read`, `acked`), else the outbox
+/// (`queued`, `relay-accepted`, `repush`, `delivered`, `undelivered`, `expired`,
+/// `unconfirmed`).
+#[derive(Debug, utoipa::ToSchema)]
+#[schema(rename_all = "kebab-case")]
+#[allow(dead_code)] // A shape for the document only.
+pub enum SentState {
+    /// Waiting to be sent (or sent again).
+    Queued,
+    /// A relay holds it for the target host.
+    RelayAccepted,
+    /// A relay accepted it, then lost it (new epoch): pushed again.
+    Repush,
+    /// The target host (or mailbox) has it.
+    Delivered,
+    /// The recipient's agent was told of it.
+    Notified,
+    /// The recipient read it.
+    Read,
+    /// The recipient acked it.
+    Acked,
+    /// Given up or refused (`reason` says why).
+    Undelivered,
+    /// The relay expired it (`reason`).
+    Expired,
+    /// No receipt came by the deadline (`reason`).
+    Unconfirmed,
+}
+
+/// How a send's address reached a target: `local` (delivered now) or `remote` (queued for a
+/// paired host).
+#[derive(Debug, utoipa::ToSchema)]
+#[schema(rename_all = "lowercase")]
+#[allow(dead_code)] // A shape for the document only.
+pub enum RouteKind {
+    /// A mailbox of this host.
+    Local,
+    /// A paired host.
+    Remote,
+}
+
+/// The transport that delivered a message to a remote host.
+#[derive(Debug, utoipa::ToSchema)]
+#[schema(rename_all = "lowercase")]
+#[allow(dead_code)] // A shape for the document only.
+pub enum Via {
+    /// Directly over the LAN.
+    Lan,
+    /// Through the relay.
+    Relay,
+}
+
+/// `GET /v1/health` status.
+#[derive(Debug, utoipa::ToSchema)]
+#[schema(rename_all = "lowercase")]
+#[allow(dead_code)] // A shape for the document only.
+pub enum HealthStatus {
+    /// Nothing known to be wrong.
+    Ok,
+    /// Up and serving, with `reasons`.
+    Degraded,
+}
+
+/// Why a health answer is `degraded` ([`crate::instance`]).
+#[derive(Debug, utoipa::ToSchema)]
+#[schema(rename_all = "kebab-case")]
+#[allow(dead_code)] // A shape for the document only.
+pub enum HealthReasonCode {
+    /// Another daemon uses this host's key.
+    HostKeyClone,
+    /// A peer's key is used by two daemons.
+    PeerKeyClone,
 }
 
 /// Every `code` an error answer can carry (the `code` enum of [`super::ErrorBody`]), in the
@@ -462,6 +551,30 @@ mod tests {
             .map(|k| k.as_str().unwrap())
             .collect();
         assert_eq!(kinds, agentmbx_protocol::envelope::KINDS);
+        let names = |schema_name: &str| -> Vec<String> {
+            serde_json::from_value(schema(&d, schema_name)["enum"].clone()).unwrap()
+        };
+        assert_eq!(names("DeliveryState"), ["new", "read", "acked"]);
+        let sent = names("SentState");
+        for state in agentmbx_protocol::records::RECEIPT_STATES {
+            assert!(sent.iter().any(|s| s == state), "{state} is a sent state");
+        }
+        assert_eq!(
+            names("HealthReasonCode"),
+            [
+                crate::instance::HOST_KEY_CLONE,
+                crate::instance::PEER_KEY_CLONE
+            ]
+        );
+        // Answers carry the same kinds and states the requests take.
+        let kind = "#/components/schemas/Kind";
+        for name in ["Message", "InboxEntry", "SentMessage"] {
+            assert_eq!(
+                schema(&d, name)["properties"]["kind"]["$ref"],
+                kind,
+                "{name}"
+            );
+        }
         let required = |name: &str| -> Vec<String> {
             serde_json::from_value(schema(&d, name)["required"].clone()).unwrap()
         };

@@ -155,6 +155,7 @@ pub struct Route {
     /// The address as given.
     pub to: String,
     /// `local` (delivered now) or `remote` (queued for the target host).
+    #[schema(value_type = crate::api::openapi::RouteKind)]
     pub route: String,
     /// The mailbox: always for a local route; for a remote one when the address named it.
     #[serde(skip_serializing_if = "Option::is_none")]
