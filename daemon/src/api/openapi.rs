@@ -794,6 +794,7 @@ mod tests {
                 }
             }
         }
+        // Every route of api::router (a new one is listed in `paths(...)` and counted here).
         assert_eq!(seen, 10, "every route is in the document");
         assert_eq!(
             at(
