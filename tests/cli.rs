@@ -903,6 +903,7 @@ fn send_args<'a>(subject: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
 fn concurrent_sends_while_another_process_holds_the_store_lock_store_each_message_once() {
     let home = Home::new();
     let _daemon = Daemon::start(&home);
+    register(&home, &_daemon, "bob");
     home.run(&send_args("warm-up", &[])).assert_success();
 
     let lock = StoreLock::take(&home);
@@ -946,6 +947,7 @@ fn concurrent_sends_while_another_process_holds_the_store_lock_store_each_messag
 fn a_send_not_confirmed_in_time_exits_75_with_its_key_and_reruns_with_the_key_store_it_once() {
     let home = Home::new();
     let daemon = Daemon::start(&home);
+    register(&home, &daemon, "bob");
     home.run(&send_args("warm-up", &[])).assert_success();
 
     let lock = StoreLock::take(&home);
@@ -1079,6 +1081,7 @@ fn a_read_whose_answer_breaks_off_is_retried_then_exits_75_with_the_outcome_unkn
 fn a_rerun_with_the_idempotency_key_of_a_committed_send_does_not_duplicate() {
     let home = Home::new();
     let _daemon = Daemon::start(&home);
+    register(&home, &_daemon, "bob");
     let first = home
         .run(&send_args(
             "keyed",
@@ -1110,6 +1113,7 @@ fn a_rerun_with_the_idempotency_key_of_a_committed_send_does_not_duplicate() {
 fn ack_refuses_a_note_over_500_utf16_units_and_takes_one_at_the_limit() {
     let home = Home::new();
     let _daemon = Daemon::start(&home);
+    register(&home, &_daemon, "bob");
     let sent = home
         .run(&send_args("to ack", &["--json"]))
         .assert_success()
@@ -1435,6 +1439,76 @@ fn send_to_a_mistyped_host_suggests_the_paired_name() {
         "{out:#?}"
     );
     assert!(!out.stderr.contains("peers add hots"), "{out:#?}");
+}
+
+/// Issue 17 (4): a bare `--to` name that is no agent here nor on a paired host (a typo) is
+/// refused, not delivered (exit 3, naming the closest agent); `--new-mailbox` creates the
+/// mailbox on purpose. `inbox`/`read --as` a name that is no agent here is "no agent named …"
+/// (exit 3), not an empty list.
+#[test]
+fn a_mistyped_recipient_or_reader_is_refused_with_the_closest_agent() {
+    let home = Home::new();
+    let daemon = Daemon::start(&home);
+    register(&home, &daemon, "bob");
+    let typo = [
+        "send",
+        "--as",
+        "alice",
+        "--to",
+        "bbo",
+        "--subject",
+        "s",
+        "-m",
+        "x",
+    ];
+    let out = home.run(&typo);
+    assert_eq!(out.code(), Some(3), "{out:#?}");
+    assert!(
+        out.stderr.contains(
+            "no agent named bbo here or on a paired host; did you mean bob? (--new-mailbox"
+        ),
+        "{out:#?}"
+    );
+    let db = rusqlite::Connection::open(home.file("mailbox.db")).expect("open mailbox.db");
+    let stored = |table: &str| -> i64 {
+        db.query_row(&format!("SELECT COUNT(*) FROM {table}"), [], |r| r.get(0))
+            .expect("count")
+    };
+    assert_eq!(
+        (stored("messages"), stored("deliveries")),
+        (0, 0),
+        "nothing stored"
+    );
+    for args in [&["inbox", "--as", "nobody"][..], &["inbox", "--as", "bbo"]] {
+        let out = home.run(args);
+        assert_eq!(out.code(), Some(3), "{args:?}: {out:#?}");
+        assert!(out.stdout.is_empty(), "{args:?}: {out:#?}");
+    }
+    let out = home.run(&["inbox", "--as", "nobody"]);
+    assert!(
+        out.stderr.contains(
+            "no agent named nobody on this host (`agentmbx whoami --as nobody` registers it)"
+        ),
+        "{out:#?}"
+    );
+    let out = home.run(&["inbox", "--as", "bbo"]);
+    assert!(
+        out.stderr
+            .contains("no agent named bbo on this host; did you mean bob?"),
+        "{out:#?}"
+    );
+
+    let mut on_purpose = typo.to_vec();
+    on_purpose.extend(["--new-mailbox", "--json"]);
+    let sent = home.run(&on_purpose).assert_success().json();
+    let id = sent["id"].as_str().expect("id").to_string();
+    assert_eq!(sent["recipients"][0]["route"], "local", "{sent}");
+    let out = home.run(&["read", &id, "--as", "bbo"]);
+    out.assert_success();
+    assert!(out.stdout.lines().any(|l| l == "x"), "{out:#?}");
+    let out = home.run(&["read", &id, "--as", "nobody"]);
+    assert_eq!(out.code(), Some(3), "{out:#?}");
+    assert!(out.stderr.contains("no agent named nobody"), "{out:#?}");
 }
 
 /// Issue 17 (8a): `join` aimed at the other host's local API port (not its LAN port) says so

@@ -36,6 +36,7 @@ fn a_copied_home_is_reported_by_relay_health_doctor_and_log_while_no_mail_is_los
     let mut relay = Relay::start(None);
     let mut xa = Host::init("xa");
     let mut xb = Host::init("xb");
+    xb.register("bob");
     xa.home
         .run(&["peers", "add", "xb", &xb.pubkey])
         .assert_success();

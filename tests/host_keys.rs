@@ -224,6 +224,8 @@ fn a_rotation_killed_at_any_step_leaves_the_old_keys_or_completes_on_the_next_lo
 fn a_rotated_host_is_re_pinned_by_its_lan_peer_and_mail_flows_both_ways() {
     let mut a = Host::init("hosta");
     let mut b = Host::init("hostb");
+    a.register("alice");
+    b.register("bob");
     a.start(None);
     b.start(None);
     a.pair_with(&b);

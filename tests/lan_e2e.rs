@@ -47,6 +47,8 @@ fn outbox_route(host: &Host, id: &str) -> (String, Option<String>, i64) {
 fn paired() -> (Host, Host) {
     let mut a = Host::init("hosta");
     let mut b = Host::init("hostb");
+    a.register("alice");
+    b.register("bob");
     a.start(None);
     b.start(None);
     a.pair_with(&b);
@@ -105,6 +107,7 @@ fn paired_daemons_exchange_mail_both_ways_and_receipts_reach_the_sender() {
 fn mail_to_a_stopped_peer_waits_and_arrives_once_it_is_back() {
     let mut a = Host::init("hosta");
     let mut b = Host::init("hostb");
+    b.register("bob");
     let b_port = free_port().to_string();
     a.start(None);
     b.start_with(&[("MBX_LAN_PORT", b_port.as_str())]);
@@ -132,6 +135,7 @@ fn a_peer_unreachable_on_the_lan_gets_its_mail_through_the_relay_once() {
     let relay = Relay::start(None);
     let mut a = Host::init("hosta");
     let mut b = Host::init("hostb");
+    b.register("bob");
     for host in [&a, &b] {
         host.home
             .run(&["relay", "set", &relay.url(), "--key", &relay.fingerprint])
@@ -250,6 +254,7 @@ fn results(r: &HttpResponse) -> Vec<String> {
 #[test]
 fn the_lan_server_refuses_forged_mail_with_the_exact_reason_and_stores_nothing() {
     let mut b = Host::init("hostb");
+    b.register("bob");
     b.start(None);
     let who = b.home.run(&["whoami", "--json"]);
     who.assert_success();

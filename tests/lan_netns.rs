@@ -135,6 +135,9 @@ impl NsHost {
             daemon: None,
         };
         host.run(&["init", "--host", name]).assert_success();
+        // Each host's `bob` receives the other's mail: registered, as an agent is before mail
+        // is addressed to it.
+        host.run(&["whoami", "--as", "bob"]).assert_success();
         host
     }
 

@@ -147,6 +147,8 @@ fn hosts_with_a_token_command_enrol_on_an_account_relay_and_exchange_mail() {
 
     let mut a = Host::init("hosta");
     let mut b = Host::init("hostb");
+    a.register("alice");
+    b.register("bob");
     a.home
         .run(&["peers", "add", "hostb", &b.pubkey])
         .assert_success();

@@ -80,6 +80,8 @@ fn a_rotated_host_keeps_its_pairing_its_queued_mail_and_its_place_at_the_relay()
     let mut relay = Relay::start(None);
     let mut a = Host::init("hosta");
     let mut b = Host::init("hostb");
+    a.register("alice");
+    b.register("bob");
     for host in [&a, &b] {
         host.home
             .run(&["relay", "set", &relay.url(), "--key", &relay.fingerprint])

@@ -865,6 +865,8 @@ fn latencies(
     let body: String = (0..VALUE_BYTES)
         .map(|i| char::from(b'a' + (i % 26) as u8))
         .collect();
+    // bob is an agent of B, registered there before mail is addressed to it.
+    mbx_run(&b.home, &["whoami", "--as", "bob"])?;
     let to = format!("bob@{}", b.name);
     let mut a_api = a.api()?;
     let mut b_api = b.api()?;

@@ -85,6 +85,19 @@ impl Store {
             .unwrap();
     }
 
+    /// Registers `names` as local mailboxes of host `own` (as `agentmbx whoami --as` does), so
+    /// mail to them is delivered rather than refused as a typo.
+    pub fn register(&self, own: &str, names: &[&str]) {
+        self.mailbox
+            .with(|c| {
+                for name in names {
+                    crate::mailbox::agents::register(c, own, name, None, None, T0)?;
+                }
+                Ok(())
+            })
+            .unwrap();
+    }
+
     /// Sends through [`send::send`] in one transaction, committed on success.
     pub fn send(
         &self,
@@ -105,6 +118,7 @@ impl Store {
             reply_to: None,
             needs_reply: false,
             refs: vec![],
+            new_mailbox: false,
         };
         self.mailbox
             .with(|c| {

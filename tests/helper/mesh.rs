@@ -246,6 +246,14 @@ impl Host {
         }
     }
 
+    /// Registers `agent` as a mailbox of this host (`agentmbx whoami --as <agent>`; no daemon
+    /// needed). Mail to an agent is addressed to one that registered on its host: a bare name
+    /// known nowhere is refused at send, and direct mail to an agent a host does not have is
+    /// not delivered to it.
+    pub fn register(&self, agent: &str) {
+        self.home.run(&["whoami", "--as", agent]).assert_success();
+    }
+
     /// Starts the daemon (fast relay pulls), with `failpoints` armed when given.
     pub fn start(&mut self, failpoints: Option<&str>) {
         let env: Vec<(&str, &str)> = failpoints
@@ -543,11 +551,14 @@ impl Mesh {
         mesh
     }
 
-    /// Relay running, hosts initialized, paired and pinned to the relay; daemons not started.
+    /// Relay running, hosts initialized, paired and pinned to the relay, with the agents the
+    /// tests mail registered (`alice` on hosta, `bob` on hostb); daemons not started.
     pub fn configured(relay_failpoints: Option<&str>) -> Mesh {
         let relay = Relay::start(relay_failpoints);
         let a = Host::init("hosta");
         let b = Host::init("hostb");
+        a.register("alice");
+        b.register("bob");
         a.home
             .run(&["peers", "add", "hostb", &b.pubkey])
             .assert_success();

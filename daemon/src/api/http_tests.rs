@@ -41,6 +41,8 @@ impl Api {
         let ident: Arc<Identity> = Arc::new(testutil::identity("home"));
         let work = testutil::identity("work");
         store.add_peer(&work, true);
+        // The agents the tests mail: a bare name known nowhere is refused.
+        store.register("home", &["alice", "bob", "carol"]);
         let token = ApiToken::generate();
         let secret = token.expose_secret().to_string();
         let shared: SharedClock = clock.clone();
@@ -148,6 +150,70 @@ async fn sending_to_an_unknown_host_stores_nothing() {
     assert_eq!(api.count("messages"), 0);
     assert_eq!(api.count("deliveries"), 0);
     assert_eq!(api.count("outbox"), 0);
+}
+
+/// Issue 17 (4): a bare name that is no agent here nor on a paired host is refused 400
+/// `UNKNOWN_AGENT` with the closest names and stores nothing; `"new_mailbox": true` creates
+/// the mailbox and delivers; `inbox`/`read` as a name that is no agent here is 404
+/// `UNKNOWN_AGENT`, not an empty page.
+#[tokio::test]
+async fn an_unknown_bare_name_is_refused_unless_new_mailbox_and_unknown_readers_are_404() {
+    let api = Api::start().await;
+    let typo = json!({"from": "alice", "to": ["bob", "bbo"], "subject": "s"});
+    let (status, body) = api.post("/v1/messages", &typo, None).await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["code"], "UNKNOWN_AGENT");
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .starts_with("no agent named bbo here or on a paired host; did you mean bob?"),
+        "{body}"
+    );
+    assert_eq!((api.count("messages"), api.count("deliveries")), (0, 0));
+    let (status, body) = api.get("/v1/inbox?as=bbo").await;
+    assert_eq!(status, 404, "{body}");
+    assert_eq!(body["code"], "UNKNOWN_AGENT");
+    assert_eq!(
+        body["error"],
+        "no agent named bbo on this host; did you mean bob? (`agentmbx whoami --as bbo` \
+         registers a new agent)"
+    );
+    let (status, body) = api.get("/v1/inbox?as=nobody").await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (404, Some("UNKNOWN_AGENT"))
+    );
+    assert_eq!(
+        body["error"],
+        "no agent named nobody on this host (`agentmbx whoami --as nobody` registers it)"
+    );
+    let mut on_purpose = typo.clone();
+    on_purpose["new_mailbox"] = json!(true);
+    let (status, body) = api.post("/v1/messages", &on_purpose, None).await;
+    assert_eq!(status, 201, "{body}");
+    let id = body["id"].as_str().unwrap().to_string();
+    let (status, body) = api.get(&format!("/v1/messages/{id}?as=zed")).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (404, Some("UNKNOWN_AGENT")),
+        "{body}"
+    );
+    let (status, page) = api.get("/v1/inbox?as=bbo").await;
+    assert_eq!(status, 200, "{page}");
+    assert_eq!(ids_of(&page), vec![id.clone()]);
+    let (status, body) = api.get(&format!("/v1/messages/{id}?as=bbo")).await;
+    assert_eq!(
+        (status, body["subject"].as_str()),
+        (200, Some("s")),
+        "{body}"
+    );
+    // A known agent without mail is an empty page, and the owner always has a mailbox.
+    for agent in ["carol", "owner"] {
+        let (status, page) = api.get(&format!("/v1/inbox?as={agent}")).await;
+        assert_eq!(status, 200, "{agent}: {page}");
+        assert!(ids_of(&page).is_empty());
+    }
 }
 
 #[tokio::test]

@@ -51,15 +51,18 @@ pub fn check_from(from: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Lists an agent's messages, oldest first, without bodies.
+/// Lists an agent's messages, oldest first, without bodies. An `as` that is no agent of this
+/// host (no local mailbox, no mail delivered to it) is 404 `UNKNOWN_AGENT`, not an empty page.
 #[utoipa::path(get, path = "/v1/inbox", operation_id = "list_inbox", params(InboxQuery),
-    responses((status = 200, body = InboxPage)),
+    responses((status = 200, body = InboxPage),
+        (status = 404, description = "UNKNOWN_AGENT: `as` is no agent of this host (no mailbox, no mail delivered to it); the error names the closest agents", body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn get(
     State(state): State<SharedState>,
     ApiQuery(q): ApiQuery<InboxQuery>,
 ) -> Result<Json<InboxPage>, ApiError> {
     super::check_agent(&q.as_agent)?;
+    super::check_reader(&state, &q.as_agent).await?;
     let limit = q.limit.unwrap_or(messages::DEFAULT_INBOX_LIMIT);
     if !(1..=messages::MAX_INBOX_LIMIT).contains(&limit) {
         return Err(ApiError::Invalid(format!(

@@ -19,7 +19,7 @@ use super::{idempotent, ApiError, ApiJson, ApiQuery, NoQuery, SharedState};
 #[utoipa::path(post, path = "/v1/messages", operation_id = "send_message", request_body = SendRequest,
     params(("Idempotency-Key" = Option<String>, Header, description = "replay protection: 1..=200 visible ASCII characters, not starting or ending with a space (else 400); the same key and body again return the first answer, another body is 409", min_length = 1, max_length = 200, pattern = "^[!-~]([ -~]*[!-~])?$")),
     responses((status = 201, body = SendOutcome),
-        (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped field or query parameter (named), one that breaks its rule, an address that reaches nobody, or a thread other than the parent's; INVALID_JSON (with line and column); UNKNOWN_HOST: `name@host` names a host that is not paired (the closest paired names suggested); nothing was sent", body = super::ErrorBody),
+        (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped field or query parameter (named), one that breaks its rule, an address that reaches nobody, or a thread other than the parent's; INVALID_JSON (with line and column); UNKNOWN_HOST: `name@host` names a host that is not paired (the closest paired names suggested); UNKNOWN_AGENT: a bare recipient name that is no agent here nor on any paired host (the closest known names given; `new_mailbox` creates it); nothing was sent", body = super::ErrorBody),
         (status = 404, description = "NOT_FOUND: `reply_to` names no message delivered to or sent by this agent; nothing was sent", body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn post(
@@ -70,6 +70,7 @@ fn send_error(e: SendError) -> Result<ApiError, MailboxError> {
         SendError::Invalid(m) => ApiError::Invalid(m),
         SendError::ParentNotFound(m) => ApiError::Missing(m),
         e @ SendError::UnknownHost(_) => ApiError::UnknownHost(e.to_string()),
+        e @ SendError::UnknownAgent(_) => ApiError::UnknownAgent(e.to_string()),
     })
 }
 
@@ -131,9 +132,11 @@ pub struct ReadQuery {
 }
 
 /// Reads one message as an agent (marks the agent's copy read). The sender may read its own copy.
+/// An `as` that is no agent of this host is 404 `UNKNOWN_AGENT`; a message the agent cannot
+/// see is 404 `NOT_FOUND`.
 #[utoipa::path(get, path = "/v1/messages/{id}", operation_id = "read_message", params(("id" = crate::api::openapi::MessageId, Path, description = "the message to read"), ReadQuery),
     responses((status = 200, body = messages::Message),
-        (status = 404, description = "NOT_FOUND: `{id}` names no message delivered to or sent by this agent", body = super::ErrorBody)),
+        (status = 404, description = "NOT_FOUND: `{id}` names no message delivered to or sent by this agent; UNKNOWN_AGENT: `as` is no agent of this host (the error names the closest agents)", body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn get(
     State(state): State<SharedState>,
@@ -142,6 +145,7 @@ pub async fn get(
 ) -> Result<Json<messages::Message>, ApiError> {
     let Path(id) = id?;
     super::check_agent(&q.as_agent)?;
+    super::check_reader(&state, &q.as_agent).await?;
     let (host, now) = (state.ident.host.to_string(), state.clock.now_ms());
     let msg = state
         .mailbox

@@ -95,6 +95,40 @@ pub fn check_agent(name: &str) -> Result<(), ApiError> {
     }
 }
 
+/// Checks that `name` (already NAME_RE, [`check_agent`]) has a mailbox to read on this host
+/// ([`crate::mailbox::agents::has_mailbox`]): otherwise 404 `UNKNOWN_AGENT` naming up to 3
+/// close names that have one, so a mistyped `as` is an error, not an empty inbox.
+pub async fn check_reader(state: &AppState, name: &str) -> Result<(), ApiError> {
+    use crate::mailbox::agents;
+    let (own, who) = (state.ident.host.to_string(), name.to_string());
+    let missing = state
+        .mailbox
+        .run(move |c| {
+            if agents::has_mailbox(c, &own, &who)? {
+                return Ok(None);
+            }
+            let readers = agents::readers(c, &own)?;
+            Ok(Some(crate::node::suggest::closest(
+                &who,
+                readers.iter().map(String::as_str),
+            )))
+        })
+        .await?;
+    let Some(suggestions) = missing else {
+        return Ok(());
+    };
+    Err(ApiError::NoSuchAgent(match suggestions.as_slice() {
+        [] => format!(
+            "no agent named {name} on this host (`agentmbx whoami --as {name}` registers it)"
+        ),
+        names => format!(
+            "no agent named {name} on this host; did you mean {}? (`agentmbx whoami --as \
+             {name}` registers a new agent)",
+            names.join(", ")
+        ),
+    }))
+}
+
 /// Shared handle to [`AppState`].
 pub type SharedState = Arc<AppState>;
 
@@ -126,6 +160,14 @@ pub enum ApiError {
     /// A recipient host is not a known peer. 400 `UNKNOWN_HOST`.
     #[error("{0}")]
     UnknownHost(String),
+    /// A bare recipient name is no agent here nor on any paired host (a likely typo; the
+    /// message names the closest known names). 400 `UNKNOWN_AGENT`, as `UNKNOWN_HOST`.
+    #[error("{0}")]
+    UnknownAgent(String),
+    /// The agent a request is made as (`as`) is no agent of this host: no local mailbox and
+    /// no mail delivered to it (the message names the closest agents). 404 `UNKNOWN_AGENT`.
+    #[error("{0}")]
+    NoSuchAgent(String),
     /// The named resource does not exist. 404 `NOT_FOUND`.
     #[error("{0}")]
     Missing(String),
@@ -181,6 +223,8 @@ impl ApiError {
             ApiError::BodyTooLarge(String::new()),
             ApiError::UnsupportedMediaType(String::new()),
             ApiError::UnknownHost(String::new()),
+            ApiError::UnknownAgent(String::new()),
+            ApiError::NoSuchAgent(String::new()),
             ApiError::Missing(String::new()),
             ApiError::Conflict(String::new()),
             ApiError::StoreBusy(String::new()),
@@ -196,6 +240,8 @@ impl ApiError {
                 | ApiError::BodyTooLarge(_)
                 | ApiError::UnsupportedMediaType(_)
                 | ApiError::UnknownHost(_)
+                | ApiError::UnknownAgent(_)
+                | ApiError::NoSuchAgent(_)
                 | ApiError::Missing(_)
                 | ApiError::Conflict(_)
                 | ApiError::StoreBusy(_)
@@ -211,9 +257,11 @@ impl ApiError {
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::NotFound => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            ApiError::Invalid(_) | ApiError::InvalidJson(_) | ApiError::UnknownHost(_) => {
-                StatusCode::BAD_REQUEST
-            }
+            ApiError::Invalid(_)
+            | ApiError::InvalidJson(_)
+            | ApiError::UnknownHost(_)
+            | ApiError::UnknownAgent(_) => StatusCode::BAD_REQUEST,
+            ApiError::NoSuchAgent(_) => StatusCode::NOT_FOUND,
             ApiError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::Missing(_) => StatusCode::NOT_FOUND,
@@ -234,6 +282,7 @@ impl ApiError {
             ApiError::BodyTooLarge(_) => "BODY_TOO_LARGE",
             ApiError::UnsupportedMediaType(_) => "UNSUPPORTED_MEDIA_TYPE",
             ApiError::UnknownHost(_) => "UNKNOWN_HOST",
+            ApiError::UnknownAgent(_) | ApiError::NoSuchAgent(_) => "UNKNOWN_AGENT",
             ApiError::Missing(_) => "NOT_FOUND",
             ApiError::Conflict(_) => "CONFLICT",
             ApiError::StoreBusy(_) => "STORE_BUSY",

@@ -14,7 +14,8 @@
 //!   adds the ones that follow from how a route is built: 400 for its query, 401 behind the
 //!   token, 400/413/415 for a JSON body, 409 with an `Idempotency-Key`, 500/503 for the
 //!   store), each `{error, code}` ([`super::ErrorBody`]) with `code` one of [`ERROR_CODES`].
-//!   Route-specific ones (404 for an id, 400 `UNKNOWN_HOST`) are in the route's own
+//!   Route-specific ones (404 for an id or an unknown reader, 400 `UNKNOWN_HOST` and
+//!   `UNKNOWN_AGENT` for a recipient) are in the route's own
 //!   `responses(...)`, which the modifier never replaces.
 //!
 //! Adding a body field or query parameter: give it its shape here (`value_type` of a component,
@@ -37,7 +38,7 @@ use super::{ack, agents, health, inbox, messages, sent, threads};
 /// The OpenAPI description of the local API.
 #[derive(Debug, OpenApi)]
 #[openapi(
-    info(title = "agentmbx local API", description = "Loopback API for agents on this host: send, reply, inbox, read, thread, ack, sent, agent directory. Bearer token from api.token; errors are {error, code} with a stable code: 400 BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named; unknown ones are refused), 400 INVALID_JSON, 400 UNKNOWN_HOST, 401 UNAUTHORIZED, 404 NOT_FOUND (also unknown routes), 405 METHOD_NOT_ALLOWED, 409 CONFLICT, 413 BODY_TOO_LARGE (over 2 MiB), 415 UNSUPPORTED_MEDIA_TYPE (a body not sent as application/json), 500 INTERNAL, 503 STORE_BUSY. Each operation lists the answers it can give; the request schemas state every rule the daemon checks on the shape of a request (names, lengths, counts, enums), so a request valid by this document is refused only for the state it names (an id that names nothing this agent can see: 404; a host that is not paired: 400 UNKNOWN_HOST; an address that reaches nobody, or a thread cursor from another thread: 400 BAD_REQUEST; a reused Idempotency-Key: 409)."),
+    info(title = "agentmbx local API", description = "Loopback API for agents on this host: send, reply, inbox, read, thread, ack, sent, agent directory. Bearer token from api.token; errors are {error, code} with a stable code: 400 BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named; unknown ones are refused), 400 INVALID_JSON, 400 UNKNOWN_HOST, 400 UNKNOWN_AGENT (a bare recipient name known nowhere), 401 UNAUTHORIZED, 404 NOT_FOUND (also unknown routes), 404 UNKNOWN_AGENT (an `as` with no mailbox on this host), 405 METHOD_NOT_ALLOWED, 409 CONFLICT, 413 BODY_TOO_LARGE (over 2 MiB), 415 UNSUPPORTED_MEDIA_TYPE (a body not sent as application/json), 500 INTERNAL, 503 STORE_BUSY. Each operation lists the answers it can give; the request schemas state every rule the daemon checks on the shape of a request (names, lengths, counts, enums), so a request valid by this document is refused only for the state it names (an id that names nothing this agent can see: 404 NOT_FOUND; a reader with no mailbox here: 404 UNKNOWN_AGENT; a host that is not paired: 400 UNKNOWN_HOST; a bare recipient name known nowhere: 400 UNKNOWN_AGENT; an address that reaches nobody, or a thread cursor from another thread: 400 BAD_REQUEST; a reused Idempotency-Key: 409)."),
     paths(health::get, messages::post, messages::reply, messages::get, threads::get, inbox::get, ack::post, agents::get, agents::post, sent::get),
     components(schemas(AgentName, Address, MessageId, ThreadId, RefText, Kind, DeliveryState, SentState, RouteKind, Via, HealthStatus, HealthReasonCode)),
     modifiers(&BearerAuth, &ErrorResponses)
@@ -57,7 +58,7 @@ pub struct ApiDoc;
 pub struct AgentName(String);
 
 /// A recipient address: `name` (a local mailbox, else the one paired host whose directory
-/// lists it), `name@host` (this host or a paired one; an unknown host is 400 `UNKNOWN_HOST`),
+/// lists it, else 400 `UNKNOWN_AGENT` unless the send asks for a new mailbox), `name@host` (this host or a paired one; an unknown host is 400 `UNKNOWN_HOST`),
 /// `role:R` (local mailboxes with role R and every paired host), `*` (every local mailbox and
 /// every paired host) or `owner`; name, host and R follow NAME_RE. A malformed address, or a
 /// send that reaches nobody, is 400 `BAD_REQUEST`.
@@ -227,7 +228,7 @@ pub fn error_codes() -> Vec<&'static str> {
 
 /// The codes of [`error_codes`] as a constant list, for readers of this module; a test checks
 /// it equals [`error_codes`].
-pub const ERROR_CODES: [&str; 11] = [
+pub const ERROR_CODES: [&str; 12] = [
     "UNAUTHORIZED",
     "NOT_FOUND",
     "METHOD_NOT_ALLOWED",
@@ -236,6 +237,7 @@ pub const ERROR_CODES: [&str; 11] = [
     "BODY_TOO_LARGE",
     "UNSUPPORTED_MEDIA_TYPE",
     "UNKNOWN_HOST",
+    "UNKNOWN_AGENT",
     "CONFLICT",
     "STORE_BUSY",
     "INTERNAL",
@@ -614,7 +616,7 @@ mod tests {
                 .mailbox
                 .with(|c| {
                     Ok(matches!(
-                        route::expand(c, "home", "alice", &[a.to_string(), "owner".into()]),
+                        route::expand(c, "home", "alice", &[a.to_string(), "owner".into()], true),
                         Err(route::AddressError::Invalid(m)) if m.starts_with("bad ")
                     ))
                 })
@@ -762,7 +764,9 @@ mod tests {
                 if op.get("requestBody").is_some() {
                     want.extend(["413", "415"]);
                 }
-                if path.contains("{id}") || path == "/v1/ack" || path == "/v1/messages" {
+                if path.contains("{id}")
+                    || ["/v1/ack", "/v1/messages", "/v1/inbox"].contains(&path.as_str())
+                {
                     want.push("404");
                 }
                 if method == "post" && path != "/v1/agents" {

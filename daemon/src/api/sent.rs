@@ -69,6 +69,7 @@ mod tests {
         crate::install_tls_provider();
         let store = testutil::store();
         let ident = Arc::new(testutil::identity("home"));
+        store.register("home", &["bob"]);
         store.add_peer(&testutil::identity("work"), true);
         store
             .send(

@@ -42,10 +42,16 @@ pub struct SendArgs {
     /// The sending agent's name on this host
     #[arg(long = "as", value_name = "AGENT", env = "MBX_AGENT")]
     pub as_agent: String,
-    /// Recipients, comma-separated: agent, agent@host, role:R (that role here and on every
-    /// paired host), * (every mailbox here and every paired host), owner
+    /// Recipients, comma-separated: agent (an agent here, else on the one paired host that
+    /// lists it; a name known nowhere is refused with the closest names, exit 3), agent@host,
+    /// role:R (that role here and on every paired host), * (every mailbox here and every
+    /// paired host), owner
     #[arg(long, value_name = "ADDR,…", value_delimiter = ',', required = true)]
     pub to: Vec<String>,
+    /// Create a new mailbox on this host for each bare --to name that is no agent here nor on
+    /// any paired host, and deliver to it (without it such a name is refused as a likely typo)
+    #[arg(long)]
+    pub new_mailbox: bool,
     /// One-line subject
     #[arg(long)]
     pub subject: String,
@@ -81,7 +87,7 @@ pub struct SendArgs {
 /// Flags of `inbox`.
 #[derive(Debug, Args)]
 pub struct InboxArgs {
-    /// The agent whose inbox to list
+    /// The agent whose inbox to list (a name that is no agent here is refused, exit 3)
     #[arg(long = "as", value_name = "AGENT", env = "MBX_AGENT")]
     pub as_agent: String,
     /// Include acked messages
@@ -155,7 +161,7 @@ pub struct ThreadArgs {
 pub struct ReadArgs {
     /// Message id
     pub id: String,
-    /// The reading agent
+    /// The reading agent (a name that is no agent here is refused, exit 3)
     #[arg(long = "as", value_name = "AGENT", env = "MBX_AGENT")]
     pub as_agent: String,
     /// Print the message as JSON
@@ -530,7 +536,7 @@ impl Api {
         }
         Attempt::Done(Err(match status.as_u16() {
             404 => NotFoundError(msg).into(),
-            400 if code == "UNKNOWN_HOST" => NotFoundError(msg).into(),
+            400 if code == "UNKNOWN_HOST" || code == "UNKNOWN_AGENT" => NotFoundError(msg).into(),
             400 => UsageError(msg).into(),
             401 => anyhow::anyhow!(
                 "the daemon at {} refused the API token read from {} (MBX_HOME {}): that \
@@ -614,7 +620,7 @@ pub fn send(args: SendArgs) -> anyhow::Result<()> {
     let req = json!({
         "from": args.as_agent, "to": args.to, "subject": args.subject, "body": body,
         "kind": args.kind, "thread": args.thread, "reply_to": args.reply_to,
-        "needs_reply": args.needs_reply, "refs": args.refs,
+        "needs_reply": args.needs_reply, "refs": args.refs, "new_mailbox": args.new_mailbox,
     });
     let api = Api::connect()?;
     let key = args.idempotency_key.clone().unwrap_or_else(mint_key);

@@ -9,13 +9,16 @@
 //!   directory refresh replaces a host's rows as a whole).
 //!
 //! What "every local mailbox" means (the audience of `*` on this host): every name with a local
-//! row, i.e. registered here or seen sending from here ([`local_mailboxes`]). A name that only
-//! ever *received* mail here is not one: mail to an unknown bare name is delivered here with a
-//! warning (`wire.md` §4 "Addressing"), and such a fallback must neither become a broadcast
-//! audience nor pin that name to this host once a paired host's directory lists it. An agent
-//! that only reads becomes a mailbox with `agentmbx whoami --as <agent>`. A bare name is *known
-//! locally* (routes here, on the sending and the receiving side) when it has a local row
-//! ([`is_local`]). `role:R` reaches the local rows registered with role `R` ([`with_role`]).
+//! row, i.e. registered here, seen sending from here, or created on purpose by a send with
+//! `--new-mailbox` ([`local_mailboxes`]). A bare name that is no agent here nor on any paired
+//! host is refused at send as a likely typo, with the closest known names (`wire.md` §4
+//! "Addressing", T205; [`crate::node::route`]); an agent that only reads becomes a mailbox with
+//! `agentmbx whoami --as <agent>` (or `POST /v1/agents`). A bare name is *known locally* (routes
+//! here, on the sending and the receiving side) when it has a local row ([`is_local`]). `role:R`
+//! reaches the local rows registered with role `R` ([`with_role`]). `inbox`/`read --as` a name
+//! are answered when it has a mailbox to read: a local row, or mail delivered to it (mail to an
+//! unknown bare name was delivered here, without a row, before such names were refused), or it
+//! is the owner ([`has_mailbox`]); any other name is "no agent named …", not an empty list.
 //!
 //! This module only reads and writes the store; it never touches the network.
 
@@ -220,6 +223,36 @@ pub fn is_local(conn: &Connection, own: &str, name: &str) -> Result<bool, Mailbo
     Ok(found.is_some())
 }
 
+/// Whether `name` has a mailbox to read on host `own`: the owner, a local row ([`is_local`]),
+/// or mail delivered to it (a name that received mail before unknown names were refused).
+/// `inbox`/`read --as` any other name is refused, not answered with an empty list.
+pub fn has_mailbox(conn: &Connection, own: &str, name: &str) -> Result<bool, MailboxError> {
+    if name == OWNER || is_local(conn, own, name)? {
+        return Ok(true);
+    }
+    let found: Option<i64> = conn
+        .query_row(
+            "SELECT 1 FROM deliveries WHERE agent = ?1 LIMIT 1",
+            [name],
+            |r| r.get(0),
+        )
+        .optional()?;
+    Ok(found.is_some())
+}
+
+/// Every name with a mailbox to read on host `own` ([`has_mailbox`]): the local rows and the
+/// names mail was delivered to, sorted, each once (the owner only when it has either).
+pub fn readers(conn: &Connection, own: &str) -> Result<Vec<String>, MailboxError> {
+    let mut st = conn.prepare(
+        "SELECT name FROM agents WHERE host = ?1
+         UNION SELECT agent FROM deliveries ORDER BY 1",
+    )?;
+    let rows = st
+        .query_map([own], |r| r.get::<_, String>(0))?
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(rows)
+}
+
 /// The pinned peers (other than `own`) whose directory lists `name`, sorted.
 pub fn peers_listing(
     conn: &Connection,
@@ -333,19 +366,16 @@ mod tests {
     fn local_mailboxes_are_registered_or_have_sent() {
         let s = testutil::store();
         let me = testutil::identity("home");
-        // alice sends to an unknown name: carol gets the mail but is no mailbox of this host.
-        s.send(
-            &me,
-            "alice",
-            &["carol"],
-            "s",
-            "01KDVDNA3VG2MH8KWSQRCWJZ0S",
-            T0,
-        )
-        .unwrap();
+        s.register("home", &["bob"]);
+        // alice sends to bob; carol got the same mail delivered before unknown bare names were
+        // refused: she has mail to read but is no mailbox of this host.
+        let id = "01KDVDNA3VG2MH8KWSQRCWJZ0S";
+        s.send(&me, "alice", &["bob"], "s", id, T0).unwrap();
+        s.mailbox
+            .with(|c| super::super::messages::deliver(c, id, "carol", T0))
+            .unwrap();
         s.mailbox
             .with(|c| {
-                register(c, "home", "bob", None, None, T0)?;
                 register(c, "work", "zed", None, None, T0)?;
                 assert_eq!(
                     local_mailboxes(c, "home")?,
@@ -354,6 +384,14 @@ mod tests {
                 assert!(is_local(c, "home", "bob")?);
                 assert!(!is_local(c, "home", "carol")?);
                 assert!(!is_local(c, "home", "zed")?);
+                // Issue 17 (4): what `inbox`/`read --as` accept.
+                for name in ["alice", "bob", "carol", OWNER] {
+                    assert!(has_mailbox(c, "home", name)?, "{name}");
+                }
+                for name in ["zed", "bbo", "nobody"] {
+                    assert!(!has_mailbox(c, "home", name)?, "{name}");
+                }
+                assert_eq!(readers(c, "home")?, vec!["alice", "bob", "carol"]);
                 Ok(())
             })
             .unwrap();

@@ -848,6 +848,7 @@ mod tests {
     fn deliveries_of_mail_from_peers_queue_receipts_and_the_wire_is_made_once() {
         let s = testutil::store();
         let me = testutil::identity("home");
+        s.register("home", &["bob"]);
         let work = testutil::identity("work");
         s.add_peer(&work, true);
         let wire = testutil::sealed_wire(
@@ -923,6 +924,7 @@ mod tests {
     fn a_queued_recipient_shows_the_relay_state_when_the_relay_fails_too() {
         let s = testutil::store();
         let me = testutil::identity("home");
+        s.register("home", &["bob"]);
         s.add_peer(&testutil::identity("work"), true);
         let m1 = testutil::ids().next(T0);
         s.send(&me, "alice", &["dan@work", "bob"], "one", &m1, T0)
@@ -1099,6 +1101,7 @@ mod tests {
     fn sent_shows_each_recipient_newest_message_first() {
         let s = testutil::store();
         let me = testutil::identity("home");
+        s.register("home", &["bob"]);
         s.add_peer(&testutil::identity("work"), true);
         s.add_peer(&testutil::identity("lab"), true);
         s.add_peer(&testutil::identity("sea"), true);
@@ -1226,6 +1229,7 @@ mod tests {
         const SKEW: i64 = 600_000;
         let s = testutil::store();
         let me = testutil::identity("home");
+        s.register("home", &["bob"]);
         let mut ids = testutil::ids();
         let skewed = ids.next(T0 + SKEW);
         s.send(

@@ -10,7 +10,7 @@
 //! |---|---|---|
 //! | `name@<this host>` | local `name` | local `name` |
 //! | `name@<peer>` | that pinned peer (unknown → error) | ignored (not ours) |
-//! | `name` | local if known here; else the unique peer whose directory lists it (several → error); else local with a warning | local if known here and not in `meta.local_names` |
+//! | `name` | local if known here; else the unique peer whose directory lists it (several → error); else refused with the closest known names ([`UnknownAgent`]), unless the send asks for a new mailbox (`--new-mailbox`: registered here, then local) | local if known here and not in `meta.local_names` |
 //! | `*` | every local mailbox but the sender + every pinned peer | every local mailbox |
 //! | `role:R` | local mailboxes with role R but the sender + every pinned peer | local mailboxes with role R |
 //! | `owner` | local `owner` | local `owner` |
@@ -19,6 +19,12 @@
 //! sender lists in `meta.local_names` the names it delivered locally for bare and broadcast
 //! addresses, so a receiving host does not deliver a bare name a second time to its own
 //! namesake.
+//!
+//! A bare name that no local row and no paired host's directory lists is a typo until shown
+//! otherwise (`wire.md` §4, T205): the send is refused, naming up to 3 close known names, and
+//! nothing is stored. `send --new-mailbox` (API: `"new_mailbox": true`) creates the mailbox on
+//! purpose: the name is returned in [`Expansion::new_mailboxes`] and the caller registers it as
+//! a local mailbox before delivering.
 //!
 //! This module only reads the store; it never writes and never touches the network.
 
@@ -71,6 +77,9 @@ pub struct Expansion {
     pub remote: Vec<RemoteHost>,
     /// Non-fatal remarks for the sender.
     pub warnings: Vec<String>,
+    /// Bare names known nowhere that the send creates on purpose (`new_mailbox`), each once:
+    /// the caller registers each as a local mailbox (they are also in `local`).
+    pub new_mailboxes: Vec<String>,
 }
 
 /// Why an address was refused. The caller stores nothing when it gets one.
@@ -82,6 +91,10 @@ pub enum AddressError {
     /// `name@host` names a host that is not a pinned peer.
     #[error("{0}")]
     UnknownHost(UnknownHost),
+    /// A bare name that is no agent here nor on any paired host (and no new mailbox was asked
+    /// for).
+    #[error("{0}")]
+    UnknownAgent(UnknownAgent),
     /// Reading the store failed.
     #[error(transparent)]
     Store(#[from] MailboxError),
@@ -119,6 +132,58 @@ impl std::fmt::Display for UnknownHost {
             names => write!(
                 f,
                 "unknown host {host}; did you mean {}? (`agentmbx peers` lists the paired hosts)",
+                names.join(", ")
+            ),
+        }
+    }
+}
+
+/// A bare recipient name that no local row and no paired host's directory lists, with the
+/// known names closest to it. Its text is the refusal a user sees: `no agent named bbo here or
+/// on a paired host; did you mean bob, bob@work? …`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownAgent {
+    /// The name as written.
+    pub name: String,
+    /// Up to 3 known names close to it, closest first: local agents as `name`, paired hosts'
+    /// agents as `name@host`.
+    pub suggestions: Vec<String>,
+}
+
+impl UnknownAgent {
+    /// `name`, with the closest entries of `directory` (this host's rows, named bare, and
+    /// paired hosts' rows, named `name@host`; [`agents::directory`]), compared by name.
+    pub fn new(name: &str, own: &str, directory: &[agents::DirectoryEntry]) -> Self {
+        let labelled = directory.iter().map(|e| {
+            let label = if e.host == own {
+                e.name.clone()
+            } else {
+                format!("{}@{}", e.name, e.host)
+            };
+            (e.name.as_str(), label)
+        });
+        UnknownAgent {
+            name: name.to_string(),
+            suggestions: suggest::closest_labelled(name, labelled),
+        }
+    }
+}
+
+impl std::fmt::Display for UnknownAgent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = &self.name;
+        match self.suggestions.as_slice() {
+            [] => write!(
+                f,
+                "no agent named {name} here or on a paired host: write {name}@<host> for an \
+                 agent of a host whose directory is not known yet, register a new agent on its \
+                 host (`agentmbx whoami --as {name}`), or send with --new-mailbox (API: \
+                 \"new_mailbox\": true) to create the mailbox {name} on this host"
+            ),
+            names => write!(
+                f,
+                "no agent named {name} here or on a paired host; did you mean {}? \
+                 (--new-mailbox, API \"new_mailbox\": true, creates the mailbox {name} on this host)",
                 names.join(", ")
             ),
         }
@@ -192,12 +257,15 @@ impl Builder {
 /// reads; the first refused address ends it. Errors: [`AddressError::Invalid`] for a
 /// malformed address, a bad role, an ambiguous bare name (`name exists on a, b; address it as
 /// name@<host>`) or a send that reaches nobody; [`AddressError::UnknownHost`] for `name@host`
-/// with a host that is not pinned.
+/// with a host that is not pinned; [`AddressError::UnknownAgent`] for a bare name known
+/// nowhere, unless `new_mailbox` (then it is local and listed in
+/// [`Expansion::new_mailboxes`]).
 pub fn expand(
     conn: &Connection,
     own: &str,
     sender: &str,
     to: &[String],
+    new_mailbox: bool,
 ) -> Result<Expansion, AddressError> {
     let mut b = Builder::default();
     let all_peers = peers::list(conn)?;
@@ -267,12 +335,18 @@ pub fn expand(
                     .ok_or_else(|| AddressError::UnknownHost(UnknownHost::new(host, &all_peers)))?;
                 b.remote(t, Some(t), peer);
             }
-            [] => {
-                b.out.warnings.push(format!(
-                    "{t} is not a known agent; delivered to this host's inbox for {t}"
-                ));
+            [] if new_mailbox => {
+                if !b.out.new_mailboxes.iter().any(|n| n == t) {
+                    b.out.new_mailboxes.push(t.to_string());
+                }
                 b.local(t, t);
                 b.bare_local.push(t.to_string());
+            }
+            [] => {
+                let directory = agents::directory(conn, own)?;
+                return Err(AddressError::UnknownAgent(UnknownAgent::new(
+                    t, own, &directory,
+                )));
             }
             hosts => {
                 return Err(AddressError::Invalid(format!(
@@ -391,7 +465,7 @@ mod tests {
     fn exp(s: &testutil::Store, sender: &str, to: &[&str]) -> Result<Expansion, AddressError> {
         let to: Vec<String> = to.iter().map(|t| t.to_string()).collect();
         s.mailbox
-            .with(|c| Ok(expand(c, "home", sender, &to)))
+            .with(|c| Ok(expand(c, "home", sender, &to, false)))
             .unwrap()
     }
 
@@ -463,14 +537,75 @@ mod tests {
         assert!(e.local.is_empty());
         assert_eq!(hosts(&e), vec!["work"]);
         assert_eq!(e.targets[0].name.as_deref(), Some("carol"));
-        // nobody knows zoe: delivered here, with a warning.
-        let e = exp(&s, "alice", &["zoe"]).unwrap();
-        assert_eq!(e.local, vec!["zoe"]);
-        assert_eq!(e.local_names, vec!["zoe"]);
+        // nobody knows zoe: refused (see below), not delivered here.
+        assert!(matches!(
+            exp(&s, "alice", &["zoe"]),
+            Err(AddressError::UnknownAgent(a)) if a.name == "zoe"
+        ));
+    }
+
+    /// Issue 17 (4): a bare name known nowhere is a likely typo: refused, naming at most 3 of
+    /// the closest known names (local agents bare, paired hosts' agents as `name@host`).
+    #[test]
+    fn a_bare_name_known_nowhere_is_refused_with_the_closest_names() {
+        let s = world();
+        let err = exp(&s, "alice", &["carol", "bbo"]).unwrap_err();
         assert_eq!(
-            e.warnings,
-            vec!["zoe is not a known agent; delivered to this host's inbox for zoe"]
+            err.to_string(),
+            "no agent named bbo here or on a paired host; did you mean bob, bob@work? \
+             (--new-mailbox, API \"new_mailbox\": true, creates the mailbox bbo on this host)"
         );
+        // At most 3, closest first, ties by name.
+        s.register("home", &["dave"]);
+        let err = exp(&s, "alice", &["dab"]).unwrap_err();
+        assert!(
+            matches!(&err, AddressError::UnknownAgent(a) if a.suggestions == ["dan", "bob", "bob@work"]),
+            "{err:?}"
+        );
+        // Close to nothing: says how to register it or create it on purpose.
+        let err = exp(&s, "alice", &["zzzzzz"]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "no agent named zzzzzz here or on a paired host: write zzzzzz@<host> for an agent \
+             of a host whose directory is not known yet, register a new agent on its host \
+             (`agentmbx whoami --as zzzzzz`), or send with --new-mailbox (API: \
+             \"new_mailbox\": true) to create the mailbox zzzzzz on this host"
+        );
+        // Nor does a host that is no longer paired count, even with stale directory rows.
+        s.mailbox
+            .with(|c| {
+                c.execute("DELETE FROM peers WHERE host = 'work'", [])?;
+                Ok(())
+            })
+            .unwrap();
+        assert!(matches!(
+            exp(&s, "alice", &["carol"]),
+            Err(AddressError::UnknownAgent(a)) if a.suggestions.is_empty()
+        ));
+    }
+
+    /// Issue 17 (4): `new_mailbox` makes a name known nowhere a local mailbox on purpose; names
+    /// known somewhere route as always.
+    #[test]
+    fn new_mailbox_makes_an_unknown_bare_name_local() {
+        let s = world();
+        let to: Vec<String> = ["zoe", "bob", "carol", "zoe"]
+            .iter()
+            .map(|t| t.to_string())
+            .collect();
+        let e = s
+            .mailbox
+            .with(|c| Ok(expand(c, "home", "alice", &to, true)))
+            .unwrap()
+            .unwrap();
+        assert_eq!(e.new_mailboxes, vec!["zoe"]);
+        assert_eq!(e.local, vec!["zoe", "bob"]);
+        assert_eq!(e.local_names, vec!["zoe", "bob"]);
+        assert_eq!(hosts(&e), vec!["work"]);
+        assert!(exp(&s, "alice", &["bob", "carol"])
+            .unwrap()
+            .new_mailboxes
+            .is_empty());
     }
 
     #[test]
@@ -539,7 +674,7 @@ mod tests {
         let to = vec!["*".to_string()];
         let r = s
             .mailbox
-            .with(|c| Ok(expand(c, "home", "alice", &to)))
+            .with(|c| Ok(expand(c, "home", "alice", &to, false)))
             .unwrap();
         assert!(matches!(r, Err(AddressError::Invalid(m)) if m.contains("reach no mailbox")));
     }

@@ -18,7 +18,7 @@ use agentmbx_protocol::limits;
 
 use crate::identity::Identity;
 use crate::mailbox::{agents, messages, outbox, MailboxError};
-use crate::node::route::{self, AddressError, UnknownHost};
+use crate::node::route::{self, AddressError, UnknownAgent, UnknownHost};
 
 pub use crate::node::route::NAME_RULE;
 
@@ -35,7 +35,7 @@ pub struct SendRequest {
     #[schema(value_type = crate::api::openapi::AgentName)]
     pub from: String,
     /// Recipients, 1..=20: `name` (a local mailbox, else the one paired host whose directory
-    /// lists it), `name@host` (this host or a pinned peer), `role:R` (local mailboxes with role R
+    /// lists it, else refused 400 `UNKNOWN_AGENT` unless `new_mailbox`), `name@host` (this host or a pinned peer), `role:R` (local mailboxes with role R
     /// and every paired host), `*` (every local mailbox and every paired host), `owner`.
     #[schema(value_type = Vec<crate::api::openapi::Address>, min_items = 1, max_items = 20)]
     pub to: Vec<String>,
@@ -71,6 +71,11 @@ pub struct SendRequest {
     #[serde(default)]
     #[schema(value_type = Vec<crate::api::openapi::RefText>, max_items = 20)]
     pub refs: Vec<String>,
+    /// Create a new local mailbox on purpose for each bare name in `to` that is no agent here
+    /// nor on any paired host (it is registered, then delivered to); without it such a name
+    /// is refused (400 `UNKNOWN_AGENT`, with the closest known names) as a likely typo.
+    #[serde(default)]
+    pub new_mailbox: bool,
 }
 
 /// What an agent asks to answer (`POST /v1/messages/{id}/reply`): a message to the sender of
@@ -146,6 +151,7 @@ pub fn reply_request(
         reply_to: Some(parent.id),
         needs_reply: req.needs_reply,
         refs: req.refs.clone(),
+        new_mailbox: false,
     })
 }
 
@@ -190,6 +196,10 @@ pub enum SendError {
     /// A recipient host is not a known peer.
     #[error("{0}")]
     UnknownHost(UnknownHost),
+    /// A bare recipient name is no agent here nor on any paired host, and `new_mailbox` was
+    /// not asked for.
+    #[error("{0}")]
+    UnknownAgent(UnknownAgent),
     /// The message replied to is not one the sender can see (unknown id, or another mailbox's).
     #[error("{0}")]
     ParentNotFound(String),
@@ -203,6 +213,7 @@ impl From<AddressError> for SendError {
         match e {
             AddressError::Invalid(m) => SendError::Invalid(m),
             AddressError::UnknownHost(h) => SendError::UnknownHost(h),
+            AddressError::UnknownAgent(a) => SendError::UnknownAgent(a),
             AddressError::Store(e) => SendError::Store(e),
         }
     }
@@ -274,7 +285,11 @@ pub fn send(
     }
     // The sender is a local mailbox from its first send on (`agents` module docs).
     agents::touch(conn, own, &req.from, now_ms)?;
-    let plan = route::expand(conn, own, &req.from, &req.to)?;
+    let plan = route::expand(conn, own, &req.from, &req.to, req.new_mailbox)?;
+    // Mailboxes created on purpose are real mailboxes from now on (`agents` module docs).
+    for name in &plan.new_mailboxes {
+        agents::register(conn, own, name, None, None, now_ms)?;
+    }
     let recipients = plan
         .targets
         .iter()
@@ -313,6 +328,9 @@ pub fn send(
         outbox::enqueue(conn, &env.id, &r.host, &r.pubkey, now_ms)?;
     }
     let mut warnings = plan.warnings;
+    for name in &plan.new_mailboxes {
+        warnings.push(format!("created the new mailbox {name} on this host"));
+    }
     if env.subject != req.subject {
         warnings.push("subject was made one line and cut to 200 characters".into());
     }
@@ -423,6 +441,7 @@ mod tests {
     fn an_unknown_host_is_an_error_and_nothing_is_stored() {
         let s = testutil::store();
         let me = testutil::identity("home");
+        s.register("home", &["bob"]);
         let err = s
             .send(&me, "alice", &["bob", "carol@nowhere"], "s", ID, T0)
             .unwrap_err();
@@ -441,16 +460,73 @@ mod tests {
                 "{to}"
             );
         }
-        assert_eq!(s.scalar::<i64>("SELECT COUNT(*) FROM agents"), 0);
+        assert_eq!(
+            s.scalar::<i64>("SELECT COUNT(*) FROM agents WHERE name <> 'bob'"),
+            0
+        );
         assert!(s.send(&me, "Not A Name", &["bob"], "s", ID, T0).is_err());
         assert!(s.send(&me, "alice", &[], "s", ID, T0).is_err());
         assert_eq!(counts(&s), (0, 0, 0));
+    }
+
+    /// Issue 17 (4): a typo of a bare name stores nothing (no message, no delivery, no
+    /// directory row, not even the sender's); `new_mailbox` registers the name as a local
+    /// mailbox and delivers to it.
+    #[test]
+    fn an_unknown_bare_name_stores_nothing_unless_a_new_mailbox_is_asked_for() {
+        let s = testutil::store();
+        let me = testutil::identity("home");
+        s.register("home", &["bob"]);
+        let err = s
+            .send(&me, "alice", &["bob", "bbo"], "s", ID, T0)
+            .unwrap_err();
+        assert!(
+            matches!(&err, SendError::UnknownAgent(a) if a.name == "bbo" && a.suggestions == ["bob"]),
+            "{err:?}"
+        );
+        assert_eq!(counts(&s), (0, 0, 0));
+        assert_eq!(
+            s.scalar::<i64>("SELECT COUNT(*) FROM agents WHERE name <> 'bob'"),
+            0
+        );
+        let mut req = SendRequest {
+            from: "alice".into(),
+            to: vec!["bob".into(), "bbo".into()],
+            subject: "s".into(),
+            body: String::new(),
+            kind: None,
+            thread: None,
+            reply_to: None,
+            needs_reply: false,
+            refs: vec![],
+            new_mailbox: true,
+        };
+        let out = s
+            .mailbox
+            .with(|c| Ok(send(c, &me, &req, ID.into(), T0)))
+            .unwrap()
+            .unwrap();
+        assert_eq!(counts(&s), (1, 2, 0));
+        assert_eq!(
+            out.warnings,
+            vec!["created the new mailbox bbo on this host"]
+        );
+        let is_local = |n: &str| s.mailbox.with(|c| agents::is_local(c, "home", n)).unwrap();
+        assert!(is_local("bbo"), "a real mailbox from now on");
+        // From now on it is a known name: no flag needed.
+        req.new_mailbox = false;
+        s.mailbox
+            .with(|c| Ok(send(c, &me, &req, "01KDVDNA3VG2MH8KWSQRCWJZ0T".into(), T0)))
+            .unwrap()
+            .unwrap();
+        assert_eq!(counts(&s).1, 4);
     }
 
     #[test]
     fn local_recipients_get_the_message_at_once() {
         let s = testutil::store();
         let me = testutil::identity("home");
+        s.register("home", &["bob"]);
         let out = s
             .send(
                 &me,
@@ -483,6 +559,7 @@ mod tests {
         let me = testutil::identity("home");
         let peer = testutil::identity("work");
         s.add_peer(&peer, false);
+        s.register("home", &["carol"]);
         let out = s
             .send(
                 &me,

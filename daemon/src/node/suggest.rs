@@ -9,11 +9,22 @@ pub const MAX_SUGGESTIONS: usize = 3;
 /// most `max(2, len / 3)` edits (insertions, deletions, substitutions, or swaps of two
 /// neighbouring characters), where `len` is `typed`'s length in characters.
 pub fn closest<'a>(typed: &str, known: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+    closest_labelled(typed, known.into_iter().map(|k| (k, k.to_string())))
+}
+
+/// As [`closest`], for names shown under a label (e.g. `bob@work` for the name `bob` on a
+/// paired host): each `(name, label)` is compared by `name` and answered by `label`; closest
+/// first (ties by label), at most [`MAX_SUGGESTIONS`] labels, without duplicate labels or
+/// entries whose name is `typed` itself.
+pub fn closest_labelled<'a>(
+    typed: &str,
+    known: impl IntoIterator<Item = (&'a str, String)>,
+) -> Vec<String> {
     let limit = (typed.chars().count() / 3).max(2);
-    let mut scored: Vec<(usize, &str)> = known
+    let mut scored: Vec<(usize, String)> = known
         .into_iter()
-        .filter(|k| *k != typed)
-        .map(|k| (distance(typed, k), k))
+        .filter(|(k, _)| *k != typed)
+        .map(|(k, label)| (distance(typed, k), label))
         .filter(|(d, _)| *d <= limit)
         .collect();
     scored.sort();
@@ -21,7 +32,7 @@ pub fn closest<'a>(typed: &str, known: impl IntoIterator<Item = &'a str>) -> Vec
     scored
         .into_iter()
         .take(MAX_SUGGESTIONS)
-        .map(|(_, k)| k.to_string())
+        .map(|(_, label)| label)
         .collect()
 }
 

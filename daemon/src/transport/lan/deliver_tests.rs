@@ -260,6 +260,7 @@ async fn a_backlog_of_large_envelopes_goes_in_bodies_under_the_peer_cap() {
             reply_to: None,
             needs_reply: false,
             refs: vec![],
+            new_mailbox: false,
         };
         home.store
             .mailbox
