@@ -59,6 +59,9 @@ pub const RELAY_HOP_WINDOW_MS: i64 = 300_000;
 pub const LAN_HOP_WINDOW_MS: i64 = 300_000;
 /// Host and agent name rule NAME_RE `^[a-z0-9][a-z0-9-]{1,39}$`: maximum length.
 pub const MAX_NAME: usize = 40;
+/// NAME_RE, the host and agent name rule as a regular expression (what [`is_name`] checks; the
+/// local API's OpenAPI document states it as the names' `pattern`).
+pub const NAME_RE: &str = "^[a-z0-9][a-z0-9-]{1,39}$";
 
 /// True when `name` matches NAME_RE `^[a-z0-9][a-z0-9-]{1,39}$` (agent and host names).
 pub fn is_name(name: &str) -> bool {

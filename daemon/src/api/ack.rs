@@ -10,19 +10,25 @@ use crate::mailbox::{messages, receipts, MailboxError};
 
 use super::{idempotent, ApiError, ApiJson, ApiQuery, NoQuery, SharedState};
 
+/// Most message ids one `POST /v1/ack` takes.
+pub const MAX_ACK_IDS: usize = 50;
+
 /// Body of `POST /v1/ack`.
 #[derive(Debug, Deserialize, Serialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AckRequest {
     /// The acking agent.
     #[serde(rename = "as")]
+    #[schema(value_type = crate::api::openapi::AgentName)]
     pub as_agent: String,
     /// Message ids, 1..=50.
+    #[schema(value_type = Vec<crate::api::openapi::MessageId>, min_items = 1, max_items = 50)]
     pub ids: Vec<String>,
     /// Optional note, at most 500 UTF-16 code units (the delivery receipt's limit, which
     /// 0.5.x peers enforce; an emoji counts two); a longer one is refused (400 `BAD_REQUEST`,
     /// nothing acked), never cut.
     #[serde(default)]
+    #[schema(max_length = 500)]
     pub note: Option<String>,
 }
 
@@ -35,13 +41,10 @@ pub struct AckAnswer {
 
 /// Acks messages for an agent; all or nothing (an unknown id changes nothing, 404).
 #[utoipa::path(post, path = "/v1/ack", operation_id = "ack_messages", request_body = AckRequest,
-    params(("Idempotency-Key" = Option<String>, Header, description = "replay protection, ≤200 chars")),
+    params(("Idempotency-Key" = Option<String>, Header, description = "replay protection: 1..=200 visible ASCII characters, not starting or ending with a space (else 400); the same key and body again return the first answer, another body is 409", min_length = 1, max_length = 200, pattern = "^[!-~]([ -~]*[!-~])?$")),
     responses((status = 200, body = AckAnswer),
-        (status = 400, description = "BAD_REQUEST: e.g. a note over 500 UTF-16 code units, or a missing, unknown or mistyped field (named); INVALID_JSON; nothing acked", body = super::ErrorBody),
-        (status = 404, body = super::ErrorBody),
-        (status = 413, description = "BODY_TOO_LARGE: the body is over 2 MiB; nothing was read", body = super::ErrorBody),
-        (status = 415, description = "UNSUPPORTED_MEDIA_TYPE: the body is not sent as application/json", body = super::ErrorBody),
-        (status = 503, description = "STORE_BUSY: the store is locked elsewhere or busy; nothing acked; retry with the same Idempotency-Key", body = super::ErrorBody)),
+        (status = 400, description = "BAD_REQUEST: e.g. a note over 500 UTF-16 code units, a bad agent name, no ids or more than 50, or a missing, unknown or mistyped field (named); INVALID_JSON; nothing acked", body = super::ErrorBody),
+        (status = 404, description = "NOT_FOUND: an id names no message delivered to this agent; nothing acked", body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn post(
     State(state): State<SharedState>,
@@ -53,8 +56,10 @@ pub async fn post(
     }: ApiJson<AckRequest>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     super::check_agent(&req.as_agent)?;
-    if req.ids.is_empty() || req.ids.len() > 50 {
-        return Err(ApiError::Invalid("ids must hold 1..=50 message ids".into()));
+    if req.ids.is_empty() || req.ids.len() > MAX_ACK_IDS {
+        return Err(ApiError::Invalid(format!(
+            "ids must hold 1..={MAX_ACK_IDS} message ids"
+        )));
     }
     if let Some(note) = &req.note {
         receipts::check_note(note)?;

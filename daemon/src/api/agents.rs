@@ -16,12 +16,19 @@ use super::{ApiError, ApiJson, ApiQuery, NoQuery, SharedState};
 #[serde(deny_unknown_fields)]
 pub struct RegisterRequest {
     /// The agent's name on this host (NAME_RE).
+    #[schema(value_type = crate::api::openapi::AgentName)]
     pub name: String,
     /// Role (NAME_RE) that `role:<R>` addresses reach; absent keeps the stored one, `""` clears it.
     #[serde(default)]
+    #[schema(pattern = "^([a-z0-9][a-z0-9-]{1,39})?$", max_length = 40)]
     pub role: Option<String>,
-    /// One line, ≤ 200 characters; absent keeps the stored one, `""` clears it.
+    /// One line without control characters, ≤ 200 UTF-16 units; absent keeps the stored one,
+    /// `""` clears it.
     #[serde(default)]
+    #[schema(
+        max_length = 200,
+        pattern = "^[^\\x00-\\x1f\\x7f\\x85\\u2028\\u2029]*$"
+    )]
     pub description: Option<String>,
 }
 
@@ -36,7 +43,7 @@ pub struct DirectoryAnswer {
 
 /// Lists the agent directory.
 #[utoipa::path(get, path = "/v1/agents", operation_id = "list_agents",
-    responses((status = 200, body = DirectoryAnswer), (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped query parameter, named", body = super::ErrorBody)),
+    responses((status = 200, body = DirectoryAnswer)),
     security(("bearer" = [])))]
 pub async fn get(
     State(state): State<SharedState>,
@@ -55,9 +62,7 @@ pub async fn get(
 /// has role R. Mail this host held for the name (`GET /v1/unclaimed`) becomes its mail in the
 /// same transaction, and its `delivered` receipts go out.
 #[utoipa::path(post, path = "/v1/agents", operation_id = "register_agent", request_body = RegisterRequest,
-    responses((status = 200, body = AgentEntry), (status = 400, description = "BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named) or INVALID_JSON (with line and column)", body = super::ErrorBody),
-        (status = 413, description = "BODY_TOO_LARGE: the body is over 2 MiB; nothing was read", body = super::ErrorBody),
-        (status = 415, description = "UNSUPPORTED_MEDIA_TYPE: the body is not sent as application/json", body = super::ErrorBody)),
+    responses((status = 200, body = AgentEntry)),
     security(("bearer" = [])))]
 pub async fn post(
     State(state): State<SharedState>,

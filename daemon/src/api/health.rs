@@ -24,6 +24,7 @@ use crate::instance::Reason;
 pub struct Health {
     /// `"ok"`, or `"degraded"` when `reasons` lists something wrong. Either way the daemon is
     /// up and serving.
+    #[schema(value_type = crate::api::openapi::HealthStatus)]
     pub status: &'static str,
     /// This host's name.
     pub host: String,
@@ -39,6 +40,7 @@ pub struct Health {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct HealthReason {
     /// `host-key-clone` or `peer-key-clone` ([`crate::instance`]).
+    #[schema(value_type = crate::api::openapi::HealthReasonCode)]
     pub code: &'static str,
     /// What is wrong and what to do, one line (with the token only).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -75,7 +77,7 @@ impl HealthReason {
 /// Handler for `GET /v1/health` (no token needed; with it, the reasons in full).
 #[utoipa::path(get, path = "/v1/health", operation_id = "health",
     description = "Liveness. Needs no token; with `Authorization: Bearer <token>` (the API token) a `degraded` answer's reasons also carry detail, peer and relay, else only their code.",
-    responses((status = 200, body = Health), (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped query parameter, named", body = super::ErrorBody)))]
+    responses((status = 200, body = Health)))]
 #[tracing::instrument(skip_all)]
 pub async fn get(
     State(state): State<SharedState>,

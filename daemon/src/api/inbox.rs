@@ -11,13 +11,17 @@ use super::{ApiError, ApiQuery, SharedState};
 /// Query of `GET /v1/inbox`.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct InboxQuery {
     /// The agent whose inbox to list.
     #[serde(rename = "as")]
+    #[param(value_type = crate::api::openapi::AgentName)]
     pub as_agent: String,
-    /// Opaque cursor from the previous page's `next_cursor`.
+    /// Opaque cursor from the previous page's `next_cursor` (empty: the first page).
+    #[param(pattern = "^[0-9]{0,18}$")]
     pub cursor: Option<String>,
     /// Page size, 1..=200 (default 50); pages are also bounded to 256 KiB.
+    #[param(minimum = 1, maximum = 200)]
     pub limit: Option<u32>,
     /// Include acked messages.
     #[serde(default)]
@@ -26,13 +30,31 @@ pub struct InboxQuery {
     #[serde(default)]
     pub needs_reply: bool,
     /// Only messages from this sender: `name@host`, or a bare `name` (from any host).
+    #[param(pattern = "^[a-z0-9][a-z0-9-]{1,39}(@[^@]+)?$")]
     pub from: Option<String>,
+}
+
+/// Checks the `from` filter: an agent name (NAME_RE), optionally `@host` (anything but `@`,
+/// not empty). Errors: 400 `BAD_REQUEST` saying so.
+pub fn check_from(from: &str) -> Result<(), ApiError> {
+    let (name, host) = match from.split_once('@') {
+        Some((n, h)) => (n, Some(h)),
+        None => (from, None),
+    };
+    if !agentmbx_protocol::limits::is_name(name)
+        || host.is_some_and(|h| h.is_empty() || h.contains('@'))
+    {
+        return Err(ApiError::Invalid(format!(
+            "bad from {from:?}: an agent name or name@host"
+        )));
+    }
+    Ok(())
 }
 
 /// Lists an agent's messages, oldest first, without bodies. An `as` that is no agent of this
 /// host (no local mailbox, no mail delivered to it) is 404 `UNKNOWN_AGENT`, not an empty page.
 #[utoipa::path(get, path = "/v1/inbox", operation_id = "list_inbox", params(InboxQuery),
-    responses((status = 200, body = InboxPage), (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped query parameter, named", body = super::ErrorBody),
+    responses((status = 200, body = InboxPage),
         (status = 404, description = "UNKNOWN_AGENT: `as` is no agent of this host (no mailbox, no mail delivered to it); the error names the closest agents", body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn get(
@@ -49,17 +71,7 @@ pub async fn get(
         )));
     }
     if let Some(from) = q.from.as_deref() {
-        let (name, host) = match from.split_once('@') {
-            Some((n, h)) => (n, Some(h)),
-            None => (from, None),
-        };
-        if !agentmbx_protocol::limits::is_name(name)
-            || host.is_some_and(|h| h.is_empty() || h.contains('@'))
-        {
-            return Err(ApiError::Invalid(format!(
-                "bad from {from:?}: an agent name or name@host"
-            )));
-        }
+        check_from(from)?;
     }
     let filter = InboxFilter {
         include_acked: q.all,

@@ -19,11 +19,10 @@ use super::{idempotent, ApiError, ApiJson, ApiQuery, NoQuery, SharedState};
 /// true`; while that directory is not known yet, the answer's `warnings` say so. Replays with the same
 /// `Idempotency-Key` and body return the first answer; another body is 409.
 #[utoipa::path(post, path = "/v1/messages", operation_id = "send_message", request_body = SendRequest,
-    params(("Idempotency-Key" = Option<String>, Header, description = "replay protection, ≤200 chars")),
-    responses((status = 201, body = SendOutcome), (status = 400, description = "BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named), INVALID_JSON (with line and column), UNKNOWN_HOST (a recipient host that is not paired) or UNKNOWN_AGENT (a bare recipient name that is no agent here nor on any paired host, with the closest known names, `new_mailbox` creates it; or name@host where that host's known agent directory lists no such agent, with its agents, `force` sends anyway); nothing was sent", body = super::ErrorBody), (status = 409, body = super::ErrorBody),
-        (status = 413, description = "BODY_TOO_LARGE: the body is over 2 MiB; nothing was read", body = super::ErrorBody),
-        (status = 415, description = "UNSUPPORTED_MEDIA_TYPE: the body is not sent as application/json", body = super::ErrorBody),
-        (status = 503, description = "STORE_BUSY: the store is locked elsewhere or busy; nothing was stored; retry after Retry-After with the same Idempotency-Key", body = super::ErrorBody)),
+    params(("Idempotency-Key" = Option<String>, Header, description = "replay protection: 1..=200 visible ASCII characters, not starting or ending with a space (else 400); the same key and body again return the first answer, another body is 409", min_length = 1, max_length = 200, pattern = "^[!-~]([ -~]*[!-~])?$")),
+    responses((status = 201, body = SendOutcome),
+        (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped field or query parameter (named), one that breaks its rule, an address that reaches nobody, or a thread other than the parent's; INVALID_JSON (with line and column); UNKNOWN_HOST: `name@host` names a host that is not paired (the closest paired names suggested); UNKNOWN_AGENT: a bare recipient name (or name@<this host>) that is no agent here nor on any paired host (the closest known names given; `new_mailbox` creates it), or name@host where that host's known agent directory lists no such agent (its agents listed; `force` sends anyway); nothing was sent", body = super::ErrorBody),
+        (status = 404, description = "NOT_FOUND: `reply_to` names no message delivered to or sent by this agent; nothing was sent", body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn post(
     State(state): State<SharedState>,
@@ -83,13 +82,11 @@ fn send_error(e: SendError) -> Result<ApiError, MailboxError> {
 /// thread, subject `Re: <subject>`, kind `reply` unless given. `{id}` must be delivered to
 /// `from` or sent by it, else 404 and nothing is sent. `Idempotency-Key` as for a send.
 #[utoipa::path(post, path = "/v1/messages/{id}/reply", operation_id = "reply_message", request_body = ReplyRequest,
-    params(("id" = String, Path, description = "the message answered"),
-        ("Idempotency-Key" = Option<String>, Header, description = "replay protection, ≤200 chars")),
-    responses((status = 201, body = SendOutcome), (status = 400, description = "BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named) or INVALID_JSON (with line and column)", body = super::ErrorBody),
-        (status = 404, description = "no such message for this agent", body = super::ErrorBody), (status = 409, body = super::ErrorBody),
-        (status = 413, description = "BODY_TOO_LARGE: the body is over 2 MiB; nothing was read", body = super::ErrorBody),
-        (status = 415, description = "UNSUPPORTED_MEDIA_TYPE: the body is not sent as application/json", body = super::ErrorBody),
-        (status = 503, description = "STORE_BUSY: nothing was stored; retry with the same Idempotency-Key", body = super::ErrorBody)),
+    params(("id" = crate::api::openapi::MessageId, Path, description = "the message answered"),
+        ("Idempotency-Key" = Option<String>, Header, description = "replay protection: 1..=200 visible ASCII characters, not starting or ending with a space (else 400); the same key and body again return the first answer, another body is 409", min_length = 1, max_length = 200, pattern = "^[!-~]([ -~]*[!-~])?$")),
+    responses((status = 201, body = SendOutcome),
+        (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped field or query parameter (named) or one that breaks its rule; INVALID_JSON (with line and column); UNKNOWN_HOST: the parent's sender is on a host that is no longer paired; nothing was sent", body = super::ErrorBody),
+        (status = 404, description = "NOT_FOUND: `{id}` names no message delivered to or sent by this agent; nothing was sent", body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn reply(
     State(state): State<SharedState>,
@@ -130,18 +127,20 @@ pub async fn reply(
 /// Query of `GET /v1/messages/{id}`.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct ReadQuery {
     /// The reading agent.
     #[serde(rename = "as")]
+    #[param(value_type = crate::api::openapi::AgentName)]
     pub as_agent: String,
 }
 
 /// Reads one message as an agent (marks the agent's copy read). The sender may read its own copy.
 /// An `as` that is no agent of this host is 404 `UNKNOWN_AGENT`; a message the agent cannot
 /// see is 404 `NOT_FOUND`.
-#[utoipa::path(get, path = "/v1/messages/{id}", operation_id = "read_message", params(("id" = String, Path), ReadQuery),
-    responses((status = 200, body = messages::Message), (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped query parameter, named", body = super::ErrorBody),
-        (status = 404, description = "NOT_FOUND: no such message for this agent; UNKNOWN_AGENT: `as` is no agent of this host (the error names the closest agents)", body = super::ErrorBody)),
+#[utoipa::path(get, path = "/v1/messages/{id}", operation_id = "read_message", params(("id" = crate::api::openapi::MessageId, Path, description = "the message to read"), ReadQuery),
+    responses((status = 200, body = messages::Message),
+        (status = 404, description = "NOT_FOUND: `{id}` names no message delivered to or sent by this agent; UNKNOWN_AGENT: `as` is no agent of this host (the error names the closest agents)", body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn get(
     State(state): State<SharedState>,

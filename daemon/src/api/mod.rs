@@ -214,6 +214,47 @@ impl From<axum::extract::rejection::PathRejection> for ApiError {
 }
 
 impl ApiError {
+    /// One error of each kind, in declaration order: what the OpenAPI document's `code` enum
+    /// is built from ([`openapi::error_codes`]). A new variant must be added here too (the
+    /// match below has no catch-all, so the compiler asks for it).
+    pub fn examples() -> Vec<ApiError> {
+        let all = vec![
+            ApiError::Unauthorized,
+            ApiError::NotFound,
+            ApiError::MethodNotAllowed,
+            ApiError::Invalid(String::new()),
+            ApiError::InvalidJson(String::new()),
+            ApiError::BodyTooLarge(String::new()),
+            ApiError::UnsupportedMediaType(String::new()),
+            ApiError::UnknownHost(String::new()),
+            ApiError::UnknownAgent(String::new()),
+            ApiError::NoSuchAgent(String::new()),
+            ApiError::Missing(String::new()),
+            ApiError::Conflict(String::new()),
+            ApiError::StoreBusy(String::new()),
+            ApiError::Internal("example".into()),
+        ];
+        for e in &all {
+            match e {
+                ApiError::Unauthorized
+                | ApiError::NotFound
+                | ApiError::MethodNotAllowed
+                | ApiError::Invalid(_)
+                | ApiError::InvalidJson(_)
+                | ApiError::BodyTooLarge(_)
+                | ApiError::UnsupportedMediaType(_)
+                | ApiError::UnknownHost(_)
+                | ApiError::UnknownAgent(_)
+                | ApiError::NoSuchAgent(_)
+                | ApiError::Missing(_)
+                | ApiError::Conflict(_)
+                | ApiError::StoreBusy(_)
+                | ApiError::Internal(_) => {}
+            }
+        }
+        all
+    }
+
     /// HTTP status for this error.
     pub fn status(&self) -> StatusCode {
         match self {
@@ -259,7 +300,7 @@ impl ApiError {
 pub struct ErrorBody {
     /// Human-readable text.
     pub error: String,
-    /// Stable machine code.
+    /// Stable machine code (one of the document's enum: [`openapi::error_codes`]).
     pub code: &'static str,
 }
 

@@ -12,13 +12,17 @@ use super::{ApiError, ApiQuery, SharedState};
 /// Query of `GET /v1/sent`.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct SentQuery {
     /// The agent whose sent messages to list.
     #[serde(rename = "as")]
+    #[param(value_type = crate::api::openapi::AgentName)]
     pub as_agent: String,
-    /// Opaque cursor from the previous page's `next_cursor`.
+    /// Opaque cursor from the previous page's `next_cursor` (empty: the first page).
+    #[param(pattern = "^([1-9][0-9]{0,17})?$")]
     pub cursor: Option<String>,
     /// Page size, 1..=100 (default 20); pages are also bounded to 256 KiB.
+    #[param(minimum = 1, maximum = 100)]
     pub limit: Option<u32>,
 }
 
@@ -30,7 +34,7 @@ pub struct SentQuery {
 /// come back: the host holds mail for an agent it does not have until it registers; with a
 /// `reason`), `delivered`, `undelivered`, `expired` and `unconfirmed` with their reason).
 #[utoipa::path(get, path = "/v1/sent", operation_id = "list_sent", params(SentQuery),
-    responses((status = 200, body = SentPage), (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped query parameter, named", body = super::ErrorBody)),
+    responses((status = 200, body = SentPage)),
     security(("bearer" = [])))]
 pub async fn get(
     State(state): State<SharedState>,

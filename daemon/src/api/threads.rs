@@ -11,13 +11,18 @@ use super::{ApiError, ApiQuery, SharedState};
 /// Query of `GET /v1/threads/{id}`.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct ThreadQuery {
     /// The agent whose view of the thread to list.
     #[serde(rename = "as")]
+    #[param(value_type = crate::api::openapi::AgentName)]
     pub as_agent: String,
-    /// Opaque cursor from the previous page's `next_cursor`.
+    /// Opaque cursor from the previous page's `next_cursor` (a message id of this thread; any
+    /// other is 400).
+    #[param(value_type = Option<crate::api::openapi::MessageId>)]
     pub cursor: Option<String>,
     /// Page size, 1..=200 (default 50); pages are also bounded to 256 KiB.
+    #[param(minimum = 1, maximum = 200)]
     pub limit: Option<u32>,
 }
 
@@ -25,9 +30,10 @@ pub struct ThreadQuery {
 /// oldest first, with bodies; marks nothing read. `{id}` is a message id (its thread is listed)
 /// or a thread id. 404 when the agent sees nothing of it.
 #[utoipa::path(get, path = "/v1/threads/{id}", operation_id = "get_thread",
-    params(("id" = String, Path, description = "a message id or a thread id"), ThreadQuery),
-    responses((status = 200, body = ThreadPage), (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped query parameter, named; a bad cursor or limit", body = super::ErrorBody),
-        (status = 404, description = "no such message or thread for this agent", body = super::ErrorBody)),
+    params(("id" = crate::api::openapi::ThreadId, Path, description = "a message id or a thread id"), ThreadQuery),
+    responses((status = 200, body = ThreadPage),
+        (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped query parameter (named), one that breaks its rule, or a cursor that is not a message of this thread", body = super::ErrorBody),
+        (status = 404, description = "NOT_FOUND: the agent sees no message of this id or thread", body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn get(
     State(state): State<SharedState>,

@@ -12,8 +12,10 @@ use super::{ApiError, ApiQuery, SharedState};
 /// Query of `GET /v1/unclaimed`.
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct UnclaimedQuery {
     /// Most entries listed, 1..=200 (default 50); `total` counts them all.
+    #[param(minimum = 1, maximum = 200)]
     pub limit: Option<u32>,
 }
 
@@ -21,7 +23,7 @@ pub struct UnclaimedQuery {
 /// of its name registers on this host (`agentmbx whoami --as <name>`, `POST /v1/agents`) or
 /// sends from it. Reads only.
 #[utoipa::path(get, path = "/v1/unclaimed", operation_id = "list_unclaimed", params(UnclaimedQuery),
-    responses((status = 200, body = UnclaimedPage), (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped query parameter, named, or a limit out of range", body = super::ErrorBody)),
+    responses((status = 200, body = UnclaimedPage)),
     security(("bearer" = [])))]
 pub async fn get(
     State(state): State<SharedState>,

@@ -31,6 +31,7 @@ pub struct Message {
     /// Message replied to.
     pub reply_to: Option<String>,
     /// Kind.
+    #[schema(value_type = crate::api::openapi::Kind)]
     pub kind: String,
     /// Subject.
     pub subject: String,
@@ -42,7 +43,8 @@ pub struct Message {
     pub refs: Vec<String>,
     /// `local` or the sending peer's host name.
     pub origin: String,
-    /// This agent's delivery state: `new`, `read` or `acked` (absent for the sender's copy).
+    /// This agent's delivery state: `new`, `read` or `acked` (null for the sender's copy).
+    #[schema(value_type = Option<crate::api::openapi::DeliveryState>)]
     pub state: Option<String>,
 }
 
@@ -58,6 +60,7 @@ pub struct InboxEntry {
     /// Subject.
     pub subject: String,
     /// Kind.
+    #[schema(value_type = crate::api::openapi::Kind)]
     pub kind: String,
     /// Thread id.
     pub thread: String,
@@ -66,6 +69,7 @@ pub struct InboxEntry {
     /// The message this one replies to, if any.
     pub reply_to: Option<String>,
     /// `new`, `read` or `acked`.
+    #[schema(value_type = crate::api::openapi::DeliveryState)]
     pub state: String,
 }
 
