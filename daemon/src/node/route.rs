@@ -190,6 +190,9 @@ pub struct UnlistedAgent {
     pub agents: Vec<String>,
     /// How many more agents the host has than `agents` lists.
     pub more: usize,
+    /// When this host stored the peer's directory (ms), when known: a name registered there
+    /// since then is in its next refresh (every 5 minutes).
+    pub fetched_at_ms: Option<i64>,
 }
 
 impl UnlistedAgent {
@@ -208,6 +211,7 @@ impl UnlistedAgent {
             host: host.to_string(),
             agents,
             more,
+            fetched_at_ms: None,
         }
     }
 }
@@ -249,7 +253,15 @@ impl std::fmt::Display for UnlistedAgent {
         write!(
             f,
             ". To send anyway (for an agent that will register there later), use --force (API: \"force\": true): {host} holds it until {name} registers"
-        )
+        )?;
+        if let Some(at) = self.fetched_at_ms {
+            write!(
+                f,
+                ". (As of {host}'s agent directory fetched at {}; it is fetched again every 5 minutes.)",
+                agentmbx_protocol::time::iso_ms(at)
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -471,11 +483,11 @@ fn check_listed(
     if name == OWNER {
         return Ok(None);
     }
-    if agents::directory_known(conn, host)?.is_none() {
+    let Some(fetched_at) = agents::directory_known(conn, host)? else {
         return Ok(Some(format!(
             "{host}'s agent directory is not known here yet: if {host} has no agent {name}, it holds the message until an agent {name} registers there"
         )));
-    }
+    };
     let known = agents::names_on(conn, host)?;
     if known.iter().any(|k| k == name) {
         Ok(None)
@@ -484,9 +496,9 @@ fn check_listed(
             "{host}'s agent directory lists no {name}; sent anyway (forced): {host} holds it until an agent {name} registers there"
         )))
     } else {
-        Err(AddressError::Unlisted(UnlistedAgent::new(
-            name, host, &known,
-        )))
+        let mut refusal = UnlistedAgent::new(name, host, &known);
+        refusal.fetched_at_ms = Some(fetched_at);
+        Err(AddressError::Unlisted(refusal))
     }
 }
 
@@ -926,9 +938,13 @@ mod tests {
         assert_eq!(u.agents, vec!["carol", "bob", "erin"], "closest first");
         assert_eq!(
             err.to_string(),
-            "work has no agent carl; its agents: carol, bob, erin. To send anyway (for an agent \
-             that will register there later), use --force (API: \"force\": true): work holds \
-             it until carl registers"
+            format!(
+                "work has no agent carl; its agents: carol, bob, erin. To send anyway (for an \
+                 agent that will register there later), use --force (API: \"force\": true): \
+                 work holds it until carl registers. (As of work's agent directory fetched at \
+                 {}; it is fetched again every 5 minutes.)",
+                agentmbx_protocol::time::iso_ms(T0)
+            )
         );
         let e = exp_forced(&s, "alice", &["carl@work"], true).unwrap();
         assert_eq!(hosts(&e), vec!["work"]);

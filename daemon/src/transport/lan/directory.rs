@@ -8,9 +8,15 @@
 //! its previous entries; an answer naming another host than the peer is ignored (the LAN answer
 //! is not signed, so it is only the word of whatever answered at that address).
 //!
+//! A peer whose directory this host has never stored (just paired, or its address just
+//! learned) is asked within [`NEW_PEER_CHECK`], not at the next full refresh: until then a send
+//! to `name@peer` cannot be checked against it and only warns (`node::route`). An unreachable
+//! one is asked again at most every [`NEW_PEER_RETRY`].
+//!
 //! This module never sends mail and never changes a peer's pinning or address.
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use crate::mailbox::agents::{self, AgentEntry};
 use crate::mailbox::{peers, Mailbox, MailboxError};
@@ -18,6 +24,22 @@ use crate::transport::lan::client::LanClient;
 
 /// How often the daemon refreshes the directory (5 minutes).
 pub const REFRESH_INTERVAL: Duration = Duration::from_secs(300);
+
+/// How often the daemon looks for pinned peers with an address whose directory it never stored
+/// (10 s): one read of the `peers` table, no network unless there is one.
+pub const NEW_PEER_CHECK: Duration = Duration::from_secs(10);
+
+/// How long an unreachable never-fetched peer waits before it is asked again (60 s).
+pub const NEW_PEER_RETRY: Duration = Duration::from_secs(60);
+
+/// Which pinned peers a refresh asks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Which {
+    /// Every pinned peer with an address.
+    All,
+    /// Only those whose directory this host never stored (`peers.directory_at` is NULL).
+    NeverFetched,
+}
 
 /// What one refresh did, per peer.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -35,13 +57,37 @@ pub async fn refresh_directory(
     mailbox: &Mailbox,
     client: &LanClient,
 ) -> Result<RefreshReport, MailboxError> {
+    refresh(mailbox, client, Which::All, |_| true).await
+}
+
+/// Refreshes the directory entries of the pinned peers with an address that `which` selects
+/// and `ask` (given the peer's name) allows, as [`refresh_directory`] does.
+pub async fn refresh(
+    mailbox: &Mailbox,
+    client: &LanClient,
+    which: Which,
+    mut ask: impl FnMut(&str) -> bool,
+) -> Result<RefreshReport, MailboxError> {
     let own = client.ident.host.to_string();
-    let list = mailbox.run(|c| peers::list(c)).await?;
+    let list = mailbox
+        .run(move |c| {
+            let mut out = Vec::new();
+            for p in peers::list(c)? {
+                if which == Which::All || agents::directory_known(c, &p.host)?.is_none() {
+                    out.push(p);
+                }
+            }
+            Ok(out)
+        })
+        .await?;
     let mut report = RefreshReport::default();
     for peer in list.into_iter().filter(|p| p.host != own) {
         let Some(addr) = peer.addr.clone() else {
             continue;
         };
+        if !ask(&peer.host) {
+            continue;
+        }
         let answer = match client.get_agents(&addr).await {
             Ok(a) => a,
             Err(e) => {
@@ -81,21 +127,73 @@ pub async fn refresh_directory(
     Ok(report)
 }
 
-/// Refreshes the directory now and then every [`REFRESH_INTERVAL`] until `shutdown` completes.
+/// Refreshes the directory now and then every [`REFRESH_INTERVAL`], and every
+/// [`NEW_PEER_CHECK`] the peers whose directory was never stored, until `shutdown` completes.
 /// Storage faults are logged and retried at the next interval.
 pub async fn run(
     mailbox: Mailbox,
     client: LanClient,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
+    run_every(
+        mailbox,
+        client,
+        shutdown,
+        REFRESH_INTERVAL,
+        NEW_PEER_CHECK,
+        NEW_PEER_RETRY,
+    )
+    .await
+}
+
+/// [`run`] with its intervals given (`full`: every peer; `check`: never-fetched peers, each
+/// asked again at most every `retry`).
+pub async fn run_every(
+    mailbox: Mailbox,
+    client: LanClient,
+    shutdown: impl std::future::Future<Output = ()>,
+    full: Duration,
+    check: Duration,
+    retry: Duration,
+) {
     tokio::pin!(shutdown);
+    let mut tried: HashMap<String, Instant> = HashMap::new();
+    let mut last_full: Option<Instant> = None;
     loop {
-        if let Err(e) = refresh_directory(&mailbox, &client).await {
-            tracing::warn!(error = %e, "directory refresh failed");
+        let due_full = last_full.is_none_or(|t| t.elapsed() >= full);
+        let outcome = if due_full {
+            last_full = Some(Instant::now());
+            tried.clear();
+            let r = refresh_directory(&mailbox, &client).await;
+            if let Ok(r) = &r {
+                for (host, _) in &r.failed {
+                    tried.insert(host.clone(), Instant::now());
+                }
+            }
+            r
+        } else {
+            let ask = |host: &str| {
+                let now = Instant::now();
+                match tried.get(host) {
+                    Some(t) if now.duration_since(*t) < retry => false,
+                    _ => {
+                        tried.insert(host.to_string(), now);
+                        true
+                    }
+                }
+            };
+            refresh(&mailbox, &client, Which::NeverFetched, ask).await
+        };
+        match outcome {
+            Ok(r) if !due_full && !r.refreshed.is_empty() => {
+                tracing::info!(peers = ?r.refreshed, "fetched the agent directory of a new peer");
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "directory refresh failed"),
         }
         tokio::select! {
             _ = &mut shutdown => return,
-            _ = tokio::time::sleep(REFRESH_INTERVAL) => {}
+            _ = tokio::time::sleep(check.min(full)) => {}
         }
     }
 }
@@ -194,5 +292,82 @@ mod tests {
         assert_eq!(names(&s, "far"), vec!["old"]);
         assert_eq!(names(&s, "liar"), vec!["old"]);
         assert!(names(&s, "lab").is_empty());
+    }
+
+    /// A peer pinned while the daemon runs has its directory fetched at the next check, not at
+    /// the next full refresh; an unreachable never-fetched peer is not asked again before its
+    /// retry time.
+    #[tokio::test]
+    async fn a_peer_pinned_while_running_is_asked_at_the_next_check_and_a_failing_one_waits() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let s = testutil::store();
+        let me = Arc::new(testutil::identity("home"));
+        crate::install_tls_provider();
+        let client = LanClient::new(me, testutil::clock(), 7373).unwrap();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(run_every(
+            s.mailbox.clone(),
+            client,
+            async {
+                let _ = stop_rx.await;
+            },
+            Duration::from_secs(3600),
+            Duration::from_millis(50),
+            Duration::from_secs(3600),
+        ));
+        let asked = Arc::new(AtomicUsize::new(0));
+        let failing = {
+            let asked = asked.clone();
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap().to_string();
+            let app = Router::new().route(
+                "/v1/agents",
+                get(move || async move {
+                    asked.fetch_add(1, Ordering::SeqCst);
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE
+                }),
+            );
+            tokio::spawn(async move { axum::serve(listener, app).await });
+            addr
+        };
+        let work = fake_peer(json!({"host": "work", "agents": [{"name": "bob"}]})).await;
+        let lab = fake_peer(json!({"host": "lab", "agents": [{"name": "erin"}]})).await;
+        let known = |host: &'static str| {
+            s.mailbox
+                .with(move |c| agents::directory_known(c, host))
+                .unwrap()
+                .is_some()
+        };
+        let wait_known = |host: &'static str| async move {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !known(host) {
+                assert!(
+                    Instant::now() < deadline,
+                    "{host}'s directory never fetched"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        // Pinned after the loop's first (full) pass.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        for (host, addr) in [("work", &work), ("down", &failing)] {
+            s.add_peer(&testutil::identity(host), false);
+            s.mailbox
+                .with(|c| peers::set_addr(c, host, addr, "cli").map(|_| ()))
+                .unwrap();
+        }
+        wait_known("work").await;
+        assert_eq!(names(&s, "work"), vec!["bob"]);
+        assert_eq!(asked.load(Ordering::SeqCst), 1, "down was asked once");
+        // Later checks run (lab, pinned now, is fetched) without asking down again.
+        s.add_peer(&testutil::identity("lab"), false);
+        s.mailbox
+            .with(|c| peers::set_addr(c, "lab", &lab, "cli").map(|_| ()))
+            .unwrap();
+        wait_known("lab").await;
+        assert!(!known("down"));
+        assert_eq!(asked.load(Ordering::SeqCst), 1, "down waits for its retry");
+        stop_tx.send(()).unwrap();
+        task.await.unwrap();
     }
 }
