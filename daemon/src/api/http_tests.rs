@@ -25,6 +25,8 @@ struct Api {
     token: String,
     http: reqwest::Client,
     task: tokio::task::JoinHandle<()>,
+    /// The router's state (tests give it a LAN client).
+    state: SharedState,
 }
 
 impl Drop for Api {
@@ -57,11 +59,13 @@ impl Api {
             wake: Arc::new(tokio::sync::Notify::new()),
             ids: std::sync::Mutex::new(agentmbx_protocol::ulid::Generator::new()),
             instance: instance.clone(),
+            lan: Default::default(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
+        let served = state.clone();
         let task = tokio::spawn(async move {
-            let _ = super::serve(listener, state, std::future::pending()).await;
+            let _ = super::serve(listener, served, std::future::pending()).await;
         });
         Api {
             store,
@@ -73,6 +77,7 @@ impl Api {
             token: secret,
             http: reqwest::Client::new(),
             task,
+            state,
         }
     }
 
@@ -1386,4 +1391,80 @@ async fn an_unlisted_agent_is_refused_unless_forced_and_unclaimed_mail_is_listed
         .await;
     assert_eq!(api.count("receipt_outbox"), 1);
     assert_eq!(api.count("deliveries"), 1);
+}
+
+/// A user registers an agent on a paired host and mails it before this host's next directory
+/// refresh: the send fetches that host's directory again instead of refusing from the stale
+/// copy; a name the fresh directory does not list is still refused, and a listed one never
+/// waits on the network.
+#[tokio::test]
+async fn a_send_refused_by_a_stale_directory_fetches_it_again_first() {
+    use axum::routing::get;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let api = Api::start().await;
+    let asked = Arc::new(AtomicUsize::new(0));
+    let addr = {
+        let asked = asked.clone();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let app = axum::Router::new().route(
+            "/v1/agents",
+            get(move || async move {
+                asked.fetch_add(1, Ordering::SeqCst);
+                axum::Json(json!({"host": "work", "agents": [{"name": "carol"}, {"name": "erin"}]}))
+            }),
+        );
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        addr
+    };
+    api.store
+        .mailbox
+        .with(|c| {
+            crate::mailbox::peers::set_addr(c, "work", &addr, "cli")?;
+            let carol = crate::mailbox::agents::AgentEntry {
+                name: "carol".into(),
+                role: None,
+                cli: None,
+                description: None,
+                last_seen: None,
+            };
+            crate::mailbox::agents::replace_host(c, "work", &[carol], testutil::T0).map(|_| ())
+        })
+        .unwrap();
+    let client =
+        crate::transport::lan::client::LanClient::new(api.ident.clone(), testutil::clock(), 7373)
+            .unwrap();
+    assert!(api.state.lan.set(client).is_ok());
+    // Listed: sent without asking.
+    api.send(&["carol@work"], "listed").await;
+    assert_eq!(asked.load(Ordering::SeqCst), 0);
+    // Registered there since the stored copy: fetched again, then sent.
+    api.send(&["erin@work"], "new there").await;
+    assert_eq!(asked.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        api.store
+            .scalar::<i64>("SELECT COUNT(*) FROM agents WHERE host = 'work' AND name = 'erin'"),
+        1
+    );
+    // Not there even now: refused, after one more fetch.
+    let (status, body) = api
+        .post(
+            "/v1/messages",
+            &json!({"from": "alice", "to": ["nobody@work"], "subject": "s"}),
+            None,
+        )
+        .await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (400, Some("UNKNOWN_AGENT")),
+        "{body}"
+    );
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .contains("its agents: carol, erin"),
+        "{body}"
+    );
+    assert_eq!(asked.load(Ordering::SeqCst), 2);
 }

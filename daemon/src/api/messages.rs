@@ -33,6 +33,9 @@ pub async fn post(
         raw: body,
     }: ApiJson<SendRequest>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
+    if !req.force {
+        refresh_stale_directories(&state, &req.to).await;
+    }
     let st = state.clone();
     let answer = idempotent(
         &state,
@@ -46,6 +49,63 @@ pub async fn post(
     .await?;
     state.wake.notify_one();
     Ok(answer)
+}
+
+/// Before a send is checked against peer directories: fetches again, over the LAN, the
+/// directory of each paired host with a LAN address that `to` names as `name@host` where the
+/// stored directory lists no `name` (an agent may have registered there since the last
+/// refresh), within [`STALE_FETCH_BUDGET`] in all. Failures only leave the stored directory
+/// as it is (the send is then checked against it); nothing is fetched when every address is
+/// listed, so an ordinary send never waits on the network.
+///
+/// [`STALE_FETCH_BUDGET`]: crate::transport::lan::directory::STALE_FETCH_BUDGET
+pub async fn refresh_stale_directories(state: &SharedState, to: &[String]) {
+    use crate::mailbox::{agents, peers};
+    use crate::transport::lan::directory;
+    let Some(client) = state.lan.get() else {
+        return;
+    };
+    let own = state.ident.host.to_string();
+    let to = to.to_vec();
+    let stale = state
+        .mailbox
+        .run(move |c| {
+            let mut hosts: Vec<String> = Vec::new();
+            for (name, host) in to.iter().filter_map(|t| t.split_once('@')) {
+                if host == own || name == agents::OWNER || hosts.iter().any(|h| h == host) {
+                    continue;
+                }
+                let Some(peer) = peers::by_name(c, host)? else {
+                    continue;
+                };
+                if peer.addr.is_some()
+                    && agents::directory_known(c, host)?.is_some()
+                    && !agents::names_on(c, host)?.iter().any(|n| n == name)
+                {
+                    hosts.push(host.to_string());
+                }
+            }
+            Ok(hosts)
+        })
+        .await;
+    let hosts = match stale {
+        Ok(h) if !h.is_empty() => h,
+        Ok(_) => return,
+        Err(e) => {
+            tracing::debug!(error = %e, "cannot read peer directories before a send");
+            return;
+        }
+    };
+    let fetch = directory::refresh(&state.mailbox, client, directory::Which::All, |h| {
+        hosts.iter().any(|s| s == h)
+    });
+    match tokio::time::timeout(directory::STALE_FETCH_BUDGET, fetch).await {
+        Ok(Ok(report)) => {
+            tracing::debug!(?report.refreshed, ?report.failed, "fetched stale peer directories before a send")
+        }
+        Ok(Err(e)) => tracing::debug!(error = %e, "stale peer directories not fetched"),
+        Err(_) => tracing::debug!("stale peer directories not fetched in time"),
+    }
 }
 
 /// Sends `req` inside `tx`: the closure body of the mutating routes (`Ok(Err(_))` rolls back).
