@@ -1163,6 +1163,7 @@ async fn a_thread_lists_what_the_agent_sees_in_order_in_bounded_pages() {
         "{inbox}"
     );
     // Nothing the agent can see: 404; bad cursor and limit: 400.
+    api.store.register("home", &["dave"]);
     for q in [
         format!("{first}?as=dave"),
         "01KDVDNA3VG2MH8KWSQRCWJZ0S?as=bob".into(),
@@ -1467,4 +1468,40 @@ async fn a_send_refused_by_a_stale_directory_fetches_it_again_first() {
         "{body}"
     );
     assert_eq!(asked.load(Ordering::SeqCst), 2);
+}
+
+/// Every route that acts as an agent (`as`, or a reply's `from`) answers a name that is no
+/// agent here the same way: 404 `UNKNOWN_AGENT` with the closest names, and nothing changes.
+#[tokio::test]
+async fn every_route_acting_as_an_unknown_agent_is_404_unknown_agent() {
+    let api = Api::start().await;
+    let id = api.send(&["bob"], "hi").await;
+    let before = (api.count("messages"), api.count("deliveries"));
+    let checks = [
+        api.get(&format!("/v1/threads/{id}?as=bbo")).await,
+        api.get("/v1/sent?as=alcie").await,
+        api.post("/v1/ack", &json!({"as": "bbo", "ids": [id]}), None)
+            .await,
+        api.post(
+            &format!("/v1/messages/{id}/reply"),
+            &json!({"from": "bbo", "body": "b"}),
+            None,
+        )
+        .await,
+    ];
+    for (status, body) in checks {
+        assert_eq!(
+            (status, body["code"].as_str()),
+            (404, Some("UNKNOWN_AGENT")),
+            "{body}"
+        );
+        assert!(
+            body["error"].as_str().unwrap().contains("did you mean"),
+            "{body}"
+        );
+    }
+    assert_eq!((api.count("messages"), api.count("deliveries")), before);
+    // The real agents are answered as before.
+    assert_eq!(api.get(&format!("/v1/threads/{id}?as=bob")).await.0, 200);
+    assert_eq!(api.get("/v1/sent?as=alice").await.0, 200);
 }

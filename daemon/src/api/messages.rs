@@ -146,7 +146,7 @@ fn send_error(e: SendError) -> Result<ApiError, MailboxError> {
         ("Idempotency-Key" = Option<String>, Header, description = "replay protection: 1..=200 visible ASCII characters, not starting or ending with a space (else 400); the same key and body again return the first answer, another body is 409", min_length = 1, max_length = 200, pattern = "^[!-~]([ -~]*[!-~])?$")),
     responses((status = 201, body = SendOutcome),
         (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped field or query parameter (named) or one that breaks its rule; INVALID_JSON (with line and column); UNKNOWN_HOST: the parent's sender is on a host that is no longer paired; nothing was sent", body = super::ErrorBody),
-        (status = 404, description = "NOT_FOUND: `{id}` names no message delivered to or sent by this agent; nothing was sent", body = super::ErrorBody)),
+        (status = 404, description = "NOT_FOUND: `{id}` names no message delivered to or sent by this agent; UNKNOWN_AGENT: `from` is no agent of this host (no mailbox, no mail delivered to it; the error names the closest agents); nothing was sent", body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn reply(
     State(state): State<SharedState>,
@@ -158,6 +158,8 @@ pub async fn reply(
         raw: body,
     }: ApiJson<ReplyRequest>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
+    super::check_agent(&req.from)?;
+    super::check_reader(&state, &req.from).await?;
     let st = state.clone();
     // The parent is part of what the key protects: the same key and body for another parent
     // is another request (409).
