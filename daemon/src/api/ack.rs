@@ -44,7 +44,7 @@ pub struct AckAnswer {
     params(("Idempotency-Key" = Option<String>, Header, description = "replay protection: 1..=200 visible ASCII characters, not starting or ending with a space (else 400); the same key and body again return the first answer, another body is 409", min_length = 1, max_length = 200, pattern = "^[!-~]([ -~]*[!-~])?$")),
     responses((status = 200, body = AckAnswer),
         (status = 400, description = "BAD_REQUEST: e.g. a note over 500 UTF-16 code units, a bad agent name, no ids or more than 50, or a missing, unknown or mistyped field (named); INVALID_JSON; nothing acked", body = super::ErrorBody),
-        (status = 404, description = "NOT_FOUND: an id names no message delivered to this agent; nothing acked", body = super::ErrorBody)),
+        (status = 404, description = "NOT_FOUND: an id names no message delivered to this agent; UNKNOWN_AGENT: `as` is no agent of this host (no mailbox, no mail delivered to it); the error names the closest agents; nothing acked", body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn post(
     State(state): State<SharedState>,
@@ -56,6 +56,7 @@ pub async fn post(
     }: ApiJson<AckRequest>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     super::check_agent(&req.as_agent)?;
+    super::check_reader(&state, &req.as_agent).await?;
     if req.ids.is_empty() || req.ids.len() > MAX_ACK_IDS {
         return Err(ApiError::Invalid(format!(
             "ids must hold 1..={MAX_ACK_IDS} message ids"

@@ -130,6 +130,7 @@ mod tests {
             wake: Arc::new(tokio::sync::Notify::new()),
             ids: std::sync::Mutex::new(agentmbx_protocol::ulid::Generator::new()),
             instance: Default::default(),
+            lan: Default::default(),
         });
         let body = |text: &'static str| -> Result<ApiJson<RegisterRequest>, ApiError> {
             Ok(ApiJson {

@@ -25,6 +25,8 @@ struct Api {
     token: String,
     http: reqwest::Client,
     task: tokio::task::JoinHandle<()>,
+    /// The router's state (tests give it a LAN client).
+    state: SharedState,
 }
 
 impl Drop for Api {
@@ -57,11 +59,13 @@ impl Api {
             wake: Arc::new(tokio::sync::Notify::new()),
             ids: std::sync::Mutex::new(agentmbx_protocol::ulid::Generator::new()),
             instance: instance.clone(),
+            lan: Default::default(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
+        let served = state.clone();
         let task = tokio::spawn(async move {
-            let _ = super::serve(listener, state, std::future::pending()).await;
+            let _ = super::serve(listener, served, std::future::pending()).await;
         });
         Api {
             store,
@@ -73,6 +77,7 @@ impl Api {
             token: secret,
             http: reqwest::Client::new(),
             task,
+            state,
         }
     }
 
@@ -1158,6 +1163,7 @@ async fn a_thread_lists_what_the_agent_sees_in_order_in_bounded_pages() {
         "{inbox}"
     );
     // Nothing the agent can see: 404; bad cursor and limit: 400.
+    api.store.register("home", &["dave"]);
     for q in [
         format!("{first}?as=dave"),
         "01KDVDNA3VG2MH8KWSQRCWJZ0S?as=bob".into(),
@@ -1386,4 +1392,116 @@ async fn an_unlisted_agent_is_refused_unless_forced_and_unclaimed_mail_is_listed
         .await;
     assert_eq!(api.count("receipt_outbox"), 1);
     assert_eq!(api.count("deliveries"), 1);
+}
+
+/// A user registers an agent on a paired host and mails it before this host's next directory
+/// refresh: the send fetches that host's directory again instead of refusing from the stale
+/// copy; a name the fresh directory does not list is still refused, and a listed one never
+/// waits on the network.
+#[tokio::test]
+async fn a_send_refused_by_a_stale_directory_fetches_it_again_first() {
+    use axum::routing::get;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let api = Api::start().await;
+    let asked = Arc::new(AtomicUsize::new(0));
+    let addr = {
+        let asked = asked.clone();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let app = axum::Router::new().route(
+            "/v1/agents",
+            get(move || async move {
+                asked.fetch_add(1, Ordering::SeqCst);
+                axum::Json(json!({"host": "work", "agents": [{"name": "carol"}, {"name": "erin"}]}))
+            }),
+        );
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        addr
+    };
+    api.store
+        .mailbox
+        .with(|c| {
+            crate::mailbox::peers::set_addr(c, "work", &addr, "cli")?;
+            let carol = crate::mailbox::agents::AgentEntry {
+                name: "carol".into(),
+                role: None,
+                cli: None,
+                description: None,
+                last_seen: None,
+            };
+            crate::mailbox::agents::replace_host(c, "work", &[carol], testutil::T0).map(|_| ())
+        })
+        .unwrap();
+    let client =
+        crate::transport::lan::client::LanClient::new(api.ident.clone(), testutil::clock(), 7373)
+            .unwrap();
+    assert!(api.state.lan.set(client).is_ok());
+    // Listed: sent without asking.
+    api.send(&["carol@work"], "listed").await;
+    assert_eq!(asked.load(Ordering::SeqCst), 0);
+    // Registered there since the stored copy: fetched again, then sent.
+    api.send(&["erin@work"], "new there").await;
+    assert_eq!(asked.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        api.store
+            .scalar::<i64>("SELECT COUNT(*) FROM agents WHERE host = 'work' AND name = 'erin'"),
+        1
+    );
+    // Not there even now: refused, after one more fetch.
+    let (status, body) = api
+        .post(
+            "/v1/messages",
+            &json!({"from": "alice", "to": ["nobody@work"], "subject": "s"}),
+            None,
+        )
+        .await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (400, Some("UNKNOWN_AGENT")),
+        "{body}"
+    );
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .contains("its agents: carol, erin"),
+        "{body}"
+    );
+    assert_eq!(asked.load(Ordering::SeqCst), 2);
+}
+
+/// Every route that acts as an agent (`as`, or a reply's `from`) answers a name that is no
+/// agent here the same way: 404 `UNKNOWN_AGENT` with the closest names, and nothing changes.
+#[tokio::test]
+async fn every_route_acting_as_an_unknown_agent_is_404_unknown_agent() {
+    let api = Api::start().await;
+    let id = api.send(&["bob"], "hi").await;
+    let before = (api.count("messages"), api.count("deliveries"));
+    let checks = [
+        api.get(&format!("/v1/threads/{id}?as=bbo")).await,
+        api.get("/v1/sent?as=alcie").await,
+        api.post("/v1/ack", &json!({"as": "bbo", "ids": [id]}), None)
+            .await,
+        api.post(
+            &format!("/v1/messages/{id}/reply"),
+            &json!({"from": "bbo", "body": "b"}),
+            None,
+        )
+        .await,
+    ];
+    for (status, body) in checks {
+        assert_eq!(
+            (status, body["code"].as_str()),
+            (404, Some("UNKNOWN_AGENT")),
+            "{body}"
+        );
+        assert!(
+            body["error"].as_str().unwrap().contains("did you mean"),
+            "{body}"
+        );
+    }
+    assert_eq!((api.count("messages"), api.count("deliveries")), before);
+    // The real agents are answered as before.
+    assert_eq!(api.get(&format!("/v1/threads/{id}?as=bob")).await.0, 200);
+    assert_eq!(api.get("/v1/sent?as=alice").await.0, 200);
 }

@@ -33,6 +33,9 @@ pub async fn post(
         raw: body,
     }: ApiJson<SendRequest>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
+    if !req.force {
+        refresh_stale_directories(&state, &req.to).await;
+    }
     let st = state.clone();
     let answer = idempotent(
         &state,
@@ -46,6 +49,63 @@ pub async fn post(
     .await?;
     state.wake.notify_one();
     Ok(answer)
+}
+
+/// Before a send is checked against peer directories: fetches again, over the LAN, the
+/// directory of each paired host with a LAN address that `to` names as `name@host` where the
+/// stored directory lists no `name` (an agent may have registered there since the last
+/// refresh), within [`STALE_FETCH_BUDGET`] in all. Failures only leave the stored directory
+/// as it is (the send is then checked against it); nothing is fetched when every address is
+/// listed, so an ordinary send never waits on the network.
+///
+/// [`STALE_FETCH_BUDGET`]: crate::transport::lan::directory::STALE_FETCH_BUDGET
+pub async fn refresh_stale_directories(state: &SharedState, to: &[String]) {
+    use crate::mailbox::{agents, peers};
+    use crate::transport::lan::directory;
+    let Some(client) = state.lan.get() else {
+        return;
+    };
+    let own = state.ident.host.to_string();
+    let to = to.to_vec();
+    let stale = state
+        .mailbox
+        .run(move |c| {
+            let mut hosts: Vec<String> = Vec::new();
+            for (name, host) in to.iter().filter_map(|t| t.split_once('@')) {
+                if host == own || name == agents::OWNER || hosts.iter().any(|h| h == host) {
+                    continue;
+                }
+                let Some(peer) = peers::by_name(c, host)? else {
+                    continue;
+                };
+                if peer.addr.is_some()
+                    && agents::directory_known(c, host)?.is_some()
+                    && !agents::names_on(c, host)?.iter().any(|n| n == name)
+                {
+                    hosts.push(host.to_string());
+                }
+            }
+            Ok(hosts)
+        })
+        .await;
+    let hosts = match stale {
+        Ok(h) if !h.is_empty() => h,
+        Ok(_) => return,
+        Err(e) => {
+            tracing::debug!(error = %e, "cannot read peer directories before a send");
+            return;
+        }
+    };
+    let fetch = directory::refresh(&state.mailbox, client, directory::Which::All, |h| {
+        hosts.iter().any(|s| s == h)
+    });
+    match tokio::time::timeout(directory::STALE_FETCH_BUDGET, fetch).await {
+        Ok(Ok(report)) => {
+            tracing::debug!(?report.refreshed, ?report.failed, "fetched stale peer directories before a send")
+        }
+        Ok(Err(e)) => tracing::debug!(error = %e, "stale peer directories not fetched"),
+        Err(_) => tracing::debug!("stale peer directories not fetched in time"),
+    }
 }
 
 /// Sends `req` inside `tx`: the closure body of the mutating routes (`Ok(Err(_))` rolls back).
@@ -86,7 +146,7 @@ fn send_error(e: SendError) -> Result<ApiError, MailboxError> {
         ("Idempotency-Key" = Option<String>, Header, description = "replay protection: 1..=200 visible ASCII characters, not starting or ending with a space (else 400); the same key and body again return the first answer, another body is 409", min_length = 1, max_length = 200, pattern = "^[!-~]([ -~]*[!-~])?$")),
     responses((status = 201, body = SendOutcome),
         (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped field or query parameter (named) or one that breaks its rule; INVALID_JSON (with line and column); UNKNOWN_HOST: the parent's sender is on a host that is no longer paired; nothing was sent", body = super::ErrorBody),
-        (status = 404, description = "NOT_FOUND: `{id}` names no message delivered to or sent by this agent; nothing was sent", body = super::ErrorBody)),
+        (status = 404, description = "NOT_FOUND: `{id}` names no message delivered to or sent by this agent; UNKNOWN_AGENT: `from` is no agent of this host (no mailbox, no mail delivered to it; the error names the closest agents); nothing was sent", body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn reply(
     State(state): State<SharedState>,
@@ -98,6 +158,8 @@ pub async fn reply(
         raw: body,
     }: ApiJson<ReplyRequest>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
+    super::check_agent(&req.from)?;
+    super::check_reader(&state, &req.from).await?;
     let st = state.clone();
     // The parent is part of what the key protects: the same key and body for another parent
     // is another request (409).

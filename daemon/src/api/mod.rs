@@ -81,6 +81,10 @@ pub struct AppState {
     pub ids: Mutex<ulid::Generator>,
     /// This daemon process's instance and its findings (`/v1/health` reasons).
     pub instance: Arc<crate::instance::Instance>,
+    /// The LAN client, once the LAN side runs (empty in tests that need none): a send refused
+    /// for a stale peer directory fetches that directory again first
+    /// ([`messages::refresh_stale_directories`]).
+    pub lan: std::sync::OnceLock<crate::transport::lan::client::LanClient>,
 }
 
 /// Checks an agent name given as `as` (NAME_RE): 400 with the rule otherwise, so a typo such as

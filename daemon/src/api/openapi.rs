@@ -772,7 +772,7 @@ mod tests {
                     want.extend(["413", "415"]);
                 }
                 if path.contains("{id}")
-                    || ["/v1/ack", "/v1/messages", "/v1/inbox"].contains(&path.as_str())
+                    || ["/v1/ack", "/v1/messages", "/v1/inbox", "/v1/sent"].contains(&path.as_str())
                 {
                     want.push("404");
                 }

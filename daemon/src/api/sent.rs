@@ -34,13 +34,15 @@ pub struct SentQuery {
 /// come back: the host holds mail for an agent it does not have until it registers; with a
 /// `reason`), `delivered`, `undelivered`, `expired` and `unconfirmed` with their reason).
 #[utoipa::path(get, path = "/v1/sent", operation_id = "list_sent", params(SentQuery),
-    responses((status = 200, body = SentPage)),
+    responses((status = 200, body = SentPage),
+        (status = 404, description = "UNKNOWN_AGENT: `as` is no agent of this host (no mailbox, no mail delivered to it); the error names the closest agents", body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn get(
     State(state): State<SharedState>,
     ApiQuery(q): ApiQuery<SentQuery>,
 ) -> Result<Json<SentPage>, ApiError> {
     super::check_agent(&q.as_agent)?;
+    super::check_reader(&state, &q.as_agent).await?;
     let limit = q.limit.unwrap_or(receipts::DEFAULT_SENT_LIMIT);
     if !(1..=receipts::MAX_SENT_LIMIT).contains(&limit) {
         return Err(ApiError::Invalid(format!(
@@ -109,6 +111,7 @@ mod tests {
             wake: Arc::new(tokio::sync::Notify::new()),
             ids: std::sync::Mutex::new(agentmbx_protocol::ulid::Generator::new()),
             instance: Default::default(),
+            lan: Default::default(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());

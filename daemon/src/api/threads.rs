@@ -33,7 +33,7 @@ pub struct ThreadQuery {
     params(("id" = crate::api::openapi::ThreadId, Path, description = "a message id or a thread id"), ThreadQuery),
     responses((status = 200, body = ThreadPage),
         (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped query parameter (named), one that breaks its rule, or a cursor that is not a message of this thread", body = super::ErrorBody),
-        (status = 404, description = "NOT_FOUND: the agent sees no message of this id or thread", body = super::ErrorBody)),
+        (status = 404, description = "NOT_FOUND: the agent sees no message of this id or thread; UNKNOWN_AGENT: `as` is no agent of this host (no mailbox, no mail delivered to it); the error names the closest agents", body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn get(
     State(state): State<SharedState>,
@@ -41,6 +41,7 @@ pub async fn get(
     ApiQuery(q): ApiQuery<ThreadQuery>,
 ) -> Result<Json<ThreadPage>, ApiError> {
     super::check_agent(&q.as_agent)?;
+    super::check_reader(&state, &q.as_agent).await?;
     let limit = q.limit.unwrap_or(messages::DEFAULT_THREAD_LIMIT);
     if !(1..=messages::MAX_THREAD_LIMIT).contains(&limit) {
         return Err(ApiError::Invalid(format!(

@@ -120,6 +120,7 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
         wake: wake.clone(),
         ids: std::sync::Mutex::new(ulid::Generator::new()),
         instance: instance.clone(),
+        lan: Default::default(),
     });
     let addr = config.api_addr();
     let lan_addr = config.lan_addr();
@@ -215,6 +216,8 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
         let client = lan::client::LanClient::new(ident.clone(), clock.clone(), lan_bound.port())
             .context("cannot build the LAN client")?
             .with_instance(instance.clone());
+        // The local API fetches a stale peer directory again before refusing a send for it.
+        let _ = state.lan.set(client.clone());
         let delivery = lan::deliver::LanDelivery::new(client.clone(), mailbox.clone(), relay_configured);
         let relay_flag = delivery.relay_configured.clone();
         let deliver_task = tokio::spawn(lan::deliver::run(delivery, lan_wake, stop_rx.clone()));

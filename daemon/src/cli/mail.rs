@@ -46,7 +46,7 @@ pub struct SendArgs {
     /// lists it; a name known nowhere is refused with the closest names, exit 3), agent@host,
     /// role:R (that role here and on every paired host), * (every mailbox here and every
     /// paired host), owner
-    #[arg(long, value_name = "ADDR,…", value_delimiter = ',', required = true)]
+    #[arg(long, value_name = "ADDR,…", value_delimiter = ',', required = true, value_parser = address)]
     pub to: Vec<String>,
     /// Create a new mailbox on this host for each bare --to name that is no agent here nor on
     /// any paired host, and deliver to it (without it such a name is refused as a likely typo)
@@ -88,6 +88,17 @@ pub struct SendArgs {
     /// Print the API answer as JSON
     #[arg(long)]
     pub json: bool,
+}
+
+/// One `--to` address: spaces around it are dropped (`--to "alice, bob@hostb"`); an empty one
+/// (`--to a,,b`) is a usage error.
+fn address(s: &str) -> Result<String, String> {
+    let t = s.trim();
+    if t.is_empty() {
+        Err("an empty address (two commas in a row, or a trailing comma?)".into())
+    } else {
+        Ok(t.to_string())
+    }
 }
 
 /// Flags of `inbox`.
@@ -988,4 +999,33 @@ fn printable(text: &str) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::super::{Cli, Command};
+
+    fn to_of(args: &[&str]) -> Result<Vec<String>, clap::Error> {
+        let mut full = vec!["agentmbx", "send", "--as", "alice", "--subject", "s"];
+        full.extend_from_slice(args);
+        match Cli::try_parse_from(full)?.command {
+            Command::Send(a) => Ok(a.to),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// `--to "alice, bob@hostb"` means two addresses without their spaces; an empty one is a
+    /// usage error (exit 2), not a recipient `""` refused later.
+    #[test]
+    fn to_addresses_are_trimmed_and_an_empty_one_is_a_usage_error() {
+        assert_eq!(
+            to_of(&["--to", "alice, bob@hostb ,role:dev"]).unwrap(),
+            vec!["alice", "bob@hostb", "role:dev"]
+        );
+        let err = to_of(&["--to", "alice,,bob"]).unwrap_err();
+        assert_eq!(err.kind(), clap::error::ErrorKind::ValueValidation);
+        assert!(err.to_string().contains("empty address"), "{err}");
+    }
 }

@@ -329,6 +329,8 @@ pub struct Parent {
     pub from: String,
     /// Its subject (`reply` answers `Re: <subject>`).
     pub subject: String,
+    /// Its addresses as its sender wrote them (a reply to one's own message goes to them).
+    pub to: Vec<String>,
 }
 
 /// SQL condition: message `m` is visible to agent `?1` (delivered to it, or sent by it: `?2` is
@@ -346,14 +348,18 @@ pub fn parent(
 ) -> Result<Parent, MailboxError> {
     let me = format!("{agent}@{own_host}");
     conn.query_row(
-        &format!("SELECT m.id, m.thread, m.from_addr, m.subject FROM messages m WHERE m.id = ?3 AND {VISIBLE}"),
+        &format!("SELECT m.id, m.thread, m.from_addr, m.subject, json_extract(m.envelope, '$.to') FROM messages m WHERE m.id = ?3 AND {VISIBLE}"),
         params![agent, me, id],
         |r| {
+            let to: Option<String> = r.get(4)?;
             Ok(Parent {
                 id: r.get(0)?,
                 thread: r.get(1)?,
                 from: r.get(2)?,
                 subject: r.get(3)?,
+                to: to
+                    .and_then(|t| serde_json::from_str(&t).ok())
+                    .unwrap_or_default(),
             })
         },
     )

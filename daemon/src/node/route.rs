@@ -471,8 +471,9 @@ pub fn expand(
 }
 
 /// Whether `name@host` (a pinned peer) may be sent to: `Ok(None)` when the peer's known
-/// directory lists `name` (or it is `owner`), `Ok(Some(warning))` when the directory is not
-/// known yet, or when it lists no `name` and `force` is set; else
+/// directory lists `name` (or it is `owner`), or the directory is not known yet but `name`
+/// sent mail from there or the send is forced; `Ok(Some(warning))` when the directory is not
+/// known yet otherwise, or when it lists no `name` and `force` is set; else
 /// [`AddressError::Unlisted`].
 fn check_listed(
     conn: &Connection,
@@ -484,6 +485,11 @@ fn check_listed(
         return Ok(None);
     }
     let Some(fetched_at) = agents::directory_known(conn, host)? else {
+        // No directory, but an agent that sent from there exists there; a forced send (a
+        // reply, or the sender's own choice) needs no remark.
+        if force || agents::names_on(conn, host)?.iter().any(|k| k == name) {
+            return Ok(None);
+        }
         return Ok(Some(format!(
             "{host}'s agent directory is not known here yet: if {host} has no agent {name}, it holds the message until an agent {name} registers there"
         )));
@@ -1008,6 +1014,10 @@ mod tests {
                  holds the message until an agent nobody registers there"
             ]
         );
+        // An agent that sent mail from work exists there; a forced send needs no remark.
+        assert!(exp(&s, "alice", &["ann@work"]).unwrap().warnings.is_empty());
+        let forced = exp_forced(&s, "alice", &["nobody@work"], true).unwrap();
+        assert!(forced.warnings.is_empty(), "{:?}", forced.warnings);
     }
 
     #[test]

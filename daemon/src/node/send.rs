@@ -19,6 +19,7 @@ use agentmbx_protocol::limits;
 use crate::identity::Identity;
 use crate::mailbox::{agents, messages, outbox, MailboxError};
 use crate::node::route::{self, AddressError, UnknownAgent, UnknownHost, UnlistedAgent};
+use crate::node::suggest;
 
 pub use crate::node::route::NAME_RULE;
 
@@ -124,7 +125,9 @@ pub fn re_subject(subject: &str) -> String {
 }
 
 /// The send that answers message `parent_id` for `req`: addressed to the parent's sender (its
-/// bare name when that is an agent of this host), same thread, `Re:` subject. Errors:
+/// bare name when that is an agent of this host) — or, when the parent is the replying agent's
+/// own message, to the addresses it was sent to (a follow-up to one's own message continues
+/// the conversation rather than mailing oneself) — same thread, `Re:` subject. Errors:
 /// [`SendError::ParentNotFound`] when the agent cannot see `parent_id`.
 pub fn reply_request(
     conn: &Connection,
@@ -143,13 +146,18 @@ pub fn reply_request(
         Err(MailboxError::NotFound(m)) => return Err(SendError::ParentNotFound(m)),
         Err(e) => return Err(e.into()),
     };
-    let to = match parent.from.split_once('@') {
-        Some((name, host)) if host == own_host => name.to_string(),
-        _ => parent.from.clone(),
+    let own_message = parent.from == format!("{}@{own_host}", req.from);
+    let to = if own_message && !parent.to.is_empty() {
+        parent.to.clone()
+    } else {
+        match parent.from.split_once('@') {
+            Some((name, host)) if host == own_host => vec![name.to_string()],
+            _ => vec![parent.from.clone()],
+        }
     };
     Ok(SendRequest {
         from: req.from.clone(),
-        to: vec![to],
+        to,
         subject: re_subject(&parent.subject),
         body: req.body.clone(),
         kind: req.kind.clone(),
@@ -295,13 +303,34 @@ pub fn send(
         thread = Some(parent.thread);
         kind.get_or_insert_with(|| "reply".into());
     }
-    // The sender is a local mailbox from its first send on (`agents` module docs).
+    // The sender is a local mailbox from its first send on (`agents` module docs). A first send
+    // under a name close to an existing agent's is most likely a typo of it: say so (the
+    // replies would go to a mailbox nobody reads).
+    let mut first_send: Option<String> = None;
+    if !agents::has_mailbox(conn, own, &req.from)? {
+        let known = agents::local_mailboxes(conn, own)?;
+        let close = suggest::closest(&req.from, known.iter().map(String::as_str));
+        if !close.is_empty() {
+            first_send = Some(format!(
+                "{} is a new agent on this host (this is its first message; replies come to it); did you mean {}?",
+                req.from,
+                close.join(", ")
+            ));
+        }
+    }
     agents::touch(conn, own, &req.from, now_ms)?;
     let choices = route::Choices {
         new_mailbox: req.new_mailbox,
         force: req.force,
     };
-    let plan = route::expand(conn, own, &req.from, &req.to, choices)?;
+    // An address given twice is one address (the envelope's `to` lists it once).
+    let mut to: Vec<String> = Vec::with_capacity(req.to.len());
+    for t in &req.to {
+        if !to.contains(t) {
+            to.push(t.clone());
+        }
+    }
+    let plan = route::expand(conn, own, &req.from, &to, choices)?;
     // Mailboxes created on purpose are real mailboxes from now on (`agents` module docs).
     for name in &plan.new_mailboxes {
         agents::register(conn, own, name, None, None, now_ms)?;
@@ -318,7 +347,7 @@ pub fn send(
         .collect();
     let draft = Draft {
         from: format!("{}@{own}", req.from),
-        to: req.to.clone(),
+        to,
         subject: req.subject.clone(),
         body: req.body.clone(),
         kind,
@@ -343,7 +372,8 @@ pub fn send(
     for r in &plan.remote {
         outbox::enqueue(conn, &env.id, &r.host, &r.pubkey, now_ms)?;
     }
-    let mut warnings = plan.warnings;
+    let mut warnings: Vec<String> = first_send.into_iter().collect();
+    warnings.extend(plan.warnings);
     for name in &plan.new_mailboxes {
         warnings.push(format!("created the new mailbox {name} on this host"));
     }
@@ -445,6 +475,82 @@ mod tests {
                 .unwrap(),
             Err(SendError::ParentNotFound(_))
         ));
+    }
+
+    /// A reply to one's own message (a follow-up) goes to the addresses that message was sent
+    /// to, not back to oneself.
+    #[test]
+    fn a_reply_to_ones_own_message_goes_to_its_recipients() {
+        let s = testutil::store();
+        let me = testutil::identity("home");
+        s.add_peer(&testutil::identity("work"), true);
+        s.register("home", &["alice", "bob"]);
+        s.send(&me, "bob", &["alice", "carol@work"], "plan", ID, T0)
+            .unwrap();
+        let req = ReplyRequest {
+            from: "bob".into(),
+            body: String::new(),
+            kind: None,
+            needs_reply: false,
+            refs: vec![],
+        };
+        let out = s
+            .mailbox
+            .with(|c| Ok::<_, MailboxError>(reply_request(c, "home", ID, &req)))
+            .unwrap()
+            .unwrap();
+        assert_eq!(out.to, vec!["alice".to_string(), "carol@work".to_string()]);
+        assert_eq!(out.subject, "Re: plan");
+        // alice answering the same message still answers bob.
+        let alice = ReplyRequest {
+            from: "alice".into(),
+            ..req
+        };
+        let out = s
+            .mailbox
+            .with(|c| Ok::<_, MailboxError>(reply_request(c, "home", ID, &alice)))
+            .unwrap()
+            .unwrap();
+        assert_eq!(out.to, vec!["bob".to_string()]);
+    }
+
+    /// A first send under a name close to an existing agent's says so (a likely typo of the
+    /// sender); a new name close to none, and a known sender, send without that warning. An
+    /// address given twice is one address in the envelope.
+    #[test]
+    fn a_first_send_as_a_name_close_to_an_agent_warns_and_repeated_addresses_are_one() {
+        let s = testutil::store();
+        let me = testutil::identity("home");
+        s.register("home", &["alice", "bob"]);
+        let mut ids = testutil::ids();
+        let out = s
+            .send(&me, "alcie", &["bob", "bob"], "s", &ids.next(T0), T0)
+            .unwrap();
+        assert_eq!(
+            out.warnings,
+            vec![
+                "alcie is a new agent on this host (this is its first message; replies come to \
+                 it); did you mean alice?"
+                    .to_string()
+            ]
+        );
+        assert_eq!(out.recipients.len(), 1, "{:?}", out.recipients);
+        assert_eq!(
+            s.scalar::<String>(&format!(
+                "SELECT json_extract(envelope, '$.to') FROM messages WHERE id = '{}'",
+                out.id
+            )),
+            r#"["bob"]"#
+        );
+        // Its second send is no first send.
+        let out = s
+            .send(&me, "alcie", &["bob"], "s", &ids.next(T0), T0)
+            .unwrap();
+        assert!(out.warnings.is_empty(), "{:?}", out.warnings);
+        let out = s
+            .send(&me, "zeta-robot", &["bob"], "s", &ids.next(T0), T0)
+            .unwrap();
+        assert!(out.warnings.is_empty(), "{:?}", out.warnings);
     }
 
     fn counts(s: &testutil::Store) -> (i64, i64, i64) {
@@ -734,9 +840,9 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(out.queued_for_hosts, vec!["lab".to_string(), "work".into()]);
-        assert_eq!(out.warnings.len(), 2, "{:?}", out.warnings);
+        // Forced: the remark for the listed-no-one host; none for lab's unknown directory.
+        assert_eq!(out.warnings.len(), 1, "{:?}", out.warnings);
         assert!(out.warnings[0].starts_with("work's agent directory lists no nobody; sent anyway"));
-        assert!(out.warnings[1].starts_with("lab's agent directory is not known here yet"));
         // A request body without "force" is not forced.
         let body: SendRequest =
             serde_json::from_str(r#"{"from":"alice","to":["x@work"],"subject":"s"}"#).unwrap();

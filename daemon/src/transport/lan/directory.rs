@@ -127,6 +127,10 @@ pub async fn refresh(
     Ok(report)
 }
 
+/// How long a send waits for stale peer directories to be fetched again before it is checked
+/// against them (2 s in all; `api::messages::refresh_stale_directories`).
+pub const STALE_FETCH_BUDGET: Duration = Duration::from_secs(2);
+
 /// Refreshes the directory now and then every [`REFRESH_INTERVAL`], and every
 /// [`NEW_PEER_CHECK`] the peers whose directory was never stored, until `shutdown` completes.
 /// Storage faults are logged and retried at the next interval.
