@@ -296,11 +296,17 @@ fn relay_lock_held(cause: &(dyn std::error::Error + 'static)) -> bool {
 }
 
 /// The error chain on one line, `outer: inner`, skipping a cause whose text the line already
-/// holds (library errors often name their source in their own message).
+/// holds (library errors often name their source in their own message). A socket, file or
+/// HTTP client error is said in our words ([`agentmbx::net_error::describe`]: no URL, no
+/// `(os error N)`).
 pub fn render(err: &anyhow::Error) -> String {
     let mut line = String::new();
     for cause in err.chain() {
-        let text = cause.to_string();
+        let text = if cause.is::<std::io::Error>() || cause.is::<reqwest::Error>() {
+            agentmbx::net_error::describe(cause, None)
+        } else {
+            cause.to_string()
+        };
         if line.contains(&text) {
             continue;
         }
@@ -392,6 +398,22 @@ mod tests {
             .context("reading x: gone")
             .context("starting");
         assert_eq!(render(&err), "starting: reading x: gone");
+    }
+
+    #[test]
+    fn render_says_io_errors_in_our_words() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let io = std::net::TcpListener::bind(taken.local_addr().unwrap()).unwrap_err();
+        let err = anyhow::Error::new(io).context("cannot bind the relay on 127.0.0.1:1");
+        assert_eq!(
+            render(&err),
+            "cannot bind the relay on 127.0.0.1:1: address already in use"
+        );
+        let io = std::fs::read("/nonexistent/agentmbx-test").unwrap_err();
+        assert_eq!(
+            render(&anyhow::Error::new(io).context("reading x")),
+            "reading x: no such file or directory"
+        );
     }
 
     #[test]
