@@ -114,7 +114,7 @@ fn prepare_with(opts: ServeOptions, env_seed: Option<String>) -> Result<Prepared
         crate::ratelimit::TrustProxy::parse(&tp).map_err(crate::config::ConfigError::Env)?;
         config.trust_proxy = Some(tp);
     }
-    tracing::info!(client_address = ?crate::ratelimit::TrustProxy::of(&config), "rate limits keyed by client address");
+    tracing::info!(client_address = %crate::ratelimit::TrustProxy::of(&config), "rate limits keyed by client address");
     let clock: SharedClock = Arc::new(SystemClock::from_env()?);
     let (relay_key, source) = key::load_or_create(&opts.store_dir, env_seed.as_deref())?;
     drop(env_seed);
