@@ -196,10 +196,16 @@ fn environment_overrides_the_config_file() {
     let exited = Daemon::try_start(home.command(&["daemon"]))
         .err()
         .expect("port in use");
+    // In our words, naming the settings that choose the address (issue 17, point 3).
     assert!(
-        exited.stderr.contains(&format!("127.0.0.1:{port}")),
+        exited.stderr.contains(&format!(
+            "cannot bind the local API on 127.0.0.1:{port}: address already in use (the \
+             address is set by --api-bind and --api-port, MBX_API_BIND and MBX_API_PORT, or \
+             api_bind and api_port in config.toml)"
+        )),
         "{exited:#?}"
     );
+    assert!(!exited.stderr.contains("os error"), "{exited:#?}");
 
     let mut cmd = home.command(&["daemon"]);
     cmd.env("MBX_API_PORT", "0");

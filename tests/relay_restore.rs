@@ -1035,6 +1035,12 @@ fn a_backup_while_the_relay_serves_logs_its_receipt_through_the_local_admin_endp
         out.stderr.contains(&format!("127.0.0.1:{port}")),
         "{out:#?}"
     );
+    // Text mode prints the summary, not the receipt: the note says where the receipt is.
+    assert!(
+        out.stderr.contains("The receipt (printed with --json;")
+            && !out.stderr.contains("The receipt shown"),
+        "{out:#?}"
+    );
     assert!(
         !out.stderr.contains("another-token"),
         "the token is never printed"

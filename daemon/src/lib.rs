@@ -37,6 +37,7 @@ pub mod identity;
 pub mod instance;
 pub mod keystore;
 pub mod mailbox;
+pub mod net_error;
 pub mod node;
 pub mod pairing;
 pub mod paths;

@@ -211,6 +211,20 @@ impl TrustProxy {
     }
 }
 
+/// Where the client address comes from, in words for the operator's log: e.g. `the
+/// connection's peer address (trust_proxy unset: no proxy trusted)`.
+impl std::fmt::Display for TrustProxy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TrustProxy::Socket => {
+                "the connection's peer address (trust_proxy unset: no proxy trusted)"
+            }
+            TrustProxy::Xff => "the rightmost X-Forwarded-For entry (trust_proxy = xff)",
+            TrustProxy::Cloudflare => "the CF-Connecting-IP header (trust_proxy = cloudflare)",
+        })
+    }
+}
+
 /// The key an IP address is counted by (module docs): an IPv4 address (also one mapped into
 /// IPv6) as itself, `203.0.113.7`; an IPv6 address by its /64 network, `2001:db8:1:2::/64`.
 pub fn address_key(ip: IpAddr) -> String {
@@ -736,6 +750,18 @@ mod tests {
             );
         }
         h
+    }
+
+    #[test]
+    fn the_mode_is_said_in_words_for_the_log() {
+        assert_eq!(
+            TrustProxy::Socket.to_string(),
+            "the connection's peer address (trust_proxy unset: no proxy trusted)"
+        );
+        assert!(TrustProxy::Xff.to_string().contains("X-Forwarded-For"));
+        assert!(TrustProxy::Cloudflare
+            .to_string()
+            .contains("CF-Connecting-IP"));
     }
 
     #[test]

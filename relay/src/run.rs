@@ -114,7 +114,7 @@ fn prepare_with(opts: ServeOptions, env_seed: Option<String>) -> Result<Prepared
         crate::ratelimit::TrustProxy::parse(&tp).map_err(crate::config::ConfigError::Env)?;
         config.trust_proxy = Some(tp);
     }
-    tracing::info!(client_address = ?crate::ratelimit::TrustProxy::of(&config), "rate limits keyed by client address");
+    tracing::info!(client_address = %crate::ratelimit::TrustProxy::of(&config), "rate limits keyed by client address");
     let clock: SharedClock = Arc::new(SystemClock::from_env()?);
     let (relay_key, source) = key::load_or_create(&opts.store_dir, env_seed.as_deref())?;
     drop(env_seed);
@@ -165,7 +165,7 @@ fn prepare_with(opts: ServeOptions, env_seed: Option<String>) -> Result<Prepared
     let port = opts.port.or(config.port).unwrap_or(DEFAULT_PORT);
     let listener = std::net::TcpListener::bind(SocketAddr::new(bind, port))
         .and_then(|l| l.set_nonblocking(true).map(|()| l))
-        .map_err(|e| ServeError::Io(format!("cannot bind {bind}:{port}: {e}")))?;
+        .map_err(|e| ServeError::Io(bind_error(SocketAddr::new(bind, port), &e)))?;
     let authority = crate::authority::from_config(&config.authority, clock.clone(), store.clone())
         .map_err(|e| ServeError::Io(format!("cannot set up the enrolment authority: {e}")))?;
     match (config.authority.kind, config.authority.issuer.as_deref()) {
@@ -325,4 +325,45 @@ pub fn keygen() -> (String, String) {
         format!("MBX_RELAY_KEY={}", key.seed_b64_secret()),
         key.public().fingerprint(),
     )
+}
+
+/// The message of a listener that could not bind `addr`: the cause in plain words (no
+/// `(os error N)`) and the settings that choose the address.
+fn bind_error(addr: SocketAddr, e: &std::io::Error) -> String {
+    use std::io::ErrorKind;
+    let why = match e.kind() {
+        ErrorKind::AddrInUse => "address already in use".to_string(),
+        ErrorKind::AddrNotAvailable => "address not available on this host".to_string(),
+        ErrorKind::PermissionDenied => "permission denied".to_string(),
+        _ => {
+            let text = e.to_string();
+            match text.find(" (os error ") {
+                Some(at) => text[..at].to_string(),
+                None => text,
+            }
+        }
+    };
+    format!(
+        "cannot bind {addr}: {why} (the address is set by --bind and --port or PORT, or bind \
+         and port in relay.toml)"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bind_error_is_in_plain_words_and_names_the_settings() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = taken.local_addr().unwrap();
+        let e = std::net::TcpListener::bind(addr).unwrap_err();
+        assert_eq!(
+            bind_error(addr, &e),
+            format!(
+                "cannot bind {addr}: address already in use (the address is set by --bind and \
+                 --port or PORT, or bind and port in relay.toml)"
+            )
+        );
+    }
 }

@@ -160,9 +160,10 @@ pub enum StatusError {
     /// Not a status answer: a field is missing or of the wrong type.
     #[error("malformed status answer")]
     Malformed,
-    /// It names another host.
-    #[error("status answer names another host")]
-    WrongHost,
+    /// It names another host: the name it gave, as sent (unverified: checked before the
+    /// signature; quote it escaped and cut).
+    #[error("status answer names another host ({0:?})")]
+    WrongHost(String),
     /// It names another key than the pinned one.
     #[error("status answer names another host key than the pinned one")]
     WrongKey,
@@ -206,7 +207,7 @@ pub fn verify_status(
         None => return Err(StatusError::Malformed),
     };
     if got_host != host {
-        return Err(StatusError::WrongHost);
+        return Err(StatusError::WrongHost(got_host.to_string()));
     }
     let pinned_b64 = pinned.to_b64();
     if got_key != pinned_b64 {
@@ -459,7 +460,7 @@ mod tests {
         );
         assert_eq!(
             check(&a, "beta", &pinned, "c-1", &[ip]),
-            Err(StatusError::WrongHost)
+            Err(StatusError::WrongHost("alpha".into()))
         );
         let other = HostKey::generate();
         assert_eq!(

@@ -159,14 +159,14 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
         };
         let lan_listener = tokio::net::TcpListener::bind(lan_addr)
             .await
-            .with_context(|| format!("cannot bind the LAN server on {lan_addr} (lan_bind, lan_port)"))?;
+            .map_err(|e| anyhow::anyhow!(bind_error(BindWhat::Lan, lan_addr, &e)))?;
         let lan_bound = lan_listener
             .local_addr()
             .context("cannot read the LAN server address")?;
         tracing::info!("LAN server listening on {lan_bound}");
         let listener = tokio::net::TcpListener::bind(addr)
             .await
-            .with_context(|| format!("cannot bind the local API on {addr}"))?;
+            .map_err(|e| anyhow::anyhow!(bind_error(BindWhat::Api, addr, &e)))?;
         let bound = listener
             .local_addr()
             .context("cannot read the local API address")?;
@@ -353,6 +353,36 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Which listener [`bind_error`] is about.
+#[derive(Debug, Clone, Copy)]
+enum BindWhat {
+    /// The LAN server (`lan_bind`, `lan_port`).
+    Lan,
+    /// The local API (`api_bind`, `api_port`, `--api-bind`, `--api-port`).
+    Api,
+}
+
+/// The message of a listener that could not bind `addr`: the cause in our words
+/// ([`agentmbx::net_error::describe`], e.g. `address already in use`) and the settings that
+/// choose the address, so the user knows what to change.
+fn bind_error(what: BindWhat, addr: std::net::SocketAddr, e: &std::io::Error) -> String {
+    let (name, settings) = match what {
+        BindWhat::Lan => (
+            "the LAN server",
+            "lan_bind and lan_port in config.toml, or MBX_LAN_BIND and MBX_LAN_PORT",
+        ),
+        BindWhat::Api => (
+            "the local API",
+            "--api-bind and --api-port, MBX_API_BIND and MBX_API_PORT, or api_bind and \
+             api_port in config.toml",
+        ),
+    };
+    format!(
+        "cannot bind {name} on {addr}: {} (the address is set by {settings})",
+        agentmbx::net_error::describe(e, None)
+    )
+}
+
 /// The `host:port` this host gives peers at pairing: `advertise` when set; else the bound
 /// address when the LAN server is bound to one IP (loopback included); else
 /// `<hostname>.local:<port>` (`wire.md` §2.7 "Pairing addr").
@@ -402,5 +432,30 @@ fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()> + 
             let _ = tokio::signal::ctrl_c().await;
             tracing::info!("Ctrl-C received: shutting down");
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bind_error_is_in_our_words_and_names_the_settings() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = taken.local_addr().unwrap();
+        let e = std::net::TcpListener::bind(addr).unwrap_err();
+        assert_eq!(
+            bind_error(BindWhat::Lan, addr, &e),
+            format!(
+                "cannot bind the LAN server on {addr}: address already in use (the address is \
+                 set by lan_bind and lan_port in config.toml, or MBX_LAN_BIND and MBX_LAN_PORT)"
+            )
+        );
+        let text = bind_error(BindWhat::Api, addr, &e);
+        assert!(
+            text.contains("--api-port") && text.contains("api_port"),
+            "{text}"
+        );
+        assert!(!text.contains("os error"), "{text}");
     }
 }

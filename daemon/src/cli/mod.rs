@@ -77,15 +77,24 @@ outcome is unknown (the message prints the key and how to check; rerunning with
 --idempotency-key <key> cannot do it twice), read likewise (it marks the message read; the
 message says how to check; reading again is safe), or the daemon's store stayed busy.";
 
-/// Shown after `send --help` and `ack --help` and in their man pages: retries and exit 75.
-const MUTATION_HELP: &str = "\
-The call carries one Idempotency-Key (--idempotency-key, else a fresh one) and is retried with
+/// Shown after `send --help`, `reply --help` and `ack --help` and in their man pages: retries
+/// and exit 75; `$usage` is the command's own example of a usage error (exit 2).
+macro_rules! mutation_help {
+    ($usage:literal) => {
+        concat!(
+            "The call carries one Idempotency-Key (--idempotency-key, else a fresh one) and is \
+retried with
 it for 60 s while the daemon does not settle it (no answer, a broken connection, a 5xx, a busy
 store); the daemon answers a repeated key with its first answer, so it is never done twice.
-Exit status: 0 done, 1 failure (nothing done), 2 usage error (e.g. a note over 500 UTF-16 code
-units), 3 not found, 75 (EX_TEMPFAIL) still unsettled after 60 s: the message says whether the
-outcome is unknown, how to check it (agentmbx sent / inbox) and prints the key; rerun the same
-command with --idempotency-key <key> to finish it without doing it twice.";
+Exit status: 0 done, 1 failure (nothing done), 2 usage error (e.g. ",
+            $usage,
+            "),
+3 not found, 75 (EX_TEMPFAIL) still unsettled after 60 s: the message says whether the outcome
+is unknown, how to check it (agentmbx sent / inbox) and prints the key; rerun the same command
+with --idempotency-key <key> to finish it without doing it twice."
+        )
+    };
+}
 
 /// AgentMBX: a signed, end-to-end-sealed mailbox for AI agents.
 #[derive(Debug, Parser)]
@@ -134,19 +143,19 @@ pub enum Command {
     /// List the AgentMBX hosts that answer on the LAN (mDNS, 3 s) and whether they are paired
     Discover(discover::DiscoverArgs),
     /// Send a message from an agent on this host (through the running daemon)
-    #[command(after_help = MUTATION_HELP)]
+    #[command(after_help = mutation_help!("a malformed --to address"))]
     Send(mail::SendArgs),
     /// List an agent's messages (or, with --unclaimed, the mail held for names with no agent here)
     Inbox(mail::InboxArgs),
     /// Show one message (marks it read for the agent)
     Read(mail::ReadArgs),
     /// Answer a message: to its sender, in its thread, subject `Re: …`, kind reply
-    #[command(after_help = MUTATION_HELP)]
+    #[command(after_help = mutation_help!("an --idempotency-key with a space"))]
     Reply(mail::ReplyArgs),
     /// Show the messages of a thread the agent can see, oldest first (bounded pages)
     Thread(mail::ThreadArgs),
     /// Acknowledge messages in an agent's mailbox
-    #[command(after_help = MUTATION_HELP)]
+    #[command(after_help = mutation_help!("a note over 500 UTF-16 code units"))]
     Ack(mail::AckArgs),
     /// List an agent's sent messages with each recipient's delivery state
     Sent(mail::SentArgs),
@@ -296,11 +305,17 @@ fn relay_lock_held(cause: &(dyn std::error::Error + 'static)) -> bool {
 }
 
 /// The error chain on one line, `outer: inner`, skipping a cause whose text the line already
-/// holds (library errors often name their source in their own message).
+/// holds (library errors often name their source in their own message). A socket, file or
+/// HTTP client error is said in our words ([`agentmbx::net_error::describe`]: no URL, no
+/// `(os error N)`).
 pub fn render(err: &anyhow::Error) -> String {
     let mut line = String::new();
     for cause in err.chain() {
-        let text = cause.to_string();
+        let text = if cause.is::<std::io::Error>() || cause.is::<reqwest::Error>() {
+            agentmbx::net_error::describe(cause, None)
+        } else {
+            cause.to_string()
+        };
         if line.contains(&text) {
             continue;
         }
@@ -386,12 +401,56 @@ mod tests {
     }
 
     #[test]
+    fn each_mutation_gives_its_own_usage_example() {
+        let help = |name: &str| {
+            command()
+                .find_subcommand_mut(name)
+                .expect(name)
+                .render_long_help()
+                .to_string()
+        };
+        for (name, example) in [
+            ("send", "2 usage error (e.g. a malformed --to address)"),
+            (
+                "reply",
+                "2 usage error (e.g. an --idempotency-key with a space)",
+            ),
+            (
+                "ack",
+                "2 usage error (e.g. a note over 500 UTF-16 code units)",
+            ),
+        ] {
+            let text = help(name);
+            assert!(text.contains(example), "{name}: {text}");
+            assert!(text.contains("75 (EX_TEMPFAIL)"), "{name}: {text}");
+        }
+        assert!(!help("send").contains("a note over"));
+        assert!(!help("reply").contains("a note over"));
+    }
+
+    #[test]
     fn render_skips_repeated_causes() {
         let io = std::io::Error::new(std::io::ErrorKind::NotFound, "gone");
         let err = anyhow::Error::new(io)
             .context("reading x: gone")
             .context("starting");
         assert_eq!(render(&err), "starting: reading x: gone");
+    }
+
+    #[test]
+    fn render_says_io_errors_in_our_words() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let io = std::net::TcpListener::bind(taken.local_addr().unwrap()).unwrap_err();
+        let err = anyhow::Error::new(io).context("cannot bind the relay on 127.0.0.1:1");
+        assert_eq!(
+            render(&err),
+            "cannot bind the relay on 127.0.0.1:1: address already in use"
+        );
+        let io = std::fs::read("/nonexistent/agentmbx-test").unwrap_err();
+        assert_eq!(
+            render(&anyhow::Error::new(io).context("reading x")),
+            "reading x: no such file or directory"
+        );
     }
 
     #[test]

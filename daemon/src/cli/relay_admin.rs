@@ -343,10 +343,12 @@ pub(super) fn online(
             )
         })?;
         let status = resp.status().as_u16();
-        let bytes = resp
-            .bytes()
-            .await
-            .map_err(|e| anyhow::anyhow!("the relay's answer broke off: {e}"))?;
+        let bytes = resp.bytes().await.map_err(|e| {
+            anyhow::anyhow!(
+                "the relay's answer broke off: {}",
+                agentmbx::net_error::describe(&e, None)
+            )
+        })?;
         anyhow::Ok((
             status,
             serde_json::from_slice::<Value>(&bytes).unwrap_or(Value::Null),

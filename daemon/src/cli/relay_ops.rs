@@ -440,7 +440,9 @@ fn log_backup_receipt(
                 (Err(e), _) => (receipt.clone(), Err(e.into())),
             }
         }
-        Err(AdminError::Running(_)) => log_through_serving_relay(&args.store_dir, receipt),
+        Err(AdminError::Running(_)) => {
+            log_through_serving_relay(&args.store_dir, receipt, args.json)
+        }
         Err(e) => (receipt.clone(), Err(refusal(e))),
     }
 }
@@ -454,6 +456,7 @@ fn log_backup_receipt(
 fn log_through_serving_relay(
     dir: &std::path::Path,
     receipt: &Value,
+    json: bool,
 ) -> (Value, anyhow::Result<()>) {
     let why = match local_admin_endpoint(dir) {
         Ok(target) => match online(
@@ -485,16 +488,51 @@ fn log_through_serving_relay(
         }
         _ => (receipt.clone(), false),
     };
-    eprintln!(
-        "note: the backup is complete, but its receipt was not added to the relay log: a running \
-         relay holds the store (only it may write it), and {why}. The receipt shown is {}. To \
-         log the receipt of a backup, run it with --url <relay url> and the relay's admin token \
-         (--admin-token-file or MBX_RELAY_ADMIN_TOKEN)",
-        if signed {
-            "signed with the relay key"
-        } else {
-            "unsigned (no relay key here: MBX_RELAY_KEY or relay.key)"
-        }
-    );
+    eprintln!("{}", unlogged_note(&why, signed, json));
     (shown, Ok(()))
+}
+
+/// The note of [`log_through_serving_relay`] when the receipt was not logged: `why`, whether
+/// the receipt is signed, and where it is: printed on stdout with `--json` (`json`), else only
+/// the summary is printed and `--json` prints the receipt.
+fn unlogged_note(why: &str, signed: bool, json: bool) -> String {
+    let what = if json {
+        "The receipt printed"
+    } else {
+        "The receipt (printed with --json; this text shows its summary)"
+    };
+    let how = if signed {
+        "signed with the relay key"
+    } else {
+        "unsigned (no relay key here: MBX_RELAY_KEY or relay.key)"
+    };
+    format!(
+        "note: the backup is complete, but its receipt was not added to the relay log: a running \
+         relay holds the store (only it may write it), and {why}. {what} is {how}. To log the \
+         receipt of a backup, run it with --url <relay url> and the relay's admin token \
+         (--admin-token-file or MBX_RELAY_ADMIN_TOKEN)"
+    )
+}
+
+#[cfg(test)]
+mod unlogged_note_tests {
+    use super::unlogged_note;
+
+    #[test]
+    fn the_note_says_where_the_receipt_is() {
+        let text = unlogged_note("no admin token is configured here", true, false);
+        assert!(!text.contains("The receipt shown"), "{text}");
+        assert!(
+            text.contains(
+                "The receipt (printed with --json; this text shows its summary) is signed with \
+                 the relay key"
+            ),
+            "{text}"
+        );
+        let json = unlogged_note("no admin token is configured here", false, true);
+        assert!(
+            json.contains("The receipt printed is unsigned (no relay key here"),
+            "{json}"
+        );
+    }
 }

@@ -844,7 +844,11 @@ async fn unreachable_relay_fails_quickly() {
     let started = std::time::Instant::now();
     let r = h.run(&["relay-reachable", "clock-skew"]).await;
     assert!(started.elapsed() < Duration::from_secs(5));
-    assert_eq!(one(&r, "relay-reachable").status, Status::Fail);
+    let c = one(&r, "relay-reachable");
+    assert_eq!(c.status, Status::Fail);
+    // The cause in our words, precisely (not "refused or unreachable").
+    assert!(c.summary.contains("connection refused"), "{c:?}");
+    assert!(!c.summary.contains("or unreachable"), "{c:?}");
     assert_eq!(one(&r, "clock-skew").status, Status::Skip);
     assert_eq!(r.exit_code(), 1);
 }

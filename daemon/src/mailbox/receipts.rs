@@ -405,8 +405,8 @@ pub struct RecipientState {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
     /// `queued` remote recipients only: the relay's standing when no relay this host uses is
-    /// `ok` (`<state> since <ISO ms>[: <detail>]`, e.g. `unreachable since …: cannot connect:
-    /// …`), so a LAN error in `last_error` is not the whole story; at most 120 characters.
+    /// `ok` (`<state> since <ISO ms>[: <detail>]`, e.g. `unreachable since …: connection
+    /// refused`), so a LAN error in `last_error` is not the whole story; at most 120 characters.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub relay: Option<String>,
 }

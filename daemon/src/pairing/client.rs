@@ -61,12 +61,15 @@ pub enum PairError {
     #[error("a pairing code is 6 digits, got {0:?}")]
     BadCode(String),
     /// The other host could not be reached.
-    #[error("cannot reach {addr}: {why} (is the agentmbx daemon running there?)")]
+    #[error("cannot reach {addr}{}: {why} (is the agentmbx daemon running there?)",
+        if *default_port { DEFAULT_PORT_NOTE } else { "" })]
     Unreachable {
         /// `host:port` called.
         addr: String,
-        /// The cause, as reqwest tells it.
+        /// The cause in our words ([`crate::net_error::describe`]).
         why: String,
+        /// The user gave no port: `addr`'s is [`DEFAULT_PORT`], and the text says so.
+        default_port: bool,
     },
     /// The other host refused; the text quotes its `error`.
     #[error("{0}")]
@@ -251,6 +254,15 @@ pub fn create_token(conn: &Connection, ttl_ms: i64, now_ms: i64) -> Result<NewTo
 /// or a bare IPv6 address; [`DEFAULT_PORT`] when no port is given. Returns `host:port` (IPv6
 /// in brackets). Errors: [`PairError::BadAddress`].
 pub fn normalize_addr(input: &str) -> Result<String, PairError> {
+    normalize(input).map(|(addr, _)| addr)
+}
+
+/// What [`unreachable`] adds after `host:7373` when the user gave no port.
+const DEFAULT_PORT_NOTE: &str =
+    " (the default LAN port; give host:port if the daemon there uses another)";
+
+/// [`normalize_addr`], and whether the port is [`DEFAULT_PORT`] because none was given.
+fn normalize(input: &str) -> Result<(String, bool), PairError> {
     let text = input.trim();
     let bad = |why: &str| PairError::BadAddress(format!("bad address {input:?}: {why}"));
     if text.contains("://") || text.contains('/') {
@@ -271,22 +283,25 @@ pub fn normalize_addr(input: &str) -> Result<String, PairError> {
         };
         ip.parse::<Ipv6Addr>()
             .map_err(|_| bad("not an IPv6 address in brackets"))?;
-        let port = match after {
-            "" => DEFAULT_PORT,
-            p => port_of(
-                p.strip_prefix(':')
-                    .ok_or_else(|| bad("expected :port after ']'"))?,
-            )?,
+        let (port, assumed) = match after {
+            "" => (DEFAULT_PORT, true),
+            p => (
+                port_of(
+                    p.strip_prefix(':')
+                        .ok_or_else(|| bad("expected :port after ']'"))?,
+                )?,
+                false,
+            ),
         };
-        return Ok(format!("[{ip}]:{port}"));
+        return Ok((format!("[{ip}]:{port}"), assumed));
     }
     if let Ok(ip) = text.parse::<Ipv6Addr>() {
-        return Ok(format!("[{ip}]:{DEFAULT_PORT}"));
+        return Ok((format!("[{ip}]:{DEFAULT_PORT}"), true));
     }
     match text.split_once(':') {
-        None => Ok(format!("{text}:{DEFAULT_PORT}")),
+        None => Ok((format!("{text}:{DEFAULT_PORT}"), true)),
         Some((host, port)) if !host.is_empty() && !port.contains(':') => {
-            Ok(format!("{host}:{}", port_of(port)?))
+            Ok((format!("{host}:{}", port_of(port)?), false))
         }
         _ => Err(bad("give host or host:port")),
     }
@@ -302,27 +317,20 @@ fn http() -> Result<reqwest::Client, PairError> {
         .build()
         .map_err(|e| PairError::Unreachable {
             addr: String::new(),
-            why: e.to_string(),
+            why: crate::net_error::describe(&e, None),
+            default_port: false,
         })
 }
 
-/// The cause chain of a reqwest error on one line (its own text alone is often just "error
-/// sending request").
+/// A reqwest error in our words ([`crate::net_error::describe`]), naming the limit that fired
+/// when it timed out.
 fn describe(e: &reqwest::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = std::error::Error::source(e);
-    while let Some(s) = source {
-        let s_text = s.to_string();
-        if !text.contains(&s_text) {
-            text.push_str(": ");
-            text.push_str(&s_text);
-        }
-        source = s.source();
-    }
-    if e.is_timeout() && !text.contains("timed out") {
-        text.push_str(" (timed out)");
-    }
-    text
+    let limit = if e.is_connect() {
+        CONNECT_TIMEOUT
+    } else {
+        REQUEST_TIMEOUT
+    };
+    crate::net_error::describe(e, Some(limit))
 }
 
 /// Sends `req` and reads the answer (≤ [`MAX_ANSWER_BYTES`]). A 401 asking for a bearer token
@@ -334,6 +342,7 @@ async fn send(
     let unreachable = |e: reqwest::Error| PairError::Unreachable {
         addr: addr.to_string(),
         why: describe(&e),
+        default_port: false,
     };
     let mut res = req.send().await.map_err(unreachable)?;
     let status = res.status();
@@ -435,12 +444,26 @@ fn fingerprint(pubkey: &str) -> String {
 /// back, then pins it. Derives K (scrypt) on a blocking thread first.
 /// Errors: every [`PairError`] but the comparison ones.
 pub async fn join(local: &Local, addr: &str, token: &str) -> Result<Paired, PairError> {
-    let addr = normalize_addr(addr)?;
+    let (addr, assumed) = normalize(addr)?;
     let token = pairing::normalize_token(token)?;
     let key = tokio::task::spawn_blocking(move || pairing::derive_token_key(&token))
         .await
         .map_err(|_| PairError::Mailbox(MailboxError::Task))??;
-    join_with_key(local, &addr, &key).await
+    join_with_key(local, &addr, &key)
+        .await
+        .map_err(|e| unreachable(e, assumed))
+}
+
+/// `e`, saying the port was assumed when it is [`PairError::Unreachable`] and `assumed`.
+fn unreachable(e: PairError, assumed: bool) -> PairError {
+    match e {
+        PairError::Unreachable { addr, why, .. } => PairError::Unreachable {
+            addr,
+            why,
+            default_port: assumed,
+        },
+        other => other,
+    }
 }
 
 /// [`join`] with K already derived and `addr` already normalized.
@@ -571,7 +594,7 @@ fn valid_offer(offer: &PairOffer) -> bool {
 /// reveals, and stores the pending comparison (expiring after [`PENDING_TTL_MS`]).
 /// Errors: address, network, refusal, malformed offer, same host, conflict, store.
 pub async fn compare(local: &Local, addr: &str) -> Result<Compared, PairError> {
-    let addr = normalize_addr(addr)?;
+    let (addr, assumed) = normalize(addr)?;
     let addr = addr.as_str();
     let http = http()?;
     let mine = own_offer(&local.ident, &local.advertise, new_nonce());
@@ -591,7 +614,8 @@ pub async fn compare(local: &Local, addr: &str) -> Result<Compared, PairError> {
         http.post(&url).json(&json!({ "v": 2, "commit": commit })),
         addr,
     )
-    .await?;
+    .await
+    .map_err(|e| unreachable(e, assumed))?;
     if status != reqwest::StatusCode::OK {
         return Err(refused(status, &body));
     }

@@ -270,6 +270,42 @@ async fn token_join_pins_both_sides_and_the_token_is_single_use() {
 }
 
 #[tokio::test]
+async fn an_unreachable_host_is_said_in_our_words_and_an_assumed_port_is_named() {
+    let bob = host("bob").await;
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    // With a port: the address, the cause in two words, the hint; no URL, no library text.
+    let err = client::join(&bob.local(), &closed.to_string(), "ABCD-EFGH-JKMN")
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "cannot reach {closed}: connection refused (is the agentmbx daemon running there?)"
+        )
+    );
+    // Without one: the text says 7373 was assumed (127.0.0.7: no test daemon listens there).
+    let err = client::join(&bob.local(), "127.0.0.7", "ABCD-EFGH-JKMN")
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "cannot reach 127.0.0.7:7373 (the default LAN port; give host:port if the daemon \
+         there uses another): connection refused (is the agentmbx daemon running there?)"
+    );
+    let err = client::compare(&bob.local(), "127.0.0.7")
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("cannot reach 127.0.0.7:7373 (the default LAN port;"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
 async fn a_malformed_token_is_a_usage_error_before_any_request() {
     let bob = host("bob").await;
     let err = client::join(&bob.local(), "127.0.0.1:1", "not-a-token")

@@ -145,14 +145,9 @@ async fn fetch(req: reqwest::RequestBuilder) -> Result<(u16, Option<String>, Vec
     Ok((status, date, body))
 }
 
+/// A probe's network error in our words ([`crate::net_error::describe`]).
 fn describe(e: &reqwest::Error) -> String {
-    if e.is_timeout() {
-        "timed out".into()
-    } else if e.is_connect() {
-        "connection refused or unreachable".into()
-    } else {
-        "request failed".into()
-    }
+    crate::net_error::describe(e, None)
 }
 
 /// The proxy the relay client uses for `url` by the standard environment, as `<proxy URL>

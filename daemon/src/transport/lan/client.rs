@@ -34,7 +34,17 @@ use agentmbx_protocol::rotation::{
 
 use crate::identity::Identity;
 use crate::mailbox::peers::Peer;
-use crate::transport::relay_client::describe;
+
+/// A reqwest error of this client in our words ([`crate::net_error::describe`]), naming the
+/// limit that fired when it timed out.
+fn describe(e: &reqwest::Error) -> String {
+    let limit = if e.is_connect() {
+        CONNECT_TIMEOUT
+    } else {
+        REQUEST_TIMEOUT
+    };
+    crate::net_error::describe(e, Some(limit))
+}
 
 /// Time allowed to connect to a peer (3 s).
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);

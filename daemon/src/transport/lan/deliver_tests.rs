@@ -509,8 +509,10 @@ async fn the_lan_goes_first_the_relay_takes_over_after_two_failures_and_a_peer_b
     assert_eq!(counts.failed, 1);
     let r = home.row(ID1, "work");
     assert_eq!((r.attempts, r.lan_failures, r.next_at), (1, 1, T0 + 5_000));
-    assert!(
-        r.last_error.as_deref().unwrap().contains("unreachable"),
+    // The stored error `sent` shows is in our words: no URL, no `(os error N)`.
+    assert_eq!(
+        r.last_error.as_deref(),
+        Some("peer unreachable: connection refused"),
         "{r:?}"
     );
     assert!(

@@ -143,7 +143,11 @@ impl ProbeError {
                 StatusError::Malformed => {
                     "it answered without a signed status (not agentmbx, or a version without challenge support)".into()
                 }
-                StatusError::WrongHost => "it answered as another host".into(),
+                StatusError::WrongHost(named) => {
+                    // Unverified text from the network: quoted, escaped and cut.
+                    let named: String = named.chars().take(64).collect();
+                    format!("it answered as another host, {named:?}")
+                }
                 StatusError::WrongKey => "it answered with another key than the one pinned".into(),
                 StatusError::WrongChallenge => {
                     "it did not sign our challenge (a replayed answer?)".into()
@@ -280,7 +284,7 @@ fn http_client(timeout: Duration) -> Result<reqwest::Client, ProbeError> {
         .timeout(timeout)
         .redirect(reqwest::redirect::Policy::none())
         .build()
-        .map_err(|e| ProbeError::Unreachable(e.to_string()))
+        .map_err(|e| ProbeError::Unreachable(describe(&e)))
 }
 
 /// The IP of an address text, IPv4-mapped unwrapped; None for a name.
@@ -342,19 +346,10 @@ pub async fn probe(
     )?)
 }
 
-/// An error's text with its sources (reqwest's outer text alone says little).
-fn describe(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let s_text = s.to_string();
-        if !text.contains(&s_text) {
-            text.push_str(": ");
-            text.push_str(&s_text);
-        }
-        source = s.source();
-    }
-    text
+/// A probe's network error in our words ([`crate::net_error::describe`]): never the URL,
+/// whose query holds the challenge.
+fn describe(e: &reqwest::Error) -> String {
+    crate::net_error::describe(e, Some(PROBE_TIMEOUT))
 }
 
 /// Points `host` at `candidate` if a challenge probe there proves it is that host (see

@@ -377,37 +377,21 @@ impl RelayClient {
     }
 }
 
-/// A network error in one line a person can act on: what failed, then the root cause (e.g.
-/// `cannot connect to the relay: Connection refused (os error 111)`), without repeating the URL.
+/// A network error with the relay in our words ([`crate::net_error::describe`]: e.g.
+/// `connection refused`, `timed out`), never the URL or the libraries' text.
 ///
-/// A TLS failure is said in our words, never the TLS library's: e.g. an
-/// `https://` URL aimed at a relay that speaks plain HTTP is `cannot connect: the relay does
-/// not speak TLS at this address …`.
+/// A TLS failure names the relay: e.g. an `https://` URL aimed at a relay that speaks plain
+/// HTTP is `the relay does not speak TLS at this address …`.
 pub fn describe(e: &reqwest::Error) -> String {
     use std::error::Error as _;
-    let mut root: Option<String> = None;
     let mut source = e.source();
     while let Some(s) = source {
         if let Some(tls) = tls_failure(s) {
-            root = Some(tls);
-            break;
+            return tls;
         }
-        root = Some(s.to_string());
         source = s.source();
     }
-    let what = if e.is_timeout() {
-        "timed out"
-    } else if e.is_connect() {
-        "cannot connect"
-    } else if e.is_body() || e.is_decode() {
-        "the answer broke off"
-    } else {
-        "request failed"
-    };
-    match root {
-        Some(r) if !e.is_timeout() => format!("{what}: {r}"),
-        _ => what.to_string(),
-    }
+    crate::net_error::describe(e, None)
 }
 
 /// The TLS library's error inside `e` (directly, or wrapped in `std::io::Error`s, whose
@@ -732,9 +716,10 @@ pub async fn pass(client: &RelayClient) -> Result<(), RelayError> {
     match &result {
         // Signed requests were accepted all through the pass: any refusal episode is over.
         Ok(()) => client.end_backoff().await?,
-        Err(e @ RelayError::Unreachable(_)) => {
+        Err(RelayError::Unreachable(why)) => {
+            // The standing already says `unreachable`: the detail is only the cause.
             let mut st = state::RelayState::new(state::Standing::Unreachable);
-            st.detail = Some(e.to_string());
+            st.detail = Some(why.clone());
             client.note(st, false).await?;
         }
         Err(_) => {}

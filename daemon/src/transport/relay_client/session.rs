@@ -201,7 +201,7 @@ impl RelayClient {
                 };
                 if matches!(e, RelayError::Unreachable(_)) || status.is_some_and(|s| s >= 500) {
                     let mut st = RelayState::new(Standing::Unreachable);
-                    st.detail = Some(e.to_string());
+                    st.detail = Some(unreachable_detail(&e));
                     st.status = status;
                     self.note(st, false).await?;
                 }
@@ -376,7 +376,7 @@ impl RelayClient {
                 let status = e.status();
                 if matches!(e, RelayError::Unreachable(_)) || status.is_some_and(|s| s >= 500) {
                     let mut st = RelayState::new(Standing::Unreachable);
-                    st.detail = Some(e.to_string());
+                    st.detail = Some(unreachable_detail(&e));
                     st.status = status;
                     self.note(st, false).await?;
                 }
@@ -950,4 +950,13 @@ fn printable(text: &str, max: usize) -> String {
 /// An error text cut to 300 characters for the relay state and audit (never a body).
 fn cut(text: &str) -> String {
     text.chars().take(300).collect()
+}
+
+/// The detail of an `unreachable` standing for `e`: the cause alone for
+/// [`RelayError::Unreachable`] (the standing already says unreachable), else `e`'s text.
+fn unreachable_detail(e: &RelayError) -> String {
+    match e {
+        RelayError::Unreachable(why) => why.clone(),
+        other => other.to_string(),
+    }
 }

@@ -767,7 +767,8 @@ async fn a_network_failure_or_5xx_keeps_the_row_pending() {
     let client = Setup::client_for(&dead, &s.relay.key, &s.me, &s.store, &s.clock);
     let pass = client.push_due(&session("e1")).await.unwrap();
     assert_eq!(pass.failed, 1);
-    s.assert_pending_after_one_failure(&id, T0, "relay unreachable");
+    // The stored last_error (shown by `sent`) is in our words: no URL, no `os error`.
+    s.assert_pending_after_one_failure(&id, T0, "relay unreachable: connection refused");
     assert!(
         s.row(&id).wire.is_some(),
         "sealed and kept before the attempt"

@@ -210,12 +210,12 @@ async fn probing_refuses_another_key_another_host_and_unlisted_addresses() {
     ));
     assert!(matches!(
         probe("gamma", &key, &live, false).await,
-        Err(ProbeError::Refused(StatusError::WrongHost))
+        Err(ProbeError::Refused(StatusError::WrongHost(ref named))) if named == "beta"
     ));
-    assert!(matches!(
-        probe("beta", &key, &dead_addr(), false).await,
-        Err(ProbeError::Unreachable(_))
-    ));
+    // No answer: said in our words, never with the URL and its challenge.
+    let e = probe("beta", &key, &dead_addr(), false).await.unwrap_err();
+    assert!(matches!(e, ProbeError::Unreachable(_)), "{e:?}");
+    assert_eq!(e.reason(), "no answer (connection refused)");
     // A host that signs only another address does not prove this one.
     let c = node("gamma", &clock, Some(vec!["10.9.9.9".parse().unwrap()])).await;
     assert!(matches!(
@@ -671,7 +671,11 @@ async fn an_address_the_owner_types_is_stored_only_once_it_answers_with_the_pinn
     let e = owner_sets(&b, "alpha", &b.addr.to_string(), false)
         .await
         .unwrap_err();
-    assert!(e.to_string().contains("it answered as another host"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("it answered as another host, \"beta\""),
+        "names the host it answered as: {e}"
+    );
     // ... not an agentmbx status at all.
     let (other, _) = plain_server().await;
     let e = owner_sets(&b, "alpha", &other, false).await.unwrap_err();

@@ -123,6 +123,9 @@ async fn an_expected_key_is_checked_before_any_pass_even_when_it_is_the_one_in_m
         .unwrap()
         .unwrap();
     assert_eq!(st.state, Standing::Unreachable);
+    // The detail (`relay info`: `unreachable since …: <detail>`) is the cause alone, in our
+    // words: it does not repeat "unreachable" nor carry the OS's text.
+    assert_eq!(st.detail.as_deref(), Some("connection refused"));
     // Reachable and serving it: pinned.
     let mut c = s.client.clone();
     c.reload_pin().await.unwrap();
