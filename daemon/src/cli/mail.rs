@@ -534,11 +534,16 @@ impl Api {
             Ok(bytes) => bytes,
             // The answer broke off: it may have been a success.
             Err(e) => {
+                let cause = describe(&e);
+                let why = match cause.strip_prefix("the answer broke off") {
+                    Some(rest) => format!("the daemon's answer broke off{rest}"),
+                    None => format!("the daemon's answer broke off: {cause}"),
+                };
                 return Attempt::Retry {
-                    why: format!("the daemon's answer broke off: {}", describe(&e)),
+                    why,
                     maybe_done: true,
                     pause: None,
-                }
+                };
             }
         };
         let value: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
