@@ -265,6 +265,7 @@ fn list_and_unknown_ids() {
             "quarantine",
             "unclaimed",
             "service",
+            "mcp-setup",
             "disk-space"
         ]
     );

@@ -256,6 +256,8 @@ pub struct Context {
     pub path: Option<OsString>,
     /// The working directory (doctor looks for `.mcp.json` there).
     pub cwd: PathBuf,
+    /// `CLAUDE_CONFIG_DIR` when set and non-empty (where Claude Code keeps `.claude.json`).
+    pub claude_config_dir: Option<PathBuf>,
 }
 
 impl Context {
@@ -269,6 +271,7 @@ impl Context {
             codex_home: nonempty("CODEX_HOME").map(PathBuf::from),
             path: std::env::var_os("PATH"),
             cwd: std::env::current_dir().unwrap_or_else(|_| PathBuf::from(".")),
+            claude_config_dir: nonempty("CLAUDE_CONFIG_DIR").map(PathBuf::from),
         }
     }
 
@@ -283,6 +286,81 @@ impl Context {
     pub fn claude(&self) -> Option<PathBuf> {
         find_on_path(self.path.as_deref()?, "claude")
     }
+}
+
+/// The platform's default home (`MBX_HOME` unset), if the platform has one.
+pub fn default_home() -> Option<PathBuf> {
+    directories::ProjectDirs::from("", "", "agentmbx").map(|d| d.data_dir().to_path_buf())
+}
+
+/// One agentmbx MCP entry found by [`registered`].
+#[derive(Debug, Clone)]
+pub struct Registration {
+    /// The client.
+    pub client: Client,
+    /// Where: the file, and for Claude Code which scope.
+    pub place: String,
+    /// The entry, or why the file could not be read.
+    pub entry: Result<Entry, String>,
+}
+
+/// The agentmbx entries registered with the clients, read from their files only (cheap and
+/// bounded; no client is run): Codex's `config.toml`, the `.mcp.json` in [`Context::cwd`], and
+/// Claude Code's user scope in `.claude.json` (`$CLAUDE_CONFIG_DIR`, else the home; the file
+/// `claude mcp add --scope user` writes: top-level `mcpServers`). A file that does not exist or
+/// has no entry adds nothing.
+pub fn registered(ctx: &Context) -> Vec<Registration> {
+    let mut out = Vec::new();
+    let mut look = |client: Client, path: PathBuf, place: String, json: bool| {
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+            Err(e) => {
+                out.push(Registration {
+                    client,
+                    place,
+                    entry: Err(format!("cannot read {}: {e}", path.display())),
+                });
+                return;
+            }
+        };
+        let found = if json {
+            mcp_json::find(&text)
+        } else {
+            codex::find(&text)
+        };
+        match found {
+            Ok(None) => {}
+            Ok(Some(e)) => out.push(Registration {
+                client,
+                place,
+                entry: Ok(e),
+            }),
+            Err(why) => out.push(Registration {
+                client,
+                place,
+                entry: Err(format!("{}: {why}", path.display())),
+            }),
+        }
+    };
+    if let Some(dir) = ctx.codex_dir() {
+        let p = dir.join("config.toml");
+        let place = format!("Codex ({})", p.display());
+        look(Client::Codex, p, place, false);
+    }
+    let claude_json = ctx
+        .claude_config_dir
+        .as_ref()
+        .or(ctx.user_home.as_ref())
+        .map(|d| d.join(".claude.json"));
+    if let Some(p) = claude_json {
+        let place = format!("Claude Code user scope ({})", p.display());
+        look(Client::Claude, p, place, true);
+    }
+    let p = ctx.cwd.join(".mcp.json");
+    let place = format!("Claude Code project ({})", p.display());
+    look(Client::Claude, p, place, true);
+    out
 }
 
 /// The first executable file named `name` in the `PATH`-style list `path`.
