@@ -41,7 +41,7 @@ was no, 2 usage error (or no terminal to confirm on and no --yes).";
 #[derive(Debug, Args)]
 #[command(after_long_help = SETUP_HELP)]
 pub struct SetupArgs {
-    /// Only these clients, comma-separated (default: all found)
+    /// Only these clients, comma-separated (default: all)
     #[arg(long, value_delimiter = ',', value_name = "CLIENT")]
     pub only: Vec<Client>,
     /// The agent the MCP server acts as (`agentmbx mcp --as AGENT`); without it the server
@@ -74,7 +74,7 @@ pub struct SetupFailed(pub String);
 /// The home to name in the server's environment: `MBX_HOME` (made absolute) when it is set and
 /// not the platform default, else `None`.
 pub fn home_for_entry() -> anyhow::Result<Option<PathBuf>> {
-    if !std::env::var_os(HOME_ENV).is_some_and(|v| !v.is_empty()) {
+    if std::env::var_os(HOME_ENV).is_none_or(|v| v.is_empty()) {
         return Ok(None);
     }
     let home = std::path::absolute(Paths::from_env()?.home())?;
