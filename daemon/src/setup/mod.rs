@@ -660,6 +660,63 @@ mod tests {
         assert_eq!(agent_of(&["mcp".into(), "--as=bo".into()]), Some("bo"));
     }
 
+    #[cfg(unix)]
+    #[test]
+    fn writes_through_a_symlink_keeping_the_mode() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().join("dotfiles-config.toml");
+        std::fs::write(&real, "a = 1\n").unwrap();
+        std::fs::set_permissions(&real, std::fs::Permissions::from_mode(0o640)).unwrap();
+        let link = dir.path().join("config.toml");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        write_file(&link, "a = 2\n", 0o600).unwrap();
+        assert!(link.symlink_metadata().unwrap().file_type().is_symlink());
+        assert_eq!(std::fs::read_to_string(&real).unwrap(), "a = 2\n");
+        let mode = std::fs::metadata(&real).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o640);
+        let new = dir.path().join("sub/new.toml");
+        write_file(&new, "b = 1\n", 0o600).unwrap();
+        let mode = std::fs::metadata(&new).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+    }
+
+    #[test]
+    fn registered_reads_codex_claude_and_project_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let home = dir.path().join("home");
+        let work = dir.path().join("work");
+        std::fs::create_dir_all(home.join(".codex")).unwrap();
+        std::fs::create_dir_all(&work).unwrap();
+        let ctx = Context {
+            user_home: Some(home.clone()),
+            codex_home: None,
+            path: None,
+            cwd: work.clone(),
+            claude_config_dir: None,
+        };
+        assert!(registered(&ctx).is_empty());
+        let spec = ServerSpec::new(Path::new("/b/agentmbx"), Some("ana"), None);
+        let codex = codex::upsert("# c\n", &spec).unwrap().text;
+        std::fs::write(home.join(".codex/config.toml"), codex).unwrap();
+        let user = mcp_json::upsert(r#"{"numStartups": 3}"#, &spec)
+            .unwrap()
+            .text;
+        std::fs::write(home.join(".claude.json"), user).unwrap();
+        std::fs::write(work.join(".mcp.json"), "{ not json").unwrap();
+        let found = registered(&ctx);
+        assert_eq!(found.len(), 3, "{found:?}");
+        assert_eq!(found[0].client, Client::Codex);
+        assert!(found[0].entry.as_ref().unwrap().matches(&spec));
+        assert!(found[1].place.starts_with("Claude Code user scope"));
+        assert!(found[1].entry.as_ref().unwrap().matches(&spec));
+        assert!(found[2]
+            .entry
+            .as_ref()
+            .unwrap_err()
+            .contains("not valid JSON"));
+    }
+
     #[test]
     fn find_on_path_needs_an_executable_file() {
         let dir = tempfile::tempdir().unwrap();
