@@ -121,7 +121,7 @@ pub fn run(args: SetupArgs) -> anyhow::Result<()> {
             return Err(UsageError(format!("--project {}: not a directory", dir.display())).into());
         }
     }
-    let mut clients: Vec<Client> = if args.only.is_empty() {
+    let clients: Vec<Client> = if args.only.is_empty() {
         Client::ALL.to_vec()
     } else {
         Client::ALL
@@ -129,7 +129,6 @@ pub fn run(args: SetupArgs) -> anyhow::Result<()> {
             .filter(|c| args.only.contains(c))
             .collect()
     };
-    clients.dedup();
     let spec = spec_for(args.agent.as_deref())?;
     let req = Request {
         clients: clients.clone(),
