@@ -48,7 +48,7 @@ fn status_of<'a>(report: &'a Value, id: &str) -> &'a str {
 fn assert_shape(report: &Value) {
     assert_eq!(report["schema"], 2);
     let checks = report["checks"].as_array().expect("checks");
-    assert_eq!(checks.len(), 17);
+    assert_eq!(checks.len(), 18);
     let mut counted = 0;
     for c in checks {
         assert!(c["id"].is_string() && c["title"].is_string() && c["summary"].is_string());
@@ -265,6 +265,7 @@ fn list_and_unknown_ids() {
             "quarantine",
             "unclaimed",
             "service",
+            "mcp-setup",
             "disk-space"
         ]
     );

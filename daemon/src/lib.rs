@@ -14,6 +14,7 @@
 //! - [`instance`]: this daemon process's instance id and the detection of two daemons on one
 //!   host key (its own, or a peer's);
 //! - [`token`]: the local API bearer token file;
+//! - [`setup`]: registering `agentmbx mcp` with the agent clients (Claude Code, Codex);
 //! - [`service`]: the systemd user unit and launchd agent files, and sd-notify while running;
 //! - [`api`]: the local HTTP API for agents (router, auth, error mapping, one file per resource);
 //! - [`fsutil`]: crash-safe creation and replacement of small files;
@@ -42,6 +43,7 @@ pub mod node;
 pub mod pairing;
 pub mod paths;
 pub mod service;
+pub mod setup;
 pub mod token;
 pub mod transport;
 

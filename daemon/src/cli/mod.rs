@@ -29,6 +29,7 @@ pub mod relay_admin;
 pub mod relay_info;
 pub mod relay_ops;
 pub mod relay_status;
+pub mod setup;
 pub mod whoami;
 
 use std::process::ExitCode;
@@ -159,6 +160,8 @@ pub enum Command {
     Ack(mail::AckArgs),
     /// List an agent's sent messages with each recipient's delivery state
     Sent(mail::SentArgs),
+    /// Register `agentmbx mcp` with the agent clients here (Claude Code, Codex), or remove it
+    Setup(setup::SetupArgs),
     /// Print a shell completion script to stdout (bash, zsh, fish, elvish, powershell)
     Completions(completions::CompletionsArgs),
     /// Check this host's setup (identity, keys, daemon, peers, relay, outbox, service, disk)
@@ -247,6 +250,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Thread(args) => mail::thread(args),
         Command::Ack(args) => mail::ack(args),
         Command::Sent(args) => mail::sent(args),
+        Command::Setup(args) => setup::run(args),
         Command::Completions(args) => completions::run(args),
         Command::Doctor(args) => doctor::run(args),
         Command::Man(args) => man::run(args),

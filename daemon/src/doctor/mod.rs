@@ -145,6 +145,10 @@ pub const CHECKS: &[Check] = &[
         title: "service installed and running",
     },
     Check {
+        id: "mcp-setup",
+        title: "agent clients' agentmbx MCP entries run this binary and home",
+    },
+    Check {
         id: "disk-space",
         title: "disk space of the data directory",
     },

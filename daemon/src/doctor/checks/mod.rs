@@ -1,12 +1,13 @@
 //! The checks of [`super::CHECKS`], one function each, evaluated over the gathered
 //! [`super::Facts`]: `local` (config, identity, key store, outbox, quarantine, unclaimed mail,
-//! service, disk space),
+//! service, disk space), `mcp_setup` (the agent clients' agentmbx MCP entries),
 //! `relay` (reachable, key, enrolment, enc-key ad, clock skew), `clone` (two daemons on this
 //! host's or a peer's key) and `net` (the probes they read, plus the daemon and peer checks). A check never panics and never prints secrets: an `Err`
 //! is reported as status `error`.
 
 pub mod clone;
 pub mod local;
+pub mod mcp_setup;
 pub mod net;
 pub mod relay;
 
@@ -37,6 +38,7 @@ pub fn evaluate(id: &str, f: &Facts) -> Result<Outcome, String> {
         "quarantine" => local::quarantine(f),
         "unclaimed" => local::unclaimed(f),
         "service" => local::service(f),
+        "mcp-setup" => mcp_setup::mcp_setup(f),
         "disk-space" => local::disk_space(f),
         other => Err(format!("no such check: {other}")),
     }
