@@ -166,7 +166,10 @@ mod tests {
         let (_, Json(entry)) = post(State(state.clone()), headers(), none(), registered)
             .await
             .unwrap();
-        assert_eq!((&entry["name"], &entry["role"]), (&"bob".into(), &"dev".into()));
+        assert_eq!(
+            (&entry["name"], &entry["role"]),
+            (&"bob".into(), &"dev".into())
+        );
         for bad in [
             r#"{"name":"Bob"}"#,
             r#"{"name":"bob","role":"Dev Ops"}"#,

@@ -129,8 +129,13 @@ pub async fn get(
         return Ok(Json(page).into_response());
     }
     let Some(_slot) = hub.try_wait_slot() else {
+        tracing::debug!(
+            "{} requests wait for mail already: answered at once",
+            crate::mailbox::wake::MAX_WAITERS
+        );
         return Ok(Json(page).into_response());
     };
+    tracing::debug!(agent = %agent, wait_s = wait, "a reader waits for mail");
     let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(wait.into());
     let mut page = page;
     loop {

@@ -111,14 +111,20 @@ pub fn parse_inbox_cursor(agent: &str, cursor: Option<&str>) -> Result<i64, Mail
     let Some(c) = cursor.filter(|c| !c.is_empty()) else {
         return Ok(0);
     };
-    let (owner, seq) = c
-        .rsplit_once('.')
-        .ok_or_else(|| MailboxError::Invalid(format!("bad cursor {c:?}: pass back a cursor an inbox answer gave")))?;
+    let (owner, seq) = c.rsplit_once('.').ok_or_else(|| {
+        MailboxError::Invalid(format!(
+            "bad cursor {c:?}: pass back a cursor an inbox answer gave"
+        ))
+    })?;
     let seq: i64 = seq
         .parse()
         .ok()
         .filter(|s: &i64| *s >= 0 && seq.bytes().all(|b| b.is_ascii_digit()))
-        .ok_or_else(|| MailboxError::Invalid(format!("bad cursor {c:?}: pass back a cursor an inbox answer gave")))?;
+        .ok_or_else(|| {
+            MailboxError::Invalid(format!(
+                "bad cursor {c:?}: pass back a cursor an inbox answer gave"
+            ))
+        })?;
     if owner != agent {
         return Err(MailboxError::Invalid(format!(
             "cursor {c:?} belongs to another agent's inbox, not {agent}'s"

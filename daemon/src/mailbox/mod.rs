@@ -115,7 +115,9 @@ impl Mailbox {
         conn.busy_timeout(std::time::Duration::from_millis(BUSY_TIMEOUT_MS))?;
         schema::migrate(&mut conn)?;
         let seen: i64 =
-            conn.query_row("SELECT COALESCE(MAX(seq), 0) FROM deliveries", [], |r| r.get(0))?;
+            conn.query_row("SELECT COALESCE(MAX(seq), 0) FROM deliveries", [], |r| {
+                r.get(0)
+            })?;
         Ok(Mailbox {
             conn: Arc::new(Mutex::new(conn)),
             waits: Arc::new(wake::WaitHub::new(seen)),

@@ -76,6 +76,11 @@ impl WaitHub {
         self.slots.clone().try_acquire_owned().ok()
     }
 
+    /// How many requests wait now (holding a permit of [`WaitHub::try_wait_slot`]).
+    pub fn waiting(&self) -> usize {
+        MAX_WAITERS - self.slots.available_permits()
+    }
+
     /// Ends every wait now and makes later ones answer at once (daemon shutdown).
     pub fn close(&self) {
         self.closed.send_replace(true);
@@ -92,12 +97,12 @@ impl WaitHub {
     pub(super) fn announce(&self, conn: &Connection) {
         let seen = self.seen.load(Ordering::SeqCst);
         let rows = conn
-            .prepare_cached(
-                "SELECT agent, MAX(seq) FROM deliveries WHERE seq > ?1 GROUP BY agent",
-            )
+            .prepare_cached("SELECT agent, MAX(seq) FROM deliveries WHERE seq > ?1 GROUP BY agent")
             .and_then(|mut st| {
-                st.query_map([seen], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))?
-                    .collect::<Result<Vec<_>, _>>()
+                st.query_map([seen], |r| {
+                    Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?))
+                })?
+                .collect::<Result<Vec<_>, _>>()
             });
         let rows = match rows {
             Ok(rows) => rows,
@@ -130,8 +135,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_committed_delivery_wakes_its_agent_only_after_commit_and_a_rollback_wakes_nobody()
-    {
+    async fn a_committed_delivery_wakes_its_agent_only_after_commit_and_a_rollback_wakes_nobody() {
         let store = testutil::store();
         let mb = store.mailbox.clone();
         let mut bob = mb.waits().subscribe("bob");
