@@ -139,7 +139,7 @@ mod tests {
         let store = testutil::store();
         let mb = store.mailbox.clone();
         let mut bob = mb.waits().subscribe("bob");
-        let mut carol = mb.waits().subscribe("carol");
+        let carol = mb.waits().subscribe("carol");
         // Rolled back: nobody is woken.
         mb.with(|c| {
             let tx = c.transaction()?;
