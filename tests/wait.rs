@@ -3,6 +3,9 @@
 //! the receiving host — sent locally, over the LAN, or through a relay — and a daemon asked to
 //! stop (SIGTERM) ends its waits at once instead of waiting for them.
 //!
+//! A wait that returned a message records it `notified`, and the sender's `sent` shows it
+//! once the receipt is back.
+//!
 //! A waiter is known to wait when the daemon logs `a reader waits for mail` (debug, enabled for
 //! the inbox module only); then the mail is sent.
 
@@ -167,6 +170,17 @@ fn a_long_poll_is_woken_by_mail_arriving_over_the_lan() {
             .ok()
     });
     assert_eq!(via.as_deref(), Some("lan"));
+    // The wait returned it: the sender learns `notified` (spec §9) from the receipt.
+    wait_for("alice's sent to show notified", || {
+        let r = a.api("GET", "/v1/sent?as=alice", None);
+        let sent = r.json();
+        let m = sent["messages"]
+            .as_array()?
+            .iter()
+            .find(|m| m["id"] == id.as_str())?
+            .clone();
+        (m["recipients"][0]["state"] == "notified").then_some(())
+    });
     eprintln!("LAN: commit on the receiver -> waiter's answer: {latency_ms} ms");
     assert!(latency_ms < 5_000, "{latency_ms} ms");
 }

@@ -1752,3 +1752,60 @@ async fn long_poll_latency_from_commit_to_answer() {
         samples[samples.len() - 1]
     );
 }
+
+/// Issue 18 (3): `notified` is recorded only when a wait returned the message: a long poll woken
+/// by mail from a peer queues one `notified` receipt to that peer (a plain listing queues none,
+/// a second wait none again), and a local sender's `sent` shows `notified` for a local
+/// recipient whose wait returned it; a message already read stays `read`.
+#[tokio::test]
+async fn a_wait_that_returned_a_message_records_it_notified() {
+    let api = Arc::new(Api::start().await);
+    let receipts = |api: &Api, state: &str| -> i64 {
+        api.store.scalar(&format!(
+            "SELECT COUNT(*) FROM receipt_outbox WHERE state = '{state}' AND host = 'work'"
+        ))
+    };
+    let (_, first) = api.inbox("").await;
+    let cursor = first["cursor"].as_str().unwrap().to_string();
+    let waiter = {
+        let api = api.clone();
+        tokio::spawn(async move { api.inbox(&format!("&wait=30&cursor={cursor}")).await })
+    };
+    until_waiting(&api, 1).await;
+    let remote = "01J00000000000000000000WRK";
+    receive_from_work(&api, remote);
+    let (status, page) = waiter.await.unwrap();
+    assert_eq!(status, 200, "{page}");
+    assert_eq!(ids_of(&page), vec![remote.to_string()]);
+    assert_eq!(page["messages"][0]["state"], "new");
+    assert_eq!(receipts(&api, "notified"), 1);
+    // Listing again, waiting or not, records nothing more.
+    let (_, _) = api.inbox("").await;
+    let (_, again) = api.inbox("&wait=1").await;
+    assert_eq!(ids_of(&again), vec![remote.to_string()]);
+    assert_eq!(receipts(&api, "notified"), 1);
+    // A plain listing of a new local message records nothing; a wait that returns it does.
+    let local = api.send(&["bob"], "local").await;
+    let state_of = |api: Arc<Api>, id: String| async move {
+        let (status, sent) = api.get("/v1/sent?as=alice").await;
+        assert_eq!(status, 200, "{sent}");
+        let m = sent["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["id"] == id.as_str())
+            .cloned()
+            .unwrap();
+        m["recipients"][0]["state"].as_str().unwrap().to_string()
+    };
+    let (_, listed) = api.inbox("").await;
+    assert!(ids_of(&listed).contains(&local));
+    assert_eq!(state_of(api.clone(), local.clone()).await, "delivered");
+    let after_remote = page["cursor"].as_str().unwrap();
+    let (_, waited) = api.inbox(&format!("&wait=5&cursor={after_remote}")).await;
+    assert_eq!(ids_of(&waited), vec![local.clone()]);
+    assert_eq!(state_of(api.clone(), local.clone()).await, "notified");
+    let (status, _) = api.get(&format!("/v1/messages/{local}?as=bob")).await;
+    assert_eq!(status, 200);
+    assert_eq!(state_of(api.clone(), local).await, "read");
+}

@@ -6,7 +6,10 @@
 //! ([`crate::mailbox::wake`]), whatever transport brought the message — or until the wait ends
 //! (an empty page then), or the daemon shuts down (an empty page at once). At most
 //! [`crate::mailbox::wake::MAX_WAITERS`] requests wait at once; past it a request answers at
-//! once as with `wait=0`. Waiting uses no timer but its own deadline.
+//! once as with `wait=0`. Waiting uses no timer but its own deadline. The messages an answer
+//! to a request with `wait` lists (at once or after waiting) are recorded `notified` when still
+//! `new` (spec §9: a live consumer took them), which queues a `notified` receipt for mail from
+//! a peer; a plain listing (`wait=0`) records nothing.
 
 use axum::extract::State;
 use axum::Json;
@@ -125,7 +128,11 @@ pub async fn get(
     let mut arrived = hub.subscribe(&agent);
     let mut closed = hub.closed();
     let page = read(q.cursor.clone()).await?;
-    if !page.messages.is_empty() || *closed.borrow() {
+    if !page.messages.is_empty() {
+        notified(&state, &agent, &page).await?;
+        return Ok(Json(page).into_response());
+    }
+    if *closed.borrow() {
         return Ok(Json(page).into_response());
     }
     let Some(_slot) = hub.try_wait_slot() else {
@@ -151,8 +158,26 @@ pub async fn get(
         // Read on from the position of the empty page: only what arrived since.
         page = read(Some(page.cursor.clone())).await?;
         if !page.messages.is_empty() {
+            notified(&state, &agent, &page).await?;
             break;
         }
     }
     Ok((axum::Extension(LongPoll), Json(page)).into_response())
+}
+
+/// A wait returned `page` to `agent`: a live consumer took its messages (spec §9 `notified`,
+/// [`messages::mark_notified`]).
+async fn notified(state: &SharedState, agent: &str, page: &InboxPage) -> Result<(), ApiError> {
+    let ids: Vec<String> = page.messages.iter().map(|m| m.id.clone()).collect();
+    let (agent, now) = (agent.to_string(), state.clock.now_ms());
+    state
+        .mailbox
+        .run(move |c| {
+            let tx = c.transaction()?;
+            messages::mark_notified(&tx, &agent, &ids, now)?;
+            tx.commit()?;
+            Ok(())
+        })
+        .await?;
+    Ok(())
 }

@@ -139,7 +139,7 @@ pub enum DeliveryState {
     Acked,
 }
 
-/// One recipient's state in `GET /v1/sent`: local recipients `delivered`, `read`, `acked`;
+/// One recipient's state in `GET /v1/sent`: local recipients `delivered`, `notified`, `read`, `acked`;
 /// remote ones the newest receipt (`delivered`, `notified`, `read`, `acked`), else the outbox
 /// (`queued`, `relay-accepted`, `repush`, `delivered`, `undelivered`, `expired`,
 /// `unconfirmed`).

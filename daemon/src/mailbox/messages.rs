@@ -282,6 +282,27 @@ pub fn inbox(
     })
 }
 
+/// Records that a live consumer took `ids` (a long poll returned them to `agent`): each
+/// delivery still `new` and not yet notified gets `notified_at` = `now_ms`, which queues a
+/// `notified` receipt for mail from a peer (spec §9; the trigger of schema version 7). Read,
+/// acked and already notified deliveries are left alone. Returns how many were marked.
+pub fn mark_notified(
+    conn: &Connection,
+    agent: &str,
+    ids: &[String],
+    now_ms: i64,
+) -> Result<usize, MailboxError> {
+    let mut st = conn.prepare_cached(
+        "UPDATE deliveries SET notified_at = ?3
+         WHERE msg_id = ?1 AND agent = ?2 AND state = 'new' AND notified_at IS NULL",
+    )?;
+    let mut n = 0;
+    for id in ids {
+        n += st.execute(params![id, agent, now_ms])?;
+    }
+    Ok(n)
+}
+
 fn message_from_row(env: &str, origin: String, state: Option<String>) -> Message {
     let v: Value = serde_json::from_str(env).unwrap_or(Value::Null);
     let s = |k: &str| {
