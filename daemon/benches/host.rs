@@ -14,6 +14,9 @@
 //! - `e2e`: end-to-end latency of the real release binary: local API send on host A until the
 //!   message is listed by host B's `GET /v1/inbox`, through a relay (`e2e_relay_p50/p99`) and
 //!   over the LAN (`e2e_lan_p50/p99`), in ms, in a closed loop (one message in flight);
+//! - `wait`: one daemon; a long poll (`GET /v1/inbox?as=bob&wait=30&cursor=`) is open when
+//!   alice sends bob a message through the local API: ms from just before the send request to
+//!   the waiter's answer (`wait_local_p50/p99`), one message at a time;
 //! - `idle`: a daemon with a relay configured and no traffic: RSS, CPU and wakeups;
 //! - `start`: daemon start to `READY=1` (sd-notify datagram) on a fresh and an existing home;
 //! - `all`: every scenario above, in that order;
@@ -107,17 +110,21 @@ fn main() -> Result<()> {
         "disk" => disk(&opts),
         "redis" => redis(&opts),
         "e2e" => e2e(&opts),
+        "wait" => wait(&opts),
         "idle" => idle(&opts),
         "start" => start(&opts),
         "all" => {
             disk(&opts)?;
             redis(&opts)?;
             e2e(&opts)?;
+            wait(&opts)?;
             idle(&opts)?;
             start(&opts)
         }
         "report" => report(&opts),
-        s => bail!("unknown scenario {s} (disk | redis | e2e | idle | start | all | report)"),
+        s => {
+            bail!("unknown scenario {s} (disk | redis | e2e | wait | idle | start | all | report)")
+        }
     }
 }
 
@@ -1076,6 +1083,110 @@ fn e2e(o: &Opts) -> Result<()> {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Waiting for mail (long poll)
+
+/// What the daemon logs (debug, inbox module) when a request starts waiting for mail.
+const WAITING: &str = "a reader waits for mail";
+
+/// Figure 6: a long poll open on bob's inbox answers a local send (see the module docs).
+fn wait(o: &Opts) -> Result<()> {
+    let dir = o.dir.join("wait");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    let mut h = Host::init(&dir, "hostw")?;
+    for agent in ["alice", "bob"] {
+        mbx_run(&h.home, &["whoami", "--as", agent])?;
+    }
+    let mut cmd = mbx(&h.home, &["daemon", "--api-port", "0"]);
+    // The inbox module's debug line says when a waiter waits: the send starts only then.
+    cmd.env("MBX_LOG", "info,agentmbx::api::inbox=debug");
+    let mut proc = Proc::spawn("hostw daemon", cmd)?;
+    h.api_addr = Some(proc.announced("local API listening on ")?);
+    h.daemon = Some(proc);
+    let n = if o.quick { 20 } else { 200 };
+    let (mut p50, mut p99, mut max) = (Vec::new(), Vec::new(), Vec::new());
+    for run in 0..o.runs {
+        eprintln!("wait_local: run {}/{} ({n} messages)", run + 1, o.runs);
+        let lat = long_polls(&mut h, n, run)?;
+        p50.push(percentile(&lat, 50.0));
+        p99.push(percentile(&lat, 99.0));
+        max.push(percentile(&lat, 100.0));
+    }
+    let extra = json!({
+        "messages_per_run": n,
+        "mode": "one long poll open (wait=30, from the previous answer's cursor); the send starts once the daemon logged that the request waits",
+        "body_bytes": VALUE_BYTES,
+        "max_ms_median": round3(median(&max)),
+    });
+    let label = "local send → long-poll answer (GET /v1/inbox?wait=)";
+    emit(
+        "wait_local_p50",
+        &format!("{label}, p50"),
+        "ms",
+        &p50,
+        extra.clone(),
+    );
+    emit(
+        "wait_local_p99",
+        &format!("{label}, p99"),
+        "ms",
+        &p99,
+        extra,
+    );
+    drop(h);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+/// `n` sends alice → bob on `h`, each answered by a long poll opened before it; the ms from
+/// just before each send request to the waiter's answer.
+fn long_polls(h: &mut Host, n: usize, run: usize) -> Result<Vec<f64>> {
+    let body: String = (0..VALUE_BYTES)
+        .map(|i| char::from(b'a' + (i % 26) as u8))
+        .collect();
+    let mut api = h.api()?;
+    let (status, page) = api.call("GET", "/v1/inbox?as=bob&limit=1", None)?;
+    if status != 200 {
+        bail!("inbox answered {status}: {page}");
+    }
+    let mut cursor = page["cursor"].as_str().context("cursor")?.to_string();
+    let mut lat = Vec::with_capacity(n);
+    for i in 0..n {
+        let waiting = h.daemon()?.log().matches(WAITING).count();
+        let mut waiter = h.api()?;
+        let path = format!("/v1/inbox?as=bob&wait=30&cursor={cursor}");
+        let answer = std::thread::spawn(move || {
+            let r = waiter.call("GET", &path, None);
+            (r, Instant::now())
+        });
+        let deadline = Instant::now() + TIMEOUT;
+        while h.daemon()?.log().matches(WAITING).count() <= waiting {
+            if Instant::now() >= deadline {
+                bail!("the long poll did not start waiting within {TIMEOUT:?}");
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let msg = json!({"from": "alice", "to": ["bob"], "subject": format!("wait-{run} {i}"),
+                         "body": body});
+        let t0 = Instant::now();
+        let (status, sent) = api.call("POST", "/v1/messages", Some(&msg))?;
+        if status != 201 {
+            bail!("send answered {status}: {sent}");
+        }
+        let (got, t1) = answer
+            .join()
+            .map_err(|_| anyhow::anyhow!("the waiter thread panicked"))?;
+        let (status, page) = got?;
+        if status != 200 || page["messages"][0]["id"] != sent["id"] {
+            bail!("the long poll answered {status}: {page}");
+        }
+        cursor = page["cursor"].as_str().context("cursor")?.to_string();
+        lat.push(t1.duration_since(t0).as_secs_f64() * 1e3);
+    }
+    Ok(lat)
+}
+
+// ---------------------------------------------------------------------------------------------
 // Idle footprint and start-up
 
 /// CPU time and per-thread context switches of a process at one moment.
@@ -1395,6 +1506,7 @@ fn figure_of(id: &str) -> &'static str {
         s if s.starts_with("relay_page") => "3",
         s if s.starts_with("e2e_") => "4",
         s if s.starts_with("daemon_") => "5",
+        s if s.starts_with("wait_") => "6",
         _ => "",
     }
 }

@@ -4,12 +4,15 @@
 //! `role:R` reach, is defined in [`crate::mailbox::agents`].
 
 use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
 use axum::Json;
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 use crate::mailbox::agents::{self, AgentEntry, DirectoryEntry};
+use crate::mailbox::MailboxError;
 
-use super::{ApiError, ApiJson, ApiQuery, NoQuery, SharedState};
+use super::{idempotent, ApiError, ApiJson, ApiQuery, NoQuery, SharedState};
 
 /// Body of `POST /v1/agents`.
 #[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
@@ -60,33 +63,52 @@ pub async fn get(
 
 /// Registers (or updates) a local mailbox; `*` reaches it from now on, and `role:<R>` when it
 /// has role R. Mail this host held for the name (`GET /v1/unclaimed`) becomes its mail in the
-/// same transaction, and its `delivered` receipts go out.
+/// same transaction, and its `delivered` receipts go out. With an `Idempotency-Key` (scoped to
+/// the agent name, `register:<name>`), a repeat with the same body answers the first answer
+/// again and another body is 409.
 #[utoipa::path(post, path = "/v1/agents", operation_id = "register_agent", request_body = RegisterRequest,
+    params(("Idempotency-Key" = Option<String>, Header, description = "replay protection, per agent name: 1..=200 visible ASCII characters, not starting or ending with a space (else 400); the same key and body again return the first answer, another body is 409", min_length = 1, max_length = 200, pattern = "^[!-~]([ -~]*[!-~])?$")),
     responses((status = 200, body = AgentEntry)),
     security(("bearer" = [])))]
 pub async fn post(
     State(state): State<SharedState>,
+    headers: HeaderMap,
     _: ApiQuery<NoQuery>,
-    ApiJson { value: req, .. }: ApiJson<RegisterRequest>,
-) -> Result<Json<AgentEntry>, ApiError> {
+    ApiJson {
+        value: req,
+        raw: body,
+    }: ApiJson<RegisterRequest>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    super::check_agent(&req.name)?;
     let own = state.ident.host.to_string();
     let now = state.clock.now_ms();
-    let entry = state
-        .mailbox
-        .run(move |c| {
-            agents::register(
-                c,
+    let answer = idempotent(
+        &state,
+        &headers,
+        "/v1/agents",
+        format!("register:{}", req.name),
+        &body,
+        StatusCode::OK,
+        move |tx| {
+            let entry = match agents::register(
+                tx,
                 &own,
                 &req.name,
                 req.role.as_deref(),
                 req.description.as_deref(),
                 now,
-            )
-        })
-        .await?;
+            ) {
+                Ok(entry) => entry,
+                Err(MailboxError::Invalid(m)) => return Ok(Err(ApiError::Invalid(m))),
+                Err(e) => return Err(e),
+            };
+            Ok(Ok(serde_json::to_value(entry).unwrap_or(Value::Null)))
+        },
+    )
+    .await?;
     // Mail held for this name became its mail: its delivered receipts are queued, send them now.
     state.wake.notify_one();
-    Ok(Json(entry))
+    Ok(answer)
 }
 
 #[cfg(test)]
@@ -140,12 +162,13 @@ mod tests {
         };
         let none = || ApiQuery(NoQuery {});
         let registered = body(r#"{"name":"bob","role":"dev","description":"builds"}"#).unwrap();
-        let Json(entry) = post(State(state.clone()), none(), registered)
+        let headers = HeaderMap::new;
+        let (_, Json(entry)) = post(State(state.clone()), headers(), none(), registered)
             .await
             .unwrap();
         assert_eq!(
-            (entry.name.as_str(), entry.role.as_deref()),
-            ("bob", Some("dev"))
+            (&entry["name"], &entry["role"]),
+            (&"bob".into(), &"dev".into())
         );
         for bad in [
             r#"{"name":"Bob"}"#,
@@ -153,7 +176,9 @@ mod tests {
             r#"{"name":"bob","color":"red"}"#,
         ] {
             let err = match body(bad) {
-                Ok(req) => post(State(state.clone()), none(), req).await.unwrap_err(),
+                Ok(req) => post(State(state.clone()), headers(), none(), req)
+                    .await
+                    .unwrap_err(),
                 Err(e) => e,
             };
             assert_eq!(err.status().as_u16(), 400, "{bad}");

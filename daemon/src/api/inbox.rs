@@ -1,4 +1,15 @@
-//! `GET /v1/inbox`: an agent's inbox in bounded pages.
+//! `GET /v1/inbox`: an agent's inbox in bounded pages, and the long poll (`wait=<seconds>`).
+//!
+//! Every answer carries `cursor`, the position after the page (scoped to the agent). With
+//! `wait` (1..=[`MAX_WAIT_S`] s), a page that would be empty is held until a message for the
+//! agent is committed after that position — the wake comes from the store's one wake point
+//! ([`crate::mailbox::wake`]), whatever transport brought the message — or until the wait ends
+//! (an empty page then), or the daemon shuts down (an empty page at once). At most
+//! [`crate::mailbox::wake::MAX_WAITERS`] requests wait at once; past it a request answers at
+//! once as with `wait=0`. Waiting uses no timer but its own deadline. The messages an answer
+//! to a request with `wait` lists (at once or after waiting) are recorded `notified` when still
+//! `new` (spec §9: a live consumer took them), which queues a `notified` receipt for mail from
+//! a peer; a plain listing (`wait=0`) records nothing.
 
 use axum::extract::State;
 use axum::Json;
@@ -17,8 +28,10 @@ pub struct InboxQuery {
     #[serde(rename = "as")]
     #[param(value_type = crate::api::openapi::AgentName)]
     pub as_agent: String,
-    /// Opaque cursor from the previous page's `next_cursor` (empty: the first page).
-    #[param(pattern = "^[0-9]{0,18}$")]
+    /// Opaque cursor from a previous answer of this agent's inbox: `next_cursor` (the next
+    /// page) or `cursor` (what comes after that answer); empty: from the start. Another
+    /// agent's cursor is 400.
+    #[param(pattern = "^([a-z0-9][a-z0-9-]{1,39}\\.[0-9]{1,18})?$")]
     pub cursor: Option<String>,
     /// Page size, 1..=200 (default 50); pages are also bounded to 256 KiB.
     #[param(minimum = 1, maximum = 200)]
@@ -32,7 +45,18 @@ pub struct InboxQuery {
     /// Only messages from this sender: `name@host`, or a bare `name` (from any host).
     #[param(pattern = "^[a-z0-9][a-z0-9-]{1,39}(@[^@]+)?$")]
     pub from: Option<String>,
+    /// Long poll, seconds (0..=60, default 0): when the page would be empty, wait up to this
+    /// long for a message for the agent committed after `cursor`; an empty page on timeout.
+    #[param(minimum = 0, maximum = 60)]
+    pub wait: Option<u32>,
 }
+
+/// Longest `wait` of `GET /v1/inbox` (s): 60. The CLI's attempt timeout is longer.
+pub const MAX_WAIT_S: u32 = 60;
+
+/// Marks an answer that waited, so the slow-request log leaves it out.
+#[derive(Debug, Clone, Copy)]
+pub struct LongPoll;
 
 /// Checks the `from` filter: an agent name (NAME_RE), optionally `@host` (anything but `@`,
 /// not empty). Errors: 400 `BAD_REQUEST` saying so.
@@ -53,14 +77,18 @@ pub fn check_from(from: &str) -> Result<(), ApiError> {
 
 /// Lists an agent's messages, oldest first, without bodies. An `as` that is no agent of this
 /// host (no local mailbox, no mail delivered to it) is 404 `UNKNOWN_AGENT`, not an empty page.
+/// With `wait`, an empty page is held until mail for the agent arrives after `cursor` (see
+/// the module docs).
 #[utoipa::path(get, path = "/v1/inbox", operation_id = "list_inbox", params(InboxQuery),
-    responses((status = 200, body = InboxPage),
+    responses((status = 200, description = "A page with the position after it (`cursor`); with `wait`, the first page that is not empty, or an empty one when the wait ended (timeout, daemon shutting down, or more than 256 requests waiting: then it answers at once)", body = InboxPage),
+        (status = 400, description = "BAD_REQUEST: bad `limit`, `from` or `cursor`, a cursor of another agent, or `wait` over 60", body = super::ErrorBody),
         (status = 404, description = "UNKNOWN_AGENT: `as` is no agent of this host (no mailbox, no mail delivered to it); the error names the closest agents", body = super::ErrorBody)),
     security(("bearer" = [])))]
 pub async fn get(
     State(state): State<SharedState>,
     ApiQuery(q): ApiQuery<InboxQuery>,
-) -> Result<Json<InboxPage>, ApiError> {
+) -> Result<axum::response::Response, ApiError> {
+    use axum::response::IntoResponse;
     super::check_agent(&q.as_agent)?;
     super::check_reader(&state, &q.as_agent).await?;
     let limit = q.limit.unwrap_or(messages::DEFAULT_INBOX_LIMIT);
@@ -73,14 +101,83 @@ pub async fn get(
     if let Some(from) = q.from.as_deref() {
         check_from(from)?;
     }
+    let wait = q.wait.unwrap_or(0);
+    if wait > MAX_WAIT_S {
+        return Err(ApiError::Invalid(format!(
+            "wait must be 0..={MAX_WAIT_S} seconds"
+        )));
+    }
+    messages::parse_inbox_cursor(&q.as_agent, q.cursor.as_deref())?;
     let filter = InboxFilter {
         include_acked: q.all,
         needs_reply: q.needs_reply,
         from: q.from,
     };
-    let page = state
+    let agent = q.as_agent;
+    let read = |cursor: Option<String>| {
+        let (agent, filter) = (agent.clone(), filter.clone());
+        state
+            .mailbox
+            .run(move |c| messages::inbox(c, &agent, cursor.as_deref(), limit, &filter))
+    };
+    if wait == 0 {
+        return Ok(Json(read(q.cursor).await?).into_response());
+    }
+    // Subscribe before the first read: a delivery committed after it is seen.
+    let hub = state.mailbox.waits();
+    let mut arrived = hub.subscribe(&agent);
+    let mut closed = hub.closed();
+    let page = read(q.cursor.clone()).await?;
+    if !page.messages.is_empty() {
+        notified(&state, &agent, &page).await?;
+        return Ok(Json(page).into_response());
+    }
+    if *closed.borrow() {
+        return Ok(Json(page).into_response());
+    }
+    let Some(_slot) = hub.try_wait_slot() else {
+        tracing::debug!(
+            "{} requests wait for mail already: answered at once",
+            crate::mailbox::wake::MAX_WAITERS
+        );
+        return Ok(Json(page).into_response());
+    };
+    tracing::debug!(agent = %agent, wait_s = wait, "a reader waits for mail");
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(wait.into());
+    let mut page = page;
+    loop {
+        tokio::select! {
+            changed = arrived.changed() => {
+                if changed.is_err() {
+                    break;
+                }
+            }
+            _ = closed.changed() => break,
+            () = tokio::time::sleep_until(deadline) => break,
+        }
+        // Read on from the position of the empty page: only what arrived since.
+        page = read(Some(page.cursor.clone())).await?;
+        if !page.messages.is_empty() {
+            notified(&state, &agent, &page).await?;
+            break;
+        }
+    }
+    Ok((axum::Extension(LongPoll), Json(page)).into_response())
+}
+
+/// A wait returned `page` to `agent`: a live consumer took its messages (spec §9 `notified`,
+/// [`messages::mark_notified`]).
+async fn notified(state: &SharedState, agent: &str, page: &InboxPage) -> Result<(), ApiError> {
+    let ids: Vec<String> = page.messages.iter().map(|m| m.id.clone()).collect();
+    let (agent, now) = (agent.to_string(), state.clock.now_ms());
+    state
         .mailbox
-        .run(move |c| messages::inbox(c, &q.as_agent, q.cursor.as_deref(), limit, &filter))
+        .run(move |c| {
+            let tx = c.transaction()?;
+            messages::mark_notified(&tx, &agent, &ids, now)?;
+            tx.commit()?;
+            Ok(())
+        })
         .await?;
-    Ok(Json(page))
+    Ok(())
 }

@@ -367,7 +367,8 @@ pub fn router(state: SharedState) -> Router {
 }
 
 /// Serves the API on `listener` until `shutdown` completes, then stops accepting and lets
-/// requests in flight finish. Logs `local API listening on <addr>` (the bound address) once
+/// requests in flight finish; requests waiting for mail (`GET /v1/inbox?wait=`) end at once
+/// with what they have ([`crate::mailbox::wake::WaitHub::close`]). Logs `local API listening on <addr>` (the bound address) once
 /// before accepting. Errors: the listener's address cannot be read, or the server fails.
 pub async fn serve(
     listener: tokio::net::TcpListener,
@@ -376,6 +377,12 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let addr = listener.local_addr()?;
     tracing::info!("local API listening on {addr}");
+    let mailbox = state.mailbox.clone();
+    let shutdown = async move {
+        shutdown.await;
+        // Shutdown never waits for long polls.
+        mailbox.waits().close();
+    };
     // Any local process can connect before it shows a token: the same accept loop as the LAN
     // and relay servers bounds how long a connection may idle and how many may be open, so a
     // misbehaving client cannot use up the daemon's file handles.
@@ -395,8 +402,11 @@ pub async fn serve(
 pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// An idle kept-alive local API connection closes after this (30 s: agents poll).
 pub const KEEP_ALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
-/// Most local API connections open at once; past it new ones wait in the listen backlog.
-pub const MAX_CONNECTIONS: usize = 256;
+/// Most local API connections open at once; past it new ones wait in the listen backlog:
+/// 256 for ordinary calls plus [`crate::mailbox::wake::MAX_WAITERS`] (256) for requests that
+/// wait for mail, which take their own permit while they wait, so waiters never use up the
+/// connections ordinary calls need.
+pub const MAX_CONNECTIONS: usize = 256 + crate::mailbox::wake::MAX_WAITERS;
 
 /// Longest accepted `Idempotency-Key` (characters).
 pub const MAX_IDEMPOTENCY_KEY: usize = 200;
@@ -558,7 +568,9 @@ async fn watch_duration(request: Request, next: Next) -> Response {
     let response = next.run(request).await;
     watch.answered = true;
     let elapsed = watch.started.elapsed();
-    if elapsed > SLOW_REQUEST {
+    // A long poll is slow on purpose.
+    let waited = response.extensions().get::<inbox::LongPoll>().is_some();
+    if elapsed > SLOW_REQUEST && !waited {
         tracing::warn!(
             method = %watch.method,
             route = %watch.route,

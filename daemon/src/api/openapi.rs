@@ -38,7 +38,7 @@ use super::{ack, agents, health, inbox, messages, sent, threads, unclaimed};
 /// The OpenAPI description of the local API.
 #[derive(Debug, OpenApi)]
 #[openapi(
-    info(title = "agentmbx local API", description = "Loopback API for agents on this host: send, reply, inbox, read, thread, ack, sent, agent directory, unclaimed mail. Bearer token from api.token; errors are {error, code} with a stable code: 400 BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named; unknown ones are refused), 400 INVALID_JSON, 400 UNKNOWN_HOST, 400 UNKNOWN_AGENT (a bare recipient name known nowhere, or name@host a known directory does not list), 401 UNAUTHORIZED, 404 NOT_FOUND (also unknown routes), 404 UNKNOWN_AGENT (an `as` with no mailbox on this host), 405 METHOD_NOT_ALLOWED, 409 CONFLICT, 413 BODY_TOO_LARGE (over 2 MiB), 415 UNSUPPORTED_MEDIA_TYPE (a body not sent as application/json), 500 INTERNAL, 503 STORE_BUSY. Each operation lists the answers it can give; the request schemas state every rule the daemon checks on the shape of a request (names, lengths, counts, enums), so a request valid by this document is refused only for the state it names (an id that names nothing this agent can see: 404 NOT_FOUND; a reader with no mailbox here: 404 UNKNOWN_AGENT; a host that is not paired: 400 UNKNOWN_HOST; a bare recipient name known nowhere, or name@host that a known directory does not list: 400 UNKNOWN_AGENT; an address that reaches nobody, or a thread cursor from another thread: 400 BAD_REQUEST; a reused Idempotency-Key: 409)."),
+    info(title = "agentmbx local API", description = "Loopback API for agents on this host: send, reply, inbox, read, thread, ack, sent, agent directory, unclaimed mail. Bearer token from api.token; errors are {error, code} with a stable code: 400 BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named; unknown ones are refused), 400 INVALID_JSON, 400 UNKNOWN_HOST, 400 UNKNOWN_AGENT (a bare recipient name known nowhere, or name@host a known directory does not list), 401 UNAUTHORIZED, 404 NOT_FOUND (also unknown routes), 404 UNKNOWN_AGENT (an `as` with no mailbox on this host), 405 METHOD_NOT_ALLOWED, 409 CONFLICT, 413 BODY_TOO_LARGE (over 2 MiB), 415 UNSUPPORTED_MEDIA_TYPE (a body not sent as application/json), 500 INTERNAL, 503 STORE_BUSY. Each operation lists the answers it can give; the request schemas state every rule the daemon checks on the shape of a request (names, lengths, counts, enums), so a request valid by this document is refused only for the state it names (an id that names nothing this agent can see: 404 NOT_FOUND; a reader with no mailbox here: 404 UNKNOWN_AGENT; a host that is not paired: 400 UNKNOWN_HOST; a bare recipient name known nowhere, or name@host that a known directory does not list: 400 UNKNOWN_AGENT; an address that reaches nobody, a thread cursor from another thread, or an inbox cursor of another agent: 400 BAD_REQUEST; a reused Idempotency-Key: 409)."),
     paths(health::get, messages::post, messages::reply, messages::get, threads::get, inbox::get, ack::post, agents::get, agents::post, sent::get, unclaimed::get),
     components(schemas(AgentName, Address, MessageId, ThreadId, RefText, Kind, DeliveryState, SentState, RouteKind, Via, HealthStatus, HealthReasonCode)),
     modifiers(&BearerAuth, &ErrorResponses)
@@ -139,7 +139,7 @@ pub enum DeliveryState {
     Acked,
 }
 
-/// One recipient's state in `GET /v1/sent`: local recipients `delivered`, `read`, `acked`;
+/// One recipient's state in `GET /v1/sent`: local recipients `delivered`, `notified`, `read`, `acked`;
 /// remote ones the newest receipt (`delivered`, `notified`, `read`, `acked`), else the outbox
 /// (`queued`, `relay-accepted`, `repush`, `delivered`, `undelivered`, `expired`,
 /// `unconfirmed`).
@@ -544,7 +544,12 @@ mod tests {
                 "{path}"
             );
         }
-        for path in ["/v1/messages", "/v1/messages/{id}/reply", "/v1/ack"] {
+        for path in [
+            "/v1/messages",
+            "/v1/messages/{id}/reply",
+            "/v1/ack",
+            "/v1/agents",
+        ] {
             let key = param(operation(&d, path, "post"), "Idempotency-Key");
             assert_eq!(num(&key["maxLength"]), MAX_IDEMPOTENCY_KEY, "{path}");
             assert_eq!(key["type"], "string", "{path}: a header is never null");
@@ -659,6 +664,14 @@ mod tests {
             "x",
             "1 ",
             "+1",
+            "alice.0",
+            "alice.42",
+            "alice.999999999999999999",
+            "alice.9999999999999999999",
+            "alice.-1",
+            "alice.",
+            "alice.x",
+            ".1",
         ] {
             let inbox_ok = s
                 .mailbox
@@ -776,7 +789,7 @@ mod tests {
                 {
                     want.push("404");
                 }
-                if method == "post" && path != "/v1/agents" {
+                if method == "post" {
                     want.push("409");
                 }
                 for status in want {

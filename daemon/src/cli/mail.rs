@@ -133,6 +133,11 @@ pub struct InboxArgs {
     /// Only messages from this sender: name@host, or a bare name (from any host)
     #[arg(long, value_name = "SENDER")]
     pub from: Option<String>,
+    /// When there is nothing to list, wait up to this many seconds (0..=60) for mail to arrive
+    /// (after --cursor when given) and list it as soon as it is committed; an empty listing on
+    /// timeout. Prints the position to pass as --cursor next, so nothing is missed between runs
+    #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u32).range(0..=60))]
+    pub wait: Option<u32>,
     /// Print the page as JSON
     #[arg(long)]
     pub json: bool,
@@ -333,6 +338,9 @@ struct Api {
     home: PathBuf,
     http: reqwest::Client,
     budget: Duration,
+    /// How long the daemon may hold a request on purpose (`inbox --wait`): added to each
+    /// attempt's timeout and to the budget, so the CLI never gives up on a wait in progress.
+    wait: Duration,
 }
 
 impl Api {
@@ -369,6 +377,7 @@ impl Api {
             home: paths.home().to_path_buf(),
             http,
             budget,
+            wait: Duration::ZERO,
         })
     }
 
@@ -461,13 +470,13 @@ impl Api {
         build: impl Fn(Duration) -> reqwest::RequestBuilder,
     ) -> (Instant, Result<anyhow::Result<Value>, Unsettled>) {
         let started = Instant::now();
-        let deadline = started + self.budget;
+        let deadline = started + self.budget + self.wait;
         let mut pause = FIRST_PAUSE;
         let mut maybe_done = false;
         let mut last: String;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            let req = build(left.clamp(MIN_ATTEMPT, ATTEMPT_TIMEOUT));
+            let req = build(left.clamp(MIN_ATTEMPT, ATTEMPT_TIMEOUT) + self.wait);
             let after = match self.attempt(req).await {
                 Attempt::Done(result) => return (started, Ok(result)),
                 // Nothing ever reached the daemon: nothing was done.
@@ -828,7 +837,11 @@ pub fn inbox(args: InboxArgs) -> anyhow::Result<()> {
     if let Some(f) = &args.from {
         path.push_str(&format!("&from={}", enc(f)));
     }
-    let api = Api::connect()?;
+    let mut api = Api::connect()?;
+    if let Some(wait) = args.wait {
+        path.push_str(&format!("&wait={wait}"));
+        api.wait = Duration::from_secs(wait.into());
+    }
     let q = Query {
         what: "inbox listing",
         changes: None,
@@ -855,6 +868,8 @@ pub fn inbox(args: InboxArgs) -> anyhow::Result<()> {
     }
     if let Some(c) = page["next_cursor"].as_str() {
         eprintln!("more: agentmbx inbox --as {as_agent} --cursor {c}");
+    } else if let (Some(wait), Some(c)) = (args.wait, page["cursor"].as_str()) {
+        eprintln!("next: agentmbx inbox --as {as_agent} --cursor {c} --wait {wait}");
     }
     Ok(())
 }

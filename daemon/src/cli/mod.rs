@@ -146,7 +146,7 @@ pub enum Command {
     /// Send a message from an agent on this host (through the running daemon)
     #[command(after_help = mutation_help!("a malformed --to address"))]
     Send(mail::SendArgs),
-    /// List an agent's messages (or, with --unclaimed, the mail held for names with no agent here)
+    /// List an agent's messages (--wait: wait for mail to arrive; --unclaimed: the mail held for names with no agent here)
     Inbox(mail::InboxArgs),
     /// Show one message (marks it read for the agent)
     Read(mail::ReadArgs),

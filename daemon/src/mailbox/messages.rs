@@ -90,7 +90,47 @@ pub struct InboxPage {
     /// Entries, oldest first.
     pub messages: Vec<InboxEntry>,
     /// Opaque cursor for the next page; absent when this page reached the end.
+    #[schema(pattern = "^[a-z0-9][a-z0-9-]{1,39}\\.[0-9]{1,18}$")]
     pub next_cursor: Option<String>,
+    /// Opaque position after this page, always present: passed back as `cursor`, it lists
+    /// only what comes after this page, including mail that arrives later (what a waiter
+    /// passes with `wait`). Scoped to this agent: another agent's cursor is refused.
+    #[schema(pattern = "^[a-z0-9][a-z0-9-]{1,39}\\.[0-9]{1,18}$")]
+    pub cursor: String,
+}
+
+/// The inbox cursor of `agent` at delivery position `seq`: `<agent>.<seq>` (agent names hold
+/// no `.`). Opaque to clients; bound to the agent so it is refused for another one.
+pub fn inbox_cursor(agent: &str, seq: i64) -> String {
+    format!("{agent}.{seq}")
+}
+
+/// Reads an inbox cursor for `agent` ([`inbox_cursor`]): the delivery position, 0 for `None`
+/// or `""`. [`MailboxError::Invalid`] for a malformed cursor or one minted for another agent.
+pub fn parse_inbox_cursor(agent: &str, cursor: Option<&str>) -> Result<i64, MailboxError> {
+    let Some(c) = cursor.filter(|c| !c.is_empty()) else {
+        return Ok(0);
+    };
+    let (owner, seq) = c.rsplit_once('.').ok_or_else(|| {
+        MailboxError::Invalid(format!(
+            "bad cursor {c:?}: pass back a cursor an inbox answer gave"
+        ))
+    })?;
+    let seq: i64 = seq
+        .parse()
+        .ok()
+        .filter(|s: &i64| *s >= 0 && seq.bytes().all(|b| b.is_ascii_digit()))
+        .ok_or_else(|| {
+            MailboxError::Invalid(format!(
+                "bad cursor {c:?}: pass back a cursor an inbox answer gave"
+            ))
+        })?;
+    if owner != agent {
+        return Err(MailboxError::Invalid(format!(
+            "cursor {c:?} belongs to another agent's inbox, not {agent}'s"
+        )));
+    }
+    Ok(seq)
 }
 
 /// Stores a plaintext envelope once. Returns false when the id is already stored (dedup).
@@ -158,8 +198,10 @@ pub fn deliver(
 }
 
 /// A page of `agent`'s inbox after `cursor`, bounded by `limit` (1..=200) and
-/// [`MAX_INBOX_BYTES`], holding the entries `filter` selects. A bad cursor is
-/// [`MailboxError::Invalid`].
+/// [`MAX_INBOX_BYTES`], holding the entries `filter` selects, with the position after it
+/// (`cursor`: the last entry's, or when the page reached the end, the agent's newest delivery
+/// at the time of the read, so what is committed later comes after it). A bad cursor, or one
+/// of another agent, is [`MailboxError::Invalid`] ([`parse_inbox_cursor`]).
 pub fn inbox(
     conn: &Connection,
     agent: &str,
@@ -167,17 +209,19 @@ pub fn inbox(
     limit: u32,
     filter: &InboxFilter,
 ) -> Result<InboxPage, MailboxError> {
-    let after: i64 = match cursor {
-        None | Some("") => 0,
-        Some(c) => c
-            .parse()
-            .map_err(|_| MailboxError::Invalid("bad cursor".into()))?,
-    };
+    let after = parse_inbox_cursor(agent, cursor)?;
+    // Read the newest position first and list only up to it: a delivery committed between the
+    // two reads has a higher seq, so it comes after the position this page hands out.
+    let top: i64 = conn.query_row(
+        "SELECT COALESCE(MAX(seq), 0) FROM deliveries WHERE agent = ?1",
+        [agent],
+        |r| r.get(0),
+    )?;
     let limit = limit.clamp(1, MAX_INBOX_LIMIT);
     let mut st = conn.prepare(
         "SELECT d.seq, m.id, m.ts, m.from_addr, m.subject, m.kind, m.thread, m.envelope, d.state, m.reply_to
          FROM deliveries d JOIN messages m ON m.id = d.msg_id
-         WHERE d.agent = ?1 AND d.seq > ?2 AND (?3 OR d.state != 'acked')
+         WHERE d.agent = ?1 AND d.seq > ?2 AND d.seq <= ?7 AND (?3 OR d.state != 'acked')
            AND (NOT ?5 OR json_extract(m.envelope, '$.needs_reply') = 1)
            AND (?6 IS NULL OR m.from_addr = ?6 OR substr(m.from_addr, 1, length(?6) + 1) = ?6 || '@')
          ORDER BY d.seq LIMIT ?4",
@@ -190,7 +234,8 @@ pub fn inbox(
                 filter.include_acked,
                 limit + 1,
                 filter.needs_reply,
-                filter.from
+                filter.from,
+                top
             ],
             |r| {
                 let env: String = r.get(7)?;
@@ -229,10 +274,33 @@ pub fn inbox(
         last_seq = *seq;
         messages.push(entry.clone());
     }
+    let position = if cut { last_seq } else { top.max(after) };
     Ok(InboxPage {
         messages,
-        next_cursor: cut.then(|| last_seq.to_string()),
+        next_cursor: cut.then(|| inbox_cursor(agent, last_seq)),
+        cursor: inbox_cursor(agent, position),
     })
+}
+
+/// Records that a live consumer took `ids` (a long poll returned them to `agent`): each
+/// delivery still `new` and not yet notified gets `notified_at` = `now_ms`, which queues a
+/// `notified` receipt for mail from a peer (spec §9; the trigger of schema version 7). Read,
+/// acked and already notified deliveries are left alone. Returns how many were marked.
+pub fn mark_notified(
+    conn: &Connection,
+    agent: &str,
+    ids: &[String],
+    now_ms: i64,
+) -> Result<usize, MailboxError> {
+    let mut st = conn.prepare_cached(
+        "UPDATE deliveries SET notified_at = ?3
+         WHERE msg_id = ?1 AND agent = ?2 AND state = 'new' AND notified_at IS NULL",
+    )?;
+    let mut n = 0;
+    for id in ids {
+        n += st.execute(params![id, agent, now_ms])?;
+    }
+    Ok(n)
 }
 
 fn message_from_row(env: &str, origin: String, state: Option<String>) -> Message {

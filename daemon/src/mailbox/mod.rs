@@ -13,6 +13,10 @@
 //! [`Mailbox::run`], which moves the closure to a blocking thread. One process (the daemon, or a
 //! CLI command while no daemon writes the same row) writes; SQLite's lock and busy timeout make
 //! a concurrent CLI write safe.
+//!
+//! Waiting for mail: [`Mailbox::with`] is also the one wake point for readers that wait
+//! ([`wake`]): after a closure that changed rows returns (its transaction committed), the
+//! agents that got new deliveries are notified, whatever path delivered them.
 
 pub mod agents;
 pub mod audit;
@@ -24,6 +28,7 @@ pub mod receipts;
 pub mod relay_state;
 mod schema;
 pub mod unclaimed;
+pub mod wake;
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -92,6 +97,7 @@ pub const BUSY_TIMEOUT_MS: u64 = 5000;
 #[derive(Clone, Debug)]
 pub struct Mailbox {
     conn: Arc<Mutex<Connection>>,
+    waits: Arc<wake::WaitHub>,
 }
 
 impl Mailbox {
@@ -108,18 +114,35 @@ impl Mailbox {
         conn.pragma_update(None, "foreign_keys", "ON")?;
         conn.busy_timeout(std::time::Duration::from_millis(BUSY_TIMEOUT_MS))?;
         schema::migrate(&mut conn)?;
+        let seen: i64 =
+            conn.query_row("SELECT COALESCE(MAX(seq), 0) FROM deliveries", [], |r| {
+                r.get(0)
+            })?;
         Ok(Mailbox {
             conn: Arc::new(Mutex::new(conn)),
+            waits: Arc::new(wake::WaitHub::new(seen)),
         })
     }
 
-    /// Runs `f` with the connection on the current thread (CLI and tests).
+    /// Runs `f` with the connection on the current thread (CLI and tests). When `f` changed
+    /// rows and left no transaction open, the agents that got new deliveries are woken
+    /// ([`wake`]) before this returns: after the commit, never before.
     pub fn with<T>(
         &self,
         f: impl FnOnce(&mut Connection) -> Result<T, MailboxError>,
     ) -> Result<T, MailboxError> {
         let mut guard = self.conn.lock().map_err(|_| MailboxError::Task)?;
-        f(&mut guard)
+        let changes = guard.total_changes();
+        let out = f(&mut guard);
+        if guard.total_changes() != changes && guard.is_autocommit() {
+            self.waits.announce(&guard);
+        }
+        out
+    }
+
+    /// The hub waiting readers subscribe to ([`wake`]).
+    pub fn waits(&self) -> &wake::WaitHub {
+        &self.waits
     }
 
     /// Runs `f` with the connection on a blocking thread (async callers).

@@ -378,7 +378,8 @@ pub struct RecipientState {
     pub recipient: String,
     /// The recipient's host (this host for local recipients).
     pub host: String,
-    /// Local recipients: `delivered`, `read`, `acked`. Remote ones: the newest receipt
+    /// Local recipients: `delivered`, `notified` (a long poll returned it), `read`, `acked`.
+    /// Remote ones: the newest receipt
     /// (`delivered`, `notified`, `read`, `acked`), else from the outbox: `queued`,
     /// `relay-accepted`, `repush` (a relay accepted it, then a new epoch: pushed again),
     /// `accepted` (an agent named by `name@host`: the host took the message but no `delivered`
@@ -511,7 +512,11 @@ fn recipients_of(
     let mut out: Vec<RecipientState> = Vec::new();
     let mut seen = BTreeSet::new();
     let deliveries: Vec<(String, String, i64)> = conn
-        .prepare("SELECT agent, state, updated_at FROM deliveries WHERE msg_id = ?1 ORDER BY seq")?
+        .prepare(
+            "SELECT agent, CASE WHEN state = 'new' AND notified_at IS NOT NULL THEN 'notified' ELSE state END,
+                    CASE WHEN state = 'new' AND notified_at IS NOT NULL THEN notified_at ELSE updated_at END
+             FROM deliveries WHERE msg_id = ?1 ORDER BY seq",
+        )?
         .query_map([msg_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
         .collect::<Result<_, _>>()?;
     let receipts: Vec<(String, String, String, String)> = conn

@@ -5,7 +5,7 @@ use rusqlite::Connection;
 use super::MailboxError;
 
 /// The schema version this binary writes.
-pub const SCHEMA_VERSION: u32 = 6;
+pub const SCHEMA_VERSION: u32 = 7;
 
 /// Migrations in order: `(version reached, SQL)`. A new schema change appends a step; each
 /// step runs inside the one migration transaction.
@@ -235,6 +235,24 @@ CREATE TABLE unclaimed(
   msg_id TEXT NOT NULL REFERENCES messages(id), name TEXT NOT NULL, since INTEGER NOT NULL,
   PRIMARY KEY(msg_id, name));
 CREATE INDEX unclaimed_name ON unclaimed(name, since);
+"#,
+    ),
+    (
+        7,
+        r#"
+-- When a live consumer took a delivery that was still `new` (ms; NULL: never): a long poll
+-- (`GET /v1/inbox?wait=`) returned it (spec §9 `notified`, issue 18). Mail from a peer owes its
+-- sender a `notified` receipt then, queued in the same transaction.
+ALTER TABLE deliveries ADD COLUMN notified_at INTEGER;
+CREATE TRIGGER deliveries_receipt_notified AFTER UPDATE OF notified_at ON deliveries
+WHEN OLD.notified_at IS NULL AND NEW.notified_at IS NOT NULL AND NEW.state = 'new'
+  AND (SELECT origin FROM messages WHERE id = NEW.msg_id) <> 'local'
+BEGIN
+  INSERT INTO receipt_outbox(msg_id, agent, host, state, note, at, next_at, created_at)
+  SELECT NEW.msg_id, NEW.agent, m.origin, 'notified', NULL, NEW.notified_at,
+         NEW.notified_at, NEW.notified_at
+  FROM messages m WHERE m.id = NEW.msg_id;
+END;
 "#,
     ),
 ];
