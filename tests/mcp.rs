@@ -35,6 +35,33 @@ async fn session(home: &Home, agent: &str) -> Client {
         .expect("handshake")
 }
 
+/// Like [`session`], with `MBX_LOG=<log>` and the server's stderr collected: the task's
+/// answer is everything it logged, once it exited.
+async fn logged_session(
+    home: &Home,
+    agent: &str,
+    log: &str,
+) -> (Client, tokio::task::JoinHandle<String>) {
+    let mut cmd = tokio::process::Command::from(home.command(&["mcp", "--as", agent]));
+    cmd.env("MBX_LOG", log);
+    let (transport, stderr) = TokioChildProcess::builder(cmd)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn agentmbx mcp");
+    let mut stderr = stderr.expect("stderr");
+    let logs = tokio::spawn(async move {
+        use tokio::io::AsyncReadExt;
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text).await;
+        text
+    });
+    let client = tokio::time::timeout(CALL_TIMEOUT, ().serve(transport))
+        .await
+        .expect("handshake in time")
+        .expect("handshake");
+    (client, logs)
+}
+
 /// Calls `tool` with `args`; panics on a protocol error or after [`CALL_TIMEOUT`].
 async fn call(client: &Client, tool: &str, args: Value) -> CallToolResult {
     let args = args.as_object().cloned().unwrap_or_default();
@@ -79,7 +106,8 @@ fn ids(page: &Value) -> Vec<String> {
 async fn two_agents_mail_each_other_through_their_mcp_sessions() {
     let home = Home::new();
     let _daemon = Daemon::start(&home);
-    let alice = session(&home, "alice").await;
+    // alice's server logs at debug: still never a body (rmcp would log whole requests).
+    let (alice, alice_log) = logged_session(&home, "alice", "debug").await;
     // bob's session registered bob at start: alice's send to the bare name finds him.
     let bob = session(&home, "bob").await;
 
@@ -164,6 +192,12 @@ async fn two_agents_mail_each_other_through_their_mcp_sessions() {
 
     alice.cancel().await.expect("close alice");
     bob.cancel().await.expect("close bob");
+    let log = tokio::time::timeout(CALL_TIMEOUT, alice_log)
+        .await
+        .expect("alice's server exits")
+        .expect("log");
+    assert!(log.contains("registered agent alice"), "{log}");
+    assert!(!log.contains("failing test"), "a body in the log:\n{log}");
 }
 
 #[tokio::test]

@@ -36,6 +36,37 @@ pub fn tools_json() -> String {
     text
 }
 
+/// Crates whose debug logs would print what flows through them (rmcp logs whole requests and
+/// responses, message bodies included): capped at `info` whatever `MBX_LOG` says.
+const CAPPED: [&str; 4] = ["rmcp", "hyper", "hyper_util", "reqwest"];
+
+/// The log filter of `agentmbx mcp`: `requested` (`MBX_LOG`, else `warn`) without its
+/// directives for the [`CAPPED`] crates, which get `info` when the global level is `info` or
+/// more verbose, else `warn` (their `info` lines hold no body).
+pub fn log_filter(requested: Option<&str>) -> String {
+    let requested = requested
+        .map(str::trim)
+        .filter(|r| !r.is_empty())
+        .unwrap_or("warn");
+    let mut parts: Vec<String> = requested
+        .split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .filter(|d| !CAPPED.iter().any(|c| d.starts_with(c)))
+        .map(str::to_string)
+        .collect();
+    let level = if parts
+        .iter()
+        .any(|d| !d.contains('=') && matches!(d.as_str(), "info" | "debug" | "trace"))
+    {
+        "info"
+    } else {
+        "warn"
+    };
+    parts.extend(CAPPED.iter().map(|c| format!("{c}={level}")));
+    parts.join(",")
+}
+
 /// Serves MCP on stdin/stdout as `agent` until the client closes the stream. Registers the
 /// agent with the daemon first when it answers (else at the first tool call). Errors: the
 /// runtime cannot start, or the initialization handshake fails.
@@ -43,6 +74,10 @@ pub fn run(agent: Option<String>) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
+    let requested = std::env::var("MBX_LOG").ok();
+    if let Err(e) = agentmbx::config_watch::apply_log_filter(&log_filter(requested.as_deref())) {
+        tracing::warn!("MBX_LOG is not a valid log filter ({e}); keeping the default");
+    }
     rt.block_on(async move {
         let server = server::MbxServer::new(agent);
         server.register_at_start().await;
@@ -68,6 +103,20 @@ mod tests {
             "daemon/mcp-tools.json is stale: run \
              `cargo run -q -p agentmbx -- mcp --print-tools > daemon/mcp-tools.json`"
         );
+    }
+
+    #[test]
+    fn the_log_filter_never_lets_rmcp_print_requests() {
+        use super::log_filter;
+        assert_eq!(
+            log_filter(None),
+            "warn,rmcp=warn,hyper=warn,hyper_util=warn,reqwest=warn"
+        );
+        assert_eq!(
+            log_filter(Some("debug,rmcp=trace")),
+            "debug,rmcp=info,hyper=info,hyper_util=info,reqwest=info"
+        );
+        assert!(log_filter(Some("agentmbx=trace")).ends_with("reqwest=warn"));
     }
 
     #[test]
