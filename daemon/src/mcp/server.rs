@@ -546,11 +546,14 @@ impl MbxServer {
             Ok(v) => v,
             Err(e) => return Ok(api_error(&e)),
         };
-        // The cursor to wait from next: the daemon's, else (a page that reached the end
-        // without one) the one given.
-        if value.get("next_cursor").is_none_or(Value::is_null) {
-            value["next_cursor"] = json!(args.cursor);
-        }
+        // The cursor to wait from next: the position after this answer (`cursor`, on every
+        // answer of a daemon with the long poll), else the next page's, else the one given.
+        let next = [&value["cursor"], &value["next_cursor"]]
+            .into_iter()
+            .find(|c| c.is_string())
+            .cloned()
+            .unwrap_or_else(|| json!(args.cursor));
+        value["next_cursor"] = next;
         let total = value["messages"].as_array().map_or(0, Vec::len);
         if fit(&mut value, "messages") < total {
             value["truncated"] = json!("more messages arrived than fit: list them with mbx_inbox");
