@@ -200,6 +200,28 @@ async fn two_agents_mail_each_other_through_their_mcp_sessions() {
     assert!(!log.contains("failing test"), "a body in the log:\n{log}");
 }
 
+/// A result never exceeds 64 KiB: a 200 KB body is cut and marked, with its full size.
+#[tokio::test]
+async fn a_large_body_is_cut_to_the_result_bound_and_marked() {
+    let home = Home::new();
+    let _daemon = Daemon::start(&home);
+    let gina = session(&home, "gina").await;
+    let body = "0123456789\n".repeat(200_000 / 11);
+    let sent = ok(
+        &gina,
+        "mbx_send",
+        json!({ "to": ["gina"], "subject": "big", "body": body }),
+    )
+    .await;
+    let r = call(&gina, "mbx_read", json!({ "ids": [sent["id"]] })).await;
+    assert!(text(&r).len() <= 64 * 1024, "{} bytes", text(&r).len());
+    let read: Value = serde_json::from_str(&text(&r)).expect("JSON");
+    let m = &read["messages"][0];
+    assert_eq!(m["body_truncated"]["total_bytes"], body.len());
+    assert!(body.starts_with(m["body"].as_str().expect("body")));
+    gina.cancel().await.expect("close gina");
+}
+
 #[tokio::test]
 async fn without_a_daemon_every_tool_says_how_to_start_it_and_nothing_hangs() {
     let home = Home::new();
@@ -244,7 +266,7 @@ async fn a_session_started_before_the_daemon_registers_its_agent_at_the_first_ca
 /// `mbx_wait` on the daemon's long poll (`GET /v1/inbox?wait=`): returns the message another
 /// session sends while it waits, and an empty page with a cursor when nothing comes.
 #[tokio::test]
-#[ignore = "needs the daemon's GET /v1/inbox?wait= (issue 18 part 2), not on this branch yet"]
+#[ignore = "needs the daemon's GET /v1/inbox?wait= (issue 18 part 2, branch i18-wait); passes merged with it"]
 async fn mbx_wait_returns_mail_sent_while_it_waits() {
     let home = Home::new();
     let _daemon = Daemon::start(&home);
