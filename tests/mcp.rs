@@ -9,12 +9,16 @@ mod helper;
 use std::time::Duration;
 
 use helper::{Daemon, Home};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::sync::{Arc, Mutex};
+
 use rmcp::model::{
-    CallToolRequestParams, CallToolResult, GetPromptRequestParams, ReadResourceRequestParams,
+    CallToolRequestParams, CallToolResult, GetPromptRequestParams, NumberOrString,
+    ProgressNotificationParam, ProgressToken, ReadResourceRequestParams, RequestMetaObject,
 };
-use rmcp::service::RunningService;
+use rmcp::service::{NotificationContext, RunningService};
 use rmcp::transport::TokioChildProcess;
-use rmcp::{RoleClient, ServiceExt};
+use rmcp::{ClientHandler, RoleClient, ServiceExt};
 use serde_json::{json, Value};
 
 /// Bound of any one MCP exchange: a hang fails the test instead of stalling it.
@@ -302,4 +306,118 @@ async fn mbx_wait_returns_mail_sent_while_it_waits() {
         ids(&got),
         vec![sent["id"].as_str().expect("id").to_string()]
     );
+}
+
+/// A client that records the progress notifications it gets.
+#[derive(Debug, Clone, Default)]
+struct Progress(Arc<Mutex<Vec<ProgressNotificationParam>>>);
+
+impl ClientHandler for Progress {
+    async fn on_progress(
+        &self,
+        params: ProgressNotificationParam,
+        _: NotificationContext<RoleClient>,
+    ) {
+        self.0.lock().expect("lock").push(params);
+    }
+}
+
+/// A stand-in for the daemon's local API in `home` (`api.addr`, `api.token`): answers
+/// `POST /v1/agents` at once and `GET /v1/inbox` after `hold` with an empty page whose
+/// `cursor` is `"hana.7"`, as the long poll does on timeout. Returns the inbox requests seen.
+fn slow_inbox(home: &Home, hold: Duration) -> Arc<Mutex<Vec<String>>> {
+    std::fs::create_dir_all(home.path()).expect("home");
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    std::fs::write(home.file("api.addr"), format!("{addr}\n")).expect("api.addr");
+    std::fs::write(home.file("api.token"), "stand-in-token\n").expect("api.token");
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let log = seen.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            let log = log.clone();
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(conn.try_clone().expect("clone"));
+                let mut line = String::new();
+                let _ = reader.read_line(&mut line);
+                let mut len = 0;
+                loop {
+                    let mut h = String::new();
+                    if reader.read_line(&mut h).unwrap_or(0) == 0 || h.trim().is_empty() {
+                        break;
+                    }
+                    if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
+                        len = v.trim().parse().unwrap_or(0);
+                    }
+                }
+                let _ = reader.take(len).read_to_end(&mut Vec::new());
+                let body = if line.starts_with("GET /v1/inbox") {
+                    log.lock().expect("lock").push(line.clone());
+                    std::thread::sleep(hold);
+                    r#"{"messages":[],"next_cursor":null,"cursor":"hana.7"}"#
+                } else {
+                    r#"{"name":"hana"}"#
+                };
+                let _ = write!(
+                    conn,
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            });
+        }
+    });
+    seen
+}
+
+/// While `mbx_wait` waits it sends progress notifications to a client that gave a progress
+/// token, passes its arguments to the long poll, and answers the empty page with the cursor
+/// to wait from next.
+#[tokio::test]
+async fn mbx_wait_sends_progress_while_it_waits_and_returns_the_next_cursor() {
+    let home = Home::new();
+    let requests = slow_inbox(&home, Duration::from_millis(1500));
+    let mut cmd = tokio::process::Command::from(home.command(&["mcp", "--as", "hana"]));
+    cmd.env("MBX_MCP_PROGRESS_MS", "200");
+    let (transport, _) = TokioChildProcess::builder(cmd)
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .expect("spawn agentmbx mcp");
+    let progress = Progress::default();
+    let client = tokio::time::timeout(CALL_TIMEOUT, progress.clone().serve(transport))
+        .await
+        .expect("handshake in time")
+        .expect("handshake");
+
+    let mut meta = RequestMetaObject::default();
+    meta.set_progress_token(ProgressToken(NumberOrString::Number(7)));
+    let mut params = CallToolRequestParams::new("mbx_wait").with_arguments(
+        json!({ "timeout_s": 1, "cursor": "hana.3", "from": "ivan" })
+            .as_object()
+            .cloned()
+            .unwrap_or_default(),
+    );
+    params.meta = Some(meta);
+    let r = tokio::time::timeout(CALL_TIMEOUT, client.call_tool(params))
+        .await
+        .expect("mbx_wait in time")
+        .expect("mbx_wait");
+    assert_ne!(r.is_error, Some(true), "{}", text(&r));
+    let answer: Value = serde_json::from_str(&text(&r)).expect("JSON");
+    assert_eq!(answer["next_cursor"], "hana.7");
+    assert!(ids(&answer).is_empty());
+
+    let seen = requests.lock().expect("lock").clone();
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    for part in ["as=hana", "wait=1", "cursor=hana.3", "from=ivan"] {
+        assert!(seen[0].contains(part), "{part} not in {}", seen[0]);
+    }
+    let got = progress.0.lock().expect("lock").clone();
+    assert!(got.len() >= 2, "{got:?}");
+    // The rmcp client puts its own token on each request: all carry that one.
+    assert!(got
+        .iter()
+        .all(|p| p.progress_token == got[0].progress_token));
+    assert!(got.windows(2).all(|w| w[0].progress < w[1].progress));
+    client.cancel().await.expect("close");
 }

@@ -69,6 +69,9 @@ Environment (each overrides the matching config.toml setting):
   MBX_CLOCK_OFFSET_MS, MBX_FAILPOINTS: for tests and drills only
   MBX_CLI_RETRY_MS: how long send, ack, read, inbox and sent keep retrying a call the daemon
     did not settle (default 60000; for tests only)
+  MBX_AGENT: the agent `agentmbx mcp` acts as (its --as)
+  MBX_MCP_PROGRESS_MS: how often mbx_wait sends a progress notification (default 10000; for
+    tests only)
 
 Exit status: 0 success, 1 failure, 2 usage error, 3 not found (e.g. host not initialized),
 4 a relay runs on the store (offline relay operator commands; relay serve when another

@@ -36,8 +36,17 @@ pub const MAX_RESULT_BYTES: usize = 64 * 1024;
 /// How long one tool call keeps retrying a daemon that is busy or does not settle a call.
 const CALL_BUDGET: Duration = Duration::from_secs(20);
 /// A progress notification while `mbx_wait` waits, this often (clients reset their tool
-/// timeout on progress).
+/// timeout on progress); `MBX_MCP_PROGRESS_MS` (ms, tests only) overrides it.
 const PROGRESS_EVERY: Duration = Duration::from_secs(10);
+
+/// [`PROGRESS_EVERY`], or `MBX_MCP_PROGRESS_MS` when it is a number of milliseconds ≥ 10.
+fn progress_every() -> Duration {
+    std::env::var("MBX_MCP_PROGRESS_MS")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|ms| *ms >= 10)
+        .map_or(PROGRESS_EVERY, Duration::from_millis)
+}
 /// Beyond the wait itself, how long a `mbx_wait` request may take.
 const WAIT_SLACK: Duration = Duration::from_secs(15);
 
@@ -524,17 +533,18 @@ impl MbxServer {
         let call = api.get_once(&path, Duration::from_secs(u64::from(wait)) + WAIT_SLACK);
         tokio::pin!(call);
         let start = tokio::time::Instant::now();
-        let mut ticks = tokio::time::interval_at(start + PROGRESS_EVERY, PROGRESS_EVERY);
+        let every = progress_every();
+        let mut ticks = tokio::time::interval_at(start + every, every);
         let answer = loop {
             tokio::select! {
                 r = &mut call => break r,
                 _ = ctx.ct.cancelled() => return Ok(fail("mbx_wait was cancelled")),
                 _ = ticks.tick() => {
                     if let Some(t) = &token {
-                        let secs = start.elapsed().as_secs();
-                        let p = ProgressNotificationParam::new(t.clone(), secs as f64)
+                        let secs = start.elapsed().as_secs_f64();
+                        let p = ProgressNotificationParam::new(t.clone(), secs)
                             .with_total(f64::from(wait))
-                            .with_message(format!("waiting for mail ({secs} s)"));
+                            .with_message(format!("waiting for mail ({secs:.0} s)"));
                         if let Err(e) = ctx.peer.notify_progress(p).await {
                             tracing::debug!("progress notification not sent: {e}");
                         }
