@@ -193,6 +193,11 @@ async fn two_agents_mail_each_other_through_their_mcp_sessions() {
     let e = err(&alice, "mbx_send", json!({ "to": [], "subject": "s" })).await;
     assert!(e.contains("1 to 20"), "{e}");
     assert_eq!(ids(&ok(&alice, "mbx_sent", json!({})).await).len(), 1);
+    // So is an argument of the wrong type or a missing one.
+    let e = err(&bob, "mbx_read", json!({ "ids": "not-a-list" })).await;
+    assert!(e.contains("Bad arguments for mbx_read"), "{e}");
+    let e = err(&bob, "mbx_reply", json!({ "body": "no id" })).await;
+    assert!(e.contains("id"), "{e}");
 
     alice.cancel().await.expect("close alice");
     bob.cancel().await.expect("close bob");

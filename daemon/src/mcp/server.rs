@@ -586,6 +586,34 @@ impl ServerHandler for MbxServer {
         .with_instructions(GUIDE.to_string())
     }
 
+    /// The router's call, with one change: arguments that do not fit the tool's schema (a
+    /// missing field, a wrong type), which rmcp answers as a tool error in its words, get
+    /// ours (naming the tool and the schema).
+    async fn call_tool(
+        &self,
+        request: rmcp::model::CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<rmcp::model::CallToolResponse, McpError> {
+        const RMCP_PREFIX: &str = "failed to deserialize parameters: ";
+        let name = request.name.to_string();
+        let tcc = rmcp::handler::server::tool::ToolCallContext::new(self, request, context);
+        let answer = self.tool_router.call(tcc).await?;
+        if let rmcp::model::CallToolResponse::Complete(r) = &answer {
+            let text = r
+                .content
+                .first()
+                .and_then(|c| c.as_text())
+                .map(|t| t.text.as_str());
+            if let Some(why) = text.and_then(|t| t.strip_prefix(RMCP_PREFIX)) {
+                return Ok(fail(format!(
+                    "Bad arguments for {name}: {why}. See the tool's input schema."
+                ))
+                .into());
+            }
+        }
+        Ok(answer)
+    }
+
     async fn list_resources(
         &self,
         _request: Option<PaginatedRequestParams>,
