@@ -28,7 +28,12 @@ type Client = RunningService<RoleClient, ()>;
 
 /// Starts `agentmbx mcp --as <agent>` in `home` and completes the MCP handshake.
 async fn session(home: &Home, agent: &str) -> Client {
-    let cmd = tokio::process::Command::from(home.command(&["mcp", "--as", agent]));
+    session_with(home, &["mcp", "--as", agent]).await
+}
+
+/// Starts `agentmbx <args>` (an `mcp` command) in `home` and completes the MCP handshake.
+async fn session_with(home: &Home, args: &[&str]) -> Client {
+    let cmd = tokio::process::Command::from(home.command(args));
     let (transport, _) = TokioChildProcess::builder(cmd)
         .stderr(std::process::Stdio::inherit())
         .spawn()
@@ -270,6 +275,29 @@ async fn a_session_started_before_the_daemon_registers_its_agent_at_the_first_ca
     let inbox = ok(&dave, "mbx_inbox", json!({})).await;
     assert!(ids(&inbox).is_empty());
     dave.cancel().await.expect("close dave");
+}
+
+/// Without `--as` (nor `MBX_AGENT`), the directory answers, the mailbox tools ask for a name,
+/// and `mbx_whoami {name}` registers one and acts as it from then on.
+#[tokio::test]
+async fn a_session_without_an_agent_asks_for_one_and_mbx_whoami_sets_it() {
+    let home = Home::new();
+    let _daemon = Daemon::start(&home);
+    let anon = session_with(&home, &["mcp"]).await;
+    assert!(ok(&anon, "mbx_agents", json!({})).await["agents"].is_array());
+    let e = err(&anon, "mbx_inbox", json!({})).await;
+    assert!(e.contains("mbx_whoami"), "{e}");
+    let me = ok(
+        &anon,
+        "mbx_whoami",
+        json!({ "name": "ivy", "role": "reviewer", "description": "reviews code" }),
+    )
+    .await;
+    assert!(me.to_string().contains("reviewer"), "{me}");
+    assert!(ids(&ok(&anon, "mbx_inbox", json!({})).await).is_empty());
+    let agents = ok(&anon, "mbx_agents", json!({})).await;
+    assert!(agents.to_string().contains("\"ivy\""), "{agents}");
+    anon.cancel().await.expect("close");
 }
 
 /// `mbx_wait` on the daemon's long poll (`GET /v1/inbox?wait=`): returns the message another

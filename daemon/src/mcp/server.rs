@@ -468,8 +468,14 @@ impl MbxServer {
 
     #[tool(description = "List the agents you can write to, on this host and paired hosts.")]
     async fn mbx_agents(&self) -> ToolResult {
-        let (api, _) = match self.session().await {
-            Ok(s) => s,
+        // The directory needs no agent: it answers before mbx_whoami {name} too.
+        let api = if self.agent_name().is_some() {
+            self.session().await.map(|(api, _)| api)
+        } else {
+            Self::api()
+        };
+        let api = match api {
+            Ok(api) => api,
             Err(e) => return Ok(e),
         };
         let mut value = match Self::get(&api, "/v1/agents", "agents").await {
