@@ -65,13 +65,16 @@ pub struct MbxServer {
     tool_router: ToolRouter<MbxServer>,
 }
 
-/// A tool's failure: already the result to answer.
+/// What a tool answers: always `Ok` (a failure is a result with `is_error`); `Err` (a
+/// protocol error) is left to rmcp.
 type ToolResult = Result<CallToolResult, McpError>;
 
+/// A tool error (`is_error: true`) with `text`.
 fn fail(text: impl Into<String>) -> CallToolResult {
     CallToolResult::error(vec![ContentBlock::text(text.into())])
 }
 
+/// A result whose text is `value` as compact JSON.
 fn ok(value: &Value) -> CallToolResult {
     CallToolResult::success(vec![ContentBlock::text(value.to_string())])
 }
