@@ -6,6 +6,7 @@
 //! (`agentmbx::…`) so the black-box tests exercise the same code.
 
 mod cli;
+mod mcp;
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
@@ -24,12 +25,12 @@ fn main() -> ExitCode {
     cli::main(init_logging)
 }
 
-/// Whether the arguments start a long-running server (`daemon`, `relay serve`). Those keep
+/// Whether the arguments start a long-running server (`daemon`, `mcp`, `relay serve`). Those keep
 /// SIGPIPE ignored: their stderr may be a log socket (journald) that goes away and comes back,
 /// and a closed log stream must not end a server.
 fn long_running(mut args: impl Iterator<Item = std::ffi::OsString>) -> bool {
     match args.next() {
-        Some(first) if first == "daemon" => true,
+        Some(first) if first == "daemon" || first == "mcp" => true,
         Some(first) if first == "relay" => args.next().is_some_and(|a| a == "serve"),
         _ => false,
     }

@@ -254,22 +254,22 @@ const FIRST_PAUSE: Duration = Duration::from_millis(250);
 const MAX_PAUSE: Duration = Duration::from_secs(2);
 
 /// A mutating call: what the CLI says when it cannot settle it.
-struct Mutation<'a> {
+pub(crate) struct Mutation<'a> {
     /// What it does, e.g. "send".
-    what: &'a str,
+    pub what: &'a str,
     /// The `Idempotency-Key`, one per invocation (or `--idempotency-key`).
-    key: &'a str,
+    pub key: &'a str,
     /// The command that shows whether it happened, e.g. "agentmbx sent --as alice".
-    check: String,
+    pub check: String,
 }
 
 /// A `GET` call: what the CLI says when it cannot settle it.
-struct Query<'a> {
+pub(crate) struct Query<'a> {
     /// What it does, e.g. "read".
-    what: &'a str,
+    pub what: &'a str,
     /// For a `GET` that changes something: what it may have done (e.g. "the message may have
     /// been marked read") and the command that shows it (e.g. "agentmbx inbox --as bob --all").
-    changes: Option<(&'a str, String)>,
+    pub changes: Option<(&'a str, String)>,
 }
 
 /// A call not settled within the budget.
@@ -282,7 +282,7 @@ struct Unsettled {
 }
 
 /// A fresh `Idempotency-Key`: 128 random bits, base64url (22 characters).
-fn mint_key() -> String {
+pub(crate) fn mint_key() -> String {
     agentmbx_protocol::b64::encode_url(&rand::random::<[u8; 16]>())
 }
 
@@ -330,7 +330,15 @@ enum Attempt {
     Unreachable(String),
 }
 
-struct Api {
+/// The daemon cannot be reached (nothing answers at its address, or it never wrote its token):
+/// nothing was sent. The text names `agentmbx daemon`; `agentmbx mcp` puts its own words on it.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub(crate) struct DaemonDown(pub String);
+
+/// The client of the local API shared by the mail commands and `agentmbx mcp`: the base URL
+/// from `api.addr` (else config), the bearer token from `api.token`, retries within a budget.
+pub(crate) struct Api {
     base: String,
     token: ApiToken,
     /// Where the token was read, and the home it belongs to: named when the daemon refuses it.
@@ -343,8 +351,20 @@ struct Api {
     wait: Duration,
 }
 
+impl std::fmt::Debug for Api {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the token.
+        f.debug_struct("Api")
+            .field("base", &self.base)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Api {
-    fn connect() -> anyhow::Result<Self> {
+    /// Reads the token and address of the daemon of `MBX_HOME`. Errors: an uninitialized
+    /// home (`IdentityError::NotInitialized`), no `api.token` yet ([`DaemonDown`]), a bad
+    /// `MBX_CLI_RETRY_MS` or config.
+    pub(crate) fn connect() -> anyhow::Result<Self> {
         let budget = retry_budget()?;
         let paths = Paths::from_env()?;
         let token = match ApiToken::load(&paths.api_token())? {
@@ -356,10 +376,13 @@ impl Api {
                 }
                 .into())
             }
-            None => anyhow::bail!(
-                "no api.token in {}: start the daemon first (agentmbx daemon)",
-                paths.home().display()
-            ),
+            None => {
+                return Err(DaemonDown(format!(
+                    "no api.token in {}: start the daemon first (agentmbx daemon)",
+                    paths.home().display()
+                ))
+                .into())
+            }
         };
         let addr = match std::fs::read_to_string(paths.api_addr_file()) {
             Ok(text) => text.trim().to_string(),
@@ -381,11 +404,37 @@ impl Api {
         })
     }
 
+    /// The same client with another retry budget (`agentmbx mcp` keeps tool calls short).
+    pub(crate) fn with_budget(mut self, budget: Duration) -> Self {
+        self.budget = budget;
+        self
+    }
+
+    /// The daemon's base URL, e.g. `http://127.0.0.1:7777`.
+    pub(crate) fn base(&self) -> &str {
+        &self.base
+    }
+
     fn unreachable(&self, why: &str) -> anyhow::Error {
-        anyhow::anyhow!(
+        DaemonDown(format!(
             "the daemon does not answer at {} (is `agentmbx daemon` running?): {why}",
             self.base
-        )
+        ))
+        .into()
+    }
+
+    /// One `GET` that may take `timeout` (a long poll, `GET /v1/inbox?wait=`): not retried
+    /// (the caller waits again). Errors: [`DaemonDown`] when nothing answers, else the API's
+    /// error as for [`Api::get`].
+    pub(crate) async fn get_once(&self, path: &str, timeout: Duration) -> anyhow::Result<Value> {
+        match self
+            .attempt(self.request(reqwest::Method::GET, path, timeout))
+            .await
+        {
+            Attempt::Done(result) => result,
+            Attempt::Unreachable(why) => Err(self.unreachable(&why)),
+            Attempt::Retry { why, .. } => Err(TempFailError(why).into()),
+        }
     }
 
     /// A `GET`: retried within the budget on timeouts, broken answers and 5xx (a repeated GET
@@ -394,7 +443,7 @@ impl Api {
     /// plain failure (exit 1). An unsettled call is [`TempFailError`] (exit 75): a `read`
     /// marks the message read and queues its `read` receipt, so after a timeout or a broken
     /// answer the outcome is unknown; the message says so and how to check (`q.check`).
-    async fn get(&self, path: &str, q: &Query<'_>) -> anyhow::Result<Value> {
+    pub(crate) async fn get(&self, path: &str, q: &Query<'_>) -> anyhow::Result<Value> {
         let (started, settled) = self
             .settle(|timeout| self.request(reqwest::Method::GET, path, timeout))
             .await;
@@ -429,7 +478,12 @@ impl Api {
     /// so a retry never does it twice. A daemon that cannot be reached before anything was
     /// sent is a plain failure (exit 1); an unsettled call is [`TempFailError`] (exit 75) that
     /// says whether the outcome is unknown, how to check, and the key to rerun with.
-    async fn mutate(&self, path: &str, body: &Value, m: &Mutation<'_>) -> anyhow::Result<Value> {
+    pub(crate) async fn mutate(
+        &self,
+        path: &str,
+        body: &Value,
+        m: &Mutation<'_>,
+    ) -> anyhow::Result<Value> {
         let bytes = serde_json::to_vec(body)?;
         let (started, settled) = self
             .settle(|timeout| {
@@ -620,7 +674,7 @@ fn block_on<T>(f: impl std::future::Future<Output = anyhow::Result<T>>) -> anyho
         .block_on(f)
 }
 
-fn enc(s: &str) -> String {
+pub(crate) fn enc(s: &str) -> String {
     agentmbx::transport::relay_client::push::urlencode(s)
 }
 

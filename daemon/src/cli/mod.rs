@@ -22,6 +22,7 @@ pub mod host;
 pub mod init;
 pub mod mail;
 pub mod man;
+pub mod mcp;
 pub mod pair;
 pub mod peers;
 pub mod relay;
@@ -69,6 +70,9 @@ Environment (each overrides the matching config.toml setting):
   MBX_CLOCK_OFFSET_MS, MBX_FAILPOINTS: for tests and drills only
   MBX_CLI_RETRY_MS: how long send, ack, read, inbox and sent keep retrying a call the daemon
     did not settle (default 60000; for tests only)
+  MBX_AGENT: the agent `agentmbx mcp` acts as (its --as)
+  MBX_MCP_PROGRESS_MS: how often mbx_wait sends a progress notification (default 10000; for
+    tests only)
 
 Exit status: 0 success, 1 failure, 2 usage error, 3 not found (e.g. host not initialized),
 4 a relay runs on the store (offline relay operator commands; relay serve when another
@@ -162,6 +166,18 @@ pub enum Command {
     Sent(mail::SentArgs),
     /// Register `agentmbx mcp` with the agent clients here (Claude Code, Codex), or remove it
     Setup(setup::SetupArgs),
+    /// Serve MCP on stdin/stdout for an agent's client (Claude Code, Codex, …): the mailbox
+    /// tools, through the running daemon
+    #[command(
+        long_about = "Serve MCP (Model Context Protocol) on stdin/stdout for an agent's client \
+            (Claude Code, Codex, any MCP client), which starts it as `agentmbx mcp --as <agent>`.\n\n\
+            Tools: mbx_whoami, mbx_send, mbx_reply, mbx_inbox, mbx_read, mbx_ack, mbx_thread, \
+            mbx_agents, mbx_sent, mbx_wait; the resource mbx://guide and the prompt mbx_guide \
+            explain them. Every tool calls the running daemon of MBX_HOME; when it is not \
+            running, every tool answers an error naming `agentmbx daemon` / `agentmbx daemon \
+            install`. Stdout carries only the protocol; logs go to stderr (MBX_LOG, default warn)."
+    )]
+    Mcp(mcp::McpArgs),
     /// Print a shell completion script to stdout (bash, zsh, fish, elvish, powershell)
     Completions(completions::CompletionsArgs),
     /// Check this host's setup (identity, keys, daemon, peers, relay, outbox, service, disk)
@@ -202,6 +218,9 @@ impl Cli {
     pub fn default_log_level(&self) -> &'static str {
         match self.command {
             Command::Daemon(_) | Command::Relay(relay::RelayCommand::Serve(_)) => "info",
+            // A stdio server: nothing of its own on stdout, so warnings go to stderr (its
+            // client's log).
+            Command::Mcp(_) => "warn",
             _ => "error",
         }
     }
@@ -251,6 +270,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Ack(args) => mail::ack(args),
         Command::Sent(args) => mail::sent(args),
         Command::Setup(args) => setup::run(args),
+        Command::Mcp(args) => mcp::run(args),
         Command::Completions(args) => completions::run(args),
         Command::Doctor(args) => doctor::run(args),
         Command::Man(args) => man::run(args),
