@@ -179,3 +179,39 @@ async fn new_request_mail_wakes_one_session_once_and_status_mail_none() {
     s1.cancel().await.expect("close");
     s2.cancel().await.expect("close");
 }
+
+/// `agentmbx wake mute|unmute`: a muted agent's session is not woken (the brake records the
+/// mail `muted`), minutes out of 1..10080 is a usage error, unmute wakes it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_muted_agent_is_not_woken_until_unmuted() {
+    let home = Home::new();
+    let _daemon = Daemon::start(&home);
+    assert!(home.run(&["whoami", "--as", "alice"]).status.success());
+    let rec = Recorder::default();
+    let s = session(&home, "bob", &rec).await;
+    for bad in ["0", "10081"] {
+        let out = home.run(&["wake", "mute", "bob", "--minutes", bad]);
+        assert_eq!(out.status.code(), Some(2), "{out:?}");
+    }
+    let out = home.run(&["wake", "mute", "bob", "--minutes", "5", "--json"]);
+    assert!(out.status.success(), "{out:?}");
+    let v: Value = serde_json::from_str(&out.stdout).expect("json");
+    assert!(v["until_ms"].as_i64().expect("until_ms") > 0);
+    let id = send(&home, "request", "now", "b");
+    assert_eq!(until("the claim", || claim_outcome(&home, &id)), "muted");
+    assert!(rec.0.lock().expect("lock").is_empty());
+    let out = home.run(&["wake", "unmute", "bob"]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(out.stdout.contains("unmuted"), "{out:?}");
+    let id = send(&home, "task", "then", "b");
+    until("a channel notification", || {
+        (rec.0.lock().expect("lock").len() == 1).then_some(())
+    });
+    assert_eq!(
+        rec.0.lock().expect("lock")[0].1["meta"]["message_id"],
+        id.as_str()
+    );
+    let out = home.run(&["wake", "mute", "nobody"]);
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    s.cancel().await.expect("close");
+}

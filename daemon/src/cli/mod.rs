@@ -31,6 +31,7 @@ pub mod relay_info;
 pub mod relay_ops;
 pub mod relay_status;
 pub mod setup;
+pub mod wake;
 pub mod whoami;
 
 use std::process::ExitCode;
@@ -164,6 +165,10 @@ pub enum Command {
     Ack(mail::AckArgs),
     /// List an agent's sent messages with each recipient's delivery state
     Sent(mail::SentArgs),
+    /// Mute or unmute an agent's wakes (Claude Code channel notifications): `wake mute <agent>
+    /// [--minutes N]`, `wake unmute <agent>`
+    #[command(subcommand)]
+    Wake(wake::WakeCommand),
     /// Register `agentmbx mcp` with the agent clients here (Claude Code, Codex), or remove it
     Setup(setup::SetupArgs),
     /// Serve MCP on stdin/stdout for an agent's client (Claude Code, Codex, …): the mailbox
@@ -270,6 +275,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Ack(args) => mail::ack(args),
         Command::Sent(args) => mail::sent(args),
         Command::Setup(args) => setup::run(args),
+        Command::Wake(cmd) => wake::run(cmd),
         Command::Mcp(args) => mcp::run(args),
         Command::Completions(args) => completions::run(args),
         Command::Doctor(args) => doctor::run(args),
