@@ -41,10 +41,11 @@ pub struct MuteRequest {
     #[serde(rename = "as")]
     #[schema(value_type = crate::api::openapi::AgentName)]
     pub as_agent: String,
-    /// How long, minutes, 1..=10080 (default 60).
+    /// How long, whole minutes, 1..=10080 (default 60); `5.0` is 5 (JSON Schema counts it an
+    /// integer).
     #[serde(default)]
-    #[schema(minimum = 1, maximum = 10080)]
-    pub minutes: Option<u32>,
+    #[schema(value_type = Option<u32>, minimum = 1, maximum = 10080)]
+    pub minutes: Option<f64>,
 }
 
 /// Answer of `POST /v1/wakes/mute`.
@@ -136,13 +137,16 @@ pub async fn mute(
     }: ApiJson<MuteRequest>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     super::check_agent(&req.as_agent)?;
-    let minutes = req.minutes.unwrap_or(brake::DEFAULT_MUTE_MINUTES);
-    if !(1..=brake::MAX_MUTE_MINUTES).contains(&minutes) {
+    let minutes = req
+        .minutes
+        .unwrap_or(f64::from(brake::DEFAULT_MUTE_MINUTES));
+    if minutes.fract() != 0.0 || !(1.0..=f64::from(brake::MAX_MUTE_MINUTES)).contains(&minutes) {
         return Err(ApiError::Invalid(format!(
-            "minutes must be 1..={}",
+            "minutes must be a whole number 1..={}",
             brake::MAX_MUTE_MINUTES
         )));
     }
+    let minutes = minutes as u32;
     super::check_reader(&state, &req.as_agent).await?;
     let now = state.clock.now_ms();
     idempotent(

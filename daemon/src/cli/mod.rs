@@ -180,7 +180,12 @@ pub enum Command {
             mbx_agents, mbx_sent, mbx_wait; the resource mbx://guide and the prompt mbx_guide \
             explain them. Every tool calls the running daemon of MBX_HOME; when it is not \
             running, every tool answers an error naming `agentmbx daemon` / `agentmbx daemon \
-            install`. Stdout carries only the protocol; logs go to stderr (MBX_LOG, default warn)."
+            install`. Stdout carries only the protocol; logs go to stderr (MBX_LOG, default warn).\n\n\
+            Wake: the server declares `claude/channel` and sends Claude Code a channel \
+            notification for new wake-worthy mail to its agent (request, task, decision, alert, \
+            needs_reply, or an @mention; never status), as the daemon's wake brake allows (one \
+            per 30 s, 6 per thread per hour, 60 per day, however many sessions run; `agentmbx \
+            wake mute` silences it). It carries ids, sender and kind, never the body."
     )]
     Mcp(mcp::McpArgs),
     /// Print a shell completion script to stdout (bash, zsh, fish, elvish, powershell)
