@@ -15,6 +15,8 @@
 //!   [`Decision::ThreadCap`]; [`DAILY_CAP`] wakes for the agent in the last 24 h →
 //!   [`Decision::DailyCap`]; else a wake is recorded (table `wakes`, one row per woken thread)
 //!   and [`Decision::Wake`] lists the messages it covers.
+//! - Rows are kept only as long as a rule looks at them: `wakes` 24 h, `wake_claims` 7 days
+//!   (pruned for the agent at each claim).
 //! - Mute: kv `wake-mute:<agent>` holds the end of the mute (ms since the epoch), as 0.5.x
 //!   keeps it; [`mute`] sets it for 1..=[`MAX_MUTE_MINUTES`] minutes, [`unmute`] removes it.
 
@@ -37,6 +39,8 @@ pub const DEFAULT_MUTE_MINUTES: u32 = 60;
 
 const HOUR_MS: i64 = 3_600_000;
 const DAY_MS: i64 = 24 * HOUR_MS;
+/// How long a claimed message is remembered (ms): 7 days.
+const CLAIM_KEEP_MS: i64 = 7 * DAY_MS;
 
 /// Kinds that wake by themselves.
 const WAKING_KINDS: [&str; 4] = ["request", "task", "decision", "alert"];
@@ -186,6 +190,16 @@ pub fn claim(
     ids: &[String],
     now_ms: i64,
 ) -> Result<Decision, MailboxError> {
+    // 0. Forget what no rule looks at any more: wakes older than 24 h, claims older than a week
+    //    (a watcher only claims mail that arrived while it watched).
+    conn.execute(
+        "DELETE FROM wakes WHERE agent = ?1 AND at <= ?2",
+        params![agent, now_ms - DAY_MS],
+    )?;
+    conn.execute(
+        "DELETE FROM wake_claims WHERE agent = ?1 AND at <= ?2",
+        params![agent, now_ms - CLAIM_KEEP_MS],
+    )?;
     // 1. Record each message once per agent, with whether it may wake.
     let mut load = conn.prepare_cached(
         "SELECT m.thread, m.kind, m.subject, m.body,

@@ -156,6 +156,11 @@ fn an_agent_wakes_at_most_60_times_a_day() {
     assert_eq!(b.claim(&[&m], T0 + 60 * BATCH_MS), Decision::DailyCap);
     let m = b.mail("request", "t61", false, "");
     assert_eq!(woke(&b.claim(&[&m], T0 + DAY_MS + 1)), vec![m]);
+    // Wakes older than 24 h are pruned (the first one's time was T0).
+    let left: i64 =
+        b.mb.with(|c| Ok(c.query_row("SELECT COUNT(*) FROM wakes", [], |r| r.get(0))?))
+            .unwrap();
+    assert_eq!(left, 60);
 }
 
 #[test]
