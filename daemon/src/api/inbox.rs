@@ -9,7 +9,8 @@
 //! once as with `wait=0`. Waiting uses no timer but its own deadline. The messages an answer
 //! to a request with `wait` lists (at once or after waiting) are recorded `notified` when still
 //! `new` (spec §9: a live consumer took them), which queues a `notified` receipt for mail from
-//! a peer; a plain listing (`wait=0`) records nothing.
+//! a peer; a plain listing (`wait=0`) records nothing, nor does a wait with `notify=false` (a
+//! watcher that only learns of new mail, such as `agentmbx mcp`'s channel notifications).
 
 use axum::extract::State;
 use axum::Json;
@@ -49,6 +50,11 @@ pub struct InboxQuery {
     /// long for a message for the agent committed after `cursor`; an empty page on timeout.
     #[param(minimum = 0, maximum = 60)]
     pub wait: Option<u32>,
+    /// With `wait`: record the messages the answer lists `notified` (default true: the caller
+    /// is a live consumer that takes them). `false` for a watcher that only learns of new mail
+    /// (`agentmbx mcp`'s channel notifications, which are no evidence a consumer took it).
+    #[param(default = true)]
+    pub notify: Option<bool>,
 }
 
 /// Longest `wait` of `GET /v1/inbox` (s): 60. The CLI's attempt timeout is longer.
@@ -114,6 +120,7 @@ pub async fn get(
         from: q.from,
     };
     let agent = q.as_agent;
+    let record = q.notify.unwrap_or(true);
     let read = |cursor: Option<String>| {
         let (agent, filter) = (agent.clone(), filter.clone());
         state
@@ -129,7 +136,9 @@ pub async fn get(
     let mut closed = hub.closed();
     let page = read(q.cursor.clone()).await?;
     if !page.messages.is_empty() {
-        notified(&state, &agent, &page).await?;
+        if record {
+            notified(&state, &agent, &page).await?;
+        }
         return Ok(Json(page).into_response());
     }
     if *closed.borrow() {
@@ -158,7 +167,9 @@ pub async fn get(
         // Read on from the position of the empty page: only what arrived since.
         page = read(Some(page.cursor.clone())).await?;
         if !page.messages.is_empty() {
-            notified(&state, &agent, &page).await?;
+            if record {
+                notified(&state, &agent, &page).await?;
+            }
             break;
         }
     }

@@ -33,6 +33,7 @@ pub mod openapi;
 pub mod sent;
 pub mod threads;
 pub mod unclaimed;
+pub mod wakes;
 
 #[cfg(test)]
 mod http_tests;
@@ -357,6 +358,9 @@ pub fn router(state: SharedState) -> Router {
         .route("/v1/sent", get(sent::get))
         .route("/v1/unclaimed", get(unclaimed::get))
         .route("/v1/agents", get(agents::get).post(agents::post))
+        .route("/v1/wakes/claim", post(wakes::claim))
+        .route("/v1/wakes/mute", post(wakes::mute))
+        .route("/v1/wakes/unmute", post(wakes::unmute))
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), require_token))

@@ -31,6 +31,7 @@ pub mod relay_info;
 pub mod relay_ops;
 pub mod relay_status;
 pub mod setup;
+pub mod wake;
 pub mod whoami;
 
 use std::process::ExitCode;
@@ -164,6 +165,10 @@ pub enum Command {
     Ack(mail::AckArgs),
     /// List an agent's sent messages with each recipient's delivery state
     Sent(mail::SentArgs),
+    /// Mute or unmute an agent's wakes (Claude Code channel notifications): `wake mute <agent>
+    /// [--minutes N]`, `wake unmute <agent>`
+    #[command(subcommand)]
+    Wake(wake::WakeCommand),
     /// Register `agentmbx mcp` with the agent clients here (Claude Code, Codex), or remove it
     Setup(setup::SetupArgs),
     /// Serve MCP on stdin/stdout for an agent's client (Claude Code, Codex, …): the mailbox
@@ -175,7 +180,12 @@ pub enum Command {
             mbx_agents, mbx_sent, mbx_wait; the resource mbx://guide and the prompt mbx_guide \
             explain them. Every tool calls the running daemon of MBX_HOME; when it is not \
             running, every tool answers an error naming `agentmbx daemon` / `agentmbx daemon \
-            install`. Stdout carries only the protocol; logs go to stderr (MBX_LOG, default warn)."
+            install`. Stdout carries only the protocol; logs go to stderr (MBX_LOG, default warn).\n\n\
+            Wake: the server declares `claude/channel` and sends Claude Code a channel \
+            notification for new wake-worthy mail to its agent (request, task, decision, alert, \
+            needs_reply, or an @mention; never status), as the daemon's wake brake allows (one \
+            per 30 s, 6 per thread per hour, 60 per day, however many sessions run; `agentmbx \
+            wake mute` silences it). It carries ids, sender and kind, never the body."
     )]
     Mcp(mcp::McpArgs),
     /// Print a shell completion script to stdout (bash, zsh, fish, elvish, powershell)
@@ -270,6 +280,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Ack(args) => mail::ack(args),
         Command::Sent(args) => mail::sent(args),
         Command::Setup(args) => setup::run(args),
+        Command::Wake(cmd) => wake::run(cmd),
         Command::Mcp(args) => mcp::run(args),
         Command::Completions(args) => completions::run(args),
         Command::Doctor(args) => doctor::run(args),

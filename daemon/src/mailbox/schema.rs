@@ -5,7 +5,7 @@ use rusqlite::Connection;
 use super::MailboxError;
 
 /// The schema version this binary writes.
-pub const SCHEMA_VERSION: u32 = 7;
+pub const SCHEMA_VERSION: u32 = 8;
 
 /// Migrations in order: `(version reached, SQL)`. A new schema change appends a step; each
 /// step runs inside the one migration transaction.
@@ -255,6 +255,23 @@ BEGIN
 END;
 "#,
     ),
+    (
+        8,
+        r#"
+-- The wake brake (wire.md §4, issue 18 "Wake for Claude Code"; mailbox::brake): one row per
+-- thread of each wake of an agent (`wake` numbers the wake), and each message a session
+-- claimed a wake for, once per agent, with what came of it (NULL: pending, carried into the
+-- next wake; 'woke', 'not-worthy', 'muted', 'thread-cap', 'daily-cap').
+CREATE TABLE wakes(
+  wake INTEGER NOT NULL, agent TEXT NOT NULL, thread TEXT NOT NULL, at INTEGER NOT NULL,
+  PRIMARY KEY(wake, thread));
+CREATE INDEX wakes_agent ON wakes(agent, at);
+CREATE TABLE wake_claims(
+  agent TEXT NOT NULL, msg_id TEXT NOT NULL, thread TEXT NOT NULL, at INTEGER NOT NULL,
+  outcome TEXT, PRIMARY KEY(agent, msg_id));
+CREATE INDEX wake_claims_pending ON wake_claims(agent, outcome, at);
+"#,
+    ),
 ];
 
 /// Brings `conn` to [`SCHEMA_VERSION`] in one transaction; refuses a newer file.
@@ -444,6 +461,39 @@ mod tests {
                 []
             )
             .is_err());
+    }
+
+    /// Issue 18 (3): a version 7 store gains the wake brake's tables, its kv rows (a mute)
+    /// kept.
+    #[test]
+    fn a_version_7_store_gains_the_wake_tables() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = Connection::open(dir.path().join("m.db")).unwrap();
+        migrate_with(&mut c, &MIGRATIONS[..7]).unwrap();
+        c.execute_batch("INSERT INTO kv(k, v) VALUES ('wake-mute:bob', '99');")
+            .unwrap();
+        migrate(&mut c).unwrap();
+        let v: u32 = c
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(v, 8);
+        c.execute_batch(
+            "INSERT INTO wakes(wake, agent, thread, at) VALUES (1, 'bob', 't', 5);
+             INSERT INTO wake_claims(agent, msg_id, thread, at) VALUES ('bob', 'm1', 't', 5);",
+        )
+        .unwrap();
+        assert!(c
+            .execute(
+                "INSERT INTO wake_claims(agent, msg_id, thread, at) VALUES ('bob', 'm1', 't', 6)",
+                []
+            )
+            .is_err());
+        let mute: String = c
+            .query_row("SELECT v FROM kv WHERE k = 'wake-mute:bob'", [], |r| {
+                r.get(0)
+            })
+            .unwrap();
+        assert_eq!(mute, "99");
     }
 
     #[test]

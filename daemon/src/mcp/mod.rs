@@ -9,11 +9,14 @@
 //! - [`server`]: the tools (0.5.x's names and arguments, `agent-surface.md`), the resource
 //!   [`GUIDE_URI`], the prompt [`PROMPT_NAME`], the instructions;
 //! - [`tools`]: the tools' arguments, schemas and bounds;
+//! - [`channel`]: wake for Claude Code (`claude/channel` notifications for new mail, through
+//!   the daemon's wake brake);
 //! - `guide.md`: the one page on how to use the mailbox ([`GUIDE`]).
 //!
 //! The tool list with its input schemas is committed as `daemon/mcp-tools.json`
 //! ([`tools_json`], `agentmbx mcp --print-tools`) and checked for drift by the tests.
 
+pub mod channel;
 pub mod server;
 pub mod tools;
 
@@ -81,10 +84,17 @@ pub fn run(agent: Option<String>) -> anyhow::Result<()> {
     rt.block_on(async move {
         let server = server::MbxServer::new(agent);
         server.register_at_start().await;
+        let agent = server.agent_handle();
+        let name = agent.lock().map(|a| a.clone()).unwrap_or_default();
+        let start = match name {
+            Some(name) => channel::end_position(&name).await.map(|c| (name, c)),
+            None => None,
+        };
         let running = server
             .serve(rmcp::transport::stdio())
             .await
             .map_err(|e| anyhow::anyhow!("MCP initialization failed: {e}"))?;
+        channel::spawn(running.peer().clone(), agent, start);
         let reason = running.waiting().await?;
         tracing::info!("MCP session ended: {reason:?}");
         Ok(())

@@ -185,6 +185,11 @@ impl MbxServer {
         }
     }
 
+    /// The session's agent, shared with the channel watcher ([`super::channel::spawn`]).
+    pub fn agent_handle(&self) -> Arc<Mutex<Option<String>>> {
+        self.agent.clone()
+    }
+
     /// The tool list, as `tools/list` answers it.
     pub fn tools() -> Vec<rmcp::model::Tool> {
         Self::tool_router().list_all()
@@ -586,6 +591,7 @@ impl ServerHandler for MbxServer {
     fn get_info(&self) -> ServerConfig {
         ServerConfig::new(
             ServerCapabilities::builder()
+                .enable_experimental_with(super::channel::capabilities())
                 .enable_tools()
                 .enable_resources()
                 .enable_prompts()
