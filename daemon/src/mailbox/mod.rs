@@ -20,6 +20,7 @@
 
 pub mod agents;
 pub mod audit;
+pub mod history;
 pub mod idempotency;
 pub mod messages;
 pub mod outbox;
