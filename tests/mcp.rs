@@ -460,3 +460,154 @@ async fn mbx_wait_sends_progress_while_it_waits_and_returns_the_next_cursor() {
     assert!(got.windows(2).all(|w| w[0].progress < w[1].progress));
     client.cancel().await.expect("close");
 }
+
+/// Issue 18: `mbx_replay` pages bob's mail with bodies through the real server (count, the
+/// 64 KiB result bound when max_bytes asks for more, thread), marking nothing read; bounds are
+/// refused before any call.
+#[tokio::test]
+async fn mbx_replay_pages_history_with_bodies_and_marks_nothing_read() {
+    let home = Home::new();
+    let _daemon = Daemon::start(&home);
+    let alice = session(&home, "alice").await;
+    let bob = session(&home, "bob").await;
+    let mut sent = Vec::new();
+    for (subject, body) in [
+        ("one", "first body".to_string()),
+        ("two", "y".repeat(40_000)),
+        ("three", "z".repeat(40_000)),
+    ] {
+        let r = ok(
+            &alice,
+            "mbx_send",
+            json!({ "to": ["bob"], "subject": subject, "body": body }),
+        )
+        .await;
+        sent.push(r["id"].as_str().expect("id").to_string());
+    }
+    let reply = ok(
+        &alice,
+        "mbx_send",
+        json!({ "to": ["bob"], "subject": "re", "body": "again", "reply_to": sent[0] }),
+    )
+    .await;
+    let reply_id = reply["id"].as_str().expect("id").to_string();
+
+    let page = ok(&bob, "mbx_replay", json!({ "limit": 1 })).await;
+    assert_eq!(ids(&page), vec![sent[0].clone()], "{page}");
+    assert_eq!(page["messages"][0]["body"], "first body");
+    assert_eq!(page["has_more"], true);
+    // max_bytes 262144 is capped to the tool's bound: the two 40 kB bodies come one a page.
+    let r = call(
+        &bob,
+        "mbx_replay",
+        json!({ "cursor": page["next_cursor"], "max_bytes": 262_144 }),
+    )
+    .await;
+    assert!(text(&r).len() <= 64 * 1024, "{} bytes", text(&r).len());
+    let page: Value = serde_json::from_str(&text(&r)).expect("json");
+    assert_eq!(ids(&page), vec![sent[1].clone()]);
+    assert_eq!(
+        page["messages"][0]["body"].as_str().map(str::len),
+        Some(40_000)
+    );
+    // The rest fits the default budget (capped to 61440).
+    let page = ok(&bob, "mbx_replay", json!({ "cursor": page["next_cursor"] })).await;
+    assert_eq!(ids(&page), vec![sent[2].clone(), reply_id.clone()]);
+    assert_eq!(page["has_more"], false);
+    // One thread.
+    let page = ok(&bob, "mbx_replay", json!({ "thread": sent[0] })).await;
+    assert_eq!(ids(&page), vec![sent[0].clone(), reply_id.clone()]);
+    // Nothing was marked read.
+    let inbox = ok(&bob, "mbx_inbox", json!({})).await;
+    let states: Vec<&str> = inbox["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .map(|m| m["state"].as_str().expect("state"))
+        .collect();
+    assert_eq!(states, vec!["new"; 4], "{inbox}");
+    // Bounds, and another agent's cursor.
+    for (args, words) in [
+        (json!({ "limit": 0 }), "limit"),
+        (json!({ "limit": 201 }), "limit"),
+        (json!({ "max_bytes": 2047 }), "max_bytes"),
+        (json!({ "max_bytes": 262_145 }), "max_bytes"),
+        (json!({ "cursor": "1".repeat(2049) }), "2048"),
+    ] {
+        let e = err(&bob, "mbx_replay", args.clone()).await;
+        assert!(e.contains(words), "{args}: {e}");
+    }
+    let e = err(&bob, "mbx_replay", json!({ "cursor": "alice.1" })).await;
+    assert!(e.contains("another agent"), "{e}");
+}
+
+/// Issue 18: `mbx_catchup` lists what arrived since bob's stored position; `commit` moves it
+/// past the page (so the next catchup lists only later mail), and `restart` all / now resets
+/// it; nothing is marked read.
+#[tokio::test]
+async fn mbx_catchup_keeps_a_position_that_commit_moves_and_restart_resets() {
+    let home = Home::new();
+    let _daemon = Daemon::start(&home);
+    let alice = session(&home, "alice").await;
+    let bob = session(&home, "bob").await;
+    let send = |subject: &'static str| {
+        let alice = &alice;
+        async move {
+            let r = ok(
+                alice,
+                "mbx_send",
+                json!({ "to": ["bob"], "subject": subject, "body": subject }),
+            )
+            .await;
+            r["id"].as_str().expect("id").to_string()
+        }
+    };
+    let a = send("a").await;
+    let b = send("b").await;
+    let page = ok(&bob, "mbx_catchup", json!({})).await;
+    assert_eq!(ids(&page), vec![a.clone(), b.clone()], "{page}");
+    assert_eq!(page["messages"][1]["body"], "b");
+    assert!(page.get("committed").is_none());
+    // Not committed: the same again; then committed.
+    let page = ok(&bob, "mbx_catchup", json!({ "commit": true })).await;
+    assert_eq!(ids(&page), vec![a.clone(), b.clone()]);
+    assert_eq!(page["committed"], page["cursor"]);
+    assert!(ids(&ok(&bob, "mbx_catchup", json!({})).await).is_empty());
+    let c = send("c").await;
+    assert_eq!(
+        ids(&ok(&bob, "mbx_catchup", json!({})).await),
+        vec![c.clone()]
+    );
+    // Paging before committing: limit 1, then the next page by cursor.
+    let d = send("d").await;
+    let first = ok(&bob, "mbx_catchup", json!({ "limit": 1 })).await;
+    assert_eq!(ids(&first), vec![c.clone()]);
+    let second = ok(
+        &bob,
+        "mbx_catchup",
+        json!({ "cursor": first["next_cursor"], "commit": true }),
+    )
+    .await;
+    assert_eq!(ids(&second), vec![d.clone()]);
+    assert!(ids(&ok(&bob, "mbx_catchup", json!({})).await).is_empty());
+    // Restart from the beginning, then from now.
+    let all = ok(&bob, "mbx_catchup", json!({ "restart": "all" })).await;
+    assert_eq!(ids(&all), vec![a, b, c, d]);
+    let now = ok(&bob, "mbx_catchup", json!({ "restart": "now" })).await;
+    assert!(ids(&now).is_empty(), "{now}");
+    assert!(ids(&ok(&bob, "mbx_catchup", json!({})).await).is_empty());
+    // Nothing was marked read.
+    let inbox = ok(&bob, "mbx_inbox", json!({})).await;
+    assert!(
+        inbox["messages"]
+            .as_array()
+            .expect("messages")
+            .iter()
+            .all(|m| m["state"] == "new"),
+        "{inbox}"
+    );
+    let e = err(&bob, "mbx_catchup", json!({ "restart": "later" })).await;
+    assert!(e.contains("mbx_catchup"), "{e}");
+    let e = err(&bob, "mbx_catchup", json!({ "max_bytes": 1 })).await;
+    assert!(e.contains("max_bytes"), "{e}");
+}

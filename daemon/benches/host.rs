@@ -17,6 +17,9 @@
 //! - `wait`: one daemon; a long poll (`GET /v1/inbox?as=bob&wait=30&cursor=`) is open when
 //!   alice sends bob a message through the local API: ms from just before the send request to
 //!   the waiter's answer (`wait_local_p50/p99`), one message at a time;
+//!   Then the same through `agentmbx mcp --as bob` over stdio (JSON-RPC written here): a
+//!   `tools/call mbx_wait {cursor, timeout_s: 30}` is waiting in the daemon when alice sends:
+//!   ms from just before the send request to the tool's answer line (`wait_mcp_p50/p99`);
 //! - `idle`: a daemon with a relay configured and no traffic: RSS, CPU and wakeups;
 //! - `start`: daemon start to `READY=1` (sd-notify datagram) on a fresh and an existing home;
 //! - `all`: every scenario above, in that order;
@@ -1133,9 +1136,145 @@ fn wait(o: &Opts) -> Result<()> {
         &p99,
         extra,
     );
+    let (mut p50, mut p99, mut max) = (Vec::new(), Vec::new(), Vec::new());
+    for run in 0..o.runs {
+        eprintln!("wait_mcp: run {}/{} ({n} messages)", run + 1, o.runs);
+        let lat = mcp_waits(&mut h, n, run)?;
+        p50.push(percentile(&lat, 50.0));
+        p99.push(percentile(&lat, 99.0));
+        max.push(percentile(&lat, 100.0));
+    }
+    let extra = json!({
+        "messages_per_run": n,
+        "mode": "one agentmbx mcp --as bob session over stdio; a tools/call mbx_wait {cursor, timeout_s: 30} from the previous answer's next_cursor; the send starts once the daemon logged that its long poll waits",
+        "body_bytes": VALUE_BYTES,
+        "max_ms_median": round3(median(&max)),
+    });
+    let label = "message committed on the receiving host → mbx_wait answer (agentmbx mcp, stdio)";
+    emit(
+        "wait_mcp_p50",
+        &format!("{label}, p50"),
+        "ms",
+        &p50,
+        extra.clone(),
+    );
+    emit("wait_mcp_p99", &format!("{label}, p99"), "ms", &p99, extra);
     drop(h);
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
+}
+
+/// A child process killed and reaped when dropped.
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `n` sends alice → bob on `h`, each answered to a `tools/call mbx_wait` of bob's
+/// `agentmbx mcp` session (JSON-RPC over its stdio, one line a message) made before the send;
+/// the ms from just before each send request to the line of the tool's answer.
+fn mcp_waits(h: &mut Host, n: usize, run: usize) -> Result<Vec<f64>> {
+    let body: String = (0..VALUE_BYTES)
+        .map(|i| char::from(b'a' + (i % 26) as u8))
+        .collect();
+    let mut cmd = mbx(&h.home, &["mcp", "--as", "bob"]);
+    cmd.env("MBX_LOG", "warn")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    let mut child = KillOnDrop(cmd.spawn().context("spawn agentmbx mcp")?);
+    let mut stdin = child.0.stdin.take().context("mcp stdin")?;
+    let stdout = child.0.stdout.take().context("mcp stdout")?;
+    // Each line the server writes, with the moment it was read.
+    let (tx, lines) = std::sync::mpsc::channel::<(String, Instant)>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send((line, Instant::now())).is_err() {
+                break;
+            }
+        }
+    });
+    let mut send = |msg: Value| -> Result<()> {
+        writeln!(stdin, "{msg}")?;
+        stdin.flush()?;
+        Ok(())
+    };
+    // The answer to request `id` (notifications are skipped).
+    let answer = |id: u64| -> Result<(Value, Instant)> {
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let (line, at) = lines
+                .recv_timeout(left)
+                .map_err(|_| anyhow::anyhow!("agentmbx mcp did not answer request {id}"))?;
+            let v: Value = serde_json::from_str(&line).context("a JSON-RPC line")?;
+            if v["id"] == json!(id) {
+                return Ok((v, at));
+            }
+        }
+    };
+    send(
+        json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "bench", "version": "0"}}}),
+    )?;
+    answer(0)?;
+    send(json!({"jsonrpc": "2.0", "method": "notifications/initialized"}))?;
+    let mut api = h.api()?;
+    // Wait from the end of bob's inbox (earlier figures left mail in it).
+    let mut path = "/v1/inbox?as=bob&all=true&limit=200".to_string();
+    let mut cursor = loop {
+        let (status, page) = api.call("GET", &path, None)?;
+        if status != 200 {
+            bail!("inbox answered {status}: {page}");
+        }
+        match page["next_cursor"].as_str() {
+            Some(next) => path = format!("/v1/inbox?as=bob&all=true&limit=200&cursor={next}"),
+            None => break page["cursor"].as_str().context("cursor")?.to_string(),
+        }
+    };
+    let mut lat = Vec::with_capacity(n);
+    for i in 0..n {
+        let id = i as u64 + 1;
+        let waiting = h.daemon()?.log().matches(WAITING).count();
+        send(
+            json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {
+            "name": "mbx_wait", "arguments": {"cursor": cursor, "timeout_s": 30}}}),
+        )?;
+        let deadline = Instant::now() + TIMEOUT;
+        while h.daemon()?.log().matches(WAITING).count() <= waiting {
+            if Instant::now() >= deadline {
+                bail!("mbx_wait did not start waiting within {TIMEOUT:?}");
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let msg = json!({"from": "alice", "to": ["bob"], "subject": format!("mcp-{run} {i}"),
+                         "body": body});
+        let t0 = Instant::now();
+        let (status, sent) = api.call("POST", "/v1/messages", Some(&msg))?;
+        if status != 201 {
+            bail!("send answered {status}: {sent}");
+        }
+        let (v, t1) = answer(id)?;
+        let text = v["result"]["content"][0]["text"]
+            .as_str()
+            .unwrap_or_default();
+        let page: Value = serde_json::from_str(text).unwrap_or(Value::Null);
+        if page["messages"][0]["id"] != sent["id"] {
+            bail!("mbx_wait answered {v}");
+        }
+        cursor = page["next_cursor"]
+            .as_str()
+            .context("next_cursor")?
+            .to_string();
+        lat.push(t1.duration_since(t0).as_secs_f64() * 1e3);
+    }
+    Ok(lat)
 }
 
 /// `n` sends alice → bob on `h`, each answered by a long poll opened before it; the ms from

@@ -27,6 +27,7 @@ pub mod ack;
 pub mod agents;
 pub mod extract;
 pub mod health;
+pub mod history;
 pub mod inbox;
 pub mod messages;
 pub mod openapi;
@@ -361,6 +362,10 @@ pub fn router(state: SharedState) -> Router {
         .route("/v1/wakes/claim", post(wakes::claim))
         .route("/v1/wakes/mute", post(wakes::mute))
         .route("/v1/wakes/unmute", post(wakes::unmute))
+        .route("/v1/replay", get(history::replay))
+        .route("/v1/catchup", get(history::catchup))
+        .route("/v1/catchup/commit", post(history::commit))
+        .route("/v1/catchup/restart", post(history::restart))
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), require_token))

@@ -33,13 +33,13 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{ContentBuilder, ObjectBuilder, Ref, RefOr, Type};
 use utoipa::{Modify, OpenApi};
 
-use super::{ack, agents, health, inbox, messages, sent, threads, unclaimed, wakes};
+use super::{ack, agents, health, history, inbox, messages, sent, threads, unclaimed, wakes};
 
 /// The OpenAPI description of the local API.
 #[derive(Debug, OpenApi)]
 #[openapi(
-    info(title = "agentmbx local API", description = "Loopback API for agents on this host: send, reply, inbox, read, thread, ack, sent, agent directory, unclaimed mail, the wake brake. Bearer token from api.token; errors are {error, code} with a stable code: 400 BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named; unknown ones are refused), 400 INVALID_JSON, 400 UNKNOWN_HOST, 400 UNKNOWN_AGENT (a bare recipient name known nowhere, or name@host a known directory does not list), 401 UNAUTHORIZED, 404 NOT_FOUND (also unknown routes), 404 UNKNOWN_AGENT (an `as` with no mailbox on this host), 405 METHOD_NOT_ALLOWED, 409 CONFLICT, 413 BODY_TOO_LARGE (over 2 MiB), 415 UNSUPPORTED_MEDIA_TYPE (a body not sent as application/json), 500 INTERNAL, 503 STORE_BUSY. Each operation lists the answers it can give; the request schemas state every rule the daemon checks on the shape of a request (names, lengths, counts, enums), so a request valid by this document is refused only for the state it names (an id that names nothing this agent can see: 404 NOT_FOUND; a reader with no mailbox here: 404 UNKNOWN_AGENT; a host that is not paired: 400 UNKNOWN_HOST; a bare recipient name known nowhere, or name@host that a known directory does not list: 400 UNKNOWN_AGENT; an address that reaches nobody, a thread cursor from another thread, or an inbox cursor of another agent: 400 BAD_REQUEST; a reused Idempotency-Key: 409)."),
-    paths(health::get, messages::post, messages::reply, messages::get, threads::get, inbox::get, ack::post, agents::get, agents::post, sent::get, unclaimed::get, wakes::claim, wakes::mute, wakes::unmute),
+    info(title = "agentmbx local API", description = "Loopback API for agents on this host: send, reply, inbox, read, thread, ack, sent, agent directory, unclaimed mail, history replay and catchup, the wake brake. Bearer token from api.token; errors are {error, code} with a stable code: 400 BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named; unknown ones are refused), 400 INVALID_JSON, 400 UNKNOWN_HOST, 400 UNKNOWN_AGENT (a bare recipient name known nowhere, or name@host a known directory does not list), 401 UNAUTHORIZED, 404 NOT_FOUND (also unknown routes), 404 UNKNOWN_AGENT (an `as` with no mailbox on this host), 405 METHOD_NOT_ALLOWED, 409 CONFLICT, 413 BODY_TOO_LARGE (over 2 MiB), 415 UNSUPPORTED_MEDIA_TYPE (a body not sent as application/json), 500 INTERNAL, 503 STORE_BUSY. Each operation lists the answers it can give; the request schemas state every rule the daemon checks on the shape of a request (names, lengths, counts, enums), so a request valid by this document is refused only for the state it names (an id that names nothing this agent can see: 404 NOT_FOUND; a reader with no mailbox here: 404 UNKNOWN_AGENT; a host that is not paired: 400 UNKNOWN_HOST; a bare recipient name known nowhere, or name@host that a known directory does not list: 400 UNKNOWN_AGENT; an address that reaches nobody, a thread cursor from another thread, or an inbox, replay or catchup cursor of another agent: 400 BAD_REQUEST; a reused Idempotency-Key: 409)."),
+    paths(health::get, messages::post, messages::reply, messages::get, threads::get, inbox::get, ack::post, agents::get, agents::post, sent::get, unclaimed::get, history::replay, history::catchup, history::commit, history::restart, wakes::claim, wakes::mute, wakes::unmute),
     components(schemas(AgentName, Address, MessageId, ThreadId, RefText, Kind, DeliveryState, SentState, RouteKind, Via, HealthStatus, HealthReasonCode)),
     modifiers(&BearerAuth, &ErrorResponses)
 )]
@@ -496,6 +496,8 @@ mod tests {
             ("/v1/sent", "get"),
             ("/v1/messages/{id}", "get"),
             ("/v1/threads/{id}", "get"),
+            ("/v1/replay", "get"),
+            ("/v1/catchup", "get"),
         ] {
             let op = operation(&d, path, method);
             assert_eq!(param(op, "as")["$ref"], agent, "{path}");
@@ -536,6 +538,8 @@ mod tests {
             ("/v1/inbox", messages::MAX_INBOX_LIMIT),
             ("/v1/threads/{id}", messages::MAX_THREAD_LIMIT),
             ("/v1/sent", receipts::MAX_SENT_LIMIT),
+            ("/v1/replay", crate::mailbox::history::MAX_LIMIT),
+            ("/v1/catchup", crate::mailbox::history::MAX_LIMIT),
         ] {
             let limit = param(operation(&d, path, "get"), "limit");
             assert_eq!(
@@ -544,11 +548,35 @@ mod tests {
                 "{path}"
             );
         }
+        for path in ["/v1/replay", "/v1/catchup"] {
+            let op = operation(&d, path, "get");
+            let bytes = param(op, "max_bytes");
+            assert_eq!(
+                (num(&bytes["minimum"]), num(&bytes["maximum"])),
+                (
+                    crate::mailbox::history::MIN_MAX_BYTES,
+                    crate::mailbox::history::MAX_MAX_BYTES
+                ),
+                "{path}"
+            );
+            assert_eq!(
+                num(&param(op, "cursor")["maxLength"]),
+                super::super::history::MAX_CURSOR,
+                "{path}"
+            );
+        }
+        let commit = &schema(&d, "CommitRequest")["properties"];
+        assert_eq!(
+            num(&commit["cursor"]["maxLength"]),
+            super::super::history::MAX_CURSOR
+        );
         for path in [
             "/v1/messages",
             "/v1/messages/{id}/reply",
             "/v1/ack",
             "/v1/agents",
+            "/v1/catchup/commit",
+            "/v1/catchup/restart",
         ] {
             let key = param(operation(&d, path, "post"), "Idempotency-Key");
             assert_eq!(num(&key["maxLength"]), MAX_IDEMPOTENCY_KEY, "{path}");
@@ -653,6 +681,14 @@ mod tests {
         let inbox_op = operation(&d, "/v1/inbox", "get");
         let inbox_cursor = regex(&param(inbox_op, "cursor")["pattern"]);
         let sent_cursor = regex(&param(operation(&d, "/v1/sent", "get"), "cursor")["pattern"]);
+        // Replay and catchup take the inbox's cursors.
+        for path in ["/v1/replay", "/v1/catchup"] {
+            assert_eq!(
+                param(operation(&d, path, "get"), "cursor")["pattern"],
+                param(inbox_op, "cursor")["pattern"],
+                "{path}"
+            );
+        }
         for c in [
             "",
             "0",
@@ -785,7 +821,17 @@ mod tests {
                     want.extend(["413", "415"]);
                 }
                 if path.contains("{id}")
-                    || ["/v1/ack", "/v1/messages", "/v1/inbox", "/v1/sent"].contains(&path.as_str())
+                    || [
+                        "/v1/ack",
+                        "/v1/messages",
+                        "/v1/inbox",
+                        "/v1/sent",
+                        "/v1/replay",
+                        "/v1/catchup",
+                        "/v1/catchup/commit",
+                        "/v1/catchup/restart",
+                    ]
+                    .contains(&path.as_str())
                 {
                     want.push("404");
                 }
@@ -819,7 +865,7 @@ mod tests {
             }
         }
         // Every route of api::router (a new one is listed in `paths(...)` and counted here).
-        assert_eq!(seen, 14, "every route is in the document");
+        assert_eq!(seen, 18, "every route is in the document");
         assert_eq!(
             at(
                 &d,

@@ -303,7 +303,7 @@ pub fn mark_notified(
     Ok(n)
 }
 
-fn message_from_row(env: &str, origin: String, state: Option<String>) -> Message {
+pub(super) fn message_from_row(env: &str, origin: String, state: Option<String>) -> Message {
     let v: Value = serde_json::from_str(env).unwrap_or(Value::Null);
     let s = |k: &str| {
         v.get(k)

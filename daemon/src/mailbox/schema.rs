@@ -5,7 +5,7 @@ use rusqlite::Connection;
 use super::MailboxError;
 
 /// The schema version this binary writes.
-pub const SCHEMA_VERSION: u32 = 8;
+pub const SCHEMA_VERSION: u32 = 9;
 
 /// Migrations in order: `(version reached, SQL)`. A new schema change appends a step; each
 /// step runs inside the one migration transaction.
@@ -272,6 +272,16 @@ CREATE TABLE wake_claims(
 CREATE INDEX wake_claims_pending ON wake_claims(agent, outcome, at);
 "#,
     ),
+    (
+        9,
+        r#"
+-- Each agent's catchup position (`GET /v1/catchup`, 0.5.x `mbx_catchup`): the delivery seq up
+-- to which it has caught up. Moved forward only by a commit; a restart sets it (to 0 or the
+-- newest). No row: the beginning.
+CREATE TABLE catchup(
+  agent TEXT PRIMARY KEY, seq INTEGER NOT NULL, updated_at INTEGER NOT NULL);
+"#,
+    ),
 ];
 
 /// Brings `conn` to [`SCHEMA_VERSION`] in one transaction; refuses a newer file.
@@ -476,7 +486,7 @@ mod tests {
         let v: u32 = c
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .unwrap();
-        assert_eq!(v, 8);
+        assert_eq!(v, SCHEMA_VERSION);
         c.execute_batch(
             "INSERT INTO wakes(wake, agent, thread, at) VALUES (1, 'bob', 't', 5);
              INSERT INTO wake_claims(agent, msg_id, thread, at) VALUES ('bob', 'm1', 't', 5);",
@@ -494,6 +504,41 @@ mod tests {
             })
             .unwrap();
         assert_eq!(mute, "99");
+    }
+
+    /// Issue 18: a version 8 store gains the `catchup` table, empty (every agent at the
+    /// beginning), keeping its deliveries.
+    #[test]
+    fn a_version_8_store_gains_the_catchup_positions() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = Connection::open(dir.path().join("m.db")).unwrap();
+        migrate_with(&mut c, &MIGRATIONS[..8]).unwrap();
+        c.execute_batch(
+            "INSERT INTO messages VALUES ('m1','t','a@h','m1',NULL,'message','s','b','{}','local',1);
+             INSERT INTO deliveries(msg_id, agent, state, updated_at) VALUES ('m1','bob','new',1);",
+        )
+        .unwrap();
+        migrate(&mut c).unwrap();
+        let n: i64 = c
+            .query_row("SELECT COUNT(*) FROM catchup", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(n, 0);
+        c.execute(
+            "INSERT INTO catchup(agent, seq, updated_at) VALUES ('bob', 1, 2)",
+            [],
+        )
+        .unwrap();
+        // One row per agent.
+        assert!(c
+            .execute(
+                "INSERT INTO catchup(agent, seq, updated_at) VALUES ('bob', 2, 3)",
+                []
+            )
+            .is_err());
+        let d: i64 = c
+            .query_row("SELECT COUNT(*) FROM deliveries", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(d, 1);
     }
 
     #[test]

@@ -140,6 +140,8 @@ mod tests {
             "mbx_agents",
             "mbx_inbox",
             "mbx_read",
+            "mbx_replay",
+            "mbx_catchup",
             "mbx_reply",
             "mbx_send",
             "mbx_sent",

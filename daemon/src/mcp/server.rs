@@ -24,7 +24,8 @@ use rmcp::{tool, tool_handler, tool_router, ErrorData as McpError, RoleServer, S
 use serde_json::{json, Value};
 
 use super::tools::{
-    AckArgs, InboxArgs, ReadArgs, ReplyArgs, SendArgs, SentArgs, ThreadArgs, WaitArgs, WhoamiArgs,
+    AckArgs, CatchupArgs, InboxArgs, ReadArgs, ReplayArgs, ReplyArgs, SendArgs, SentArgs,
+    ThreadArgs, WaitArgs, WhoamiArgs,
 };
 use super::{GUIDE, GUIDE_URI, PROMPT_NAME};
 use crate::cli::mail::{enc, mint_key, Api, DaemonDown, Mutation, Query};
@@ -515,6 +516,78 @@ impl MbxServer {
             p
         };
         done(Self::page(&api, path, limit, "messages", "sent").await)
+    }
+
+    #[tool(
+        description = "Page through your received mail with bodies, oldest first (marks nothing read); thread: one conversation. max_bytes over 61440 is capped to it."
+    )]
+    async fn mbx_replay(&self, Parameters(args): Parameters<ReplayArgs>) -> ToolResult {
+        let (limit, max_bytes) = match args.check() {
+            Ok(b) => b,
+            Err(e) => return Ok(fail(e)),
+        };
+        let (api, name) = match self.session().await {
+            Ok(s) => s,
+            Err(e) => return Ok(e),
+        };
+        let path = |limit: u32| {
+            let mut p = format!(
+                "/v1/replay?as={}&limit={limit}&max_bytes={max_bytes}",
+                enc(&name)
+            );
+            if let Some(c) = &args.cursor {
+                p.push_str(&format!("&cursor={}", enc(c)));
+            }
+            if let Some(t) = &args.thread {
+                p.push_str(&format!("&thread={}", enc(t)));
+            }
+            p
+        };
+        done(Self::page(&api, path, limit, "messages", "replay").await)
+    }
+
+    #[tool(
+        description = "What arrived since you last caught up, with bodies (marks nothing read); commit: true moves your position past it. restart: all|now resets it. max_bytes over 61440 is capped to it."
+    )]
+    async fn mbx_catchup(&self, Parameters(args): Parameters<CatchupArgs>) -> ToolResult {
+        let (limit, max_bytes) = match args.check() {
+            Ok(b) => b,
+            Err(e) => return Ok(fail(e)),
+        };
+        let (api, name) = match self.session().await {
+            Ok(s) => s,
+            Err(e) => return Ok(e),
+        };
+        if let Some(from) = args.restart {
+            let body = json!({ "as": name, "from": from.as_str() });
+            if let Err(e) =
+                Self::post(&api, "/v1/catchup/restart", &body, None, "catchup restart").await
+            {
+                return Ok(e);
+            }
+        }
+        let path = |limit: u32| {
+            let mut p = format!(
+                "/v1/catchup?as={}&limit={limit}&max_bytes={max_bytes}",
+                enc(&name)
+            );
+            if let Some(c) = &args.cursor {
+                p.push_str(&format!("&cursor={}", enc(c)));
+            }
+            p
+        };
+        let mut value = match Self::page(&api, path, limit, "messages", "catchup").await {
+            Ok(v) => v,
+            Err(e) => return Ok(e),
+        };
+        if args.commit {
+            let body = json!({ "as": name, "cursor": value["cursor"] });
+            match Self::post(&api, "/v1/catchup/commit", &body, None, "catchup commit").await {
+                Ok(answer) => value["committed"] = answer["position"].clone(),
+                Err(e) => return Ok(e),
+            }
+        }
+        Ok(ok(&value))
     }
 
     #[tool(

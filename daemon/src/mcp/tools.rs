@@ -36,6 +36,14 @@ pub const SENT_LIMIT: (u32, u32, u32) = (1, 100, 20);
 pub const MAX_WAIT_S: u32 = 45;
 /// `mbx_wait` default wait in seconds.
 pub const DEFAULT_WAIT_S: u32 = 30;
+/// `mbx_replay` / `mbx_catchup` page size: 1..=200, default 50.
+pub const HISTORY_LIMIT: (u32, u32, u32) = (1, 200, 50);
+/// `mbx_replay` / `mbx_catchup` `max_bytes`: 2048..=262144, default 65536 (0.5.x's bounds).
+pub const HISTORY_MAX_BYTES: (u32, u32, u32) = (2048, 262_144, 65_536);
+/// The `max_bytes` these tools ask the daemon for at most: a result is bounded to 64 KiB
+/// ([`super::server::MAX_RESULT_BYTES`]), so a larger `max_bytes` is capped to 60 KiB (the
+/// rest is room for the page's other fields).
+pub const HISTORY_TOOL_MAX_BYTES: u32 = 60 * 1024;
 
 /// `mbx_whoami`.
 #[derive(Debug, Default, Deserialize, schemars::JsonSchema)]
@@ -161,6 +169,107 @@ pub struct WaitArgs {
     pub needs_reply: bool,
     /// Only messages from this sender (`name` or `name@host`).
     pub from: Option<String>,
+}
+
+/// `mbx_replay`.
+#[derive(Debug, Default, Deserialize, schemars::JsonSchema)]
+pub struct ReplayArgs {
+    /// `next_cursor` of the previous page (at most 2048 characters); none: from the start.
+    #[schemars(length(max = 2048))]
+    pub cursor: Option<String>,
+    /// Page size, 1..=200 (default 50).
+    #[schemars(range(min = 1, max = 200))]
+    pub limit: Option<u32>,
+    /// Byte budget of the page, 2048..=262144 (default 65536); above 61440 it is capped to
+    /// 61440 (results are bounded to 64 KiB). A page holds at least one message.
+    #[schemars(range(min = 2048, max = 262144))]
+    pub max_bytes: Option<u32>,
+    /// Only this thread (a thread id).
+    pub thread: Option<String>,
+}
+
+/// Where `mbx_catchup` restarts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum RestartFrom {
+    /// From the beginning.
+    All,
+    /// From now: only what arrives later.
+    Now,
+}
+
+impl RestartFrom {
+    /// The API's word for it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RestartFrom::All => "all",
+            RestartFrom::Now => "now",
+        }
+    }
+}
+
+/// `mbx_catchup`.
+#[derive(Debug, Default, Deserialize, schemars::JsonSchema)]
+pub struct CatchupArgs {
+    /// `next_cursor` of the previous page, to read on before committing (at most 2048
+    /// characters); none: from your stored position.
+    #[schemars(length(max = 2048))]
+    pub cursor: Option<String>,
+    /// Page size, 1..=200 (default 50).
+    #[schemars(range(min = 1, max = 200))]
+    pub limit: Option<u32>,
+    /// Byte budget of the page, 2048..=262144 (default 65536); above 61440 it is capped to
+    /// 61440 (results are bounded to 64 KiB).
+    #[schemars(range(min = 2048, max = 262144))]
+    pub max_bytes: Option<u32>,
+    /// Move your stored position past this page (never back).
+    #[serde(default)]
+    pub commit: bool,
+    /// Reset your position first: all (from the beginning) or now (only later mail).
+    pub restart: Option<RestartFrom>,
+}
+
+/// `max_bytes` given or its default, checked against 0.5.x's bounds, then capped to
+/// [`HISTORY_TOOL_MAX_BYTES`].
+fn history_bytes(given: Option<u32>) -> Result<u32, String> {
+    let (min, max, default) = HISTORY_MAX_BYTES;
+    let b = given.unwrap_or(default);
+    if !(min..=max).contains(&b) {
+        return Err(format!("max_bytes must be {min} to {max}"));
+    }
+    Ok(b.min(HISTORY_TOOL_MAX_BYTES))
+}
+
+impl ReplayArgs {
+    /// Checks cursor, page size, byte budget and thread; returns `(limit, max_bytes)` (the
+    /// latter capped to [`HISTORY_TOOL_MAX_BYTES`]).
+    pub fn check(&self) -> Result<(u32, u32), String> {
+        check_cursor(&self.cursor)?;
+        if let Some(t) = &self.thread {
+            if t.is_empty() || utf16(t) > 300 {
+                return Err("thread must be a thread id of 1 to 300 characters".into());
+            }
+        }
+        Ok((
+            limit(self.limit, HISTORY_LIMIT)?,
+            history_bytes(self.max_bytes)?,
+        ))
+    }
+}
+
+impl CatchupArgs {
+    /// Checks cursor, page size and byte budget; returns `(limit, max_bytes)` (the latter
+    /// capped to [`HISTORY_TOOL_MAX_BYTES`]).
+    pub fn check(&self) -> Result<(u32, u32), String> {
+        check_cursor(&self.cursor)?;
+        if self.cursor.is_some() && self.restart.is_some() {
+            return Err("give either cursor or restart, not both".into());
+        }
+        Ok((
+            limit(self.limit, HISTORY_LIMIT)?,
+            history_bytes(self.max_bytes)?,
+        ))
+    }
 }
 
 fn utf16(s: &str) -> usize {
@@ -422,5 +531,44 @@ mod tests {
         };
         assert!(who(200).check().is_ok());
         assert!(who(201).check().is_err());
+    }
+
+    #[test]
+    fn replay_and_catchup_bounds_and_the_byte_cap() {
+        let replay = |limit, max_bytes| ReplayArgs {
+            limit,
+            max_bytes,
+            ..Default::default()
+        };
+        assert_eq!(replay(None, None).check(), Ok((50, HISTORY_TOOL_MAX_BYTES)));
+        assert_eq!(replay(Some(200), Some(2048)).check(), Ok((200, 2048)));
+        assert_eq!(
+            replay(None, Some(262_144)).check(),
+            Ok((50, HISTORY_TOOL_MAX_BYTES))
+        );
+        assert!(replay(Some(0), None).check().is_err());
+        assert!(replay(Some(201), None).check().is_err());
+        assert!(replay(None, Some(2047)).check().is_err());
+        assert!(replay(None, Some(262_145)).check().is_err());
+        let long = ReplayArgs {
+            cursor: Some("1".repeat(MAX_CURSOR + 1)),
+            ..Default::default()
+        };
+        assert!(long.check().is_err());
+        let thread = ReplayArgs {
+            thread: Some(String::new()),
+            ..Default::default()
+        };
+        assert!(thread.check().is_err());
+        let both = CatchupArgs {
+            cursor: Some("bob.1".into()),
+            restart: Some(RestartFrom::All),
+            ..Default::default()
+        };
+        assert!(both.check().is_err());
+        assert_eq!(
+            CatchupArgs::default().check(),
+            Ok((50, HISTORY_TOOL_MAX_BYTES))
+        );
     }
 }
