@@ -20,6 +20,9 @@
 //!   Then the same through `agentmbx mcp --as bob` over stdio (JSON-RPC written here): a
 //!   `tools/call mbx_wait {cursor, timeout_s: 30}` is waiting in the daemon when alice sends:
 //!   ms from just before the send request to the tool's answer line (`wait_mcp_p50/p99`);
+//!   Then wake: per message a new agent's `agentmbx mcp` session whose channel watcher waits
+//!   in the daemon; alice sends it a `request`: ms from just before the send request to the
+//!   `notifications/claude/channel` line (`wake_channel_p50/p99`);
 //! - `idle`: a daemon with a relay configured and no traffic: RSS, CPU and wakeups;
 //! - `start`: daemon start to `READY=1` (sd-notify datagram) on a fresh and an existing home;
 //! - `all`: every scenario above, in that order;
@@ -1159,6 +1162,30 @@ fn wait(o: &Opts) -> Result<()> {
         extra.clone(),
     );
     emit("wait_mcp_p99", &format!("{label}, p99"), "ms", &p99, extra);
+    let n = if o.quick { 5 } else { 40 };
+    let (mut p50, mut p99, mut max) = (Vec::new(), Vec::new(), Vec::new());
+    for run in 0..o.runs {
+        eprintln!("wake_channel: run {}/{} ({n} sessions)", run + 1, o.runs);
+        let lat = channel_wakes(&mut h, n, run)?;
+        p50.push(percentile(&lat, 50.0));
+        p99.push(percentile(&lat, 99.0));
+        max.push(percentile(&lat, 100.0));
+    }
+    let extra = json!({
+        "messages_per_run": n,
+        "mode": "one agentmbx mcp --as <new agent> session over stdio per message (the wake brake allows one wake per agent per 30 s); alice sends a kind=request message once the daemon logged that the session's channel watcher waits",
+        "body_bytes": VALUE_BYTES,
+        "max_ms_median": round3(median(&max)),
+    });
+    let label = "message committed on the receiving host → channel notification (agentmbx mcp, stdio)";
+    emit(
+        "wake_channel_p50",
+        &format!("{label}, p50"),
+        "ms",
+        &p50,
+        extra.clone(),
+    );
+    emit("wake_channel_p99", &format!("{label}, p99"), "ms", &p99, extra);
     drop(h);
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
@@ -1273,6 +1300,93 @@ fn mcp_waits(h: &mut Host, n: usize, run: usize) -> Result<Vec<f64>> {
             .context("next_cursor")?
             .to_string();
         lat.push(t1.duration_since(t0).as_secs_f64() * 1e3);
+    }
+    Ok(lat)
+}
+
+/// `n` wake-worthy sends from alice, each to a new agent whose `agentmbx mcp` session (JSON-RPC
+/// over its stdio) started before the send and whose channel watcher waits in the daemon; the
+/// ms from just before each send request to the line of its `notifications/claude/channel`.
+fn channel_wakes(h: &mut Host, n: usize, run: usize) -> Result<Vec<f64>> {
+    let body: String = (0..VALUE_BYTES)
+        .map(|i| char::from(b'a' + (i % 26) as u8))
+        .collect();
+    let mut api = h.api()?;
+    let mut lat = Vec::with_capacity(n);
+    for i in 0..n {
+        // The brake allows one wake per agent per 30 s: every message goes to a new agent.
+        let agent = format!("wake{run}x{i}");
+        mbx_run(&h.home, &["whoami", "--as", &agent])?;
+        let waiting = h.daemon()?.log().matches(WAITING).count();
+        let mut cmd = mbx(&h.home, &["mcp", "--as", &agent]);
+        cmd.env("MBX_LOG", "warn")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        let mut child = KillOnDrop(cmd.spawn().context("spawn agentmbx mcp")?);
+        let mut stdin = child.0.stdin.take().context("mcp stdin")?;
+        let stdout = child.0.stdout.take().context("mcp stdout")?;
+        let (tx, lines) = std::sync::mpsc::channel::<(String, Instant)>();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send((line, Instant::now())).is_err() {
+                    break;
+                }
+            }
+        });
+        // The next line the server writes that `pick` accepts, with the moment it was read.
+        let next = |what: &str, pick: &dyn Fn(&Value) -> bool| -> Result<(Value, Instant)> {
+            let deadline = Instant::now() + TIMEOUT;
+            loop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let (line, at) = lines
+                    .recv_timeout(left)
+                    .map_err(|_| anyhow::anyhow!("agentmbx mcp wrote no {what}"))?;
+                let v: Value = serde_json::from_str(&line).context("a JSON-RPC line")?;
+                if pick(&v) {
+                    return Ok((v, at));
+                }
+            }
+        };
+        writeln!(
+            stdin,
+            "{}",
+            json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {},
+            "clientInfo": {"name": "bench", "version": "0"}}})
+        )?;
+        stdin.flush()?;
+        next("initialize answer", &|v| v["id"] == json!(0))?;
+        writeln!(
+            stdin,
+            "{}",
+            json!({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        )?;
+        stdin.flush()?;
+        let deadline = Instant::now() + TIMEOUT;
+        while h.daemon()?.log().matches(WAITING).count() <= waiting {
+            if Instant::now() >= deadline {
+                bail!("the channel watcher of {agent} did not start waiting within {TIMEOUT:?}");
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let msg = json!({"from": "alice", "to": [agent], "kind": "request",
+                         "subject": format!("wake-{run} {i}"), "body": body});
+        let t0 = Instant::now();
+        let (status, sent) = api.call("POST", "/v1/messages", Some(&msg))?;
+        if status != 201 {
+            bail!("send answered {status}: {sent}");
+        }
+        let (v, t1) = next("channel notification", &|v| {
+            v["method"] == "notifications/claude/channel"
+        })?;
+        if v["params"]["meta"]["message_id"] != sent["id"] {
+            bail!("the channel notification names another message: {v}");
+        }
+        lat.push(t1.duration_since(t0).as_secs_f64() * 1e3);
+        drop(stdin);
+        drop(child);
     }
     Ok(lat)
 }
@@ -1645,7 +1759,9 @@ fn figure_of(id: &str) -> &'static str {
         s if s.starts_with("relay_page") => "3",
         s if s.starts_with("e2e_") => "4",
         s if s.starts_with("daemon_") => "5",
+        s if s.starts_with("wait_mcp") => "7",
         s if s.starts_with("wait_") => "6",
+        s if s.starts_with("wake_") => "8",
         _ => "",
     }
 }

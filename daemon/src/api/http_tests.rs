@@ -1604,7 +1604,9 @@ async fn a_long_poll_times_out_empty_and_bad_waits_and_other_agents_cursors_are_
 }
 
 /// Issue 18 (2): 300 waiters (more than the 256 that may wait) do not starve ordinary calls;
-/// the ones past the bound answer at once; closing the hub (daemon shutdown) ends every wait.
+/// the ones past the bound are refused at once with 503 `TOO_MANY_WAITERS` and `Retry-After`
+/// (an empty 200 would let a waiting loop spin); closing the hub (daemon shutdown) ends every
+/// wait.
 #[tokio::test]
 async fn many_waiters_leave_ordinary_calls_prompt_and_shutdown_ends_them() {
     let api = Arc::new(Api::start().await);
@@ -1619,21 +1621,30 @@ async fn many_waiters_leave_ordinary_calls_prompt_and_shutdown_ends_them() {
                 .send()
                 .await
                 .unwrap();
-            (resp.status().as_u16(), std::time::Instant::now())
+            let at = std::time::Instant::now();
+            let status = resp.status().as_u16();
+            let retry_after = resp
+                .headers()
+                .get("retry-after")
+                .map(|v| v.to_str().unwrap().to_string());
+            let body: serde_json::Value = resp.json().await.unwrap();
+            (status, at, retry_after, body)
         });
     }
     until_waiting(&api, crate::mailbox::wake::MAX_WAITERS).await;
-    // The 44 past the bound answered at once (empty pages).
+    // The 44 past the bound were refused at once.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     let mut early = 0;
     while early < 300 - crate::mailbox::wake::MAX_WAITERS {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
-        let (status, _) = tokio::time::timeout(left, waiters.join_next())
+        let (status, _, retry_after, body) = tokio::time::timeout(left, waiters.join_next())
             .await
             .expect("the waiters past the bound answer at once")
             .unwrap()
             .unwrap();
-        assert_eq!(status, 200);
+        assert_eq!(status, 503, "{body}");
+        assert_eq!(body["code"], "TOO_MANY_WAITERS", "{body}");
+        assert_eq!(retry_after.as_deref(), Some("1"));
         early += 1;
     }
     for _ in 0..3 {
@@ -1649,8 +1660,9 @@ async fn many_waiters_leave_ordinary_calls_prompt_and_shutdown_ends_them() {
     let closed = std::time::Instant::now();
     api.state.mailbox.waits().close();
     while let Some(done) = waiters.join_next().await {
-        let (status, at) = done.unwrap();
-        assert_eq!(status, 200);
+        let (status, at, _, body) = done.unwrap();
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["messages"], json!([]), "{body}");
         assert!(at.duration_since(closed) < std::time::Duration::from_secs(5));
     }
     assert_eq!(api.state.mailbox.waits().waiting(), 0);

@@ -5,8 +5,9 @@
 //! agent is committed after that position — the wake comes from the store's one wake point
 //! ([`crate::mailbox::wake`]), whatever transport brought the message — or until the wait ends
 //! (an empty page then), or the daemon shuts down (an empty page at once). At most
-//! [`crate::mailbox::wake::MAX_WAITERS`] requests wait at once; past it a request answers at
-//! once as with `wait=0`. Waiting uses no timer but its own deadline. The messages an answer
+//! [`crate::mailbox::wake::MAX_WAITERS`] requests wait at once; past it a request whose page is
+//! empty is refused 503 `TOO_MANY_WAITERS` with `Retry-After` (an empty answer at once would
+//! let a waiting loop spin). Waiting uses no timer but its own deadline. The messages an answer
 //! to a request with `wait` lists (at once or after waiting) are recorded `notified` when still
 //! `new` (spec §9: a live consumer took them), which queues a `notified` receipt for mail from
 //! a peer; a plain listing (`wait=0`) records nothing, nor does a wait with `notify=false` (a
@@ -86,9 +87,11 @@ pub fn check_from(from: &str) -> Result<(), ApiError> {
 /// With `wait`, an empty page is held until mail for the agent arrives after `cursor` (see
 /// the module docs).
 #[utoipa::path(get, path = "/v1/inbox", operation_id = "list_inbox", params(InboxQuery),
-    responses((status = 200, description = "A page with the position after it (`cursor`); with `wait`, the first page that is not empty, or an empty one when the wait ended (timeout, daemon shutting down, or more than 256 requests waiting: then it answers at once)", body = InboxPage),
+    responses((status = 200, description = "A page with the position after it (`cursor`); with `wait`, the first page that is not empty, or an empty one when the wait ended (timeout, or the daemon shutting down)", body = InboxPage),
         (status = 400, description = "BAD_REQUEST: bad `limit`, `from` or `cursor`, a cursor of another agent, or `wait` over 60", body = super::ErrorBody),
-        (status = 404, description = "UNKNOWN_AGENT: `as` is no agent of this host (no mailbox, no mail delivered to it); the error names the closest agents", body = super::ErrorBody)),
+        (status = 404, description = "UNKNOWN_AGENT: `as` is no agent of this host (no mailbox, no mail delivered to it); the error names the closest agents", body = super::ErrorBody),
+        (status = 503, description = "TOO_MANY_WAITERS: `wait` was asked while 256 requests wait already, and the page was empty: this one did not wait; try again after `Retry-After` seconds. STORE_BUSY: see the shared answer", body = super::ErrorBody,
+            headers(("Retry-After" = u32, description = "seconds to wait before a retry")))),
     security(("bearer" = [])))]
 pub async fn get(
     State(state): State<SharedState>,
@@ -145,11 +148,13 @@ pub async fn get(
         return Ok(Json(page).into_response());
     }
     let Some(_slot) = hub.try_wait_slot() else {
-        tracing::debug!(
-            "{} requests wait for mail already: answered at once",
+        let why = format!(
+            "{} requests wait for mail already: this one did not wait; the page is empty now, \
+             try the wait again after Retry-After",
             crate::mailbox::wake::MAX_WAITERS
         );
-        return Ok(Json(page).into_response());
+        tracing::info!("{why}");
+        return Err(ApiError::TooManyWaiters(why));
     };
     tracing::debug!(agent = %agent, wait_s = wait, "a reader waits for mail");
     let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(wait.into());

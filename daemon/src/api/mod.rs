@@ -190,6 +190,11 @@ pub enum ApiError {
     /// [`STORE_BUSY_RETRY_AFTER_S`]: retry (with the same `Idempotency-Key`).
     #[error("{0}")]
     StoreBusy(String),
+    /// A long poll found [`crate::mailbox::wake::MAX_WAITERS`] requests waiting already; it
+    /// did not wait. 503 `TOO_MANY_WAITERS` with `Retry-After:` [`STORE_BUSY_RETRY_AFTER_S`]
+    /// (an empty answer at once would make a waiting loop spin).
+    #[error("{0}")]
+    TooManyWaiters(String),
     /// A fault on our side. 500 `INTERNAL`; the detail is logged, never sent.
     #[error("internal error")]
     Internal(#[source] Box<dyn std::error::Error + Send + Sync>),
@@ -238,6 +243,7 @@ impl ApiError {
             ApiError::Missing(String::new()),
             ApiError::Conflict(String::new()),
             ApiError::StoreBusy(String::new()),
+            ApiError::TooManyWaiters(String::new()),
             ApiError::Internal("example".into()),
         ];
         for e in &all {
@@ -255,6 +261,7 @@ impl ApiError {
                 | ApiError::Missing(_)
                 | ApiError::Conflict(_)
                 | ApiError::StoreBusy(_)
+                | ApiError::TooManyWaiters(_)
                 | ApiError::Internal(_) => {}
             }
         }
@@ -276,7 +283,9 @@ impl ApiError {
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::Missing(_) => StatusCode::NOT_FOUND,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
-            ApiError::StoreBusy(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::StoreBusy(_) | ApiError::TooManyWaiters(_) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -296,6 +305,7 @@ impl ApiError {
             ApiError::Missing(_) => "NOT_FOUND",
             ApiError::Conflict(_) => "CONFLICT",
             ApiError::StoreBusy(_) => "STORE_BUSY",
+            ApiError::TooManyWaiters(_) => "TOO_MANY_WAITERS",
             ApiError::Internal(_) => "INTERNAL",
         }
     }
@@ -330,7 +340,7 @@ impl IntoResponse for ApiError {
                     .headers_mut()
                     .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
             }
-            ApiError::StoreBusy(_) => {
+            ApiError::StoreBusy(_) | ApiError::TooManyWaiters(_) => {
                 response.headers_mut().insert(
                     header::RETRY_AFTER,
                     HeaderValue::from(STORE_BUSY_RETRY_AFTER_S),

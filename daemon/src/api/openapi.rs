@@ -38,7 +38,7 @@ use super::{ack, agents, health, history, inbox, messages, sent, threads, unclai
 /// The OpenAPI description of the local API.
 #[derive(Debug, OpenApi)]
 #[openapi(
-    info(title = "agentmbx local API", description = "Loopback API for agents on this host: send, reply, inbox, read, thread, ack, sent, agent directory, unclaimed mail, history replay and catchup, the wake brake. Bearer token from api.token; errors are {error, code} with a stable code: 400 BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named; unknown ones are refused), 400 INVALID_JSON, 400 UNKNOWN_HOST, 400 UNKNOWN_AGENT (a bare recipient name known nowhere, or name@host a known directory does not list), 401 UNAUTHORIZED, 404 NOT_FOUND (also unknown routes), 404 UNKNOWN_AGENT (an `as` with no mailbox on this host), 405 METHOD_NOT_ALLOWED, 409 CONFLICT, 413 BODY_TOO_LARGE (over 2 MiB), 415 UNSUPPORTED_MEDIA_TYPE (a body not sent as application/json), 500 INTERNAL, 503 STORE_BUSY. Each operation lists the answers it can give; the request schemas state every rule the daemon checks on the shape of a request (names, lengths, counts, enums), so a request valid by this document is refused only for the state it names (an id that names nothing this agent can see: 404 NOT_FOUND; a reader with no mailbox here: 404 UNKNOWN_AGENT; a host that is not paired: 400 UNKNOWN_HOST; a bare recipient name known nowhere, or name@host that a known directory does not list: 400 UNKNOWN_AGENT; an address that reaches nobody, a thread cursor from another thread, or an inbox, replay or catchup cursor of another agent: 400 BAD_REQUEST; a reused Idempotency-Key: 409)."),
+    info(title = "agentmbx local API", description = "Loopback API for agents on this host: send, reply, inbox, read, thread, ack, sent, agent directory, unclaimed mail, history replay and catchup, the wake brake. Bearer token from api.token; errors are {error, code} with a stable code: 400 BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named; unknown ones are refused), 400 INVALID_JSON, 400 UNKNOWN_HOST, 400 UNKNOWN_AGENT (a bare recipient name known nowhere, or name@host a known directory does not list), 401 UNAUTHORIZED, 404 NOT_FOUND (also unknown routes), 404 UNKNOWN_AGENT (an `as` with no mailbox on this host), 405 METHOD_NOT_ALLOWED, 409 CONFLICT, 413 BODY_TOO_LARGE (over 2 MiB), 415 UNSUPPORTED_MEDIA_TYPE (a body not sent as application/json), 500 INTERNAL, 503 STORE_BUSY, 503 TOO_MANY_WAITERS (a long poll while 256 wait already). Each operation lists the answers it can give; the request schemas state every rule the daemon checks on the shape of a request (names, lengths, counts, enums), so a request valid by this document is refused only for the state it names (an id that names nothing this agent can see: 404 NOT_FOUND; a reader with no mailbox here: 404 UNKNOWN_AGENT; a host that is not paired: 400 UNKNOWN_HOST; a bare recipient name known nowhere, or name@host that a known directory does not list: 400 UNKNOWN_AGENT; an address that reaches nobody, a thread cursor from another thread, or an inbox, replay or catchup cursor of another agent: 400 BAD_REQUEST; a reused Idempotency-Key: 409)."),
     paths(health::get, messages::post, messages::reply, messages::get, threads::get, inbox::get, ack::post, agents::get, agents::post, sent::get, unclaimed::get, history::replay, history::catchup, history::commit, history::restart, wakes::claim, wakes::mute, wakes::unmute),
     components(schemas(AgentName, Address, MessageId, ThreadId, RefText, Kind, DeliveryState, SentState, RouteKind, Via, HealthStatus, HealthReasonCode)),
     modifiers(&BearerAuth, &ErrorResponses)
@@ -231,7 +231,7 @@ pub fn error_codes() -> Vec<&'static str> {
 
 /// The codes of [`error_codes`] as a constant list, for readers of this module; a test checks
 /// it equals [`error_codes`].
-pub const ERROR_CODES: [&str; 12] = [
+pub const ERROR_CODES: [&str; 13] = [
     "UNAUTHORIZED",
     "NOT_FOUND",
     "METHOD_NOT_ALLOWED",
@@ -243,6 +243,7 @@ pub const ERROR_CODES: [&str; 12] = [
     "UNKNOWN_AGENT",
     "CONFLICT",
     "STORE_BUSY",
+    "TOO_MANY_WAITERS",
     "INTERNAL",
 ];
 

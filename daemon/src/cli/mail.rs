@@ -625,8 +625,10 @@ impl Api {
         if status.is_server_error() {
             return Attempt::Retry {
                 why: format!("{msg} (HTTP {status})"),
-                // 503 STORE_BUSY: the daemon did nothing. Any other 5xx may follow a commit.
-                maybe_done: !(status.as_u16() == 503 && code == "STORE_BUSY"),
+                // 503 STORE_BUSY or TOO_MANY_WAITERS: the daemon did nothing. Any other 5xx
+                // may follow a commit.
+                maybe_done: !(status.as_u16() == 503
+                    && (code == "STORE_BUSY" || code == "TOO_MANY_WAITERS")),
                 pause: retry_after,
             };
         }

@@ -50,6 +50,9 @@ fn progress_every() -> Duration {
 }
 /// Beyond the wait itself, how long a `mbx_wait` request may take.
 const WAIT_SLACK: Duration = Duration::from_secs(15);
+/// Most messages one `mbx_wait` answer lists (fewer when they do not fit
+/// [`MAX_RESULT_BYTES`]; the rest come with the next call).
+const WAIT_LIMIT: usize = 30;
 
 /// The one text of every tool when the daemon is not running (or the home is not set up).
 pub const DAEMON_DOWN: &str = "The agentmbx daemon is not running for this mailbox, so no mail \
@@ -606,18 +609,22 @@ impl MbxServer {
             Ok(s) => s,
             Err(e) => return Ok(e),
         };
-        let mut path = format!("/v1/inbox?as={}&limit=30&wait={wait}", enc(&name));
-        if let Some(c) = &args.cursor {
-            path.push_str(&format!("&cursor={}", enc(c)));
-        }
-        if args.needs_reply {
-            path.push_str("&needs_reply=true");
-        }
-        if let Some(f) = &args.from {
-            path.push_str(&format!("&from={}", enc(f)));
-        }
+        let path = |limit: usize, wait: u32| {
+            let mut p = format!("/v1/inbox?as={}&limit={limit}&wait={wait}", enc(&name));
+            if let Some(c) = &args.cursor {
+                p.push_str(&format!("&cursor={}", enc(c)));
+            }
+            if args.needs_reply {
+                p.push_str("&needs_reply=true");
+            }
+            if let Some(f) = &args.from {
+                p.push_str(&format!("&from={}", enc(f)));
+            }
+            p
+        };
         let token = ctx.meta.get_progress_token();
-        let call = api.get_once(&path, Duration::from_secs(u64::from(wait)) + WAIT_SLACK);
+        let first = path(WAIT_LIMIT, wait);
+        let call = api.get_once(&first, Duration::from_secs(u64::from(wait)) + WAIT_SLACK);
         tokio::pin!(call);
         let start = tokio::time::Instant::now();
         let every = progress_every();
@@ -643,6 +650,16 @@ impl MbxServer {
             Ok(v) => v,
             Err(e) => return Ok(api_error(&e)),
         };
+        // Too many to fit the result: ask again, without waiting, for as many as fit, so the
+        // cursor is the daemon's position after exactly the messages shown.
+        let total = value["messages"].as_array().map_or(0, Vec::len);
+        let kept = fit(&mut value.clone(), "messages");
+        if kept < total {
+            value = match Self::get(&api, &path(kept.max(1), 0), "wait").await {
+                Ok(v) => v,
+                Err(e) => return Ok(e),
+            };
+        }
         // The cursor to wait from next: the position after this answer (`cursor`, on every
         // answer of a daemon with the long poll), else the next page's, else the one given.
         let next = [&value["cursor"], &value["next_cursor"]]
@@ -651,10 +668,12 @@ impl MbxServer {
             .cloned()
             .unwrap_or_else(|| json!(args.cursor));
         value["next_cursor"] = next;
-        let total = value["messages"].as_array().map_or(0, Vec::len);
-        if fit(&mut value, "messages") < total {
-            value["truncated"] = json!("more messages arrived than fit: list them with mbx_inbox");
+        if kept < total {
+            value["truncated"] = json!(
+                "more messages arrived than fit: call mbx_wait again with next_cursor for the rest"
+            );
         }
+        fit(&mut value, "messages");
         Ok(ok(&value))
     }
 }
