@@ -25,6 +25,7 @@
 
 pub mod ack;
 pub mod agents;
+pub mod events;
 pub mod extract;
 pub mod health;
 pub mod history;
@@ -283,9 +284,7 @@ impl ApiError {
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::Missing(_) => StatusCode::NOT_FOUND,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
-            ApiError::StoreBusy(_) | ApiError::TooManyWaiters(_) => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            ApiError::StoreBusy(_) | ApiError::TooManyWaiters(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -365,6 +364,7 @@ pub fn router(state: SharedState) -> Router {
         .route("/v1/messages/{id}/reply", post(messages::reply))
         .route("/v1/threads/{id}", get(threads::get))
         .route("/v1/inbox", get(inbox::get))
+        .route("/v1/events", get(events::get))
         .route("/v1/ack", post(ack::post))
         .route("/v1/sent", get(sent::get))
         .route("/v1/unclaimed", get(unclaimed::get))
@@ -387,7 +387,7 @@ pub fn router(state: SharedState) -> Router {
 
 /// Serves the API on `listener` until `shutdown` completes, then stops accepting and lets
 /// requests in flight finish; requests waiting for mail (`GET /v1/inbox?wait=`) end at once
-/// with what they have ([`crate::mailbox::wake::WaitHub::close`]). Logs `local API listening on <addr>` (the bound address) once
+/// with what they have and event streams (`GET /v1/events`) end ([`crate::mailbox::wake::WaitHub::close`]). Logs `local API listening on <addr>` (the bound address) once
 /// before accepting. Errors: the listener's address cannot be read, or the server fails.
 pub async fn serve(
     listener: tokio::net::TcpListener,
@@ -423,9 +423,10 @@ pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_s
 pub const KEEP_ALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 /// Most local API connections open at once; past it new ones wait in the listen backlog:
 /// 256 for ordinary calls plus [`crate::mailbox::wake::MAX_WAITERS`] (256) for requests that
-/// wait for mail, which take their own permit while they wait, so waiters never use up the
-/// connections ordinary calls need.
-pub const MAX_CONNECTIONS: usize = 256 + crate::mailbox::wake::MAX_WAITERS;
+/// wait for mail and [`crate::mailbox::wake::MAX_STREAMS`] (64) for event streams, which take
+/// their own permits while they wait, so neither uses up the connections ordinary calls need.
+pub const MAX_CONNECTIONS: usize =
+    256 + crate::mailbox::wake::MAX_WAITERS + crate::mailbox::wake::MAX_STREAMS;
 
 /// Longest accepted `Idempotency-Key` (characters).
 pub const MAX_IDEMPOTENCY_KEY: usize = 200;

@@ -437,6 +437,55 @@ impl Api {
         }
     }
 
+    /// Opens a stream (`GET /v1/events`) with no timeout once it answered, resuming after
+    /// `last_event_id` when given (`Last-Event-ID`). Errors: [`DaemonDown`] when nothing
+    /// answers; the daemon's refusal as the CLI's errors ([`super::watch::refusal`]: exit 2, 3,
+    /// or 75 while busy or when the answer broke off).
+    pub(crate) async fn open_stream(
+        &self,
+        path: &str,
+        last_event_id: Option<&str>,
+    ) -> anyhow::Result<reqwest::Response> {
+        let mut req = self
+            .http
+            .get(format!("{}{path}", self.base))
+            .bearer_auth(self.token.expose_secret())
+            .header(reqwest::header::ACCEPT, "text/event-stream");
+        if let Some(id) = last_event_id {
+            req = req.header("Last-Event-ID", id);
+        }
+        let describe = agentmbx::transport::relay_client::describe;
+        let resp = match req.send().await {
+            Ok(resp) => resp,
+            Err(e) if e.is_connect() => return Err(self.unreachable(&describe(&e))),
+            Err(e) => {
+                return Err(
+                    TempFailError(format!("the daemon does not answer: {}", describe(&e))).into(),
+                )
+            }
+        };
+        let status = resp.status();
+        if status.is_success() {
+            return Ok(resp);
+        }
+        if status.as_u16() == 401 {
+            return Err(anyhow::anyhow!(
+                "the daemon at {} refused the API token read from {} (MBX_HOME {}): use the \
+                 MBX_HOME the daemon runs with, or restart the daemon (HTTP 401)",
+                self.base,
+                self.token_file.display(),
+                self.home.display()
+            ));
+        }
+        let value: Value = resp.json().await.unwrap_or(Value::Null);
+        let msg = value["error"]
+            .as_str()
+            .unwrap_or("request failed")
+            .to_string();
+        let code = value["code"].as_str().unwrap_or_default();
+        Err(super::watch::refusal(status.as_u16(), code, msg))
+    }
+
     /// A `GET`: retried within the budget on timeouts, broken answers and 5xx (a repeated GET
     /// is safe: at most it marks read again what one already marked) and while the daemon
     /// answers 503 `STORE_BUSY`. A daemon that cannot be reached before anything was sent is a

@@ -32,6 +32,7 @@ pub mod relay_ops;
 pub mod relay_status;
 pub mod setup;
 pub mod wake;
+pub mod watch;
 pub mod whoami;
 
 use std::process::ExitCode;
@@ -153,6 +154,16 @@ pub enum Command {
     Send(mail::SendArgs),
     /// List an agent's messages (--wait: wait for mail to arrive; --unclaimed: the mail held for names with no agent here)
     Inbox(mail::InboxArgs),
+    /// Print each new message for an agent as it arrives (ids, sender, kind; never the body),
+    /// until interrupted; --cursor-file resumes across restarts
+    #[command(
+        after_help = "Reads the daemon's event stream (GET /v1/events). Each line names a \
+        message; read it with `agentmbx read <id> --as <agent>`. With --json each line is \
+        {cursor, id, from, thread, kind, needs_reply}. When the daemon stops or restarts, the \
+        watch reconnects from the last message it printed. Exit codes: 2 a bad name or cursor, \
+        3 no such agent here, 1 a cursor file that cannot be read or written."
+    )]
+    Watch(watch::WatchArgs),
     /// Show one message (marks it read for the agent)
     Read(mail::ReadArgs),
     /// Answer a message: to its sender, in its thread, subject `Re: …`, kind reply
@@ -177,7 +188,7 @@ pub enum Command {
         long_about = "Serve MCP (Model Context Protocol) on stdin/stdout for an agent's client \
             (Claude Code, Codex, any MCP client), which starts it as `agentmbx mcp --as <agent>`.\n\n\
             Tools: mbx_whoami, mbx_send, mbx_reply, mbx_inbox, mbx_read, mbx_ack, mbx_thread, \
-            mbx_agents, mbx_sent, mbx_wait; the resource mbx://guide and the prompt mbx_guide \
+            mbx_agents, mbx_sent, mbx_replay, mbx_catchup, mbx_wait; the resource mbx://guide and the prompt mbx_guide \
             explain them. Every tool calls the running daemon of MBX_HOME; when it is not \
             running, every tool answers an error naming `agentmbx daemon` / `agentmbx daemon \
             install`. Stdout carries only the protocol; logs go to stderr (MBX_LOG, default warn).\n\n\
@@ -274,6 +285,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Host(cmd) => host::run(cmd),
         Command::Send(args) => mail::send(args),
         Command::Inbox(args) => mail::inbox(args),
+        Command::Watch(args) => watch::run(args),
         Command::Read(args) => mail::read(args),
         Command::Reply(args) => mail::reply(args),
         Command::Thread(args) => mail::thread(args),

@@ -21,6 +21,7 @@
 pub mod agents;
 pub mod audit;
 pub mod brake;
+pub mod events;
 pub mod history;
 pub mod idempotency;
 pub mod messages;

@@ -30,10 +30,14 @@ use rusqlite::Connection;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
 /// Most requests that may wait for mail at once (`GET /v1/inbox?wait=`): 256. Past it a
-/// request answers at once, as with `wait=0`. The local API's connection cap
-/// ([`crate::api::MAX_CONNECTIONS`]) is the ordinary calls' 256 plus these, so waiters never
-/// take the connections ordinary calls need.
+/// request that would wait is refused (503 `TOO_MANY_WAITERS`). The local API's connection cap
+/// ([`crate::api::MAX_CONNECTIONS`]) is the ordinary calls' 256 plus these and
+/// [`MAX_STREAMS`], so waiters never take the connections ordinary calls need.
 pub const MAX_WAITERS: usize = 256;
+
+/// Most event streams open at once (`GET /v1/events`): 64. Past it a new stream is refused
+/// (503 `TOO_MANY_WAITERS`); they have their own share of the connection cap.
+pub const MAX_STREAMS: usize = 64;
 
 /// Who waits for which agent, the bound on waiters, and the shutdown signal. Owned by the
 /// [`super::Mailbox`] handle (all clones share one).
@@ -47,6 +51,8 @@ pub struct WaitHub {
     closed: watch::Sender<bool>,
     /// Permits for waiting requests ([`MAX_WAITERS`]).
     slots: Arc<Semaphore>,
+    /// Permits for open event streams ([`MAX_STREAMS`]).
+    streams: Arc<Semaphore>,
 }
 
 impl WaitHub {
@@ -57,6 +63,7 @@ impl WaitHub {
             agents: Mutex::new(HashMap::new()),
             closed: watch::channel(false).0,
             slots: Arc::new(Semaphore::new(MAX_WAITERS)),
+            streams: Arc::new(Semaphore::new(MAX_STREAMS)),
         }
     }
 
@@ -74,6 +81,17 @@ impl WaitHub {
     /// request waits.
     pub fn try_wait_slot(&self) -> Option<OwnedSemaphorePermit> {
         self.slots.clone().try_acquire_owned().ok()
+    }
+
+    /// A permit to keep an event stream open, or `None` when [`MAX_STREAMS`] are open
+    /// already. Held while the stream is open.
+    pub fn try_stream_slot(&self) -> Option<OwnedSemaphorePermit> {
+        self.streams.clone().try_acquire_owned().ok()
+    }
+
+    /// How many event streams are open now (holding a permit of [`WaitHub::try_stream_slot`]).
+    pub fn streaming(&self) -> usize {
+        MAX_STREAMS - self.streams.available_permits()
     }
 
     /// How many requests wait now (holding a permit of [`WaitHub::try_wait_slot`]).
