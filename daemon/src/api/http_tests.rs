@@ -2241,7 +2241,7 @@ async fn event_streams_have_their_own_cap_and_shutdown_ends_them() {
     api.state.mailbox.waits().close();
     for mut resp in open {
         let ended = tokio::time::timeout(std::time::Duration::from_secs(5), async {
-            while let Some(_) = resp.chunk().await.unwrap() {}
+            while resp.chunk().await.unwrap().is_some() {}
         })
         .await;
         assert!(ended.is_ok(), "a stream stayed open after shutdown");
