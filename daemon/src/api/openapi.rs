@@ -828,6 +828,7 @@ mod tests {
                         "/v1/ack",
                         "/v1/messages",
                         "/v1/inbox",
+                        "/v1/events",
                         "/v1/sent",
                         "/v1/replay",
                         "/v1/catchup",
@@ -868,7 +869,7 @@ mod tests {
             }
         }
         // Every route of api::router (a new one is listed in `paths(...)` and counted here).
-        assert_eq!(seen, 18, "every route is in the document");
+        assert_eq!(seen, 19, "every route is in the document");
         assert_eq!(
             at(
                 &d,
