@@ -281,9 +281,11 @@ struct Unsettled {
     last: String,
 }
 
-/// A fresh `Idempotency-Key`: 128 random bits, base64url (22 characters).
+/// A fresh `Idempotency-Key`: 128 random bits, lowercase hex (32 characters).
 pub(crate) fn mint_key() -> String {
-    agentmbx_protocol::b64::encode_url(&rand::random::<[u8; 16]>())
+    // Hex, never base64url: a key is printed for a rerun as `--idempotency-key <key>`, and a
+    // key that began with `-` would be read as a flag.
+    hex::encode(rand::random::<[u8; 16]>())
 }
 
 /// Parses `--idempotency-key`: 1..=200 visible ASCII characters, no spaces (the API's header).
@@ -1131,6 +1133,16 @@ mod tests {
     use clap::Parser;
 
     use super::super::{Cli, Command};
+
+    #[test]
+    fn minted_keys_are_hex_so_a_printed_rerun_never_reads_one_as_a_flag() {
+        for _ in 0..64 {
+            let key = super::mint_key();
+            assert_eq!(key.len(), 32);
+            assert!(key.bytes().all(|b| b.is_ascii_hexdigit()), "{key}");
+            assert_eq!(super::parse_key(&key), Ok(key.clone()));
+        }
+    }
 
     fn to_of(args: &[&str]) -> Result<Vec<String>, clap::Error> {
         let mut full = vec!["agentmbx", "send", "--as", "alice", "--subject", "s"];
