@@ -31,6 +31,7 @@ pub mod history;
 pub mod inbox;
 pub mod messages;
 pub mod openapi;
+pub mod search;
 pub mod sent;
 pub mod threads;
 pub mod unclaimed;
@@ -283,9 +284,7 @@ impl ApiError {
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::Missing(_) => StatusCode::NOT_FOUND,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
-            ApiError::StoreBusy(_) | ApiError::TooManyWaiters(_) => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            ApiError::StoreBusy(_) | ApiError::TooManyWaiters(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -365,6 +364,7 @@ pub fn router(state: SharedState) -> Router {
         .route("/v1/messages/{id}/reply", post(messages::reply))
         .route("/v1/threads/{id}", get(threads::get))
         .route("/v1/inbox", get(inbox::get))
+        .route("/v1/search", get(search::get))
         .route("/v1/ack", post(ack::post))
         .route("/v1/sent", get(sent::get))
         .route("/v1/unclaimed", get(unclaimed::get))

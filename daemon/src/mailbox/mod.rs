@@ -29,6 +29,7 @@ pub mod peers;
 pub mod receipts;
 pub mod relay_state;
 mod schema;
+pub mod search;
 pub mod unclaimed;
 pub mod wake;
 
