@@ -2337,3 +2337,44 @@ async fn hostile_queries_are_plain_words_or_a_typed_400() {
     }
     assert_eq!((api.count("messages"), api.count("deliveries")), before);
 }
+
+/// Issue 19 (3): mail held for a name with no agent here is found by nobody until that agent
+/// registers; the registration's deliveries make it that agent's to find.
+#[tokio::test]
+async fn held_mail_becomes_searchable_when_its_agent_registers() {
+    let api = Api::start().await;
+    let id = "01KDVDNA3VG2MH8KWSQRCWJZ0S";
+    let wire = testutil::sealed_wire(
+        &api.work,
+        &api.ident.enc_key.public(),
+        id,
+        "ann@work",
+        &["nobody@home"],
+        "early",
+        testutil::T0,
+    );
+    let pk = api.work.host_key.public().to_b64();
+    let ident = api.ident.clone();
+    api.store
+        .mailbox
+        .with(|c| {
+            let v = crate::node::receive::receive_sealed(c, &ident, &wire, id, &pk, testutil::T0)?;
+            assert!(v.is_ok(), "{v:?}");
+            Ok(())
+        })
+        .unwrap();
+    let q = [("as", "bob"), ("q", "secret early")];
+    assert!(ids_of(&api.search(&q).await.1).is_empty());
+    let (status, body) = api.search(&[("as", "nobody"), ("q", "secret early")]).await;
+    assert_eq!(
+        (status, body["code"].as_str()),
+        (404, Some("UNKNOWN_AGENT"))
+    );
+    let (status, body) = api
+        .post("/v1/agents", &json!({"name": "nobody"}), None)
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let (status, page) = api.search(&[("as", "nobody"), ("q", "secret early")]).await;
+    assert_eq!(status, 200, "{page}");
+    assert_eq!(ids_of(&page), vec![id.to_string()]);
+}
