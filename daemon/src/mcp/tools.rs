@@ -517,6 +517,34 @@ mod tests {
     }
 
     #[test]
+    fn search_bounds_are_0_5_s_and_the_apis() {
+        let search = |query: &str, limit| SearchArgs {
+            query: query.into(),
+            limit,
+            cursor: None,
+        };
+        assert_eq!(search("ab", None).check(), Ok(10));
+        assert_eq!(search(&"é".repeat(200), Some(50)).check(), Ok(50));
+        assert!(search("a", None).check().unwrap_err().contains("2 to 200"));
+        assert!(search(&"é".repeat(201), None).check().is_err());
+        assert!(search("ab", Some(0)).check().is_err());
+        assert!(search("ab", Some(51))
+            .check()
+            .unwrap_err()
+            .contains("1 to 50"));
+        assert_eq!(
+            (SEARCH_QUERY_CHARS, SEARCH_LIMIT.1),
+            (
+                (
+                    agentmbx::mailbox::search::MIN_QUERY_CHARS,
+                    agentmbx::mailbox::search::MAX_QUERY_CHARS
+                ),
+                agentmbx::mailbox::search::MAX_SEARCH_LIMIT
+            )
+        );
+    }
+
+    #[test]
     fn ids_note_and_limits() {
         let ids = |n: usize| (0..n).map(|i| format!("id{i}")).collect::<Vec<_>>();
         assert!(ReadArgs { ids: ids(20) }.check().is_ok());
