@@ -1557,3 +1557,84 @@ fn sent_shows_the_relay_state_after_the_lan_error() {
         "{out:#?}"
     );
 }
+
+/// Issue 19 (3): `agentmbx search <words>... --as A` against a running daemon: ranked results
+/// with a snippet, `--json`, pages by `--limit`/`--cursor`, FTS syntax read as plain words, and
+/// the documented exit codes (a query with no word or a bound broken: 2; an unknown agent: 3).
+#[test]
+fn search_finds_an_agents_mail_and_uses_the_documented_exit_codes() {
+    let home = Home::new();
+    let _daemon = Daemon::start(&home);
+    home.run(&["whoami", "--as", "bob"]).assert_success();
+    let send = |subject: &str, body: &str| -> String {
+        let out = home.run(&[
+            "send",
+            "--as",
+            "alice",
+            "--to",
+            "bob",
+            "--subject",
+            subject,
+            "-m",
+            body,
+            "--json",
+        ]);
+        out.assert_success();
+        out.json()["id"].as_str().expect("id").to_string()
+    };
+    let once = send("standup", "the zebra escaped once, see the zoo log");
+    let twice = send("standup", "zebra zebra: the zoo log again");
+    let _other = send("lunch", "nothing about animals");
+
+    let out = home.run(&["search", "zebra", "--as", "bob", "--json"]);
+    out.assert_success();
+    let page = out.json();
+    let ids: Vec<&str> = page["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .map(|m| m["id"].as_str().expect("id"))
+        .collect();
+    assert_eq!(ids, vec![twice.as_str(), once.as_str()], "{page}");
+    assert!(page["messages"][0].get("body").is_none(), "{page}");
+
+    // Plain text: one line per result and its snippet; several words must all match.
+    let out = home.run(&["search", "zoo", "ONCE", "--as", "bob"]);
+    out.assert_success();
+    assert!(out.stdout.contains(&once), "{out:#?}");
+    assert!(!out.stdout.contains(&twice), "{out:#?}");
+    assert!(out.stdout.contains("zebra escaped once"), "{out:#?}");
+    // FTS syntax is plain words.
+    let out = home.run(&["search", "\"zebra", "NEAR(zoo", "--as", "bob", "--json"]);
+    out.assert_success();
+    assert!(out.json()["messages"].as_array().expect("list").is_empty());
+    let out = home.run(&["search", "zeb*", "--as", "bob", "--json"]);
+    out.assert_success();
+    assert_eq!(out.json()["messages"].as_array().expect("list").len(), 2);
+
+    // Pages: --limit 1, then --cursor.
+    let out = home.run(&["search", "zebra", "--as", "bob", "--limit", "1"]);
+    out.assert_success();
+    assert!(out.stdout.contains(&twice), "{out:#?}");
+    assert!(out.stderr.contains("--cursor 1"), "{out:#?}");
+    let out = home.run(&[
+        "search", "zebra", "--as", "bob", "--limit", "1", "--cursor", "1", "--json",
+    ]);
+    out.assert_success();
+    assert_eq!(out.json()["messages"][0]["id"], once.as_str());
+
+    // Exit codes.
+    let out = home.run(&["search", "()", "--as", "bob"]);
+    assert_eq!(out.code(), Some(2), "{out:#?}");
+    assert!(out.stderr.contains("no words"), "{out:#?}");
+    let out = home.run(&["search", "z", "--as", "bob"]);
+    assert_eq!(out.code(), Some(2), "{out:#?}");
+    assert!(out.stderr.contains("2 to 200"), "{out:#?}");
+    let out = home.run(&["search", "zebra", "--as", "bob", "--limit", "51"]);
+    assert_eq!(out.code(), Some(2), "{out:#?}");
+    let out = home.run(&["search", "zebra", "--as", "bbo"]);
+    assert_eq!(out.code(), Some(3), "{out:#?}");
+    assert!(out.stderr.contains("did you mean bob"), "{out:#?}");
+    let out = home.run(&["search", "--as", "bob"]);
+    assert_eq!(out.code(), Some(2), "{out:#?}");
+}

@@ -103,6 +103,35 @@ fn paired_daemons_exchange_mail_both_ways_and_receipts_reach_the_sender() {
     assert!(text.contains(&id) && text.contains("acked"), "{text}");
 }
 
+/// Issue 19 (3): mail that arrives over the LAN is searchable by its recipient as soon as it
+/// is in the inbox (the index is written in the receive transaction, from the opened body),
+/// and the sender finds its own copy.
+#[test]
+fn mail_arriving_over_the_lan_is_found_by_search_at_once() {
+    let (a, b) = paired();
+    let sent = a.send(
+        "alice",
+        "bob@hostb",
+        "field report",
+        "the okapi was sighted at dawn",
+    );
+    let id = sent["id"].as_str().expect("id").to_string();
+    wait_inbox(&b, "bob", &id);
+    let search = |host: &Host, agent: &str, words: &str| -> Vec<String> {
+        let out = host.home.run(&["search", words, "--as", agent, "--json"]);
+        out.assert_success();
+        out.json()["messages"]
+            .as_array()
+            .expect("messages")
+            .iter()
+            .map(|m| m["id"].as_str().expect("id").to_string())
+            .collect()
+    };
+    assert_eq!(search(&b, "bob", "okapi dawn"), vec![id.clone()]);
+    assert_eq!(search(&b, "bob", "field"), vec![id.clone()]);
+    assert_eq!(search(&a, "alice", "okapi"), vec![id]);
+}
+
 #[test]
 fn mail_to_a_stopped_peer_waits_and_arrives_once_it_is_back() {
     let mut a = Host::init("hosta");

@@ -187,6 +187,27 @@ async fn two_agents_mail_each_other_through_their_mcp_sessions() {
         1
     );
 
+    // Search: bob finds the request by a word of its body, alice her own sent copy; a query
+    // of FTS syntax is plain words, one with no word and a bound broken are our errors.
+    let found = ok(&bob, "mbx_search", json!({ "query": "failing" })).await;
+    assert_eq!(ids(&found), vec![id.clone()], "{found}");
+    assert_eq!(found["messages"][0]["subject"], "build is red");
+    assert!(found["messages"][0].get("body").is_none(), "{found}");
+    let found = ok(
+        &alice,
+        "mbx_search",
+        json!({ "query": "\"FAILING\" test* (look", "limit": 50 }),
+    )
+    .await;
+    assert_eq!(ids(&found), vec![id.clone()], "{found}");
+    assert!(ids(&ok(&bob, "mbx_search", json!({ "query": "nowhere" })).await).is_empty());
+    let e = err(&bob, "mbx_search", json!({ "query": "()" })).await;
+    assert!(e.contains("no words"), "{e}");
+    let e = err(&bob, "mbx_search", json!({ "query": "x" })).await;
+    assert!(e.contains("2 to 200"), "{e}");
+    let e = err(&bob, "mbx_search", json!({ "query": "ok", "limit": 51 })).await;
+    assert!(e.contains("1 to 50"), "{e}");
+
     let sent = ok(&alice, "mbx_sent", json!({})).await;
     assert_eq!(ids(&sent), vec![id.clone()], "{sent}");
     let agents = ok(&alice, "mbx_agents", json!({})).await;

@@ -32,6 +32,7 @@ pub mod history;
 pub mod inbox;
 pub mod messages;
 pub mod openapi;
+pub mod search;
 pub mod sent;
 pub mod threads;
 pub mod unclaimed;
@@ -365,6 +366,7 @@ pub fn router(state: SharedState) -> Router {
         .route("/v1/threads/{id}", get(threads::get))
         .route("/v1/inbox", get(inbox::get))
         .route("/v1/events", get(events::get))
+        .route("/v1/search", get(search::get))
         .route("/v1/ack", post(ack::post))
         .route("/v1/sent", get(sent::get))
         .route("/v1/unclaimed", get(unclaimed::get))

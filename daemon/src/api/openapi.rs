@@ -34,14 +34,15 @@ use utoipa::openapi::{ContentBuilder, ObjectBuilder, Ref, RefOr, Type};
 use utoipa::{Modify, OpenApi};
 
 use super::{
-    ack, agents, events, health, history, inbox, messages, sent, threads, unclaimed, wakes,
+    ack, agents, events, health, history, inbox, messages, search, sent, threads, unclaimed,
+    wakes,
 };
 
 /// The OpenAPI description of the local API.
 #[derive(Debug, OpenApi)]
 #[openapi(
-    info(title = "agentmbx local API", description = "Loopback API for agents on this host: send, reply, inbox, read, thread, ack, sent, agent directory, unclaimed mail, history replay and catchup, the wake brake, new-mail events (Server-Sent Events). Bearer token from api.token; errors are {error, code} with a stable code: 400 BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named; unknown ones are refused), 400 INVALID_JSON, 400 UNKNOWN_HOST, 400 UNKNOWN_AGENT (a bare recipient name known nowhere, or name@host a known directory does not list), 401 UNAUTHORIZED, 404 NOT_FOUND (also unknown routes), 404 UNKNOWN_AGENT (an `as` with no mailbox on this host), 405 METHOD_NOT_ALLOWED, 409 CONFLICT, 413 BODY_TOO_LARGE (over 2 MiB), 415 UNSUPPORTED_MEDIA_TYPE (a body not sent as application/json), 500 INTERNAL, 503 STORE_BUSY, 503 TOO_MANY_WAITERS (a long poll while 256 wait already, or an event stream while 64 are open). Each operation lists the answers it can give; the request schemas state every rule the daemon checks on the shape of a request (names, lengths, counts, enums), so a request valid by this document is refused only for the state it names (an id that names nothing this agent can see: 404 NOT_FOUND; a reader with no mailbox here: 404 UNKNOWN_AGENT; a host that is not paired: 400 UNKNOWN_HOST; a bare recipient name known nowhere, or name@host that a known directory does not list: 400 UNKNOWN_AGENT; an address that reaches nobody, a thread cursor from another thread, or an inbox, replay or catchup cursor of another agent: 400 BAD_REQUEST; a reused Idempotency-Key: 409)."),
-    paths(health::get, messages::post, messages::reply, messages::get, threads::get, inbox::get, events::get, ack::post, agents::get, agents::post, sent::get, unclaimed::get, history::replay, history::catchup, history::commit, history::restart, wakes::claim, wakes::mute, wakes::unmute),
+    info(title = "agentmbx local API", description = "Loopback API for agents on this host: send, reply, inbox, read, thread, search, ack, sent, agent directory, unclaimed mail, history replay and catchup, the wake brake, new-mail events (Server-Sent Events). Bearer token from api.token; errors are {error, code} with a stable code: 400 BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named; unknown ones are refused), 400 INVALID_JSON, 400 UNKNOWN_HOST, 400 UNKNOWN_AGENT (a bare recipient name known nowhere, or name@host a known directory does not list), 401 UNAUTHORIZED, 404 NOT_FOUND (also unknown routes), 404 UNKNOWN_AGENT (an `as` with no mailbox on this host), 405 METHOD_NOT_ALLOWED, 409 CONFLICT, 413 BODY_TOO_LARGE (over 2 MiB), 415 UNSUPPORTED_MEDIA_TYPE (a body not sent as application/json), 500 INTERNAL, 503 STORE_BUSY, 503 TOO_MANY_WAITERS (a long poll while 256 wait already, or an event stream while 64 are open). Each operation lists the answers it can give; the request schemas state every rule the daemon checks on the shape of a request (names, lengths, counts, enums), so a request valid by this document is refused only for the state it names (an id that names nothing this agent can see: 404 NOT_FOUND; a reader with no mailbox here: 404 UNKNOWN_AGENT; a host that is not paired: 400 UNKNOWN_HOST; a bare recipient name known nowhere, or name@host that a known directory does not list: 400 UNKNOWN_AGENT; an address that reaches nobody, a thread cursor from another thread, or an inbox, replay or catchup cursor of another agent: 400 BAD_REQUEST; a reused Idempotency-Key: 409)."),
+    paths(health::get, messages::post, messages::reply, messages::get, threads::get, inbox::get, events::get, search::get, ack::post, agents::get, agents::post, sent::get, unclaimed::get, history::replay, history::catchup, history::commit, history::restart, wakes::claim, wakes::mute, wakes::unmute),
     components(schemas(AgentName, Address, MessageId, ThreadId, RefText, Kind, DeliveryState, SentState, RouteKind, Via, HealthStatus, HealthReasonCode)),
     modifiers(&BearerAuth, &ErrorResponses)
 )]
@@ -402,7 +403,7 @@ mod tests {
     use agentmbx_protocol::limits;
 
     use crate::api::{ack, inbox, MAX_IDEMPOTENCY_KEY};
-    use crate::mailbox::{agents, messages, receipts, MailboxError};
+    use crate::mailbox::{agents, messages, receipts, search, MailboxError};
     use crate::node::{route, send};
     use crate::testutil::{self, T0};
 
@@ -499,6 +500,7 @@ mod tests {
             ("/v1/sent", "get"),
             ("/v1/messages/{id}", "get"),
             ("/v1/threads/{id}", "get"),
+            ("/v1/search", "get"),
             ("/v1/replay", "get"),
             ("/v1/catchup", "get"),
         ] {
@@ -540,6 +542,7 @@ mod tests {
         for (path, max) in [
             ("/v1/inbox", messages::MAX_INBOX_LIMIT),
             ("/v1/threads/{id}", messages::MAX_THREAD_LIMIT),
+            ("/v1/search", search::MAX_SEARCH_LIMIT),
             ("/v1/sent", receipts::MAX_SENT_LIMIT),
             ("/v1/replay", crate::mailbox::history::MAX_LIMIT),
             ("/v1/catchup", crate::mailbox::history::MAX_LIMIT),
@@ -725,6 +728,61 @@ mod tests {
             assert!(!inbox_cursor.is_match(c) || inbox_ok, "inbox cursor {c:?}");
             assert!(!sent_cursor.is_match(c) || sent_ok, "sent cursor {c:?}");
         }
+        // Search: a query the document allows (length and pattern) is one the daemon reads,
+        // and the other way round (characters of the Basic Multilingual Plane; outside it the
+        // daemon accepts more than the pattern says); a cursor likewise.
+        let search_op = operation(&d, "/v1/search", "get");
+        let q = param(search_op, "q");
+        assert_eq!(
+            (num(&q["minLength"]), num(&q["maxLength"])),
+            (search::MIN_QUERY_CHARS, search::MAX_QUERY_CHARS)
+        );
+        let q_re = regex(&q["pattern"]);
+        let long = "é".repeat(search::MAX_QUERY_CHARS);
+        let too_long = "é".repeat(search::MAX_QUERY_CHARS + 1);
+        for t in [
+            "ab",
+            "a",
+            "",
+            "**",
+            "a*",
+            " *",
+            "\"\"",
+            "NEAR(",
+            "()",
+            "«»",
+            "\u{a0}\u{a0}",
+            "\u{3000}\u{3000}",
+            "\u{2028}x",
+            "\u{85}\u{85}",
+            "\u{a1}\u{a1}",
+            "\u{1680}\u{1680}",
+            "\u{2000}\u{200a}",
+            "\u{200b}\u{200b}",
+            "\u{202f}\u{205f}",
+            "\u{205e}-",
+            "\u{ffff}.",
+            "\u{3001}.",
+            "\u{7f}\u{7f}",
+            "\t\n",
+            "subject:",
+            "^x",
+            &long,
+            &too_long,
+        ] {
+            let n = t.chars().count();
+            let documented = (search::MIN_QUERY_CHARS..=search::MAX_QUERY_CHARS).contains(&n)
+                && q_re.is_match(t);
+            assert_eq!(documented, search::parse_query(t).is_ok(), "q {t:?}");
+        }
+        let search_cursor = regex(&param(search_op, "cursor")["pattern"]);
+        for c in ["", "0", "42", "9999", "10000", "-1", "x", "alice.1", "1 "] {
+            assert_eq!(
+                search_cursor.is_match(c),
+                search::parse_cursor(Some(c)).is_ok(),
+                "search cursor {c:?}"
+            );
+        }
         let from = regex(&param(inbox_op, "from")["pattern"]);
         for f in [
             "bob",
@@ -829,6 +887,7 @@ mod tests {
                         "/v1/messages",
                         "/v1/inbox",
                         "/v1/events",
+                        "/v1/search",
                         "/v1/sent",
                         "/v1/replay",
                         "/v1/catchup",
@@ -869,7 +928,7 @@ mod tests {
             }
         }
         // Every route of api::router (a new one is listed in `paths(...)` and counted here).
-        assert_eq!(seen, 19, "every route is in the document");
+        assert_eq!(seen, 20, "every route is in the document");
         assert_eq!(
             at(
                 &d,

@@ -189,6 +189,30 @@ pub struct ThreadArgs {
     pub json: bool,
 }
 
+/// Flags of `search`.
+#[derive(Debug, Args)]
+pub struct SearchArgs {
+    /// Words to find (joined by spaces; 2..=200 characters): a message matches when its
+    /// subject or body holds every word, case and accents ignored; punctuation only separates
+    /// words (quotes, NEAR, AND/OR/NOT, subject: are plain words or nothing); `word*` matches
+    /// words starting with `word`
+    #[arg(required = true, value_name = "WORDS")]
+    pub words: Vec<String>,
+    /// The agent whose mail to search: delivered to it, or sent by it (a name that is no agent
+    /// here is refused, exit 3)
+    #[arg(long = "as", value_name = "AGENT", env = "MBX_AGENT")]
+    pub as_agent: String,
+    /// Results per page, 1..=50, best first (pages are also bounded to 64 KiB)
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=50))]
+    pub limit: u32,
+    /// Cursor from a previous page of the same search
+    #[arg(long)]
+    pub cursor: Option<String>,
+    /// Print the page as JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
 /// Flags of `read`.
 #[derive(Debug, Args)]
 pub struct ReadArgs {
@@ -977,6 +1001,57 @@ pub fn inbox(args: InboxArgs) -> anyhow::Result<()> {
         eprintln!("more: agentmbx inbox --as {as_agent} --cursor {c}");
     } else if let (Some(wait), Some(c)) = (args.wait, page["cursor"].as_str()) {
         eprintln!("next: agentmbx inbox --as {as_agent} --cursor {c} --wait {wait}");
+    }
+    Ok(())
+}
+
+/// `search`: the agent's mail matching the words, best first, with a snippet of each body.
+pub fn search(args: SearchArgs) -> anyhow::Result<()> {
+    let words = args.words.join(" ");
+    let mut path = format!(
+        "/v1/search?as={}&q={}&limit={}",
+        enc(&args.as_agent),
+        enc(&words),
+        args.limit
+    );
+    if let Some(c) = &args.cursor {
+        path.push_str(&format!("&cursor={}", enc(c)));
+    }
+    let api = Api::connect()?;
+    let q = Query {
+        what: "search",
+        changes: None,
+    };
+    let page = block_on(api.get(&path, &q))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&page)?);
+        return Ok(());
+    }
+    let hits = page["messages"].as_array().cloned().unwrap_or_default();
+    if hits.is_empty() {
+        println!("no messages of {} match", args.as_agent);
+    }
+    for m in &hits {
+        println!(
+            "{}  {}  {}  {}  [{}]",
+            m["id"].as_str().unwrap_or_default(),
+            m["ts"].as_str().unwrap_or_default(),
+            m["from"].as_str().unwrap_or_default(),
+            printable(m["subject"].as_str().unwrap_or_default()),
+            tags(m)
+        );
+        println!(
+            "    {}",
+            printable(m["snippet"].as_str().unwrap_or_default())
+        );
+    }
+    if let Some(c) = page["next_cursor"].as_str() {
+        eprintln!(
+            "more: agentmbx search --as {} --limit {} --cursor {c} -- {}",
+            args.as_agent,
+            args.limit,
+            args.words.join(" ")
+        );
     }
     Ok(())
 }

@@ -171,6 +171,8 @@ pub enum Command {
     Reply(mail::ReplyArgs),
     /// Show the messages of a thread the agent can see, oldest first (bounded pages)
     Thread(mail::ThreadArgs),
+    /// Search an agent's mail (subjects and bodies) for words, best first
+    Search(mail::SearchArgs),
     /// Acknowledge messages in an agent's mailbox
     #[command(after_help = mutation_help!("a note over 500 UTF-16 code units"))]
     Ack(mail::AckArgs),
@@ -188,7 +190,7 @@ pub enum Command {
         long_about = "Serve MCP (Model Context Protocol) on stdin/stdout for an agent's client \
             (Claude Code, Codex, any MCP client), which starts it as `agentmbx mcp --as <agent>`.\n\n\
             Tools: mbx_whoami, mbx_send, mbx_reply, mbx_inbox, mbx_read, mbx_ack, mbx_thread, \
-            mbx_agents, mbx_sent, mbx_replay, mbx_catchup, mbx_wait; the resource mbx://guide and the prompt mbx_guide \
+            mbx_search, mbx_agents, mbx_sent, mbx_replay, mbx_catchup, mbx_wait; the resource mbx://guide and the prompt mbx_guide \
             explain them. Every tool calls the running daemon of MBX_HOME; when it is not \
             running, every tool answers an error naming `agentmbx daemon` / `agentmbx daemon \
             install`. Stdout carries only the protocol; logs go to stderr (MBX_LOG, default warn).\n\n\
@@ -289,6 +291,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Read(args) => mail::read(args),
         Command::Reply(args) => mail::reply(args),
         Command::Thread(args) => mail::thread(args),
+        Command::Search(args) => mail::search(args),
         Command::Ack(args) => mail::ack(args),
         Command::Sent(args) => mail::sent(args),
         Command::Setup(args) => setup::run(args),

@@ -403,7 +403,7 @@ pub struct Parent {
 
 /// SQL condition: message `m` is visible to agent `?1` (delivered to it, or sent by it: `?2` is
 /// `agent@own_host`).
-const VISIBLE: &str = "(m.from_addr = ?2 OR EXISTS (SELECT 1 FROM deliveries d WHERE d.msg_id = m.id AND d.agent = ?1))";
+pub(super) const VISIBLE: &str = "(m.from_addr = ?2 OR EXISTS (SELECT 1 FROM deliveries d WHERE d.msg_id = m.id AND d.agent = ?1))";
 
 /// The message `id` as a parent of a reply by `agent`: it must be visible to the agent
 /// (delivered to it, or its own sent message). [`MailboxError::NotFound`] otherwise, with the

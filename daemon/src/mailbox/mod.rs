@@ -1,7 +1,8 @@
 //! The host store, `mailbox.db` (`wire.md` §6, spec §3–§4 host side): messages and per-agent
 //! deliveries, the outbox (one row per message and target host, with its persisted wire bytes
-//! and relay accept), the relay receive position, quarantine, peers, idempotency records, and
-//! mail held for names this host does not have (`unclaimed`).
+//! and relay accept), the relay receive position, quarantine, peers, idempotency records,
+//! mail held for names this host does not have (`unclaimed`), and the full-text index of
+//! subjects and bodies ([`search`]).
 //!
 //! Invariants: every state change that matters is one transaction; the wire bytes of an outbox
 //! row never change once written (a retry reuses them byte for byte); a row leaves the active
@@ -30,6 +31,7 @@ pub mod peers;
 pub mod receipts;
 pub mod relay_state;
 mod schema;
+pub mod search;
 pub mod unclaimed;
 pub mod wake;
 

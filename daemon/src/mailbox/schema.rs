@@ -5,7 +5,7 @@ use rusqlite::Connection;
 use super::MailboxError;
 
 /// The schema version this binary writes.
-pub const SCHEMA_VERSION: u32 = 9;
+pub const SCHEMA_VERSION: u32 = 10;
 
 /// Migrations in order: `(version reached, SQL)`. A new schema change appends a step; each
 /// step runs inside the one migration transaction.
@@ -282,6 +282,34 @@ CREATE TABLE catchup(
   agent TEXT PRIMARY KEY, seq INTEGER NOT NULL, updated_at INTEGER NOT NULL);
 "#,
     ),
+    (
+        10,
+        r#"
+-- Full-text search over subject and body (issue 19 "Search"; mailbox::search): an FTS5 table
+-- with its own copy of each stored message's plaintext subject and body, keyed by `msg_id`
+-- (not by the messages table's implicit rowid, which a VACUUM may renumber). The triggers keep
+-- it in step inside the transaction that writes the message, whatever path writes it (a local
+-- send, LAN or relay receive, an alert); which agent may see a row is decided at query time by
+-- its deliveries (and its sender), so mail held as unclaimed becomes searchable by the agent it
+-- is delivered to when it is. Mail stored before this version is indexed here.
+CREATE VIRTUAL TABLE message_search USING fts5(
+  msg_id UNINDEXED, subject, body, tokenize = 'unicode61 remove_diacritics 2');
+INSERT INTO message_search(msg_id, subject, body) SELECT id, subject, body FROM messages;
+CREATE TRIGGER messages_search_insert AFTER INSERT ON messages
+BEGIN
+  INSERT INTO message_search(msg_id, subject, body) VALUES (NEW.id, NEW.subject, NEW.body);
+END;
+CREATE TRIGGER messages_search_update AFTER UPDATE OF subject, body ON messages
+BEGIN
+  DELETE FROM message_search WHERE msg_id = OLD.id;
+  INSERT INTO message_search(msg_id, subject, body) VALUES (NEW.id, NEW.subject, NEW.body);
+END;
+CREATE TRIGGER messages_search_delete AFTER DELETE ON messages
+BEGIN
+  DELETE FROM message_search WHERE msg_id = OLD.id;
+END;
+"#,
+    ),
 ];
 
 /// Brings `conn` to [`SCHEMA_VERSION`] in one transaction; refuses a newer file.
@@ -539,6 +567,49 @@ mod tests {
             .query_row("SELECT COUNT(*) FROM deliveries", [], |r| r.get(0))
             .unwrap();
         assert_eq!(d, 1);
+    }
+
+    /// Issue 19 (3): a version 9 store with mail gains the search index, built from the mail
+    /// it holds, and later inserts keep it in step.
+    #[test]
+    fn a_version_9_store_with_mail_is_indexed_for_search() {
+        use crate::mailbox::search;
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = Connection::open(dir.path().join("m.db")).unwrap();
+        migrate_with(&mut c, &MIGRATIONS[..9]).unwrap();
+        c.execute_batch(
+            "INSERT INTO messages VALUES ('m1','2026-01-01T00:00:00.000Z','a@h','m1',NULL,'message','Quarterly budget','the numbers are in','{}','local',1);
+             INSERT INTO messages VALUES ('m2','2026-01-01T00:00:00.000Z','a@h','m2',NULL,'message','lunch','budget budget budget','{}','work',1);
+             INSERT INTO messages VALUES ('m3','2026-01-01T00:00:00.000Z','a@h','m3',NULL,'message','other','unrelated','{}','local',1);
+             INSERT INTO deliveries(msg_id, agent, state, updated_at) VALUES ('m1','bob','acked',1);
+             INSERT INTO deliveries(msg_id, agent, state, updated_at) VALUES ('m2','bob','new',1);
+             INSERT INTO deliveries(msg_id, agent, state, updated_at) VALUES ('m3','bob','new',1);",
+        )
+        .unwrap();
+        migrate(&mut c).unwrap();
+        let v: u32 = c
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(v, SCHEMA_VERSION);
+        let q = search::parse_query("budget").unwrap();
+        let found = |c: &Connection| -> Vec<String> {
+            search::search(c, "bob", "h", &q, None, 10)
+                .unwrap()
+                .messages
+                .into_iter()
+                .map(|m| m.id)
+                .collect()
+        };
+        let mut got = found(&c);
+        got.sort();
+        assert_eq!(got, vec!["m1", "m2"]);
+        // The trigger indexes what is stored after the migration.
+        c.execute_batch(
+            "INSERT INTO messages VALUES ('m4','2026-01-01T00:00:00.000Z','a@h','m4',NULL,'message','x','a budget line','{}','local',1);
+             INSERT INTO deliveries(msg_id, agent, state, updated_at) VALUES ('m4','bob','new',1);",
+        )
+        .unwrap();
+        assert_eq!(found(&c).len(), 3);
     }
 
     #[test]

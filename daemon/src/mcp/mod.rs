@@ -143,6 +143,7 @@ mod tests {
             "mbx_replay",
             "mbx_catchup",
             "mbx_reply",
+            "mbx_search",
             "mbx_send",
             "mbx_sent",
             "mbx_thread",

@@ -24,8 +24,8 @@ use rmcp::{tool, tool_handler, tool_router, ErrorData as McpError, RoleServer, S
 use serde_json::{json, Value};
 
 use super::tools::{
-    AckArgs, CatchupArgs, InboxArgs, ReadArgs, ReplayArgs, ReplyArgs, SendArgs, SentArgs,
-    ThreadArgs, WaitArgs, WhoamiArgs,
+    AckArgs, CatchupArgs, InboxArgs, ReadArgs, ReplayArgs, ReplyArgs, SearchArgs, SendArgs,
+    SentArgs, ThreadArgs, WaitArgs, WhoamiArgs,
 };
 use super::{GUIDE, GUIDE_URI, PROMPT_NAME};
 use crate::cli::mail::{enc, mint_key, Api, DaemonDown, Mutation, Query};
@@ -476,6 +476,32 @@ impl MbxServer {
             p
         };
         done(Self::page(&api, path, 50, "messages", "thread").await)
+    }
+
+    #[tool(
+        description = "Search your mail (received and sent) for words in subjects and bodies, best first; each result has a short body snippet (mbx_read for the whole message)."
+    )]
+    async fn mbx_search(&self, Parameters(args): Parameters<SearchArgs>) -> ToolResult {
+        let limit = match args.check() {
+            Ok(l) => l,
+            Err(e) => return Ok(fail(e)),
+        };
+        let (api, name) = match self.session().await {
+            Ok(s) => s,
+            Err(e) => return Ok(e),
+        };
+        let path = |limit: u32| {
+            let mut p = format!(
+                "/v1/search?as={}&q={}&limit={limit}",
+                enc(&name),
+                enc(&args.query)
+            );
+            if let Some(c) = &args.cursor {
+                p.push_str(&format!("&cursor={}", enc(c)));
+            }
+            p
+        };
+        done(Self::page(&api, path, limit, "messages", "search").await)
     }
 
     #[tool(description = "List the agents you can write to, on this host and paired hosts.")]

@@ -32,6 +32,10 @@ pub const MAX_CURSOR: usize = 2048;
 pub const INBOX_LIMIT: (u32, u32, u32) = (1, 200, 30);
 /// `mbx_sent` page size: 1..=100, default 20.
 pub const SENT_LIMIT: (u32, u32, u32) = (1, 100, 20);
+/// `mbx_search` page size: 1..=50, default 10 (0.5.x; the API's bound).
+pub const SEARCH_LIMIT: (u32, u32, u32) = (1, 50, 10);
+/// `mbx_search` query length in characters: 2..=200 (0.5.x; the API's bound).
+pub const SEARCH_QUERY_CHARS: (usize, usize) = (2, 200);
 /// `mbx_wait` longest wait in seconds: below the 60 s tool timeout of some clients.
 pub const MAX_WAIT_S: u32 = 45;
 /// `mbx_wait` default wait in seconds.
@@ -143,6 +147,20 @@ pub struct ThreadArgs {
     /// A thread id, or the id of any message in it.
     pub id: String,
     /// `next_cursor` of the previous page.
+    pub cursor: Option<String>,
+}
+
+/// `mbx_search`.
+#[derive(Debug, Deserialize, schemars::JsonSchema)]
+pub struct SearchArgs {
+    /// Words to find, 2..=200 characters: messages whose subject or body holds every word
+    /// (case and accents ignored); punctuation only separates words; `word*` is a prefix.
+    #[schemars(length(min = 2, max = 200))]
+    pub query: String,
+    /// Results, 1..=50 (default 10), best first.
+    #[schemars(range(min = 1, max = 50))]
+    pub limit: Option<u32>,
+    /// `next_cursor` of the previous page of the same search.
     pub cursor: Option<String>,
 }
 
@@ -416,6 +434,20 @@ impl ThreadArgs {
     }
 }
 
+impl SearchArgs {
+    /// Checks the query's length, the page size and the cursor; returns the page size (the
+    /// daemon reads the words and answers a query with none as refused).
+    pub fn check(&self) -> Result<u32, String> {
+        let (min, max) = SEARCH_QUERY_CHARS;
+        let n = self.query.chars().count();
+        if !(min..=max).contains(&n) {
+            return Err(format!("query must be {min} to {max} characters"));
+        }
+        check_cursor(&self.cursor)?;
+        limit(self.limit, SEARCH_LIMIT)
+    }
+}
+
 impl SentArgs {
     /// Checks the page size and cursor; returns the page size.
     pub fn check(&self) -> Result<u32, String> {
@@ -482,6 +514,34 @@ mod tests {
             s.idempotency_key = Some(bad.clone());
             assert!(s.check().is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn search_bounds_are_0_5_s_and_the_apis() {
+        let search = |query: &str, limit| SearchArgs {
+            query: query.into(),
+            limit,
+            cursor: None,
+        };
+        assert_eq!(search("ab", None).check(), Ok(10));
+        assert_eq!(search(&"é".repeat(200), Some(50)).check(), Ok(50));
+        assert!(search("a", None).check().unwrap_err().contains("2 to 200"));
+        assert!(search(&"é".repeat(201), None).check().is_err());
+        assert!(search("ab", Some(0)).check().is_err());
+        assert!(search("ab", Some(51))
+            .check()
+            .unwrap_err()
+            .contains("1 to 50"));
+        assert_eq!(
+            (SEARCH_QUERY_CHARS, SEARCH_LIMIT.1),
+            (
+                (
+                    agentmbx::mailbox::search::MIN_QUERY_CHARS,
+                    agentmbx::mailbox::search::MAX_QUERY_CHARS
+                ),
+                agentmbx::mailbox::search::MAX_SEARCH_LIMIT
+            )
+        );
     }
 
     #[test]
