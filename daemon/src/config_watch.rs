@@ -142,6 +142,22 @@ pub fn diff(old: &Config, new: &Config) -> Vec<Change> {
     );
     push("log_level", opt(&old.log_level), opt(&new.log_level), true);
     push(
+        "hook_concurrency",
+        old.hook_concurrency.to_string(),
+        new.hook_concurrency.to_string(),
+        false,
+    );
+    // Hooks are shown by name (a command may hold what the owner would not log).
+    let names = |c: &Config| {
+        let n: Vec<&str> = c.hooks.iter().map(|h| h.name.as_str()).collect();
+        format!("[{}]", n.join(", "))
+    };
+    let (o, mut n) = (names(old), names(new));
+    if old.hooks != new.hooks && o == n {
+        n.push_str(" (edited)");
+    }
+    push("hooks", o, n, false);
+    push(
         "relay_pull_interval_ms",
         old.relay_pull_interval_ms.to_string(),
         new.relay_pull_interval_ms.to_string(),

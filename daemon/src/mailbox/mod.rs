@@ -22,6 +22,7 @@ pub mod agents;
 pub mod audit;
 pub mod brake;
 pub mod history;
+pub mod hooks;
 pub mod idempotency;
 pub mod messages;
 pub mod outbox;

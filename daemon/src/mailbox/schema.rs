@@ -5,7 +5,7 @@ use rusqlite::Connection;
 use super::MailboxError;
 
 /// The schema version this binary writes.
-pub const SCHEMA_VERSION: u32 = 9;
+pub const SCHEMA_VERSION: u32 = 11;
 
 /// Migrations in order: `(version reached, SQL)`. A new schema change appends a step; each
 /// step runs inside the one migration transaction.
@@ -280,6 +280,38 @@ CREATE INDEX wake_claims_pending ON wake_claims(agent, outcome, at);
 -- newest). No row: the beginning.
 CREATE TABLE catchup(
   agent TEXT PRIMARY KEY, seq INTEGER NOT NULL, updated_at INTEGER NOT NULL);
+"#,
+    ),
+    (
+        11,
+        r#"
+-- Hooks (issue 19 "Hooks", seed 003; mailbox::hooks). Every delivery is queued for the hook
+-- runner by the trigger below, in the transaction that commits the delivery, whatever path
+-- delivered it; the runner turns each queued row into runs of the hooks it matches and removes
+-- it in one transaction, so each delivery is matched once, ever. Mail delivered before this
+-- version is not queued.
+CREATE TABLE hook_inbox(seq INTEGER PRIMARY KEY, msg_id TEXT NOT NULL, agent TEXT NOT NULL);
+CREATE TRIGGER deliveries_hook_inbox AFTER INSERT ON deliveries
+BEGIN
+  INSERT OR IGNORE INTO hook_inbox(seq, msg_id, agent) VALUES (NEW.seq, NEW.msg_id, NEW.agent);
+END;
+-- One run of one hook for one message or a coalesced burst: pending -> started (committed
+-- before the command is spawned) -> ok | failed | timeout; a run found `started` when the
+-- daemon starts is `unknown` and never runs again; `dropped`: its hook left config.toml
+-- before it started.
+CREATE TABLE hook_runs(
+  id INTEGER PRIMARY KEY AUTOINCREMENT, hook TEXT NOT NULL, agent TEXT NOT NULL,
+  state TEXT NOT NULL
+    CHECK (state IN ('pending','started','ok','failed','timeout','unknown','dropped')),
+  count INTEGER NOT NULL DEFAULT 0, created_at INTEGER NOT NULL, due_at INTEGER NOT NULL,
+  started_at INTEGER, finished_at INTEGER, exit_code INTEGER, error TEXT);
+CREATE INDEX hook_runs_state ON hook_runs(state, due_at);
+-- The messages of each run; a message belongs to at most one run of each hook.
+CREATE TABLE hook_run_messages(
+  hook TEXT NOT NULL, msg_id TEXT NOT NULL,
+  run INTEGER NOT NULL REFERENCES hook_runs(id) ON DELETE CASCADE,
+  PRIMARY KEY(hook, msg_id));
+CREATE INDEX hook_run_messages_run ON hook_run_messages(run);
 "#,
     ),
 ];
