@@ -141,7 +141,7 @@ pub async fn run(runner: Runner, mut stop: watch::Receiver<bool>) {
             }
         };
         passes += 1;
-        if passes % 100 == 0 {
+        if passes.is_multiple_of(100) {
             let _ = runner.mailbox.run(|c| store::prune(c)).await;
         }
         let sleep_ms = wait_ms.unwrap_or(IDLE_POLL_MS).clamp(1, IDLE_POLL_MS);

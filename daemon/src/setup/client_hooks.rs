@@ -64,13 +64,14 @@ impl HookSpec {
 /// Whether a hook command is one setup wrote (module docs).
 pub fn is_ours_command(command: &str) -> bool {
     let words = sh_words(command);
-    let Some(program) = words
+    // Leading `NAME=value` assignments are skipped.
+    let Some(at) = words
         .iter()
-        .find(|w| !(w.contains('=') && !w.starts_with('/')))
+        .position(|w| !w.contains('=') || w.starts_with('/'))
     else {
         return false;
     };
-    let at = words.iter().position(|w| w == program).unwrap_or(0);
+    let program = &words[at];
     let name = std::path::Path::new(program)
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
