@@ -325,6 +325,34 @@ fn a_burst_within_the_debounce_window_is_one_run_naming_every_message() {
 }
 
 #[test]
+fn hook_concurrency_bounds_how_many_commands_run_at_once() {
+    let s = Scratch::new();
+    let log = s.path("ran.txt").display().to_string();
+    let script = s.script(
+        "hook.sh",
+        &format!(
+            "echo \"start $MBX_HOOK_NAME\" >> {log:?}\nsleep 0.5\necho \"end $MBX_HOOK_NAME\" >> {log:?}"
+        ),
+    );
+    let hooks = format!(
+        "hook_concurrency = 1\n{}{}{}",
+        hook_toml("one", &script, "debounce_ms = 0"),
+        hook_toml("two", &script, "debounce_ms = 0"),
+        hook_toml("three", &script, "debounce_ms = 0"),
+    );
+    let mut a = host_with_hooks(&hooks);
+    a.start(None);
+    send_request(&a, "s", "b");
+    until_runs(&a, 3, &["ok"]);
+    let lines = s.lines("ran.txt");
+    assert_eq!(lines.len(), 6, "{lines:?}");
+    for pair in lines.chunks(2) {
+        let name = pair[0].strip_prefix("start ").expect("a start line");
+        assert_eq!(pair[1], format!("end {name}"), "one at a time: {lines:?}");
+    }
+}
+
+#[test]
 fn a_bad_hook_is_refused_at_config_load_naming_it() {
     let a = host_with_hooks(
         "[[hooks]]\nname = \"notify-me\"\nagent = \"bob\"\ncommand = [\"x\"]\ntimeout_ms = 1\n",

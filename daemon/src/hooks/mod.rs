@@ -90,6 +90,7 @@ pub async fn run(runner: Runner, mut stop: watch::Receiver<bool>) {
         .run(move |c| {
             let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
             let r = store::recover(&tx, &hooks, now)?;
+            store::prune(&tx)?;
             tx.commit()?;
             Ok(r)
         })
@@ -348,5 +349,44 @@ async fn execute(
             (Outcome::Unknown, None,
              Some("the daemon stopped while the command ran; it was killed and is not run again".into()))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn facts(count: i64, ids: usize) -> RunFacts {
+        RunFacts {
+            id: 7,
+            hook: "h".into(),
+            agent: "bob".into(),
+            count,
+            ids: (0..ids).map(|i| format!("m{i}")).collect(),
+            from: "alice@home".into(),
+            thread: "t".into(),
+            kind: "request".into(),
+            needs_reply: false,
+        }
+    }
+
+    #[test]
+    fn the_environment_names_at_most_50_ids_and_says_when_it_cut_the_list() {
+        let home = std::path::Path::new("/h");
+        let env = run_env(&facts(1, 1), home);
+        let get = |env: &[(&str, String)], k: &str| {
+            env.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone())
+        };
+        assert_eq!(get(&env, "MBX_HOOK_IDS").as_deref(), Some("m0"));
+        assert_eq!(get(&env, "MBX_HOOK_NEEDS_REPLY").as_deref(), Some("0"));
+        assert_eq!(get(&env, "MBX_HOOK_IDS_TRUNCATED"), None);
+        let many = run_env(&facts(60, store::MAX_ENV_IDS), home);
+        assert_eq!(get(&many, "MBX_HOOK_COUNT").as_deref(), Some("60"));
+        assert_eq!(
+            get(&many, "MBX_HOOK_IDS").map(|v| v.split(',').count()),
+            Some(50)
+        );
+        assert_eq!(get(&many, "MBX_HOOK_IDS_TRUNCATED").as_deref(), Some("1"));
+        assert_eq!(get(&many, "MBX_HOME").as_deref(), Some("/h"));
     }
 }

@@ -508,6 +508,23 @@ mod tests {
     }
 
     #[test]
+    fn a_run_of_60_messages_names_the_first_50_oldest_first() {
+        let store = testutil::store();
+        let mb = store.mailbox.clone();
+        let hooks = [hook("h1", 60_000)];
+        for i in 0..60 {
+            deliver(&mb, &format!("m{i:02}"), "request");
+        }
+        mb.with(|c| intake(c, &hooks, "home", T0)).unwrap();
+        let due_now = mb.with(|c| due(c, T0 + 60_000, 10)).unwrap();
+        let facts = mb.with(|c| start(c, due_now[0].0, T0)).unwrap().unwrap();
+        assert_eq!(facts.count, 60);
+        assert_eq!(facts.ids.len(), MAX_ENV_IDS);
+        assert_eq!(facts.ids[0], "m00");
+        assert_eq!(facts.ids[49], "m49");
+    }
+
+    #[test]
     fn prune_keeps_the_newest_ended_runs_and_every_open_one() {
         let store = testutil::store();
         let mb = store.mailbox.clone();
