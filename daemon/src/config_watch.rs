@@ -442,6 +442,36 @@ mod tests {
     }
 
     #[test]
+    fn a_hook_change_needs_a_restart_and_is_shown_by_name_only() {
+        let old = Config::default();
+        let mut new = Config::default();
+        new.hooks.push(crate::hooks::config::HookConfig {
+            name: "notify".into(),
+            agent: "bob".into(),
+            command: vec!["/bin/notify".into(), "--token=hunter3".into()],
+            from: None,
+            kind: None,
+            needs_reply: None,
+            wake_worthy: None,
+            timeout_ms: 30_000,
+            debounce_ms: 1_000,
+        });
+        let changes = diff(&old, &new);
+        assert_eq!(changes.len(), 1, "{changes:?}");
+        assert_eq!((changes[0].key, changes[0].live), ("hooks", false));
+        assert_eq!(changes[0].new, "[notify]");
+        let mut edited = new.clone();
+        edited.hooks[0].timeout_ms = 5_000;
+        let changes = diff(&new, &edited);
+        assert_eq!(changes[0].new, "[notify] (edited)");
+        assert!(changes.iter().all(|c| !c.new.contains("hunter")));
+        assert!(
+            merge_live(&old, &new).hooks.is_empty(),
+            "read at start only"
+        );
+    }
+
+    #[test]
     fn adding_or_removing_the_relay_applies_live() {
         let none = Config::default();
         let some = with_relay("http://127.0.0.1:1");

@@ -573,6 +573,43 @@ mod tests {
         assert_eq!(d, 1);
     }
 
+    /// Issue 19 "Hooks": a version 9 store gains the hook tables; its deliveries are not
+    /// queued for hooks (no hook runs for old mail), new ones are, in their own transaction.
+    #[test]
+    fn a_version_9_store_gains_the_hook_queue_for_new_deliveries_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = Connection::open(dir.path().join("m.db")).unwrap();
+        migrate_with(&mut c, &MIGRATIONS[..9]).unwrap();
+        c.execute_batch(
+            "INSERT INTO messages VALUES ('m1','t','a@h','m1',NULL,'request','s','b','{}','local',1);
+             INSERT INTO deliveries(msg_id, agent, state, updated_at) VALUES ('m1','bob','new',1);",
+        )
+        .unwrap();
+        migrate(&mut c).unwrap();
+        let queued = |c: &Connection| -> i64 {
+            c.query_row("SELECT COUNT(*) FROM hook_inbox", [], |r| r.get(0))
+                .unwrap()
+        };
+        assert_eq!(queued(&c), 0);
+        c.execute_batch(
+            "INSERT INTO messages VALUES ('m2','t','a@h','m2',NULL,'request','s','b','{}','local',1);
+             INSERT INTO deliveries(msg_id, agent, state, updated_at) VALUES ('m2','bob','new',1);
+             INSERT OR IGNORE INTO deliveries(msg_id, agent, state, updated_at) VALUES ('m2','bob','new',2);",
+        )
+        .unwrap();
+        assert_eq!(
+            queued(&c),
+            1,
+            "one row per delivery, none for an ignored duplicate"
+        );
+        assert!(c
+            .execute(
+                "INSERT INTO hook_runs(hook, agent, state, created_at, due_at) VALUES ('h','bob','done',1,1)",
+                []
+            )
+            .is_err());
+    }
+
     #[test]
     fn a_version_4_quarantine_is_tried_once_more() {
         let dir = tempfile::tempdir().unwrap();
