@@ -196,6 +196,47 @@ fn a_daemon_killed_mid_run_leaves_the_run_unknown_and_never_runs_it_again() {
 }
 
 #[test]
+fn a_daemon_stopped_mid_run_kills_the_command_at_once_and_records_the_run_unknown() {
+    let s = Scratch::new();
+    let script = s.script(
+        "hook.sh",
+        &format!(
+            "echo $$ > {pid:?}\nsleep 60",
+            pid = s.path("pid").display().to_string()
+        ),
+    );
+    let mut a = host_with_hooks(&hook_toml(
+        "slow",
+        &script,
+        "debounce_ms = 0\ntimeout_ms = 120000",
+    ));
+    a.start(None);
+    send_request(&a, "s1", "b1");
+    until_runs(&a, 1, &["started"]);
+    let pid: i32 = wait_for("the hook's pid", || {
+        std::fs::read_to_string(s.path("pid"))
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+    });
+    let asked = std::time::Instant::now();
+    a.stop();
+    assert!(
+        asked.elapsed() < std::time::Duration::from_secs(10),
+        "shutdown waited for the hook: {:?}",
+        asked.elapsed()
+    );
+    assert!(
+        !Path::new(&format!("/proc/{pid}")).exists(),
+        "the hook still runs after the daemon stopped"
+    );
+    let run = until_runs(&a, 1, &["unknown"]);
+    assert!(
+        run[0]["error"].as_str().unwrap_or("").contains("killed"),
+        "{run:?}"
+    );
+}
+
+#[test]
 fn a_hooks_environment_and_command_line_never_hold_the_subject_or_body() {
     let s = Scratch::new();
     let script = s.script(
@@ -529,6 +570,17 @@ fn setup_hooks_installs_once_dry_runs_and_uninstalls_byte_for_byte_in_fake_homes
         s.contains(&format!("MBX_HOME={}", mbx_home.display())),
         "{s}"
     );
+    // The installed command line runs as the client runs it (through sh): quiet, exit 0
+    // (nothing delivered, no store yet).
+    let start = s.find("MBX_HOME=").expect("command");
+    let line = &s[start..start + s[start..].find('"').expect("end of the command")];
+    assert!(line.contains(" hook "), "{line}");
+    let out = std::process::Command::new("sh")
+        .args(["-c", line])
+        .output()
+        .expect("run the hook command");
+    assert!(out.status.success(), "{out:?}");
+    assert!(out.stdout.is_empty(), "{out:?}");
     // Again: nothing changes, byte for byte.
     let (s1, h1) = (read(&settings), read(&hooks_json));
     let again = setup(&["--yes"]);
