@@ -468,6 +468,13 @@ fn hook_prompt_is_bounded_marks_sender_text_and_is_quiet_without_mail_or_daemon(
     let out = helper::run(cmd);
     assert_eq!(out.code(), Some(0));
     assert_eq!(out.stdout, "");
+    // `hooks` there: no runs, and nothing created.
+    let mut cmd = helper::command(&["hooks", "--json"]);
+    cmd.env("MBX_HOME", "/nonexistent/agentmbx-home");
+    let out = helper::run(cmd);
+    assert_eq!(out.code(), Some(0), "{out:#?}");
+    assert_eq!(out.json()["runs"], json!([]));
+    assert!(!Path::new("/nonexistent/agentmbx-home").exists());
 }
 
 /// Claude Code settings with a hook of the user's own and a comment.

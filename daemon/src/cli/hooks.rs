@@ -1,5 +1,5 @@
 //! `agentmbx hooks [--json] [--limit N]`: the recent runs of the `[[hooks]]` of config.toml
-//! (issue 19 "Hooks"; [`agentmbx::hooks`]), read from `mailbox.db` as `peers` reads it.
+//! (issue 19 "Hooks"; [`agentmbx::hooks`]), read from `mailbox.db` opened read-only.
 //!
 //! `agentmbx hook session-start|prompt|stop --cli claude|codex [--as A]` (0.5.x): what an
 //! agent client's own hook shows the agent: its unread count and the newest messages that ask
@@ -12,8 +12,9 @@ use anyhow::Context;
 use clap::{Args, ValueEnum};
 use serde_json::json;
 
-use agentmbx::mailbox::{hooks as store, Mailbox};
+use agentmbx::mailbox::hooks as store;
 use agentmbx::paths::Paths;
+use rusqlite::OptionalExtension;
 
 /// Flags of `hooks`.
 #[derive(Debug, Args)]
@@ -29,10 +30,28 @@ pub struct HooksArgs {
 /// Lists recent hook runs (state, hook, agent, message count, started, finished, exit).
 pub fn list(args: HooksArgs) -> anyhow::Result<()> {
     let paths = Paths::from_env()?;
-    paths.ensure_home()?;
-    let mailbox = Mailbox::open(&paths.mailbox_db()).context("cannot open mailbox.db")?;
+    let db = paths.mailbox_db();
     let limit = args.limit as usize;
-    let (runs, counts) = mailbox.with(|c| Ok((store::list(c, limit)?, store::counts(c)?)))?;
+    // Read-only: listing never creates or migrates the store under a running daemon.
+    let (runs, counts) = if db.exists() {
+        let conn = open_read_only(&db)
+            .with_context(|| format!("cannot open {} read-only", db.display()))?;
+        let has_runs: bool = conn
+            .query_row(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'hook_runs'",
+                [],
+                |_| Ok(()),
+            )
+            .optional()?
+            .is_some();
+        if has_runs {
+            (store::list(&conn, limit)?, store::counts(&conn)?)
+        } else {
+            (Vec::new(), Vec::new())
+        }
+    } else {
+        (Vec::new(), Vec::new())
+    };
     if args.json {
         let counts: serde_json::Map<String, serde_json::Value> =
             counts.into_iter().map(|(k, v)| (k, json!(v))).collect();
@@ -134,14 +153,21 @@ pub struct MailSummary {
     pub waiting_total: i64,
 }
 
-/// Reads `agent`'s summary from `mailbox.db` opened read-only (never creates or migrates it).
-pub fn summary(db: &std::path::Path, agent: &str) -> anyhow::Result<MailSummary> {
+/// `mailbox.db` opened read-only (never created or migrated), waiting at most 500 ms for a
+/// lock.
+fn open_read_only(db: &std::path::Path) -> rusqlite::Result<rusqlite::Connection> {
     use rusqlite::OpenFlags;
     let conn = rusqlite::Connection::open_with_flags(
         db,
         OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
     )?;
     conn.busy_timeout(std::time::Duration::from_millis(500))?;
+    Ok(conn)
+}
+
+/// Reads `agent`'s summary from `mailbox.db` opened read-only (never creates or migrates it).
+pub fn summary(db: &std::path::Path, agent: &str) -> anyhow::Result<MailSummary> {
+    let conn = open_read_only(db)?;
     let unread: i64 = conn.query_row(
         "SELECT COUNT(*) FROM deliveries WHERE agent = ?1 AND state = 'new'",
         [agent],
