@@ -128,6 +128,10 @@ pub struct Config {
     /// `MBX_NO_MDNS=1` or a loopback `lan_bind`).
     #[serde(default = "default_true")]
     pub mdns: bool,
+    /// `hook_concurrency`: most `[[hooks]]` commands running at once (default 4, 1..=64;
+    /// [`crate::hooks::config`]).
+    #[serde(default = "crate::hooks::config::default_concurrency")]
+    pub hook_concurrency: u32,
     /// `[relay]`: the relay this host pushes to and pulls from, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub relay: Option<RelayConfig>,
@@ -145,6 +149,9 @@ pub struct Config {
     /// over it. Default: unset (`info`). Applied without a restart when the file changes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub log_level: Option<String>,
+    /// `[[hooks]]`: commands run for new mail ([`crate::hooks::config`]); read at start.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hooks: Vec<crate::hooks::config::HookConfig>,
 }
 
 /// Longest `log_level` accepted (bytes).
@@ -165,6 +172,8 @@ impl Default for Config {
             relay_pull_interval_ms: default_relay_pull_interval_ms(),
             key_store: KeyStore::default(),
             log_level: None,
+            hook_concurrency: crate::hooks::config::DEFAULT_CONCURRENCY,
+            hooks: Vec::new(),
         }
     }
 }
@@ -536,6 +545,8 @@ impl Config {
                 )
             })?;
         }
+        crate::hooks::config::validate(self.hook_concurrency, &self.hooks)
+            .map_err(|(key, message)| invalid(key, message))?;
         if let Some(relay) = &self.relay {
             check_relay_url(&relay.url).map_err(|e| invalid("relay.url", e.to_string()))?;
             if let Some(key) = &relay.key {

@@ -142,6 +142,22 @@ pub fn diff(old: &Config, new: &Config) -> Vec<Change> {
     );
     push("log_level", opt(&old.log_level), opt(&new.log_level), true);
     push(
+        "hook_concurrency",
+        old.hook_concurrency.to_string(),
+        new.hook_concurrency.to_string(),
+        false,
+    );
+    // Hooks are shown by name (a command may hold what the owner would not log).
+    let names = |c: &Config| {
+        let n: Vec<&str> = c.hooks.iter().map(|h| h.name.as_str()).collect();
+        format!("[{}]", n.join(", "))
+    };
+    let (o, mut n) = (names(old), names(new));
+    if old.hooks != new.hooks && o == n {
+        n.push_str(" (edited)");
+    }
+    push("hooks", o, n, false);
+    push(
         "relay_pull_interval_ms",
         old.relay_pull_interval_ms.to_string(),
         new.relay_pull_interval_ms.to_string(),
@@ -423,6 +439,36 @@ mod tests {
         assert_eq!(merged.relay, new.relay);
         assert_eq!(merged.log_level.as_deref(), Some("debug"));
         assert!(diff(&old, &old).is_empty());
+    }
+
+    #[test]
+    fn a_hook_change_needs_a_restart_and_is_shown_by_name_only() {
+        let old = Config::default();
+        let mut new = Config::default();
+        new.hooks.push(crate::hooks::config::HookConfig {
+            name: "notify".into(),
+            agent: "bob".into(),
+            command: vec!["/bin/notify".into(), "--token=hunter3".into()],
+            from: None,
+            kind: None,
+            needs_reply: None,
+            wake_worthy: None,
+            timeout_ms: 30_000,
+            debounce_ms: 1_000,
+        });
+        let changes = diff(&old, &new);
+        assert_eq!(changes.len(), 1, "{changes:?}");
+        assert_eq!((changes[0].key, changes[0].live), ("hooks", false));
+        assert_eq!(changes[0].new, "[notify]");
+        let mut edited = new.clone();
+        edited.hooks[0].timeout_ms = 5_000;
+        let changes = diff(&new, &edited);
+        assert_eq!(changes[0].new, "[notify] (edited)");
+        assert!(changes.iter().all(|c| !c.new.contains("hunter")));
+        assert!(
+            merge_live(&old, &new).hooks.is_empty(),
+            "read at start only"
+        );
     }
 
     #[test]

@@ -33,6 +33,7 @@ pub mod config_watch;
 pub mod discovery;
 pub mod doctor;
 pub mod fsutil;
+pub mod hooks;
 pub mod host_name;
 pub mod identity;
 pub mod instance;

@@ -54,6 +54,8 @@ const KEYS: &[&str] = &[
     "relay_pull_interval_ms",
     "key_store",
     "log_level",
+    "hook_concurrency",
+    "hooks",
     "relay.url",
     "relay.key",
     "relay.token_command",
@@ -126,6 +128,10 @@ fn validate(args: ValidateArgs) -> anyhow::Result<()> {
             if r.token_command.is_some() {
                 r.token_command = Some("<redacted>".into());
             }
+        }
+        // A hook's command line may carry a secret, as a token command may.
+        for h in &mut effective.hooks {
+            h.command = vec!["<redacted>".into()];
         }
         let out = serde_json::json!({
             "valid": true,

@@ -307,6 +307,18 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
                 stop_rx.clone(),
             ))
         });
+        // Hooks (agentmbx::hooks): read from config.toml at start.
+        let hooks_task = tokio::spawn(agentmbx::hooks::run(
+            agentmbx::hooks::Runner {
+                mailbox: mailbox.clone(),
+                hooks: Arc::new(config.hooks.clone()),
+                concurrency: config.hook_concurrency,
+                host: ident.host.to_string(),
+                home: paths.home().to_path_buf(),
+                clock: clock.clone(),
+            },
+            stop_rx.clone(),
+        ));
         // Listeners bound and the store open: tell a supervisor (no-op without NOTIFY_SOCKET).
         let relay_url = relay.as_ref().map(|r| r.url.clone());
         use agentmbx::service::notify;
@@ -334,6 +346,7 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
             rotate_task,
             fan,
             notify_task,
+            hooks_task,
         ] {
             let _ = task.await;
         }

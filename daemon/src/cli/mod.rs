@@ -18,6 +18,7 @@ pub mod daemon;
 pub mod daemon_service;
 pub mod discover;
 pub mod doctor;
+pub mod hooks;
 pub mod host;
 pub mod init;
 pub mod mail;
@@ -182,6 +183,11 @@ pub enum Command {
     /// [--minutes N]`, `wake unmute <agent>`
     #[command(subcommand)]
     Wake(wake::WakeCommand),
+    /// List recent runs of the [[hooks]] of config.toml (state, hook, agent, messages, times, exit)
+    Hooks(hooks::HooksArgs),
+    /// Print what an agent client's own hook shows the agent (unread mail, replies wanted):
+    /// `hook session-start|prompt|stop --cli claude|codex --as <agent>`; quiet when there is none
+    Hook(hooks::HookArgs),
     /// Register `agentmbx mcp` with the agent clients here (Claude Code, Codex), or remove it
     Setup(setup::SetupArgs),
     /// Serve MCP on stdin/stdout for an agent's client (Claude Code, Codex, …): the mailbox
@@ -296,6 +302,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Sent(args) => mail::sent(args),
         Command::Setup(args) => setup::run(args),
         Command::Wake(cmd) => wake::run(cmd),
+        Command::Hooks(args) => hooks::list(args),
+        Command::Hook(args) => hooks::hook(args),
         Command::Mcp(args) => mcp::run(args),
         Command::Completions(args) => completions::run(args),
         Command::Doctor(args) => doctor::run(args),

@@ -34,6 +34,11 @@ write is left alone. --uninstall removes only our entry. Without --yes, setup as
 writing on a terminal and refuses elsewhere (exit 2). --json prints {dry_run, uninstall, \
 server, clients: [{client, status, target, note, change}]} with status one of added, updated, \
 unchanged, removed, skipped, conflict, would-add, would-update, would-remove, error.
+With --hooks, setup also installs the client hooks `agentmbx hook session-start|prompt|stop \
+--cli <client> [--as AGENT]` (mail shown at the agent's next prompt): Claude Code in \
+$CLAUDE_CONFIG_DIR/settings.json (default ~/.claude/settings.json), Codex in \
+$CODEX_HOME/hooks.json (Codex reads it only with [features] codex_hooks = true; setup says so \
+and leaves config.toml alone), same rules; --uninstall --hooks removes them too.
 Exit status: 0 done or nothing to do, 1 a client failed, an entry is not ours, or the answer \
 was no, 2 usage error (or no terminal to confirm on and no --yes).";
 
@@ -57,6 +62,11 @@ pub struct SetupArgs {
     /// Remove the entry setup added (only ours), instead of adding it
     #[arg(long)]
     pub uninstall: bool,
+    /// Also install the client hooks that show new mail at the agent's next prompt (`agentmbx
+    /// hook session-start|prompt|stop`): Claude Code's settings.json, Codex's hooks.json; with
+    /// --uninstall, also remove them
+    #[arg(long)]
+    pub hooks: bool,
     /// Apply without asking
     #[arg(long, short = 'y')]
     pub yes: bool,
@@ -150,6 +160,14 @@ pub fn run(args: SetupArgs) -> anyhow::Result<()> {
             Err(e) => Row::Failed(*c, e.to_string()),
         })
         .collect();
+    if args.hooks {
+        for c in &clients {
+            rows.push(match setup::plan_hooks(&ctx, *c, &spec, args.uninstall) {
+                Ok(step) => Row::Step(step),
+                Err(e) => Row::Failed(*c, e.to_string()),
+            });
+        }
+    }
     let changing = rows
         .iter()
         .filter(|r| matches!(r, Row::Step(s) if s.status.changes()))

@@ -24,6 +24,7 @@ pub mod audit;
 pub mod brake;
 pub mod events;
 pub mod history;
+pub mod hooks;
 pub mod idempotency;
 pub mod messages;
 pub mod outbox;

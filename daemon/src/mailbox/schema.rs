@@ -5,7 +5,7 @@ use rusqlite::Connection;
 use super::MailboxError;
 
 /// The schema version this binary writes.
-pub const SCHEMA_VERSION: u32 = 10;
+pub const SCHEMA_VERSION: u32 = 11;
 
 /// Migrations in order: `(version reached, SQL)`. A new schema change appends a step; each
 /// step runs inside the one migration transaction.
@@ -310,6 +310,38 @@ BEGIN
 END;
 "#,
     ),
+    (
+        11,
+        r#"
+-- Hooks (issue 19 "Hooks", seed 003; mailbox::hooks). Every delivery is queued for the hook
+-- runner by the trigger below, in the transaction that commits the delivery, whatever path
+-- delivered it; the runner turns each queued row into runs of the hooks it matches and removes
+-- it in one transaction, so each delivery is matched once, ever. Mail delivered before this
+-- version is not queued.
+CREATE TABLE hook_inbox(seq INTEGER PRIMARY KEY, msg_id TEXT NOT NULL, agent TEXT NOT NULL);
+CREATE TRIGGER deliveries_hook_inbox AFTER INSERT ON deliveries
+BEGIN
+  INSERT OR IGNORE INTO hook_inbox(seq, msg_id, agent) VALUES (NEW.seq, NEW.msg_id, NEW.agent);
+END;
+-- One run of one hook for one message or a coalesced burst: pending -> started (committed
+-- before the command is spawned) -> ok | failed | timeout; a run found `started` when the
+-- daemon starts is `unknown` and never runs again; `dropped`: its hook left config.toml
+-- before it started.
+CREATE TABLE hook_runs(
+  id INTEGER PRIMARY KEY AUTOINCREMENT, hook TEXT NOT NULL, agent TEXT NOT NULL,
+  state TEXT NOT NULL
+    CHECK (state IN ('pending','started','ok','failed','timeout','unknown','dropped')),
+  count INTEGER NOT NULL DEFAULT 0, created_at INTEGER NOT NULL, due_at INTEGER NOT NULL,
+  started_at INTEGER, finished_at INTEGER, exit_code INTEGER, error TEXT);
+CREATE INDEX hook_runs_state ON hook_runs(state, due_at);
+-- The messages of each run; a message belongs to at most one run of each hook.
+CREATE TABLE hook_run_messages(
+  hook TEXT NOT NULL, msg_id TEXT NOT NULL,
+  run INTEGER NOT NULL REFERENCES hook_runs(id) ON DELETE CASCADE,
+  PRIMARY KEY(hook, msg_id));
+CREATE INDEX hook_run_messages_run ON hook_run_messages(run);
+"#,
+    ),
 ];
 
 /// Brings `conn` to [`SCHEMA_VERSION`] in one transaction; refuses a newer file.
@@ -610,6 +642,43 @@ mod tests {
         )
         .unwrap();
         assert_eq!(found(&c).len(), 3);
+    }
+
+    /// Issue 19 "Hooks": a version 9 store gains the hook tables; its deliveries are not
+    /// queued for hooks (no hook runs for old mail), new ones are, in their own transaction.
+    #[test]
+    fn a_version_9_store_gains_the_hook_queue_for_new_deliveries_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = Connection::open(dir.path().join("m.db")).unwrap();
+        migrate_with(&mut c, &MIGRATIONS[..9]).unwrap();
+        c.execute_batch(
+            "INSERT INTO messages VALUES ('m1','t','a@h','m1',NULL,'request','s','b','{}','local',1);
+             INSERT INTO deliveries(msg_id, agent, state, updated_at) VALUES ('m1','bob','new',1);",
+        )
+        .unwrap();
+        migrate(&mut c).unwrap();
+        let queued = |c: &Connection| -> i64 {
+            c.query_row("SELECT COUNT(*) FROM hook_inbox", [], |r| r.get(0))
+                .unwrap()
+        };
+        assert_eq!(queued(&c), 0);
+        c.execute_batch(
+            "INSERT INTO messages VALUES ('m2','t','a@h','m2',NULL,'request','s','b','{}','local',1);
+             INSERT INTO deliveries(msg_id, agent, state, updated_at) VALUES ('m2','bob','new',1);
+             INSERT OR IGNORE INTO deliveries(msg_id, agent, state, updated_at) VALUES ('m2','bob','new',2);",
+        )
+        .unwrap();
+        assert_eq!(
+            queued(&c),
+            1,
+            "one row per delivery, none for an ignored duplicate"
+        );
+        assert!(c
+            .execute(
+                "INSERT INTO hook_runs(hook, agent, state, created_at, due_at) VALUES ('h','bob','done',1,1)",
+                []
+            )
+            .is_err());
     }
 
     #[test]

@@ -17,6 +17,7 @@
 //! changes nothing the second time ([`Status::Unchanged`]).
 
 pub mod claude;
+pub mod client_hooks;
 pub mod codex;
 pub mod diff;
 pub mod mcp_json;
@@ -282,6 +283,15 @@ impl Context {
             .or_else(|| self.user_home.as_ref().map(|h| h.join(".codex")))
     }
 
+    /// Claude Code's user settings file, where its hooks live: `$CLAUDE_CONFIG_DIR/settings.json`,
+    /// else `~/.claude/settings.json`.
+    pub fn claude_settings(&self) -> Option<PathBuf> {
+        self.claude_config_dir
+            .clone()
+            .or_else(|| self.user_home.as_ref().map(|h| h.join(".claude")))
+            .map(|d| d.join("settings.json"))
+    }
+
     /// The `claude` executable on `PATH`, if any.
     pub fn claude(&self) -> Option<PathBuf> {
         find_on_path(self.path.as_deref()?, "claude")
@@ -543,6 +553,98 @@ fn file_step(
             Action::None
         },
     })
+}
+
+/// The client-hooks step for `client` ([`client_hooks`]): `agentmbx hook …` for the agent and
+/// home of `spec`, added, brought up to date, or (with `uninstall`) removed. Skipped when the
+/// client is not installed (Claude Code: neither `claude` on `PATH` nor its settings
+/// directory; Codex: no Codex home). Errors: a file that cannot be read or parsed.
+pub fn plan_hooks(
+    ctx: &Context,
+    client: Client,
+    spec: &ServerSpec,
+    uninstall: bool,
+) -> Result<Step, SetupError> {
+    let skipped = |target: String, note: String| Step {
+        client,
+        status: Status::Skipped,
+        target,
+        note: Some(note),
+        change: String::new(),
+        action: Action::None,
+    };
+    let (path, note) = match client {
+        Client::Claude => {
+            let Some(path) = ctx.claude_settings() else {
+                return Ok(skipped(
+                    "~/.claude/settings.json".into(),
+                    "no home directory known (HOME unset) and no CLAUDE_CONFIG_DIR".into(),
+                ));
+            };
+            let dir_exists = path.parent().is_some_and(Path::is_dir);
+            if !dir_exists && ctx.claude().is_none() {
+                return Ok(skipped(
+                    path.display().to_string(),
+                    "Claude Code is not installed here (no `claude` on PATH, no settings directory)"
+                        .into(),
+                ));
+            }
+            (path, None)
+        }
+        Client::Codex => {
+            let Some(dir) = ctx.codex_dir().filter(|d| d.is_dir()) else {
+                return Ok(skipped(
+                    "~/.codex/hooks.json".into(),
+                    "Codex is not installed here (no Codex home directory)".into(),
+                ));
+            };
+            let config = read_optional(&dir.join("config.toml"))?.unwrap_or_default();
+            let note = (!uninstall && !client_hooks::codex_hooks_enabled(&config)).then(|| {
+                format!(
+                    "Codex reads hooks.json only with `[features] codex_hooks = true` in {}; add it to turn hooks on",
+                    dir.join("config.toml").display()
+                )
+            });
+            (dir.join("hooks.json"), note)
+        }
+    };
+    let before = read_optional(&path)?;
+    if before.is_none() && uninstall {
+        return Ok(Step {
+            client,
+            status: Status::Unchanged,
+            target: path.display().to_string(),
+            note: None,
+            change: String::new(),
+            action: Action::None,
+        });
+    }
+    let before = before.unwrap_or_default();
+    let hook_spec = client_hooks::HookSpec {
+        exe: spec.command.clone(),
+        cli: match client {
+            Client::Claude => "claude",
+            Client::Codex => "codex",
+        },
+        agent: spec.agent().map(str::to_string),
+        home: spec
+            .env
+            .iter()
+            .find(|(k, _)| k == crate::paths::HOME_ENV)
+            .map(|(_, v)| v.clone()),
+    };
+    let edited = if uninstall {
+        client_hooks::remove(&before)
+    } else {
+        client_hooks::upsert(&before, &hook_spec)
+    }
+    .map_err(|why| SetupError::Parse {
+        path: path.clone(),
+        why,
+    })?;
+    let mut step = file_step(client, &path, &before, edited, 0o644)?;
+    step.note = note;
+    Ok(step)
 }
 
 fn plan_codex(ctx: &Context, req: &Request) -> Result<Step, SetupError> {
