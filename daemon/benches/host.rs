@@ -1177,7 +1177,8 @@ fn wait(o: &Opts) -> Result<()> {
         "body_bytes": VALUE_BYTES,
         "max_ms_median": round3(median(&max)),
     });
-    let label = "message committed on the receiving host → channel notification (agentmbx mcp, stdio)";
+    let label =
+        "message committed on the receiving host → channel notification (agentmbx mcp, stdio)";
     emit(
         "wake_channel_p50",
         &format!("{label}, p50"),
@@ -1185,7 +1186,13 @@ fn wait(o: &Opts) -> Result<()> {
         &p50,
         extra.clone(),
     );
-    emit("wake_channel_p99", &format!("{label}, p99"), "ms", &p99, extra);
+    emit(
+        "wake_channel_p99",
+        &format!("{label}, p99"),
+        "ms",
+        &p99,
+        extra,
+    );
     drop(h);
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())

@@ -145,6 +145,118 @@ pub struct Config {
     /// over it. Default: unset (`info`). Applied without a restart when the file changes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub log_level: Option<String>,
+    /// `[api_rate]`: the local API's rate classes ([`ApiRateConfig`]; issue 19 part 4). Read
+    /// at start (a change needs a restart).
+    #[serde(default, skip_serializing_if = "ApiRateConfig::is_default")]
+    pub api_rate: ApiRateConfig,
+}
+
+/// `[api_rate]` in `config.toml`: one token bucket per (agent, class) on the local API
+/// ([`crate::api::rate`]; seed 001 "Rate limiting"). Each class has a burst (tokens a full
+/// bucket holds) and a refill rate (tokens per minute, continuous). The defaults are several
+/// times the relay's per-IP ones (seed 001: poll 30 + 2/s, send 20 + 1/s, register 10 + 0.5/s)
+/// because every agent of the host shares this one loopback API: an agent in a tight
+/// `mbx_wait` loop, or sending a burst of 20 messages, never meets them, while one runaway
+/// loop is held to the refill rate and leaves the other agents' buckets alone.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ApiRateConfig {
+    /// `wait_burst`: reads that poll (`GET /v1/inbox` with or without `wait`, `/v1/catchup`,
+    /// `/v1/replay`, `/v1/sent`): tokens (default 120).
+    pub wait_burst: u64,
+    /// `wait_per_min`: their refill, tokens per minute (default 1200: 20 a second).
+    pub wait_per_min: u64,
+    /// `send_burst`: `POST /v1/messages` and `POST /v1/messages/{id}/reply` (default 40).
+    pub send_burst: u64,
+    /// `send_per_min`: their refill, tokens per minute (default 240: 4 a second).
+    pub send_per_min: u64,
+    /// `register_burst`: `POST /v1/agents` (default 20).
+    pub register_burst: u64,
+    /// `register_per_min`: its refill, tokens per minute (default 60: 1 a second).
+    pub register_per_min: u64,
+    /// `other_burst`: every other authenticated request (read one message, thread, ack,
+    /// agents list, unclaimed, wakes, catchup commit and restart; default 120).
+    pub other_burst: u64,
+    /// `other_per_min`: its refill, tokens per minute (default 1200: 20 a second).
+    pub other_per_min: u64,
+    /// `max_keys`: agents each class's table holds at most (default 4096); a bucket that has
+    /// refilled completely is forgotten first, and past that a new agent is answered 429
+    /// until the earliest bucket refills (never an existing bucket dropped).
+    pub max_keys: u64,
+}
+
+/// Bounds of the `[api_rate]` keys, `(key, min, max)`: bursts 1..=1,000,000 tokens, rates
+/// 1..=6,000,000 tokens a minute (100,000 a second; a zero rate would refuse everything), and
+/// 1..=1,000,000 keys per table (each costs about a hundred bytes).
+pub const API_RATE_RANGES: [(&str, u64, u64); 9] = [
+    ("api_rate.wait_burst", 1, 1_000_000),
+    ("api_rate.wait_per_min", 1, 6_000_000),
+    ("api_rate.send_burst", 1, 1_000_000),
+    ("api_rate.send_per_min", 1, 6_000_000),
+    ("api_rate.register_burst", 1, 1_000_000),
+    ("api_rate.register_per_min", 1, 6_000_000),
+    ("api_rate.other_burst", 1, 1_000_000),
+    ("api_rate.other_per_min", 1, 6_000_000),
+    ("api_rate.max_keys", 1, 1_000_000),
+];
+
+impl Default for ApiRateConfig {
+    fn default() -> Self {
+        ApiRateConfig {
+            wait_burst: 120,
+            wait_per_min: 1200,
+            send_burst: 40,
+            send_per_min: 240,
+            register_burst: 20,
+            register_per_min: 60,
+            other_burst: 120,
+            other_per_min: 1200,
+            max_keys: 4096,
+        }
+    }
+}
+
+impl ApiRateConfig {
+    /// Whether every key has its default (then the table is not written out).
+    pub fn is_default(&self) -> bool {
+        *self == ApiRateConfig::default()
+    }
+
+    /// Each key (without the `api_rate.` prefix) with its value, in [`API_RATE_RANGES`] order,
+    /// e.g. `[("wait_burst", 60), …]` (what a change of the table logs).
+    pub fn values_by_key(&self) -> Vec<(&'static str, u64)> {
+        API_RATE_RANGES
+            .iter()
+            .zip(self.values())
+            .map(|((key, _, _), v)| (key.trim_start_matches("api_rate."), v))
+            .collect()
+    }
+
+    /// The values in [`API_RATE_RANGES`] order.
+    fn values(&self) -> [u64; 9] {
+        [
+            self.wait_burst,
+            self.wait_per_min,
+            self.send_burst,
+            self.send_per_min,
+            self.register_burst,
+            self.register_per_min,
+            self.other_burst,
+            self.other_per_min,
+            self.max_keys,
+        ]
+    }
+
+    /// The first key out of its [`API_RATE_RANGES`] bounds, with the message, e.g.
+    /// `("api_rate.send_burst", "0 is outside 1..=1000000")`.
+    pub fn check(&self) -> Result<(), (&'static str, String)> {
+        for ((key, min, max), value) in API_RATE_RANGES.iter().zip(self.values()) {
+            if !(*min..=*max).contains(&value) {
+                return Err((key, format!("{value} is outside {min}..={max}")));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Longest `log_level` accepted (bytes).
@@ -165,6 +277,7 @@ impl Default for Config {
             relay_pull_interval_ms: default_relay_pull_interval_ms(),
             key_store: KeyStore::default(),
             log_level: None,
+            api_rate: ApiRateConfig::default(),
         }
     }
 }
@@ -512,6 +625,9 @@ impl Config {
             path: None,
             line: None,
         };
+        self.api_rate
+            .check()
+            .map_err(|(key, message)| invalid(key, message))?;
         let range = MIN_RELAY_PULL_INTERVAL_MS..=MAX_RELAY_PULL_INTERVAL_MS;
         if !range.contains(&self.relay_pull_interval_ms) {
             return Err(invalid(
