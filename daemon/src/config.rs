@@ -1288,6 +1288,47 @@ mod tests {
     }
 
     #[test]
+    fn api_rate_is_read_checked_at_its_bounds_and_named_with_its_line() {
+        let load = |text: &str| {
+            let (_d, paths) = home_with(Some(text));
+            Config::load_with_env(&paths, env_of(&[])).map_err(|e| e.to_string())
+        };
+        let c = load("[api_rate]\nsend_burst = 3\nmax_keys = 7\n").unwrap();
+        assert_eq!((c.api_rate.send_burst, c.api_rate.max_keys), (3, 7));
+        assert_eq!(
+            c.api_rate.wait_burst,
+            ApiRateConfig::default().wait_burst,
+            "the rest keep their defaults"
+        );
+        assert!(load("").unwrap().api_rate.is_default());
+        for (i, (key, min, max)) in API_RATE_RANGES.iter().enumerate() {
+            let name = key.trim_start_matches("api_rate.");
+            for (value, ok) in [
+                (*min, true),
+                (*max, true),
+                (min - 1, false),
+                (max + 1, false),
+            ] {
+                let text = format!("mdns = true\n[api_rate]\n{name} = {value}\n");
+                match load(&text) {
+                    Ok(c) => {
+                        assert!(ok, "{name} = {value} was accepted");
+                        assert_eq!(c.api_rate.values()[i], value);
+                    }
+                    Err(e) => {
+                        assert!(!ok, "{name} = {value}: {e}");
+                        assert!(e.contains(&format!("`{key}`")), "{e}");
+                        assert!(e.contains("line 3"), "{e}");
+                        assert!(e.contains(&format!("{min}..={max}")), "{e}");
+                    }
+                }
+            }
+        }
+        let e = load("[api_rate]\nburst = 3\n").unwrap_err();
+        assert!(e.contains("burst") && e.contains("line 2"), "{e}");
+    }
+
+    #[test]
     fn validate_names_each_fault_at_and_past_the_bounds() {
         let load = |text: &str| {
             let (_d, paths) = home_with(Some(text));
