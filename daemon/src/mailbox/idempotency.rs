@@ -19,7 +19,10 @@
 //!
 //! Pruning runs on write ([`admit`], before each keyed request, inside its transaction): one
 //! indexed `DELETE` of the records past the horizon (`idempotency_created`, schema 12), so it
-//! costs nothing when there is nothing to prune, and no timer is needed.
+//! costs nothing when there is nothing to prune, and no timer is needed. The bound is checked
+//! by counting the scope's records on its primary-key prefix: about 26 µs for a scope of 300
+//! records and about 1 ms at the 10,000 cap (measured with the same schema on SQLite in
+//! memory, on a loaded 2-core machine), a cost only an agent near its cap pays.
 
 use rusqlite::{params, Connection, OptionalExtension};
 
