@@ -278,6 +278,8 @@ fn sender(
                         .unwrap_or_else(|| panic!("send {key}: no id in {text}"))
                         .to_string();
                 }
+                // A rate limit (the local API's send class): nothing was done; ask again.
+                Ok((429, _)) => std::thread::sleep(POLL),
                 Ok((status, text)) => panic!("send {key} answered {status}: {text}"),
                 Err(_) => std::thread::sleep(POLL),
             }

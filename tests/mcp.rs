@@ -632,3 +632,48 @@ async fn mbx_catchup_keeps_a_position_that_commit_moves_and_restart_resets() {
     let e = err(&bob, "mbx_catchup", json!({ "max_bytes": 1 })).await;
     assert!(e.contains("max_bytes"), "{e}");
 }
+
+/// Issue 19 (4): with one send and one poll a second (`[api_rate]`), back-to-back `mbx_send`
+/// and `mbx_wait` calls meet 429 `RATE_LIMIT`; the server waits out `retry_after` within its
+/// budget and each call succeeds, the sends stored once each.
+#[tokio::test]
+async fn mcp_calls_wait_out_a_rate_limit_and_succeed() {
+    let home = Home::new();
+    home.write_config(
+        "[api_rate]\nsend_burst = 1\nsend_per_min = 60\nwait_burst = 1\nwait_per_min = 60\n",
+    );
+    let daemon = Daemon::start(&home);
+    let alice = session(&home, "alice").await;
+    let _bob = session(&home, "bob").await;
+    let started = std::time::Instant::now();
+    for n in 0..2 {
+        let send = json!({"to": ["bob"], "subject": format!("s{n}"), "body": "b"});
+        ok(&alice, "mbx_send", send).await;
+    }
+    assert!(
+        started.elapsed() >= Duration::from_millis(500),
+        "the second send did not wait for a token: {:?}",
+        started.elapsed()
+    );
+    let started = std::time::Instant::now();
+    for _ in 0..2 {
+        ok(&alice, "mbx_wait", json!({"timeout_s": 0})).await;
+    }
+    assert!(
+        started.elapsed() >= Duration::from_millis(500),
+        "the second wait did not wait for a token: {:?}",
+        started.elapsed()
+    );
+    let bob_inbox = helper::request(
+        daemon.addr,
+        "GET",
+        "/v1/inbox?as=bob&limit=50",
+        Some(&home.token()),
+        &[],
+        None,
+    );
+    assert_eq!(
+        bob_inbox.json()["messages"].as_array().map(Vec::len),
+        Some(2)
+    );
+}

@@ -58,6 +58,14 @@ fn the_openapi_document_holds_against_a_running_daemon() {
         Err(why) => panic!("CI is set, so the OpenAPI contract check must run: {why}"),
     };
     let home = Home::new();
+    // The run sends a few thousand requests as a handful of agents in a minute or two: rate
+    // classes (429 RATE_LIMIT, documented; tests/rate.rs and the API's unit tests check them)
+    // are set out of its way, so a valid request is never refused for its rate.
+    let unlimited = ["wait", "send", "register", "other"]
+        .iter()
+        .map(|c| format!("{c}_burst = 1000000\n{c}_per_min = 6000000\n"))
+        .collect::<String>();
+    home.write_config(&format!("[api_rate]\n{unlimited}"));
     let daemon = Daemon::start(&home);
     let token = home.token();
     // `alice` exists before the run: schemathesis.toml addresses generated sends to her.

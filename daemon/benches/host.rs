@@ -806,6 +806,18 @@ impl Host {
     fn init(dir: &Path, name: &str) -> Result<Host> {
         let home = dir.join(name);
         mbx_run(&home, &["init", "--host", name])?;
+        // The local API's rate classes out of the way: the figures are of delivery, and a
+        // sender or poller here runs far faster than an agent (the classes are tested in
+        // tests/rate.rs and the API's unit tests).
+        let mut config = std::fs::OpenOptions::new()
+            .append(true)
+            .open(home.join("config.toml"))
+            .context("config.toml")?;
+        let unlimited: String = ["wait", "send", "register", "other"]
+            .iter()
+            .map(|c| format!("{c}_burst = 1000000\n{c}_per_min = 6000000\n"))
+            .collect();
+        write!(config, "\n[api_rate]\n{unlimited}")?;
         let who: Value = serde_json::from_str(&mbx_run(&home, &["whoami", "--json"])?)?;
         let pubkey = who["host_pubkey"]
             .as_str()
@@ -820,7 +832,8 @@ impl Host {
         })
     }
 
-    /// Starts the daemon with the product's defaults (relay pull interval included).
+    /// Starts the daemon with the product's defaults (relay pull interval included; rate
+    /// classes raised at init).
     fn start(&mut self) -> Result<()> {
         let cmd = mbx(&self.home, &["daemon", "--api-port", "0"]);
         let mut proc = Proc::spawn(&format!("{} daemon", self.name), cmd)?;

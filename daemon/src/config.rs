@@ -152,6 +152,119 @@ pub struct Config {
     /// `[[hooks]]`: commands run for new mail ([`crate::hooks::config`]); read at start.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub hooks: Vec<crate::hooks::config::HookConfig>,
+    /// `[api_rate]`: the local API's rate classes ([`ApiRateConfig`]; issue 19 part 4). Read
+    /// at start (a change needs a restart).
+    #[serde(default, skip_serializing_if = "ApiRateConfig::is_default")]
+    pub api_rate: ApiRateConfig,
+}
+
+/// `[api_rate]` in `config.toml`: one token bucket per (agent, class) on the local API
+/// ([`crate::api::rate`]; seed 001 "Rate limiting"). Each class has a burst (tokens a full
+/// bucket holds) and a refill rate (tokens per minute, continuous). The defaults are several
+/// times the relay's per-IP ones (seed 001: poll 30 + 2/s, send 20 + 1/s, register 10 + 0.5/s)
+/// because every agent of the host shares this one loopback API: an agent in a tight
+/// `mbx_wait` loop, or sending a burst of 20 messages, never meets them, while one runaway
+/// loop is held to the refill rate and leaves the other agents' buckets alone.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ApiRateConfig {
+    /// `wait_burst`: reads that poll (`GET /v1/inbox` with or without `wait`, `/v1/catchup`,
+    /// `/v1/replay`, `/v1/sent`) and opening an event stream (`/v1/events`): tokens (default
+    /// 120).
+    pub wait_burst: u64,
+    /// `wait_per_min`: their refill, tokens per minute (default 1200: 20 a second).
+    pub wait_per_min: u64,
+    /// `send_burst`: `POST /v1/messages` and `POST /v1/messages/{id}/reply` (default 40).
+    pub send_burst: u64,
+    /// `send_per_min`: their refill, tokens per minute (default 240: 4 a second).
+    pub send_per_min: u64,
+    /// `register_burst`: `POST /v1/agents` (default 20).
+    pub register_burst: u64,
+    /// `register_per_min`: its refill, tokens per minute (default 60: 1 a second).
+    pub register_per_min: u64,
+    /// `other_burst`: every other authenticated request (read one message, thread, search, ack,
+    /// agents list, unclaimed, wakes, catchup commit and restart; default 120).
+    pub other_burst: u64,
+    /// `other_per_min`: its refill, tokens per minute (default 1200: 20 a second).
+    pub other_per_min: u64,
+    /// `max_keys`: agents each class's table holds at most (default 4096); a bucket that has
+    /// refilled completely is forgotten first, and past that a new agent is answered 429
+    /// until the earliest bucket refills (never an existing bucket dropped).
+    pub max_keys: u64,
+}
+
+/// Bounds of the `[api_rate]` keys, `(key, min, max)`: bursts 1..=1,000,000 tokens, rates
+/// 1..=6,000,000 tokens a minute (100,000 a second; a zero rate would refuse everything), and
+/// 1..=1,000,000 keys per table (each costs about a hundred bytes).
+pub const API_RATE_RANGES: [(&str, u64, u64); 9] = [
+    ("api_rate.wait_burst", 1, 1_000_000),
+    ("api_rate.wait_per_min", 1, 6_000_000),
+    ("api_rate.send_burst", 1, 1_000_000),
+    ("api_rate.send_per_min", 1, 6_000_000),
+    ("api_rate.register_burst", 1, 1_000_000),
+    ("api_rate.register_per_min", 1, 6_000_000),
+    ("api_rate.other_burst", 1, 1_000_000),
+    ("api_rate.other_per_min", 1, 6_000_000),
+    ("api_rate.max_keys", 1, 1_000_000),
+];
+
+impl Default for ApiRateConfig {
+    fn default() -> Self {
+        ApiRateConfig {
+            wait_burst: 120,
+            wait_per_min: 1200,
+            send_burst: 40,
+            send_per_min: 240,
+            register_burst: 20,
+            register_per_min: 60,
+            other_burst: 120,
+            other_per_min: 1200,
+            max_keys: 4096,
+        }
+    }
+}
+
+impl ApiRateConfig {
+    /// Whether every key has its default (then the table is not written out).
+    pub fn is_default(&self) -> bool {
+        *self == ApiRateConfig::default()
+    }
+
+    /// Each key (without the `api_rate.` prefix) with its value, in [`API_RATE_RANGES`] order,
+    /// e.g. `[("wait_burst", 60), …]` (what a change of the table logs).
+    pub fn values_by_key(&self) -> Vec<(&'static str, u64)> {
+        API_RATE_RANGES
+            .iter()
+            .zip(self.values())
+            .map(|((key, _, _), v)| (key.trim_start_matches("api_rate."), v))
+            .collect()
+    }
+
+    /// The values in [`API_RATE_RANGES`] order.
+    fn values(&self) -> [u64; 9] {
+        [
+            self.wait_burst,
+            self.wait_per_min,
+            self.send_burst,
+            self.send_per_min,
+            self.register_burst,
+            self.register_per_min,
+            self.other_burst,
+            self.other_per_min,
+            self.max_keys,
+        ]
+    }
+
+    /// The first key out of its [`API_RATE_RANGES`] bounds, with the message, e.g.
+    /// `("api_rate.send_burst", "0 is outside 1..=1000000")`.
+    pub fn check(&self) -> Result<(), (&'static str, String)> {
+        for ((key, min, max), value) in API_RATE_RANGES.iter().zip(self.values()) {
+            if !(*min..=*max).contains(&value) {
+                return Err((key, format!("{value} is outside {min}..={max}")));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Longest `log_level` accepted (bytes).
@@ -174,6 +287,7 @@ impl Default for Config {
             log_level: None,
             hook_concurrency: crate::hooks::config::DEFAULT_CONCURRENCY,
             hooks: Vec::new(),
+            api_rate: ApiRateConfig::default(),
         }
     }
 }
@@ -521,6 +635,9 @@ impl Config {
             path: None,
             line: None,
         };
+        self.api_rate
+            .check()
+            .map_err(|(key, message)| invalid(key, message))?;
         let range = MIN_RELAY_PULL_INTERVAL_MS..=MAX_RELAY_PULL_INTERVAL_MS;
         if !range.contains(&self.relay_pull_interval_ms) {
             return Err(invalid(
@@ -1180,6 +1297,47 @@ mod tests {
         let (_d, paths) = home_with(Some("[relay]\nurl = \"http://r\"\nkey = \"nope\"\n"));
         let err = Config::load_with_env(&paths, env_of(&[])).unwrap_err();
         assert!(err.to_string().contains("relay.key"), "{err}");
+    }
+
+    #[test]
+    fn api_rate_is_read_checked_at_its_bounds_and_named_with_its_line() {
+        let load = |text: &str| {
+            let (_d, paths) = home_with(Some(text));
+            Config::load_with_env(&paths, env_of(&[])).map_err(|e| e.to_string())
+        };
+        let c = load("[api_rate]\nsend_burst = 3\nmax_keys = 7\n").unwrap();
+        assert_eq!((c.api_rate.send_burst, c.api_rate.max_keys), (3, 7));
+        assert_eq!(
+            c.api_rate.wait_burst,
+            ApiRateConfig::default().wait_burst,
+            "the rest keep their defaults"
+        );
+        assert!(load("").unwrap().api_rate.is_default());
+        for (i, (key, min, max)) in API_RATE_RANGES.iter().enumerate() {
+            let name = key.trim_start_matches("api_rate.");
+            for (value, ok) in [
+                (*min, true),
+                (*max, true),
+                (min - 1, false),
+                (max + 1, false),
+            ] {
+                let text = format!("mdns = true\n[api_rate]\n{name} = {value}\n");
+                match load(&text) {
+                    Ok(c) => {
+                        assert!(ok, "{name} = {value} was accepted");
+                        assert_eq!(c.api_rate.values()[i], value);
+                    }
+                    Err(e) => {
+                        assert!(!ok, "{name} = {value}: {e}");
+                        assert!(e.contains(&format!("`{key}`")), "{e}");
+                        assert!(e.contains("line 3"), "{e}");
+                        assert!(e.contains(&format!("{min}..={max}")), "{e}");
+                    }
+                }
+            }
+        }
+        let e = load("[api_rate]\nburst = 3\n").unwrap_err();
+        assert!(e.contains("burst") && e.contains("line 2"), "{e}");
     }
 
     #[test]

@@ -163,6 +163,8 @@ pub fn diff(old: &Config, new: &Config) -> Vec<Change> {
         new.relay_pull_interval_ms.to_string(),
         true,
     );
+    let rate = |c: &Config| format!("{:?}", c.api_rate.values_by_key());
+    push("api_rate", rate(old), rate(new), false);
     match (&old.relay, &new.relay) {
         (Some(o), Some(n)) => {
             push("relay.url", o.url.clone(), n.url.clone(), true);

@@ -308,12 +308,14 @@ impl Verdict {
     }
 }
 
-/// One bounded table of token buckets, keyed by text (a client address or a sender key).
+/// One bounded table of token buckets, keyed by text (a client address, a sender key, or — in
+/// the host daemon's local API — an agent name).
 ///
-/// Each bucket holds `per_min` tokens and refills `per_min` per minute, continuously. It is
-/// kept as one number, the time at which the bucket would be full again (GCRA's "theoretical
-/// arrival time", in µs of the relay clock): a hit is allowed while that time is at most
-/// `per_min − 1` intervals ahead of now, and moves it one interval on.
+/// Each bucket holds `burst` tokens (the relay's tables: `burst = per_min`) and refills
+/// `per_min` per minute, continuously. It is kept as one number, the time at which the bucket
+/// would be full again (GCRA's "theoretical arrival time", in µs of the caller's clock): a hit
+/// is allowed while that time is at most `burst − 1` intervals ahead of now, and moves it one
+/// interval on. A refused hit changes nothing.
 #[derive(Debug)]
 pub struct RateTable {
     /// µs between tokens (60,000,000 / per_min).
@@ -336,11 +338,18 @@ struct TableState {
 impl RateTable {
     /// A table of `per_min`-token buckets holding at most `cap` keys (both at least 1).
     pub fn new(per_min: u64, cap: u64) -> Self {
+        Self::with_burst(per_min, per_min, cap)
+    }
+
+    /// A table of buckets holding `burst` tokens each and refilling `per_min` tokens a minute,
+    /// with at most `cap` keys (each at least 1).
+    pub fn with_burst(burst: u64, per_min: u64, cap: u64) -> Self {
         let per_min = i64::try_from(per_min.max(1)).unwrap_or(i64::MAX);
+        let burst = i64::try_from(burst.max(1)).unwrap_or(i64::MAX);
         let interval_us = (60_000_000 / per_min).max(1);
         RateTable {
             interval_us,
-            tolerance_us: interval_us.saturating_mul(per_min - 1),
+            tolerance_us: interval_us.saturating_mul(burst - 1),
             cap: usize::try_from(cap.max(1)).unwrap_or(usize::MAX),
             inner: Mutex::new(TableState::default()),
         }
@@ -700,6 +709,29 @@ mod tests {
             assert!(t.hit("a", 2_000 + MIN).allowed());
         }
         assert!(!t.hit("a", 2_000 + MIN).allowed());
+    }
+
+    #[test]
+    fn a_bucket_with_its_own_burst_holds_burst_hits_and_refills_at_its_rate() {
+        // 5 tokens, 120 a minute (one each 500 ms).
+        let t = RateTable::with_burst(5, 120, 10);
+        for i in 0..5 {
+            assert_eq!(t.hit("a", 0), Verdict::Allowed, "hit {i}");
+        }
+        assert_eq!(
+            t.hit("a", 0),
+            Verdict::Limited {
+                retry_after_ms: 500
+            }
+        );
+        assert_eq!(t.hit("a", 499), Verdict::Limited { retry_after_ms: 1 });
+        assert!(t.hit("a", 500).allowed());
+        assert!(!t.hit("a", 500).allowed());
+        // 2.5 s after the last hit the bucket is full again: 5 more, not 6.
+        for _ in 0..5 {
+            assert!(t.hit("a", 3_000).allowed());
+        }
+        assert!(!t.hit("a", 3_000).allowed());
     }
 
     #[test]

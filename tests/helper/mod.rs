@@ -403,8 +403,34 @@ pub fn http(addr: SocketAddr, method: &str, path: &str, bearer: Option<&str>) ->
 }
 
 /// One HTTP/1.1 request over a fresh connection (`Connection: close`), std only: extra
-/// `headers`, and a JSON `body` when given.
+/// `headers`, and a JSON `body` when given. Like the CLI, it waits out a 429 `RATE_LIMIT` (the
+/// local API's rate classes: nothing was done) and asks again, for up to [`TIMEOUT`]; tests
+/// that look at the 429 itself use [`request_once`].
 pub fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    bearer: Option<&str>,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> HttpResponse {
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        let r = request_once(addr, method, path, bearer, headers, body);
+        if r.status != 429 || Instant::now() >= deadline {
+            return r;
+        }
+        let pause = serde_json::from_str::<serde_json::Value>(&r.body)
+            .ok()
+            .and_then(|v| v["retry_after"].as_f64())
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .map_or(POLL, |s| Duration::from_secs_f64(s.min(5.0)));
+        std::thread::sleep(pause);
+    }
+}
+
+/// One HTTP/1.1 request as [`request`], without waiting out a 429.
+pub fn request_once(
     addr: SocketAddr,
     method: &str,
     path: &str,

@@ -153,6 +153,7 @@ mod tests {
             ids: std::sync::Mutex::new(agentmbx_protocol::ulid::Generator::new()),
             instance: Default::default(),
             lan: Default::default(),
+            rates: Default::default(),
         });
         let body = |text: &'static str| -> Result<ApiJson<RegisterRequest>, ApiError> {
             Ok(ApiJson {

@@ -37,6 +37,11 @@ impl Drop for Api {
 
 impl Api {
     async fn start() -> Self {
+        Self::start_with(crate::config::ApiRateConfig::default()).await
+    }
+
+    /// With the rate classes `rates` (`[api_rate]`).
+    async fn start_with(rates: crate::config::ApiRateConfig) -> Self {
         crate::install_tls_provider();
         let store = testutil::store();
         let clock = testutil::clock();
@@ -60,6 +65,7 @@ impl Api {
             ids: std::sync::Mutex::new(agentmbx_protocol::ulid::Generator::new()),
             instance: instance.clone(),
             lan: Default::default(),
+            rates: super::rate::ApiRates::new(&rates),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
@@ -1609,7 +1615,15 @@ async fn a_long_poll_times_out_empty_and_bad_waits_and_other_agents_cursors_are_
 /// wait.
 #[tokio::test]
 async fn many_waiters_leave_ordinary_calls_prompt_and_shutdown_ends_them() {
-    let api = Arc::new(Api::start().await);
+    // 300 waits of one agent on a stopped clock: past any default bucket (rate classes are
+    // tested below); this test is about the waiters' bound.
+    let api = Arc::new(
+        Api::start_with(crate::config::ApiRateConfig {
+            wait_burst: 1_000,
+            ..Default::default()
+        })
+        .await,
+    );
     let mut waiters = tokio::task::JoinSet::new();
     for _ in 0..300 {
         let api = api.clone();
@@ -2577,4 +2591,184 @@ async fn held_mail_becomes_searchable_when_its_agent_registers() {
     let (status, page) = api.search(&[("as", "nobody"), ("q", "secret early")]).await;
     assert_eq!(status, 200, "{page}");
     assert_eq!(ids_of(&page), vec![id.to_string()]);
+
+/// A tight `[api_rate]` for the rate tests: 3 sends and 4 polls a burst, refilled one a second.
+fn tight() -> crate::config::ApiRateConfig {
+    crate::config::ApiRateConfig {
+        send_burst: 3,
+        send_per_min: 60,
+        wait_burst: 4,
+        wait_per_min: 60,
+        ..Default::default()
+    }
+}
+
+/// A flood of sends from one agent is refused 429 `RATE_LIMIT` past its burst, with
+/// `retry_after` (fractional seconds) and `Retry-After` (whole seconds, rounded up), and does
+/// nothing; another agent's sends, and the same agent's polls, still go through; a second of
+/// refill admits one more.
+#[tokio::test]
+async fn a_flood_from_one_agent_is_429_while_another_agent_goes_through() {
+    let api = Api::start_with(tight()).await;
+    let send = |from: &str, n: usize| json!({"from": from, "to": ["bob"], "subject": format!("s{n}"), "body": "b"});
+    // At the burst: every one sent.
+    for n in 0..3 {
+        let (status, v) = api.post("/v1/messages", &send("alice", n), None).await;
+        assert_eq!(status, 201, "{v}");
+    }
+    // Past it: 429 with the relay's code and shape.
+    let resp = api
+        .http
+        .post(format!("{}/v1/messages", api.base))
+        .bearer_auth(&api.token)
+        .header("content-type", "application/json")
+        .header("idempotency-key", "flood-1")
+        .body(send("alice", 3).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 429);
+    assert_eq!(resp.headers()["retry-after"], "1");
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["code"], "RATE_LIMIT", "{v}");
+    assert_eq!(v["retry_after"], 1.0, "{v}");
+    assert!(v["error"].as_str().unwrap().contains("rate limit"), "{v}");
+    // Nothing was done: bob has the 3 messages, and the key was not recorded.
+    let (_, inbox) = api.get("/v1/inbox?as=bob&limit=50").await;
+    assert_eq!(inbox["messages"].as_array().unwrap().len(), 3, "{inbox}");
+    // Another agent's sends go through; alice's other classes too.
+    let (status, v) = api.post("/v1/messages", &send("carol", 9), None).await;
+    assert_eq!(status, 201, "{v}");
+    let (status, v) = api.get("/v1/inbox?as=alice").await;
+    assert_eq!(status, 200, "{v}");
+    // Health is never metered.
+    for _ in 0..20 {
+        let resp = api
+            .http
+            .get(format!("{}/v1/health", api.base))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 200);
+    }
+    // 400 ms of refill is not a token: retry_after says how long is left (fractional).
+    api._clock.advance(400);
+    let (status, v) = api.post("/v1/messages", &send("alice", 4), None).await;
+    assert_eq!((status, v["retry_after"].as_f64()), (429, Some(0.6)), "{v}");
+    // A whole second is one token, then empty again.
+    api._clock.advance(600);
+    let (status, v) = api
+        .post("/v1/messages", &send("alice", 5), Some("flood-1"))
+        .await;
+    assert_eq!(status, 201, "{v}");
+    let (status, _) = api.post("/v1/messages", &send("alice", 6), None).await;
+    assert_eq!(status, 429);
+}
+
+/// Polls (`wait` class) from one agent: at the burst all pass, past it 429, while another
+/// agent's polls pass; requests naming no agent share one bucket per class.
+#[tokio::test]
+async fn polls_have_their_own_class_and_requests_without_an_agent_share_a_bucket() {
+    let api = Api::start_with(tight()).await;
+    for _ in 0..4 {
+        assert_eq!(api.get("/v1/inbox?as=bob").await.0, 200);
+    }
+    let (status, v) = api.get("/v1/inbox?as=bob&wait=5").await;
+    assert_eq!((status, &v["code"]), (429, &json!("RATE_LIMIT")), "{v}");
+    assert_eq!(api.get("/v1/inbox?as=carol").await.0, 200);
+    // No `as` (a 400 from the route): four pass the shared bucket, the fifth is refused.
+    for _ in 0..4 {
+        assert_eq!(api.get("/v1/inbox").await.0, 400);
+    }
+    assert_eq!(api.get("/v1/inbox").await.0, 429);
+    // Without the token: 401 first, never counted.
+    let resp = api
+        .http
+        .get(format!("{}/v1/inbox?as=carol", api.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 401);
+}
+
+/// A keyed mutating request of an agent whose records of that operation are at their cap
+/// inside the horizon is refused 503 `IDEMPOTENCY_FULL` with `Retry-After`, doing nothing and
+/// keeping every record (a replay of a kept key still answers); past the horizon the oldest
+/// is pruned and the request goes through.
+#[tokio::test]
+async fn a_full_idempotency_table_refuses_a_new_key_and_keeps_the_records() {
+    use crate::mailbox::idempotency::{HORIZON_MS, MAX_RECORDS_PER_SCOPE};
+    let api = Api::start().await;
+    let (status, first) = api
+        .post("/v1/agents", &json!({"name": "bob"}), Some("k-first"))
+        .await;
+    assert_eq!(status, 200, "{first}");
+    // Fill bob's register scope to its cap (records made directly: the API's rate limit would take
+    // a while), all newer than the first.
+    let now = testutil::T0;
+    api.store
+        .mailbox
+        .with(move |c| {
+            let tx = c.transaction()?;
+            for i in 1..MAX_RECORDS_PER_SCOPE {
+                crate::mailbox::idempotency::record(
+                    &tx,
+                    "register:bob",
+                    &format!("k{i}"),
+                    "h",
+                    200,
+                    "{}",
+                    now + 1_000,
+                )?;
+            }
+            tx.commit()?;
+            Ok(())
+        })
+        .unwrap();
+    let resp = api
+        .http
+        .post(format!("{}/v1/agents", api.base))
+        .bearer_auth(&api.token)
+        .header("content-type", "application/json")
+        .header("idempotency-key", "k-new")
+        .body(json!({"name": "bob"}).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 503);
+    assert_eq!(
+        resp.headers()["retry-after"],
+        (HORIZON_MS / 1000).to_string().as_str()
+    );
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["code"], "IDEMPOTENCY_FULL", "{v}");
+    // The first record is kept and still replays; another agent is not refused.
+    let (status, again) = api
+        .post("/v1/agents", &json!({"name": "bob"}), Some("k-first"))
+        .await;
+    assert_eq!((status, &again), (200, &first));
+    let (status, _) = api
+        .post("/v1/agents", &json!({"name": "carol"}), Some("k-new"))
+        .await;
+    assert_eq!(status, 200);
+    let count = |api: &Api| {
+        api.store
+            .mailbox
+            .with(|c| {
+                Ok(c.query_row(
+                    "SELECT COUNT(*) FROM idempotency WHERE scope = 'register:bob'",
+                    [],
+                    |r| r.get::<_, i64>(0),
+                )? as u64)
+            })
+            .unwrap()
+    };
+    assert_eq!(count(&api), MAX_RECORDS_PER_SCOPE);
+    // Past the first record's horizon it is pruned and the new key goes through.
+    api._clock.advance(HORIZON_MS + 1);
+    let (status, v) = api
+        .post("/v1/agents", &json!({"name": "bob"}), Some("k-new"))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(count(&api), MAX_RECORDS_PER_SCOPE);
 }

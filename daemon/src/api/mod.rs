@@ -33,6 +33,7 @@ pub mod inbox;
 pub mod messages;
 pub mod openapi;
 pub mod search;
+pub mod rate;
 pub mod sent;
 pub mod threads;
 pub mod unclaimed;
@@ -89,6 +90,8 @@ pub struct AppState {
     /// for a stale peer directory fetches that directory again first
     /// ([`messages::refresh_stale_directories`]).
     pub lan: std::sync::OnceLock<crate::transport::lan::client::LanClient>,
+    /// The per-(agent, class) rate tables ([`rate`]; `[api_rate]` in `config.toml`).
+    pub rates: rate::ApiRates,
 }
 
 /// Checks an agent name given as `as` (NAME_RE): 400 with the rule otherwise, so a typo such as
@@ -197,6 +200,29 @@ pub enum ApiError {
     /// (an empty answer at once would make a waiting loop spin).
     #[error("{0}")]
     TooManyWaiters(String),
+    /// The caller's (agent, class) bucket is empty ([`rate`]): nothing was done. 429
+    /// `RATE_LIMIT` with `retry_after` (seconds to the next token, fractional) in the body and
+    /// `Retry-After` (whole seconds, rounded up, at least 1): the relay's code and shape.
+    #[error("rate limit exceeded: too many {class} requests from this agent; nothing was done: retry after {:.3} s", *retry_after_ms as f64 / 1000.0)]
+    RateLimited {
+        /// The class ([`rate::RateClass::name`]).
+        class: &'static str,
+        /// Until the next token, ms (at least 1).
+        retry_after_ms: u64,
+    },
+    /// A mutating request with an `Idempotency-Key` found its agent's records for this
+    /// operation full ([`idempotency::MAX_RECORDS_PER_SCOPE`] inside
+    /// [`idempotency::HORIZON_MS`]): nothing was done, and no record a client could still
+    /// replay was dropped (seed 003). 503 `IDEMPOTENCY_FULL` with `Retry-After` (whole seconds
+    /// until the oldest record leaves the horizon). A request without the header is not
+    /// refused for it.
+    #[error("{message}")]
+    IdempotencyFull {
+        /// The human text.
+        message: String,
+        /// Until a record leaves the horizon, whole seconds (at least 1).
+        retry_after_s: u64,
+    },
     /// A fault on our side. 500 `INTERNAL`; the detail is logged, never sent.
     #[error("internal error")]
     Internal(#[source] Box<dyn std::error::Error + Send + Sync>),
@@ -246,6 +272,14 @@ impl ApiError {
             ApiError::Conflict(String::new()),
             ApiError::StoreBusy(String::new()),
             ApiError::TooManyWaiters(String::new()),
+            ApiError::RateLimited {
+                class: "send",
+                retry_after_ms: 1,
+            },
+            ApiError::IdempotencyFull {
+                message: String::new(),
+                retry_after_s: 1,
+            },
             ApiError::Internal("example".into()),
         ];
         for e in &all {
@@ -264,6 +298,8 @@ impl ApiError {
                 | ApiError::Conflict(_)
                 | ApiError::StoreBusy(_)
                 | ApiError::TooManyWaiters(_)
+                | ApiError::RateLimited { .. }
+                | ApiError::IdempotencyFull { .. }
                 | ApiError::Internal(_) => {}
             }
         }
@@ -285,7 +321,10 @@ impl ApiError {
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::Missing(_) => StatusCode::NOT_FOUND,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
-            ApiError::StoreBusy(_) | ApiError::TooManyWaiters(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::StoreBusy(_)
+            | ApiError::TooManyWaiters(_)
+            | ApiError::IdempotencyFull { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -306,6 +345,8 @@ impl ApiError {
             ApiError::Conflict(_) => "CONFLICT",
             ApiError::StoreBusy(_) => "STORE_BUSY",
             ApiError::TooManyWaiters(_) => "TOO_MANY_WAITERS",
+            ApiError::RateLimited { .. } => "RATE_LIMIT",
+            ApiError::IdempotencyFull { .. } => "IDEMPOTENCY_FULL",
             ApiError::Internal(_) => "INTERNAL",
         }
     }
@@ -318,6 +359,11 @@ pub struct ErrorBody {
     pub error: String,
     /// Stable machine code (one of the document's enum: [`openapi::error_codes`]).
     pub code: &'static str,
+    /// With `RATE_LIMIT` only: seconds until the bucket has a token again (fractional, ms
+    /// precision; the `Retry-After` header has it rounded up to whole seconds).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 0.001)]
+    pub retry_after: Option<f64>,
 }
 
 impl IntoResponse for ApiError {
@@ -329,9 +375,16 @@ impl IntoResponse for ApiError {
             ApiError::StoreBusy(why) => tracing::warn!("local API answered 503 STORE_BUSY: {why}"),
             _ => {}
         }
+        let retry_after = match &self {
+            ApiError::RateLimited { retry_after_ms, .. } => {
+                Some((*retry_after_ms).max(1) as f64 / 1000.0)
+            }
+            _ => None,
+        };
         let body = ErrorBody {
             error: self.to_string(),
             code: self.code(),
+            retry_after,
         };
         let mut response = (self.status(), Json(body)).into_response();
         match &self {
@@ -344,6 +397,19 @@ impl IntoResponse for ApiError {
                 response.headers_mut().insert(
                     header::RETRY_AFTER,
                     HeaderValue::from(STORE_BUSY_RETRY_AFTER_S),
+                );
+            }
+            ApiError::RateLimited { retry_after_ms, .. } => {
+                let secs = (*retry_after_ms).max(1).div_ceil(1000);
+                response
+                    .headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+            }
+            ApiError::IdempotencyFull { retry_after_s, .. } => {
+                tracing::warn!("local API answered 503 IDEMPOTENCY_FULL: {self}");
+                response.headers_mut().insert(
+                    header::RETRY_AFTER,
+                    HeaderValue::from((*retry_after_s).max(1)),
                 );
             }
             _ => {}
@@ -380,6 +446,8 @@ pub fn router(state: SharedState) -> Router {
         .route("/v1/catchup/restart", post(history::restart))
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(not_found)
+        // Inside the token check: only authenticated requests are counted.
+        .layer(middleware::from_fn_with_state(state.clone(), rate::guard))
         .layer(middleware::from_fn_with_state(state.clone(), require_token))
         .layer(middleware::from_fn(watch_duration));
     open.merge(authed)
@@ -551,6 +619,24 @@ where
     if let Some(k) = &key {
         if let Some(stored) = idempotency::lookup(&tx, scope, k, hash)? {
             return Ok(Ok((stored.status, stored.response)));
+        }
+        // Prunes past the horizon, then refuses rather than drop a record (seed 003).
+        let cap = idempotency::MAX_RECORDS_PER_SCOPE;
+        if let idempotency::Admission::Full { retry_after_ms } =
+            idempotency::admit(&tx, scope, cap, now)?
+        {
+            // Keep what the prune removed; nothing else was done.
+            tx.commit()?;
+            let retry_after_s = u64::try_from(retry_after_ms).unwrap_or(1).div_ceil(1000);
+            return Ok(Err(ApiError::IdempotencyFull {
+                message: format!(
+                    "this agent holds {cap} idempotency records for this operation from the \
+                     last {} h, the most kept: nothing was done; retry after {retry_after_s} s, \
+                     or send without an Idempotency-Key",
+                    idempotency::HORIZON_MS / 3_600_000
+                ),
+                retry_after_s,
+            }));
         }
     }
     match f(&tx)? {

@@ -41,7 +41,7 @@ use super::{
 /// The OpenAPI description of the local API.
 #[derive(Debug, OpenApi)]
 #[openapi(
-    info(title = "agentmbx local API", description = "Loopback API for agents on this host: send, reply, inbox, read, thread, search, ack, sent, agent directory, unclaimed mail, history replay and catchup, the wake brake, new-mail events (Server-Sent Events). Bearer token from api.token; errors are {error, code} with a stable code: 400 BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named; unknown ones are refused), 400 INVALID_JSON, 400 UNKNOWN_HOST, 400 UNKNOWN_AGENT (a bare recipient name known nowhere, or name@host a known directory does not list), 401 UNAUTHORIZED, 404 NOT_FOUND (also unknown routes), 404 UNKNOWN_AGENT (an `as` with no mailbox on this host), 405 METHOD_NOT_ALLOWED, 409 CONFLICT, 413 BODY_TOO_LARGE (over 2 MiB), 415 UNSUPPORTED_MEDIA_TYPE (a body not sent as application/json), 500 INTERNAL, 503 STORE_BUSY, 503 TOO_MANY_WAITERS (a long poll while 256 wait already, or an event stream while 64 are open). Each operation lists the answers it can give; the request schemas state every rule the daemon checks on the shape of a request (names, lengths, counts, enums), so a request valid by this document is refused only for the state it names (an id that names nothing this agent can see: 404 NOT_FOUND; a reader with no mailbox here: 404 UNKNOWN_AGENT; a host that is not paired: 400 UNKNOWN_HOST; a bare recipient name known nowhere, or name@host that a known directory does not list: 400 UNKNOWN_AGENT; an address that reaches nobody, a thread cursor from another thread, or an inbox, replay or catchup cursor of another agent: 400 BAD_REQUEST; a reused Idempotency-Key: 409)."),
+    info(title = "agentmbx local API", description = "Loopback API for agents on this host: send, reply, inbox, read, thread, search, ack, sent, agent directory, unclaimed mail, history replay and catchup, the wake brake, new-mail events (Server-Sent Events). Bearer token from api.token; errors are {error, code} with a stable code: 400 BAD_REQUEST (a missing, unknown or mistyped field or query parameter, named; unknown ones are refused), 400 INVALID_JSON, 400 UNKNOWN_HOST, 400 UNKNOWN_AGENT (a bare recipient name known nowhere, or name@host a known directory does not list), 401 UNAUTHORIZED, 404 NOT_FOUND (also unknown routes), 404 UNKNOWN_AGENT (an `as` with no mailbox on this host), 405 METHOD_NOT_ALLOWED, 409 CONFLICT, 413 BODY_TOO_LARGE (over 2 MiB), 415 UNSUPPORTED_MEDIA_TYPE (a body not sent as application/json), 429 RATE_LIMIT (the agent's bucket of the request's rate class is empty: `retry_after` seconds, fractional, and `Retry-After`), 500 INTERNAL, 503 STORE_BUSY, 503 TOO_MANY_WAITERS (a long poll while 256 wait already, or an event stream while 64 are open), 503 IDEMPOTENCY_FULL (an agent's idempotency records of one operation from the last 24 h are at their cap of 10,000). Each operation lists the answers it can give; the request schemas state every rule the daemon checks on the shape of a request (names, lengths, counts, enums), so a request valid by this document is refused only for the state it names (an id that names nothing this agent can see: 404 NOT_FOUND; a reader with no mailbox here: 404 UNKNOWN_AGENT; a host that is not paired: 400 UNKNOWN_HOST; a bare recipient name known nowhere, or name@host that a known directory does not list: 400 UNKNOWN_AGENT; an address that reaches nobody, a thread cursor from another thread, or an inbox, replay or catchup cursor of another agent: 400 BAD_REQUEST; a reused Idempotency-Key: 409)."),
     paths(health::get, messages::post, messages::reply, messages::get, threads::get, inbox::get, events::get, search::get, ack::post, agents::get, agents::post, sent::get, unclaimed::get, history::replay, history::catchup, history::commit, history::restart, wakes::claim, wakes::mute, wakes::unmute),
     components(schemas(AgentName, Address, MessageId, ThreadId, RefText, Kind, DeliveryState, SentState, RouteKind, Via, HealthStatus, HealthReasonCode)),
     modifiers(&BearerAuth, &ErrorResponses)
@@ -234,7 +234,7 @@ pub fn error_codes() -> Vec<&'static str> {
 
 /// The codes of [`error_codes`] as a constant list, for readers of this module; a test checks
 /// it equals [`error_codes`].
-pub const ERROR_CODES: [&str; 13] = [
+pub const ERROR_CODES: [&str; 15] = [
     "UNAUTHORIZED",
     "NOT_FOUND",
     "METHOD_NOT_ALLOWED",
@@ -247,6 +247,8 @@ pub const ERROR_CODES: [&str; 13] = [
     "CONFLICT",
     "STORE_BUSY",
     "TOO_MANY_WAITERS",
+    "RATE_LIMIT",
+    "IDEMPOTENCY_FULL",
     "INTERNAL",
 ];
 
@@ -270,7 +272,7 @@ impl Modify for BearerAuth {
 struct ErrorResponses;
 
 /// The shared error responses: component name, status, and what it means.
-const SHARED: [(&str, &str, &str); 9] = [
+const SHARED: [(&str, &str, &str); 11] = [
     ("BadQuery", "400", "BAD_REQUEST: a missing, unknown or mistyped query parameter (named), or one that breaks its rule (pattern, length, range); nothing was done"),
     ("BadBody", "400", "BAD_REQUEST: a missing, unknown or mistyped field or query parameter (named), or one that breaks its rule (pattern, length, count, enum); INVALID_JSON: the body is not JSON (line and column given); nothing was done"),
     ("Unauthorized", "401", "UNAUTHORIZED: no `Authorization: Bearer <token>` header, or not the token in api.token (answered with `WWW-Authenticate: Bearer`)"),
@@ -280,6 +282,8 @@ const SHARED: [(&str, &str, &str); 9] = [
     ("UnsupportedMediaType", "415", "UNSUPPORTED_MEDIA_TYPE: the body was not sent with `Content-Type: application/json` (or application/<x>+json)"),
     ("Internal", "500", "INTERNAL: a fault on the daemon's side (logged there, never detailed here)"),
     ("StoreBusy", "503", "STORE_BUSY: the mailbox store is locked by another process or too busy to start the request in time; nothing was changed: retry after `Retry-After` seconds (with the same Idempotency-Key)"),
+    ("StoreBusyOrFull", "503", "STORE_BUSY: the mailbox store is locked by another process or too busy to start the request in time; IDEMPOTENCY_FULL: with an Idempotency-Key, this agent already holds 10,000 idempotency records of this operation from the last 24 h (none is dropped while a client could replay it); nothing was changed: retry after `Retry-After` seconds (with the same Idempotency-Key)"),
+    ("RateLimited", "429", "RATE_LIMIT: this agent's bucket of the request's rate class (wait, send, register, other; `[api_rate]` in config.toml) is empty; `retry_after` gives the seconds to the next token (fractional) and `Retry-After` the same rounded up; nothing was done"),
 ];
 
 impl Modify for ErrorResponses {
@@ -292,14 +296,15 @@ impl Modify for ErrorResponses {
                     .schema(Some(Ref::from_schema_name("ErrorBody")))
                     .build(),
             );
-            if status == "503" {
+            if status == "503" || status == "429" {
+                let least = if status == "429" { 1 } else { 0 };
                 response = response.header(
                     "Retry-After",
                     HeaderBuilder::new()
                         .schema(Some(
                             ObjectBuilder::new()
                                 .schema_type(Type::Integer)
-                                .minimum(Some(0)),
+                                .minimum(Some(least)),
                         ))
                         .description(Some("seconds to wait before a retry"))
                         .build(),
@@ -382,7 +387,16 @@ fn add_common_errors(op: &mut Operation) {
         add("401", "Unauthorized");
         // Every authenticated route uses the store; health does not.
         add("500", "Internal");
-        add("503", "StoreBusy");
+        add(
+            "503",
+            if idempotent {
+                "StoreBusyOrFull"
+            } else {
+                "StoreBusy"
+            },
+        );
+        // Every authenticated request draws from a rate class (api::rate).
+        add("429", "RateLimited");
     }
     if idempotent {
         add("409", "Conflict");
@@ -876,7 +890,7 @@ mod tests {
                     .collect();
                 let mut want = vec!["400"];
                 if path != "/v1/health" {
-                    want.extend(["401", "500", "503"]);
+                    want.extend(["401", "429", "500", "503"]);
                 }
                 if op.get("requestBody").is_some() {
                     want.extend(["413", "415"]);
@@ -935,6 +949,18 @@ mod tests {
                 "/components/responses/StoreBusy/headers/Retry-After/schema/type"
             ),
             "integer"
+        );
+        assert_eq!(
+            at(
+                &d,
+                "/components/responses/RateLimited/headers/Retry-After/schema/minimum"
+            ),
+            1
+        );
+        // An idempotent route's 503 names IDEMPOTENCY_FULL.
+        assert_eq!(
+            at(&d, "/paths/~1v1~1messages/post/responses/503/$ref"),
+            "#/components/responses/StoreBusyOrFull"
         );
     }
 }

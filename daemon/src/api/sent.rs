@@ -112,6 +112,7 @@ mod tests {
             ids: std::sync::Mutex::new(agentmbx_protocol::ulid::Generator::new()),
             instance: Default::default(),
             lan: Default::default(),
+            rates: Default::default(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());

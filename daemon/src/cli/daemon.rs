@@ -121,6 +121,7 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
         ids: std::sync::Mutex::new(ulid::Generator::new()),
         instance: instance.clone(),
         lan: Default::default(),
+        rates: agentmbx::api::rate::ApiRates::new(&config.api_rate),
     });
     let addr = config.api_addr();
     let lan_addr = config.lan_addr();

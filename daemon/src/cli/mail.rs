@@ -347,10 +347,13 @@ enum Attempt {
     Done(anyhow::Result<Value>),
     /// Not settled; retry. `maybe_done`: the daemon may have carried the request out (a timeout,
     /// a broken connection, a 5xx other than `STORE_BUSY`). `pause`: the server's `Retry-After`.
+    /// `limited`: a 429 `RATE_LIMIT` (nothing done): `pause` is the body's `retry_after`, waited
+    /// in full (not capped at [`MAX_PAUSE`]) before the next attempt.
     Retry {
         why: String,
         maybe_done: bool,
         pause: Option<Duration>,
+        limited: bool,
     },
     /// The daemon could not be reached at all: nothing was sent.
     Unreachable(String),
@@ -450,16 +453,25 @@ impl Api {
     }
 
     /// One `GET` that may take `timeout` (a long poll, `GET /v1/inbox?wait=`): not retried
-    /// (the caller waits again). Errors: [`DaemonDown`] when nothing answers, else the API's
-    /// error as for [`Api::get`].
+    /// (the caller waits again), except after 429 `RATE_LIMIT` (nothing was done): asked again
+    /// after its `retry_after` while that fits in the budget. Errors: [`DaemonDown`] when
+    /// nothing answers, else the API's error as for [`Api::get`].
     pub(crate) async fn get_once(&self, path: &str, timeout: Duration) -> anyhow::Result<Value> {
-        match self
-            .attempt(self.request(reqwest::Method::GET, path, timeout))
-            .await
-        {
-            Attempt::Done(result) => result,
-            Attempt::Unreachable(why) => Err(self.unreachable(&why)),
-            Attempt::Retry { why, .. } => Err(TempFailError(why).into()),
+        let deadline = Instant::now() + self.budget;
+        loop {
+            match self
+                .attempt(self.request(reqwest::Method::GET, path, timeout))
+                .await
+            {
+                Attempt::Done(result) => return result,
+                Attempt::Unreachable(why) => return Err(self.unreachable(&why)),
+                Attempt::Retry {
+                    limited: true,
+                    pause: Some(pause),
+                    ..
+                } if Instant::now() + pause <= deadline => tokio::time::sleep(pause).await,
+                Attempt::Retry { why, .. } => return Err(TempFailError(why).into()),
+            }
         }
     }
 
@@ -539,8 +551,8 @@ impl Api {
             ),
             (_, false) => {
                 format!(
-                "the daemon's store stayed busy for {secs} s (last: {last}); the {what} was not \
-                 done: rerun later"
+                "the daemon's store stayed busy, or the agent rate-limited, for {secs} s (last: \
+                 {last}); the {what} was not done: rerun later"
             )
             }
         })
@@ -582,8 +594,9 @@ impl Api {
             )
         } else {
             format!(
-                "the daemon's store stayed busy for {secs} s (last: {last}); the {what} was not \
-                 done: rerun later (with --idempotency-key {key} it cannot be done twice)"
+                "the daemon's store stayed busy, or the agent rate-limited, for {secs} s (last: \
+                 {last}); the {what} was not done: rerun later (with --idempotency-key {key} it \
+                 cannot be done twice)"
             )
         };
         Err(TempFailError(text).into())
@@ -591,7 +604,8 @@ impl Api {
 
     /// Sends the request `build` makes (given the attempt's timeout) until it is settled or
     /// the budget is spent: retried on timeouts, broken connections, 5xx and 503
-    /// `STORE_BUSY`, pausing [`FIRST_PAUSE`] doubling to [`MAX_PAUSE`] (or `Retry-After`).
+    /// `STORE_BUSY`, pausing [`FIRST_PAUSE`] doubling to [`MAX_PAUSE`] (or `Retry-After`), and
+    /// on 429 `RATE_LIMIT` (nothing was done), pausing its `retry_after` in full.
     /// Returns when it started and the final answer, or [`Unsettled`] once the budget is
     /// spent. A daemon unreachable before any attempt reached it is a final answer (an error).
     async fn settle(
@@ -620,17 +634,19 @@ impl Api {
                     why,
                     maybe_done: maybe,
                     pause: retry_after,
+                    limited,
                 } => {
                     maybe_done |= maybe;
                     last = why;
-                    retry_after
+                    // A rate limit's pause is exact: retrying sooner only meets it again.
+                    retry_after.map(|p| if limited { p } else { p.min(MAX_PAUSE) })
                 }
             };
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return (started, Err(Unsettled { maybe_done, last }));
             }
-            tokio::time::sleep(after.unwrap_or(pause).min(MAX_PAUSE).min(left)).await;
+            tokio::time::sleep(after.unwrap_or(pause).min(left)).await;
             pause = (pause * 2).min(MAX_PAUSE);
         }
     }
@@ -658,6 +674,7 @@ impl Api {
                     why: format!("the daemon does not answer: {}", describe(&e)),
                     maybe_done: true,
                     pause: None,
+                    limited: false,
                 }
             }
         };
@@ -681,6 +698,7 @@ impl Api {
                     why,
                     maybe_done: true,
                     pause: None,
+                    limited: false,
                 };
             }
         };
@@ -697,6 +715,28 @@ impl Api {
             .get("code")
             .and_then(Value::as_str)
             .unwrap_or_default();
+        if status.as_u16() == 429 {
+            // Nothing was done; `retry_after` (fractional seconds) is more exact than the
+            // header's whole seconds.
+            let pause = value
+                .get("retry_after")
+                .and_then(Value::as_f64)
+                .filter(|s| s.is_finite() && *s > 0.0)
+                .map(|s| Duration::from_secs_f64(s.min(3600.0)))
+                .or(retry_after)
+                .unwrap_or(FIRST_PAUSE);
+            return Attempt::Retry {
+                why: format!("{msg} (HTTP {status})"),
+                maybe_done: false,
+                pause: Some(pause),
+                limited: true,
+            };
+        }
+        if status.as_u16() == 503 && code == "IDEMPOTENCY_FULL" {
+            // Nothing was done, and retrying within the budget cannot help (the records age
+            // out over hours).
+            return Attempt::Done(Err(TempFailError(format!("{msg} (HTTP {status})")).into()));
+        }
         if status.is_server_error() {
             return Attempt::Retry {
                 why: format!("{msg} (HTTP {status})"),
@@ -705,6 +745,7 @@ impl Api {
                 maybe_done: !(status.as_u16() == 503
                     && (code == "STORE_BUSY" || code == "TOO_MANY_WAITERS")),
                 pause: retry_after,
+                limited: false,
             };
         }
         Attempt::Done(Err(match status.as_u16() {

@@ -83,7 +83,8 @@ relay still holds relay.lock after lock_wait_ms), 75 temporary failure (EX_TEMPF
 ack got no answer that settles it within 60 s of retries with one Idempotency-Key, so the
 outcome is unknown (the message prints the key and how to check; rerunning with
 --idempotency-key <key> cannot do it twice), read likewise (it marks the message read; the
-message says how to check; reading again is safe), or the daemon's store stayed busy.";
+message says how to check; reading again is safe), the daemon's store stayed busy or the agent
+stayed rate-limited (nothing done), or its idempotency records are full (IDEMPOTENCY_FULL).";
 
 /// Shown after `send --help`, `reply --help` and `ack --help` and in their man pages: retries
 /// and exit 75; `$usage` is the command's own example of a usage error (exit 2).
@@ -93,7 +94,8 @@ macro_rules! mutation_help {
             "The call carries one Idempotency-Key (--idempotency-key, else a fresh one) and is \
 retried with
 it for 60 s while the daemon does not settle it (no answer, a broken connection, a 5xx, a busy
-store); the daemon answers a repeated key with its first answer, so it is never done twice.
+store; a rate limit, 429, is waited out for its retry_after); the daemon answers a repeated key
+with its first answer, so it is never done twice.
 Exit status: 0 done, 1 failure (nothing done), 2 usage error (e.g. ",
             $usage,
             "),

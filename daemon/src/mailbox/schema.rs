@@ -5,7 +5,7 @@ use rusqlite::Connection;
 use super::MailboxError;
 
 /// The schema version this binary writes.
-pub const SCHEMA_VERSION: u32 = 11;
+pub const SCHEMA_VERSION: u32 = 12;
 
 /// Migrations in order: `(version reached, SQL)`. A new schema change appends a step; each
 /// step runs inside the one migration transaction.
@@ -340,6 +340,14 @@ CREATE TABLE hook_run_messages(
   run INTEGER NOT NULL REFERENCES hook_runs(id) ON DELETE CASCADE,
   PRIMARY KEY(hook, msg_id));
 CREATE INDEX hook_run_messages_run ON hook_run_messages(run);
+"#,
+    ),
+    (
+        12,
+        r#"
+-- Idempotency records are pruned after their horizon on every keyed write (issue 19 part 4,
+-- mailbox::idempotency): the prune is one indexed DELETE by age.
+CREATE INDEX idempotency_created ON idempotency(created_at);
 "#,
     ),
 ];
