@@ -2591,6 +2591,7 @@ async fn held_mail_becomes_searchable_when_its_agent_registers() {
     let (status, page) = api.search(&[("as", "nobody"), ("q", "secret early")]).await;
     assert_eq!(status, 200, "{page}");
     assert_eq!(ids_of(&page), vec![id.to_string()]);
+}
 
 /// A tight `[api_rate]` for the rate tests: 3 sends and 4 polls a burst, refilled one a second.
 fn tight() -> crate::config::ApiRateConfig {

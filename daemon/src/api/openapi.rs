@@ -34,8 +34,7 @@ use utoipa::openapi::{ContentBuilder, ObjectBuilder, Ref, RefOr, Type};
 use utoipa::{Modify, OpenApi};
 
 use super::{
-    ack, agents, events, health, history, inbox, messages, search, sent, threads, unclaimed,
-    wakes,
+    ack, agents, events, health, history, inbox, messages, search, sent, threads, unclaimed, wakes,
 };
 
 /// The OpenAPI description of the local API.
