@@ -1057,8 +1057,10 @@ impl Relay {
         install_provider();
         let relay_pub = key.public();
         let clock = Arc::new(ManualClock::new(now_ms));
+        // A restart on the same store: the stopped relay's last background task may still
+        // hold the store (and its lock) for a moment after `stop` returned.
         let options = OpenOptions {
-            lock_wait_ms: 0,
+            lock_wait_ms: 5_000,
             failpoint: store::no_failpoint,
             limits: config.limits.store_limits(),
         };
