@@ -1,7 +1,10 @@
 //! `GET /v1/events`: Server-Sent Events of new-mail hints for one agent (design issue 19 §1
 //! "Events"), for scripts, editors and agents that cannot be pushed to over MCP.
 //!
-//! Each event is `event: mail`, `id: <inbox cursor>` and `data: <Hint JSON>`
+//! The stream begins with `event: open`, whose `id:` is the position it starts from and whose
+//! `data:` is `{"cursor": <that position>}`, so a client that reconnects before any mail came
+//! resumes from there too (nothing committed while it was away is missed). Then each event is
+//! `event: mail`, `id: <inbox cursor>` and `data: <Hint JSON>`
 //! ([`crate::mailbox::events::Hint`]: message id, sender address, thread, kind, needs_reply; no
 //! subject, no body). The `id` is the delivery's position in the agent's inbox, so a client
 //! that reconnects with `Last-Event-ID` (or `?after=`) gets every delivery after it, nothing
@@ -57,7 +60,7 @@ pub struct EventsQuery {
 /// A stream of new-mail hints for an agent (see the module docs).
 #[utoipa::path(get, path = "/v1/events", operation_id = "stream_events", params(EventsQuery,
         ("Last-Event-ID" = Option<String>, Header, description = "Resume after this event id (an inbox cursor of this agent; sent by SSE clients when they reconnect)", pattern = "^([a-z0-9][a-z0-9-]{1,39}\\.[0-9]{1,18})?$")),
-    responses((status = 200, description = "`text/event-stream`: `event: mail` with `id: <inbox cursor>` and `data: <Hint JSON>` for each delivery after the start position, oldest first, then live; `: keep-alive` comments every 15 s. It ends when the daemon shuts down.", content_type = "text/event-stream", body = Hint),
+    responses((status = 200, description = "`text/event-stream`: first `event: open` with `id:` and `data: {\"cursor\"}` the start position, then `event: mail` with `id: <inbox cursor>` and `data: <Hint JSON>` for each delivery after the start position, oldest first, then live; `: keep-alive` comments every 15 s. It ends when the daemon shuts down.", content_type = "text/event-stream", body = Hint),
         (status = 400, description = "BAD_REQUEST: bad `after` or `Last-Event-ID`, or one of another agent", body = super::ErrorBody),
         (status = 404, description = "UNKNOWN_AGENT: `as` is no agent of this host; the error names the closest agents", body = super::ErrorBody),
         (status = 503, description = "TOO_MANY_WAITERS: 64 event streams are open already; try again after `Retry-After` seconds. STORE_BUSY: see the shared answer", body = super::ErrorBody,
@@ -115,6 +118,7 @@ pub async fn get(
         closed,
         queue: VecDeque::new(),
         written: Vec::new(),
+        opened: false,
         _slot: slot,
     };
     let events = futures_util::stream::unfold(stream, Stream::next);
@@ -138,6 +142,8 @@ struct Stream {
     queue: VecDeque<(i64, Hint)>,
     /// Ids of hints handed to the connection since the last mark.
     written: Vec<String>,
+    /// The `open` event was handed out.
+    opened: bool,
     /// This stream's permit ([`crate::mailbox::wake::MAX_STREAMS`]).
     _slot: OwnedSemaphorePermit,
 }
@@ -147,6 +153,15 @@ impl Stream {
     async fn next(mut self) -> Option<(Result<Event, Infallible>, Stream)> {
         // The server asks for the next event once it took the previous ones.
         self.mark_written().await;
+        if !self.opened {
+            self.opened = true;
+            let cursor = messages::inbox_cursor(&self.agent, self.pos);
+            let event = Event::default()
+                .event("open")
+                .id(cursor.clone())
+                .data(serde_json::json!({ "cursor": cursor }).to_string());
+            return Some((Ok(event), self));
+        }
         loop {
             if *self.closed.borrow() {
                 return None;

@@ -3,10 +3,11 @@
 //! design issue 19 §1). What it prints is the hint (id, sender, kind, needs_reply, thread,
 //! position), never the subject or body: read a message with `agentmbx read <id>`.
 //!
-//! Resuming: every hint carries its position (an inbox cursor). With `--cursor-file` the
-//! position is written to the file (replaced atomically) after each printed hint and read back
-//! at start, so a watch stopped and started again prints what arrived in between and nothing
-//! twice. When the daemon stops or restarts, the watch reconnects with the last position
+//! Resuming: the stream's first event names the position it starts from, and every hint
+//! carries its own (an inbox cursor). With `--cursor-file` the position is written to the file
+//! (replaced atomically) at the start and after each printed hint, and read back at start, so
+//! a watch stopped and started again prints what arrived in between; a watch killed between
+//! printing a hint and writing its position prints that one hint again (never one missed). When the daemon stops or restarts, the watch reconnects with the last position
 //! (`Last-Event-ID`), retrying every 1 s up to 10 s apart, until it is interrupted.
 
 use std::path::PathBuf;
@@ -97,6 +98,15 @@ async fn watch(args: WatchArgs) -> anyhow::Result<()> {
                 Ok(None) | Err(_) => break,
             };
             for event in parser.feed(&chunk) {
+                if event.kind == "open" {
+                    // The position the stream starts from: a reconnect before any mail
+                    // resumes there, and so does a watch started again from the file.
+                    if let Some(id) = event.id {
+                        save(&args, &id)?;
+                        last = Some(id);
+                    }
+                    continue;
+                }
                 if event.kind != "mail" {
                     continue;
                 }
@@ -105,13 +115,7 @@ async fn watch(args: WatchArgs) -> anyhow::Result<()> {
                 };
                 print_hint(&hint, args.json);
                 if let Some(id) = event.id {
-                    if let Some(f) = &args.cursor_file {
-                        agentmbx::fsutil::replace(f, format!("{id}\n").as_bytes(), 0o600).map_err(
-                            |e| {
-                                anyhow::anyhow!("cannot write the cursor file {}: {e}", f.display())
-                            },
-                        )?;
-                    }
+                    save(&args, &id)?;
                     last = Some(id);
                 }
             }
@@ -120,6 +124,15 @@ async fn watch(args: WatchArgs) -> anyhow::Result<()> {
         told_down = true;
         tokio::time::sleep(backoff).await;
     }
+}
+
+/// Writes `id` to the cursor file, if there is one (replaced atomically).
+fn save(args: &WatchArgs, id: &str) -> anyhow::Result<()> {
+    if let Some(f) = &args.cursor_file {
+        agentmbx::fsutil::replace(f, format!("{id}\n").as_bytes(), 0o600)
+            .map_err(|e| anyhow::anyhow!("cannot write the cursor file {}: {e}", f.display()))?;
+    }
+    Ok(())
 }
 
 /// A failure worth another try: the daemon is down, restarting or busy.
@@ -144,7 +157,15 @@ fn print_hint(hint: &Value, json: bool) {
         println!("{hint}");
         return;
     }
-    let s = |k: &str| hint[k].as_str().unwrap_or_default().to_string();
+    // Sender-chosen text (the thread) never reaches the terminal with its control characters.
+    let s = |k: &str| {
+        hint[k]
+            .as_str()
+            .unwrap_or_default()
+            .chars()
+            .map(|c| if c.is_control() { ' ' } else { c })
+            .collect::<String>()
+    };
     let needs = if hint["needs_reply"].as_bool() == Some(true) {
         ", needs a reply"
     } else {
