@@ -24,10 +24,11 @@
 //! | `MBX_HOOK_IDS` | their ids, oldest first, comma-separated, at most 50 |
 //! | `MBX_HOOK_IDS_TRUNCATED` | `1` when the run has more than 50 messages (else unset) |
 //! | `MBX_HOOK_FROM` | sender address (`name@host`) of the first message |
-//! | `MBX_HOOK_THREAD` | thread id of the first message |
+//! | `MBX_HOOK_THREAD` | thread id of the first message (sender-chosen text; control characters become spaces) |
 //! | `MBX_HOOK_KIND` | kind of the first message |
 //! | `MBX_HOOK_NEEDS_REPLY` | `1` or `0`, of the first message |
 //! | `MBX_HOME` | the agentmbx home directory |
+//! | `MBX_AGENT` | the hook's agent (so `agentmbx` commands the hook runs act as it) |
 //!
 //! Never the subject or the body: a hook that wants them reads the message through the local
 //! API with the ids it is given. On timeout the whole process group is killed (SIGKILL) and
@@ -83,26 +84,39 @@ impl std::fmt::Debug for Runner {
 /// Runs hooks until `stop` turns true (module docs). Store errors are logged and retried at
 /// the next pass.
 pub async fn run(runner: Runner, mut stop: watch::Receiver<bool>) {
-    let now = runner.clock.now_ms();
-    let hooks = runner.hooks.clone();
-    match runner
-        .mailbox
-        .run(move |c| {
-            let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
-            let r = store::recover(&tx, &hooks, now)?;
-            store::prune(&tx)?;
-            tx.commit()?;
-            Ok(r)
-        })
-        .await
-    {
-        Ok((0, 0)) => {}
-        Ok((unknown, dropped)) => tracing::warn!(
-            unknown,
-            dropped,
-            "hook runs left by the previous daemon: started ones are now `unknown` and are not run again"
-        ),
-        Err(e) => tracing::error!(error = %e, "cannot recover hook runs"),
+    // Recovery first, retried until it is done: no run may start while an earlier daemon's
+    // `started` runs are not yet `unknown`, and no run of an unconfigured hook may stay due.
+    loop {
+        let now = runner.clock.now_ms();
+        let hooks = runner.hooks.clone();
+        let recovered = runner
+            .mailbox
+            .run(move |c| {
+                let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+                let r = store::recover(&tx, &hooks, now)?;
+                store::prune(&tx)?;
+                tx.commit()?;
+                Ok(r)
+            })
+            .await;
+        match recovered {
+            Ok((0, 0)) => break,
+            Ok((unknown, dropped)) => {
+                tracing::warn!(
+                    unknown,
+                    dropped,
+                    "hook runs left by the previous daemon: started ones are now `unknown` and are not run again"
+                );
+                break;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot recover hook runs; trying again in 1 s");
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    _ = stop.wait_for(|s| *s) => return,
+                }
+            }
+        }
     }
     // Wake on commits of mail for any hooked agent.
     let woke = Arc::new(Notify::new());
@@ -272,18 +286,30 @@ pub fn run_env(facts: &RunFacts, home: &std::path::Path) -> Vec<(&'static str, S
         ("MBX_HOOK_COUNT", facts.count.to_string()),
         ("MBX_HOOK_IDS", facts.ids.join(",")),
         ("MBX_HOOK_FROM", facts.from.clone()),
-        ("MBX_HOOK_THREAD", facts.thread.clone()),
+        // Sender-chosen text: control characters (NUL, ESC, line breaks) become spaces, so a
+        // sender can neither make the spawn fail nor put lines or escapes into a script.
+        ("MBX_HOOK_THREAD", without_controls(&facts.thread)),
         ("MBX_HOOK_KIND", facts.kind.clone()),
         (
             "MBX_HOOK_NEEDS_REPLY",
             if facts.needs_reply { "1" } else { "0" }.to_string(),
         ),
         ("MBX_HOME", home.display().to_string()),
+        // An `agentmbx` command the hook runs acts as the hook's agent, never as one the
+        // daemon's own environment named.
+        ("MBX_AGENT", facts.agent.clone()),
     ];
     if facts.count > facts.ids.len() as i64 {
         env.push(("MBX_HOOK_IDS_TRUNCATED", "1".into()));
     }
     env
+}
+
+/// `text` with every control character replaced by a space.
+fn without_controls(text: &str) -> String {
+    text.chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect()
 }
 
 /// Runs one command to its end, its timeout, or the daemon's stop.
@@ -388,5 +414,15 @@ mod tests {
         );
         assert_eq!(get(&many, "MBX_HOOK_IDS_TRUNCATED").as_deref(), Some("1"));
         assert_eq!(get(&many, "MBX_HOME").as_deref(), Some("/h"));
+    }
+
+    #[test]
+    fn a_senders_thread_reaches_the_environment_without_control_characters() {
+        let mut f = facts(1, 1);
+        f.thread = "plan\0\n\u{1b}[31mred".into();
+        let env = run_env(&f, std::path::Path::new("/h"));
+        let get = |k: &str| env.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone());
+        assert_eq!(get("MBX_HOOK_THREAD").as_deref(), Some("plan   [31mred"));
+        assert_eq!(get("MBX_AGENT").as_deref(), Some("bob"));
     }
 }
