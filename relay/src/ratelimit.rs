@@ -382,8 +382,12 @@ impl RateTable {
                 };
             }
         }
-        // An entry that already refilled is the same as none.
-        let start = known.filter(|full| *full > now).unwrap_or(now);
+        // An entry that already refilled is the same as none. One further ahead than an empty
+        // bucket can be (the clock was stepped back) counts as an empty bucket: a step back
+        // never holds a caller up longer than one refill interval.
+        let start = known.filter(|full| *full > now).map_or(now, |full| {
+            full.min(now.saturating_add(self.tolerance_us + self.interval_us))
+        });
         if start - self.tolerance_us > now {
             return Verdict::Limited {
                 retry_after_ms: ms_ceil(start - self.tolerance_us - now),
@@ -732,6 +736,25 @@ mod tests {
             assert!(t.hit("a", 3_000).allowed());
         }
         assert!(!t.hit("a", 3_000).allowed());
+    }
+
+    #[test]
+    fn a_clock_stepped_back_holds_an_empty_bucket_one_interval_at_most() {
+        // 5 tokens, 120 a minute (one each 500 ms), emptied at t = 1 h.
+        let t = RateTable::with_burst(5, 120, 10);
+        let hour = 3_600_000;
+        for _ in 0..5 {
+            assert!(t.hit("a", hour).allowed());
+        }
+        // The clock steps back an hour: an empty bucket, not one full an hour from now.
+        assert_eq!(
+            t.hit("a", 0),
+            Verdict::Limited {
+                retry_after_ms: 500
+            }
+        );
+        assert!(t.hit("a", 500).allowed());
+        assert!(!t.hit("a", 500).allowed());
     }
 
     #[test]

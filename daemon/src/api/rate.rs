@@ -36,7 +36,8 @@
 //!
 //! # Time
 //! Buckets run on the daemon's clock ([`super::AppState::clock`]), so unit tests drive them
-//! with the manual clock.
+//! with the manual clock. A clock stepped back (NTP) holds an empty bucket at most one refill
+//! interval longer, never for the size of the step ([`RateTable::hit`]).
 //!
 //! # What it must never do
 //! Log bodies, subjects or tokens: a refusal is logged at debug with the class and agent name.
@@ -61,7 +62,8 @@ pub const NO_AGENT: &str = "-";
 /// Which bucket of an agent a request draws from (module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RateClass {
-    /// Reads that poll: inbox (long poll included), catchup, replay, sent.
+    /// Reads that poll: inbox (long poll included), catchup, replay, sent; opening an event
+    /// stream.
     Wait,
     /// Send and reply.
     Send,
