@@ -2124,17 +2124,34 @@ impl Api {
 async fn an_event_stream_hints_new_mail_and_resumes_after_last_event_id() {
     let api = Api::start().await;
     let old = api.send(&["bob"], "before the stream").await;
+    let (_, listed) = api.inbox("").await;
+    let end = listed["cursor"].as_str().unwrap().to_string();
     let mut resp = api.events("bob", None).await;
     assert_eq!(resp.status(), 200);
     assert_eq!(
         resp.headers()["content-type"].to_str().unwrap(),
         "text/event-stream"
     );
+    // The first event names the start position (the end of the inbox), before any mail.
+    let mut head = String::new();
+    while !head.contains("\n\n") {
+        let chunk = tokio::time::timeout(std::time::Duration::from_secs(10), resp.chunk())
+            .await
+            .expect("the open event within 10 s")
+            .unwrap()
+            .unwrap();
+        head.push_str(std::str::from_utf8(&chunk).unwrap());
+    }
+    let (open, rest) = head.split_once("\n\n").unwrap();
+    assert_eq!(
+        open,
+        format!("event: open\nid: {end}\ndata: {{\"cursor\":\"{end}\"}}")
+    );
     let (first, second) = (
         api.send(&["bob"], "secret-subject one").await,
         api.send(&["bob"], "secret-subject two").await,
     );
-    let mut buf = String::new();
+    let mut buf = rest.to_string();
     let got = mail_events(&mut resp, &mut buf, 2).await;
     let ids: Vec<&str> = got.iter().map(|(_, d)| d["id"].as_str().unwrap()).collect();
     assert_eq!(ids, vec![first.as_str(), second.as_str()], "not {old}");
@@ -2772,4 +2789,22 @@ async fn a_full_idempotency_table_refuses_a_new_key_and_keeps_the_records() {
         .await;
     assert_eq!(status, 200, "{v}");
     assert_eq!(count(&api), MAX_RECORDS_PER_SCOPE);
+}
+
+/// Issue 19 (4): a key past the idempotency horizon is a new request, as documented: the same
+/// key with another body is carried out, not answered 409 from the expired record.
+#[tokio::test]
+async fn a_key_past_the_horizon_is_a_new_request() {
+    use crate::mailbox::idempotency::HORIZON_MS;
+    let api = Api::start().await;
+    let send =
+        |subject: &str| json!({"from": "alice", "to": ["bob"], "subject": subject, "body": "b"});
+    let (status, first) = api.post("/v1/messages", &send("one"), Some("k")).await;
+    assert_eq!(status, 201, "{first}");
+    let (status, _) = api.post("/v1/messages", &send("two"), Some("k")).await;
+    assert_eq!(status, 409, "inside the horizon another body is a conflict");
+    api._clock.advance(HORIZON_MS + 1);
+    let (status, second) = api.post("/v1/messages", &send("two"), Some("k")).await;
+    assert_eq!(status, 201, "{second}");
+    assert_ne!(first["id"], second["id"]);
 }

@@ -617,6 +617,9 @@ where
 {
     let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
     if let Some(k) = &key {
+        // Past the horizon a record is gone before it is looked up: a replay of an older key
+        // is a new request, as the module says ([`idempotency`]).
+        idempotency::prune(&tx, now)?;
         if let Some(stored) = idempotency::lookup(&tx, scope, k, hash)? {
             return Ok(Ok((stored.status, stored.response)));
         }
