@@ -1091,7 +1091,12 @@ pub fn search(args: SearchArgs) -> anyhow::Result<()> {
             "more: agentmbx search --as {} --limit {} --cursor {c} -- {}",
             args.as_agent,
             args.limit,
-            args.words.join(" ")
+            // Quoted: a word such as `deplo*` is not expanded by the shell the line is pasted in.
+            args.words
+                .iter()
+                .map(|w| agentmbx::doctor::shell_quote(w))
+                .collect::<Vec<_>>()
+                .join(" ")
         );
     }
     Ok(())
