@@ -388,6 +388,10 @@ impl RateTable {
         let start = known.filter(|full| *full > now).map_or(now, |full| {
             full.min(now.saturating_add(self.tolerance_us + self.interval_us))
         });
+        if known.is_some_and(|full| full > start) {
+            // Kept, so the bucket refills from here on.
+            t.full_at.insert(key.to_owned(), start);
+        }
         if start - self.tolerance_us > now {
             return Verdict::Limited {
                 retry_after_ms: ms_ceil(start - self.tolerance_us - now),
