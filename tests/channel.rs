@@ -47,23 +47,7 @@ async fn session(home: &Home, agent: &str, rec: &Recorder) -> RunningService<Rol
 }
 
 fn send(home: &Home, kind: &str, subject: &str, body: &str) -> String {
-    let out = home.run(&[
-        "send",
-        "--as",
-        "alice",
-        "--to",
-        "bob",
-        "--kind",
-        kind,
-        "--subject",
-        subject,
-        "-m",
-        body,
-        "--json",
-    ]);
-    assert!(out.status.success(), "{out:?}");
-    let v: Value = serde_json::from_str(&out.stdout).expect("send --json");
-    v["id"].as_str().expect("id").to_string()
+    home.send_json(subject, body, &["--kind", kind])
 }
 
 /// The wake brake's record of `id` for bob, once some session claimed it.

@@ -1566,22 +1566,7 @@ fn search_finds_an_agents_mail_and_uses_the_documented_exit_codes() {
     let home = Home::new();
     let _daemon = Daemon::start(&home);
     home.run(&["whoami", "--as", "bob"]).assert_success();
-    let send = |subject: &str, body: &str| -> String {
-        let out = home.run(&[
-            "send",
-            "--as",
-            "alice",
-            "--to",
-            "bob",
-            "--subject",
-            subject,
-            "-m",
-            body,
-            "--json",
-        ]);
-        out.assert_success();
-        out.json()["id"].as_str().expect("id").to_string()
-    };
+    let send = |subject: &str, body: &str| home.send_json(subject, body, &[]);
     let once = send("standup", "the zebra escaped once, see the zoo log");
     let twice = send("standup", "zebra zebra: the zoo log again");
     let _other = send("lunch", "nothing about animals");

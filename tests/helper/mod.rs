@@ -105,6 +105,30 @@ impl Home {
     pub fn run(&self, args: &[&str]) -> Output {
         run(self.command(args))
     }
+
+    /// `agentmbx send --as alice --to bob --subject <subject> -m <body> --json <extra…>`
+    /// through this home's daemon; asserts it succeeded and returns the message id.
+    pub fn send_json(&self, subject: &str, body: &str, extra: &[&str]) -> String {
+        let mut args = vec![
+            "send",
+            "--as",
+            "alice",
+            "--to",
+            "bob",
+            "--subject",
+            subject,
+            "-m",
+            body,
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let out = self.run(&args);
+        out.assert_success();
+        out.json()["id"]
+            .as_str()
+            .expect("send --json gives the id")
+            .to_string()
+    }
 }
 
 /// `agentmbx <args>` with none of the caller's `MBX_*` variables (nor `PORT`), `MBX_NO_MDNS=1`,

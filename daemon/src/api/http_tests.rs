@@ -509,13 +509,19 @@ async fn a_malformed_agent_name_is_a_bad_request_on_every_mailbox_route() {
 /// mailbox here would be held, not delivered).
 fn receive_from_work(api: &Api, id: &str) {
     api.store.register("home", &["bob"]);
+    receive_from_work_to(api, id, &["bob@home"], "from work");
+}
+
+/// Stores a message `id` from `ann@work` to `to` with `subject` as if it had arrived from the
+/// peer (sealed for this host, its hop signed by `work`); asserts the store took it.
+fn receive_from_work_to(api: &Api, id: &str, to: &[&str], subject: &str) {
     let wire = testutil::sealed_wire(
         &api.work,
         &api.ident.enc_key.public(),
         id,
         "ann@work",
-        &["bob@home"],
-        "from work",
+        to,
+        subject,
         testutil::T0,
     );
     let pk = api.work.host_key.public().to_b64();
@@ -525,7 +531,7 @@ fn receive_from_work(api: &Api, id: &str) {
         .with(|c| {
             let verdict =
                 crate::node::receive::receive_sealed(c, &ident, &wire, id, &pk, testutil::T0)?;
-            assert!(verdict.is_ok());
+            assert!(verdict.is_ok(), "{verdict:?}");
             Ok(())
         })
         .unwrap();
@@ -1350,25 +1356,7 @@ async fn an_unlisted_agent_is_refused_unless_forced_and_unclaimed_mail_is_listed
 
     // Mail from work for nobody@home: held, listed, no receipt.
     let id = "01KDVDNA3VG2MH8KWSQRCWJZ0S";
-    let wire = testutil::sealed_wire(
-        &api.work,
-        &api.ident.enc_key.public(),
-        id,
-        "ann@work",
-        &["nobody@home"],
-        "early",
-        testutil::T0,
-    );
-    let pk = api.work.host_key.public().to_b64();
-    let ident = api.ident.clone();
-    api.store
-        .mailbox
-        .with(|c| {
-            let v = crate::node::receive::receive_sealed(c, &ident, &wire, id, &pk, testutil::T0)?;
-            assert!(v.is_ok(), "{v:?}");
-            Ok(())
-        })
-        .unwrap();
+    receive_from_work_to(&api, id, &["nobody@home"], "early");
     let (status, page) = api.get("/v1/unclaimed").await;
     assert_eq!(status, 200, "{page}");
     assert_eq!(page["total"], 1);
@@ -2575,25 +2563,7 @@ async fn hostile_queries_are_plain_words_or_a_typed_400() {
 async fn held_mail_becomes_searchable_when_its_agent_registers() {
     let api = Api::start().await;
     let id = "01KDVDNA3VG2MH8KWSQRCWJZ0S";
-    let wire = testutil::sealed_wire(
-        &api.work,
-        &api.ident.enc_key.public(),
-        id,
-        "ann@work",
-        &["nobody@home"],
-        "early",
-        testutil::T0,
-    );
-    let pk = api.work.host_key.public().to_b64();
-    let ident = api.ident.clone();
-    api.store
-        .mailbox
-        .with(|c| {
-            let v = crate::node::receive::receive_sealed(c, &ident, &wire, id, &pk, testutil::T0)?;
-            assert!(v.is_ok(), "{v:?}");
-            Ok(())
-        })
-        .unwrap();
+    receive_from_work_to(&api, id, &["nobody@home"], "early");
     let q = [("as", "bob"), ("q", "secret early")];
     assert!(ids_of(&api.search(&q).await.1).is_empty());
     let (status, body) = api.search(&[("as", "nobody"), ("q", "secret early")]).await;
