@@ -1,8 +1,9 @@
 //! Request plumbing shared by the handlers: the streaming body cap, the UTF-8 check and the v2
 //! signed-hop authentication (`wire.md` §2.6 and "Resolved details": hop checks order).
 //!
-//! Bodies are read under a cap while streaming; an oversized one is drained (discarded) for up
-//! to 2 s and answered 413 `{error:"request body too large"}` (`wire.md` §3.1).
+//! Bodies are read under a cap while streaming ([`agentmbx_net::body`]); an oversized one is
+//! drained (discarded) for up to 2 s and answered 413 `{error:"request body too large"}`
+//! (`wire.md` §3.1).
 //!
 //! Order: a body that is not valid UTF-8 → 400 before any signature check; then the headers;
 //! a `ts` that is not plain decimal digits → 401; the key in `x-mbx-key` (which alone names the
@@ -29,13 +30,12 @@
 //! trusted for nothing else.
 
 use std::collections::HashMap;
-use std::pin::Pin;
 use std::sync::{Mutex, OnceLock};
-use std::time::Duration;
 
-use axum::body::{Body, Bytes, HttpBody};
+use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, Method, StatusCode, Uri};
 
+use agentmbx_net::body::{read_capped, BodyError};
 use agentmbx_protocol::hop::{self, header, HopError};
 use agentmbx_protocol::keys::PublicKey;
 
@@ -43,11 +43,6 @@ use crate::error::ApiError;
 use crate::refusals::AuthRefusal;
 use crate::server::RelayState;
 use crate::store::Enrolment;
-
-/// How long the rest of an oversized body is read and discarded before the 413 is sent
-/// (`wire.md` §3.1: "then drain up to 2 s"), so a client still uploading reads the 413 instead
-/// of a reset connection.
-pub const DRAIN_FOR: Duration = Duration::from_secs(2);
 
 /// Keys the parse memo holds before it is emptied (each entry about 250 bytes).
 const KEY_MEMO_MAX: usize = 2_048;
@@ -76,76 +71,19 @@ pub fn parse_key(text: &str) -> Option<PublicKey> {
     Some(key)
 }
 
-/// The next data chunk of a request body (`None` at its end; trailers are skipped).
-async fn next_data(body: &mut Body) -> Option<Result<Bytes, axum::Error>> {
-    loop {
-        match std::future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx)).await? {
-            Err(e) => return Some(Err(e)),
-            Ok(frame) => {
-                if let Ok(data) = frame.into_data() {
-                    return Some(Ok(data));
-                }
-            }
-        }
-    }
-}
-
-/// Reads the body, refusing more than `cap` bytes while streaming: a declared length over the
-/// cap, or a body that grows past it, keeps nothing more and is discarded for up to
-/// [`DRAIN_FOR`], then answered 413. A body that breaks off is 400.
+/// Reads the body, refusing more than `cap` bytes while streaming
+/// ([`agentmbx_net::body::read_capped`]): a declared length over the cap, or a body that grows
+/// past it, keeps nothing more and is discarded for up to [`agentmbx_net::body::DRAIN_FOR`],
+/// then answered 413. A body that breaks off is 400.
 ///
 /// Memory grows with the bytes that actually arrived, never with the declared length: the
 /// request is not authenticated yet, so a `content-length` costs the sender nothing.
 pub async fn read_body(body: Body, cap: usize) -> Result<Bytes, ApiError> {
-    collect(body, cap).await.map(Bytes::from)
-}
-
-/// [`read_body`]'s buffer.
-async fn collect(body: Body, cap: usize) -> Result<Vec<u8>, ApiError> {
-    read_capped(body, cap).await.map_err(|e| match e {
-        BodyError::TooLarge => ApiError::too_large(),
-        BodyError::Broken => ApiError::bad_request("request body could not be read"),
-    })
-}
-
-/// Why [`read_capped`] kept no body.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BodyError {
-    /// Declared or grown past the cap; the rest was discarded for up to [`DRAIN_FOR`]
-    /// (answer 413).
-    TooLarge,
-    /// The body broke off (answer 400).
-    Broken,
-}
-
-/// The streaming body cap on its own, for any server that answers in its own error shape (the
-/// relay here; the daemon's LAN server too): a declared length over `cap`, or a body that grows
-/// past it, keeps nothing more and is discarded for up to [`DRAIN_FOR`] before
-/// [`BodyError::TooLarge`] is returned. Memory follows the bytes that arrived.
-pub async fn read_capped(mut body: Body, cap: usize) -> Result<Vec<u8>, BodyError> {
-    if body.size_hint().lower() > cap as u64 {
-        drain(body).await;
-        return Err(BodyError::TooLarge);
+    match read_capped(body, cap).await {
+        Ok(buf) => Ok(Bytes::from(buf)),
+        Err(BodyError::TooLarge) => Err(ApiError::too_large()),
+        Err(BodyError::Broken) => Err(ApiError::bad_request("request body could not be read")),
     }
-    let mut buf: Vec<u8> = Vec::new();
-    while let Some(data) = next_data(&mut body).await {
-        let data = data.map_err(|_| BodyError::Broken)?;
-        if data.len() > cap - buf.len() {
-            drop(buf);
-            drain(body).await;
-            return Err(BodyError::TooLarge);
-        }
-        buf.extend_from_slice(&data);
-    }
-    Ok(buf)
-}
-
-/// Discards the rest of an oversized body for up to [`DRAIN_FOR`].
-async fn drain(mut body: Body) {
-    let _ = tokio::time::timeout(DRAIN_FOR, async {
-        while let Some(Ok(_)) = next_data(&mut body).await {}
-    })
-    .await;
 }
 
 /// The body as UTF-8 text, else 400 (`wire.md` "Resolved details": raw body).
@@ -527,9 +465,6 @@ pub async fn blocking<T: Send + 'static>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::task::{Context, Poll};
-
-    use agentmbx_protocol::limits::RELAY_MAX_BODY;
 
     #[test]
     fn parse_key_agrees_with_from_b64_and_stays_bounded() {
@@ -556,50 +491,5 @@ mod tests {
             assert_eq!(parse_key(bad), None, "{bad:?}");
             assert_eq!(parse_key(bad), None, "{bad:?} again");
         }
-    }
-
-    /// A body that declares `declared` bytes in its size hint and then sends only `sent`.
-    struct Lying {
-        declared: u64,
-        sent: Option<Bytes>,
-    }
-
-    impl http_body::Body for Lying {
-        type Data = Bytes;
-        type Error = std::convert::Infallible;
-
-        fn poll_frame(
-            mut self: Pin<&mut Self>,
-            _: &mut Context<'_>,
-        ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
-            Poll::Ready(self.sent.take().map(|b| Ok(http_body::Frame::data(b))))
-        }
-
-        fn size_hint(&self) -> http_body::SizeHint {
-            http_body::SizeHint::with_exact(self.declared)
-        }
-    }
-
-    #[tokio::test]
-    async fn memory_follows_the_bytes_that_arrived_not_the_declared_length() {
-        let body = Body::new(Lying {
-            declared: RELAY_MAX_BODY as u64,
-            sent: Some(Bytes::from_static(b"{}")),
-        });
-        assert_eq!(body.size_hint().lower(), RELAY_MAX_BODY as u64);
-        let buf = collect(body, RELAY_MAX_BODY).await.unwrap();
-        assert_eq!(buf, b"{}");
-        assert!(
-            buf.capacity() < 4096,
-            "{} bytes reserved for a 2-byte body",
-            buf.capacity()
-        );
-        // Over the cap by declaration alone: 413 without reading.
-        let body = Body::new(Lying {
-            declared: RELAY_MAX_BODY as u64 + 1,
-            sent: None,
-        });
-        let e = collect(body, RELAY_MAX_BODY).await.unwrap_err();
-        assert_eq!(e.status, StatusCode::PAYLOAD_TOO_LARGE);
     }
 }

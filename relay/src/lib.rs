@@ -15,9 +15,9 @@
 //! - [`server`]: state, router and `serve(listener, state, shutdown)`; [`run`]: `relay serve`;
 //! - [`status`]: `relay status`, an operator's read-only facts about a store;
 //! - [`config`]: `relay.toml` and environment; [`key`]: the relay key;
-//! - [`ratelimit`]: per-address and per-sender rate limits, the request-body budget;
-//!   [`log_gate`]: at most one WARN a minute per address for events anyone can cause;
-//!   [`refusals`]: the running relay's counters of refused items and requests by reason.
+//! - [`ratelimit`]: per-address and per-sender rate limits, the request-body budget (built
+//!   from the shared serving plumbing, `agentmbx_net`: accept loop, body cap, rate tables,
+//!   log gate); [`refusals`]: the running relay's counters of refused items and requests by reason.
 //!
 //! Every successful answer is sent only after the transaction that made it true committed.
 
@@ -29,7 +29,6 @@ pub mod error;
 pub mod handlers;
 pub mod instances;
 pub mod key;
-pub mod log_gate;
 pub mod ops;
 pub mod ratelimit;
 pub mod refusals;

@@ -36,7 +36,10 @@
 //!   share: other addresses are still served.
 //!
 //! # Bounds
-//! Every rate table holds at most `max_keys` keys (default 50,000). An entry whose bucket has
+//! The tables and the budget are the shared building blocks ([`agentmbx_net::rate::RateTable`],
+//! [`agentmbx_net::budget::BodyBudget`]); this module owns which tables exist, their limits and
+//! keys, and the relay's answers. Every rate table holds at most `max_keys` keys (default
+//! 50,000). An entry whose bucket has
 //! refilled completely is forgotten (it is the same as no entry). When a new key arrives at a
 //! full table, the refilled entries are swept out; if the table is still full the new key is
 //! refused (429 with the time until the earliest entry refills) rather than the table growing
@@ -56,9 +59,7 @@
 //! Log or echo request bodies, keys or header values beyond the address it keys by; keep any
 //! state on disk (rate windows are memory only: a restart forgets them).
 
-use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, Mutex};
 
 use axum::body::HttpBody;
 use axum::extract::{ConnectInfo, Request, State};
@@ -67,6 +68,10 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
+
+use agentmbx_net::budget::{BodyBudget, Refusal};
+use agentmbx_net::log_gate::LogGate;
+use agentmbx_net::rate::{self, retry_after_secs, RateTable, Verdict};
 
 use agentmbx_protocol::limits::RELAY_MAX_BODY;
 use agentmbx_protocol::wire::ErrorBody;
@@ -95,8 +100,6 @@ pub const DEFAULT_BODY_PER_ADDRESS_BYTES: u64 = 16 * 1024 * 1024;
 pub const IPV6_PREFIX_BITS: u32 = 64;
 /// Longest client address kept (characters; 0.5.x cuts at 64).
 pub const MAX_ADDRESS_CHARS: usize = 64;
-/// Granularity of body-budget reservations (1 KiB).
-const BUDGET_UNIT: u64 = 1024;
 
 /// Bounds of the `[rate]` keys, `(key, min, max)`:
 /// - the per-minute rates are 1..=1,000,000 (a zero rate would refuse everything);
@@ -283,150 +286,6 @@ pub fn client_address(headers: &HeaderMap, socket: Option<SocketAddr>, mode: Tru
     cut(address)
 }
 
-/// What a rate table says about one hit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
-    /// Within the bucket; the hit was counted.
-    Allowed,
-    /// The bucket is empty: retry after this many ms (at least 1).
-    Limited {
-        /// Until the next token, ms.
-        retry_after_ms: i64,
-    },
-    /// The key is new and the table is at its cap with no refilled entry to forget: retry
-    /// after this many ms (until the earliest entry refills).
-    TableFull {
-        /// Until the table can take a new key, ms.
-        retry_after_ms: i64,
-    },
-}
-
-impl Verdict {
-    /// Whether the hit was allowed.
-    pub fn allowed(self) -> bool {
-        self == Verdict::Allowed
-    }
-}
-
-/// One bounded table of token buckets, keyed by text (a client address, a sender key, or — in
-/// the host daemon's local API — an agent name).
-///
-/// Each bucket holds `burst` tokens (the relay's tables: `burst = per_min`) and refills
-/// `per_min` per minute, continuously. It is kept as one number, the time at which the bucket
-/// would be full again (GCRA's "theoretical arrival time", in µs of the caller's clock): a hit
-/// is allowed while that time is at most `burst − 1` intervals ahead of now, and moves it one
-/// interval on. A refused hit changes nothing.
-#[derive(Debug)]
-pub struct RateTable {
-    /// µs between tokens (60,000,000 / per_min).
-    interval_us: i64,
-    /// How far ahead of now the full-again time may be and a hit still pass, µs.
-    tolerance_us: i64,
-    /// Keys at most.
-    cap: usize,
-    inner: Mutex<TableState>,
-}
-
-#[derive(Debug, Default)]
-struct TableState {
-    /// Key → the time its bucket is full again (µs).
-    full_at: HashMap<String, i64>,
-    /// While the table is full of unrefilled buckets: no sweep before this time (µs).
-    no_sweep_before: i64,
-}
-
-impl RateTable {
-    /// A table of `per_min`-token buckets holding at most `cap` keys (both at least 1).
-    pub fn new(per_min: u64, cap: u64) -> Self {
-        Self::with_burst(per_min, per_min, cap)
-    }
-
-    /// A table of buckets holding `burst` tokens each and refilling `per_min` tokens a minute,
-    /// with at most `cap` keys (each at least 1).
-    pub fn with_burst(burst: u64, per_min: u64, cap: u64) -> Self {
-        let per_min = i64::try_from(per_min.max(1)).unwrap_or(i64::MAX);
-        let burst = i64::try_from(burst.max(1)).unwrap_or(i64::MAX);
-        let interval_us = (60_000_000 / per_min).max(1);
-        RateTable {
-            interval_us,
-            tolerance_us: interval_us.saturating_mul(burst - 1),
-            cap: usize::try_from(cap.max(1)).unwrap_or(usize::MAX),
-            inner: Mutex::new(TableState::default()),
-        }
-    }
-
-    /// Counts one hit for `key` at `now_ms`.
-    pub fn hit(&self, key: &str, now_ms: i64) -> Verdict {
-        let now = now_ms.saturating_mul(1_000);
-        let mut t = self
-            .inner
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let known = t.full_at.get(key).copied();
-        if known.is_none() && t.full_at.len() >= self.cap {
-            if now < t.no_sweep_before {
-                return Verdict::TableFull {
-                    retry_after_ms: ms_ceil(t.no_sweep_before - now),
-                };
-            }
-            t.full_at.retain(|_, full| *full > now);
-            if t.full_at.len() >= self.cap {
-                let earliest = t.full_at.values().copied().min().unwrap_or(now + 1);
-                t.no_sweep_before = earliest;
-                tracing::warn!(
-                    keys = t.full_at.len(),
-                    "a relay rate table is full: new callers are refused until buckets refill"
-                );
-                return Verdict::TableFull {
-                    retry_after_ms: ms_ceil(earliest - now),
-                };
-            }
-        }
-        // An entry that already refilled is the same as none. One further ahead than an empty
-        // bucket can be (the clock was stepped back) counts as an empty bucket: a step back
-        // never holds a caller up longer than one refill interval.
-        let start = known.filter(|full| *full > now).map_or(now, |full| {
-            full.min(now.saturating_add(self.tolerance_us + self.interval_us))
-        });
-        if known.is_some_and(|full| full > start) {
-            // Kept, so the bucket refills from here on.
-            t.full_at.insert(key.to_owned(), start);
-        }
-        if start - self.tolerance_us > now {
-            return Verdict::Limited {
-                retry_after_ms: ms_ceil(start - self.tolerance_us - now),
-            };
-        }
-        t.full_at
-            .insert(key.to_owned(), start.saturating_add(self.interval_us));
-        Verdict::Allowed
-    }
-
-    /// Keys held now (refilled ones included until the next sweep).
-    pub fn len(&self) -> usize {
-        self.inner
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .full_at
-            .len()
-    }
-
-    /// Whether the table holds no key.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The most keys it holds.
-    pub fn cap(&self) -> usize {
-        self.cap
-    }
-}
-
-/// µs → ms, rounded up, at least 1.
-fn ms_ceil(us: i64) -> i64 {
-    (us.max(1) + 999) / 1_000
-}
-
 /// Which per-address bucket a request draws from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Class {
@@ -469,71 +328,23 @@ pub struct RateLimits {
     pub admin: RateTable,
     /// Warnings anyone can cause (a wrong admin token, a full challenge table), at most one a
     /// minute per key.
-    pub warn_gate: crate::log_gate::LogGate,
-    /// Request-body budget, in [`BUDGET_UNIT`]s.
-    budget: Arc<tokio::sync::Semaphore>,
-    /// The budget's size in units.
-    budget_units: u32,
-    /// Units one client address may hold at once.
-    per_address_units: u32,
-    /// Units held per client address, only while held (module docs, "Bounds").
-    held: Arc<Mutex<HashMap<String, u32>>>,
-}
-
-/// Why a body could not be admitted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Refusal {
-    /// The relay-wide budget is spent.
-    Relay,
-    /// The caller's address holds its share.
-    Address,
-}
-
-/// A body reservation: its units of the relay-wide budget and of its address's share, given
-/// back when it is dropped (after the answer is made).
-#[derive(Debug)]
-struct Reservation {
-    _permit: tokio::sync::OwnedSemaphorePermit,
-    held: Arc<Mutex<HashMap<String, u32>>>,
-    address: String,
-    units: u32,
-}
-
-impl Drop for Reservation {
-    fn drop(&mut self) {
-        let mut held = self
-            .held
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(n) = held.get_mut(&self.address) {
-            *n = n.saturating_sub(self.units);
-            if *n == 0 {
-                held.remove(&self.address);
-            }
-        }
-    }
+    pub warn_gate: LogGate,
+    /// Request-body budget: relay-wide, and per client address.
+    budget: BodyBudget,
 }
 
 impl RateLimits {
     /// The limits `config` asks for (`[rate]` and `trust_proxy`).
     pub fn new(config: &RelayConfig) -> Self {
         let r = &config.rate;
-        let units = (r.body_budget_bytes / BUDGET_UNIT)
-            .clamp(1, tokio::sync::Semaphore::MAX_PERMITS as u64);
-        let budget_units = u32::try_from(units).unwrap_or(u32::MAX);
-        let per_address_units =
-            u32::try_from((r.body_per_address_bytes / BUDGET_UNIT).max(1)).unwrap_or(u32::MAX);
         RateLimits {
             trust_proxy: TrustProxy::of(config),
             enrol: RateTable::new(r.enrol_per_min, r.max_keys),
             info: RateTable::new(r.info_per_min, r.max_keys),
             push: RateTable::new(r.push_per_min, r.max_keys),
             admin: RateTable::new(ADMIN_PER_MIN, r.max_keys),
-            warn_gate: crate::log_gate::LogGate::default(),
-            budget: Arc::new(tokio::sync::Semaphore::new(budget_units as usize)),
-            budget_units,
-            per_address_units,
-            held: Arc::new(Mutex::new(HashMap::new())),
+            warn_gate: LogGate::default(),
+            budget: BodyBudget::new(r.body_budget_bytes, r.body_per_address_bytes),
         }
     }
 
@@ -545,47 +356,13 @@ impl RateLimits {
 
     /// Request-body bytes reserved right now.
     pub fn body_bytes_reserved(&self) -> u64 {
-        let free = self.budget.available_permits() as u64;
-        (u64::from(self.budget_units).saturating_sub(free)) * BUDGET_UNIT
+        self.budget.bytes_reserved()
     }
 
     /// Request-body bytes the requests of client address `address` (as [`client_address`]
     /// writes it) hold right now.
     pub fn body_bytes_reserved_by(&self, address: &str) -> u64 {
-        let held = self
-            .held
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        u64::from(held.get(address).copied().unwrap_or(0)) * BUDGET_UNIT
-    }
-
-    /// Reserves `bytes` (rounded up to whole units) for a request of `address`, from the
-    /// address's share and the relay-wide budget together, or neither.
-    fn reserve(&self, address: &str, bytes: u64) -> Result<Reservation, Refusal> {
-        let units = u32::try_from(bytes.div_ceil(BUDGET_UNIT).max(1))
-            .unwrap_or(u32::MAX)
-            .min(self.budget_units)
-            .min(self.per_address_units);
-        let mut held = self
-            .held
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let mine = held.get(address).copied().unwrap_or(0);
-        if mine.saturating_add(units) > self.per_address_units {
-            return Err(Refusal::Address);
-        }
-        let permit = self
-            .budget
-            .clone()
-            .try_acquire_many_owned(units)
-            .map_err(|_| Refusal::Relay)?;
-        held.insert(address.to_owned(), mine + units);
-        Ok(Reservation {
-            _permit: permit,
-            held: self.held.clone(),
-            address: address.to_owned(),
-            units,
-        })
+        self.budget.bytes_reserved_by(address)
     }
 
     fn table(&self, class: Class) -> &RateTable {
@@ -600,30 +377,22 @@ impl RateLimits {
 /// 429 `{error:"rate_limit_exceeded", code:"RATE_LIMIT", retry_after}` with `Retry-After`, both
 /// in whole seconds rounded up (at least 1).
 pub fn too_many(retry_after_ms: i64) -> Response {
-    let secs = u64::try_from(retry_after_ms.max(1))
-        .unwrap_or(1)
-        .div_ceil(1_000);
     let body = ErrorBody {
         error: "rate_limit_exceeded".into(),
         code: "RATE_LIMIT".into(),
         epoch: None,
         head_seq: None,
-        retry_after: Some(secs),
+        retry_after: Some(retry_after_secs(retry_after_ms)),
     };
-    (
-        StatusCode::TOO_MANY_REQUESTS,
-        [(header::RETRY_AFTER, HeaderValue::from(secs))],
-        Json(body),
-    )
-        .into_response()
+    rate::too_many(retry_after_ms, Json(body))
 }
 
 /// 503 `{error, code:"BUSY"}` with `Retry-After: 1`: the body budget is spent, relay-wide or
 /// for the caller's address.
 fn busy(refusal: Refusal) -> Response {
     let error = match refusal {
-        Refusal::Relay => "relay busy: too many request bodies in flight; retry shortly",
-        Refusal::Address => {
+        Refusal::Budget => "relay busy: too many request bodies in flight; retry shortly",
+        Refusal::Share => {
             "relay busy: too many request bodies in flight from this address; retry shortly"
         }
     };
@@ -671,18 +440,18 @@ pub async fn guard(State(state): State<SharedRelay>, req: Request, next: Next) -
     if share == 0 {
         return next.run(req).await;
     }
-    let _reserved = match limits.reserve(&address, share) {
+    let _reserved = match limits.budget.try_reserve(&address, share) {
         Ok(r) => r,
-        Err(Refusal::Relay) => {
+        Err(Refusal::Budget) => {
             tracing::warn!(
                 reserved_bytes = limits.body_bytes_reserved(),
                 "relay body budget spent: answering 503"
             );
-            return busy(Refusal::Relay);
+            return busy(Refusal::Budget);
         }
-        Err(Refusal::Address) => {
+        Err(Refusal::Share) => {
             tracing::debug!(address = %address, "the body share of one address is spent: answering 503");
-            return busy(Refusal::Address);
+            return busy(Refusal::Share);
         }
     };
     next.run(req).await
@@ -691,114 +460,6 @@ pub async fn guard(State(state): State<SharedRelay>, req: Request, next: Next) -
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    const MIN: i64 = 60_000;
-
-    #[test]
-    fn a_bucket_holds_per_min_hits_then_refills_one_interval_at_a_time() {
-        let t = RateTable::new(30, 10);
-        for i in 0..30 {
-            assert_eq!(t.hit("a", 0), Verdict::Allowed, "hit {i}");
-        }
-        assert_eq!(
-            t.hit("a", 0),
-            Verdict::Limited {
-                retry_after_ms: 2_000
-            }
-        );
-        // Another key has its own bucket.
-        assert_eq!(t.hit("b", 0), Verdict::Allowed);
-        // One interval later, one more token.
-        assert_eq!(t.hit("a", 1_999), Verdict::Limited { retry_after_ms: 1 });
-        assert_eq!(t.hit("a", 2_000), Verdict::Allowed);
-        assert!(!t.hit("a", 2_000).allowed());
-        // A whole minute refills the bucket completely.
-        for _ in 0..30 {
-            assert!(t.hit("a", 2_000 + MIN).allowed());
-        }
-        assert!(!t.hit("a", 2_000 + MIN).allowed());
-    }
-
-    #[test]
-    fn a_bucket_with_its_own_burst_holds_burst_hits_and_refills_at_its_rate() {
-        // 5 tokens, 120 a minute (one each 500 ms).
-        let t = RateTable::with_burst(5, 120, 10);
-        for i in 0..5 {
-            assert_eq!(t.hit("a", 0), Verdict::Allowed, "hit {i}");
-        }
-        assert_eq!(
-            t.hit("a", 0),
-            Verdict::Limited {
-                retry_after_ms: 500
-            }
-        );
-        assert_eq!(t.hit("a", 499), Verdict::Limited { retry_after_ms: 1 });
-        assert!(t.hit("a", 500).allowed());
-        assert!(!t.hit("a", 500).allowed());
-        // 2.5 s after the last hit the bucket is full again: 5 more, not 6.
-        for _ in 0..5 {
-            assert!(t.hit("a", 3_000).allowed());
-        }
-        assert!(!t.hit("a", 3_000).allowed());
-    }
-
-    #[test]
-    fn a_clock_stepped_back_holds_an_empty_bucket_one_interval_at_most() {
-        // 5 tokens, 120 a minute (one each 500 ms), emptied at t = 1 h.
-        let t = RateTable::with_burst(5, 120, 10);
-        let hour = 3_600_000;
-        for _ in 0..5 {
-            assert!(t.hit("a", hour).allowed());
-        }
-        // The clock steps back an hour: an empty bucket, not one full an hour from now.
-        assert_eq!(
-            t.hit("a", 0),
-            Verdict::Limited {
-                retry_after_ms: 500
-            }
-        );
-        assert!(t.hit("a", 500).allowed());
-        assert!(!t.hit("a", 500).allowed());
-    }
-
-    #[test]
-    fn a_full_table_sweeps_refilled_buckets_and_otherwise_refuses_new_keys() {
-        let t = RateTable::new(60, 3); // one token per second
-        for k in ["a", "b", "c"] {
-            assert!(t.hit(k, 0).allowed());
-        }
-        // Full of buckets that have not refilled: a new key is refused, known keys go on.
-        assert_eq!(
-            t.hit("d", 500),
-            Verdict::TableFull {
-                retry_after_ms: 500
-            }
-        );
-        assert_eq!(t.len(), 3);
-        assert!(t.hit("a", 500).allowed());
-        // No sweep before the earliest refill, even for other new keys.
-        assert!(matches!(t.hit("e", 900), Verdict::TableFull { .. }));
-        // "b" and "c" refilled at 1,000 ("a" took a second hit): they are swept, "d" gets in.
-        assert!(t.hit("d", 1_000).allowed());
-        assert_eq!(t.len(), 2);
-        assert!(t.len() <= t.cap());
-    }
-
-    #[test]
-    fn sixty_thousand_distinct_keys_never_grow_a_table_past_its_cap() {
-        let t = RateTable::new(30, 50_000);
-        let mut refused = 0;
-        for i in 0..60_000u32 {
-            let key = std::net::Ipv4Addr::from(0x0A00_0000 + i).to_string();
-            if !t.hit(&key, 0).allowed() {
-                refused += 1;
-            }
-        }
-        assert_eq!((t.len(), refused), (50_000, 10_000));
-        // Once their buckets refilled, new keys are admitted again.
-        assert!(t.hit("fresh", 2_000).allowed());
-        assert_eq!(t.len(), 1);
-    }
 
     fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();
@@ -914,41 +575,6 @@ mod tests {
     }
 
     #[test]
-    fn an_address_holding_its_body_share_leaves_the_rest_of_the_budget_to_others() {
-        const MIB: u64 = 1024 * 1024;
-        let limits = RateLimits::new(&RelayConfig {
-            rate: RateConfig {
-                body_budget_bytes: 40 * MIB,
-                body_per_address_bytes: 16 * MIB,
-                ..RateConfig::default()
-            },
-            ..RelayConfig::default()
-        });
-        let a1 = limits.reserve("a", 8 * MIB).unwrap();
-        let a2 = limits.reserve("a", 8 * MIB).unwrap();
-        // At its share exactly; one byte more is refused for this address only.
-        assert_eq!(limits.body_bytes_reserved_by("a"), 16 * MIB);
-        assert_eq!(limits.reserve("a", 1).unwrap_err(), Refusal::Address);
-        let b1 = limits.reserve("b", 8 * MIB).unwrap();
-        let b2 = limits.reserve("b", 8 * MIB).unwrap();
-        // 32 of 40 MiB are held: the relay-wide budget refuses past its end, for anyone.
-        let c1 = limits.reserve("c", 8 * MIB).unwrap();
-        assert_eq!(limits.reserve("d", 1).unwrap_err(), Refusal::Relay);
-        assert_eq!(limits.body_bytes_reserved(), 40 * MIB);
-        // A refused reservation took nothing.
-        assert_eq!(limits.body_bytes_reserved_by("d"), 0);
-        drop(a1);
-        assert_eq!(limits.body_bytes_reserved_by("a"), 8 * MIB);
-        let a3 = limits.reserve("a", 8 * MIB).unwrap();
-        drop((a2, a3, b1, b2, c1));
-        assert_eq!(limits.body_bytes_reserved(), 0);
-        assert!(
-            limits.held.lock().unwrap().is_empty(),
-            "no entry outlives its reservations"
-        );
-    }
-
-    #[test]
     fn trust_proxy_values() {
         assert_eq!(TrustProxy::parse("xff"), Ok(TrustProxy::Xff));
         assert_eq!(TrustProxy::parse("1"), Ok(TrustProxy::Xff));
@@ -1024,20 +650,5 @@ mod tests {
             "{e}"
         );
         assert_eq!(TrustProxy::of(&RelayConfig::default()), TrustProxy::Socket);
-    }
-
-    #[test]
-    fn retry_after_is_whole_seconds_at_least_one() {
-        for (ms, secs) in [
-            (1, "1"),
-            (999, "1"),
-            (1_000, "1"),
-            (1_001, "2"),
-            (59_000, "59"),
-        ] {
-            let r = too_many(ms);
-            assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
-            assert_eq!(r.headers()[header::RETRY_AFTER], secs, "{ms}");
-        }
     }
 }

@@ -5,10 +5,9 @@
 //! sweep at start and every `sweep_interval_ms` ([`crate::retention`]), and on shutdown stops
 //! accepting, lets requests in flight finish (their commits included) and returns.
 //!
-//! Connections are accepted by our own loop and served by hyper's HTTP/1 server (axum::serve
-//! has no header-read timeout: a client trickling its headers would hold a socket forever), with
-//! the `wire.md` §3.1 timeouts — headers 10 s, request 30 s, keep-alive idle 5 s — and a bound on
-//! open connections.
+//! Connections are accepted by the shared accept loop ([`agentmbx_net::serve`]: hyper's HTTP/1
+//! server with a header-read timeout), with the `wire.md` §3.1 timeouts — headers 10 s, request
+//! 30 s, keep-alive idle 5 s — and a bound on open connections.
 //!
 //! It also watches the store: once the store stopped taking writes (a failed COMMIT,
 //! [`RelayStore::failed`]) it logs why, stops accepting, gives requests in flight up to
@@ -26,6 +25,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 
+use agentmbx_net::serve::{accept_loop, ConnSettings};
 use agentmbx_protocol::clock::SharedClock;
 use agentmbx_protocol::keys::HostKey;
 
@@ -43,10 +43,6 @@ pub const STORE_WATCH_EVERY: Duration = Duration::from_millis(100);
 /// How long requests in flight may still run once the store failed (their writes fail at once;
 /// reads may finish) before `serve` returns anyway.
 pub const FAILED_STORE_GRACE: Duration = Duration::from_secs(5);
-
-/// Pause after an accept error that is not about one connection (EMFILE, ENFILE, ENOBUFS…),
-/// so the loop does not spin while the condition lasts.
-pub const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
 /// Everything a handler can reach.
 #[derive(Debug)]
@@ -166,12 +162,10 @@ async fn request_timeout(
     next: Next,
 ) -> Response {
     let _counted = Counted::new(state);
-    match tokio::time::timeout(limit, next.run(req)).await {
-        Ok(response) => response,
-        Err(_) => {
-            ApiError::new(StatusCode::REQUEST_TIMEOUT, "request timeout", "TIMEOUT").into_response()
-        }
-    }
+    agentmbx_net::timeout::within(limit, req, next, || {
+        ApiError::new(StatusCode::REQUEST_TIMEOUT, "request timeout", "TIMEOUT").into_response()
+    })
+    .await
 }
 
 /// Resolves with the reason once `store` stopped taking writes for good.
@@ -186,44 +180,29 @@ pub async fn store_failure(store: Arc<dyn RelayStore>) -> String {
     }
 }
 
-/// How the accept loop treats each connection (the relay's from [`RelayConfig`]; the daemon's
-/// LAN server uses the same loop with its own).
-#[derive(Debug, Clone, Copy)]
-pub struct ConnSettings {
-    /// Which server this is, in log lines (`relay`, `LAN`).
-    pub name: &'static str,
-    /// Header-read timeout (hyper's: it also runs while a kept-alive connection waits for its
-    /// next request).
-    pub header_read: Duration,
-    /// Keep-alive idle timeout: no request in flight for this long closes the connection.
-    pub keep_alive: Duration,
-    /// Most connections open at once (at least 1, at most `Semaphore::MAX_PERMITS`).
-    pub max_connections: usize,
-}
-
-impl ConnSettings {
-    fn from_config(config: &RelayConfig) -> Self {
-        use crate::config::{
-            DEFAULT_HEADER_READ_TIMEOUT_MS, DEFAULT_KEEP_ALIVE_TIMEOUT_MS, DEFAULT_MAX_CONNECTIONS,
-        };
-        let max = config.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS);
-        ConnSettings {
-            name: "relay",
-            header_read: Duration::from_millis(
-                config
-                    .header_read_timeout_ms
-                    .unwrap_or(DEFAULT_HEADER_READ_TIMEOUT_MS),
-            ),
-            keep_alive: Duration::from_millis(
-                config
-                    .keep_alive_timeout_ms
-                    .unwrap_or(DEFAULT_KEEP_ALIVE_TIMEOUT_MS),
-            ),
-            // Validated to 1..=1,000,000; clamped anyway (a `Semaphore` panics past its maximum).
-            max_connections: usize::try_from(max)
-                .unwrap_or(usize::MAX)
-                .clamp(1, tokio::sync::Semaphore::MAX_PERMITS),
-        }
+/// The relay's connection settings from its configuration (`header_read_timeout_ms`,
+/// `keep_alive_timeout_ms`, `max_connections`, each with its `wire.md` §3.1 default).
+fn conn_settings(config: &RelayConfig) -> ConnSettings {
+    use crate::config::{
+        DEFAULT_HEADER_READ_TIMEOUT_MS, DEFAULT_KEEP_ALIVE_TIMEOUT_MS, DEFAULT_MAX_CONNECTIONS,
+    };
+    let max = config.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS);
+    ConnSettings {
+        name: "relay",
+        header_read: Duration::from_millis(
+            config
+                .header_read_timeout_ms
+                .unwrap_or(DEFAULT_HEADER_READ_TIMEOUT_MS),
+        ),
+        keep_alive: Duration::from_millis(
+            config
+                .keep_alive_timeout_ms
+                .unwrap_or(DEFAULT_KEEP_ALIVE_TIMEOUT_MS),
+        ),
+        // Validated to 1..=1,000,000; clamped anyway (a `Semaphore` panics past its maximum).
+        max_connections: usize::try_from(max)
+            .unwrap_or(usize::MAX)
+            .clamp(1, tokio::sync::Semaphore::MAX_PERMITS),
     }
 }
 
@@ -235,7 +214,7 @@ impl ConnSettings {
 /// (`header_read_timeout_ms`, 10 s), request (`request_timeout_ms`, 30 s, the router's
 /// middleware) and keep-alive (`keep_alive_timeout_ms`, 5 s idle). At most `max_connections`
 /// are open at once; past that, new ones wait in the listen backlog. An accept error (EMFILE…)
-/// is logged and retried after [`ACCEPT_BACKOFF`].
+/// is logged and retried after [`agentmbx_net::serve::ACCEPT_BACKOFF`].
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: SharedRelay,
@@ -294,7 +273,7 @@ pub async fn serve(
             }
         }
     };
-    let settings = ConnSettings::from_config(&state.config);
+    let settings = conn_settings(&state.config);
     let server = accept_loop(listener, router(state), settings, stop);
     let deadline = {
         let store_failed = failed(failed_rx.clone());
@@ -323,245 +302,4 @@ pub async fn serve(
     }
     tracing::info!("relay stopped");
     Ok(())
-}
-
-/// Accepts connections until `stop` resolves; then closes the listener (nothing listens any
-/// more), asks every connection to shut down gracefully (an idle one closes at once, one with a
-/// request in flight finishes that request and its answer first) and waits for them all.
-/// Dropping the returned future aborts the connections still open. Every request carries the
-/// peer's address as `axum::extract::ConnectInfo<SocketAddr>`.
-pub async fn accept_loop(
-    listener: tokio::net::TcpListener,
-    app: Router,
-    settings: ConnSettings,
-    stop: impl Future<Output = ()>,
-) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(
-        settings
-            .max_connections
-            .clamp(1, tokio::sync::Semaphore::MAX_PERMITS),
-    ));
-    let (closing_tx, closing_rx) = tokio::sync::watch::channel(false);
-    let mut connections = tokio::task::JoinSet::new();
-    let mut stop = std::pin::pin!(stop);
-    loop {
-        let (tcp, remote, slot) = tokio::select! {
-            biased;
-            () = &mut stop => break,
-            next = next_connection(&listener, &slots, settings) => next,
-        };
-        while let Some(done) = connections.try_join_next() {
-            connection_ended(done, settings.name);
-        }
-        connections.spawn(serve_connection(
-            tcp,
-            remote,
-            slot,
-            app.clone(),
-            settings,
-            closing_rx.clone(),
-        ));
-    }
-    drop(listener);
-    closing_tx.send_replace(true);
-    while let Some(done) = connections.join_next().await {
-        connection_ended(done, settings.name);
-    }
-}
-
-/// Reports a connection task that panicked (a handler panic ends only its connection).
-fn connection_ended(done: Result<(), tokio::task::JoinError>, name: &str) {
-    if let Err(e) = done {
-        if e.is_panic() {
-            tracing::error!("a {name} connection task panicked");
-        }
-    }
-}
-
-/// The next accepted connection with its slot (one of `max_connections` permits, held until
-/// the connection closes). Waits for a free slot first; retries accept errors.
-async fn next_connection(
-    listener: &tokio::net::TcpListener,
-    slots: &Arc<tokio::sync::Semaphore>,
-    settings: ConnSettings,
-) -> (
-    tokio::net::TcpStream,
-    std::net::SocketAddr,
-    tokio::sync::OwnedSemaphorePermit,
-) {
-    let name = settings.name;
-    loop {
-        let slot = match slots.clone().try_acquire_owned() {
-            Ok(slot) => slot,
-            Err(_) => {
-                tracing::warn!(
-                    max_connections = settings.max_connections,
-                    "{name} connection limit reached: new connections wait until one closes"
-                );
-                match slots.clone().acquire_owned().await {
-                    Ok(slot) => slot,
-                    // The semaphore is never closed.
-                    Err(_) => std::future::pending().await,
-                }
-            }
-        };
-        match listener.accept().await {
-            Ok((tcp, remote)) => return (tcp, remote, slot),
-            // About that one connection (gone before it was accepted): take the next.
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::ConnectionAborted
-                        | std::io::ErrorKind::ConnectionReset
-                        | std::io::ErrorKind::ConnectionRefused
-                ) => {}
-            Err(e) => {
-                drop(slot);
-                tracing::error!(error = %e, "{name} accept failed; retrying shortly");
-                tokio::time::sleep(ACCEPT_BACKOFF).await;
-            }
-        }
-    }
-}
-
-/// What one connection is doing, for its keep-alive timer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Activity {
-    /// Requests whose answer is not ready yet (HTTP/1: 0 or 1).
-    in_flight: usize,
-    /// Since when nothing is in flight (`None` while a request is).
-    idle_since: Option<tokio::time::Instant>,
-}
-
-/// Marks one request in flight on its connection until dropped.
-struct InFlight(Arc<tokio::sync::watch::Sender<Activity>>);
-
-impl InFlight {
-    fn begin(activity: Arc<tokio::sync::watch::Sender<Activity>>) -> Self {
-        activity.send_modify(|a| {
-            a.in_flight += 1;
-            a.idle_since = None;
-        });
-        InFlight(activity)
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0.send_modify(|a| {
-            a.in_flight = a.in_flight.saturating_sub(1);
-            if a.in_flight == 0 {
-                a.idle_since = Some(tokio::time::Instant::now());
-            }
-        });
-    }
-}
-
-/// The router as hyper calls it, counting the requests in flight on one connection.
-struct Tracked {
-    inner: hyper_util::service::TowerToHyperService<Router>,
-    activity: Arc<tokio::sync::watch::Sender<Activity>>,
-    remote: std::net::SocketAddr,
-}
-
-impl hyper::service::Service<hyper::Request<hyper::body::Incoming>> for Tracked {
-    type Response = Response;
-    type Error = std::convert::Infallible;
-    type Future =
-        std::pin::Pin<Box<dyn Future<Output = Result<Response, std::convert::Infallible>> + Send>>;
-
-    fn call(&self, mut req: hyper::Request<hyper::body::Incoming>) -> Self::Future {
-        req.extensions_mut()
-            .insert(axum::extract::ConnectInfo(self.remote));
-        let in_flight = InFlight::begin(self.activity.clone());
-        let answer = self.inner.call(req);
-        Box::pin(async move {
-            let answer = answer.await;
-            drop(in_flight);
-            answer
-        })
-    }
-}
-
-/// Resolves once the connection has had nothing in flight for `limit`.
-async fn idle_for(activity: &mut tokio::sync::watch::Receiver<Activity>, limit: Duration) {
-    loop {
-        let since = activity.borrow_and_update().idle_since;
-        let changed = match since {
-            None => activity.changed().await,
-            Some(since) => {
-                tokio::select! {
-                    biased;
-                    changed = activity.changed() => changed,
-                    () = tokio::time::sleep_until(since + limit) => {
-                        // A request that started meanwhile (its head was parsed while the timer
-                        // fired) keeps the connection.
-                        if activity.borrow().idle_since == Some(since) {
-                            return;
-                        }
-                        Ok(())
-                    }
-                }
-            }
-        };
-        if changed.is_err() {
-            // The connection is gone; its task ends without us.
-            std::future::pending::<()>().await;
-        }
-    }
-}
-
-/// Resolves once the server asked its connections to close.
-async fn closing(signal: &mut tokio::sync::watch::Receiver<bool>) {
-    // An error means the accept loop is gone (its connections are being aborted): close too.
-    let _ = signal.wait_for(|closing| *closing).await;
-}
-
-/// Serves one connection until it closes: HTTP/1.1 with keep-alive, the header-read timeout,
-/// the keep-alive idle timeout and graceful shutdown once `closing_signal` says so.
-async fn serve_connection(
-    tcp: tokio::net::TcpStream,
-    remote: std::net::SocketAddr,
-    _slot: tokio::sync::OwnedSemaphorePermit,
-    app: Router,
-    settings: ConnSettings,
-    mut closing_signal: tokio::sync::watch::Receiver<bool>,
-) {
-    let (activity_tx, mut activity) = tokio::sync::watch::channel(Activity {
-        in_flight: 0,
-        idle_since: Some(tokio::time::Instant::now()),
-    });
-    let service = Tracked {
-        inner: hyper_util::service::TowerToHyperService::new(app),
-        activity: Arc::new(activity_tx),
-        remote,
-    };
-    let mut http = hyper::server::conn::http1::Builder::new();
-    http.timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(settings.header_read)
-        .keep_alive(true);
-    let conn = http.serve_connection(hyper_util::rt::TokioIo::new(tcp), service);
-    let mut conn = std::pin::pin!(conn);
-    let mut winding_down = false;
-    loop {
-        tokio::select! {
-            // The connection first: bytes already there start a request before the idle timer
-            // is looked at.
-            biased;
-            served = conn.as_mut() => {
-                if let Err(e) = served {
-                    tracing::debug!(error = %e, "{} connection ended with an error", settings.name);
-                }
-                return;
-            }
-            () = closing(&mut closing_signal), if !winding_down => {
-                winding_down = true;
-                conn.as_mut().graceful_shutdown();
-            }
-            () = idle_for(&mut activity, settings.keep_alive), if !winding_down => {
-                winding_down = true;
-                conn.as_mut().graceful_shutdown();
-            }
-        }
-    }
 }

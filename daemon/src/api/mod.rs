@@ -400,7 +400,9 @@ impl IntoResponse for ApiError {
                 );
             }
             ApiError::RateLimited { retry_after_ms, .. } => {
-                let secs = (*retry_after_ms).max(1).div_ceil(1000);
+                let secs = agentmbx_net::rate::retry_after_secs(
+                    i64::try_from(*retry_after_ms).unwrap_or(i64::MAX),
+                );
                 response
                     .headers_mut()
                     .insert(header::RETRY_AFTER, HeaderValue::from(secs));
@@ -475,13 +477,13 @@ pub async fn serve(
     // Any local process can connect before it shows a token: the same accept loop as the LAN
     // and relay servers bounds how long a connection may idle and how many may be open, so a
     // misbehaving client cannot use up the daemon's file handles.
-    let settings = agentmbx_relay::server::ConnSettings {
+    let settings = agentmbx_net::serve::ConnSettings {
         name: "local API",
         header_read: HEADER_READ_TIMEOUT,
         keep_alive: KEEP_ALIVE_TIMEOUT,
         max_connections: MAX_CONNECTIONS,
     };
-    agentmbx_relay::server::accept_loop(listener, router(state), settings, shutdown).await;
+    agentmbx_net::serve::accept_loop(listener, router(state), settings, shutdown).await;
     tracing::info!("local API stopped");
     Ok(())
 }

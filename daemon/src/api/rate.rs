@@ -18,7 +18,7 @@
 //!   400) draws from one shared bucket of its class, [`NO_AGENT`]. A body is read for this
 //!   only up to [`super::MAX_REQUEST_BODY`] and handed on unchanged to the route.
 //! - **The answer past a bucket**: 429 `{error, code:"RATE_LIMIT", retry_after}`, the relay's
-//!   code and shape (`agentmbx_relay::ratelimit::too_many`), with `retry_after` in seconds to
+//!   code and shape (its 429 past a rate limit), with `retry_after` in seconds to
 //!   the next token (fractional, ms precision) and a `Retry-After` header in whole seconds
 //!   rounded up (at least 1). Nothing of the request was done; a retry after that time with
 //!   the same `Idempotency-Key` is safe.
@@ -27,7 +27,7 @@
 //! refused 401 (the token is checked first).
 //!
 //! # Bounds
-//! The buckets are the relay's [`RateTable`] (GCRA: one timestamp per key): each class's table
+//! The buckets are the shared [`RateTable`] (`agentmbx_net`; GCRA: one timestamp per key): each class's table
 //! holds at most `max_keys` agents; a bucket that has refilled completely is the same as none
 //! and is swept out when the table is full; if it is still full, a new agent is answered 429
 //! until the earliest bucket refills, rather than an existing bucket being dropped (dropping
@@ -49,7 +49,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 
-use agentmbx_relay::ratelimit::{RateTable, Verdict};
+use agentmbx_net::rate::{RateTable, Verdict};
 
 use crate::config::ApiRateConfig;
 

@@ -8,8 +8,8 @@
 //! declared length and again while streaming; an oversized one is discarded for up to 2 s and
 //! answered 413 `{error:"request body over 4194304 bytes"}`. Headers must arrive within 10 s, a
 //! whole request within 30 s (else 408), and an idle kept-alive connection closes after 5 s.
-//! Connections are accepted by the relay's accept loop (hyper HTTP/1 with those timeouts and
-//! graceful shutdown), shared rather than copied.
+//! Connections are accepted by the shared accept loop ([`agentmbx_net::serve`]: hyper HTTP/1
+//! with those timeouts and graceful shutdown).
 //!
 //! This module never trusts a name or an address: the hop's pinned key is the only proof of
 //! who calls.
@@ -27,8 +27,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use axum::Router;
 
-use agentmbx_relay::auth::{read_capped, BodyError};
-use agentmbx_relay::server::{accept_loop, ConnSettings};
+use agentmbx_net::body::{read_capped, BodyError};
+use agentmbx_net::serve::{accept_loop, ConnSettings};
 
 use super::handlers::{self, HttpError};
 use super::hop::{self, PeerLimiter, PEER_REQUESTS_PER_MINUTE};

@@ -41,13 +41,13 @@ use axum::{Json, Router};
 use rusqlite::{Connection, TransactionBehavior};
 use serde_json::{json, Value};
 
+use agentmbx_net::body::{read_capped, BodyError};
+use agentmbx_net::log_gate::LogGate;
 use agentmbx_protocol::clock::SharedClock;
 use agentmbx_protocol::keys::PublicKey;
 use agentmbx_protocol::rotation::{
     RotateAnswer, RotateResult, RotationError, SignedRotation, MAX_RECORDS_PER_ANNOUNCE,
 };
-use agentmbx_relay::auth::{read_capped, BodyError};
-use agentmbx_relay::log_gate::LogGate;
 
 use super::{parse_json, HttpError};
 use crate::mailbox::peers::{self, Rotated};
