@@ -49,6 +49,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 
+use agentmbx_net::body::{read_capped, BodyError};
 use agentmbx_net::rate::{RateTable, Verdict};
 
 use crate::config::ApiRateConfig;
@@ -214,20 +215,18 @@ pub async fn guard(
     }
 }
 
-/// Reads a `POST` body (up to [`MAX_REQUEST_BODY`]) for the agent it names and puts it back;
-/// a body over the limit is 413 `BODY_TOO_LARGE` unread, as its route would answer.
+/// Reads a `POST` body (up to [`MAX_REQUEST_BODY`], with the shared streaming cap,
+/// [`agentmbx_net::body::read_capped`]) for the agent it names and puts it back; a body over
+/// the limit is 413 `BODY_TOO_LARGE`, as its route would answer.
 async fn read_agent(request: Request) -> Result<(Request, Option<String>), ApiError> {
     let (parts, body) = request.into_parts();
-    let bytes = axum::body::to_bytes(body, MAX_REQUEST_BODY)
+    let bytes = read_capped(body, MAX_REQUEST_BODY)
         .await
-        .map_err(|e| {
-            let too_large = std::error::Error::source(&e)
-                .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
-            if too_large {
-                ApiError::BodyTooLarge(format!(
-                    "the request body is over the limit of {MAX_REQUEST_BODY} bytes"
-                ))
-            } else {
+        .map_err(|e| match e {
+            BodyError::TooLarge => ApiError::BodyTooLarge(format!(
+                "the request body is over the limit of {MAX_REQUEST_BODY} bytes"
+            )),
+            BodyError::Broken => {
                 ApiError::Invalid("the request body could not be read in full".into())
             }
         })?;

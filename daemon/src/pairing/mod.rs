@@ -24,20 +24,11 @@ pub mod store;
 mod tests;
 
 use std::collections::HashMap;
-use std::num::NonZeroU32;
 use std::sync::{Mutex, OnceLock};
-use std::time::Duration;
 
+use agentmbx_net::rate::{RateTable, Verdict};
 use agentmbx_protocol::clock::SharedClock;
 use agentmbx_protocol::keys::PublicKey;
-use governor::middleware::NoOpMiddleware;
-use governor::nanos::Nanos;
-use governor::state::{InMemoryState, NotKeyed};
-
-use governor::clock::Clock as _;
-
-use crate::transport::lan::hop::LimiterClock;
-use governor::{Quota, RateLimiter};
 
 use crate::host_name::{HostName, MAX_LEN as HOST_MAX_LEN};
 
@@ -122,26 +113,27 @@ pub(crate) fn check_party(
     Ok(())
 }
 
-type Limiter = RateLimiter<NotKeyed, InMemoryState, LimiterClock, NoOpMiddleware<Nanos>>;
-
 /// A whole-host rate limit of `per_minute` requests a minute (GCRA: a burst of `per_minute`,
-/// then one every `60 / per_minute` s), built on first use with the daemon's clock.
+/// then one every `60 / per_minute` s): a one-key [`RateTable`] built on first use, run on the
+/// daemon's clock.
 #[derive(Debug, Default)]
 struct MinuteLimit {
-    limiter: OnceLock<Limiter>,
+    table: OnceLock<RateTable>,
 }
 
 impl MinuteLimit {
-    /// Takes one request from the budget: `Ok` when allowed, else how long to wait.
-    fn check(&self, per_minute: u32, clock: &SharedClock) -> Result<(), Duration> {
-        let clock = LimiterClock(clock.clone());
-        let limiter = self.limiter.get_or_init(|| {
-            let n = NonZeroU32::new(per_minute).unwrap_or(NonZeroU32::MIN);
-            RateLimiter::direct_with_clock(Quota::per_minute(n), clock.clone())
-        });
-        limiter
-            .check()
-            .map_err(|not_until| not_until.wait_time_from(clock.now()))
+    /// Takes one request from the budget: `Ok` when allowed, else how long to wait (ms, at
+    /// least 1).
+    fn check(&self, per_minute: u32, clock: &SharedClock) -> Result<(), i64> {
+        let table = self
+            .table
+            .get_or_init(|| RateTable::new(u64::from(per_minute.max(1)), 1));
+        match table.hit("", clock.now_ms()) {
+            Verdict::Allowed => Ok(()),
+            Verdict::Limited { retry_after_ms } | Verdict::TableFull { retry_after_ms } => {
+                Err(retry_after_ms)
+            }
+        }
     }
 }
 
@@ -235,13 +227,13 @@ impl PairingMemory {
             .map(|c| c.nonce)
     }
 
-    /// Counts one hello or join request: `Err(wait)` past [`TOKEN_REQS_PER_MIN`].
-    pub fn check_token_rate(&self, clock: &SharedClock) -> Result<(), Duration> {
+    /// Counts one hello or join request: `Err(ms to wait)` past [`TOKEN_REQS_PER_MIN`].
+    pub fn check_token_rate(&self, clock: &SharedClock) -> Result<(), i64> {
         self.token_limit.check(TOKEN_REQS_PER_MIN, clock)
     }
 
-    /// Counts one `POST /v1/pair` request: `Err(wait)` past [`COMPARE_REQS_PER_MIN`].
-    pub fn check_compare_rate(&self, clock: &SharedClock) -> Result<(), Duration> {
+    /// Counts one `POST /v1/pair` request: `Err(ms to wait)` past [`COMPARE_REQS_PER_MIN`].
+    pub fn check_compare_rate(&self, clock: &SharedClock) -> Result<(), i64> {
         self.compare_limit.check(COMPARE_REQS_PER_MIN, clock)
     }
 }

@@ -17,11 +17,9 @@
 //! matches no live token counts a failure on every live token (5 burn it), committed before the
 //! 401. These handlers never log a token, a key K, a MAC or a body.
 
-use std::time::Duration;
-
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{header, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -69,12 +67,9 @@ fn refuse(status: StatusCode, error: impl Into<String>) -> Response {
     (status, Json(json!({ "error": error.into() }))).into_response()
 }
 
-fn too_many(wait: Duration, error: &str) -> Response {
-    let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
-    let mut res = refuse(StatusCode::TOO_MANY_REQUESTS, error);
-    res.headers_mut()
-        .insert(header::RETRY_AFTER, header::HeaderValue::from(secs.max(1)));
-    res
+/// 429 `{error}` with `Retry-After` in whole seconds, rounded up (at least 1).
+fn too_many(wait_ms: i64, error: &str) -> Response {
+    agentmbx_net::rate::too_many(wait_ms, Json(json!({ "error": error })))
 }
 
 fn internal(e: &MailboxError) -> Response {

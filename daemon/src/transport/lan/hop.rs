@@ -18,7 +18,6 @@
 //! is remembered for address healing, which must prove the key before moving anything.
 
 use std::net::{IpAddr, SocketAddr};
-use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
@@ -26,12 +25,8 @@ use axum::extract::{ConnectInfo, Request};
 use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use governor::clock::Clock as GovernorClock;
-use governor::middleware::NoOpMiddleware;
-use governor::nanos::Nanos;
-use governor::state::keyed::HashMapStateStore;
-use governor::{Quota, RateLimiter};
 
+use agentmbx_net::rate::RateTable;
 use agentmbx_protocol::clock::SharedClock;
 use agentmbx_protocol::hop::{self, header, HopError};
 use agentmbx_protocol::keys::PublicKey;
@@ -56,27 +51,15 @@ pub fn last_seen_key(host: &str) -> String {
 #[derive(Debug, Clone)]
 pub struct HopPeer(pub Peer);
 
-/// [`SharedClock`] as governor's clock (ms resolution), so tests can drive the rate limits
-/// (this per-peer one and the pairing limits, [`crate::pairing::PairingMemory`]).
-#[derive(Debug, Clone)]
-pub(crate) struct LimiterClock(pub(crate) SharedClock);
-
-impl GovernorClock for LimiterClock {
-    type Instant = Nanos;
-
-    fn now(&self) -> Nanos {
-        let ms = u64::try_from(self.0.now_ms()).unwrap_or(0);
-        Nanos::from(ms.saturating_mul(1_000_000))
-    }
-}
-
 /// Per-peer rate limit of signed requests (GCRA: a burst of `per_minute`, refilled evenly over
-/// the minute), keyed by the verified peer host. Entries exist only for pinned peers, so the
-/// map stays as small as the peer list.
+/// the minute; a [`RateTable`] on the daemon's clock, so tests drive it), keyed by the verified
+/// peer host. Entries exist only for pinned peers, so the table stays as small as the peer
+/// list: it has no cap of its own.
 #[derive(Debug)]
 pub struct PeerLimiter {
     per_minute: u32,
-    inner: RateLimiter<String, HashMapStateStore<String>, LimiterClock, NoOpMiddleware<Nanos>>,
+    clock: SharedClock,
+    table: RateTable,
 }
 
 impl PeerLimiter {
@@ -84,16 +67,16 @@ impl PeerLimiter {
     /// `clock`.
     pub fn new(clock: SharedClock, per_minute: u32) -> Self {
         let per_minute = per_minute.max(1);
-        let quota = Quota::per_minute(NonZeroU32::new(per_minute).unwrap_or(NonZeroU32::MIN));
         PeerLimiter {
             per_minute,
-            inner: RateLimiter::hashmap_with_clock(quota, LimiterClock(clock)),
+            clock,
+            table: RateTable::new(u64::from(per_minute), u64::MAX),
         }
     }
 
     /// Counts one request from `host`; false when it is over the limit.
     pub fn check(&self, host: &str) -> bool {
-        self.inner.check_key(&host.to_string()).is_ok()
+        self.table.hit(host, self.clock.now_ms()).allowed()
     }
 
     /// The 429 answer for `host` (0.5.x's text).

@@ -9,7 +9,9 @@
 //! answered 413 `{error:"request body over 4194304 bytes"}`. Headers must arrive within 10 s, a
 //! whole request within 30 s (else 408), and an idle kept-alive connection closes after 5 s.
 //! Connections are accepted by the shared accept loop ([`agentmbx_net::serve`]: hyper HTTP/1
-//! with those timeouts and graceful shutdown).
+//! with those timeouts and graceful shutdown); the body cap, the body budget and the request
+//! timeout are the shared ones too ([`agentmbx_net::body`], [`agentmbx_net::budget`],
+//! [`agentmbx_net::timeout`]), each answering in the LAN server's error shape.
 //!
 //! This module never trusts a name or an address: the hop's pinned key is the only proof of
 //! who calls.
@@ -17,7 +19,6 @@
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::Semaphore;
 
 use axum::body::Body;
 use axum::extract::{DefaultBodyLimit, Request};
@@ -28,6 +29,7 @@ use axum::routing::{any, get, post};
 use axum::Router;
 
 use agentmbx_net::body::{read_capped, BodyError};
+use agentmbx_net::budget::BodyBudget;
 use agentmbx_net::serve::{accept_loop, ConnSettings};
 
 use super::handlers::{self, HttpError};
@@ -75,7 +77,7 @@ pub fn router(state: SharedLan) -> Router {
     let unsigned = Router::new()
         .route("/v1/status", any(handlers::status::get))
         .merge(crate::pairing::server::router());
-    let budget = Arc::new(Semaphore::new(BODY_BUDGET / BUDGET_UNIT));
+    let budget = Arc::new(BodyBudget::new(BODY_BUDGET as u64, BODY_BUDGET as u64));
     Router::new()
         .merge(unsigned)
         .merge(signed)
@@ -97,25 +99,21 @@ pub fn router(state: SharedLan) -> Router {
 /// the daemon buffer `MAX_CONNECTIONS × 4 MiB`; a request waits for room, within its 30 s.
 pub const BODY_BUDGET: usize = 64 * 1024 * 1024;
 
-/// Granularity of [`BODY_BUDGET`] reservations (1 KiB).
-const BUDGET_UNIT: usize = 1024;
-
 async fn not_found() -> HttpError {
     HttpError::not_found()
 }
 
 /// Reserves the body's share of [`BODY_BUDGET`], reads the whole body under [`MAX_BODY`] (413
 /// past it, after discarding the rest for up to 2 s) and hands it on buffered.
-async fn cap_body(budget: Arc<Semaphore>, req: Request, next: Next) -> Response {
+async fn cap_body(budget: Arc<BodyBudget>, req: Request, next: Next) -> Response {
     let declared = req
         .headers()
         .get(axum::http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<usize>().ok());
     let share = declared.unwrap_or(MAX_BODY).min(MAX_BODY + 1);
-    let units = u32::try_from(share.div_ceil(BUDGET_UNIT).max(1)).unwrap_or(u32::MAX);
     // Held until the answer is made: the buffered body lives that long.
-    let Ok(_reserved) = budget.acquire_many_owned(units).await else {
+    let Some(_reserved) = budget.reserve(share as u64).await else {
         return HttpError::new(StatusCode::SERVICE_UNAVAILABLE, "server is shutting down")
             .into_response();
     };
@@ -134,10 +132,10 @@ async fn cap_body(budget: Arc<Semaphore>, req: Request, next: Next) -> Response 
 
 /// Bounds one request to [`REQUEST_TIMEOUT`]; past it 408 `{error:"request timeout"}`.
 async fn request_timeout(req: Request, next: Next) -> Response {
-    match tokio::time::timeout(REQUEST_TIMEOUT, next.run(req)).await {
-        Ok(response) => response,
-        Err(_) => HttpError::new(StatusCode::REQUEST_TIMEOUT, "request timeout").into_response(),
-    }
+    agentmbx_net::timeout::within(REQUEST_TIMEOUT, req, next, || {
+        HttpError::new(StatusCode::REQUEST_TIMEOUT, "request timeout").into_response()
+    })
+    .await
 }
 
 /// Serves the LAN routes on `listener` until `shutdown` resolves; then stops accepting, lets

@@ -28,13 +28,12 @@
 //! than the pinned one, and never logs or audits a key, a signature or a record: fingerprints and
 //! fixed reasons only. A record refused changes nothing.
 
-use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{ConnectInfo, Request, State};
-use axum::http::{header, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
@@ -43,6 +42,7 @@ use serde_json::{json, Value};
 
 use agentmbx_net::body::{read_capped, BodyError};
 use agentmbx_net::log_gate::LogGate;
+use agentmbx_net::rate::{RateTable, Verdict, WhenFull};
 use agentmbx_protocol::clock::SharedClock;
 use agentmbx_protocol::keys::PublicKey;
 use agentmbx_protocol::rotation::{
@@ -96,69 +96,41 @@ pub fn router(clock: SharedClock) -> Router<SharedLan> {
 }
 
 /// A per-client-address rate limit (GCRA: a burst of `per_minute`, refilled evenly over the
-/// minute) in a table of at most `cap` addresses, timed by the daemon's clock.
+/// minute) in a table of at most `cap` addresses, timed by the daemon's clock: a [`RateTable`]
+/// that forgets the addresses closest to a full budget when full ([`WhenFull`]).
 #[derive(Debug)]
 pub struct AddressLimiter {
     clock: SharedClock,
-    /// ms between two requests at the sustained rate.
-    interval_ms: i64,
-    /// ms of budget a fresh address holds (`per_minute × interval_ms`).
-    burst_ms: i64,
-    cap: usize,
-    /// Address → theoretical arrival time (ms): the budget is used up to there.
-    table: Mutex<HashMap<IpAddr, i64>>,
+    table: RateTable,
 }
 
 impl AddressLimiter {
     /// `per_minute` requests a minute per address (at least 1), at most `cap` addresses (at
     /// least 1) remembered.
     pub fn new(clock: SharedClock, per_minute: u32, cap: usize) -> Self {
-        let per_minute = i64::from(per_minute.max(1));
-        let interval_ms = (60_000 / per_minute).max(1);
+        let cap = u64::try_from(cap).unwrap_or(u64::MAX);
         AddressLimiter {
             clock,
-            interval_ms,
-            burst_ms: interval_ms * per_minute,
-            cap: cap.max(1),
-            table: Mutex::new(HashMap::new()),
+            table: RateTable::new(u64::from(per_minute), cap)
+                .when_full(WhenFull::ForgetClosestToFull),
         }
     }
 
     /// Counts one request from `addr` (IPv4-mapped IPv6 counts as its IPv4 address): `Ok`
     /// when allowed, else how long until the next one is.
     pub fn check(&self, addr: IpAddr) -> Result<(), Duration> {
-        let addr = match addr {
-            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
-            v4 => v4,
-        };
-        let now = self.clock.now_ms();
-        // A panic while holding the lock cannot leave the map inconsistent: keep going.
-        let mut table = self.table.lock().unwrap_or_else(|e| e.into_inner());
-        let known = table.get(&addr).copied();
-        let next = known.unwrap_or(now).max(now) + self.interval_ms;
-        let used = next - now;
-        if used > self.burst_ms {
-            let wait = u64::try_from(used - self.burst_ms).unwrap_or(0);
-            return Err(Duration::from_millis(wait));
+        let key = addr.to_canonical().to_string();
+        match self.table.hit(&key, self.clock.now_ms()) {
+            Verdict::Allowed => Ok(()),
+            Verdict::Limited { retry_after_ms } | Verdict::TableFull { retry_after_ms } => Err(
+                Duration::from_millis(u64::try_from(retry_after_ms).unwrap_or(1)),
+            ),
         }
-        if known.is_none() && table.len() >= self.cap {
-            // Entries whose budget is full again are the same as no entry.
-            table.retain(|_, tat| *tat > now);
-            while table.len() >= self.cap {
-                let Some(oldest) = table.iter().min_by_key(|(_, tat)| **tat).map(|(a, _)| *a)
-                else {
-                    break;
-                };
-                table.remove(&oldest);
-            }
-        }
-        table.insert(addr, next);
-        Ok(())
     }
 
     /// Addresses held now (never more than the cap).
     pub fn len(&self) -> usize {
-        self.table.lock().map_or(0, |t| t.len())
+        self.table.len()
     }
 
     /// Whether no address is held.
@@ -295,12 +267,13 @@ pub fn accept_record(
     Ok(Outcome::refused(why.to_string()))
 }
 
+/// 429 `{error:`[`TOO_MANY`]`}` with `Retry-After` in whole seconds, rounded up (at least 1).
 fn too_many(wait: Duration) -> Response {
-    let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
-    let mut res = HttpError::new(StatusCode::TOO_MANY_REQUESTS, TOO_MANY).into_response();
-    res.headers_mut()
-        .insert(header::RETRY_AFTER, header::HeaderValue::from(secs.max(1)));
-    res
+    let wait_ms = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX);
+    agentmbx_net::rate::too_many(
+        wait_ms,
+        HttpError::new(StatusCode::TOO_MANY_REQUESTS, TOO_MANY),
+    )
 }
 
 /// The records of a `{records:[≤50]}` body, else 400 [`BAD_BATCH`].
@@ -412,6 +385,7 @@ async fn answer(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Mutex;
 
     use agentmbx_protocol::clock::ManualClock;
     use agentmbx_protocol::keys::{EncKey, HostKey};
