@@ -16,8 +16,8 @@
 //! - [`status`]: `relay status`, an operator's read-only facts about a store;
 //! - [`config`]: `relay.toml` and environment; [`key`]: the relay key;
 //! - [`ratelimit`]: per-address and per-sender rate limits, the request-body budget (built
-//!   from the shared serving plumbing, `agentmbx_net`: accept loop, body cap, rate tables,
-//!   log gate); [`refusals`]: the running relay's counters of refused items and requests by reason.
+//!   from the shared serving plumbing, `agentmbx_net`: rate tables, the body budget, the log
+//!   gate); [`refusals`]: the running relay's counters of refused items and requests by reason.
 //!
 //! Every successful answer is sent only after the transaction that made it true committed.
 

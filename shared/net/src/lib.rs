@@ -1,7 +1,7 @@
 //! # agentmbx-net
 //!
 //! The serving plumbing every HTTP server of the workspace shares — the relay (`relay/`), the
-//! daemon's LAN server and its local API (`daemon/`) — written once:
+//! daemon's LAN server and the daemon's local API (`daemon/`) — written once:
 //!
 //! - [`serve`]: the accept loop and its connection settings (header-read and keep-alive
 //!   timeouts, a bound on open connections, graceful shutdown);
