@@ -47,8 +47,8 @@ pub enum BodyError {
 }
 
 /// The streaming body cap, for any server that answers in its own error shape (the relay; the
-/// daemon's LAN server and its rotate route): a declared length over `cap`, or a body that
-/// grows past it, keeps nothing more and is discarded for up to [`DRAIN_FOR`] before
+/// daemon's LAN server, its rotate route and the local API): a declared length over `cap`, or
+/// a body that grows past it, keeps nothing more and is discarded for up to [`DRAIN_FOR`] before
 /// [`BodyError::TooLarge`] is returned. Memory follows the bytes that arrived.
 pub async fn read_capped(mut body: Body, cap: usize) -> Result<Vec<u8>, BodyError> {
     if body.size_hint().lower() > cap as u64 {
