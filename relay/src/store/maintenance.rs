@@ -211,21 +211,6 @@ pub struct StoredSenderList {
     pub sig: String,
 }
 
-/// A stored v1 enc-key ad.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StoredEncAd {
-    /// The host key.
-    pub host_pubkey: String,
-    /// Its name.
-    pub host_name: String,
-    /// The enc key.
-    pub enc_pub: String,
-    /// The signature.
-    pub sig: String,
-    /// When stored (ms).
-    pub at_ms: i64,
-}
-
 /// A stored deny-list entry (`kind` as stored: `host` or `client`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredDeny {
@@ -260,7 +245,7 @@ pub struct CarryForward {
     /// Sender allowlists.
     pub sender_lists: Vec<StoredSenderList>,
     /// v1 enc-key ads.
-    pub enc_ads: Vec<StoredEncAd>,
+    pub enc_ads: Vec<super::EncAdV1>,
     /// v2 enc-key records.
     pub enc_ad_records: Vec<super::EncAdV2>,
     /// `(target, next_seq)`.
@@ -360,7 +345,7 @@ pub trait StagedStore {
     /// Stores the allowlist when its `iat` is newer than the held one's (or none is held).
     fn carry_sender_list(&self, list: &StoredSenderList) -> Result<bool, StoreError>;
     /// Stores the v1 ad when newer (`at`).
-    fn carry_enc_ad(&self, ad: &StoredEncAd) -> Result<bool, StoreError>;
+    fn carry_enc_ad(&self, ad: &super::EncAdV1) -> Result<bool, StoreError>;
     /// Stores the v2 record when newer (`at`).
     fn carry_enc_ad_record(&self, ad: &super::EncAdV2) -> Result<bool, StoreError>;
     /// Stores the deny entry when newer (`at`).

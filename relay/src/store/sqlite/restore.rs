@@ -19,11 +19,12 @@ use super::backup::{counts, fsync, integrity, io, meta_get, online_copy, sql, wi
 use super::status::{has_table, restored_paths};
 use crate::store::maintenance::{
     AppliedRotation, BackupFacts, CarryForward, MaintenanceError, RevokedHost, StagedStore,
-    StoreCounts, StoredDeny, StoredEncAd, StoredOp, StoredSenderList, TakeFailure, TakenStore,
+    StoreCounts, StoredDeny, StoredOp, StoredSenderList, TakeFailure, TakenStore,
 };
 use crate::store::{
     append_op_signed, migrate, rebuild_usage, replay_rotation, stored_version, AccountBinding,
-    EncAdV2, OpSigner, RotateOutcome, StoreError, MIGRATIONS, ROTATION_META_PREFIX, SCHEMA_VERSION,
+    EncAdV1, EncAdV2, OpSigner, RotateOutcome, StoreError, MIGRATIONS, ROTATION_META_PREFIX,
+    SCHEMA_VERSION,
 };
 
 mod schema_check;
@@ -226,7 +227,7 @@ fn read_current(c: &Connection) -> rusqlite::Result<CarryForward> {
             &tx,
             "SELECT host_pubkey, host_name, enc_pub, sig, at FROM enc_ads",
             |r| {
-                Ok(StoredEncAd {
+                Ok(EncAdV1 {
                     host_pubkey: r.get(0)?,
                     host_name: r.get(1)?,
                     enc_pub: r.get(2)?,
@@ -524,7 +525,7 @@ impl StagedStore for Staged {
         )? > 0)
     }
 
-    fn carry_enc_ad(&self, a: &StoredEncAd) -> Result<bool, StoreError> {
+    fn carry_enc_ad(&self, a: &EncAdV1) -> Result<bool, StoreError> {
         Ok(self.c.execute(
             "INSERT INTO enc_ads (host_pubkey, host_name, enc_pub, sig, at)
              VALUES (?1, ?2, ?3, ?4, ?5)
