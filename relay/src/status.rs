@@ -6,7 +6,7 @@
 //!
 //! # What it owns
 //! - [`read`]: every fact in one read transaction (one snapshot) of `relay.db`, opened
-//!   read-only through the backend's [`StoreMaintenance::status`]. It works while the relay
+//!   read-only through the backend's [`StoreMaintenance::status`](crate::store::StoreMaintenance::status). It works while the relay
 //!   serves (a WAL reader never blocks the writer) and never takes `relay.lock`.
 //! - [`RelayStatus::to_json`] (the stable `--json` object, `v: 1`) and [`RelayStatus::text`]
 //!   (the compact human summary).
