@@ -20,7 +20,8 @@
 //!   store, from, to, by:"heartbeat"}`. `relay rotate-epoch` writes the same receipt with
 //!   `by:"operator"`. The new epoch, `meta.epoch_rotated` and the relay-log entry are one
 //!   transaction ([`RelayStore::rotate_epoch_logged`]).
-//! - **The online backup** ([`backup`]): the SQLite online backup API in one step (one
+//! - **The online backup** ([`backup`]), through the store backend's
+//!   [`StoreMaintenance::backup`] (`store/sqlite/backup.rs`): the SQLite online backup API in one step (one
 //!   consistent snapshot, safe while `relay serve` writes: a read-only source connection, WAL)
 //!   into `<file>.partial-<pid>` (created 0600), switched to the rollback journal, checked
 //!   (`PRAGMA integrity_check`), fsynced, then linked to `<file>` — which never overwrites: an
@@ -42,15 +43,15 @@
 use std::io::Read as _;
 use std::path::{Path, PathBuf};
 
-use rusqlite::{Connection, OpenFlags, OptionalExtension};
 use serde_json::{json, Value};
 
 use agentmbx_protocol::keys::{HostKey, KeyFile, PublicKey};
 use agentmbx_protocol::time::iso_ms;
 
+use crate::store::maintenance::MaintenanceError;
 use crate::store::{
-    OpEntry, OpRecord, OpSigner, OpenOptions, RelayStore, SqliteStore, StoreError, StoreLock,
-    DB_FILE, OPS_KEEP, SWEEP_OPS_KEEP,
+    OpEntry, OpRecord, OpSigner, OpenOptions, RelayStore, SqliteMaintenance, SqliteStore,
+    StoreError, StoreLock, StoreMaintenance, DB_FILE, OPS_KEEP, SWEEP_OPS_KEEP,
 };
 
 mod restore;
@@ -234,15 +235,32 @@ pub enum OpsError {
         #[source]
         source: std::io::Error,
     },
-    /// SQLite failed.
-    #[error("relay store database error: {0}")]
-    Sqlite(#[from] rusqlite::Error),
     /// The store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
     /// The relay key that signs the receipt is missing or malformed ([`offline_relay_key`]).
     #[error("RELAY_KEY: {0}")]
     RelayKey(String),
+}
+
+impl From<MaintenanceError> for OpsError {
+    fn from(e: MaintenanceError) -> Self {
+        match e {
+            MaintenanceError::Exists(path) => Self::Exists(path),
+            MaintenanceError::Integrity(problems) => Self::Integrity(problems),
+            MaintenanceError::Busy => Self::Busy,
+            MaintenanceError::Io { path, source } => Self::Io { path, source },
+            MaintenanceError::Store(e) => Self::Store(e),
+            e @ (MaintenanceError::NotAStore(_) | MaintenanceError::SchemaTooNew { .. }) => {
+                Self::Store(StoreError::Corrupt(e.to_string()))
+            }
+        }
+    }
+}
+
+/// The backend the operator commands maintain a store directory with.
+pub(crate) fn backend() -> &'static dyn StoreMaintenance {
+    &SqliteMaintenance
 }
 
 pub(crate) fn io(path: &Path) -> impl FnOnce(std::io::Error) -> OpsError + '_ {
@@ -322,32 +340,6 @@ pub fn rotate_if_stale(
     Ok(Some(receipt))
 }
 
-/// Removes the partial backup file (and any journal next to it) unless disarmed.
-struct Partial {
-    path: PathBuf,
-    armed: bool,
-}
-
-impl Drop for Partial {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        for suffix in ["", "-journal", "-wal", "-shm"] {
-            let mut p = self.path.clone().into_os_string();
-            p.push(suffix);
-            let _ = std::fs::remove_file(PathBuf::from(p));
-        }
-    }
-}
-
-/// `fsync` of a file or directory.
-pub(crate) fn fsync(path: &Path) -> Result<(), OpsError> {
-    std::fs::File::open(path)
-        .and_then(|f| f.sync_all())
-        .map_err(io(path))
-}
-
 /// Lowercase hex SHA-256 of a file's bytes.
 pub(crate) fn sha256_file(path: &Path) -> Result<String, OpsError> {
     use sha2::{Digest, Sha256};
@@ -362,51 +354,6 @@ pub(crate) fn sha256_file(path: &Path) -> Result<String, OpsError> {
         hash.update(&buf[..n]);
     }
     Ok(hex::encode(hash.finalize()))
-}
-
-/// A store's facts for the backup receipt: `(epoch, relay_pubkey, schema_version, heartbeat ms,
-/// counts)`.
-pub(crate) type Facts = (
-    Option<String>,
-    Option<String>,
-    u32,
-    Option<i64>,
-    serde_json::Map<String, Value>,
-);
-
-pub(crate) fn facts(c: &Connection) -> Result<Facts, OpsError> {
-    let meta = |k: &str| -> Result<Option<String>, OpsError> {
-        Ok(
-            c.query_row("SELECT v FROM meta WHERE k = ?1", [k], |r| r.get(0))
-                .optional()?,
-        )
-    };
-    let n = |sql: &str| -> Result<i64, OpsError> { Ok(c.query_row(sql, [], |r| r.get(0))?) };
-    let mut counts = serde_json::Map::new();
-    for (name, sql) in [
-        (
-            "enrolments",
-            "SELECT COUNT(*) FROM enrolments WHERE revoked_at IS NULL",
-        ),
-        (
-            "revoked",
-            "SELECT COUNT(*) FROM enrolments WHERE revoked_at IS NOT NULL",
-        ),
-        ("items", "SELECT COUNT(*) FROM items"),
-        ("bytes", "SELECT COALESCE(SUM(bytes), 0) FROM items"),
-        ("dedup", "SELECT COUNT(*) FROM dedup"),
-        ("targets", "SELECT COUNT(DISTINCT target_pubkey) FROM items"),
-    ] {
-        counts.insert(name.to_owned(), json!(n(sql)?));
-    }
-    let heartbeat = meta("heartbeat")?.and_then(|v| v.trim().parse::<i64>().ok());
-    Ok((
-        meta("epoch")?,
-        meta("relay_pubkey")?,
-        crate::store::stored_version(c)?,
-        heartbeat,
-        counts,
-    ))
 }
 
 /// `relay backup <file>` (spec §5 "Backup", `wire.md` §3.4): copies the store in `dir` to
@@ -426,17 +373,10 @@ pub fn backup(dir: &Path, file: &Path, now_ms: i64) -> Result<Value, OpsError> {
         return Err(OpsError::NoStore(dir.to_path_buf()));
     }
     let dest = absolute(file);
-    let src = Connection::open_with_flags(
-        &src_path,
-        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
-    )?;
-    src.busy_timeout(std::time::Duration::from_secs(5))?;
-    let (epoch, relay_pubkey, schema_version, heartbeat, counts) =
-        online_copy(&src, &dest, Some("backup:before-rename"))?;
-    drop(src);
+    let facts = backend().backup(&src_path, &dest, Some("backup:before-rename"))?;
     let bytes = dest.metadata().map_err(io(&dest))?.len();
     let sha256 = sha256_file(&dest)?;
-    let relay_fingerprint = relay_pubkey.as_deref().map(|k| {
+    let relay_fingerprint = facts.relay_pubkey.as_deref().map(|k| {
         agentmbx_protocol::keys::PublicKey::from_b64(k)
             .map(|p| p.fingerprint())
             .unwrap_or_default()
@@ -450,91 +390,13 @@ pub fn backup(dir: &Path, file: &Path, now_ms: i64) -> Result<Value, OpsError> {
         "file": dest.display().to_string(),
         "bytes": bytes,
         "sha256": sha256,
-        "epoch": epoch,
+        "epoch": facts.epoch,
         "relay_fingerprint": relay_fingerprint,
-        "schema_version": schema_version,
-        "heartbeat": heartbeat.map(iso_ms),
-        "counts": counts,
+        "schema_version": facts.schema_version,
+        "heartbeat": facts.heartbeat_ms.map(iso_ms),
+        "counts": facts.counts.to_json(),
         "restore": format!("agentmbx relay restore {} --store-dir {}", dest.display(), dir_abs.display()),
     }))
-}
-
-/// Copies the database `src` is connected to into the new file `dest` (absolute; its directory
-/// must exist) with the SQLite online backup API in one step: `<dest>.partial-<pid>` (0600),
-/// switched to the rollback journal, integrity-checked, fsynced, hard-linked to `dest` (never
-/// replacing a name), directory fsynced; returns the copy's facts. `failpoint` is hit just
-/// before the copy gets its name. Errors: [`OpsError::Exists`] (nothing touched),
-/// [`OpsError::Integrity`], [`OpsError::Busy`], I/O and SQLite errors; no partial file remains
-/// on any error.
-pub(crate) fn online_copy(
-    src: &Connection,
-    dest: &Path,
-    failpoint: Option<&str>,
-) -> Result<Facts, OpsError> {
-    if dest.symlink_metadata().is_ok() {
-        return Err(OpsError::Exists(dest.to_path_buf()));
-    }
-    // Partial copies to this name that a killed run left behind (their process is gone).
-    if let (Some(parent), Some(name)) = (dest.parent(), dest.file_name()) {
-        let name = name.to_string_lossy();
-        restore::remove_dead_partials(parent, |base| base == name);
-    }
-    let mut partial_name = dest.to_path_buf().into_os_string();
-    partial_name.push(format!(".partial-{}", std::process::id()));
-    let partial = Partial {
-        path: PathBuf::from(partial_name),
-        armed: true,
-    };
-    // A leftover of an earlier run with this pid is ours to replace.
-    drop(Partial {
-        path: partial.path.clone(),
-        armed: true,
-    });
-    {
-        use std::os::unix::fs::OpenOptionsExt as _;
-        std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&partial.path)
-            .map_err(io(&partial.path))?;
-    }
-    let mut copy = Connection::open(&partial.path)?;
-    {
-        use rusqlite::backup::{Backup, StepResult};
-        let b = Backup::new_with_names(src, rusqlite::MAIN_DB, &mut copy, rusqlite::MAIN_DB)?;
-        // One step of every page: one consistent snapshot even while the relay writes.
-        match b.step(-1)? {
-            StepResult::Done => {}
-            _ => return Err(OpsError::Busy),
-        }
-    }
-    let _mode: String = copy.query_row("PRAGMA journal_mode = DELETE", [], |r| r.get(0))?;
-    let problems: Vec<String> = copy
-        .prepare("PRAGMA integrity_check")?
-        .query_map([], |r| r.get::<_, String>(0))?
-        .collect::<Result<_, _>>()?;
-    if problems != ["ok"] {
-        return Err(OpsError::Integrity(problems.join("; ")));
-    }
-    let facts = facts(&copy)?;
-    copy.close().map_err(|(_, e)| OpsError::Sqlite(e))?;
-    if let Some(name) = failpoint {
-        agentmbx_protocol::failpoint::hit(name);
-    }
-    fsync(&partial.path)?;
-    // A hard link never replaces an existing name (EEXIST), unlike rename.
-    match std::fs::hard_link(&partial.path, dest) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-            return Err(OpsError::Exists(dest.to_path_buf()))
-        }
-        Err(e) => return Err(io(dest)(e)),
-    }
-    drop(partial);
-    let parent = dest.parent().unwrap_or(Path::new("/"));
-    fsync(parent)?;
-    Ok(facts)
 }
 
 /// Checks that `receipt` is a backup receipt of this relay before the admin endpoint logs it:
@@ -582,30 +444,14 @@ fn read_raw_log(dir: &Path, limit: i64) -> Result<RawLog, OpsError> {
     if !path.is_file() {
         return Err(OpsError::NoStore(dir.to_path_buf()));
     }
-    let c = crate::status::open_read_only(&path)?;
-    let recorded: Option<String> = c
-        .query_row("SELECT v FROM meta WHERE k = 'relay_pubkey'", [], |r| {
-            r.get(0)
-        })
-        .optional()?;
-    let mut st = c.prepare("SELECT id, at, op, receipt FROM ops ORDER BY id DESC LIMIT ?1")?;
-    let rows = st
-        .query_map([limit.clamp(1, OPS_KEEP + SWEEP_OPS_KEEP)], |r| {
-            Ok((
-                r.get::<_, i64>(0)?,
-                r.get::<_, i64>(1)?,
-                r.get::<_, String>(2)?,
-                r.get::<_, rusqlite::types::Value>(3)?,
-            ))
-        })?
-        .collect::<Result<Vec<_>, _>>()?;
+    let (rows, recorded) = backend().read_log(&path, limit.clamp(1, OPS_KEEP + SWEEP_OPS_KEEP))?;
     let entries = rows
         .into_iter()
-        .map(|(id, at_ms, op, receipt)| {
-            let parsed = match receipt {
-                rusqlite::types::Value::Text(t) => serde_json::from_str::<Value>(&t)
+        .map(|row| {
+            let parsed = match row.receipt {
+                Some(t) => serde_json::from_str::<Value>(&t)
                     .map_err(|e| format!("its receipt is not JSON: {e}")),
-                _ => Err("its receipt is not text".to_owned()),
+                None => Err("its receipt is not text".to_owned()),
             };
             let (receipt, problem) = match parsed {
                 Ok(v) => (v, None),
@@ -613,9 +459,9 @@ fn read_raw_log(dir: &Path, limit: i64) -> Result<RawLog, OpsError> {
             };
             (
                 OpRecord {
-                    id,
-                    at_ms,
-                    op,
+                    id: row.id,
+                    at_ms: row.at_ms,
+                    op: row.op,
                     receipt,
                 },
                 problem,
@@ -764,620 +610,4 @@ pub fn summary(op: &OpRecord) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::store::SqliteStore;
-
-    fn relay_key() -> String {
-        agentmbx_protocol::keys::HostKey::generate()
-            .public()
-            .to_b64()
-    }
-
-    #[test]
-    fn sweep_receipts_have_their_own_cap_and_never_evict_the_other_operations() {
-        use crate::store::OP_SWEEP;
-        let dir = tempfile::tempdir().expect("tempdir");
-        let store = SqliteStore::open(dir.path(), &relay_key(), 1).expect("open");
-        let append = |op: &str, i: i64| {
-            store
-                .append_op(i, op, &json!({"v": 1, "type": op, "i": i}))
-                .expect("append")
-        };
-        let count = |op: &str| {
-            let log = read_log(dir.path(), 5_000).expect("log");
-            log.iter().filter(|o| o.op == op).count() as i64
-        };
-        for i in 0..3 {
-            append(OP_RESTORE, i);
-        }
-        // At the sweep cap every sweep receipt is kept; past it the oldest go, and only they.
-        for i in 0..SWEEP_OPS_KEEP {
-            append(OP_SWEEP, 10 + i);
-        }
-        assert_eq!(count(OP_SWEEP), SWEEP_OPS_KEEP);
-        for i in 0..250 {
-            append(OP_SWEEP, 1_000 + i);
-        }
-        assert_eq!(count(OP_SWEEP), SWEEP_OPS_KEEP);
-        assert_eq!(count(OP_RESTORE), 3, "sweeps never evict a restore");
-        let log = read_log(dir.path(), 5_000).expect("log");
-        let oldest_sweep = log
-            .iter()
-            .filter(|o| o.op == OP_SWEEP)
-            .map(|o| o.at_ms)
-            .min();
-        assert_eq!(oldest_sweep, Some(1_000 + 250 - SWEEP_OPS_KEEP));
-        // The other operations keep OPS_KEEP between them: at the cap all of them, past it the
-        // oldest go; the sweep receipts stay.
-        for i in 0..(OPS_KEEP - 3) {
-            append(OP_BACKUP, 10_000 + i);
-        }
-        assert_eq!(count(OP_RESTORE), 3);
-        assert_eq!(count(OP_BACKUP), OPS_KEEP - 3);
-        append(OP_BACKUP, 20_000);
-        assert_eq!(count(OP_RESTORE), 2, "the oldest other entry goes");
-        assert_eq!(count(OP_SWEEP), SWEEP_OPS_KEEP);
-        let log = read_log(dir.path(), 5_000).expect("log");
-        assert_eq!(
-            log.len() as i64,
-            OPS_KEEP + SWEEP_OPS_KEEP,
-            "the whole log is read"
-        );
-        assert!(log.windows(2).all(|w| w[0].id > w[1].id), "newest first");
-        assert_eq!(store.ops(5_000).expect("ops").len(), log.len());
-        store.close().expect("close");
-    }
-
-    #[test]
-    fn the_heartbeat_rule_holds_at_ten_minutes_and_rotates_past_it_either_way() {
-        let now = 1_800_000_000_000;
-        assert!(!heartbeat_stale(None, now));
-        assert!(!heartbeat_stale(Some(now), now));
-        assert!(!heartbeat_stale(Some(now - HEARTBEAT_STALE_MS), now));
-        assert!(heartbeat_stale(Some(now - HEARTBEAT_STALE_MS - 1), now));
-        assert!(!heartbeat_stale(Some(now + HEARTBEAT_STALE_MS), now));
-        assert!(heartbeat_stale(Some(now + HEARTBEAT_STALE_MS + 1), now));
-        assert!(heartbeat_stale(Some(i64::MIN), now));
-        assert!(heartbeat_stale(Some(i64::MAX), i64::MIN));
-    }
-
-    #[test]
-    fn a_stale_or_future_heartbeat_rotates_the_epoch_with_its_receipt() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let store = SqliteStore::open(dir.path(), &relay_key(), 1).expect("open");
-        let db = store_db(dir.path());
-        let now = 1_800_000_000_000;
-        // No heartbeat, a fresh one, one at the bound: nothing.
-        assert_eq!(rotate_if_stale(&store, &db, now).expect("none"), None);
-        for beat in [
-            now - 1_000,
-            now - HEARTBEAT_STALE_MS,
-            now + HEARTBEAT_STALE_MS,
-        ] {
-            store.set_heartbeat(beat).expect("beat");
-            assert_eq!(rotate_if_stale(&store, &db, now).expect("fresh"), None);
-        }
-        assert!(store.ops(10).expect("ops").is_empty());
-        let epoch0 = store.epoch().expect("epoch");
-
-        // Past the bound, old then in the future: rotated each time, logged, meta written.
-        let mut last = epoch0;
-        for beat in [now - HEARTBEAT_STALE_MS - 1, now + HEARTBEAT_STALE_MS + 1] {
-            store.set_heartbeat(beat).expect("beat");
-            let r = rotate_if_stale(&store, &db, now)
-                .expect("rotate")
-                .expect("rotated");
-            let epoch = store.epoch().expect("epoch");
-            assert_ne!(epoch, last);
-            assert_eq!(r["v"], 1);
-            assert_eq!(r["type"], "relay-epoch-rotated");
-            assert_eq!(r["by"], "heartbeat");
-            assert_eq!(r["from"], last.as_str());
-            assert_eq!(r["to"], epoch.as_str());
-            assert_eq!(r["store"], db.as_str());
-            assert_eq!(r["at"], iso_ms(now).as_str());
-            let logged = &store.ops(1).expect("ops")[0];
-            assert_eq!(logged.op, "relay-epoch-rotated");
-            assert_eq!(logged.receipt, r);
-            let meta: Value =
-                serde_json::from_str(&store.meta("epoch_rotated").expect("meta").expect("set"))
-                    .expect("json");
-            assert_eq!(meta, r);
-            last = epoch;
-        }
-        let r = rotate_epoch(&store, &db, RotatedBy::Operator, now + 5).expect("operator");
-        assert_eq!(r["by"], "operator");
-        assert_eq!(r["from"], last.as_str());
-        assert_eq!(store.ops(10).expect("ops").len(), 3);
-    }
-
-    #[test]
-    fn an_epoch_rotation_and_its_receipt_are_one_transaction() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let store = SqliteStore::open(dir.path(), &relay_key(), 1).expect("open");
-        let epoch = store.epoch().expect("epoch");
-        store.close().expect("close");
-        let raw = Connection::open(dir.path().join(DB_FILE)).expect("raw");
-        raw.execute_batch(
-            "CREATE TRIGGER no_log BEFORE INSERT ON ops BEGIN SELECT RAISE(ABORT, 'no log'); END;",
-        )
-        .expect("trigger");
-        let store = SqliteStore::open(dir.path(), &relay_key_of(dir.path()), 2).expect("open");
-        assert!(rotate_epoch(&store, "x", RotatedBy::Operator, 2).is_err());
-        assert_eq!(store.epoch().expect("epoch"), epoch);
-        assert_eq!(store.meta("epoch_rotated").expect("meta"), None);
-    }
-
-    fn relay_key_of(dir: &Path) -> String {
-        SqliteStore::recorded_relay_pubkey(dir)
-            .expect("read")
-            .expect("key")
-    }
-
-    fn enrol_and_push(store: &SqliteStore, n: usize) -> String {
-        use crate::store::{AuthorityStrength, EnrolRequest, PushBatch, PushItem, PushTarget};
-        let target = relay_key();
-        store
-            .enrol(EnrolRequest {
-                host_pubkey: target.clone(),
-                host_name: "beta".into(),
-                owner_fp: String::new(),
-                account: None,
-                authorized_by: "host-key-challenge".into(),
-                strength: AuthorityStrength::HostKeyChallenge,
-                now_ms: 1,
-            })
-            .expect("enrol");
-        for i in 0..n {
-            store
-                .push(PushBatch {
-                    sender_pubkey: relay_key(),
-                    sender_host: "alpha".into(),
-                    now_ms: 10 + i as i64,
-                    expiry: crate::store::Expiry::Never,
-                    items: vec![PushItem {
-                        item_id: format!("item-{i}"),
-                        kind: "envelope".into(),
-                        targets: vec![PushTarget {
-                            target_pubkey: target.clone(),
-                            wire: format!("wire {i}").into_bytes(),
-                        }],
-                    }],
-                })
-                .expect("push");
-        }
-        target
-    }
-
-    #[test]
-    fn a_backup_is_a_checked_store_with_the_same_items_and_a_matching_receipt() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let out = tempfile::tempdir().expect("out");
-        let store = SqliteStore::open(dir.path(), &relay_key(), 1).expect("open");
-        let target = enrol_and_push(&store, 5);
-        store.set_heartbeat(1_234).expect("beat");
-        let file = out.path().join("b.db");
-        // While the store is open (as while serving).
-        let r = backup(dir.path(), &file, 99).expect("backup");
-        assert_eq!(r["type"], "relay-backup");
-        assert_eq!(r["file"], file.display().to_string().as_str());
-        assert_eq!(r["epoch"], store.epoch().expect("epoch").as_str());
-        assert_eq!(r["heartbeat"], iso_ms(1_234).as_str());
-        assert_eq!(r["schema_version"], crate::store::SCHEMA_VERSION);
-        let bytes = std::fs::read(&file).expect("read");
-        assert_eq!(r["bytes"], bytes.len());
-        assert_eq!(r["sha256"], crate::store::wire_hash(&bytes).as_str());
-        assert_eq!(
-            r["counts"],
-            json!({"enrolments": 1, "revoked": 0, "items": 5, "bytes": 30, "dedup": 5, "targets": 1})
-        );
-        assert!(r["restore"]
-            .as_str()
-            .expect("restore")
-            .starts_with("agentmbx relay restore "));
-        // The copy is self-contained (rollback journal) and holds the same items.
-        let c = Connection::open(&file).expect("open copy");
-        let mode: String = c
-            .query_row("PRAGMA journal_mode", [], |r| r.get(0))
-            .expect("mode");
-        assert_eq!(mode, "delete");
-        let wires: Vec<Vec<u8>> = c
-            .prepare("SELECT wire FROM items WHERE target_pubkey = ?1 ORDER BY seq")
-            .expect("prep")
-            .query_map([&target], |r| r.get(0))
-            .expect("q")
-            .collect::<Result<_, _>>()
-            .expect("rows");
-        let want: Vec<Vec<u8>> = (0..5).map(|i| format!("wire {i}").into_bytes()).collect();
-        assert_eq!(wires, want);
-        drop(c);
-        // It opens as a store of this relay.
-        let copy_dir = tempfile::tempdir().expect("copy dir");
-        std::fs::copy(&file, copy_dir.path().join(DB_FILE)).expect("copy");
-        // (More than 90 s after its heartbeat: a copy without relay.lock and a fresher
-        // heartbeat may have a relay on it.)
-        let opened =
-            SqliteStore::open(copy_dir.path(), &relay_key_of(dir.path()), 100_000).expect("opens");
-        assert_eq!(
-            opened.epoch().expect("epoch"),
-            store.epoch().expect("epoch")
-        );
-        assert_eq!(opened.info_for(&target).expect("info").head_seq, {
-            store.info_for(&target).expect("info").head_seq
-        });
-        // Nothing else left behind.
-        let names: Vec<String> = std::fs::read_dir(out.path())
-            .expect("ls")
-            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
-            .collect();
-        assert_eq!(names, ["b.db"]);
-    }
-
-    #[test]
-    fn an_existing_file_is_refused_and_untouched_and_no_partial_file_remains_on_failure() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let out = tempfile::tempdir().expect("out");
-        let store = SqliteStore::open(dir.path(), &relay_key(), 1).expect("open");
-        enrol_and_push(&store, 1);
-        let file = out.path().join("taken.db");
-        std::fs::write(&file, b"mine").expect("write");
-        match backup(dir.path(), &file, 1) {
-            Err(e @ OpsError::Exists(_)) => {
-                assert!(e.to_string().contains("already exists"), "{e}")
-            }
-            other => panic!("{other:?}"),
-        }
-        assert_eq!(std::fs::read(&file).expect("read"), b"mine");
-        // A dangling symlink is a name that exists too.
-        let link = out.path().join("link.db");
-        std::os::unix::fs::symlink(out.path().join("nowhere"), &link).expect("symlink");
-        assert!(matches!(
-            backup(dir.path(), &link, 1),
-            Err(OpsError::Exists(_))
-        ));
-        // No store.
-        assert!(matches!(
-            backup(&dir.path().join("none"), &out.path().join("x.db"), 1),
-            Err(OpsError::NoStore(_))
-        ));
-        // A source that is not a database fails after the partial file was created: it is gone.
-        let bad = tempfile::tempdir().expect("bad");
-        std::fs::write(bad.path().join(DB_FILE), vec![7u8; 8192]).expect("junk");
-        assert!(backup(bad.path(), &out.path().join("y.db"), 1).is_err());
-        let mut names: Vec<String> = std::fs::read_dir(out.path())
-            .expect("ls")
-            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        assert_eq!(names, ["link.db", "taken.db"]);
-        // A missing directory: an I/O error, nothing created.
-        assert!(matches!(
-            backup(dir.path(), &out.path().join("no/such/dir.db"), 1),
-            Err(OpsError::Io { .. })
-        ));
-    }
-
-    #[test]
-    fn the_log_reads_newest_first_without_the_lock_and_summarises_each_op() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let store = SqliteStore::open(dir.path(), &relay_key(), 1).expect("open");
-        for i in 0..3 {
-            rotate_epoch(&store, "s", RotatedBy::Operator, 10 + i).expect("rotate");
-        }
-        // The store (holding relay.lock) is open: the log still reads.
-        let log = read_log(dir.path(), 2).expect("log");
-        assert_eq!(log.len(), 2);
-        assert!(log[0].id > log[1].id);
-        assert_eq!(log[0].at_ms, 12);
-        let text = summary(&log[0]);
-        assert!(
-            text.contains(" -> ") && text.ends_with("(by operator)"),
-            "{text}"
-        );
-        assert_eq!(read_log(dir.path(), 0).expect("clamped").len(), 1);
-        assert_eq!(read_log(dir.path(), 5_000).expect("clamped").len(), 3);
-        assert!(matches!(
-            read_log(&dir.path().join("none"), 5),
-            Err(OpsError::NoStore(_))
-        ));
-    }
-
-    #[test]
-    fn every_receipt_a_signed_store_appends_verifies_and_an_altered_one_does_not() {
-        use crate::store::{DenyEntry, DenyKind};
-        let dir = tempfile::tempdir().expect("tempdir");
-        let key = HostKey::generate();
-        std::fs::write(dir.path().join("relay.key"), key.to_key_file().to_text()).expect("key");
-        // A store that never saw the key: created unsigned, then opened offline with it.
-        let first = SqliteStore::open(dir.path(), &key.public().to_b64(), 1).expect("open");
-        first
-            .append_op(1, "relay-backup", &json!({"v": 1}))
-            .expect("unsigned");
-        first.close().expect("close");
-        let loaded = offline_relay_key(dir.path()).expect("relay.key");
-        assert_eq!(loaded.public(), key.public());
-        let store = open_offline_signed(dir.path(), loaded, 2).expect("signed");
-        let rotated = rotate_epoch(&store, "s", RotatedBy::Operator, 3).expect("rotate");
-        assert!(verify_receipt(&rotated, &key.public()), "{rotated}");
-        // A caller's `sig` is never kept: the store signs.
-        store
-            .append_op(
-                4,
-                OP_BACKUP,
-                &json!({"v": 1, "type": OP_BACKUP, "sig": "forged"}),
-            )
-            .expect("append");
-        store
-            .deny_logged(
-                DenyEntry {
-                    kind: DenyKind::Client,
-                    value: "c".into(),
-                    until_ms: None,
-                    at_ms: 5,
-                },
-                OpEntry {
-                    at_ms: 5,
-                    op: "relay-deny".into(),
-                    receipt: json!({"v": 1, "type": "relay-deny"}),
-                },
-            )
-            .expect("deny");
-        let meta: Value =
-            serde_json::from_str(&store.meta("epoch_rotated").expect("meta").expect("set"))
-                .expect("json");
-        assert_eq!(meta, rotated, "meta keeps the signed receipt");
-        store.close().expect("close");
-
-        let log = read_verified_log(dir.path(), 10).expect("log");
-        let seen: Vec<(&str, bool)> = log
-            .iter()
-            .map(|e| (e.record.op.as_str(), e.verified))
-            .collect();
-        assert_eq!(
-            seen,
-            [
-                ("relay-deny", true),
-                (OP_BACKUP, true),
-                (OP_EPOCH_ROTATED, true),
-                (OP_BACKUP, false)
-            ]
-        );
-        assert_ne!(log[1].record.receipt["sig"], "forged");
-        assert!(!summary(&log[1].record).contains("sig"));
-
-        // One changed byte of a receipt, or another key: no longer verified.
-        let raw = Connection::open(dir.path().join(DB_FILE)).expect("raw");
-        raw.execute(
-            "UPDATE ops SET receipt = replace(receipt, '\"v\":1', '\"v\":2') WHERE op = 'relay-deny'",
-            [],
-        )
-        .expect("tamper");
-        let log = read_verified_log(dir.path(), 10).expect("log");
-        assert!(!log[0].verified);
-        assert!(log[1].verified);
-        assert!(!verify_receipt(
-            &log[1].record.receipt,
-            &HostKey::generate().public()
-        ));
-    }
-
-    /// The retention sweep appends its `relay-sweep` receipt through the store like every
-    /// other operation: signed too, without knowing about signatures.
-    #[test]
-    fn the_sweep_receipt_is_signed_like_every_other() {
-        use crate::store::{
-            AuthorityStrength, EnrolRequest, Expiry, PushBatch, PushItem, PushTarget, DAY_MS,
-        };
-        let dir = tempfile::tempdir().expect("tempdir");
-        let key = HostKey::generate();
-        let store = open_offline_signed(dir.path(), key.clone(), 1).expect("signed");
-        let (target, sender) = (relay_key(), relay_key());
-        store
-            .enrol(EnrolRequest {
-                host_pubkey: target.clone(),
-                host_name: "beta".into(),
-                owner_fp: String::new(),
-                account: None,
-                authorized_by: "host-key-challenge".into(),
-                strength: AuthorityStrength::HostKeyChallenge,
-                now_ms: 1,
-            })
-            .expect("enrol");
-        store
-            .push(PushBatch {
-                sender_pubkey: sender,
-                sender_host: "alpha".into(),
-                now_ms: 10,
-                expiry: Expiry::Retention,
-                items: vec![PushItem {
-                    item_id: "old".into(),
-                    kind: "receipt".into(),
-                    targets: vec![PushTarget {
-                        target_pubkey: target,
-                        wire: b"wire".to_vec(),
-                    }],
-                }],
-            })
-            .expect("push");
-        let notices: std::sync::Arc<dyn crate::store::NoticeSigner> =
-            std::sync::Arc::new(crate::retention::RelayNoticeSigner::new(key.clone()));
-        let report = store.sweep(10 + 15 * DAY_MS, notices).expect("sweep");
-        assert!(report.logged, "{report:?}");
-        store.close().expect("close");
-        let log = read_verified_log(dir.path(), 5).expect("log");
-        assert_eq!(log[0].record.op, crate::store::OP_SWEEP);
-        assert!(log[0].verified, "{:?}", log[0]);
-        assert!(verify_receipt(&log[0].record.receipt, &key.public()));
-    }
-
-    #[test]
-    fn the_offline_relay_key_is_never_created() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        if crate::key::read_env_seed().is_some() {
-            return; // The environment names a key: that one wins, nothing to check here.
-        }
-        match offline_relay_key(dir.path()) {
-            Err(e @ OpsError::RelayKey(_)) => {
-                assert!(e.to_string().contains("MBX_RELAY_KEY"), "{e}")
-            }
-            other => panic!("{other:?}"),
-        }
-        // None at all is no error for a command that may run unsigned.
-        assert!(offline_relay_key_if_any(dir.path())
-            .expect("no key")
-            .is_none());
-        let why = unsigned_receipt_reason(dir.path());
-        assert!(
-            why.contains("UNSIGNED") && why.contains("MBX_RELAY_KEY"),
-            "{why}"
-        );
-        assert!(!dir.path().join("relay.key").exists());
-        // A malformed key is an error either way: it must be fixed, not ignored.
-        std::fs::write(dir.path().join("relay.key"), "{\"publicKey\":\"x\"}").expect("bad");
-        let e = offline_relay_key(dir.path()).expect_err("malformed");
-        assert!(e.to_string().contains("not a valid relay key file"), "{e}");
-        assert!(offline_relay_key_if_any(dir.path()).is_err());
-    }
-
-    #[test]
-    fn only_this_relays_backup_receipts_pass_the_admin_check() {
-        let good = json!({"v": 1, "type": "relay-backup", "relay_fingerprint": "abcd-ef01-2345-6789",
-                          "sha256": "a".repeat(64), "file": "/b.db", "at": "2026-01-01T00:00:00.000Z"});
-        check_backup_receipt(&good, "abcd-ef01-2345-6789").expect("good");
-        assert!(check_backup_receipt(&good, "0000-0000-0000-0000").is_err());
-        let mut bad = good.clone();
-        bad["type"] = json!("relay-restore");
-        assert!(check_backup_receipt(&bad, "abcd-ef01-2345-6789").is_err());
-        let mut bad = good.clone();
-        bad["sha256"] = json!("zz");
-        assert!(check_backup_receipt(&bad, "abcd-ef01-2345-6789").is_err());
-        let mut big = good;
-        big["pad"] = json!("x".repeat(9_000));
-        assert!(check_backup_receipt(&big, "abcd-ef01-2345-6789").is_err());
-    }
-
-    fn ls(dir: &Path) -> Vec<String> {
-        let mut names: Vec<String> = std::fs::read_dir(dir)
-            .expect("ls")
-            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        names
-    }
-
-    #[test]
-    fn a_killed_backups_partial_file_is_removed_by_the_next_backup_to_that_name() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let out = tempfile::tempdir().expect("out");
-        let store = SqliteStore::open(dir.path(), &relay_key(), 1).expect("open");
-        enrol_and_push(&store, 1);
-        // pid_max is at most 4194304: that pid never runs; pid 1 always does.
-        for name in [
-            "b.db.partial-4194304",
-            "b.db.partial-4194304-journal",
-            "b.db.partial-1",
-            "c.db.partial-4194304",
-        ] {
-            std::fs::write(out.path().join(name), b"x").expect("write");
-        }
-        backup(dir.path(), &out.path().join("b.db"), 1).expect("backup");
-        assert_eq!(
-            ls(out.path()),
-            ["b.db", "b.db.partial-1", "c.db.partial-4194304"]
-        );
-    }
-
-    #[test]
-    fn an_unreadable_receipt_is_listed_and_the_rest_of_the_log_still_reads_and_verifies() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let key = HostKey::generate();
-        let store = open_offline_signed(dir.path(), key.clone(), 1).expect("signed");
-        for i in 0..3 {
-            rotate_epoch(&store, "s", RotatedBy::Operator, 10 + i).expect("rotate");
-        }
-        store.close().expect("close");
-        let raw = Connection::open(dir.path().join(DB_FILE)).expect("raw");
-        raw.execute(
-            "UPDATE ops SET receipt = 'not json {' WHERE id = (SELECT MIN(id) FROM ops)",
-            [],
-        )
-        .expect("garble");
-        drop(raw);
-        let log = read_verified_log(dir.path(), 10).expect("log");
-        assert_eq!(log.len(), 3);
-        assert_eq!(
-            log.iter().map(|e| e.verified).collect::<Vec<_>>(),
-            [true, true, false]
-        );
-        assert!(log[2]
-            .problem
-            .as_deref()
-            .is_some_and(|p| p.contains("not JSON")));
-        assert_eq!(summary(&log[2].record), "(unreadable receipt)");
-        assert!(log[0].problem.is_none());
-        assert_eq!(read_log(dir.path(), 10).expect("plain").len(), 3);
-    }
-
-    #[test]
-    fn the_op_and_at_shown_are_the_signed_ones_and_the_relay_key_decides_what_verifies() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let key = HostKey::generate();
-        let store = open_offline_signed(dir.path(), key.clone(), 1).expect("signed");
-        rotate_epoch(&store, "s", RotatedBy::Operator, 10).expect("rotate");
-        rotate_epoch(&store, "s", RotatedBy::Operator, 20).expect("rotate");
-        store.close().expect("close");
-        // The columns the signature does not cover, changed on the newest entry.
-        let raw = Connection::open(dir.path().join(DB_FILE)).expect("raw");
-        raw.execute(
-            "UPDATE ops SET op = 'relay-undeny', at = 99 WHERE id = (SELECT MAX(id) FROM ops)",
-            [],
-        )
-        .expect("op column");
-        raw.execute(
-            "UPDATE ops SET at = 77 WHERE id = (SELECT MIN(id) FROM ops)",
-            [],
-        )
-        .expect("at column");
-        drop(raw);
-        let (log, warning) =
-            read_verified_log_with(dir.path(), 10, Some(&key.public())).expect("log");
-        assert_eq!(warning, None);
-        assert!(!log[0].verified, "another op than the signed type");
-        assert!(log[1].verified);
-        assert_eq!(log[1].op(), OP_EPOCH_ROTATED);
-        assert_eq!(log[1].at_ms(), 10, "the signed at, not the column's 77");
-
-        // A store re-signed with another key carries that key: it verifies against itself but
-        // never against the relay key, and the mismatch is said.
-        let forger = HostKey::generate();
-        let forged = tempfile::tempdir().expect("forged");
-        let store = open_offline_signed(forged.path(), forger.clone(), 1).expect("forged");
-        rotate_epoch(&store, "s", RotatedBy::Operator, 10).expect("rotate");
-        store.close().expect("close");
-        assert!(read_verified_log(forged.path(), 10).expect("log")[0].verified);
-        let (log, warning) =
-            read_verified_log_with(forged.path(), 10, Some(&key.public())).expect("log");
-        assert!(!log[0].verified);
-        let warning = warning.expect("warned");
-        assert!(
-            warning.contains(&forger.public().fingerprint())
-                && warning.contains(&key.public().fingerprint()),
-            "{warning}"
-        );
-    }
-
-    #[test]
-    fn reading_the_log_of_a_stopped_store_leaves_no_side_files() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let store = SqliteStore::open(dir.path(), &relay_key(), 1).expect("open");
-        rotate_epoch(&store, "s", RotatedBy::Operator, 10).expect("rotate");
-        store.close().expect("close");
-        let before = ls(dir.path());
-        assert!(!before
-            .iter()
-            .any(|n| n.ends_with("-wal") || n.ends_with("-shm")));
-        assert_eq!(read_verified_log(dir.path(), 10).expect("log").len(), 1);
-        assert_eq!(ls(dir.path()), before);
-    }
-}
+mod tests;

@@ -390,16 +390,14 @@ mod tests {
             instances: Default::default(),
         });
         let queued = |_: &Arc<dyn RelayStore>| -> u64 {
-            rusqlite::Connection::open(dir.path().join(crate::store::DB_FILE))
-                .expect("read")
-                .query_row(
-                    "SELECT COUNT(*) FROM items WHERE target_pubkey = ?1",
-                    [&target],
-                    |r| r.get::<_, i64>(0),
-                )
-                .expect("count")
-                .try_into()
-                .expect("count")
+            crate::store::raw::one::<i64>(
+                &dir.path().join(crate::store::DB_FILE),
+                "SELECT COUNT(*) FROM items WHERE target_pubkey = ?1",
+                &[target.as_str()],
+            )
+            .expect("count")
+            .try_into()
+            .expect("count")
         };
         let mut schedule = Schedule::new(interval(&state));
 

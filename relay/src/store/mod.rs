@@ -48,6 +48,7 @@
 //! keys: 44 characters with padding, the one canonical form: [`RelayStore::enrol`] refuses any
 //! other text, see [`is_canonical_key`], so a key never has two rows). ISO timestamps are the caller's business.
 
+pub mod maintenance;
 mod schema;
 mod sqlite;
 
@@ -56,8 +57,11 @@ pub(crate) use schema::assert_usage_matches;
 pub(crate) use schema::stored_version;
 pub use schema::SCHEMA_VERSION;
 pub(crate) use schema::{migrate, rebuild_usage, MIGRATIONS};
+#[cfg(test)]
+pub(crate) use sqlite::backup::raw;
 pub(crate) use sqlite::{append_op_signed, replay_rotation, ROTATION_META_PREFIX};
 pub use sqlite::{prepare_store_dir, SqliteStore, StoreLock, StoreStats};
+pub use {maintenance::StoreMaintenance, sqlite::backup::SqliteMaintenance};
 
 use std::path::PathBuf;
 

@@ -38,8 +38,11 @@
 //! them (SQLite gives `-wal` and `-shm` the main file's mode), and every one of them that
 //! exists is set to 0600 after the open. They hold routing metadata (who talks to whom).
 
+pub(crate) mod backup;
 mod deny;
+mod restore;
 mod rotate;
+mod status;
 mod sweep;
 
 pub(crate) use rotate::{replay_rotation, ROTATION_META_PREFIX};
