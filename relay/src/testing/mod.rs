@@ -5,6 +5,8 @@
 //!   state `relay serve` runs on — bound on 127.0.0.1 port 0 over a fresh [`SqliteStore`] in a
 //!   temporary directory, on a clock the test chooses. Daemon and relay tests start a relay in
 //!   process through it instead of building [`RelayState`] by hand.
+//! - [`conformance`]: the backend conformance suite, the store rules of spec §2–§7 checked
+//!   through the [`RelayStore`] trait only, for any backend.
 //!
 //! # What it must never do
 //! - Ship in a release binary: the daemon enables the feature as a dev-dependency only.
@@ -13,6 +15,8 @@
 //!
 //! Every function here panics (with a message naming what failed) instead of returning errors:
 //! they set up tests.
+
+pub mod conformance;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Once};
@@ -150,7 +154,11 @@ impl TestRelayBuilder {
             limits: self.config.limits.store_limits(),
             ..OpenOptions::default()
         };
-        let (path, pk, now) = (store_dir.clone(), key.public().to_b64(), self.clock.now_ms());
+        let (path, pk, now) = (
+            store_dir.clone(),
+            key.public().to_b64(),
+            self.clock.now_ms(),
+        );
         let store = tokio::task::spawn_blocking(move || {
             SqliteStore::open_with(&path, &pk, now, options).expect("open the test relay's store")
         })
