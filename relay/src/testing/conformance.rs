@@ -118,6 +118,15 @@ impl Store {
         }
     }
 
+    /// Enrols `alpha` ([`key`] 1) and `beta` (key 2) with the host-key challenge, the sender
+    /// and target most rules need; returns their keys.
+    pub(crate) fn alpha_and_beta(&self) -> (String, String) {
+        let (alpha, beta) = (key(1), key(2));
+        self.enrol(&alpha, "alpha");
+        self.enrol(&beta, "beta");
+        (alpha, beta)
+    }
+
     /// Enrols `k` as `name` with the host-key challenge; asserts it enrolled.
     pub(crate) fn enrol(&self, k: &str, name: &str) {
         let out = self.enrol_as(k, name, None);

@@ -197,7 +197,7 @@ impl Relay {
 
     /// The store (blocking calls; fine from a test for one-off inspection or setup).
     pub fn store(&self) -> Arc<dyn RelayStore> {
-        self.state.store.clone()
+        self.relay.store()
     }
 
     /// Runs a blocking store call off the runtime.
@@ -205,15 +205,12 @@ impl Relay {
         &self,
         f: impl FnOnce(&dyn RelayStore) -> T + Send + 'static,
     ) -> T {
-        let store = self.store();
-        tokio::task::spawn_blocking(move || f(store.as_ref()))
-            .await
-            .expect("store task")
+        self.relay.with_store(f).await
     }
 
     /// The current epoch (from the store).
     pub async fn epoch(&self) -> String {
-        self.with_store(|s| s.epoch().expect("epoch")).await
+        self.relay.epoch().await
     }
 
     /// Sends a raw request: any method, target, headers and body bytes.
@@ -337,9 +334,7 @@ impl Relay {
     /// Runs one retention sweep now, at the relay clock's time, as the server's schedule does
     /// (`agentmbx_relay::retention::sweep_once`); panics when it fails.
     pub async fn sweep(&self) -> store::SweepReport {
-        agentmbx_relay::retention::sweep_once(&self.state)
-            .await
-            .expect("retention sweep")
+        self.relay.sweep().await.expect("retention sweep")
     }
 
     /// Pulls `host`'s whole queue (one page of up to 500) and returns the item ids in order.

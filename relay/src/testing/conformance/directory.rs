@@ -167,9 +167,7 @@ pub fn only_canonical_host_keys_are_enrolled(make: &Factory) {
 /// no name lookup finds it.
 pub fn revocation_sticks(make: &Factory) {
     let st = Store::open(make);
-    let (alpha, beta) = (key(1), key(2));
-    st.enrol(&alpha, "alpha");
-    st.enrol(&beta, "beta");
+    let (alpha, beta) = st.alpha_and_beta();
     assert_eq!(
         st.s.revoke(&beta, T0 + 2).expect("revoke"),
         RevokeOutcome::Revoked

@@ -11,9 +11,7 @@ use super::{acked, item, key, Factory, Store, T0};
 /// `duplicate` with the original seq and acceptance time, and stores no second copy.
 pub fn dedup_same_bytes_is_a_duplicate_with_the_original_seq_and_no_second_row(make: &Factory) {
     let st = Store::open(make);
-    let (alpha, beta) = (key(1), key(2));
-    st.enrol(&alpha, "alpha");
-    st.enrol(&beta, "beta");
+    let (alpha, beta) = st.alpha_and_beta();
     let first = st.push_one(&alpha, T0, item("m1", &[(&beta, b"sealed")]));
     assert_eq!(first.status, ItemStatus::Accepted, "{first:?}");
     assert_eq!(first.at_ms, Some(T0));
@@ -40,9 +38,7 @@ pub fn dedup_same_bytes_is_a_duplicate_with_the_original_seq_and_no_second_row(m
 /// `rejected:conflict`, and nothing changes.
 pub fn dedup_other_bytes_is_a_conflict_that_changes_nothing(make: &Factory) {
     let st = Store::open(make);
-    let (alpha, beta) = (key(1), key(2));
-    st.enrol(&alpha, "alpha");
-    st.enrol(&beta, "beta");
+    let (alpha, beta) = st.alpha_and_beta();
     st.push_one(&alpha, T0, item("m1", &[(&beta, b"one")]));
     let head = st.info(&beta).head_seq;
     let other = st.push_one(&alpha, T0 + 1, item("m1", &[(&beta, b"two")]));
@@ -89,9 +85,7 @@ pub fn dedup_is_keyed_by_sender_item_and_target(make: &Factory) {
 /// Spec §3: the items of one push apply in order, each seeing the ones before it.
 pub fn later_items_of_a_batch_see_earlier_ones(make: &Factory) {
     let st = Store::open(make);
-    let (alpha, beta) = (key(1), key(2));
-    st.enrol(&alpha, "alpha");
-    st.enrol(&beta, "beta");
+    let (alpha, beta) = st.alpha_and_beta();
     let out = st.push(
         &alpha,
         T0,
@@ -137,9 +131,7 @@ pub fn seq_is_the_max_of_next_seq_and_now(make: &Factory) {
 /// acked empty, its items expired, or the epoch rotated, even with the clock far behind.
 pub fn seqs_never_restart_after_acks_expiry_or_a_new_epoch(make: &Factory) {
     let st = Store::open(make);
-    let (alpha, beta) = (key(1), key(2));
-    st.enrol(&alpha, "alpha");
-    st.enrol(&beta, "beta");
+    let (alpha, beta) = st.alpha_and_beta();
     let s1 = st
         .push_one(&alpha, T0, item("m1", &[(&beta, b"w")]))
         .targets[0]
@@ -211,9 +203,7 @@ pub fn an_item_is_all_or_nothing_over_its_targets(make: &Factory) {
 /// `rejected:bad targets`; nothing is stored.
 pub fn a_repeated_or_missing_target_is_refused(make: &Factory) {
     let st = Store::open(make);
-    let (alpha, beta) = (key(1), key(2));
-    st.enrol(&alpha, "alpha");
-    st.enrol(&beta, "beta");
+    let (alpha, beta) = st.alpha_and_beta();
     let out = st.push_one(&alpha, T0, item("m", &[(&beta, b"1"), (&beta, b"1")]));
     assert_eq!(out.status.wire(), "rejected:duplicate target");
     let out = st.push_one(&alpha, T0, item("m", &[]));
@@ -348,9 +338,7 @@ pub fn the_account_quota_charges_only_proven_accounts(make: &Factory) {
 /// end has `last_seq = after`.
 pub fn pull_pages_are_bounded_by_count_and_bytes(make: &Factory) {
     let st = Store::open(make);
-    let (alpha, beta) = (key(1), key(2));
-    st.enrol(&alpha, "alpha");
-    st.enrol(&beta, "beta");
+    let (alpha, beta) = st.alpha_and_beta();
     let mut seqs = Vec::new();
     for (i, n) in [10usize, 10, 50, 10, 10].iter().enumerate() {
         let wire = vec![b'a' + i as u8; *n];
@@ -389,9 +377,7 @@ pub fn pull_pages_are_bounded_by_count_and_bytes(make: &Factory) {
 /// `wire.md` §3.2: a page holds at most [`MAX_PULL_ITEMS`] items whatever the limit asked.
 pub fn a_pull_page_is_clamped_to_the_most_items_a_page_holds(make: &Factory) {
     let st = Store::open(make);
-    let (alpha, beta) = (key(1), key(2));
-    st.enrol(&alpha, "alpha");
-    st.enrol(&beta, "beta");
+    let (alpha, beta) = st.alpha_and_beta();
     let n = MAX_PULL_ITEMS as usize + 1;
     let items = (0..n)
         .map(|i| item(&format!("m{i}"), &[(&beta, b"w")]))
@@ -408,9 +394,7 @@ pub fn a_pull_page_is_clamped_to_the_most_items_a_page_holds(make: &Factory) {
 /// never decreases; acking through 0 on an empty queue is fine.
 pub fn ack_deletes_through_and_its_position_never_goes_back(make: &Factory) {
     let st = Store::open(make);
-    let (alpha, beta) = (key(1), key(2));
-    st.enrol(&alpha, "alpha");
-    st.enrol(&beta, "beta");
+    let (alpha, beta) = st.alpha_and_beta();
     for i in 0..5 {
         st.push_one(&alpha, 100, item(&format!("m{i}"), &[(&beta, b"w")]));
     }
@@ -435,9 +419,7 @@ pub fn ack_deletes_through_and_its_position_never_goes_back(make: &Factory) {
 /// naming another epoch is stale; both change nothing and report the head and epoch.
 pub fn an_ack_out_of_range_or_of_another_epoch_changes_nothing(make: &Factory) {
     let st = Store::open(make);
-    let (alpha, beta) = (key(1), key(2));
-    st.enrol(&alpha, "alpha");
-    st.enrol(&beta, "beta");
+    let (alpha, beta) = st.alpha_and_beta();
     for i in 0..2 {
         st.push_one(&alpha, 100, item(&format!("m{i}"), &[(&beta, b"w")]));
     }
@@ -467,9 +449,7 @@ pub fn an_ack_out_of_range_or_of_another_epoch_changes_nothing(make: &Factory) {
 /// lowercase hex SHA-256 of those bytes.
 pub fn wire_bytes_come_back_byte_for_byte_with_their_hash(make: &Factory) {
     let st = Store::open(make);
-    let (alpha, beta) = (key(1), key(2));
-    st.enrol(&alpha, "alpha");
-    st.enrol(&beta, "beta");
+    let (alpha, beta) = st.alpha_and_beta();
     let wire: Vec<u8> = (0..=255u8).chain([0, 0xff, b'\n']).collect();
     let o = st.push_one(&alpha, T0, item("m", &[(&beta, &wire)]));
     assert_eq!(o.targets[0].wire_hash, wire_hash(&wire));

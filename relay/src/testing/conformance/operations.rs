@@ -32,9 +32,7 @@ fn op(at_ms: i64, op: &str) -> OpEntry {
 /// not a millisecond before.
 pub fn an_item_expires_at_its_expiry_and_not_a_millisecond_before(make: &Factory) {
     let st = Store::open(make);
-    let (alpha, beta) = (key(1), key(2));
-    st.enrol(&alpha, "alpha");
-    st.enrol(&beta, "beta");
+    let (alpha, beta) = st.alpha_and_beta();
     st.push_one(&alpha, T0, item("m1", &[(&beta, b"sealed-1")]));
     let early = st.sweep(T0 + retention() - 1);
     assert!(!early.changed(), "{early:?}");
@@ -54,9 +52,7 @@ pub fn an_item_expires_at_its_expiry_and_not_a_millisecond_before(make: &Factory
 /// the original seq and time (never delivered again) and other bytes are still a conflict.
 pub fn the_tombstone_answers_a_late_retry_as_a_duplicate(make: &Factory) {
     let st = Store::open(make);
-    let (alpha, beta) = (key(1), key(2));
-    st.enrol(&alpha, "alpha");
-    st.enrol(&beta, "beta");
+    let (alpha, beta) = st.alpha_and_beta();
     let first = st.push_one(&alpha, T0, item("m1", &[(&beta, b"sealed-1")]));
     let head = st.info(&beta).head_seq;
     assert_eq!(st.sweep(T0 + retention()).expired_items, 1);
@@ -75,9 +71,7 @@ pub fn the_tombstone_answers_a_late_retry_as_a_duplicate(make: &Factory) {
 /// seq; a second sweep queues no second one.
 pub fn an_expired_envelope_queues_one_notice_for_its_sender(make: &Factory) {
     let st = Store::open(make);
-    let (alpha, beta) = (key(1), key(2));
-    st.enrol(&alpha, "alpha");
-    st.enrol(&beta, "beta");
+    let (alpha, beta) = st.alpha_and_beta();
     st.push_one(&alpha, T0, item("m1", &[(&beta, b"sealed-1")]));
     let now = T0 + retention();
     let report = st.sweep(now);
@@ -153,9 +147,7 @@ pub fn receipts_notices_and_items_of_unenrolled_senders_expire_without_a_notice(
 /// `wire.md` §3.2 "Sweep": items pushed without expiry (the v1 endpoints) never expire.
 pub fn items_pushed_without_expiry_never_expire(make: &Factory) {
     let st = Store::open(make);
-    let (alpha, beta) = (key(1), key(2));
-    st.enrol(&alpha, "alpha");
-    st.enrol(&beta, "beta");
+    let (alpha, beta) = st.alpha_and_beta();
     let out = st.push_expiring(
         &alpha,
         T0,
@@ -171,9 +163,7 @@ pub fn items_pushed_without_expiry_never_expire(make: &Factory) {
 /// gone), then pruned: past the horizon the item id is new again.
 pub fn dedup_rows_are_pruned_after_the_dedup_horizon_and_not_before(make: &Factory) {
     let st = Store::open(make);
-    let (alpha, beta) = (key(1), key(2));
-    st.enrol(&alpha, "alpha");
-    st.enrol(&beta, "beta");
+    let (alpha, beta) = st.alpha_and_beta();
     let seq = st
         .push_one(&alpha, T0, item("m1", &[(&beta, b"w")]))
         .targets[0]
@@ -197,9 +187,7 @@ pub fn dedup_rows_are_pruned_after_the_dedup_horizon_and_not_before(make: &Facto
 /// the store's is refused and nothing changes.
 pub fn a_sweep_signed_by_another_key_is_refused(make: &Factory) {
     let st = Store::open(make);
-    let (alpha, beta) = (key(1), key(2));
-    st.enrol(&alpha, "alpha");
-    st.enrol(&beta, "beta");
+    let (alpha, beta) = st.alpha_and_beta();
     st.push_one(&alpha, T0, item("m1", &[(&beta, b"w")]));
     let other = Arc::new(FakeNoticeSigner(key(201)));
     let e = st.s.sweep(T0 + retention(), other).expect_err("refused");
@@ -211,9 +199,7 @@ pub fn a_sweep_signed_by_another_key_is_refused(make: &Factory) {
 /// ack position (only receivers' positions reset, on their side); pages and acks name it.
 pub fn a_new_epoch_keeps_every_item_and_position(make: &Factory) {
     let st = Store::open(make);
-    let (alpha, beta) = (key(1), key(2));
-    st.enrol(&alpha, "alpha");
-    st.enrol(&beta, "beta");
+    let (alpha, beta) = st.alpha_and_beta();
     for i in 0..3 {
         st.push_one(&alpha, T0, item(&format!("m{i}"), &[(&beta, b"w")]));
     }
