@@ -398,11 +398,12 @@ pub type Rule = fn(&Factory);
 /// Every rule, by name.
 pub const RULES: &[(&str, Rule)] = crate::__conformance_rules!(__conformance_table!());
 
-/// Runs every rule against `make`, in order; the first rule that fails panics (its name is in
-/// the panic message's location and in the text).
+/// Runs every rule against `make`, in order. The first rule that fails panics; the name of
+/// each rule is printed to stderr before it runs, so the last one printed is the one that
+/// failed.
 pub fn run_all(make: &Factory) {
     for (name, rule) in RULES {
-        tracing::debug!(rule = name, "conformance rule");
+        eprintln!("conformance rule {name}");
         rule(make);
     }
 }
