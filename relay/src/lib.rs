@@ -17,7 +17,9 @@
 //! - [`config`]: `relay.toml` and environment; [`key`]: the relay key;
 //! - [`ratelimit`]: per-address and per-sender rate limits, the request-body budget (built
 //!   from the shared serving plumbing, `agentmbx_net`: rate tables, the body budget, the log
-//!   gate); [`refusals`]: the running relay's counters of refused items and requests by reason.
+//!   gate); [`refusals`]: the running relay's counters of refused items and requests by reason;
+//! - `testing` (cargo feature `testing`): an in-process test relay and the store backend
+//!   conformance suite.
 //!
 //! Every successful answer is sent only after the transaction that made it true committed.
 
@@ -37,6 +39,8 @@ pub mod run;
 pub mod server;
 pub mod status;
 pub mod store;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 pub mod watchdog;
 
 /// Relay software version (reported by `GET /v2/relay/info`).

@@ -370,25 +370,17 @@ mod tests {
         let clock = Arc::new(ManualClock::new(T0 + DAY_MS));
         let shared: agentmbx_protocol::clock::SharedClock = clock.clone();
         let config = crate::config::RelayConfig::default();
-        let state = Arc::new(crate::server::RelayState {
-            rates: crate::ratelimit::RateLimits::new(&config),
-            authority: crate::authority::from_config(
-                &config.authority,
-                shared.clone(),
-                store.clone(),
-            )
-            .expect("authority"),
-            store: store.clone(),
+        let authority =
+            crate::authority::from_config(&config.authority, shared.clone(), store.clone())
+                .expect("authority");
+        let state = Arc::new(crate::server::RelayState::new(
+            store.clone(),
             key,
-            clock: shared,
+            shared,
             config,
-            challenges: Default::default(),
-            version: crate::VERSION,
-            in_flight: Default::default(),
-            store_db: crate::ops::store_db(dir.path()),
-            refused: Default::default(),
-            instances: Default::default(),
-        });
+            authority,
+            crate::ops::store_db(dir.path()),
+        ));
         let queued = |_: &Arc<dyn RelayStore>| -> u64 {
             crate::store::raw::one::<i64>(
                 &dir.path().join(crate::store::DB_FILE),

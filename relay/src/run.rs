@@ -18,7 +18,6 @@ use agentmbx_protocol::clock::{SharedClock, SystemClock};
 use agentmbx_protocol::keys::HostKey;
 
 use crate::config::{RelayConfig, DEFAULT_PORT};
-use crate::handlers::enrol::Challenges;
 use crate::key::{self, KeySource};
 use crate::server::{self, RelayState};
 use crate::store::SqliteStore;
@@ -277,21 +276,14 @@ pub async fn serve_prepared_until(
     let listener = tokio::net::TcpListener::from_std(prepared.listener)
         .map_err(|e| ServeError::Io(format!("cannot use the bound listener: {e}")))?;
     let store = prepared.store.clone();
-    let rates = crate::ratelimit::RateLimits::new(&prepared.config);
-    let state = Arc::new(RelayState {
-        rates,
-        store: prepared.store,
-        key: prepared.key,
-        clock: prepared.clock,
-        config: prepared.config,
-        challenges: Challenges::default(),
-        authority: prepared.authority,
-        version: crate::VERSION,
-        in_flight: Default::default(),
-        store_db: crate::ops::store_db(&prepared.store_dir),
-        refused: Default::default(),
-        instances: Default::default(),
-    });
+    let state = Arc::new(RelayState::new(
+        prepared.store,
+        prepared.key,
+        prepared.clock,
+        prepared.config,
+        prepared.authority,
+        crate::ops::store_db(&prepared.store_dir),
+    ));
     let served = server::serve(listener, state, shutdown).await;
     if let Some(reason) = store.failed() {
         return Err(ServeError::StoreFailed(reason));

@@ -77,6 +77,36 @@ pub struct RelayState {
     pub instances: crate::instances::Instances,
 }
 
+impl RelayState {
+    /// The state `serve` runs on: `store`, `key`, `clock`, `config` and the enrolment
+    /// `authority` as given, fresh rate tables from `config`, no challenges, no requests in
+    /// flight, no refusals counted, no instances seen. `store_db` is the store's `relay.db`
+    /// ([`crate::ops::store_db`]). `relay serve` and the in-process test relay both build it here.
+    pub fn new(
+        store: Arc<dyn RelayStore>,
+        key: HostKey,
+        clock: SharedClock,
+        config: RelayConfig,
+        authority: Arc<dyn crate::authority::EnrolmentAuthority>,
+        store_db: String,
+    ) -> Self {
+        RelayState {
+            rates: crate::ratelimit::RateLimits::new(&config),
+            store,
+            key,
+            clock,
+            config,
+            challenges: Challenges::default(),
+            version: crate::VERSION,
+            in_flight: Default::default(),
+            authority,
+            store_db,
+            refused: Default::default(),
+            instances: Default::default(),
+        }
+    }
+}
+
 /// Counts a request in [`RelayState::in_flight`] for as long as it lives.
 struct Counted(SharedRelay);
 

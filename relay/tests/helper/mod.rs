@@ -1,5 +1,5 @@
-//! Fixtures for the relay's HTTP tests: the real server (`server::serve`) on 127.0.0.1 port 0
-//! over a fresh `SqliteStore` in a temporary directory, driven by a [`ManualClock`]; a small
+//! Fixtures for the relay's HTTP tests: the real server on 127.0.0.1 port 0 over a fresh
+//! `SqliteStore` in a temporary directory ([`TestRelay`]), driven by a [`ManualClock`]; a small
 //! client that signs v2 hops with `hop::sign_relay_hop`; and factories for host keys, enrolment,
 //! sealed envelopes, receipt wires and enc-key ads.
 //!
@@ -7,14 +7,11 @@
 //! (`seq = max(next_seq, now_ms)`) and hop timestamps can be placed exactly on the window edge.
 #![allow(dead_code)] // Not every test uses every fixture.
 
-use std::net::SocketAddr;
-use std::sync::{Arc, Once};
+use std::sync::Arc;
 
 use serde_json::{json, Value};
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 
-use agentmbx_protocol::clock::{Clock, ManualClock, SharedClock};
+use agentmbx_protocol::clock::{Clock, ManualClock};
 use agentmbx_protocol::envelope::{self, Draft};
 use agentmbx_protocol::hop::{self, header};
 use agentmbx_protocol::keys::{EncKey, HostKey, PublicKey};
@@ -22,14 +19,14 @@ use agentmbx_protocol::records::{self, EncAd, Receipt};
 use agentmbx_protocol::{b64, seal, ulid};
 
 use agentmbx_relay::config::{LimitsConfig, RelayConfig};
-use agentmbx_relay::handlers::enrol::Challenges;
-use agentmbx_relay::server::{self, RelayState, SharedRelay};
-use agentmbx_relay::store::{self, OpenOptions, RelayStore, SqliteStore};
+use agentmbx_relay::server::SharedRelay;
+use agentmbx_relay::store::{self, RelayStore};
+use agentmbx_relay::testing::{TestRelay, TestRelayBuilder};
 
 /// Where every relay clock starts: 2026-01-01T00:00:00.000Z.
 pub const T0: i64 = 1_767_225_600_000;
 
-/// A relay server running in this process.
+/// A relay server running in this process ([`TestRelay`]), with an HTTP client for it.
 pub struct Relay {
     /// `http://127.0.0.1:<port>`.
     pub base: String,
@@ -40,9 +37,7 @@ pub struct Relay {
     /// The relay's public key (accept statements verify against it).
     pub relay_pub: PublicKey,
     http: reqwest::Client,
-    shutdown: Option<oneshot::Sender<()>>,
-    task: Option<JoinHandle<std::io::Result<()>>>,
-    _dir: tempfile::TempDir,
+    relay: TestRelay,
 }
 
 /// An HTTP answer: status, raw body and (when it parses) the JSON body.
@@ -107,14 +102,6 @@ impl Resp {
     }
 }
 
-/// Installs the ring TLS provider once (reqwest needs one even for plain http).
-fn install_provider() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        let _ = rustls::crypto::ring::default_provider().install_default();
-    });
-}
-
 impl Relay {
     /// A relay with the default (published) limits.
     pub async fn start() -> Relay {
@@ -138,123 +125,64 @@ impl Relay {
     /// A relay whose store can be made to report a failure ([`FailingStore::fail`]), as the
     /// SQLite store does after a failed COMMIT.
     pub async fn start_failing() -> (Relay, Arc<FailingStore>) {
-        let mut faulty = None;
-        let relay = Relay::start_wrapped(RelayConfig::default(), |inner| {
+        let slot = Arc::new(std::sync::Mutex::new(None));
+        let wrapped = slot.clone();
+        let relay = Relay::start_wrapped(RelayConfig::default(), move |inner| {
             let f = Arc::new(FailingStore {
                 inner,
                 failure: std::sync::Mutex::new(None),
             });
-            faulty = Some(f.clone());
+            *wrapped.lock().expect("slot") = Some(f.clone());
             f
         })
         .await;
-        (relay, faulty.expect("wrapped"))
+        let faulty = slot.lock().expect("slot").take().expect("wrapped");
+        (relay, faulty)
     }
 
     /// A relay with the given configuration over the SQLite store as `wrap` returns it.
     pub async fn start_wrapped(
         config: RelayConfig,
-        wrap: impl FnOnce(Arc<dyn RelayStore>) -> Arc<dyn RelayStore>,
+        wrap: impl FnOnce(Arc<dyn RelayStore>) -> Arc<dyn RelayStore> + Send + 'static,
     ) -> Relay {
-        let limits = config.limits.clone();
-        install_provider();
-        let dir = tempfile::tempdir().expect("temp dir");
-        let key = HostKey::generate();
-        let relay_pub = key.public();
         let clock = Arc::new(ManualClock::new(T0));
-        let options = OpenOptions {
-            lock_wait_ms: 0,
-            failpoint: store::no_failpoint,
-            limits: limits.store_limits(),
-        };
-        let path = dir.path().join("store");
-        let pk = relay_pub.to_b64();
-        let store = tokio::task::spawn_blocking(move || {
-            SqliteStore::open_with(&path, &pk, T0, options).expect("open the relay store")
-        })
+        Relay::serve(
+            TestRelay::builder()
+                .clock(clock.clone())
+                .config(config)
+                .wrap_store(wrap),
+            clock,
+        )
         .await
-        .expect("open task");
-        let store: Arc<dyn RelayStore> = wrap(Arc::new(store));
-        Relay::serve_over(store, key, clock, config, dir).await
     }
 
-    /// Serves `store` with `key`, `clock` and `config` on 127.0.0.1 (a free port); `dir` lives
-    /// as long as the relay.
-    async fn serve_over(
-        store: Arc<dyn RelayStore>,
-        key: HostKey,
-        clock: Arc<ManualClock>,
-        config: RelayConfig,
-        dir: tempfile::TempDir,
-    ) -> Relay {
-        let relay_pub = key.public();
-        let shared_clock: SharedClock = clock.clone();
-        let rates = agentmbx_relay::ratelimit::RateLimits::new(&config);
-        let authority = agentmbx_relay::authority::from_config(
-            &config.authority,
-            shared_clock.clone(),
-            store.clone(),
-        )
-        .expect("enrolment authority");
-        let state = Arc::new(RelayState {
-            rates,
-            store,
-            key,
-            clock: shared_clock,
-            config,
-            challenges: Challenges::default(),
-            authority,
-            version: agentmbx_relay::VERSION,
-            in_flight: Default::default(),
-            store_db: agentmbx_relay::ops::store_db(&dir.path().join("store")),
-            refused: Default::default(),
-            instances: Default::default(),
-        });
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind 127.0.0.1:0");
-        let addr: SocketAddr = listener.local_addr().expect("local addr");
-        let (tx, rx) = oneshot::channel::<()>();
-        let task = tokio::spawn(server::serve(listener, state.clone(), async move {
-            let _ = rx.await;
-        }));
+    /// Starts `relay` (whose clock is `clock`) and a client for it.
+    async fn serve(relay: TestRelayBuilder, clock: Arc<ManualClock>) -> Relay {
+        let relay = relay.start().await;
         let http = reqwest::Client::builder()
             .no_proxy()
             .timeout(std::time::Duration::from_secs(60))
             .build()
             .expect("http client");
         Relay {
-            base: format!("http://{addr}"),
+            base: relay.url().to_owned(),
             clock,
-            state,
-            relay_pub,
+            state: relay.state().clone(),
+            relay_pub: relay.pubkey(),
             http,
-            shutdown: Some(tx),
-            task: Some(task),
-            _dir: dir,
+            relay,
         }
     }
 
     /// Stops the server gracefully and checks that `serve` returned `Ok`.
-    pub async fn stop(mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
-        if let Some(task) = self.task.take() {
-            task.await
-                .expect("serve task")
-                .expect("serve returned an error");
-        }
+    pub async fn stop(self) {
+        self.relay.stop().await.expect("serve returned an error");
     }
 
     /// Waits (up to 30 s) for the server to stop on its own, without asking it to, and returns
     /// what `serve` returned.
-    pub async fn stopped(mut self) -> std::io::Result<()> {
-        let task = self.task.take().expect("serve task");
-        tokio::time::timeout(std::time::Duration::from_secs(30), task)
-            .await
-            .expect("the server did not stop within 30 s")
-            .expect("serve task")
+    pub async fn stopped(self) -> std::io::Result<()> {
+        self.relay.stopped(std::time::Duration::from_secs(30)).await
     }
 
     /// `127.0.0.1:<port>`.
@@ -269,7 +197,7 @@ impl Relay {
 
     /// The store (blocking calls; fine from a test for one-off inspection or setup).
     pub fn store(&self) -> Arc<dyn RelayStore> {
-        self.state.store.clone()
+        self.relay.store()
     }
 
     /// Runs a blocking store call off the runtime.
@@ -277,15 +205,12 @@ impl Relay {
         &self,
         f: impl FnOnce(&dyn RelayStore) -> T + Send + 'static,
     ) -> T {
-        let store = self.store();
-        tokio::task::spawn_blocking(move || f(store.as_ref()))
-            .await
-            .expect("store task")
+        self.relay.with_store(f).await
     }
 
     /// The current epoch (from the store).
     pub async fn epoch(&self) -> String {
-        self.with_store(|s| s.epoch().expect("epoch")).await
+        self.relay.epoch().await
     }
 
     /// Sends a raw request: any method, target, headers and body bytes.
@@ -409,9 +334,7 @@ impl Relay {
     /// Runs one retention sweep now, at the relay clock's time, as the server's schedule does
     /// (`agentmbx_relay::retention::sweep_once`); panics when it fails.
     pub async fn sweep(&self) -> store::SweepReport {
-        agentmbx_relay::retention::sweep_once(&self.state)
-            .await
-            .expect("retention sweep")
+        self.relay.sweep().await.expect("retention sweep")
     }
 
     /// Pulls `host`'s whole queue (one page of up to 500) and returns the item ids in order.
@@ -423,14 +346,6 @@ impl Relay {
             .iter()
             .map(|i| i["item_id"].as_str().expect("item id").to_owned())
             .collect()
-    }
-}
-
-impl Drop for Relay {
-    fn drop(&mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
     }
 }
 
@@ -1054,31 +969,16 @@ impl Relay {
         config: RelayConfig,
         now_ms: i64,
     ) -> Relay {
-        install_provider();
-        let relay_pub = key.public();
         let clock = Arc::new(ManualClock::new(now_ms));
         // A restart on the same store: the stopped relay's last background task may still
         // hold the store (and its lock) for a moment after `stop` returned.
-        let options = OpenOptions {
-            lock_wait_ms: 5_000,
-            failpoint: store::no_failpoint,
-            limits: config.limits.store_limits(),
-        };
-        let (path, pk) = (store_dir.to_path_buf(), relay_pub.to_b64());
-        let store = tokio::task::spawn_blocking(move || {
-            SqliteStore::open_with(&path, &pk, now_ms, options).expect("open the relay store")
-        })
-        .await
-        .expect("open task");
-        let store: Arc<dyn RelayStore> = Arc::new(store);
-        Relay::serve_over(
-            store,
-            key,
-            clock,
-            config,
-            tempfile::tempdir().expect("temp dir"),
-        )
-        .await
+        let relay = TestRelay::builder()
+            .clock(clock.clone())
+            .config(config)
+            .key(key)
+            .store_dir(store_dir)
+            .lock_wait_ms(5_000);
+        Relay::serve(relay, clock).await
     }
 
     /// A v2 hop signed by `host` at the relay's time, with `extra` headers (e.g.

@@ -4,10 +4,7 @@
 //! hosts, and against the scripted fake where a relay must misbehave (BAD_ACK, a queue head
 //! below the checkpoint, forged notices).
 
-use agentmbx_relay::config::RelayConfig;
-use agentmbx_relay::handlers::enrol::Challenges;
-use agentmbx_relay::server::{self, RelayState, SharedRelay};
-use agentmbx_relay::store::{OpenOptions, RelayStore, SqliteStore};
+use agentmbx_relay::testing::TestRelay;
 
 use super::*;
 use crate::mailbox::audit;
@@ -18,104 +15,6 @@ mod quarantine_retry;
 
 const DAY: i64 = 86_400_000;
 
-// ---- the real relay, in process ---------------------------------------------------------------
-
-/// `agentmbx_relay::server::serve` on 127.0.0.1 over a fresh store, on the given clock.
-struct RealRelay {
-    url: String,
-    state: SharedRelay,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<std::io::Result<()>>,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for RealRelay {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        self.task.abort();
-    }
-}
-
-impl RealRelay {
-    async fn start(clock: Arc<ManualClock>) -> RealRelay {
-        crate::install_tls_provider();
-        let dir = tempfile::tempdir().unwrap();
-        let key = HostKey::generate();
-        let config = RelayConfig::default();
-        let options = OpenOptions {
-            lock_wait_ms: 0,
-            limits: config.limits.store_limits(),
-            ..OpenOptions::default()
-        };
-        let path = dir.path().join("store");
-        let (p, pk) = (path.clone(), key.public().to_b64());
-        let now = agentmbx_protocol::clock::Clock::now_ms(&*clock);
-        let store =
-            tokio::task::spawn_blocking(move || SqliteStore::open_with(&p, &pk, now, options))
-                .await
-                .unwrap()
-                .unwrap();
-        let store: Arc<dyn RelayStore> = Arc::new(store);
-        let shared: SharedClock = clock;
-        let state = Arc::new(RelayState {
-            rates: agentmbx_relay::ratelimit::RateLimits::new(&config),
-            authority: agentmbx_relay::authority::from_config(
-                &config.authority,
-                shared.clone(),
-                store.clone(),
-            )
-            .unwrap(),
-            store,
-            key,
-            clock: shared,
-            config,
-            challenges: Challenges::default(),
-            version: agentmbx_relay::VERSION,
-            in_flight: Default::default(),
-            store_db: path.join("relay.db").display().to_string(),
-            refused: Default::default(),
-            instances: Default::default(),
-        });
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(server::serve(listener, state.clone(), async move {
-            let _ = rx.await;
-        }));
-        RealRelay {
-            url,
-            state,
-            stop: Some(tx),
-            task,
-            _dir: dir,
-        }
-    }
-
-    fn key(&self) -> PublicKey {
-        self.state.key.public()
-    }
-
-    /// A new epoch, as `agentmbx relay rotate-epoch` or a restore makes it.
-    async fn rotate_epoch(&self) -> String {
-        let store = self.state.store.clone();
-        tokio::task::spawn_blocking(move || store.rotate_epoch())
-            .await
-            .unwrap()
-            .unwrap();
-        self.epoch().await
-    }
-
-    async fn epoch(&self) -> String {
-        let store = self.state.store.clone();
-        tokio::task::spawn_blocking(move || store.epoch())
-            .await
-            .unwrap()
-            .unwrap()
-    }
-}
-
 /// One host talking to the real relay: its store, identity and client.
 struct Node {
     store: Store,
@@ -124,13 +23,13 @@ struct Node {
 }
 
 impl Node {
-    fn new(name: &str, relay: &RealRelay, clock: &Arc<ManualClock>) -> Node {
+    fn new(name: &str, relay: &TestRelay, clock: &Arc<ManualClock>) -> Node {
         let store = testutil::store();
         let ident = Arc::new(testutil::identity(name));
         let shared: SharedClock = clock.clone();
         let client = RelayClient::new(
-            &relay.url,
-            relay.key(),
+            relay.url(),
+            relay.pubkey(),
             ident.clone(),
             store.mailbox.clone(),
             shared,
@@ -180,9 +79,9 @@ fn alerts_of(store: &Store, agent: &str) -> Vec<(String, String)> {
 
 /// A relay, `home` (agent alice) and `work` (agent bob) that pin each other (enc keys too),
 /// both enrolled with their ads and allowlists published.
-async fn two_hosts() -> (Arc<ManualClock>, RealRelay, Node, Node) {
+async fn two_hosts() -> (Arc<ManualClock>, TestRelay, Node, Node) {
     let clock = testutil::clock();
-    let relay = RealRelay::start(clock.clone()).await;
+    let relay = TestRelay::start(clock.clone()).await;
     let home = Node::new("home", &relay, &clock);
     let work = Node::new("work", &relay, &clock);
     home.store.add_peer(&work.ident, true);
@@ -285,9 +184,7 @@ async fn an_item_the_relay_expires_comes_back_as_a_notice_that_expires_the_row_w
     let (id, first) = send_accepted(&home, &clock, "quarterly").await;
     // work never collects it; 14 days later the relay's sweep expires it and queues a notice.
     clock.advance(14 * DAY);
-    let report = agentmbx_relay::retention::sweep_once(&relay.state)
-        .await
-        .unwrap();
+    let report = relay.sweep().await.unwrap();
     assert_eq!(
         (report.expired_envelopes, report.notices),
         (1, 1),
@@ -339,9 +236,7 @@ async fn an_item_the_relay_expires_comes_back_as_a_notice_that_expires_the_row_w
     super::super::pass(&work.client).await.unwrap();
     assert_eq!(work.store.scalar::<i64>("SELECT COUNT(*) FROM messages"), 0);
     // A second sweep queues no second notice.
-    let report = agentmbx_relay::retention::sweep_once(&relay.state)
-        .await
-        .unwrap();
+    let report = relay.sweep().await.unwrap();
     assert_eq!(report.notices, 0, "not twice: {report:?}");
 }
 
@@ -863,7 +758,7 @@ async fn a_re_push_aimed_at_a_key_the_peer_rotated_away_from_is_resealed_for_the
     let old_pub = work.ident.host_key.public().to_b64();
     assert_eq!(first.target_pubkey, old_pub);
     // The relay loses the item and its dedup row (a restore from a backup taken before it).
-    let db = rusqlite::Connection::open(&relay.state.store_db).unwrap();
+    let db = rusqlite::Connection::open(relay.store_db()).unwrap();
     db.busy_timeout(std::time::Duration::from_secs(5)).unwrap();
     for table in ["items", "dedup"] {
         let n = db
@@ -892,8 +787,8 @@ async fn a_re_push_aimed_at_a_key_the_peer_rotated_away_from_is_resealed_for_the
     let new_work = Arc::new(new_work);
     let shared: SharedClock = clock.clone();
     let work_client = RelayClient::new(
-        &relay.url,
-        relay.key(),
+        relay.url(),
+        relay.pubkey(),
         new_work.clone(),
         work.store.mailbox.clone(),
         shared,

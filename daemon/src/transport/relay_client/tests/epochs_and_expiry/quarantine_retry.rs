@@ -106,8 +106,8 @@ async fn a_receipt_from_a_rotated_key_is_received_once_the_rotation_is_learned()
     let (new_work, record) = rotated(&work.ident, now);
     let shared: SharedClock = clock.clone();
     let work_client = RelayClient::new(
-        &relay.url,
-        relay.key(),
+        relay.url(),
+        relay.pubkey(),
         Arc::new(new_work),
         work.store.mailbox.clone(),
         shared,
