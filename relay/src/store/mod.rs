@@ -48,14 +48,13 @@
 //! keys: 44 characters with padding, the one canonical form: [`RelayStore::enrol`] refuses any
 //! other text, see [`is_canonical_key`], so a key never has two rows). ISO timestamps are the caller's business.
 
-mod schema;
 mod sqlite;
 
 #[cfg(test)]
-pub(crate) use schema::assert_usage_matches;
-pub(crate) use schema::stored_version;
-pub use schema::SCHEMA_VERSION;
-pub(crate) use schema::{migrate, rebuild_usage, MIGRATIONS};
+pub(crate) use sqlite::schema::assert_usage_matches;
+pub(crate) use sqlite::schema::stored_version;
+pub use sqlite::schema::SCHEMA_VERSION;
+pub(crate) use sqlite::schema::{migrate, rebuild_usage, MIGRATIONS};
 pub(crate) use sqlite::{append_op_signed, replay_rotation, ROTATION_META_PREFIX};
 pub use sqlite::{prepare_store_dir, SqliteStore, StoreLock, StoreStats};
 

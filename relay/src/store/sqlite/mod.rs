@@ -1,0 +1,761 @@
+//! [`SqliteStore`]: the SQLite implementation of [`RelayStore`] (spec §2, `wire.md` §3.3).
+//!
+//! # Threads and connections
+//! - **`relay.lock`** — a separate SQLite file opened with `locking_mode=EXCLUSIVE` and written
+//!   once inside `BEGIN EXCLUSIVE` (table `holder(pid, at)`). Its exclusive file lock is held
+//!   until the store is dropped, and the OS releases it if the process dies (even on SIGKILL),
+//!   so exactly one store — one process — writes `relay.db` (`wire.md` §3.4). SQLite tracks the
+//!   lock per connection, so a second store in the same process is refused too.
+//! - **The writer thread** owns the only write connection to `relay.db` (WAL,
+//!   `synchronous=FULL`). Requests reach it over a channel. It takes whatever is waiting (up to
+//!   [`MAX_GROUP_REQUESTS`]) and applies it inside one `BEGIN IMMEDIATE … COMMIT`, in order, so
+//!   later requests see earlier ones. Each request other than a push runs in a SAVEPOINT, so a
+//!   failed request leaves nothing. A pushed item is checked completely (dedup, enrolment,
+//!   allowlist, quotas) before its first write, so a rejected item writes nothing and a push
+//!   fails only on an SQLite error: it needs no savepoint (one copied every page the push
+//!   touched into the sub-journal). A push that fails before writing anything fails alone; one
+//!   that fails after a write fails its whole group ([`StoreError::NotCommitted`] for every
+//!   other request of it; none of them is stored).
+//!   One COMMIT (one fsync) covers the group; only then are the replies sent. If the COMMIT fails, every request of the group gets
+//!   [`StoreError::NotCommitted`]. This is group commit (design README "Decisions already
+//!   taken"); for atomicity and visibility it is exactly one transaction per item (spec §3).
+//! - **A failed COMMIT (or a failed ROLLBACK) stops the writer for good.** After an fsync or
+//!   I/O error the file's state and this process's view may differ, so no later write is tried:
+//!   each one fails with [`StoreError::WriterFailed`], [`RelayStore::failed`] reports why, and
+//!   the relay exits so that a restart lets SQLite's recovery decide what is durable.
+//! - **Readers** use a small pool of read-only connections; WAL lets them read the last
+//!   committed state while the writer works, and they never see uncommitted rows. Multi-query
+//!   reads (pull, info) run in one read transaction, so they see one snapshot.
+//! - **A clean close leaves everything in `relay.db`**: the idle readers are closed, the writer
+//!   finishes the queued requests and then runs `PRAGMA wal_checkpoint(TRUNCATE)`, so a copy of
+//!   `relay.db` alone is the whole store (a failed checkpoint is logged, never fatal; after a
+//!   failed COMMIT no checkpoint is tried, recovery at the next start decides).
+//!
+//! # Files
+//! The store directory is created 0700 (one that exists is never changed; a warning says when
+//! group or others can read it), and `relay.db`, its `-wal` and `-shm` and `relay.lock` are
+//! 0600 whatever the umask: `relay.db` and `relay.lock` are created 0600 before SQLite opens
+//! them (SQLite gives `-wal` and `-shm` the main file's mode), and every one of them that
+//! exists is set to 0600 after the open. They hold routing metadata (who talks to whom).
+
+mod deny;
+mod directory;
+mod files;
+mod items;
+mod meta;
+mod oplog;
+mod read_pool;
+mod rotate;
+pub(super) mod schema;
+mod sweep;
+mod writer;
+
+#[cfg(test)]
+mod tests;
+
+pub use files::{prepare_store_dir, StoreLock};
+pub(crate) use oplog::append_op_signed;
+pub(crate) use rotate::{replay_rotation, ROTATION_META_PREFIX};
+pub use writer::StoreStats;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
+
+use directory::{
+    enrol_apply, enrolment_from_row, enrolment_row, get_enc_ad, live_enrolment_count,
+    put_sender_list, revoke_apply, ENROLMENT_COLS,
+};
+use files::{
+    acquire_lock_checked, create_private_dir, create_private_file, open_write_connection,
+    recover_unclean_stop, restrict_store_files, wal_bytes, Taken,
+};
+use items::{ack_apply, acked_through, head_seq, pull_page, push_apply};
+use meta::{meta_get, meta_put, new_epoch, read_epoch, RESERVED_META};
+use oplog::{append_op_apply, op_receipt_text};
+use read_pool::ReadPool;
+use writer::{Counters, JobKind, WriteJob, Writer, WRITER_OP_SIGNER};
+
+use crate::store::OpSigner;
+use crate::store::{
+    is_canonical_key, key_fingerprint, AckRequest, AckResult, EncAd, EncAdV1, EncAdV2,
+    EnrolOutcome, EnrolRequest, Enrolment, EpochRotation, HostQueueInfo, OpRecord, OpenOptions,
+    PullPage, PullRequest, PushBatch, PushOutcome, RelayStore, RevokeOutcome, SenderList,
+    SenderListOutcome, StoreError, StoreLimits, DB_FILE, OPS_KEEP,
+};
+
+use schema::{MIGRATIONS, SCHEMA_VERSION};
+
+/// `busy_timeout` of every `relay.db` connection (`wire.md` §3.3).
+const BUSY_TIMEOUT: Duration = Duration::from_millis(5_000);
+
+/// Idle read connections kept for reuse; more are opened on demand and closed after use. Every
+/// concurrent request may hold one (authentication reads the caller's enrolment), so this is
+/// sized for a busy relay: opening a connection costs far more than the read it serves.
+const READ_POOL_IDLE: usize = 16;
+
+/// Prepared statements each connection keeps (rusqlite's default is 16): the writer's push path
+/// alone uses a dozen, and a statement pushed out of the cache is parsed again on its next use.
+const STATEMENT_CACHE: usize = 64;
+
+/// Page cache of the write connection, as SQLite's `cache_size` takes it: negative = KiB
+/// (here 16 MiB, against SQLite's default of 2 MiB).
+const WRITER_CACHE_KIB: i64 = -16_384;
+
+/// The SQLite relay store: one `relay.db` (WAL, `synchronous=FULL`) in a store directory, a
+/// single writer thread with group commit, read-only connections for reads, and `relay.lock`
+/// held for its whole life. See the module docs for the threading model.
+///
+/// Dropping it stops the writer (after the requests already queued) and releases the lock.
+pub struct SqliteStore {
+    dir: PathBuf,
+    limits: StoreLimits,
+    jobs: Option<mpsc::Sender<Box<dyn WriteJob>>>,
+    writer: Option<JoinHandle<()>>,
+    readers: ReadPool,
+    counters: Arc<Counters>,
+    failure: Arc<OnceLock<String>>,
+}
+
+impl std::fmt::Debug for SqliteStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteStore")
+            .field("dir", &self.dir)
+            .field("limits", &self.limits)
+            .field("stats", &self.stats())
+            .field("failed", &self.failure.get())
+            .finish_non_exhaustive()
+    }
+}
+
+impl SqliteStore {
+    /// Open (or create) the store in `dir` with [`OpenOptions::default`]: waits up to 60 s for
+    /// `relay.lock`. See [`SqliteStore::open_with`].
+    pub fn open(dir: &Path, relay_pubkey: &str, now_ms: i64) -> Result<Self, StoreError> {
+        Self::open_with(dir, relay_pubkey, now_ms, OpenOptions::default())
+    }
+
+    /// Open (or create) the store in `dir` for the relay whose public key (standard base64) is
+    /// `relay_pubkey`; `now_ms` is recorded in `relay.lock`'s holder row.
+    ///
+    /// Steps: create `dir` (0700) if missing; take `relay.lock` (waiting up to
+    /// `options.lock_wait_ms`, logging the holder once when it has to wait); open `relay.db`
+    /// (files 0600, module docs "Files") with WAL, `synchronous=FULL`, `foreign_keys=ON`, `busy_timeout=5000`; refuse a
+    /// newer schema; refuse a store bound to another relay key; migrate an older schema in one
+    /// transaction; on a fresh store record `relay_pubkey` and a new random epoch; start the
+    /// writer thread. A fresh store has no heartbeat yet.
+    ///
+    /// Errors: [`StoreError::Locked`], [`StoreError::SchemaTooNew`],
+    /// [`StoreError::OtherRelayKey`], [`StoreError::Io`], [`StoreError::Sqlite`],
+    /// [`StoreError::InvalidInput`] for an empty key.
+    pub fn open_with(
+        dir: &Path,
+        relay_pubkey: &str,
+        now_ms: i64,
+        options: OpenOptions,
+    ) -> Result<Self, StoreError> {
+        Self::open_inner(dir, relay_pubkey, now_ms, options, None, None)
+    }
+
+    /// [`SqliteStore::open_with`] for the store whose `relay.lock` `lock` holds (taken with
+    /// [`StoreLock::acquire`]; `options.lock_wait_ms` is not used), bound to
+    /// `signer.relay_pubkey()`, and signing every receipt it appends to the relay log with
+    /// `signer` (spec §5; [`OpSigner`]). This is how the relay and the offline operator commands
+    /// open a store. Errors: as [`SqliteStore::open_with`].
+    pub fn open_signed(
+        lock: StoreLock,
+        signer: Arc<dyn OpSigner>,
+        now_ms: i64,
+        options: OpenOptions,
+    ) -> Result<Self, StoreError> {
+        let relay_pubkey = signer.relay_pubkey();
+        let dir = lock.dir.clone();
+        Self::open_inner(
+            &dir,
+            &relay_pubkey,
+            now_ms,
+            options,
+            Some((lock.conn, lock.previous)),
+            Some(signer),
+        )
+    }
+
+    fn open_inner(
+        dir: &Path,
+        relay_pubkey: &str,
+        now_ms: i64,
+        options: OpenOptions,
+        lock: Option<Taken>,
+        signer: Option<Arc<dyn OpSigner>>,
+    ) -> Result<Self, StoreError> {
+        if relay_pubkey.trim().is_empty() {
+            return Err(StoreError::InvalidInput(
+                "the relay public key is empty".to_owned(),
+            ));
+        }
+        let (lock, previous) = match lock {
+            Some(taken) => taken,
+            None => {
+                create_private_dir(dir)?;
+                acquire_lock_checked(dir, options.lock_wait_ms, now_ms)?
+            }
+        };
+        let db_path = dir.join(DB_FILE);
+        // Read before SQLite opens the database (its recovery starts at the first read).
+        let left_wal = wal_bytes(dir);
+        create_private_file(&db_path)?;
+        let mut conn = open_write_connection(&db_path)?;
+        if left_wal > 0 {
+            recover_unclean_stop(&conn, dir, left_wal, previous.as_ref());
+        }
+
+        let found = schema::stored_version(&conn)?;
+        if found > SCHEMA_VERSION {
+            return Err(StoreError::SchemaTooNew {
+                found,
+                supported: SCHEMA_VERSION,
+            });
+        }
+        if found > 0 {
+            // Never migrate another relay's store.
+            if let Some(stored) = meta_get(&conn, "relay_pubkey")? {
+                if stored != relay_pubkey {
+                    return Err(other_relay_key(&stored, relay_pubkey));
+                }
+            }
+        }
+        schema::migrate(&mut conn, found, SCHEMA_VERSION, MIGRATIONS)?;
+        bind_identity(&mut conn, relay_pubkey)?;
+        restrict_store_files(dir);
+        let epoch = read_epoch(&conn)?;
+        log_opened(dir, found, &epoch, relay_pubkey);
+
+        let counters = Arc::new(Counters::default());
+        let failure = Arc::new(OnceLock::new());
+        let writer = Writer {
+            conn,
+            _lock: lock,
+            limits: options.limits.clone(),
+            failpoint: options.failpoint,
+            counters: Arc::clone(&counters),
+            failure: Arc::clone(&failure),
+            signer,
+        };
+        let (jobs, inbox) = mpsc::channel::<Box<dyn WriteJob>>();
+        let handle = std::thread::Builder::new()
+            .name("relay-store-writer".to_owned())
+            .spawn(move || writer.run(inbox))
+            .map_err(|source| StoreError::Io {
+                path: db_path.clone(),
+                source,
+            })?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            limits: options.limits,
+            jobs: Some(jobs),
+            writer: Some(handle),
+            readers: ReadPool {
+                path: db_path,
+                idle: Mutex::new(Vec::new()),
+            },
+            counters,
+            failure,
+        })
+    }
+
+    /// The store directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The limits this store enforces.
+    pub fn limits(&self) -> &StoreLimits {
+        &self.limits
+    }
+
+    /// The writer's counters.
+    pub fn stats(&self) -> StoreStats {
+        StoreStats {
+            write_requests: self.counters.write_requests.load(Ordering::SeqCst),
+            groups: self.counters.groups.load(Ordering::SeqCst),
+            commits: self.counters.commits.load(Ordering::SeqCst),
+            queued: self.counters.queued.load(Ordering::SeqCst),
+        }
+    }
+
+    /// How many group transactions committed so far.
+    pub fn commits(&self) -> u64 {
+        self.counters.commits.load(Ordering::SeqCst)
+    }
+
+    /// Stop the writer after the requests already queued, checkpoint the WAL into `relay.db`
+    /// (module docs), close the database and release `relay.lock`. Dropping the store does the
+    /// same; this one reports a writer that panicked ([`StoreError::WriterStopped`]).
+    pub fn close(mut self) -> Result<(), StoreError> {
+        if self.shutdown() {
+            Ok(())
+        } else {
+            Err(StoreError::WriterStopped)
+        }
+    }
+
+    /// Returns false if the writer thread had panicked.
+    fn shutdown(&mut self) -> bool {
+        // Idle readers closed first, so the writer's checkpoint can empty the WAL.
+        self.readers
+            .idle
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clear();
+        drop(self.jobs.take());
+        match self.writer.take() {
+            Some(handle) => handle.join().is_ok(),
+            None => true,
+        }
+    }
+}
+
+impl Drop for SqliteStore {
+    fn drop(&mut self) {
+        if !self.shutdown() {
+            tracing::error!("relay store writer thread had panicked");
+        }
+    }
+}
+
+impl RelayStore for SqliteStore {
+    fn epoch(&self) -> Result<String, StoreError> {
+        self.read(read_epoch)
+    }
+
+    fn relay_pubkey(&self) -> Result<String, StoreError> {
+        self.read(|c| {
+            meta_get(c, "relay_pubkey")?
+                .ok_or_else(|| StoreError::Corrupt("meta.relay_pubkey is missing".to_owned()))
+        })
+    }
+
+    fn heartbeat(&self) -> Result<Option<i64>, StoreError> {
+        self.read(|c| match meta_get(c, "heartbeat")? {
+            None => Ok(None),
+            Some(v) => v.trim().parse::<i64>().map(Some).map_err(|_| {
+                StoreError::Corrupt(format!("meta.heartbeat {v:?} is not a ms timestamp"))
+            }),
+        })
+    }
+
+    fn set_heartbeat(&self, now_ms: i64) -> Result<(), StoreError> {
+        self.submit(JobKind::Other, move |c, _| {
+            meta_put(c, "heartbeat", &now_ms.to_string())
+        })
+    }
+
+    /// A no-op request through the writer thread: it waits its turn behind the queued writes
+    /// and joins a group like any other (an empty savepoint: no row, no extra fsync).
+    fn writer_answers(&self) -> Result<(), StoreError> {
+        self.submit(JobKind::Other, |_, _| Ok(()))
+    }
+
+    fn rotate_epoch(&self) -> Result<EpochRotation, StoreError> {
+        self.submit(JobKind::Other, |c, _| {
+            let from = read_epoch(c)?;
+            let to = new_epoch();
+            meta_put(c, "epoch", &to)?;
+            Ok(EpochRotation { from, to })
+        })
+    }
+
+    fn rotate_epoch_logged(
+        &self,
+        log: super::OpEntry,
+    ) -> Result<(EpochRotation, serde_json::Value), StoreError> {
+        if !log.receipt.is_object() {
+            return Err(StoreError::InvalidInput(
+                "an epoch rotation receipt must be a JSON object".to_owned(),
+            ));
+        }
+        self.submit(JobKind::Other, move |c, _| {
+            let from = read_epoch(c)?;
+            let to = new_epoch();
+            meta_put(c, "epoch", &to)?;
+            let mut receipt = log.receipt;
+            receipt["from"] = serde_json::Value::String(from.clone());
+            receipt["to"] = serde_json::Value::String(to.clone());
+            // The signed receipt, as logged, is also what meta keeps and the caller gets.
+            let signer = WRITER_OP_SIGNER.with(|s| s.borrow().clone());
+            let (_, text) = append_op_signed(
+                c,
+                signer.as_deref(),
+                log.at_ms,
+                &log.op,
+                &op_receipt_text(&receipt)?,
+            )?;
+            meta_put(c, "epoch_rotated", &text)?;
+            let receipt = serde_json::from_str(&text)
+                .map_err(|e| StoreError::Corrupt(format!("op receipt is not JSON: {e}")))?;
+            Ok((EpochRotation { from, to }, receipt))
+        })
+    }
+
+    fn meta(&self, key: &str) -> Result<Option<String>, StoreError> {
+        self.read(|c| meta_get(c, key))
+    }
+
+    fn set_meta(&self, key: &str, value: &str) -> Result<(), StoreError> {
+        if RESERVED_META.contains(&key) {
+            return Err(StoreError::InvalidInput(format!(
+                "meta key {key:?} is managed by the store"
+            )));
+        }
+        let (key, value) = (key.to_owned(), value.to_owned());
+        self.submit(JobKind::Other, move |c, _| meta_put(c, &key, &value))
+    }
+
+    fn enrol(&self, req: EnrolRequest) -> Result<EnrolOutcome, StoreError> {
+        if !is_canonical_key(&req.host_pubkey) {
+            return Err(StoreError::InvalidInput(
+                "a host key must be enrolled in canonical form (padded standard base64 of 32 bytes)"
+                    .to_owned(),
+            ));
+        }
+        self.submit(JobKind::Other, move |c, limits| {
+            enrol_apply(c, limits, &req)
+        })
+    }
+
+    fn enrolment(&self, host_pubkey: &str) -> Result<Option<Enrolment>, StoreError> {
+        self.read(|c| enrolment_row(c, host_pubkey))
+    }
+
+    fn live_enrolments_by_name(&self, host_name: &str) -> Result<Vec<Enrolment>, StoreError> {
+        self.read(|c| {
+            let mut st = c.prepare_cached(&format!(
+                "SELECT {ENROLMENT_COLS} FROM enrolments
+                 WHERE lower(host_name) = lower(?1) AND revoked_at IS NULL
+                 ORDER BY enrolled_at DESC, rowid DESC
+                 LIMIT ?2"
+            ))?;
+            let limit = i64::try_from(super::MAX_LIVE_BY_NAME).unwrap_or(i64::MAX);
+            let rows = st
+                .query_map(params![host_name, limit], enrolment_from_row)?
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(rows)
+        })
+    }
+
+    fn live_enrolment_count(&self) -> Result<u64, StoreError> {
+        self.read(live_enrolment_count)
+    }
+
+    fn revoke(&self, host_pubkey: &str, now_ms: i64) -> Result<RevokeOutcome, StoreError> {
+        let key = host_pubkey.to_owned();
+        self.submit(JobKind::Other, move |c, _| revoke_apply(c, &key, now_ms))
+    }
+
+    fn put_enc_ad_v1(&self, ad: EncAdV1) -> Result<(), StoreError> {
+        self.submit(JobKind::Other, move |c, _| {
+            c.execute(
+                "INSERT INTO enc_ads (host_pubkey, host_name, enc_pub, sig, at)
+                 VALUES (?1, ?2, ?3, ?4, ?5)
+                 ON CONFLICT(host_pubkey) DO UPDATE SET host_name = excluded.host_name,
+                   enc_pub = excluded.enc_pub, sig = excluded.sig, at = excluded.at",
+                params![ad.host_pubkey, ad.host_name, ad.enc_pub, ad.sig, ad.at_ms],
+            )?;
+            Ok(())
+        })
+    }
+
+    fn put_enc_ad_v2(&self, ad: EncAdV2) -> Result<(), StoreError> {
+        self.submit(JobKind::Other, move |c, _| {
+            c.execute(
+                "INSERT INTO enc_ad_records (host_pubkey, enc_pub, record, sig, at)
+                 VALUES (?1, ?2, ?3, ?4, ?5)
+                 ON CONFLICT(host_pubkey) DO UPDATE SET enc_pub = excluded.enc_pub,
+                   record = excluded.record, sig = excluded.sig, at = excluded.at",
+                params![ad.host_pubkey, ad.enc_pub, ad.record, ad.sig, ad.at_ms],
+            )?;
+            Ok(())
+        })
+    }
+
+    fn get_enc_ad(&self, host_pubkey: &str) -> Result<Option<EncAd>, StoreError> {
+        self.read(|c| get_enc_ad(c, host_pubkey))
+    }
+
+    fn push(&self, batch: PushBatch) -> Result<PushOutcome, StoreError> {
+        self.submit(JobKind::Push, move |c, limits| {
+            push_apply(c, limits, &batch)
+        })
+    }
+
+    fn push_then(&self, batch: PushBatch, done: super::PushReply) {
+        self.submit_then(
+            JobKind::Push,
+            move |c, limits| push_apply(c, limits, &batch),
+            done,
+        )
+    }
+
+    fn dedup_targets(&self, sender_pubkey: &str, item_id: &str) -> Result<Vec<String>, StoreError> {
+        self.read(|c| {
+            let mut st = c.prepare_cached(
+                "SELECT target_pubkey FROM dedup WHERE sender_pubkey = ?1 AND item_id = ?2",
+            )?;
+            let rows = st
+                .query_map([sender_pubkey, item_id], |r| r.get(0))?
+                .collect::<Result<Vec<String>, _>>()?;
+            Ok(rows)
+        })
+    }
+
+    fn pull(&self, req: PullRequest) -> Result<PullPage, StoreError> {
+        self.read(|c| pull_page(c, &req))
+    }
+
+    fn ack(&self, req: AckRequest) -> Result<AckResult, StoreError> {
+        self.submit(JobKind::Ack, move |c, _| ack_apply(c, &req))
+    }
+
+    fn info_for(&self, host_pubkey: &str) -> Result<HostQueueInfo, StoreError> {
+        self.read(|c| {
+            let tx = c.unchecked_transaction()?;
+            let info = HostQueueInfo {
+                head_seq: head_seq(&tx, host_pubkey)?,
+                acked_through: acked_through(&tx, host_pubkey)?,
+            };
+            tx.commit()?;
+            Ok(info)
+        })
+    }
+
+    fn put_sender_list(&self, list: SenderList) -> Result<SenderListOutcome, StoreError> {
+        self.submit(JobKind::Other, move |c, _| put_sender_list(c, list))
+    }
+
+    fn rotate(&self, req: super::RotateRequest) -> Result<super::RotateOutcome, StoreError> {
+        if !is_canonical_key(&req.old_pubkey) || !is_canonical_key(&req.new_pubkey) {
+            return Err(StoreError::InvalidInput(
+                "rotation keys must be in canonical form (padded standard base64 of 32 bytes)"
+                    .to_owned(),
+            ));
+        }
+        self.submit(JobKind::Other, move |c, _| rotate::rotate_apply(c, &req))
+    }
+
+    fn sender_list(&self, target_pubkey: &str) -> Result<Option<SenderList>, StoreError> {
+        self.read(|c| {
+            let row = c
+                .prepare_cached(
+                    "SELECT senders, iat, record, sig FROM sender_lists WHERE target_pubkey = ?1",
+                )?
+                .query_row([target_pubkey], |r| {
+                    Ok((
+                        r.get::<_, String>(0)?,
+                        r.get::<_, i64>(1)?,
+                        r.get::<_, String>(2)?,
+                        r.get::<_, String>(3)?,
+                    ))
+                })
+                .optional()?;
+            let Some((senders, iat_ms, record, sig)) = row else {
+                return Ok(None);
+            };
+            let senders: Vec<String> = serde_json::from_str(&senders).map_err(|e| {
+                StoreError::Corrupt(format!("stored sender list is not a JSON array: {e}"))
+            })?;
+            Ok(Some(SenderList {
+                target_pubkey: target_pubkey.to_owned(),
+                senders,
+                iat_ms,
+                record,
+                sig,
+            }))
+        })
+    }
+
+    fn append_op(
+        &self,
+        at_ms: i64,
+        op: &str,
+        receipt: &serde_json::Value,
+    ) -> Result<i64, StoreError> {
+        let receipt = op_receipt_text(receipt)?;
+        let op = op.to_owned();
+        self.submit(JobKind::Other, move |c, _| {
+            append_op_apply(c, at_ms, &op, &receipt)
+        })
+    }
+
+    fn enrol_bound(
+        &self,
+        req: EnrolRequest,
+        binding: Option<super::AccountBinding>,
+    ) -> Result<EnrolOutcome, StoreError> {
+        deny::enrol_bound(self, req, binding)
+    }
+
+    fn account_binding(
+        &self,
+        host_pubkey: &str,
+    ) -> Result<Option<super::AccountBinding>, StoreError> {
+        deny::account_binding(self, host_pubkey)
+    }
+
+    fn deny(&self, entry: super::DenyEntry) -> Result<super::DenyOutcome, StoreError> {
+        deny::deny(self, entry)
+    }
+
+    fn undeny(&self, kind: super::DenyKind, value: &str) -> Result<bool, StoreError> {
+        deny::undeny(self, kind, value)
+    }
+
+    fn deny_entries(&self) -> Result<Vec<super::DenyEntry>, StoreError> {
+        deny::deny_entries(self)
+    }
+
+    fn revoke_logged(
+        &self,
+        host_pubkey: &str,
+        now_ms: i64,
+        log: super::OpEntry,
+    ) -> Result<RevokeOutcome, StoreError> {
+        deny::revoke_logged(self, host_pubkey, now_ms, log)
+    }
+
+    fn deny_logged(
+        &self,
+        entry: super::DenyEntry,
+        log: super::OpEntry,
+    ) -> Result<super::DenyOutcome, StoreError> {
+        deny::deny_logged(self, entry, log)
+    }
+
+    fn undeny_logged(
+        &self,
+        kind: super::DenyKind,
+        value: &str,
+        log: super::OpEntry,
+    ) -> Result<bool, StoreError> {
+        deny::undeny_logged(self, kind, value, log)
+    }
+
+    fn denied(
+        &self,
+        host_fp: &str,
+        client_id: Option<&str>,
+        now_ms: i64,
+    ) -> Result<Option<super::DenyEntry>, StoreError> {
+        deny::denied(self, host_fp, client_id, now_ms)
+    }
+
+    fn enrolments_by_fingerprint(&self, fp: &str) -> Result<Vec<Enrolment>, StoreError> {
+        deny::enrolments_by_fingerprint(self, fp)
+    }
+
+    fn failed(&self) -> Option<String> {
+        self.failure.get().cloned()
+    }
+
+    fn writer_stats(&self) -> Option<StoreStats> {
+        Some(self.stats())
+    }
+
+    fn sweep(
+        &self,
+        now_ms: i64,
+        signer: Arc<dyn super::NoticeSigner>,
+    ) -> Result<super::SweepReport, StoreError> {
+        sweep::sweep(self, now_ms, signer)
+    }
+
+    fn ops(&self, limit: i64) -> Result<Vec<OpRecord>, StoreError> {
+        let n = limit.clamp(1, OPS_KEEP + super::SWEEP_OPS_KEEP);
+        self.read(|c| {
+            let mut st =
+                c.prepare_cached("SELECT id, at, op, receipt FROM ops ORDER BY id DESC LIMIT ?1")?;
+            let rows = st
+                .query_map([n], |r| {
+                    Ok((
+                        r.get::<_, i64>(0)?,
+                        r.get::<_, i64>(1)?,
+                        r.get::<_, String>(2)?,
+                        r.get::<_, String>(3)?,
+                    ))
+                })?
+                .collect::<Result<Vec<_>, _>>()?;
+            rows.into_iter()
+                .map(|(id, at_ms, op, receipt)| {
+                    let receipt = serde_json::from_str(&receipt).map_err(|e| {
+                        StoreError::Corrupt(format!("op receipt {id} is not JSON: {e}"))
+                    })?;
+                    Ok(OpRecord {
+                        id,
+                        at_ms,
+                        op,
+                        receipt,
+                    })
+                })
+                .collect()
+        })
+    }
+}
+
+/// The one "relay store opened" line: `created=true` for a new store, `migrated_from=<v>` only
+/// when this open migrated the schema from version `v` (never for a store already at
+/// [`SCHEMA_VERSION`]).
+fn log_opened(dir: &Path, found: u32, epoch: &str, relay_pubkey: &str) {
+    let (store, fingerprint) = (dir.display(), key_fingerprint(relay_pubkey));
+    match found {
+        0 => tracing::info!(
+            store = %store,
+            schema_version = SCHEMA_VERSION,
+            created = true,
+            epoch = %epoch,
+            relay_fingerprint = %fingerprint,
+            "relay store opened"
+        ),
+        v if v < SCHEMA_VERSION => tracing::info!(
+            store = %store,
+            schema_version = SCHEMA_VERSION,
+            migrated_from = v,
+            epoch = %epoch,
+            relay_fingerprint = %fingerprint,
+            "relay store opened"
+        ),
+        _ => tracing::info!(
+            store = %store,
+            schema_version = SCHEMA_VERSION,
+            epoch = %epoch,
+            relay_fingerprint = %fingerprint,
+            "relay store opened"
+        ),
+    }
+}
+
+/// Record the relay key and an epoch on a fresh store; refuse another relay's store.
+fn bind_identity(conn: &mut Connection, relay_pubkey: &str) -> Result<(), StoreError> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    match meta_get(&tx, "relay_pubkey")? {
+        Some(stored) if stored != relay_pubkey => {
+            return Err(other_relay_key(&stored, relay_pubkey));
+        }
+        Some(_) => {}
+        None => meta_put(&tx, "relay_pubkey", relay_pubkey)?,
+    }
+    if meta_get(&tx, "epoch")?.is_none() {
+        meta_put(&tx, "epoch", &new_epoch())?;
+    }
+    tx.commit()?;
+    Ok(())
+}
+
+fn other_relay_key(stored: &str, given: &str) -> StoreError {
+    StoreError::OtherRelayKey {
+        stored_fingerprint: key_fingerprint(stored),
+        given_fingerprint: key_fingerprint(given),
+    }
+}
