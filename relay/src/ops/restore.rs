@@ -1357,8 +1357,9 @@ mod tests {
     use crate::ops::{read_verified_log, verify_receipt, RelayOpSigner};
     use crate::store::{
         AccountBinding, AuthorityStrength, DenyEntry, DenyKind, EncAdV2, EnrolRequest, Expiry,
-        OpEntry, OpenOptions, PushBatch, PushItem, PushTarget, RelayStore, SenderList, SqliteStore,
+        OpEntry, OpenOptions, PushBatch, PushItem, PushTarget, SenderList, SqliteStore,
     };
+    use crate::store::{DirectoryStore, ItemStore, OperationsStore};
     use agentmbx_protocol::keys::HostKey;
 
     const T0: i64 = 1_800_000_000_000;

@@ -93,7 +93,7 @@ impl SqliteStore {
     }
 }
 
-/// [`crate::store::RelayStore::enrol_bound`].
+/// [`crate::store::DirectoryStore::enrol_bound`].
 pub(super) fn enrol_bound(
     store: &SqliteStore,
     req: EnrolRequest,
@@ -148,7 +148,7 @@ pub(super) fn enrol_bound(
     })
 }
 
-/// [`crate::store::RelayStore::account_binding`].
+/// [`crate::store::DirectoryStore::account_binding`].
 pub(super) fn account_binding(
     store: &SqliteStore,
     host_pubkey: &str,
@@ -165,7 +165,7 @@ fn check_deny_value(value: &str) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// Adds or replaces `entry` in the caller's transaction ([`crate::store::RelayStore::deny`]).
+/// Adds or replaces `entry` in the caller's transaction ([`crate::store::DirectoryStore::deny`]).
 fn deny_apply(c: &Connection, entry: DenyEntry) -> Result<DenyOutcome, StoreError> {
     c.prepare_cached("DELETE FROM deny WHERE until IS NOT NULL AND until <= ?1")?
         .execute([entry.at_ms])?;
@@ -193,7 +193,7 @@ fn deny_apply(c: &Connection, entry: DenyEntry) -> Result<DenyOutcome, StoreErro
     Ok(DenyOutcome::Stored(entry))
 }
 
-/// Removes an entry in the caller's transaction ([`crate::store::RelayStore::undeny`]).
+/// Removes an entry in the caller's transaction ([`crate::store::DirectoryStore::undeny`]).
 fn undeny_apply(c: &Connection, kind: DenyKind, value: &str) -> Result<bool, StoreError> {
     let n = c
         .prepare_cached("DELETE FROM deny WHERE kind = ?1 AND value = ?2")?
@@ -201,19 +201,19 @@ fn undeny_apply(c: &Connection, kind: DenyKind, value: &str) -> Result<bool, Sto
     Ok(n > 0)
 }
 
-/// [`crate::store::RelayStore::deny`].
+/// [`crate::store::DirectoryStore::deny`].
 pub(super) fn deny(store: &SqliteStore, entry: DenyEntry) -> Result<DenyOutcome, StoreError> {
     check_deny_value(&entry.value)?;
     store.submit(JobKind::Other, move |c, _| deny_apply(c, entry))
 }
 
-/// [`crate::store::RelayStore::undeny`].
+/// [`crate::store::DirectoryStore::undeny`].
 pub(super) fn undeny(store: &SqliteStore, kind: DenyKind, value: &str) -> Result<bool, StoreError> {
     let value = value.to_owned();
     store.submit(JobKind::Other, move |c, _| undeny_apply(c, kind, &value))
 }
 
-/// [`crate::store::RelayStore::revoke_logged`].
+/// [`crate::store::DirectoryStore::revoke_logged`].
 pub(super) fn revoke_logged(
     store: &SqliteStore,
     host_pubkey: &str,
@@ -231,7 +231,7 @@ pub(super) fn revoke_logged(
     })
 }
 
-/// [`crate::store::RelayStore::deny_logged`].
+/// [`crate::store::DirectoryStore::deny_logged`].
 pub(super) fn deny_logged(
     store: &SqliteStore,
     entry: DenyEntry,
@@ -248,7 +248,7 @@ pub(super) fn deny_logged(
     })
 }
 
-/// [`crate::store::RelayStore::undeny_logged`].
+/// [`crate::store::DirectoryStore::undeny_logged`].
 pub(super) fn undeny_logged(
     store: &SqliteStore,
     kind: DenyKind,
@@ -266,7 +266,7 @@ pub(super) fn undeny_logged(
     })
 }
 
-/// [`crate::store::RelayStore::deny_entries`].
+/// [`crate::store::DirectoryStore::deny_entries`].
 pub(super) fn deny_entries(store: &SqliteStore) -> Result<Vec<DenyEntry>, StoreError> {
     store.read(|c| {
         let mut st =
@@ -278,7 +278,7 @@ pub(super) fn deny_entries(store: &SqliteStore) -> Result<Vec<DenyEntry>, StoreE
     })
 }
 
-/// [`crate::store::RelayStore::denied`].
+/// [`crate::store::DirectoryStore::denied`].
 pub(super) fn denied(
     store: &SqliteStore,
     host_fp: &str,
@@ -305,7 +305,7 @@ pub(super) fn denied(
     })
 }
 
-/// [`crate::store::RelayStore::enrolments_by_fingerprint`].
+/// [`crate::store::DirectoryStore::enrolments_by_fingerprint`].
 pub(super) fn enrolments_by_fingerprint(
     store: &SqliteStore,
     fp: &str,

@@ -5,12 +5,14 @@ use std::collections::HashSet;
 
 use rusqlite::{params, Connection, OptionalExtension};
 
+use super::writer::JobKind;
+use super::{deny, rotate, SqliteStore};
 use crate::store::{
-    AuthorityStrength, EncAd, EncAdV1, EncAdV2, EnrolOutcome, EnrolRequest, Enrolment,
-    RevokeOutcome, SenderList, SenderListOutcome, StoreError, StoreLimits,
+    is_canonical_key, AuthorityStrength, DirectoryStore, EncAd, EncAdV1, EncAdV2, EnrolOutcome,
+    EnrolRequest, Enrolment, RevokeOutcome, SenderList, SenderListOutcome, StoreError, StoreLimits,
 };
 
-/// Revokes `key` in the caller's transaction ([`RelayStore::revoke`]).
+/// Revokes `key` in the caller's transaction ([`DirectoryStore::revoke`]).
 pub(super) fn revoke_apply(
     c: &Connection,
     key: &str,
@@ -241,4 +243,194 @@ pub(super) fn put_sender_list(
         list.sig
     ])?;
     Ok(SenderListOutcome::Stored)
+}
+
+impl DirectoryStore for SqliteStore {
+    fn enrol(&self, req: EnrolRequest) -> Result<EnrolOutcome, StoreError> {
+        if !is_canonical_key(&req.host_pubkey) {
+            return Err(StoreError::InvalidInput(
+                "a host key must be enrolled in canonical form (padded standard base64 of 32 bytes)"
+                    .to_owned(),
+            ));
+        }
+        self.submit(JobKind::Other, move |c, limits| {
+            enrol_apply(c, limits, &req)
+        })
+    }
+
+    fn enrolment(&self, host_pubkey: &str) -> Result<Option<Enrolment>, StoreError> {
+        self.read(|c| enrolment_row(c, host_pubkey))
+    }
+
+    fn live_enrolments_by_name(&self, host_name: &str) -> Result<Vec<Enrolment>, StoreError> {
+        self.read(|c| {
+            let mut st = c.prepare_cached(&format!(
+                "SELECT {ENROLMENT_COLS} FROM enrolments
+                 WHERE lower(host_name) = lower(?1) AND revoked_at IS NULL
+                 ORDER BY enrolled_at DESC, rowid DESC
+                 LIMIT ?2"
+            ))?;
+            let limit = i64::try_from(crate::store::MAX_LIVE_BY_NAME).unwrap_or(i64::MAX);
+            let rows = st
+                .query_map(params![host_name, limit], enrolment_from_row)?
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(rows)
+        })
+    }
+
+    fn live_enrolment_count(&self) -> Result<u64, StoreError> {
+        self.read(live_enrolment_count)
+    }
+
+    fn revoke(&self, host_pubkey: &str, now_ms: i64) -> Result<RevokeOutcome, StoreError> {
+        let key = host_pubkey.to_owned();
+        self.submit(JobKind::Other, move |c, _| revoke_apply(c, &key, now_ms))
+    }
+
+    fn put_enc_ad_v1(&self, ad: EncAdV1) -> Result<(), StoreError> {
+        self.submit(JobKind::Other, move |c, _| {
+            c.execute(
+                "INSERT INTO enc_ads (host_pubkey, host_name, enc_pub, sig, at)
+                 VALUES (?1, ?2, ?3, ?4, ?5)
+                 ON CONFLICT(host_pubkey) DO UPDATE SET host_name = excluded.host_name,
+                   enc_pub = excluded.enc_pub, sig = excluded.sig, at = excluded.at",
+                params![ad.host_pubkey, ad.host_name, ad.enc_pub, ad.sig, ad.at_ms],
+            )?;
+            Ok(())
+        })
+    }
+
+    fn put_enc_ad_v2(&self, ad: EncAdV2) -> Result<(), StoreError> {
+        self.submit(JobKind::Other, move |c, _| {
+            c.execute(
+                "INSERT INTO enc_ad_records (host_pubkey, enc_pub, record, sig, at)
+                 VALUES (?1, ?2, ?3, ?4, ?5)
+                 ON CONFLICT(host_pubkey) DO UPDATE SET enc_pub = excluded.enc_pub,
+                   record = excluded.record, sig = excluded.sig, at = excluded.at",
+                params![ad.host_pubkey, ad.enc_pub, ad.record, ad.sig, ad.at_ms],
+            )?;
+            Ok(())
+        })
+    }
+
+    fn get_enc_ad(&self, host_pubkey: &str) -> Result<Option<EncAd>, StoreError> {
+        self.read(|c| get_enc_ad(c, host_pubkey))
+    }
+
+    fn put_sender_list(&self, list: SenderList) -> Result<SenderListOutcome, StoreError> {
+        self.submit(JobKind::Other, move |c, _| put_sender_list(c, list))
+    }
+
+    fn rotate(
+        &self,
+        req: crate::store::RotateRequest,
+    ) -> Result<crate::store::RotateOutcome, StoreError> {
+        if !is_canonical_key(&req.old_pubkey) || !is_canonical_key(&req.new_pubkey) {
+            return Err(StoreError::InvalidInput(
+                "rotation keys must be in canonical form (padded standard base64 of 32 bytes)"
+                    .to_owned(),
+            ));
+        }
+        self.submit(JobKind::Other, move |c, _| rotate::rotate_apply(c, &req))
+    }
+
+    fn sender_list(&self, target_pubkey: &str) -> Result<Option<SenderList>, StoreError> {
+        self.read(|c| {
+            let row = c
+                .prepare_cached(
+                    "SELECT senders, iat, record, sig FROM sender_lists WHERE target_pubkey = ?1",
+                )?
+                .query_row([target_pubkey], |r| {
+                    Ok((
+                        r.get::<_, String>(0)?,
+                        r.get::<_, i64>(1)?,
+                        r.get::<_, String>(2)?,
+                        r.get::<_, String>(3)?,
+                    ))
+                })
+                .optional()?;
+            let Some((senders, iat_ms, record, sig)) = row else {
+                return Ok(None);
+            };
+            let senders: Vec<String> = serde_json::from_str(&senders).map_err(|e| {
+                StoreError::Corrupt(format!("stored sender list is not a JSON array: {e}"))
+            })?;
+            Ok(Some(SenderList {
+                target_pubkey: target_pubkey.to_owned(),
+                senders,
+                iat_ms,
+                record,
+                sig,
+            }))
+        })
+    }
+
+    fn enrol_bound(
+        &self,
+        req: EnrolRequest,
+        binding: Option<crate::store::AccountBinding>,
+    ) -> Result<EnrolOutcome, StoreError> {
+        deny::enrol_bound(self, req, binding)
+    }
+
+    fn account_binding(
+        &self,
+        host_pubkey: &str,
+    ) -> Result<Option<crate::store::AccountBinding>, StoreError> {
+        deny::account_binding(self, host_pubkey)
+    }
+
+    fn deny(
+        &self,
+        entry: crate::store::DenyEntry,
+    ) -> Result<crate::store::DenyOutcome, StoreError> {
+        deny::deny(self, entry)
+    }
+
+    fn undeny(&self, kind: crate::store::DenyKind, value: &str) -> Result<bool, StoreError> {
+        deny::undeny(self, kind, value)
+    }
+
+    fn deny_entries(&self) -> Result<Vec<crate::store::DenyEntry>, StoreError> {
+        deny::deny_entries(self)
+    }
+
+    fn revoke_logged(
+        &self,
+        host_pubkey: &str,
+        now_ms: i64,
+        log: crate::store::OpEntry,
+    ) -> Result<RevokeOutcome, StoreError> {
+        deny::revoke_logged(self, host_pubkey, now_ms, log)
+    }
+
+    fn deny_logged(
+        &self,
+        entry: crate::store::DenyEntry,
+        log: crate::store::OpEntry,
+    ) -> Result<crate::store::DenyOutcome, StoreError> {
+        deny::deny_logged(self, entry, log)
+    }
+
+    fn undeny_logged(
+        &self,
+        kind: crate::store::DenyKind,
+        value: &str,
+        log: crate::store::OpEntry,
+    ) -> Result<bool, StoreError> {
+        deny::undeny_logged(self, kind, value, log)
+    }
+
+    fn denied(
+        &self,
+        host_fp: &str,
+        client_id: Option<&str>,
+        now_ms: i64,
+    ) -> Result<Option<crate::store::DenyEntry>, StoreError> {
+        deny::denied(self, host_fp, client_id, now_ms)
+    }
+
+    fn enrolments_by_fingerprint(&self, fp: &str) -> Result<Vec<Enrolment>, StoreError> {
+        deny::enrolments_by_fingerprint(self, fp)
+    }
 }

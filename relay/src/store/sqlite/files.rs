@@ -15,10 +15,11 @@ use crate::store::{StoreError, DB_FILE, LOCK_FILE};
 // Opening
 
 /// `relay.lock` of a store directory, held (`wire.md` §3.4 "One writer"): while a `StoreLock`
-/// lives no other process (and no other store in this one) can open the store, run a restore
-/// or another offline operator command on it. Dropping it releases the lock; so does the OS
-/// when the process dies. [`SqliteStore::open_signed`] keeps holding it for the store's life,
-/// so `relay serve` can restore a backup under the same lock before it opens the store.
+/// lives no other process (and no other store in this one) can open the store, run a restore or
+/// another offline operator command on it. Dropping it releases the lock; so does the OS when the
+/// process dies. [`SqliteStore::open_signed`](crate::store::SqliteStore::open_signed) keeps holding
+/// it for the store's life, so `relay serve` can restore a backup under the same lock before it
+/// opens the store.
 pub struct StoreLock {
     pub(super) conn: Connection,
     pub(super) dir: PathBuf,

@@ -4,10 +4,12 @@
 use rusqlite::{params, Connection, OptionalExtension};
 
 use super::meta::read_epoch;
+use super::writer::JobKind;
+use super::SqliteStore;
 use crate::store::{
-    wire_hash, AckOutcome, AckRequest, AckResult, Expiry, ItemOutcome, ItemStatus, PullPage,
-    PullRequest, PulledItem, PushBatch, PushItem, PushOutcome, QuotaKind, Rejection, StoreError,
-    StoreLimits, TargetAccept, DAY_MS, MAX_PULL_ITEMS,
+    wire_hash, AckOutcome, AckRequest, AckResult, Expiry, HostQueueInfo, ItemOutcome, ItemStatus,
+    ItemStore, PullPage, PullRequest, PulledItem, PushBatch, PushItem, PushOutcome, QuotaKind,
+    Rejection, StoreError, StoreLimits, TargetAccept, DAY_MS, MAX_PULL_ITEMS,
 };
 
 /// The last seq allocated for a target (`next_seq − 1`), 0 if none.
@@ -457,4 +459,52 @@ pub(super) fn ack_apply(c: &Connection, req: &AckRequest) -> Result<AckResult, S
         head_seq: head,
         epoch,
     }))
+}
+
+impl ItemStore for SqliteStore {
+    fn push(&self, batch: PushBatch) -> Result<PushOutcome, StoreError> {
+        self.submit(JobKind::Push, move |c, limits| {
+            push_apply(c, limits, &batch)
+        })
+    }
+
+    fn push_then(&self, batch: PushBatch, done: crate::store::PushReply) {
+        self.submit_then(
+            JobKind::Push,
+            move |c, limits| push_apply(c, limits, &batch),
+            done,
+        )
+    }
+
+    fn dedup_targets(&self, sender_pubkey: &str, item_id: &str) -> Result<Vec<String>, StoreError> {
+        self.read(|c| {
+            let mut st = c.prepare_cached(
+                "SELECT target_pubkey FROM dedup WHERE sender_pubkey = ?1 AND item_id = ?2",
+            )?;
+            let rows = st
+                .query_map([sender_pubkey, item_id], |r| r.get(0))?
+                .collect::<Result<Vec<String>, _>>()?;
+            Ok(rows)
+        })
+    }
+
+    fn pull(&self, req: PullRequest) -> Result<PullPage, StoreError> {
+        self.read(|c| pull_page(c, &req))
+    }
+
+    fn ack(&self, req: AckRequest) -> Result<AckResult, StoreError> {
+        self.submit(JobKind::Ack, move |c, _| ack_apply(c, &req))
+    }
+
+    fn info_for(&self, host_pubkey: &str) -> Result<HostQueueInfo, StoreError> {
+        self.read(|c| {
+            let tx = c.unchecked_transaction()?;
+            let info = HostQueueInfo {
+                head_seq: head_seq(&tx, host_pubkey)?,
+                acked_through: acked_through(&tx, host_pubkey)?,
+            };
+            tx.commit()?;
+            Ok(info)
+        })
+    }
 }

@@ -1,5 +1,5 @@
-//! Host key rotation inside the store (spec §2 "Rotation"; `wire.md` §2.10, §3.2 "Rotation"):
-//! the SQL of [`RelayStore::rotate`](crate::store::RelayStore::rotate), run by the writer in
+//! Host key rotation inside the store (spec §2 "Rotation"; `wire.md` §2.10, §3.2 "Rotation"): the
+//! SQL of [`DirectoryStore::rotate`](crate::store::DirectoryStore::rotate), run by the writer in
 //! the request's savepoint, so the whole move is one transaction.
 //!
 //! # What a rotation changes

@@ -1,5 +1,5 @@
 //! The retention sweep inside the store (spec §6, §7; `wire.md` §2.12 "Expiry notice", §3.2
-//! "Sweep", "Dedup"): the SQL of [`RelayStore::sweep`](crate::store::RelayStore::sweep).
+//! "Sweep", "Dedup"): the SQL of [`OperationsStore::sweep`](crate::store::OperationsStore::sweep).
 //!
 //! # Transactions
 //! Every step is one write request to the store's single writer, so each is one transaction
@@ -68,7 +68,7 @@ use super::oplog::{append_op_apply, op_receipt_text};
 use super::writer::JobKind;
 use super::SqliteStore;
 use crate::store::{
-    iso_utc, wire_hash, ExpiryFacts, NoticeSigner, RelayStore, StoreError, StoreLimits,
+    iso_utc, wire_hash, ExpiryFacts, NoticeSigner, OperationsStore, StoreError, StoreLimits,
     SweepReport, DAY_MS, DEDUP_GRACE_DAYS, OP_SWEEP, SWEEP_BATCH, SWEEP_MAX_BATCHES,
     SWEEP_MAX_PRUNE,
 };
@@ -79,7 +79,7 @@ pub(crate) const NOTICE_KIND: &str = "expired";
 /// `items.sender_host` of an expiry notice.
 const NOTICE_SENDER_HOST: &str = "relay";
 
-/// [`RelayStore::sweep`] (module docs).
+/// [`OperationsStore::sweep`] (module docs).
 pub(super) fn sweep(
     store: &SqliteStore,
     now_ms: i64,

@@ -8,23 +8,11 @@ use std::sync::{mpsc, Arc, OnceLock};
 
 use rusqlite::Connection;
 
+use super::meta::{meta_get, meta_put};
 use super::SqliteStore;
-use crate::store::OpSigner;
-use crate::store::{StoreError, StoreLimits, MAX_GROUP_REQUESTS};
-
-/// Counters of the writer, for tests, benches and `doctor`-style status.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct StoreStats {
-    /// Write requests the writer has applied (committed or not).
-    pub write_requests: u64,
-    /// Groups (transactions) the writer has run.
-    pub groups: u64,
-    /// Groups that committed. Under concurrency this is lower than `write_requests`: that is the
-    /// group commit.
-    pub commits: u64,
-    /// Write requests waiting for the writer right now.
-    pub queued: usize,
-}
+use crate::store::{
+    OpSigner, StoreError, StoreHealth, StoreLimits, StoreStats, MAX_GROUP_REQUESTS,
+};
 
 #[derive(Debug, Default)]
 pub(super) struct Counters {
@@ -374,4 +362,35 @@ pub(super) fn is_busy(e: &rusqlite::Error) -> bool {
 /// writer does not parse `SAVEPOINT request` and friends again for every request.
 pub(super) fn run_cached(c: &Connection, sql: &str) -> Result<(), rusqlite::Error> {
     c.prepare_cached(sql)?.execute([]).map(|_| ())
+}
+
+impl StoreHealth for SqliteStore {
+    fn heartbeat(&self) -> Result<Option<i64>, StoreError> {
+        self.read(|c| match meta_get(c, "heartbeat")? {
+            None => Ok(None),
+            Some(v) => v.trim().parse::<i64>().map(Some).map_err(|_| {
+                StoreError::Corrupt(format!("meta.heartbeat {v:?} is not a ms timestamp"))
+            }),
+        })
+    }
+
+    fn set_heartbeat(&self, now_ms: i64) -> Result<(), StoreError> {
+        self.submit(JobKind::Other, move |c, _| {
+            meta_put(c, "heartbeat", &now_ms.to_string())
+        })
+    }
+
+    /// A no-op request through the writer thread: it waits its turn behind the queued writes
+    /// and joins a group like any other (an empty savepoint: no row, no extra fsync).
+    fn writer_answers(&self) -> Result<(), StoreError> {
+        self.submit(JobKind::Other, |_, _| Ok(()))
+    }
+
+    fn failed(&self) -> Option<String> {
+        self.failure.get().cloned()
+    }
+
+    fn writer_stats(&self) -> Option<StoreStats> {
+        Some(self.stats())
+    }
 }

@@ -1,7 +1,7 @@
 //! Tests of the deny module.
 
 use super::*;
-use crate::store::{AuthorityStrength, OpenOptions, RelayStore};
+use crate::store::{AuthorityStrength, DirectoryStore, OpenOptions};
 
 fn key(n: u8) -> String {
     use base64::Engine as _;

@@ -2,9 +2,9 @@
 
 use super::*;
 use crate::store::{
-    AuthorityStrength, DenyEntry, DenyKind, EncAdV1, EncAdV2, EnrolOutcome, EnrolRequest,
-    ItemStatus, OpenOptions, PullRequest, PushBatch, PushItem, PushTarget, RelayStore, SenderList,
-    StoreLimits,
+    AuthorityStrength, DenyEntry, DenyKind, DirectoryStore, EncAdV1, EncAdV2, EnrolOutcome,
+    EnrolRequest, ItemStatus, ItemStore, OpenOptions, OperationsStore, PullRequest, PushBatch,
+    PushItem, PushTarget, SenderList, StoreLimits,
 };
 use crate::store::{SqliteStore, DB_FILE};
 use base64::Engine as _;

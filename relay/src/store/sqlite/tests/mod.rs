@@ -20,11 +20,11 @@ use rusqlite::{Connection, OpenFlags};
 
 use crate::store::PushTarget;
 use crate::store::{
-    key_fingerprint, wire_hash, AckRequest, AckResult, AuthorityStrength, EncAdV1, EncAdV2,
-    EnrolOutcome, EnrolRequest, Expiry, ItemOutcome, ItemStatus, OpenOptions, PullPage,
-    PullRequest, PushBatch, PushItem, PushOutcome, Rejection, RelayStore, RevokeOutcome,
-    SenderList, SenderListOutcome, StoreError, StoreLimits, DAY_MS, DB_FILE, LOCK_FILE,
-    MAX_PULL_ITEMS,
+    key_fingerprint, wire_hash, AckRequest, AckResult, AuthorityStrength, DirectoryStore, EncAdV1,
+    EncAdV2, EnrolOutcome, EnrolRequest, Expiry, ItemOutcome, ItemStatus, ItemStore, OpenOptions,
+    OperationsStore, PullPage, PullRequest, PushBatch, PushItem, PushOutcome, Rejection,
+    RevokeOutcome, SenderList, SenderListOutcome, StoreError, StoreHealth, StoreLimits, DAY_MS,
+    DB_FILE, LOCK_FILE, MAX_PULL_ITEMS,
 };
 use base64::Engine as _;
 use std::sync::atomic::AtomicBool;

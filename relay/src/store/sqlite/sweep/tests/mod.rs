@@ -10,6 +10,7 @@ use crate::store::{
     ItemStatus, OpenOptions, PullPage, PullRequest, PushBatch, PushItem, PushTarget, Rejection,
     RotateOutcome, RotateRequest, DB_FILE, MAX_PULL_ITEMS,
 };
+use crate::store::{DirectoryStore, ItemStore, OperationsStore};
 use agentmbx_protocol::canonical;
 use agentmbx_protocol::keys::{HostKey, PublicKey};
 use agentmbx_protocol::time::iso_ms;
