@@ -37,6 +37,28 @@
 //! 0600 whatever the umask: `relay.db` and `relay.lock` are created 0600 before SQLite opens
 //! them (SQLite gives `-wal` and `-shm` the main file's mode), and every one of them that
 //! exists is set to 0600 after the open. They hold routing metadata (who talks to whom).
+//!
+//! # Modules
+//! This file opens and closes the store. The rest is split by concern, each module holding its
+//! SQL and, for the four store traits, the `impl` of its trait:
+//! - `writer`: the writer thread, group commit, the jobs it runs; `impl` [`StoreHealth`].
+//! - `read_pool`: the read-only connections.
+//! - `files`: `relay.lock` ([`StoreLock`]), the live-heartbeat check, private directory and
+//!   files, the write connection, recovery of the WAL an unclean stop left.
+//! - `schema`: the DDL and its migrations ([`SCHEMA_VERSION`]).
+//! - `meta`: the `meta` table (epoch, relay key, reserved keys).
+//! - `items`: push (dedup, all-or-nothing fan-out, quotas, seq allocation), pull, ack;
+//!   `impl` [`ItemStore`].
+//! - `directory`: enrolments, revocation, enc-key ads, sender allowlists; `impl`
+//!   [`DirectoryStore`] (the deny list and account bindings in `deny`, host rotation in
+//!   `rotate`).
+//! - `oplog`: the operations log and epoch rotation; `impl` [`OperationsStore`] (the
+//!   retention sweep in `sweep`).
+//!
+//! [`StoreHealth`]: crate::store::StoreHealth
+//! [`ItemStore`]: crate::store::ItemStore
+//! [`DirectoryStore`]: crate::store::DirectoryStore
+//! [`OperationsStore`]: crate::store::OperationsStore
 
 mod deny;
 mod directory;
