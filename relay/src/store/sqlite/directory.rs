@@ -64,7 +64,7 @@ pub(super) fn enrolment_row(
     .optional()?)
 }
 
-pub(super) fn live_enrolment_count(c: &Connection) -> Result<u64, StoreError> {
+fn live_enrolment_count(c: &Connection) -> Result<u64, StoreError> {
     let n: i64 = c
         .prepare_cached("SELECT COUNT(*) FROM enrolments WHERE revoked_at IS NULL")?
         .query_row([], |r| r.get(0))?;
@@ -131,7 +131,7 @@ pub(super) fn enrol_apply(
 // ---------------------------------------------------------------------------------------------
 // Enc-key advertisements
 
-pub(super) fn get_enc_ad(c: &Connection, host_pubkey: &str) -> Result<Option<EncAd>, StoreError> {
+fn get_enc_ad(c: &Connection, host_pubkey: &str) -> Result<Option<EncAd>, StoreError> {
     type Row = (
         String,
         Option<String>,
@@ -210,10 +210,7 @@ pub(super) fn get_enc_ad(c: &Connection, host_pubkey: &str) -> Result<Option<Enc
 // ---------------------------------------------------------------------------------------------
 // Sender lists
 
-pub(super) fn put_sender_list(
-    c: &Connection,
-    list: SenderList,
-) -> Result<SenderListOutcome, StoreError> {
+fn put_sender_list(c: &Connection, list: SenderList) -> Result<SenderListOutcome, StoreError> {
     let stored_iat: Option<i64> = c
         .prepare_cached("SELECT iat FROM sender_lists WHERE target_pubkey = ?1")?
         .query_row([&list.target_pubkey], |r| r.get(0))

@@ -138,7 +138,7 @@ pub(super) type Taken = (Connection, Option<crate::store::LockHolder>);
 /// dropped (`wire.md` §3.4). When another process holds it, logs once who (the holder row) and
 /// how long this waits, then waits up to `wait_ms`; [`StoreError::Locked`] names the holder.
 /// Also returns the holder row found once the lock is taken (the last process that held it).
-pub(super) fn acquire_lock(path: &Path, wait_ms: u64, now_ms: i64) -> Result<Taken, StoreError> {
+fn acquire_lock(path: &Path, wait_ms: u64, now_ms: i64) -> Result<Taken, StoreError> {
     create_private_file(path)?;
     let conn = Connection::open(path)?;
     let _mode: String = conn.query_row("PRAGMA locking_mode = EXCLUSIVE", [], |r| r.get(0))?;
@@ -201,7 +201,7 @@ pub(super) fn acquire_lock(path: &Path, wait_ms: u64, now_ms: i64) -> Result<Tak
 }
 
 /// `BEGIN EXCLUSIVE`; a refused one leaves no transaction open, so it can be tried again.
-pub(super) fn begin_exclusive(conn: &Connection) -> Result<(), rusqlite::Error> {
+fn begin_exclusive(conn: &Connection) -> Result<(), rusqlite::Error> {
     let begun = conn.execute_batch("BEGIN EXCLUSIVE");
     if begun.is_err() && !conn.is_autocommit() {
         let _ = conn.execute_batch("ROLLBACK");
@@ -213,7 +213,7 @@ pub(super) fn begin_exclusive(conn: &Connection) -> Result<(), rusqlite::Error> 
 /// exclusive lock, so the file is read as immutable (no locking at all); its row was committed
 /// to the file when the lock was taken and never changes after. `None` when it cannot be read
 /// (the holder is still writing it, an old lock file).
-pub(super) fn read_lock_holder(path: &Path) -> Option<crate::store::LockHolder> {
+fn read_lock_holder(path: &Path) -> Option<crate::store::LockHolder> {
     let uri = format!("file:{}?immutable=1", uri_path(path));
     let conn = Connection::open_with_flags(
         uri,
@@ -235,7 +235,7 @@ pub(super) fn read_lock_holder(path: &Path) -> Option<crate::store::LockHolder> 
 
 /// A path as the path part of an SQLite `file:` URI: every byte outside `[A-Za-z0-9/._~-]`
 /// percent-encoded.
-pub(super) fn uri_path(path: &Path) -> String {
+fn uri_path(path: &Path) -> String {
     use std::os::unix::ffi::OsStrExt as _;
     let mut out = String::new();
     for &b in path.as_os_str().as_bytes() {

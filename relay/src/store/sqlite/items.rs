@@ -13,7 +13,7 @@ use crate::store::{
 };
 
 /// The last seq allocated for a target (`next_seq − 1`), 0 if none.
-pub(super) fn head_seq(c: &Connection, target: &str) -> Result<i64, StoreError> {
+fn head_seq(c: &Connection, target: &str) -> Result<i64, StoreError> {
     let next: Option<i64> = c
         .prepare_cached("SELECT next_seq FROM seqs WHERE target_pubkey = ?1")?
         .query_row([target], |r| r.get(0))
@@ -21,7 +21,7 @@ pub(super) fn head_seq(c: &Connection, target: &str) -> Result<i64, StoreError> 
     Ok(next.map_or(0, |n| n.saturating_sub(1).max(0)))
 }
 
-pub(super) fn acked_through(c: &Connection, target: &str) -> Result<i64, StoreError> {
+fn acked_through(c: &Connection, target: &str) -> Result<i64, StoreError> {
     let v: Option<i64> = c
         .prepare_cached("SELECT acked_through FROM acked WHERE target_pubkey = ?1")?
         .query_row([target], |r| r.get(0))
@@ -33,7 +33,7 @@ pub(super) fn acked_through(c: &Connection, target: &str) -> Result<i64, StoreEr
 // Push (spec §3, `wire.md` §3.2 "Push (v2)", "Dedup", "Seq", "Quotas")
 
 /// A validated fresh target: live enrolment facts needed for quotas and messages.
-pub(super) struct LiveTarget<'a> {
+struct LiveTarget<'a> {
     pubkey: &'a str,
     wire: &'a [u8],
     host_name: &'a str,
@@ -41,13 +41,13 @@ pub(super) struct LiveTarget<'a> {
 }
 
 /// A dedup row: what an earlier push of the same (sender, item, target) stored.
-pub(super) struct DedupHit {
+struct DedupHit {
     wire_hash: String,
     seq: i64,
     accepted_at: i64,
 }
 
-pub(super) fn dedup_hit(
+fn dedup_hit(
     c: &Connection,
     sender: &str,
     item_id: &str,
@@ -68,7 +68,7 @@ pub(super) fn dedup_hit(
 }
 
 /// The live enrolment's `(host_name, account)`, `None` when unknown or revoked.
-pub(super) fn live_target(
+fn live_target(
     c: &Connection,
     target: &str,
 ) -> Result<Option<(String, Option<String>)>, StoreError> {
@@ -104,7 +104,7 @@ pub(super) fn push_apply(
     Ok(PushOutcome { epoch, items })
 }
 
-pub(super) fn rejected(item: &PushItem, why: Rejection) -> ItemOutcome {
+fn rejected(item: &PushItem, why: Rejection) -> ItemOutcome {
     ItemOutcome {
         item_id: item.item_id.clone(),
         status: ItemStatus::Rejected(why),
@@ -121,7 +121,7 @@ pub(super) fn rejected(item: &PushItem, why: Rejection) -> ItemOutcome {
 /// revoked or its allowlist changed since (the item was accepted and is durably there, so a
 /// retry must settle), other bytes answer `conflict`. Only fresh targets are checked for
 /// enrolment, allowlist and quota, and a fresh target that fails rejects the whole item.
-pub(super) fn push_item(
+fn push_item(
     c: &Connection,
     limits: &StoreLimits,
     batch: &PushBatch,
@@ -293,11 +293,7 @@ pub(super) const SENDER_ALLOWED_SQL: &str =
                                              WHERE target_pubkey = ?1))
                     WHERE value = ?2)";
 
-pub(super) fn sender_allowed(
-    c: &Connection,
-    target: &str,
-    sender: &str,
-) -> Result<bool, StoreError> {
+fn sender_allowed(c: &Connection, target: &str, sender: &str) -> Result<bool, StoreError> {
     Ok(c.prepare_cached(SENDER_ALLOWED_SQL)?
         .query_row([target, sender], |r| r.get(0))?)
 }
@@ -307,7 +303,7 @@ pub(super) fn sender_allowed(
 /// schema's triggers keep (`schema.rs`, version 4): one row per check, whatever the queue depth.
 /// `account_pending` is `(items, bytes)` the same item adds to the account's other targets and
 /// has not written yet.
-pub(super) fn quota_exceeded(
+fn quota_exceeded(
     c: &Connection,
     limits: &StoreLimits,
     t: &LiveTarget<'_>,
@@ -382,7 +378,7 @@ pub(super) fn allocate_seq(c: &Connection, target: &str, now_ms: i64) -> Result<
 // ---------------------------------------------------------------------------------------------
 // Pull and ack (spec §4, `wire.md` §3.2 "Pull", "Ack")
 
-pub(super) fn pull_page(c: &Connection, req: &PullRequest) -> Result<PullPage, StoreError> {
+fn pull_page(c: &Connection, req: &PullRequest) -> Result<PullPage, StoreError> {
     let n = req.limit.clamp(1, MAX_PULL_ITEMS);
     let after = req.after.max(0);
     let tx = c.unchecked_transaction()?;
@@ -429,7 +425,7 @@ pub(super) fn pull_page(c: &Connection, req: &PullRequest) -> Result<PullPage, S
     })
 }
 
-pub(super) fn ack_apply(c: &Connection, req: &AckRequest) -> Result<AckResult, StoreError> {
+fn ack_apply(c: &Connection, req: &AckRequest) -> Result<AckResult, StoreError> {
     let epoch = read_epoch(c)?;
     let head = head_seq(c, &req.target_pubkey)?;
     if req.epoch.as_deref().is_some_and(|e| e != epoch) {

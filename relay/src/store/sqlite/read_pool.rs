@@ -16,7 +16,7 @@ pub(super) struct ReadPool {
 }
 
 impl ReadPool {
-    pub(super) fn with<T>(
+    fn with<T>(
         &self,
         f: impl FnOnce(&Connection) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {

@@ -46,7 +46,7 @@ pub(super) trait WriteJob: Send {
     fn refuse_stopped(self: Box<Self>);
 }
 
-pub(super) struct TypedJob<T, F> {
+struct TypedJob<T, F> {
     kind: JobKind,
     op: Option<F>,
     result: Option<Result<T, StoreError>>,
