@@ -11,11 +11,13 @@
 //!   so a token minted before the entry cannot outlive it (`wire.md` "Account tokens"). Removal
 //!   and listing too.
 //!
-//! Every change and its relay-log receipt (`relay-revoke`, `relay-deny`, `relay-undeny`) are
-//! one store transaction ([`RelayStore::revoke_logged`], [`RelayStore::deny_logged`],
-//! [`RelayStore::undeny_logged`]): never a change without its receipt or the reverse. A revoked
-//! or denied host's next request is refused: every hop reads the enrolment and the deny-list
-//! from the store.
+//! Every change and its relay-log receipt (`relay-revoke`, `relay-deny`, `relay-undeny`) are one
+//! store transaction
+//! ([`DirectoryStore::revoke_logged`](crate::store::DirectoryStore::revoke_logged),
+//! [`DirectoryStore::deny_logged`](crate::store::DirectoryStore::deny_logged),
+//! [`DirectoryStore::undeny_logged`](crate::store::DirectoryStore::undeny_logged)): never a change
+//! without its receipt or the reverse. A revoked or denied host's next request is refused: every
+//! hop reads the enrolment and the deny-list from the store.
 //!
 //! Every function here **blocks** (store calls); the endpoint runs them off the runtime.
 

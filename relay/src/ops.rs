@@ -19,7 +19,8 @@
 //!   old data back), with one log line and a receipt `{v:1, type:"relay-epoch-rotated", at,
 //!   store, from, to, by:"heartbeat"}`. `relay rotate-epoch` writes the same receipt with
 //!   `by:"operator"`. The new epoch, `meta.epoch_rotated` and the relay-log entry are one
-//!   transaction ([`RelayStore::rotate_epoch_logged`]).
+//!   transaction
+//!   ([`OperationsStore::rotate_epoch_logged`](crate::store::OperationsStore::rotate_epoch_logged)).
 //! - **The online backup** ([`backup`]), through the store backend's
 //!   [`StoreMaintenance::backup`] (`store/sqlite/backup.rs`): the SQLite online backup API in one step (one
 //!   consistent snapshot, safe while `relay serve` writes: a read-only source connection, WAL)

@@ -7,7 +7,7 @@
 //!   canonical(`{notice, sig}`) with `notice = {v:1, type:"relay-expired", item_id,
 //!   target_pubkey, accepted_at, expired_at}` (ISO ms, `Z`) and `sig` the relay key's signature
 //!   over canonical(notice). The store decides what expires and queues the notices
-//!   ([`RelayStore::sweep`](crate::store::RelayStore::sweep)); it never sees the key.
+//!   ([`OperationsStore::sweep`](crate::store::OperationsStore::sweep)); it never sees the key.
 //! - **The schedule** ([`run`]): one sweep at start (so a relay that was down, or a store that
 //!   came back from an old copy, settles at once), then one every `sweep_interval_ms`
 //!   (default [`DEFAULT_SWEEP_INTERVAL_MS`], 10 min), at the time of the relay's clock. A sweep
@@ -103,8 +103,8 @@ impl NoticeSigner for RelayNoticeSigner {
 
 /// One sweep now (the relay clock's time) over the relay's store, with the relay key as
 /// signer; logs the `info` line when it changed something. Errors: the store's (see
-/// [`RelayStore::sweep`](crate::store::RelayStore::sweep)); [`StoreError::NotCommitted`] when
-/// the blocking task died.
+/// [`OperationsStore::sweep`](crate::store::OperationsStore::sweep)); [`StoreError::NotCommitted`]
+/// when the blocking task died.
 pub async fn sweep_once(state: &SharedRelay) -> Result<SweepReport, StoreError> {
     let now = state.clock.now_ms();
     let store = state.store.clone();
@@ -220,6 +220,7 @@ pub async fn run(state: SharedRelay) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::{DirectoryStore, ItemStore};
     use agentmbx_protocol::keys::PublicKey;
     use agentmbx_protocol::time::parse_iso_ms;
 

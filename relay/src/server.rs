@@ -10,9 +10,9 @@
 //! 30 s, keep-alive idle 5 s — and a bound on open connections.
 //!
 //! It also watches the store: once the store stopped taking writes (a failed COMMIT,
-//! [`RelayStore::failed`]) it logs why, stops accepting, gives requests in flight up to
-//! [`FAILED_STORE_GRACE`] and returns an error, so `relay serve` exits non-zero and its
-//! supervisor restarts it (SQLite's recovery then decides what is durable).
+//! [`StoreHealth::failed`](crate::store::StoreHealth::failed)) it logs why, stops accepting, gives
+//! requests in flight up to [`FAILED_STORE_GRACE`] and returns an error, so `relay serve` exits
+//! non-zero and its supervisor restarts it (SQLite's recovery then decides what is durable).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -238,7 +238,7 @@ fn conn_settings(config: &RelayConfig) -> ConnSettings {
 
 /// Serves until `shutdown` resolves, or until the store fails. Errors: the listener's address
 /// cannot be read, or the store stopped taking writes (the error names the store's reason;
-/// [`RelayStore::failed`] has it too).
+/// [`StoreHealth::failed`](crate::store::StoreHealth::failed) has it too).
 ///
 /// Connections are HTTP/1.1 served by hyper with the `wire.md` §3.1 server timeouts: headers
 /// (`header_read_timeout_ms`, 10 s), request (`request_timeout_ms`, 30 s, the router's

@@ -1,7 +1,8 @@
-//! The relay's service watchdog (`sd_notify(3)` `WATCHDOG=1`, `WatchdogSec=` in the shipped
-//! system unit): a ping only when the store's writer thread answers a no-op request
-//! ([`RelayStore::writer_answers`]) in time, so the manager restarts a relay whose writer, disk
-//! or runtime hangs. A relay serving reads while no write can go through is not alive.
+//! The relay's service watchdog (`sd_notify(3)` `WATCHDOG=1`, `WatchdogSec=` in the shipped system
+//! unit): a ping only when the store's writer thread answers a no-op request
+//! ([`StoreHealth::writer_answers`](crate::store::StoreHealth::writer_answers)) in time, so the
+//! manager restarts a relay whose writer, disk or runtime hangs. A relay serving reads while no
+//! write can go through is not alive.
 //!
 //! Every tick (half the watchdog interval, at most [`MAX_TICK`]) one check runs, with a
 //! deadline of one tick; a check still waiting at the next tick is waited for again, never

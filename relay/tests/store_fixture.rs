@@ -16,9 +16,10 @@ use agentmbx_relay::ops::{self, RelayOpSigner, RestoreOptions, RotatedBy};
 use agentmbx_relay::status;
 use agentmbx_relay::store::{
     AckRequest, AuthorityStrength, DenyKind, EncAdV2, EnrolRequest, Expiry, OpSigner, OpenOptions,
-    PullRequest, PushBatch, PushItem, PushTarget, RelayStore, SenderList, SqliteStore, StoreLock,
-    DB_FILE, SCHEMA_VERSION,
+    PullRequest, PushBatch, PushItem, PushTarget, SenderList, SqliteStore, StoreLock, DB_FILE,
+    SCHEMA_VERSION,
 };
+use agentmbx_relay::store::{DirectoryStore, ItemStore, OperationsStore};
 
 /// When the fixture was written: 2026-01-01T00:00:00.000Z.
 const T0: i64 = 1_767_225_600_000;

@@ -47,7 +47,7 @@ use serde_json::{json, Value};
 
 use agentmbx_relay::admin::{self, AdminError};
 use agentmbx_relay::ops::{self, OpsError, RestoreError, RotatedBy};
-use agentmbx_relay::store::RelayStore as _;
+use agentmbx_relay::store::OperationsStore as _;
 
 use super::relay_admin::{
     local_admin_endpoint, now_ms, offline, online, place, print, refusal, warn_unsigned, Place,

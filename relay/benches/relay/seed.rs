@@ -20,8 +20,8 @@ use agentmbx_protocol::keys::HostKey;
 use agentmbx_protocol::ulid;
 
 use agentmbx_relay::store::{
-    self, AuthorityStrength, EnrolOutcome, EnrolRequest, Expiry, ItemStatus, OpenOptions,
-    PushBatch, PushItem, PushTarget, RelayStore, SqliteStore, StoreLimits,
+    self, AuthorityStrength, DirectoryStore, EnrolOutcome, EnrolRequest, Expiry, ItemStatus,
+    ItemStore, OpenOptions, PushBatch, PushItem, PushTarget, SqliteStore, StoreHealth, StoreLimits,
 };
 
 use super::{now_ms, sealed, Host, Res};

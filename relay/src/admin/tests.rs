@@ -1,6 +1,7 @@
 //! Tests of the operator controls (`admin.rs`).
 
 use super::*;
+use crate::store::{DirectoryStore, OperationsStore};
 
 #[test]
 fn fingerprints_and_targets_parse() {

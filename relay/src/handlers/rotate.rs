@@ -15,10 +15,10 @@
 //! `BAD_ROTATION` `rotation names another host`; neither key may be deny-listed — by host
 //! fingerprint, or the old key by the `client_id` of its account binding — else 403 `DENIED`
 //! (spec §8: a denied host must not escape its entry by moving to a key the deny-list does not
-//! name); the new key must not be revoked, else 409 `ROTATION_TARGET`. Then the store applies
-//! it in one transaction ([`RelayStore::rotate`](crate::store::RelayStore::rotate)), which
-//! also copies the old fingerprint's active deny entries to the new one (closing the window
-//! between this check and the transaction), and `{moved:n}` is answered.
+//! name); the new key must not be revoked, else 409 `ROTATION_TARGET`. Then the store applies it in
+//! one transaction ([`DirectoryStore::rotate`](crate::store::DirectoryStore::rotate)), which also
+//! copies the old fingerprint's active deny entries to the new one (closing the window between this
+//! check and the transaction), and `{moved:n}` is answered.
 //!
 //! Repeating a rotation that was already applied (the host did not see the answer) answers
 //! 200 `{moved:0, already_rotated:true}`: the record still checks against the old key and the

@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::store::SqliteStore;
+use crate::store::{DirectoryStore, ItemStore, OperationsStore, StoreHealth};
 
 fn relay_key() -> String {
     agentmbx_protocol::keys::HostKey::generate()

@@ -3,9 +3,9 @@
 use super::*;
 use crate::store::SCHEMA_VERSION;
 use crate::store::{
-    AckRequest, EnrolRequest, Expiry, OpenOptions, PushBatch, PushItem, PushTarget, RelayStore,
-    SqliteStore,
+    AckRequest, EnrolRequest, Expiry, OpenOptions, PushBatch, PushItem, PushTarget, SqliteStore,
 };
+use crate::store::{DirectoryStore, ItemStore, OperationsStore, StoreHealth};
 use agentmbx_protocol::keys::HostKey;
 
 const T0: i64 = 1_767_225_600_000;

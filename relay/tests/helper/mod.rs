@@ -20,7 +20,7 @@ use agentmbx_protocol::{b64, seal, ulid};
 
 use agentmbx_relay::config::{LimitsConfig, RelayConfig};
 use agentmbx_relay::server::SharedRelay;
-use agentmbx_relay::store::{self, RelayStore};
+use agentmbx_relay::store::{self, RelayStore, StoreHealth};
 use agentmbx_relay::testing::{TestRelay, TestRelayBuilder};
 
 /// Where every relay clock starts: 2026-01-01T00:00:00.000Z.
@@ -760,38 +760,37 @@ impl FailingStore {
     }
 }
 
-impl RelayStore for FailingStore {
-    fn epoch(&self) -> Result<String, store::StoreError> {
-        self.inner.epoch()
-    }
-    fn relay_pubkey(&self) -> Result<String, store::StoreError> {
-        self.inner.relay_pubkey()
-    }
-    fn heartbeat(&self) -> Result<Option<i64>, store::StoreError> {
-        self.inner.heartbeat()
-    }
-    fn set_heartbeat(&self, now_ms: i64) -> Result<(), store::StoreError> {
+impl store::ItemStore for FailingStore {
+    fn push(&self, batch: store::PushBatch) -> Result<store::PushOutcome, store::StoreError> {
         self.write()?;
-        self.inner.set_heartbeat(now_ms)
+        self.inner.push(batch)
     }
-    fn rotate_epoch(&self) -> Result<store::EpochRotation, store::StoreError> {
-        self.write()?;
-        self.inner.rotate_epoch()
+    fn push_then(&self, batch: store::PushBatch, done: store::PushReply) {
+        match self.write() {
+            Err(e) => done(Err(e)),
+            Ok(()) => self.inner.push_then(batch, done),
+        }
     }
-    fn rotate_epoch_logged(
+    fn dedup_targets(
         &self,
-        log: store::OpEntry,
-    ) -> Result<(store::EpochRotation, serde_json::Value), store::StoreError> {
+        sender_pubkey: &str,
+        item_id: &str,
+    ) -> Result<Vec<String>, store::StoreError> {
+        self.inner.dedup_targets(sender_pubkey, item_id)
+    }
+    fn pull(&self, req: store::PullRequest) -> Result<store::PullPage, store::StoreError> {
+        self.inner.pull(req)
+    }
+    fn ack(&self, req: store::AckRequest) -> Result<store::AckResult, store::StoreError> {
         self.write()?;
-        self.inner.rotate_epoch_logged(log)
+        self.inner.ack(req)
     }
-    fn meta(&self, key: &str) -> Result<Option<String>, store::StoreError> {
-        self.inner.meta(key)
+    fn info_for(&self, host_pubkey: &str) -> Result<store::HostQueueInfo, store::StoreError> {
+        self.inner.info_for(host_pubkey)
     }
-    fn set_meta(&self, key: &str, value: &str) -> Result<(), store::StoreError> {
-        self.write()?;
-        self.inner.set_meta(key, value)
-    }
+}
+
+impl store::DirectoryStore for FailingStore {
     fn enrol(&self, req: store::EnrolRequest) -> Result<store::EnrolOutcome, store::StoreError> {
         self.write()?;
         self.inner.enrol(req)
@@ -826,33 +825,6 @@ impl RelayStore for FailingStore {
     }
     fn get_enc_ad(&self, host_pubkey: &str) -> Result<Option<store::EncAd>, store::StoreError> {
         self.inner.get_enc_ad(host_pubkey)
-    }
-    fn push(&self, batch: store::PushBatch) -> Result<store::PushOutcome, store::StoreError> {
-        self.write()?;
-        self.inner.push(batch)
-    }
-    fn push_then(&self, batch: store::PushBatch, done: store::PushReply) {
-        match self.write() {
-            Err(e) => done(Err(e)),
-            Ok(()) => self.inner.push_then(batch, done),
-        }
-    }
-    fn dedup_targets(
-        &self,
-        sender_pubkey: &str,
-        item_id: &str,
-    ) -> Result<Vec<String>, store::StoreError> {
-        self.inner.dedup_targets(sender_pubkey, item_id)
-    }
-    fn pull(&self, req: store::PullRequest) -> Result<store::PullPage, store::StoreError> {
-        self.inner.pull(req)
-    }
-    fn ack(&self, req: store::AckRequest) -> Result<store::AckResult, store::StoreError> {
-        self.write()?;
-        self.inner.ack(req)
-    }
-    fn info_for(&self, host_pubkey: &str) -> Result<store::HostQueueInfo, store::StoreError> {
-        self.inner.info_for(host_pubkey)
     }
     fn put_sender_list(
         &self,
@@ -936,6 +908,33 @@ impl RelayStore for FailingStore {
     ) -> Result<Vec<store::Enrolment>, store::StoreError> {
         self.inner.enrolments_by_fingerprint(fp)
     }
+}
+
+impl store::OperationsStore for FailingStore {
+    fn epoch(&self) -> Result<String, store::StoreError> {
+        self.inner.epoch()
+    }
+    fn relay_pubkey(&self) -> Result<String, store::StoreError> {
+        self.inner.relay_pubkey()
+    }
+    fn rotate_epoch(&self) -> Result<store::EpochRotation, store::StoreError> {
+        self.write()?;
+        self.inner.rotate_epoch()
+    }
+    fn rotate_epoch_logged(
+        &self,
+        log: store::OpEntry,
+    ) -> Result<(store::EpochRotation, serde_json::Value), store::StoreError> {
+        self.write()?;
+        self.inner.rotate_epoch_logged(log)
+    }
+    fn meta(&self, key: &str) -> Result<Option<String>, store::StoreError> {
+        self.inner.meta(key)
+    }
+    fn set_meta(&self, key: &str, value: &str) -> Result<(), store::StoreError> {
+        self.write()?;
+        self.inner.set_meta(key, value)
+    }
     fn append_op(&self, at_ms: i64, op: &str, receipt: &Value) -> Result<i64, store::StoreError> {
         self.write()?;
         self.inner.append_op(at_ms, op, receipt)
@@ -950,6 +949,16 @@ impl RelayStore for FailingStore {
     ) -> Result<store::SweepReport, store::StoreError> {
         self.write()?;
         self.inner.sweep(now_ms, signer)
+    }
+}
+
+impl store::StoreHealth for FailingStore {
+    fn heartbeat(&self) -> Result<Option<i64>, store::StoreError> {
+        self.inner.heartbeat()
+    }
+    fn set_heartbeat(&self, now_ms: i64) -> Result<(), store::StoreError> {
+        self.write()?;
+        self.inner.set_heartbeat(now_ms)
     }
     fn failed(&self) -> Option<String> {
         self.failure.lock().expect("lock").clone()

@@ -15,10 +15,10 @@
 
 use rusqlite::{params, Connection, OptionalExtension};
 
-use super::{
-    append_op_apply, enrol_apply, enrolment_from_row, op_receipt_text, revoke_apply, JobKind,
-    SqliteStore, ENROLMENT_COLS,
-};
+use super::directory::{enrol_apply, enrolment_from_row, revoke_apply, ENROLMENT_COLS};
+use super::oplog::{append_op_apply, op_receipt_text};
+use super::writer::JobKind;
+use super::SqliteStore;
 use crate::store::{
     is_canonical_key, key_fingerprint, AccountBinding, DenyEntry, DenyKind, DenyOutcome,
     EnrolOutcome, EnrolRequest, Enrolment, OpEntry, RevokeOutcome, StoreError, MAX_DENY_ENTRIES,
@@ -93,7 +93,7 @@ impl SqliteStore {
     }
 }
 
-/// [`crate::store::RelayStore::enrol_bound`].
+/// [`crate::store::DirectoryStore::enrol_bound`].
 pub(super) fn enrol_bound(
     store: &SqliteStore,
     req: EnrolRequest,
@@ -148,7 +148,7 @@ pub(super) fn enrol_bound(
     })
 }
 
-/// [`crate::store::RelayStore::account_binding`].
+/// [`crate::store::DirectoryStore::account_binding`].
 pub(super) fn account_binding(
     store: &SqliteStore,
     host_pubkey: &str,
@@ -165,7 +165,7 @@ fn check_deny_value(value: &str) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// Adds or replaces `entry` in the caller's transaction ([`crate::store::RelayStore::deny`]).
+/// Adds or replaces `entry` in the caller's transaction ([`crate::store::DirectoryStore::deny`]).
 fn deny_apply(c: &Connection, entry: DenyEntry) -> Result<DenyOutcome, StoreError> {
     c.prepare_cached("DELETE FROM deny WHERE until IS NOT NULL AND until <= ?1")?
         .execute([entry.at_ms])?;
@@ -193,7 +193,7 @@ fn deny_apply(c: &Connection, entry: DenyEntry) -> Result<DenyOutcome, StoreErro
     Ok(DenyOutcome::Stored(entry))
 }
 
-/// Removes an entry in the caller's transaction ([`crate::store::RelayStore::undeny`]).
+/// Removes an entry in the caller's transaction ([`crate::store::DirectoryStore::undeny`]).
 fn undeny_apply(c: &Connection, kind: DenyKind, value: &str) -> Result<bool, StoreError> {
     let n = c
         .prepare_cached("DELETE FROM deny WHERE kind = ?1 AND value = ?2")?
@@ -201,19 +201,19 @@ fn undeny_apply(c: &Connection, kind: DenyKind, value: &str) -> Result<bool, Sto
     Ok(n > 0)
 }
 
-/// [`crate::store::RelayStore::deny`].
+/// [`crate::store::DirectoryStore::deny`].
 pub(super) fn deny(store: &SqliteStore, entry: DenyEntry) -> Result<DenyOutcome, StoreError> {
     check_deny_value(&entry.value)?;
     store.submit(JobKind::Other, move |c, _| deny_apply(c, entry))
 }
 
-/// [`crate::store::RelayStore::undeny`].
+/// [`crate::store::DirectoryStore::undeny`].
 pub(super) fn undeny(store: &SqliteStore, kind: DenyKind, value: &str) -> Result<bool, StoreError> {
     let value = value.to_owned();
     store.submit(JobKind::Other, move |c, _| undeny_apply(c, kind, &value))
 }
 
-/// [`crate::store::RelayStore::revoke_logged`].
+/// [`crate::store::DirectoryStore::revoke_logged`].
 pub(super) fn revoke_logged(
     store: &SqliteStore,
     host_pubkey: &str,
@@ -231,7 +231,7 @@ pub(super) fn revoke_logged(
     })
 }
 
-/// [`crate::store::RelayStore::deny_logged`].
+/// [`crate::store::DirectoryStore::deny_logged`].
 pub(super) fn deny_logged(
     store: &SqliteStore,
     entry: DenyEntry,
@@ -248,7 +248,7 @@ pub(super) fn deny_logged(
     })
 }
 
-/// [`crate::store::RelayStore::undeny_logged`].
+/// [`crate::store::DirectoryStore::undeny_logged`].
 pub(super) fn undeny_logged(
     store: &SqliteStore,
     kind: DenyKind,
@@ -266,7 +266,7 @@ pub(super) fn undeny_logged(
     })
 }
 
-/// [`crate::store::RelayStore::deny_entries`].
+/// [`crate::store::DirectoryStore::deny_entries`].
 pub(super) fn deny_entries(store: &SqliteStore) -> Result<Vec<DenyEntry>, StoreError> {
     store.read(|c| {
         let mut st =
@@ -278,7 +278,7 @@ pub(super) fn deny_entries(store: &SqliteStore) -> Result<Vec<DenyEntry>, StoreE
     })
 }
 
-/// [`crate::store::RelayStore::denied`].
+/// [`crate::store::DirectoryStore::denied`].
 pub(super) fn denied(
     store: &SqliteStore,
     host_fp: &str,
@@ -305,7 +305,7 @@ pub(super) fn denied(
     })
 }
 
-/// [`crate::store::RelayStore::enrolments_by_fingerprint`].
+/// [`crate::store::DirectoryStore::enrolments_by_fingerprint`].
 pub(super) fn enrolments_by_fingerprint(
     store: &SqliteStore,
     fp: &str,
@@ -326,301 +326,4 @@ pub(super) fn enrolments_by_fingerprint(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::store::{AuthorityStrength, OpenOptions, RelayStore};
-
-    fn key(n: u8) -> String {
-        use base64::Engine as _;
-        base64::engine::general_purpose::STANDARD.encode([n; 32])
-    }
-
-    fn open(dir: &std::path::Path) -> SqliteStore {
-        SqliteStore::open_with(
-            dir,
-            &key(250),
-            1_000,
-            OpenOptions {
-                lock_wait_ms: 0,
-                ..OpenOptions::default()
-            },
-        )
-        .expect("open")
-    }
-
-    fn request(k: &str, name: &str, account: Option<&str>, now: i64) -> EnrolRequest {
-        EnrolRequest {
-            host_pubkey: k.to_owned(),
-            host_name: name.to_owned(),
-            owner_fp: String::new(),
-            account: account.map(str::to_owned),
-            authorized_by: if account.is_some() {
-                "account-token".into()
-            } else {
-                "host-key-challenge".into()
-            },
-            strength: if account.is_some() {
-                AuthorityStrength::Account
-            } else {
-                AuthorityStrength::HostKeyChallenge
-            },
-            now_ms: now,
-        }
-    }
-
-    fn binding(k: &str, jkt: &str) -> AccountBinding {
-        AccountBinding {
-            host_pubkey: k.to_owned(),
-            cloud_jkt: jkt.to_owned(),
-            client_id: "cli-1".into(),
-            sub: "host-1".into(),
-            org: Some("org-1".into()),
-            at_ms: 5,
-        }
-    }
-
-    fn entry(kind: DenyKind, value: &str, until: Option<i64>, at: i64) -> DenyEntry {
-        DenyEntry {
-            kind,
-            value: value.to_owned(),
-            until_ms: until,
-            at_ms: at,
-        }
-    }
-
-    #[test]
-    fn a_binding_is_written_with_its_enrolment_and_only_then() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let store = open(dir.path());
-        let (a, b) = (key(1), key(2));
-        let out = store
-            .enrol_bound(
-                request(&a, "mac", Some("acct"), 10),
-                Some(binding(&a, "j1")),
-            )
-            .expect("enrol");
-        assert!(matches!(out, EnrolOutcome::Enrolled(_)), "{out:?}");
-        assert_eq!(
-            store.account_binding(&a).expect("read"),
-            Some(binding(&a, "j1"))
-        );
-        // A refused enrolment (same name in the same account) writes no binding.
-        let out = store
-            .enrol_bound(
-                request(&b, "MAC", Some("acct"), 11),
-                Some(binding(&b, "j2")),
-            )
-            .expect("enrol");
-        assert_eq!(out, EnrolOutcome::NameTaken);
-        assert_eq!(store.account_binding(&b).expect("read"), None);
-        // Re-enrolment replaces the binding; a binding for another key is a caller bug.
-        store
-            .enrol_bound(
-                request(&a, "mac", Some("acct"), 12),
-                Some(binding(&a, "j3")),
-            )
-            .expect("re-enrol");
-        assert_eq!(
-            store
-                .account_binding(&a)
-                .expect("read")
-                .map(|b| b.cloud_jkt),
-            Some("j3".to_owned())
-        );
-        assert!(matches!(
-            store.enrol_bound(request(&a, "mac", None, 13), Some(binding(&b, "j4"))),
-            Err(StoreError::InvalidInput(_))
-        ));
-        // A revoked key stays revoked and gets no new binding.
-        store.revoke(&a, 14).expect("revoke");
-        let out = store
-            .enrol_bound(
-                request(&a, "mac", Some("acct"), 15),
-                Some(binding(&a, "j5")),
-            )
-            .expect("enrol");
-        assert_eq!(out, EnrolOutcome::Revoked);
-        assert_eq!(
-            store
-                .account_binding(&a)
-                .expect("read")
-                .map(|b| b.cloud_jkt),
-            Some("j3".to_owned())
-        );
-    }
-
-    #[test]
-    fn a_cloud_key_serves_one_live_host_key() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let store = open(dir.path());
-        let (a, b) = (key(1), key(2));
-        let enrol = |k: &str, name: &str, at: i64| {
-            store
-                .enrol_bound(request(k, name, Some("acct"), at), Some(binding(k, "j1")))
-                .expect("enrol")
-        };
-        assert!(matches!(enrol(&a, "one", 10), EnrolOutcome::Enrolled(_)));
-        // Another key with the same cloud key: refused, nothing written.
-        assert_eq!(enrol(&b, "two", 11), EnrolOutcome::CloudKeyTaken);
-        assert_eq!(store.enrolment(&b).expect("read"), None);
-        assert_eq!(store.account_binding(&b).expect("read"), None);
-        // The same key again is a re-enrolment; another cloud key for b is fine.
-        assert!(matches!(enrol(&a, "one", 12), EnrolOutcome::Enrolled(_)));
-        assert!(matches!(
-            store
-                .enrol_bound(
-                    request(&b, "two", Some("acct"), 13),
-                    Some(binding(&b, "j2"))
-                )
-                .expect("enrol"),
-            EnrolOutcome::Enrolled(_)
-        ));
-        // Once a is revoked its cloud key is free for another key.
-        store.revoke(&a, 14).expect("revoke");
-        let c = key(3);
-        assert!(matches!(enrol(&c, "three", 15), EnrolOutcome::Enrolled(_)));
-    }
-
-    #[test]
-    fn deny_entries_match_expire_replace_and_survive_a_restart() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        {
-            let store = open(dir.path());
-            let fp = key_fingerprint(&key(1));
-            assert_eq!(store.denied(&fp, Some("cli"), 100).expect("read"), None);
-            store
-                .deny(entry(DenyKind::Host, &fp, None, 100))
-                .expect("deny host");
-            store
-                .deny(entry(DenyKind::Client, "cli", Some(200), 100))
-                .expect("deny client");
-            // The host entry is reported first; the client entry only for its client_id.
-            assert_eq!(
-                store.denied(&fp, Some("cli"), 150).expect("read"),
-                Some(entry(DenyKind::Host, &fp, None, 100))
-            );
-            let other = key_fingerprint(&key(2));
-            assert_eq!(
-                store
-                    .denied(&other, Some("cli"), 150)
-                    .expect("read")
-                    .map(|e| e.kind),
-                Some(DenyKind::Client)
-            );
-            assert_eq!(store.denied(&other, None, 150).expect("read"), None);
-            // `until` is exclusive: at 200 the client entry no longer denies.
-            assert_eq!(
-                store
-                    .denied(&other, Some("cli"), 199)
-                    .expect("read")
-                    .map(|e| e.kind),
-                Some(DenyKind::Client)
-            );
-            assert_eq!(store.denied(&other, Some("cli"), 200).expect("read"), None);
-            // Replacing keeps one row per (kind, value).
-            store
-                .deny(entry(DenyKind::Client, "cli", Some(900), 150))
-                .expect("extend");
-            assert_eq!(store.deny_entries().expect("list").len(), 2);
-        }
-        let store = open(dir.path());
-        let list = store.deny_entries().expect("list");
-        assert_eq!(list.len(), 2, "{list:?}");
-        assert_eq!(list[0].kind, DenyKind::Client);
-        assert_eq!(list[0].until_ms, Some(900));
-        // A write prunes the entries that expired by then.
-        store
-            .deny(entry(DenyKind::Client, "other", None, 1_000))
-            .expect("deny");
-        let values: Vec<String> = store
-            .deny_entries()
-            .expect("list")
-            .into_iter()
-            .map(|e| e.value)
-            .collect();
-        assert_eq!(values.len(), 2, "{values:?}");
-        assert!(!values.contains(&"cli".to_owned()), "{values:?}");
-        assert!(store.undeny(DenyKind::Client, "other").expect("undeny"));
-        assert!(!store.undeny(DenyKind::Client, "other").expect("undeny"));
-        assert!(matches!(
-            store.deny(entry(DenyKind::Client, "", None, 1)),
-            Err(StoreError::InvalidInput(_))
-        ));
-        assert!(matches!(
-            store.deny(entry(
-                DenyKind::Client,
-                &"x".repeat(MAX_DENY_VALUE + 1),
-                None,
-                1
-            )),
-            Err(StoreError::InvalidInput(_))
-        ));
-        store
-            .deny(entry(
-                DenyKind::Client,
-                &"x".repeat(MAX_DENY_VALUE),
-                None,
-                1,
-            ))
-            .expect("at the bound");
-    }
-
-    #[test]
-    fn enrolments_are_found_by_fingerprint() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let store = open(dir.path());
-        let (a, b) = (key(1), key(2));
-        for (k, n) in [(&a, "one"), (&b, "two")] {
-            store.enrol(request(k, n, None, 10)).expect("enrol");
-        }
-        store.revoke(&b, 11).expect("revoke");
-        let found = store
-            .enrolments_by_fingerprint(&key_fingerprint(&b))
-            .expect("scan");
-        assert_eq!(found.len(), 1);
-        assert_eq!(found[0].host_pubkey, b);
-        assert!(found[0].is_revoked());
-        assert!(store
-            .enrolments_by_fingerprint("0000-0000-0000-0000")
-            .expect("scan")
-            .is_empty());
-    }
-
-    #[test]
-    fn the_deny_list_holds_at_most_max_entries() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        open(dir.path()).close().expect("close");
-        {
-            let mut conn = Connection::open(dir.path().join(crate::store::DB_FILE)).expect("raw");
-            let tx = conn.transaction().expect("tx");
-            {
-                let mut st = tx
-                    .prepare(
-                        "INSERT INTO deny (kind, value, until, at) VALUES ('client', ?1, NULL, 1)",
-                    )
-                    .expect("prepare");
-                for i in 0..MAX_DENY_ENTRIES - 1 {
-                    st.execute([format!("c{i}")]).expect("insert");
-                }
-            }
-            tx.commit().expect("commit");
-        }
-        let store = open(dir.path());
-        let last = entry(DenyKind::Host, "ffff-ffff-ffff-ffff", None, 2);
-        assert_eq!(
-            store.deny(last.clone()).expect("at the bound"),
-            DenyOutcome::Stored(last)
-        );
-        assert_eq!(
-            store
-                .deny(entry(DenyKind::Client, "one-more", None, 3))
-                .expect("past the bound"),
-            DenyOutcome::Full
-        );
-        // Replacing an entry that exists is still possible at the bound.
-        assert!(matches!(
-            store.deny(entry(DenyKind::Client, "c7", Some(9_999), 4)),
-            Ok(DenyOutcome::Stored(_))
-        ));
-    }
-}
+mod tests;

@@ -1,6 +1,7 @@
 //! The restore tests (`ops::restore`, run on SQLite stores): they alter and inspect the
 //! stores with SQL, so they live beside the SQLite steps.
 
+use crate::store::{DirectoryStore, ItemStore, OperationsStore};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -14,7 +15,7 @@ use crate::ops::{
 use crate::ops::{read_verified_log, verify_receipt, RelayOpSigner};
 use crate::store::{
     AccountBinding, AuthorityStrength, DenyEntry, DenyKind, EncAdV2, EnrolRequest, Expiry, OpEntry,
-    OpenOptions, PushBatch, PushItem, PushTarget, RelayStore, SenderList, SqliteStore,
+    OpenOptions, PushBatch, PushItem, PushTarget, SenderList, SqliteStore,
 };
 use crate::store::{OpSigner, StoreLock, DB_FILE, LOCK_FILE, SCHEMA_VERSION};
 use agentmbx_protocol::keys::HostKey;

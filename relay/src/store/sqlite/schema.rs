@@ -19,7 +19,7 @@
 
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior};
 
-use super::StoreError;
+use crate::store::StoreError;
 
 /// The newest schema version this binary reads and writes.
 pub const SCHEMA_VERSION: u32 = 4;

@@ -1,0 +1,151 @@
+//! Tests of [`SqliteStore`], by concern; the helpers they share are here.
+
+mod directory;
+mod files;
+mod open;
+mod oplog;
+mod pull_ack;
+mod push;
+mod quotas;
+mod writer;
+
+use super::*;
+use super::{files::*, items::*, meta::*, writer::*};
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+
+use rusqlite::{Connection, OpenFlags};
+
+use crate::store::PushTarget;
+use crate::store::{
+    key_fingerprint, wire_hash, AckRequest, AckResult, AuthorityStrength, DirectoryStore, EncAdV1,
+    EncAdV2, EnrolOutcome, EnrolRequest, Expiry, ItemOutcome, ItemStatus, ItemStore, OpenOptions,
+    OperationsStore, PullPage, PullRequest, PushBatch, PushItem, PushOutcome, Rejection,
+    RevokeOutcome, SenderList, SenderListOutcome, StoreError, StoreHealth, StoreLimits, DAY_MS,
+    DB_FILE, LOCK_FILE, MAX_PULL_ITEMS,
+};
+use base64::Engine as _;
+use std::sync::atomic::AtomicBool;
+use std::sync::Condvar;
+use std::time::Instant;
+
+fn key(n: u8) -> String {
+    base64::engine::general_purpose::STANDARD.encode([n; 32])
+}
+
+fn relay_key() -> String {
+    key(200)
+}
+
+fn options() -> OpenOptions {
+    OpenOptions {
+        lock_wait_ms: 0,
+        ..OpenOptions::default()
+    }
+}
+
+fn open(dir: &Path) -> SqliteStore {
+    SqliteStore::open_with(dir, &relay_key(), 1_000, options()).expect("open store")
+}
+
+fn open_limited(dir: &Path, limits: StoreLimits) -> SqliteStore {
+    SqliteStore::open_with(
+        dir,
+        &relay_key(),
+        1_000,
+        OpenOptions {
+            limits,
+            ..options()
+        },
+    )
+    .expect("open store")
+}
+
+fn enrol_as(
+    store: &SqliteStore,
+    k: &str,
+    name: &str,
+    account: Option<&str>,
+    strength: AuthorityStrength,
+) -> EnrolOutcome {
+    store
+        .enrol(EnrolRequest {
+            host_pubkey: k.to_owned(),
+            host_name: name.to_owned(),
+            owner_fp: String::new(),
+            account: account.map(str::to_owned),
+            authorized_by: match strength {
+                AuthorityStrength::Account => "account-token".to_owned(),
+                _ => "host-key-challenge".to_owned(),
+            },
+            strength,
+            now_ms: 1_000,
+        })
+        .expect("enrol")
+}
+
+fn enrol(store: &SqliteStore, k: &str, name: &str) {
+    let out = enrol_as(store, k, name, None, AuthorityStrength::HostKeyChallenge);
+    assert!(matches!(out, EnrolOutcome::Enrolled(_)), "{out:?}");
+}
+
+fn item(id: &str, targets: &[(&str, &[u8])]) -> PushItem {
+    PushItem {
+        kind: "envelope".to_owned(),
+        item_id: id.to_owned(),
+        targets: targets
+            .iter()
+            .map(|(t, w)| PushTarget {
+                target_pubkey: (*t).to_owned(),
+                wire: w.to_vec(),
+            })
+            .collect(),
+    }
+}
+
+fn push(store: &SqliteStore, sender: &str, now_ms: i64, items: Vec<PushItem>) -> PushOutcome {
+    store
+        .push(PushBatch {
+            sender_pubkey: sender.to_owned(),
+            sender_host: "alpha".to_owned(),
+            now_ms,
+            expiry: Expiry::Retention,
+            items,
+        })
+        .expect("push")
+}
+
+fn push_one(store: &SqliteStore, sender: &str, now_ms: i64, it: PushItem) -> ItemOutcome {
+    let mut out = push(store, sender, now_ms, vec![it]);
+    assert_eq!(out.items.len(), 1);
+    out.items.remove(0)
+}
+
+fn pull_all(store: &SqliteStore, target: &str) -> PullPage {
+    store
+        .pull(PullRequest {
+            target_pubkey: target.to_owned(),
+            after: 0,
+            limit: MAX_PULL_ITEMS,
+            max_bytes: u64::MAX,
+        })
+        .expect("pull")
+}
+
+/// The usage counters of the store in `dir` equal a fresh count of its items (read through
+/// a read-only connection while the store runs); returns the items counted.
+fn usage_matches(dir: &Path) -> i64 {
+    let c = Connection::open_with_flags(dir.join(DB_FILE), OpenFlags::SQLITE_OPEN_READ_ONLY)
+        .expect("read-only");
+    crate::store::assert_usage_matches(&c)
+}
+
+fn wait_until(what: &str, cond: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::yield_now();
+    }
+}

@@ -1,0 +1,234 @@
+//! Quotas and the push path's prepared statements.
+
+use super::*;
+
+#[test]
+fn quotas_hold_at_the_bound_and_refuse_past_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = open_limited(
+        dir.path(),
+        StoreLimits {
+            max_queue_items: 3,
+            max_queue_bytes: 30,
+            max_sender_items: 2,
+            max_sender_bytes: 1_000,
+            ..StoreLimits::default()
+        },
+    );
+    let (alpha, beta, gamma) = (key(1), key(2), key(3));
+    enrol(&store, &alpha, "alpha");
+    enrol(&store, &beta, "Beta");
+    enrol(&store, &gamma, "gamma");
+
+    // Sender share: 2 items from alpha fit, the 3rd does not.
+    assert_eq!(
+        push_one(&store, &alpha, 1, item("a1", &[(&beta, &[1; 10])])).status,
+        ItemStatus::Accepted
+    );
+    assert_eq!(
+        push_one(&store, &alpha, 1, item("a2", &[(&beta, &[2; 10])])).status,
+        ItemStatus::Accepted
+    );
+    assert_eq!(
+        push_one(&store, &alpha, 1, item("a3", &[(&beta, &[3; 1])]))
+            .status
+            .wire(),
+        "rejected:quota:sender share exceeded for Beta"
+    );
+    // A duplicate is never charged, even at the bound.
+    assert_eq!(
+        push_one(&store, &alpha, 1, item("a2", &[(&beta, &[2; 10])])).status,
+        ItemStatus::Duplicate
+    );
+    // Queue bytes: 20 used, 10 more is exactly 30 (fits), then 1 more does not.
+    assert_eq!(
+        push_one(&store, &gamma, 1, item("g1", &[(&beta, &[4; 10])])).status,
+        ItemStatus::Accepted
+    );
+    assert_eq!(pull_all(&store, &beta).items.len(), 3);
+    // Queue depth: 3 items queued = the bound; one more is refused (depth is checked first).
+    assert_eq!(
+        push_one(&store, &gamma, 1, item("g2", &[(&beta, &[5; 1])]))
+            .status
+            .wire(),
+        "rejected:quota:queue depth exceeded for Beta"
+    );
+    // Free one slot: now bytes are the binding limit (20 + 11 > 30).
+    let acked = store
+        .ack(AckRequest {
+            target_pubkey: beta.clone(),
+            through: pull_all(&store, &beta).items[0].seq,
+            epoch: None,
+        })
+        .expect("ack");
+    assert!(matches!(acked, AckResult::Acked(_)));
+    assert_eq!(
+        push_one(&store, &gamma, 1, item("g3", &[(&beta, &[6; 11])]))
+            .status
+            .wire(),
+        "rejected:quota:queue bytes exceeded for Beta"
+    );
+    assert_eq!(
+        push_one(&store, &gamma, 1, item("g4", &[(&beta, &[7; 10])])).status,
+        ItemStatus::Accepted
+    );
+    assert_eq!(pull_all(&store, &beta).items.len(), 3);
+    assert_eq!(
+        usage_matches(dir.path()),
+        3,
+        "refused items are never counted"
+    );
+}
+
+#[test]
+fn account_quota_charges_only_proven_accounts() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = open_limited(
+        dir.path(),
+        StoreLimits {
+            max_owner_items: 2,
+            ..StoreLimits::default()
+        },
+    );
+    let (alpha, b1, b2, loose) = (key(1), key(2), key(3), key(4));
+    enrol(&store, &alpha, "alpha");
+    for (k, name) in [(&b1, "one"), (&b2, "two")] {
+        let out = enrol_as(&store, k, name, Some("acct"), AuthorityStrength::Account);
+        assert!(matches!(out, EnrolOutcome::Enrolled(_)));
+    }
+    enrol(&store, &loose, "loose");
+    assert_eq!(
+        push_one(&store, &alpha, 1, item("1", &[(&b1, b"x")])).status,
+        ItemStatus::Accepted
+    );
+    assert_eq!(
+        push_one(&store, &alpha, 1, item("2", &[(&b2, b"x")])).status,
+        ItemStatus::Accepted
+    );
+    assert_eq!(
+        push_one(&store, &alpha, 1, item("3", &[(&b2, b"x")]))
+            .status
+            .wire(),
+        "rejected:quota:owner queue depth exceeded for two"
+    );
+    for i in 0..3 {
+        let o = push_one(&store, &alpha, 1, item(&format!("l{i}"), &[(&loose, b"x")]));
+        assert_eq!(
+            o.status,
+            ItemStatus::Accepted,
+            "no account, no account quota"
+        );
+    }
+    // A revoked key's queue no longer counts for its account (its items stay queued).
+    assert_eq!(
+        store.revoke(&b2, 2).expect("revoke"),
+        RevokeOutcome::Revoked
+    );
+    assert_eq!(
+        push_one(&store, &alpha, 3, item("4", &[(&b1, b"x")])).status,
+        ItemStatus::Accepted
+    );
+    assert_eq!(
+        push_one(&store, &alpha, 3, item("5", &[(&b1, b"x")]))
+            .status
+            .wire(),
+        "rejected:quota:owner queue depth exceeded for one"
+    );
+    assert_eq!(usage_matches(dir.path()), 6);
+}
+
+#[test]
+fn account_quota_counts_the_items_own_earlier_targets() {
+    // One item to two targets of the same account, with room for one more item in the
+    // account: the second target sees the first target's addition and the whole item is
+    // refused, with nothing stored for either target.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = open_limited(
+        dir.path(),
+        StoreLimits {
+            max_owner_items: 2,
+            ..StoreLimits::default()
+        },
+    );
+    let (alpha, b1, b2) = (key(1), key(2), key(3));
+    enrol(&store, &alpha, "alpha");
+    for (k, name) in [(&b1, "one"), (&b2, "two")] {
+        let out = enrol_as(&store, k, name, Some("acct"), AuthorityStrength::Account);
+        assert!(matches!(out, EnrolOutcome::Enrolled(_)));
+    }
+    assert_eq!(
+        push_one(&store, &alpha, 1, item("1", &[(&b1, b"x")])).status,
+        ItemStatus::Accepted
+    );
+    assert_eq!(
+        push_one(&store, &alpha, 1, item("2", &[(&b1, b"y"), (&b2, b"y")]))
+            .status
+            .wire(),
+        "rejected:quota:owner queue depth exceeded for two"
+    );
+    assert_eq!(pull_all(&store, &b1).items.len(), 1);
+    assert!(pull_all(&store, &b2).items.is_empty());
+    assert_eq!(
+        usage_matches(dir.path()),
+        1,
+        "a refused item counts nowhere"
+    );
+    // The refused item took no room: one more item fits the account.
+    assert_eq!(
+        push_one(&store, &alpha, 1, item("3", &[(&b2, b"z")])).status,
+        ItemStatus::Accepted
+    );
+    assert_eq!(usage_matches(dir.path()), 2);
+}
+
+#[test]
+fn the_push_path_reuses_its_prepared_statements() {
+    // Every statement of a push is prepared once per connection: a statement SQLite
+    // re-prepares on each run (as a `json_each` joined to a table was) costs a full parse.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (alpha, beta, listed) = (key(1), key(2), key(3));
+    {
+        let store = open(dir.path());
+        for (k, name) in [(&alpha, "alpha"), (&beta, "beta"), (&listed, "listed")] {
+            enrol(&store, k, name);
+        }
+        let out = store
+            .put_sender_list(SenderList {
+                target_pubkey: listed.clone(),
+                senders: vec![alpha.clone()],
+                iat_ms: 1,
+                record: "{}".to_owned(),
+                sig: "sig".to_owned(),
+            })
+            .expect("list");
+        assert_eq!(out, SenderListOutcome::Stored);
+        store.close().expect("close");
+    }
+    let c = open_write_connection(&dir.path().join(DB_FILE)).expect("open");
+    for i in 0..10 {
+        let batch = PushBatch {
+            sender_pubkey: alpha.clone(),
+            sender_host: "alpha".to_owned(),
+            now_ms: 10 + i,
+            expiry: Expiry::Retention,
+            items: vec![
+                item(&format!("a{i}"), &[(&beta, b"one")]),
+                item(&format!("b{i}"), &[(&listed, b"two")]),
+            ],
+        };
+        run_cached(&c, "BEGIN IMMEDIATE").expect("begin");
+        let out = push_apply(&c, &StoreLimits::default(), &batch).expect("push");
+        run_cached(&c, "COMMIT").expect("commit");
+        assert!(out.items.iter().all(|o| o.status == ItemStatus::Accepted));
+    }
+    let st = c.prepare_cached(SENDER_ALLOWED_SQL).expect("cached");
+    assert_eq!(
+        st.get_status(rusqlite::StatementStatus::RePrepare),
+        0,
+        "the allowlist check was prepared again"
+    );
+    assert!(
+        st.get_status(rusqlite::StatementStatus::VmStep) > 0,
+        "it ran"
+    );
+}
