@@ -183,7 +183,7 @@ pub fn dedup_rows_are_pruned_after_the_dedup_horizon_and_not_before(make: &Facto
     assert!(again.targets[0].seq > seq);
 }
 
-/// [`RelayStore::sweep`](crate::store::RelayStore::sweep): a notice signer of another key than
+/// [`OperationsStore::sweep`](crate::store::OperationsStore::sweep): a notice signer of another key than
 /// the store's is refused and nothing changes.
 pub fn a_sweep_signed_by_another_key_is_refused(make: &Factory) {
     let st = Store::open(make);
