@@ -105,7 +105,7 @@ pub(crate) use sqlite::schema::stored_version;
 pub use sqlite::schema::SCHEMA_VERSION;
 pub(crate) use sqlite::schema::{migrate, rebuild_usage, MIGRATIONS};
 pub(crate) use sqlite::{append_op_signed, replay_rotation, ROTATION_META_PREFIX};
-pub use sqlite::{prepare_store_dir, SqliteStore, StoreLock};
+pub use sqlite::{prepare_store_dir, SqliteError, SqliteStore, StoreLock};
 pub use {maintenance::StoreMaintenance, sqlite::backup::SqliteMaintenance};
 
 use std::path::PathBuf;
@@ -193,9 +193,10 @@ pub enum StoreError {
         #[source]
         source: std::io::Error,
     },
-    /// SQLite reported an error for this request.
+    /// SQLite reported an error for this request ([`SqliteError`], the SQLite backend's error
+    /// type; only that backend produces this variant).
     #[error("relay store database error: {0}")]
-    Sqlite(#[from] rusqlite::Error),
+    Sqlite(#[from] SqliteError),
     /// The group transaction this request was part of did not commit (an earlier failure left
     /// the transaction unusable and it was rolled back, or the COMMIT itself failed — then the
     /// store stops taking writes, see [`StoreError::WriterFailed`], and recovery at the next

@@ -81,6 +81,8 @@ mod tests;
 pub use files::{prepare_store_dir, StoreLock};
 pub(crate) use oplog::append_op_signed;
 pub(crate) use rotate::{replay_rotation, ROTATION_META_PREFIX};
+/// The error SQLite reports (`rusqlite::Error`), carried by [`StoreError::Sqlite`].
+pub use rusqlite::Error as SqliteError;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
