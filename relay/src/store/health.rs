@@ -28,12 +28,10 @@ pub trait StoreHealth: Send + Sync + std::fmt::Debug {
     fn set_heartbeat(&self, now_ms: i64) -> Result<(), StoreError>;
 
     /// Proves that writes still go through: a request that changes nothing, answered once the
-    /// store's writer took it (the service watchdog's check, [`crate::watchdog`]). The default
-    /// reads the heartbeat (a store without a separate writer). Errors: the writer stopped or
-    /// failed ([`StoreError::WriterFailed`]), storage errors.
-    fn writer_answers(&self) -> Result<(), StoreError> {
-        self.heartbeat().map(|_| ())
-    }
+    /// store's writer took it (the service watchdog's check, [`crate::watchdog`]). Every backend
+    /// says what proves this for it (no default: a read alone proves nothing about writes).
+    /// Errors: the writer stopped or failed ([`StoreError::WriterFailed`]), storage errors.
+    fn writer_answers(&self) -> Result<(), StoreError>;
 
     /// Why the store stopped taking writes for good, if it did: a COMMIT (or the ROLLBACK after
     /// a failure) failed, so what is durable on disk may differ from what this process saw.

@@ -960,6 +960,10 @@ impl store::StoreHealth for FailingStore {
         self.write()?;
         self.inner.set_heartbeat(now_ms)
     }
+    /// A read of the wrapped store (its epoch): this wrapper has no writer of its own to probe.
+    fn writer_answers(&self) -> Result<(), store::StoreError> {
+        self.inner.epoch().map(|_| ())
+    }
     fn failed(&self) -> Option<String> {
         self.failure.lock().expect("lock").clone()
     }
