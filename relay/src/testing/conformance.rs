@@ -335,8 +335,9 @@ pub fn notice_wire(facts: &ExpiryFacts) -> String {
     )
 }
 
-/// Calls `$cb!($($args)* ; rule, rule, …)` with every rule of the suite: the one list the test
-/// macro and [`run_all`] are made from.
+/// Calls `$cb!($($args)* ; rule, rule, …)` with every [`Rule`] of the suite (those taking a
+/// [`Factory`]): with [`__conformance_backend_rules!`](crate::__conformance_backend_rules), the
+/// lists the test macro and [`run_all`] are made from.
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __conformance_rules {
@@ -407,37 +408,24 @@ macro_rules! __conformance_backend_rules {
 }
 
 /// Expands to one `#[test]` per conformance rule, named after the rule, each calling it with
-/// `$factory` (a `fn(&Setup) -> Opened` or a path to one) or, for the backup and restore rules,
-/// with `&$backend` (a [`Backend`](crate::testing::conformance::Backend)).
+/// `&$factory` (a `fn(&Setup) -> Opened`) or, for the backup and restore rules, with
+/// `&$backend` (a [`Backend`](crate::testing::conformance::Backend)).
 #[macro_export]
 macro_rules! conformance_tests {
-    ($factory:path, $backend:expr) => {
+    ($factory:expr, $backend:expr) => {
         $crate::__conformance_rules! { __conformance_tests!($factory) }
-        $crate::__conformance_backend_rules! { __conformance_backend_tests!($backend) }
-    };
-}
-
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __conformance_backend_tests {
-    ($backend:expr; $($rule:ident),* $(,)?) => {
-        $(
-            #[test]
-            fn $rule() {
-                $crate::testing::conformance::$rule(&$backend);
-            }
-        )*
+        $crate::__conformance_backend_rules! { __conformance_tests!($backend) }
     };
 }
 
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __conformance_tests {
-    ($factory:path; $($rule:ident),* $(,)?) => {
+    ($arg:expr; $($rule:ident),* $(,)?) => {
         $(
             #[test]
             fn $rule() {
-                $crate::testing::conformance::$rule(&$factory);
+                $crate::testing::conformance::$rule(&$arg);
             }
         )*
     };
@@ -446,8 +434,8 @@ macro_rules! __conformance_tests {
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __conformance_table {
-    (; $($rule:ident),* $(,)?) => {
-        &[$((stringify!($rule), $crate::testing::conformance::$rule as $crate::testing::conformance::Rule)),*]
+    ($kind:ident; $($rule:ident),* $(,)?) => {
+        &[$((stringify!($rule), $crate::testing::conformance::$rule as $crate::testing::conformance::$kind)),*]
     };
 }
 
@@ -460,19 +448,11 @@ pub type Rule = fn(&Factory);
 pub type BackendRule = fn(&Backend);
 
 /// Every rule, by name.
-pub const RULES: &[(&str, Rule)] = crate::__conformance_rules!(__conformance_table!());
+pub const RULES: &[(&str, Rule)] = crate::__conformance_rules!(__conformance_table!(Rule));
 
 /// Every [`BackendRule`], by name.
 pub const BACKEND_RULES: &[(&str, BackendRule)] =
-    crate::__conformance_backend_rules!(__conformance_backend_table!());
-
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __conformance_backend_table {
-    (; $($rule:ident),* $(,)?) => {
-        &[$((stringify!($rule), $crate::testing::conformance::$rule as $crate::testing::conformance::BackendRule)),*]
-    };
-}
+    crate::__conformance_backend_rules!(__conformance_table!(BackendRule));
 
 /// Runs every rule, in order: the [`RULES`] against `make`, then the [`BACKEND_RULES`]
 /// against `backend`. The first rule that fails panics; the name of each rule is printed to

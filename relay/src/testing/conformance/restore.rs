@@ -50,6 +50,13 @@ fn restore(backend: &Backend, dir: &Path, file: &Path) {
     ops::restore_with(backend.maintenance, dir, file, &opts, None).expect("restore");
 }
 
+/// Enrols each `(key, name)` of `hosts` with the host-key challenge.
+fn enrol_all(st: &Store, hosts: &[(&str, &str)]) {
+    for (k, name) in hosts {
+        st.enrol(k, name);
+    }
+}
+
 /// A temporary directory.
 fn tempdir() -> tempfile::TempDir {
     tempfile::tempdir().expect("a temporary directory")
@@ -111,14 +118,15 @@ pub fn backup_then_restore_round_trips_the_store(backend: &Backend) {
     let (live, out, fresh) = (tempdir(), tempdir(), tempdir());
     let st = open_in(backend, live.path(), T0);
     let (alpha, beta, gamma, gone) = (key(1), key(2), key(3), key(4));
-    for (k, name) in [
-        (&alpha, "alpha"),
-        (&beta, "beta"),
-        (&gamma, "gamma"),
-        (&gone, "gone"),
-    ] {
-        st.enrol(k, name);
-    }
+    enrol_all(
+        &st,
+        &[
+            (&alpha, "alpha"),
+            (&beta, "beta"),
+            (&gamma, "gamma"),
+            (&gone, "gone"),
+        ],
+    );
     assert_eq!(
         st.s.revoke(&gone, T0 + 1).expect("revoke"),
         RevokeOutcome::Revoked
@@ -211,14 +219,15 @@ pub fn restore_carries_forward_what_came_after_the_backup(backend: &Backend) {
     let (live, out) = (tempdir(), tempdir());
     let st = open_in(backend, live.path(), T0);
     let (alpha, beta, carol, old, new) = (key(1), key(2), key(3), key(4), key(5));
-    for (k, name) in [
-        (&alpha, "alpha"),
-        (&beta, "beta"),
-        (&carol, "carol"),
-        (&old, "laptop"),
-    ] {
-        st.enrol(k, name);
-    }
+    enrol_all(
+        &st,
+        &[
+            (&alpha, "alpha"),
+            (&beta, "beta"),
+            (&carol, "carol"),
+            (&old, "laptop"),
+        ],
+    );
     st.push_one(&alpha, T0, item("b1", &[(&beta, b"before")]));
     st.push_one(&alpha, T0, item("l1", &[(&old, b"for-the-laptop")]));
     let file = backup(backend, live.path(), out.path(), T0 + 100);
