@@ -31,7 +31,7 @@ fn open_in(backend: &Backend, dir: &Path, now_ms: i64) -> Store {
     }
 }
 
-/// Backs the store in `dir` up to `out/name` with `backend` at `now_ms` (while it may be
+/// Backs the store in `dir` up to `out/backup.db` with `backend` at `now_ms` (while it may be
 /// open: the backup is online) and returns the file.
 fn backup(backend: &Backend, dir: &Path, out: &Path, now_ms: i64) -> std::path::PathBuf {
     let file = out.join("backup.db");
