@@ -58,8 +58,8 @@ use crate::store::{
 mod restore;
 
 pub use restore::{
-    check_backup_path, restore, restored_from, RestoreError, RestoreOptions, LIVE_HEARTBEAT_MS,
-    OP_RESTORE, RESTORE_FROM_ENV, ROLLBACK_DIR,
+    check_backup_path, restore, restore_with, restored_from, RestoreError, RestoreOptions,
+    LIVE_HEARTBEAT_MS, OP_RESTORE, RESTORE_FROM_ENV, ROLLBACK_DIR,
 };
 
 /// A heartbeat further than this from now (either way) rotates the epoch at start: 10 min in
@@ -369,12 +369,23 @@ pub(crate) fn sha256_file(path: &Path) -> Result<String, OpsError> {
 /// [`OpsError::Integrity`], [`OpsError::Busy`], I/O and SQLite errors. On every error no
 /// partial file remains.
 pub fn backup(dir: &Path, file: &Path, now_ms: i64) -> Result<Value, OpsError> {
+    backup_with(backend(), dir, file, now_ms)
+}
+
+/// [`backup`] through the store backend `backend` instead of the one the relay runs on (the
+/// conformance suite holds each backend to the backup and restore rules this way).
+pub fn backup_with(
+    backend: &dyn StoreMaintenance,
+    dir: &Path,
+    file: &Path,
+    now_ms: i64,
+) -> Result<Value, OpsError> {
     let src_path = dir.join(DB_FILE);
     if !src_path.is_file() {
         return Err(OpsError::NoStore(dir.to_path_buf()));
     }
     let dest = absolute(file);
-    let facts = backend().backup(&src_path, &dest, Some("backup:before-rename"))?;
+    let facts = backend.backup(&src_path, &dest, Some("backup:before-rename"))?;
     let bytes = dest.metadata().map_err(io(&dest))?.len();
     let sha256 = sha256_file(&dest)?;
     let relay_fingerprint = facts.relay_pubkey.as_deref().map(|k| {

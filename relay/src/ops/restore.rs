@@ -328,8 +328,12 @@ fn is_working_copy_name(name: &str) -> bool {
 
 /// Checks the live store's lock-less heartbeat rule (step 1): `Err` when a store without
 /// `relay.lock` had a heartbeat less than [`LIVE_HEARTBEAT_MS`] ago.
-fn fresh_heartbeat(live: &Path, now_ms: i64) -> Result<(), RestoreError> {
-    match backend().heartbeat(live) {
+fn fresh_heartbeat(
+    backend: &dyn StoreMaintenance,
+    live: &Path,
+    now_ms: i64,
+) -> Result<(), RestoreError> {
+    match backend.heartbeat(live) {
         Some(b) if now_ms.saturating_sub(b) < LIVE_HEARTBEAT_MS => {
             Err(RestoreError::FreshHeartbeat {
                 age_s: now_ms.saturating_sub(b) / 1_000,
@@ -379,6 +383,18 @@ pub fn restore(
     opts: &RestoreOptions,
     held: Option<&StoreLock>,
 ) -> Result<Value, RestoreError> {
+    restore_with(backend(), dir, file, opts, held)
+}
+
+/// [`restore`] through the store backend `backend` instead of the one the relay runs on (the
+/// conformance suite holds each backend to the backup and restore rules this way).
+pub fn restore_with(
+    backend: &dyn StoreMaintenance,
+    dir: &Path,
+    file: &Path,
+    opts: &RestoreOptions,
+    held: Option<&StoreLock>,
+) -> Result<Value, RestoreError> {
     let src = absolute(file);
     check_backup_path(&src)?;
     let live = dir.join(DB_FILE);
@@ -410,7 +426,7 @@ pub fn restore(
     // relay from before the lock on it.
     let had_lock_file = dir.join(LOCK_FILE).exists();
     if held.is_none() && !had_lock_file && live.exists() && !opts.force {
-        fresh_heartbeat(&live, opts.now_ms)?;
+        fresh_heartbeat(backend, &live, opts.now_ms)?;
     }
     let _own_lock = match held {
         Some(_) => None,
@@ -442,7 +458,6 @@ pub fn restore(
             let _ = std::fs::remove_file(path);
         }
     }
-    let backend = backend();
     // Partial rollback copies of restores that were killed.
     backend.remove_dead_partials(&dir.join(ROLLBACK_DIR), &|base| {
         base.starts_with("relay-") && base.ends_with(".db")

@@ -1,16 +1,24 @@
 //! The store backend conformance suite: every store rule of spec §2–§7 checked through the
-//! [`RelayStore`] trait and the types of [`crate::store`] only, so any backend can be held to
-//! the rules SQLite keeps.
+//! [`RelayStore`] trait and the types of [`crate::store`] only (and, for backup and restore,
+//! the operator entry points over the backend's [`StoreMaintenance`]), so any backend can be
+//! held to the rules SQLite keeps.
 //!
 //! # What it owns
-//! One public function per rule, each taking a [`Factory`] that opens a fresh, empty store
-//! (and being able to fail on its own: a rule checks one thing and says which). The rules:
+//! One public function per rule, each taking a [`Factory`] that opens a fresh, empty store, or
+//! for backup and restore a [`Backend`] that opens the store kept in a directory (and being
+//! able to fail on its own: a rule checks one thing and says which). The rules:
 //! - items (spec §2–§4, §7; `items.rs`): dedup, the seq floor, all-or-nothing over targets,
 //!   quotas, pull pages, ack positions, wire bytes kept byte for byte;
 //! - directory (spec §2, §8; `directory.rs`): enrolments and names, revocation sticks, enc-key
 //!   ads, sender lists, rotation, the deny list, account bindings;
 //! - operations (spec §5–§6; `operations.rs`): retention, tombstones and expiry notices, the
-//!   dedup horizon, epoch and heartbeat, meta, the relay log.
+//!   dedup horizon, epoch and heartbeat, meta, the relay log;
+//! - backup and restore (spec §5; `restore.rs`, [`BackendRule`]s): the export/import round
+//!   trip (everything reads back the same under a new epoch, seqs never go back) and the
+//!   carry-forward of what the replaced store did after the backup (revocations stick, deny
+//!   entries stay active, rotations stay applied, the seq floor stays above every seq handed
+//!   out), through [`ops::backup_with`](crate::ops::backup_with) and
+//!   [`ops::restore_with`](crate::ops::restore_with).
 //!
 //! # How a backend runs it
 //! [`conformance_tests!`](crate::conformance_tests) expands to one `#[test]` per rule, so each
@@ -18,23 +26,28 @@
 //!
 //! ```ignore
 //! fn sqlite(setup: &Setup) -> Opened { /* open a fresh store for setup */ }
-//! agentmbx_relay::conformance_tests!(sqlite);
+//! fn sqlite_in(dir: &Path, setup: &Setup) -> Arc<dyn RelayStore> { /* open the store in dir */ }
+//! const SQLITE: Backend = Backend { open: sqlite_in, maintenance: &SqliteMaintenance };
+//! agentmbx_relay::conformance_tests!(sqlite, SQLITE);
 //! ```
 //!
 //! [`run_all`] runs them all in one call instead.
 //!
 //! # What it must never do
-//! Look past the trait (no SQL, no files): what a rule cannot see through [`RelayStore`], it
-//! does not check.
+//! Look past the traits (no SQL, no files): what a rule cannot see through [`RelayStore`] (or
+//! do through the backup and restore entry points), it does not check.
 
 mod directory;
 mod items;
 mod operations;
+mod restore;
 
 pub use directory::*;
 pub use items::*;
 pub use operations::*;
+pub use restore::*;
 
+use std::path::Path;
 use std::sync::Arc;
 
 use base64::Engine as _;
@@ -42,7 +55,7 @@ use base64::Engine as _;
 use crate::store::{
     AckRequest, AckResult, AuthorityStrength, EnrolOutcome, EnrolRequest, Expiry, ExpiryFacts,
     HostQueueInfo, ItemOutcome, NoticeSigner, PullPage, PullRequest, PushBatch, PushItem,
-    PushOutcome, PushTarget, RelayStore, StoreLimits, SweepReport,
+    PushOutcome, PushTarget, RelayStore, StoreLimits, StoreMaintenance, SweepReport,
 };
 
 /// Where every rule's clock starts (Unix ms): [`super::T0`].
@@ -82,6 +95,25 @@ impl std::fmt::Debug for Opened {
 
 /// Opens a fresh, empty store for a [`Setup`]. It may panic when it cannot.
 pub type Factory = dyn Fn(&Setup) -> Opened;
+
+/// What the backup and restore rules ask of a backend beyond a [`Factory`]: its store kept in
+/// a directory the rule chooses (and reopened there after a restore), and its file-level
+/// operations, which [`ops::backup_with`](crate::ops::backup_with) and
+/// [`ops::restore_with`](crate::ops::restore_with) run through.
+#[derive(Clone, Copy)]
+pub struct Backend {
+    /// Opens the store in `dir` for a [`Setup`], creating it when `dir` holds none. It is
+    /// closed (and `dir` free for a restore) once the last handle drops. It may panic.
+    pub open: fn(&Path, &Setup) -> Arc<dyn RelayStore>,
+    /// The backend's file-level operations (backup, restore).
+    pub maintenance: &'static dyn StoreMaintenance,
+}
+
+impl std::fmt::Debug for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Backend").finish_non_exhaustive()
+    }
+}
 
 /// A canonical host key for `n` (standard base64 of 32 bytes `n`).
 pub fn key(n: u8) -> String {
@@ -303,8 +335,9 @@ pub fn notice_wire(facts: &ExpiryFacts) -> String {
     )
 }
 
-/// Calls `$cb!($($args)* ; rule, rule, …)` with every rule of the suite: the one list the test
-/// macro and [`run_all`] are made from.
+/// Calls `$cb!($($args)* ; rule, rule, …)` with every [`Rule`] of the suite (those taking a
+/// [`Factory`]): with [`__conformance_backend_rules!`](crate::__conformance_backend_rules), the
+/// lists the test macro and [`run_all`] are made from.
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __conformance_rules {
@@ -361,23 +394,38 @@ macro_rules! __conformance_rules {
     };
 }
 
-/// Expands to one `#[test]` per conformance rule, each calling the rule with `$factory` (a
-/// `fn(&Setup) -> Opened` or a path to one), named after the rule.
+/// Calls `$cb!($($args)* ; rule, rule, …)` with every [`BackendRule`] of the suite (backup and
+/// restore).
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __conformance_backend_rules {
+    ($cb:ident ! ($($args:tt)*)) => {
+        $crate::$cb! { $($args)*;
+            backup_then_restore_round_trips_the_store,
+            restore_carries_forward_what_came_after_the_backup,
+        }
+    };
+}
+
+/// Expands to one `#[test]` per conformance rule, named after the rule, each calling it with
+/// `&$factory` (a `fn(&Setup) -> Opened`) or, for the backup and restore rules, with
+/// `&$backend` (a [`Backend`](crate::testing::conformance::Backend)).
 #[macro_export]
 macro_rules! conformance_tests {
-    ($factory:path) => {
+    ($factory:expr, $backend:expr) => {
         $crate::__conformance_rules! { __conformance_tests!($factory) }
+        $crate::__conformance_backend_rules! { __conformance_tests!($backend) }
     };
 }
 
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __conformance_tests {
-    ($factory:path; $($rule:ident),* $(,)?) => {
+    ($arg:expr; $($rule:ident),* $(,)?) => {
         $(
             #[test]
             fn $rule() {
-                $crate::testing::conformance::$rule(&$factory);
+                $crate::testing::conformance::$rule(&$arg);
             }
         )*
     };
@@ -386,8 +434,8 @@ macro_rules! __conformance_tests {
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __conformance_table {
-    (; $($rule:ident),* $(,)?) => {
-        &[$((stringify!($rule), $crate::testing::conformance::$rule as $crate::testing::conformance::Rule)),*]
+    ($kind:ident; $($rule:ident),* $(,)?) => {
+        &[$((stringify!($rule), $crate::testing::conformance::$rule as $crate::testing::conformance::$kind)),*]
     };
 }
 
@@ -395,15 +443,27 @@ macro_rules! __conformance_table {
 /// when the store breaks it.
 pub type Rule = fn(&Factory);
 
-/// Every rule, by name.
-pub const RULES: &[(&str, Rule)] = crate::__conformance_rules!(__conformance_table!());
+/// One backup and restore rule of the suite: checks one rule against the [`Backend`],
+/// panicking when the backend breaks it.
+pub type BackendRule = fn(&Backend);
 
-/// Runs every rule against `make`, in order. The first rule that fails panics; the name of
-/// each rule is printed to stderr before it runs, so the last one printed is the one that
-/// failed.
-pub fn run_all(make: &Factory) {
+/// Every rule, by name.
+pub const RULES: &[(&str, Rule)] = crate::__conformance_rules!(__conformance_table!(Rule));
+
+/// Every [`BackendRule`], by name.
+pub const BACKEND_RULES: &[(&str, BackendRule)] =
+    crate::__conformance_backend_rules!(__conformance_table!(BackendRule));
+
+/// Runs every rule, in order: the [`RULES`] against `make`, then the [`BACKEND_RULES`]
+/// against `backend`. The first rule that fails panics; the name of each rule is printed to
+/// stderr before it runs, so the last one printed is the one that failed.
+pub fn run_all(make: &Factory, backend: &Backend) {
     for (name, rule) in RULES {
         eprintln!("conformance rule {name}");
         rule(make);
+    }
+    for (name, rule) in BACKEND_RULES {
+        eprintln!("conformance rule {name}");
+        rule(backend);
     }
 }
