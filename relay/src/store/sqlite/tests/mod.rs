@@ -18,7 +18,6 @@ use std::time::Duration;
 
 use rusqlite::{Connection, OpenFlags};
 
-use crate::store::PushTarget;
 use crate::store::{
     key_fingerprint, wire_hash, AckRequest, AckResult, AuthorityStrength, DirectoryStore, EncAdV1,
     EncAdV2, EnrolOutcome, EnrolRequest, Expiry, ItemOutcome, ItemStatus, ItemStore, OpenOptions,
@@ -26,18 +25,10 @@ use crate::store::{
     RevokeOutcome, SenderList, SenderListOutcome, StoreError, StoreHealth, StoreLimits, DAY_MS,
     DB_FILE, LOCK_FILE, MAX_PULL_ITEMS,
 };
-use base64::Engine as _;
+use crate::testing::conformance::{item, key, relay_key};
 use std::sync::atomic::AtomicBool;
 use std::sync::Condvar;
 use std::time::Instant;
-
-fn key(n: u8) -> String {
-    base64::engine::general_purpose::STANDARD.encode([n; 32])
-}
-
-fn relay_key() -> String {
-    key(200)
-}
 
 fn options() -> OpenOptions {
     OpenOptions {
@@ -89,20 +80,6 @@ fn enrol_as(
 fn enrol(store: &SqliteStore, k: &str, name: &str) {
     let out = enrol_as(store, k, name, None, AuthorityStrength::HostKeyChallenge);
     assert!(matches!(out, EnrolOutcome::Enrolled(_)), "{out:?}");
-}
-
-fn item(id: &str, targets: &[(&str, &[u8])]) -> PushItem {
-    PushItem {
-        kind: "envelope".to_owned(),
-        item_id: id.to_owned(),
-        targets: targets
-            .iter()
-            .map(|(t, w)| PushTarget {
-                target_pubkey: (*t).to_owned(),
-                wire: w.to_vec(),
-            })
-            .collect(),
-    }
 }
 
 fn push(store: &SqliteStore, sender: &str, now_ms: i64, items: Vec<PushItem>) -> PushOutcome {
