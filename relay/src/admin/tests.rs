@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::store::{DirectoryStore, OperationsStore};
+use crate::testing::conformance::enrol_request_at;
 
 #[test]
 fn fingerprints_and_targets_parse() {
@@ -128,7 +129,6 @@ fn relay_key_file(dir: &std::path::Path) -> String {
 /// with `relay.key` back, the receipts are signed again.
 #[test]
 fn without_the_relay_key_offline_changes_are_made_with_unsigned_receipts() {
-    use crate::store::{AuthorityStrength, EnrolRequest};
     if crate::key::read_env_seed().is_some() {
         return; // The environment names a key: the unsigned path cannot be reached here.
     }
@@ -139,15 +139,7 @@ fn without_the_relay_key_offline_changes_are_made_with_unsigned_receipts() {
         .to_b64();
     let store = SqliteStore::open(dir.path(), &relay.public().to_b64(), 1).expect("open");
     store
-        .enrol(EnrolRequest {
-            host_pubkey: host.clone(),
-            host_name: "one".into(),
-            owner_fp: String::new(),
-            account: None,
-            authorized_by: "host-key-challenge".into(),
-            strength: AuthorityStrength::HostKeyChallenge,
-            now_ms: 1,
-        })
+        .enrol(enrol_request_at(&host, "one", None, 1))
         .expect("enrol");
     store.close().expect("close");
     assert!(!dir.path().join("relay.key").exists());
@@ -199,21 +191,12 @@ fn without_the_relay_key_offline_changes_are_made_with_unsigned_receipts() {
 
 #[test]
 fn a_fingerprint_of_several_enrolments_is_refused_with_the_list() {
-    use crate::store::{AuthorityStrength, EnrolRequest};
     let dir = tempfile::tempdir().expect("tempdir");
     let relay = relay_key_file(dir.path());
     let key = agentmbx_protocol::keys::HostKey::generate().public();
     let store = SqliteStore::open(dir.path(), &relay, 1).expect("open");
     store
-        .enrol(EnrolRequest {
-            host_pubkey: key.to_b64(),
-            host_name: "one".into(),
-            owner_fp: String::new(),
-            account: None,
-            authorized_by: "host-key-challenge".into(),
-            strength: AuthorityStrength::HostKeyChallenge,
-            now_ms: 1,
-        })
+        .enrol(enrol_request_at(&key.to_b64(), "one", None, 1))
         .expect("enrol");
     store.close().expect("close");
     // A second row whose text differs but names the same key bytes (only a corrupted or
@@ -259,21 +242,12 @@ fn a_fingerprint_of_several_enrolments_is_refused_with_the_list() {
 /// can, both are there.
 #[test]
 fn a_change_and_its_log_receipt_are_one_transaction() {
-    use crate::store::{AuthorityStrength, EnrolRequest};
     let dir = tempfile::tempdir().expect("tempdir");
     let relay = relay_key_file(dir.path());
     let key = agentmbx_protocol::keys::HostKey::generate().public();
     let store = SqliteStore::open(dir.path(), &relay, 1).expect("open");
     store
-        .enrol(EnrolRequest {
-            host_pubkey: key.to_b64(),
-            host_name: "one".into(),
-            owner_fp: String::new(),
-            account: None,
-            authorized_by: "host-key-challenge".into(),
-            strength: AuthorityStrength::HostKeyChallenge,
-            now_ms: 1,
-        })
+        .enrol(enrol_request_at(&key.to_b64(), "one", None, 1))
         .expect("enrol");
     deny(&store, "cli-old", Some(DenyKind::Client), None, 1).expect("deny");
     let ops_before = store.ops(100).expect("ops").len();

@@ -3,6 +3,7 @@
 use super::*;
 use crate::store::SqliteStore;
 use crate::store::{DirectoryStore, ItemStore, OperationsStore, StoreHealth};
+use crate::testing::conformance::enrol_request_at;
 
 fn relay_key() -> String {
     agentmbx_protocol::keys::HostKey::generate()
@@ -151,18 +152,10 @@ fn relay_key_of(dir: &Path) -> String {
 }
 
 fn enrol_and_push(store: &SqliteStore, n: usize) -> String {
-    use crate::store::{AuthorityStrength, EnrolRequest, PushBatch, PushItem, PushTarget};
+    use crate::store::{PushBatch, PushItem, PushTarget};
     let target = relay_key();
     store
-        .enrol(EnrolRequest {
-            host_pubkey: target.clone(),
-            host_name: "beta".into(),
-            owner_fp: String::new(),
-            account: None,
-            authorized_by: "host-key-challenge".into(),
-            strength: AuthorityStrength::HostKeyChallenge,
-            now_ms: 1,
-        })
+        .enrol(enrol_request_at(&target, "beta", None, 1))
         .expect("enrol");
     for i in 0..n {
         store
@@ -393,23 +386,13 @@ fn every_receipt_a_signed_store_appends_verifies_and_an_altered_one_does_not() {
 /// other operation: signed too, without knowing about signatures.
 #[test]
 fn the_sweep_receipt_is_signed_like_every_other() {
-    use crate::store::{
-        AuthorityStrength, EnrolRequest, Expiry, PushBatch, PushItem, PushTarget, DAY_MS,
-    };
+    use crate::store::{Expiry, PushBatch, PushItem, PushTarget, DAY_MS};
     let dir = tempfile::tempdir().expect("tempdir");
     let key = HostKey::generate();
     let store = open_offline_signed(dir.path(), key.clone(), 1).expect("signed");
     let (target, sender) = (relay_key(), relay_key());
     store
-        .enrol(EnrolRequest {
-            host_pubkey: target.clone(),
-            host_name: "beta".into(),
-            owner_fp: String::new(),
-            account: None,
-            authorized_by: "host-key-challenge".into(),
-            strength: AuthorityStrength::HostKeyChallenge,
-            now_ms: 1,
-        })
+        .enrol(enrol_request_at(&target, "beta", None, 1))
         .expect("enrol");
     store
         .push(PushBatch {

@@ -283,6 +283,14 @@ pub(crate) fn enrol_request(k: &str, name: &str, account: Option<&str>) -> Enrol
     }
 }
 
+/// [`enrol_request`] at `now_ms` (milliseconds since the epoch) instead of [`T0`].
+pub fn enrol_request_at(k: &str, name: &str, account: Option<&str>, now_ms: i64) -> EnrolRequest {
+    EnrolRequest {
+        now_ms,
+        ..enrol_request(k, name, account)
+    }
+}
+
 /// An envelope item `id` with one target per `(target key, wire bytes)`.
 pub(crate) fn item(id: &str, targets: &[(&str, &[u8])]) -> PushItem {
     item_of("envelope", id, targets)

@@ -1,7 +1,7 @@
 //! Tests of the deny module.
 
 use super::*;
-use crate::store::{AuthorityStrength, DirectoryStore, OpenOptions};
+use crate::store::{DirectoryStore, OpenOptions};
 
 fn key(n: u8) -> String {
     use base64::Engine as _;
@@ -22,23 +22,7 @@ fn open(dir: &std::path::Path) -> SqliteStore {
 }
 
 fn request(k: &str, name: &str, account: Option<&str>, now: i64) -> EnrolRequest {
-    EnrolRequest {
-        host_pubkey: k.to_owned(),
-        host_name: name.to_owned(),
-        owner_fp: String::new(),
-        account: account.map(str::to_owned),
-        authorized_by: if account.is_some() {
-            "account-token".into()
-        } else {
-            "host-key-challenge".into()
-        },
-        strength: if account.is_some() {
-            AuthorityStrength::Account
-        } else {
-            AuthorityStrength::HostKeyChallenge
-        },
-        now_ms: now,
-    }
+    crate::testing::conformance::enrol_request_at(k, name, account, now)
 }
 
 fn binding(k: &str, jkt: &str) -> AccountBinding {

@@ -6,9 +6,9 @@ mod bounds;
 use super::*;
 use crate::retention::RelayNoticeSigner;
 use crate::store::{
-    AckRequest, AckResult, AuthorityStrength, EnrolOutcome, EnrolRequest, Expiry, ItemOutcome,
-    ItemStatus, OpenOptions, PullPage, PullRequest, PushBatch, PushItem, PushTarget, Rejection,
-    RotateOutcome, RotateRequest, DB_FILE, MAX_PULL_ITEMS,
+    AckRequest, AckResult, EnrolOutcome, Expiry, ItemOutcome, ItemStatus, OpenOptions, PullPage,
+    PullRequest, PushBatch, PushItem, PushTarget, Rejection, RotateOutcome, RotateRequest, DB_FILE,
+    MAX_PULL_ITEMS,
 };
 use crate::store::{DirectoryStore, ItemStore, OperationsStore};
 use agentmbx_protocol::canonical;
@@ -63,15 +63,9 @@ impl Fixture {
     fn enrol(&self, k: &str, name: &str) {
         let out = self
             .store
-            .enrol(EnrolRequest {
-                host_pubkey: k.to_owned(),
-                host_name: name.to_owned(),
-                owner_fp: String::new(),
-                account: None,
-                authorized_by: "host-key-challenge".to_owned(),
-                strength: AuthorityStrength::HostKeyChallenge,
-                now_ms: T0,
-            })
+            .enrol(crate::testing::conformance::enrol_request_at(
+                k, name, None, T0,
+            ))
             .expect("enrol");
         assert!(matches!(out, EnrolOutcome::Enrolled(_)), "{out:?}");
     }
