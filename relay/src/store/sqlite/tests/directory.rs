@@ -114,13 +114,7 @@ fn a_revoked_key_stays_revoked_and_serves_nothing() {
         RevokeOutcome::Unknown
     );
     assert_eq!(
-        enrol_as(
-            &store,
-            &beta,
-            "beta",
-            Some("acct"),
-            AuthorityStrength::Account
-        ),
+        enrol_as(&store, &beta, "beta", Some("acct")),
         EnrolOutcome::Revoked
     );
     let row = store.enrolment(&beta).expect("row").expect("known");
@@ -155,44 +149,20 @@ fn names_are_unique_per_account_case_insensitively_and_weaker_authority_keeps_th
     );
     let (k1, k2, k3, k4, k5) = (key(1), key(2), key(3), key(4), key(5));
     assert!(matches!(
-        enrol_as(
-            &store,
-            &k1,
-            "MacBook",
-            Some("acct-1"),
-            AuthorityStrength::Account
-        ),
+        enrol_as(&store, &k1, "MacBook", Some("acct-1")),
         EnrolOutcome::Enrolled(_)
     ));
     assert_eq!(
-        enrol_as(
-            &store,
-            &k2,
-            "macbook",
-            Some("acct-1"),
-            AuthorityStrength::Account
-        ),
+        enrol_as(&store, &k2, "macbook", Some("acct-1")),
         EnrolOutcome::NameTaken
     );
     // Another account, or no account at all, may use the name.
     assert!(matches!(
-        enrol_as(
-            &store,
-            &k2,
-            "macbook",
-            Some("acct-2"),
-            AuthorityStrength::Account
-        ),
+        enrol_as(&store, &k2, "macbook", Some("acct-2")),
         EnrolOutcome::Enrolled(_)
     ));
     assert!(matches!(
-        enrol_as(
-            &store,
-            &k3,
-            "MACBOOK",
-            None,
-            AuthorityStrength::HostKeyChallenge
-        ),
+        enrol_as(&store, &k3, "MACBOOK", None),
         EnrolOutcome::Enrolled(_)
     ));
     assert_eq!(
@@ -206,13 +176,8 @@ fn names_are_unique_per_account_case_insensitively_and_weaker_authority_keeps_th
     // The host-key challenge re-enrols k1: name and owner_fp refresh, account stays.
     let weaker = store
         .enrol(EnrolRequest {
-            host_pubkey: k1.clone(),
-            host_name: "macbook".to_owned(),
             owner_fp: "claimed".to_owned(),
-            account: None,
-            authorized_by: "host-key-challenge".to_owned(),
-            strength: AuthorityStrength::HostKeyChallenge,
-            now_ms: 5_000,
+            ..enrol_request_at(&k1, "macbook", None, 5_000)
         })
         .expect("enrol");
     match weaker {
@@ -229,45 +194,18 @@ fn names_are_unique_per_account_case_insensitively_and_weaker_authority_keeps_th
         other => panic!("unexpected {other:?}"),
     }
     // A stronger authority upgrades a challenge-only enrolment.
-    match enrol_as(
-        &store,
-        &k3,
-        "macbook-3",
-        Some("acct-1"),
-        AuthorityStrength::Account,
-    ) {
+    match enrol_as(&store, &k3, "macbook-3", Some("acct-1")) {
         EnrolOutcome::Enrolled(e) => assert_eq!(e.account.as_deref(), Some("acct-1")),
         other => panic!("unexpected {other:?}"),
     }
     // Capacity: 4 live at most; a new key is refused, a known one re-enrols.
     assert!(matches!(
-        enrol_as(
-            &store,
-            &k4,
-            "four",
-            None,
-            AuthorityStrength::HostKeyChallenge
-        ),
+        enrol_as(&store, &k4, "four", None),
         EnrolOutcome::Enrolled(_)
     ));
-    assert_eq!(
-        enrol_as(
-            &store,
-            &k5,
-            "five",
-            None,
-            AuthorityStrength::HostKeyChallenge
-        ),
-        EnrolOutcome::Full
-    );
+    assert_eq!(enrol_as(&store, &k5, "five", None), EnrolOutcome::Full);
     assert!(matches!(
-        enrol_as(
-            &store,
-            &k4,
-            "four",
-            None,
-            AuthorityStrength::HostKeyChallenge
-        ),
+        enrol_as(&store, &k4, "four", None),
         EnrolOutcome::Enrolled(_)
     ));
     assert_eq!(
@@ -275,13 +213,7 @@ fn names_are_unique_per_account_case_insensitively_and_weaker_authority_keeps_th
         RevokeOutcome::Revoked
     );
     assert!(matches!(
-        enrol_as(
-            &store,
-            &k5,
-            "five",
-            None,
-            AuthorityStrength::HostKeyChallenge
-        ),
+        enrol_as(&store, &k5, "five", None),
         EnrolOutcome::Enrolled(_)
     ));
     // A name freed by revocation can be taken in the account.
@@ -289,13 +221,7 @@ fn names_are_unique_per_account_case_insensitively_and_weaker_authority_keeps_th
         store.revoke(&k1, 10).expect("revoke"),
         RevokeOutcome::Revoked
     );
-    match enrol_as(
-        &store,
-        &k2,
-        "MacBook",
-        Some("acct-1"),
-        AuthorityStrength::Account,
-    ) {
+    match enrol_as(&store, &k2, "MacBook", Some("acct-1")) {
         EnrolOutcome::Enrolled(e) => {
             assert_eq!(
                 (e.host_name.as_str(), e.account.as_deref()),
@@ -361,15 +287,7 @@ fn only_canonical_host_keys_are_enrolled() {
     let alias = canonical.trim_end_matches('=').to_owned();
     assert_ne!(alias, canonical);
     let err = store
-        .enrol(EnrolRequest {
-            host_pubkey: alias,
-            host_name: "alpha".to_owned(),
-            owner_fp: String::new(),
-            account: None,
-            authorized_by: "host-key-challenge".to_owned(),
-            strength: AuthorityStrength::HostKeyChallenge,
-            now_ms: 1_000,
-        })
+        .enrol(enrol_request_at(&alias, "alpha", None, 1_000))
         .expect_err("an alias is refused");
     assert!(matches!(err, StoreError::InvalidInput(_)), "{err}");
     assert_eq!(store.live_enrolment_count().expect("count"), 0);

@@ -25,7 +25,7 @@ use crate::store::{
     RevokeOutcome, SenderList, SenderListOutcome, StoreError, StoreHealth, StoreLimits, DAY_MS,
     DB_FILE, LOCK_FILE, MAX_PULL_ITEMS,
 };
-use crate::testing::conformance::{item, key, relay_key};
+use crate::testing::conformance::{enrol_request_at, item, key, relay_key};
 use std::sync::atomic::AtomicBool;
 use std::sync::Condvar;
 use std::time::Instant;
@@ -54,31 +54,16 @@ fn open_limited(dir: &Path, limits: StoreLimits) -> SqliteStore {
     .expect("open store")
 }
 
-fn enrol_as(
-    store: &SqliteStore,
-    k: &str,
-    name: &str,
-    account: Option<&str>,
-    strength: AuthorityStrength,
-) -> EnrolOutcome {
+/// Enrols `k` named `name` at 1 000 ms: in `account` by the account authority when given,
+/// else by the host-key challenge.
+fn enrol_as(store: &SqliteStore, k: &str, name: &str, account: Option<&str>) -> EnrolOutcome {
     store
-        .enrol(EnrolRequest {
-            host_pubkey: k.to_owned(),
-            host_name: name.to_owned(),
-            owner_fp: String::new(),
-            account: account.map(str::to_owned),
-            authorized_by: match strength {
-                AuthorityStrength::Account => "account-token".to_owned(),
-                _ => "host-key-challenge".to_owned(),
-            },
-            strength,
-            now_ms: 1_000,
-        })
+        .enrol(enrol_request_at(k, name, account, 1_000))
         .expect("enrol")
 }
 
 fn enrol(store: &SqliteStore, k: &str, name: &str) {
-    let out = enrol_as(store, k, name, None, AuthorityStrength::HostKeyChallenge);
+    let out = enrol_as(store, k, name, None);
     assert!(matches!(out, EnrolOutcome::Enrolled(_)), "{out:?}");
 }
 

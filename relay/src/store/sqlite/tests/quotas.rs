@@ -93,7 +93,7 @@ fn account_quota_charges_only_proven_accounts() {
     let (alpha, b1, b2, loose) = (key(1), key(2), key(3), key(4));
     enrol(&store, &alpha, "alpha");
     for (k, name) in [(&b1, "one"), (&b2, "two")] {
-        let out = enrol_as(&store, k, name, Some("acct"), AuthorityStrength::Account);
+        let out = enrol_as(&store, k, name, Some("acct"));
         assert!(matches!(out, EnrolOutcome::Enrolled(_)));
     }
     enrol(&store, &loose, "loose");
@@ -153,7 +153,7 @@ fn account_quota_counts_the_items_own_earlier_targets() {
     let (alpha, b1, b2) = (key(1), key(2), key(3));
     enrol(&store, &alpha, "alpha");
     for (k, name) in [(&b1, "one"), (&b2, "two")] {
-        let out = enrol_as(&store, k, name, Some("acct"), AuthorityStrength::Account);
+        let out = enrol_as(&store, k, name, Some("acct"));
         assert!(matches!(out, EnrolOutcome::Enrolled(_)));
     }
     assert_eq!(
