@@ -19,7 +19,7 @@ fn a_sender_allowlist_refuses_other_senders() {
     };
     // No list: everybody may push.
     assert_eq!(
-        push_one(&store, &mallory, 1, item("m0", &[(&beta, b"x")])).status,
+        pushed(&store, &mallory, 1, "m0", &beta, b"x"),
         ItemStatus::Accepted
     );
     assert_eq!(
@@ -38,13 +38,11 @@ fn a_sender_allowlist_refuses_other_senders() {
         "duplicates dropped"
     );
     assert_eq!(
-        push_one(&store, &mallory, 1, item("m1", &[(&beta, b"x")]))
-            .status
-            .wire(),
+        pushed(&store, &mallory, 1, "m1", &beta, b"x").wire(),
         "rejected:sender not accepted by target"
     );
     assert_eq!(
-        push_one(&store, &alpha, 1, item("a1", &[(&beta, b"x")])).status,
+        pushed(&store, &alpha, 1, "a1", &beta, b"x"),
         ItemStatus::Accepted
     );
     // Same or older iat: stale, nothing changes.
@@ -61,9 +59,7 @@ fn a_sender_allowlist_refuses_other_senders() {
         SenderListOutcome::Stale
     );
     assert_eq!(
-        push_one(&store, &mallory, 1, item("m2", &[(&beta, b"x")]))
-            .status
-            .wire(),
+        pushed(&store, &mallory, 1, "m2", &beta, b"x").wire(),
         "rejected:sender not accepted by target"
     );
     // Newer: replaces.
@@ -74,7 +70,7 @@ fn a_sender_allowlist_refuses_other_senders() {
         SenderListOutcome::Stored
     );
     assert_eq!(
-        push_one(&store, &mallory, 1, item("m3", &[(&beta, b"x")])).status,
+        pushed(&store, &mallory, 1, "m3", &beta, b"x"),
         ItemStatus::Accepted
     );
     let stored = store.sender_list(&beta).expect("get").expect("stored");
@@ -125,9 +121,7 @@ fn a_revoked_key_stays_revoked_and_serves_nothing() {
     );
     assert_eq!(store.get_enc_ad(&beta).expect("ad"), None);
     assert_eq!(
-        push_one(&store, &alpha, 1, item("m", &[(&beta, b"x")]))
-            .status
-            .wire(),
+        pushed(&store, &alpha, 1, "m", &beta, b"x").wire(),
         "rejected:target not enrolled"
     );
     assert!(store

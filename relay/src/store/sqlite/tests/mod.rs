@@ -85,6 +85,18 @@ fn push_one(store: &SqliteStore, sender: &str, now_ms: i64, it: PushItem) -> Ite
     out.items.remove(0)
 }
 
+/// Pushes envelope `id` from `sender` to `target` with `wire` at `now_ms`; returns its status.
+fn pushed(
+    store: &SqliteStore,
+    sender: &str,
+    now_ms: i64,
+    id: &str,
+    target: &str,
+    wire: &[u8],
+) -> ItemStatus {
+    push_one(store, sender, now_ms, item(id, &[(target, wire)])).status
+}
+
 fn pull_all(store: &SqliteStore, target: &str) -> PullPage {
     store
         .pull(PullRequest {

@@ -22,35 +22,31 @@ fn quotas_hold_at_the_bound_and_refuse_past_it() {
 
     // Sender share: 2 items from alpha fit, the 3rd does not.
     assert_eq!(
-        push_one(&store, &alpha, 1, item("a1", &[(&beta, &[1; 10])])).status,
+        pushed(&store, &alpha, 1, "a1", &beta, &[1; 10]),
         ItemStatus::Accepted
     );
     assert_eq!(
-        push_one(&store, &alpha, 1, item("a2", &[(&beta, &[2; 10])])).status,
+        pushed(&store, &alpha, 1, "a2", &beta, &[2; 10]),
         ItemStatus::Accepted
     );
     assert_eq!(
-        push_one(&store, &alpha, 1, item("a3", &[(&beta, &[3; 1])]))
-            .status
-            .wire(),
+        pushed(&store, &alpha, 1, "a3", &beta, &[3; 1]).wire(),
         "rejected:quota:sender share exceeded for Beta"
     );
     // A duplicate is never charged, even at the bound.
     assert_eq!(
-        push_one(&store, &alpha, 1, item("a2", &[(&beta, &[2; 10])])).status,
+        pushed(&store, &alpha, 1, "a2", &beta, &[2; 10]),
         ItemStatus::Duplicate
     );
     // Queue bytes: 20 used, 10 more is exactly 30 (fits), then 1 more does not.
     assert_eq!(
-        push_one(&store, &gamma, 1, item("g1", &[(&beta, &[4; 10])])).status,
+        pushed(&store, &gamma, 1, "g1", &beta, &[4; 10]),
         ItemStatus::Accepted
     );
     assert_eq!(pull_all(&store, &beta).items.len(), 3);
     // Queue depth: 3 items queued = the bound; one more is refused (depth is checked first).
     assert_eq!(
-        push_one(&store, &gamma, 1, item("g2", &[(&beta, &[5; 1])]))
-            .status
-            .wire(),
+        pushed(&store, &gamma, 1, "g2", &beta, &[5; 1]).wire(),
         "rejected:quota:queue depth exceeded for Beta"
     );
     // Free one slot: now bytes are the binding limit (20 + 11 > 30).
@@ -63,13 +59,11 @@ fn quotas_hold_at_the_bound_and_refuse_past_it() {
         .expect("ack");
     assert!(matches!(acked, AckResult::Acked(_)));
     assert_eq!(
-        push_one(&store, &gamma, 1, item("g3", &[(&beta, &[6; 11])]))
-            .status
-            .wire(),
+        pushed(&store, &gamma, 1, "g3", &beta, &[6; 11]).wire(),
         "rejected:quota:queue bytes exceeded for Beta"
     );
     assert_eq!(
-        push_one(&store, &gamma, 1, item("g4", &[(&beta, &[7; 10])])).status,
+        pushed(&store, &gamma, 1, "g4", &beta, &[7; 10]),
         ItemStatus::Accepted
     );
     assert_eq!(pull_all(&store, &beta).items.len(), 3);
@@ -98,17 +92,15 @@ fn account_quota_charges_only_proven_accounts() {
     }
     enrol(&store, &loose, "loose");
     assert_eq!(
-        push_one(&store, &alpha, 1, item("1", &[(&b1, b"x")])).status,
+        pushed(&store, &alpha, 1, "1", &b1, b"x"),
         ItemStatus::Accepted
     );
     assert_eq!(
-        push_one(&store, &alpha, 1, item("2", &[(&b2, b"x")])).status,
+        pushed(&store, &alpha, 1, "2", &b2, b"x"),
         ItemStatus::Accepted
     );
     assert_eq!(
-        push_one(&store, &alpha, 1, item("3", &[(&b2, b"x")]))
-            .status
-            .wire(),
+        pushed(&store, &alpha, 1, "3", &b2, b"x").wire(),
         "rejected:quota:owner queue depth exceeded for two"
     );
     for i in 0..3 {
@@ -125,13 +117,11 @@ fn account_quota_charges_only_proven_accounts() {
         RevokeOutcome::Revoked
     );
     assert_eq!(
-        push_one(&store, &alpha, 3, item("4", &[(&b1, b"x")])).status,
+        pushed(&store, &alpha, 3, "4", &b1, b"x"),
         ItemStatus::Accepted
     );
     assert_eq!(
-        push_one(&store, &alpha, 3, item("5", &[(&b1, b"x")]))
-            .status
-            .wire(),
+        pushed(&store, &alpha, 3, "5", &b1, b"x").wire(),
         "rejected:quota:owner queue depth exceeded for one"
     );
     assert_eq!(usage_matches(dir.path()), 6);
@@ -157,7 +147,7 @@ fn account_quota_counts_the_items_own_earlier_targets() {
         assert!(matches!(out, EnrolOutcome::Enrolled(_)));
     }
     assert_eq!(
-        push_one(&store, &alpha, 1, item("1", &[(&b1, b"x")])).status,
+        pushed(&store, &alpha, 1, "1", &b1, b"x"),
         ItemStatus::Accepted
     );
     assert_eq!(
@@ -175,7 +165,7 @@ fn account_quota_counts_the_items_own_earlier_targets() {
     );
     // The refused item took no room: one more item fits the account.
     assert_eq!(
-        push_one(&store, &alpha, 1, item("3", &[(&b2, b"z")])).status,
+        pushed(&store, &alpha, 1, "3", &b2, b"z"),
         ItemStatus::Accepted
     );
     assert_eq!(usage_matches(dir.path()), 2);
