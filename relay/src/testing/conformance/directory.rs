@@ -21,7 +21,7 @@ fn fingerprint(k: &str) -> String {
 }
 
 /// A sender list of `target` naming `senders`, issued at `iat_ms`.
-fn list(target: &str, senders: &[&str], iat_ms: i64) -> SenderList {
+pub(crate) fn list(target: &str, senders: &[&str], iat_ms: i64) -> SenderList {
     SenderList {
         target_pubkey: target.to_owned(),
         senders: senders.iter().map(|s| (*s).to_owned()).collect(),
@@ -32,7 +32,7 @@ fn list(target: &str, senders: &[&str], iat_ms: i64) -> SenderList {
 }
 
 /// A rotation from `old` to `new` of host `host` at `now_ms`.
-fn rotation(old: &str, new: &str, host: &str, now_ms: i64) -> RotateRequest {
+pub(crate) fn rotation(old: &str, new: &str, host: &str, now_ms: i64) -> RotateRequest {
     RotateRequest {
         old_pubkey: old.to_owned(),
         new_pubkey: new.to_owned(),

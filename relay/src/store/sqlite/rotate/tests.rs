@@ -7,12 +7,8 @@ use crate::store::{
     PushItem, PushTarget, SenderList, StoreLimits,
 };
 use crate::store::{SqliteStore, DB_FILE};
-use base64::Engine as _;
+use crate::testing::conformance::{self, enrol_request_at, item, key, rotation};
 use rusqlite::OpenFlags;
-
-fn key(n: u8) -> String {
-    base64::engine::general_purpose::STANDARD.encode([n; 32])
-}
 
 fn open(dir: &std::path::Path) -> SqliteStore {
     let options = OpenOptions {
@@ -33,24 +29,10 @@ fn count(c: &Connection, sql: &str, k: &str) -> i64 {
 }
 
 fn enrol(store: &SqliteStore, k: &str, name: &str, account: Option<&str>) {
-    let strength = if account.is_some() {
-        AuthorityStrength::Account
-    } else {
-        AuthorityStrength::HostKeyChallenge
-    };
     let out = store
         .enrol(EnrolRequest {
-            host_pubkey: k.to_owned(),
-            host_name: name.to_owned(),
             owner_fp: format!("fp-{name}"),
-            account: account.map(str::to_owned),
-            authorized_by: if account.is_some() {
-                "account-token".to_owned()
-            } else {
-                "host-key-challenge".to_owned()
-            },
-            strength,
-            now_ms: 1_000,
+            ..enrol_request_at(k, name, account, 1_000)
         })
         .expect("enrol");
     assert!(matches!(out, EnrolOutcome::Enrolled(_)), "{out:?}");
@@ -64,14 +46,7 @@ fn push(store: &SqliteStore, sender: &str, target: &str, id: &str, wire: &[u8], 
             sender_host: "sender".to_owned(),
             now_ms: now,
             expiry: Default::default(),
-            items: vec![PushItem {
-                kind: "envelope".to_owned(),
-                item_id: id.to_owned(),
-                targets: vec![PushTarget {
-                    target_pubkey: target.to_owned(),
-                    wire: wire.to_vec(),
-                }],
-            }],
+            items: vec![item(id, &[(target, wire)])],
         })
         .expect("push");
     assert_eq!(out.items[0].status, ItemStatus::Accepted, "{out:?}");
@@ -93,22 +68,11 @@ fn queue(store: &SqliteStore, target: &str) -> Vec<(i64, String)> {
         .collect()
 }
 
+/// The suite's sender list, with a record that names only its signer.
 fn list(target: &str, senders: &[&str], iat_ms: i64) -> SenderList {
     SenderList {
-        target_pubkey: target.to_owned(),
-        senders: senders.iter().map(|s| (*s).to_owned()).collect(),
-        iat_ms,
         record: format!("{{\"signed-by\":\"{target}\"}}"),
-        sig: format!("sig-of-{target}"),
-    }
-}
-
-fn rotation(old: &str, new: &str, host: &str, now_ms: i64) -> RotateRequest {
-    RotateRequest {
-        old_pubkey: old.to_owned(),
-        new_pubkey: new.to_owned(),
-        host_name: host.to_owned(),
-        now_ms,
+        ..conformance::list(target, senders, iat_ms)
     }
 }
 
@@ -597,15 +561,7 @@ fn the_account_binding_moves_with_the_account() {
     };
     let out = store
         .enrol_bound(
-            EnrolRequest {
-                host_pubkey: old.clone(),
-                host_name: "laptop".into(),
-                owner_fp: String::new(),
-                account: Some("acct".into()),
-                authorized_by: "account-token".into(),
-                strength: AuthorityStrength::Account,
-                now_ms: 1,
-            },
+            enrol_request_at(&old, "laptop", Some("acct"), 1),
             Some(binding),
         )
         .expect("enrol");
