@@ -15,9 +15,8 @@ use agentmbx_protocol::keys::HostKey;
 use agentmbx_relay::ops::{self, RelayOpSigner, RestoreOptions, RotatedBy};
 use agentmbx_relay::status;
 use agentmbx_relay::store::{
-    AckRequest, AuthorityStrength, DenyKind, EncAdV2, EnrolRequest, Expiry, OpSigner, OpenOptions,
-    PullRequest, PushBatch, PushItem, PushTarget, SenderList, SqliteStore, StoreLock, DB_FILE,
-    SCHEMA_VERSION,
+    AckRequest, DenyKind, EncAdV2, Expiry, OpSigner, OpenOptions, PullRequest, PushBatch,
+    SenderList, SqliteStore, StoreLock, DB_FILE, SCHEMA_VERSION,
 };
 use agentmbx_relay::store::{DirectoryStore, ItemStore, OperationsStore};
 
@@ -64,15 +63,9 @@ fn open(dir: &Path, now: i64) -> SqliteStore {
 
 fn enrol(store: &SqliteStore, key: &str, name: &str) {
     store
-        .enrol(EnrolRequest {
-            host_pubkey: key.to_owned(),
-            host_name: name.to_owned(),
-            owner_fp: String::new(),
-            account: None,
-            authorized_by: "host-key-challenge".into(),
-            strength: AuthorityStrength::HostKeyChallenge,
-            now_ms: T0,
-        })
+        .enrol(agentmbx_relay::testing::conformance::enrol_request_at(
+            key, name, None, T0,
+        ))
         .expect("enrol");
 }
 
@@ -83,14 +76,10 @@ fn push(store: &SqliteStore, sender: &str, target: &str, id: &str, now: i64) {
             sender_host: "fixture".into(),
             now_ms: now,
             expiry: Expiry::Never,
-            items: vec![PushItem {
-                item_id: id.to_owned(),
-                kind: "envelope".into(),
-                targets: vec![PushTarget {
-                    target_pubkey: target.to_owned(),
-                    wire: format!("wire of {id}").into_bytes(),
-                }],
-            }],
+            items: vec![agentmbx_relay::testing::conformance::item(
+                id,
+                &[(target, &format!("wire of {id}").into_bytes())],
+            )],
         })
         .expect("push");
     assert_eq!(out.items[0].status.wire(), "accepted", "{out:?}");

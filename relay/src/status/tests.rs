@@ -2,21 +2,14 @@
 
 use super::*;
 use crate::store::SCHEMA_VERSION;
-use crate::store::{
-    AckRequest, EnrolRequest, Expiry, OpenOptions, PushBatch, PushItem, PushTarget, SqliteStore,
-};
+use crate::store::{AckRequest, Expiry, OpenOptions, PushBatch, SqliteStore};
 use crate::store::{DirectoryStore, ItemStore, OperationsStore, StoreHealth};
 use agentmbx_protocol::keys::HostKey;
 
 const T0: i64 = 1_767_225_600_000;
 
 fn names(dir: &Path) -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir(dir)
-        .expect("ls")
-        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
-        .collect();
-    v.sort();
-    v
+    crate::testing::file_names(dir)
 }
 
 fn open_store(dir: &Path, relay: &str) -> SqliteStore {
@@ -34,15 +27,9 @@ fn open_store(dir: &Path, relay: &str) -> SqliteStore {
 
 fn enrol(store: &SqliteStore, key: &str, name: &str) {
     store
-        .enrol(EnrolRequest {
-            host_pubkey: key.to_owned(),
-            host_name: name.to_owned(),
-            owner_fp: String::new(),
-            account: None,
-            authorized_by: "host-key-challenge".to_owned(),
-            strength: crate::store::AuthorityStrength::HostKeyChallenge,
-            now_ms: T0,
-        })
+        .enrol(crate::testing::conformance::enrol_request_at(
+            key, name, None, T0,
+        ))
         .expect("enrol");
 }
 
@@ -53,14 +40,10 @@ fn push(store: &SqliteStore, sender: &str, id: &str, target: &str, len: usize, n
             sender_host: "alpha".to_owned(),
             now_ms: now,
             expiry: Expiry::Retention,
-            items: vec![PushItem {
-                kind: "envelope".to_owned(),
-                item_id: id.to_owned(),
-                targets: vec![PushTarget {
-                    target_pubkey: target.to_owned(),
-                    wire: vec![b'x'; len],
-                }],
-            }],
+            items: vec![crate::testing::conformance::item(
+                id,
+                &[(target, &vec![b'x'; len])],
+            )],
         })
         .expect("push");
     assert_eq!(out.items[0].status.wire(), "accepted");

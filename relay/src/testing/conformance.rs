@@ -292,7 +292,7 @@ pub fn enrol_request_at(k: &str, name: &str, account: Option<&str>, now_ms: i64)
 }
 
 /// An envelope item `id` with one target per `(target key, wire bytes)`.
-pub(crate) fn item(id: &str, targets: &[(&str, &[u8])]) -> PushItem {
+pub fn item(id: &str, targets: &[(&str, &[u8])]) -> PushItem {
     item_of("envelope", id, targets)
 }
 

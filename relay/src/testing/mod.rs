@@ -33,6 +33,16 @@ use crate::store::{OpenOptions, RelayStore, SqliteStore, StoreError, SweepReport
 /// 2026-01-01T00:00:00.000Z (Unix ms).
 pub const T0: i64 = 1_767_225_600_000;
 
+/// The names of the entries of `dir`, sorted (what a test sees of a store directory).
+pub fn file_names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .expect("ls")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
 /// A store wrapper for [`TestRelayBuilder::wrap_store`].
 type WrapStore = Box<dyn FnOnce(Arc<dyn RelayStore>) -> Arc<dyn RelayStore> + Send>;
 

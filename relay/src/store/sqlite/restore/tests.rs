@@ -15,7 +15,7 @@ use crate::ops::{
 use crate::ops::{read_verified_log, verify_receipt, RelayOpSigner};
 use crate::store::{
     AccountBinding, AuthorityStrength, DenyEntry, DenyKind, EncAdV2, EnrolRequest, Expiry, OpEntry,
-    OpenOptions, PushBatch, PushItem, PushTarget, SenderList, SqliteStore,
+    OpenOptions, PushBatch, SenderList, SqliteStore,
 };
 use crate::store::{OpSigner, StoreLock, DB_FILE, LOCK_FILE, SCHEMA_VERSION};
 use agentmbx_protocol::keys::HostKey;
@@ -62,15 +62,9 @@ impl Relay {
 
 fn enrol(store: &SqliteStore, key: &str, name: &str, now: i64) {
     store
-        .enrol(EnrolRequest {
-            host_pubkey: key.to_owned(),
-            host_name: name.to_owned(),
-            owner_fp: String::new(),
-            account: None,
-            authorized_by: "host-key-challenge".into(),
-            strength: AuthorityStrength::HostKeyChallenge,
-            now_ms: now,
-        })
+        .enrol(crate::testing::conformance::enrol_request_at(
+            key, name, None, now,
+        ))
         .expect("enrol");
 }
 
@@ -81,14 +75,10 @@ fn push(store: &SqliteStore, sender: &str, target: &str, id: &str, now: i64) {
             sender_host: "alpha".into(),
             now_ms: now,
             expiry: Expiry::Never,
-            items: vec![PushItem {
-                item_id: id.to_owned(),
-                kind: "envelope".into(),
-                targets: vec![PushTarget {
-                    target_pubkey: target.to_owned(),
-                    wire: format!("wire of {id}").into_bytes(),
-                }],
-            }],
+            items: vec![crate::testing::conformance::item(
+                id,
+                &[(target, &format!("wire of {id}").into_bytes())],
+            )],
         })
         .expect("push");
 }
@@ -102,12 +92,7 @@ fn one<T: rusqlite::types::FromSql>(c: &Connection, sql: &str, p: &str) -> Optio
 }
 
 fn names(dir: &Path) -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir(dir)
-        .expect("ls")
-        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
-        .collect();
-    v.sort();
-    v
+    crate::testing::file_names(dir)
 }
 
 fn backup_now(dir: &Path, out: &Path, name: &str) -> PathBuf {
