@@ -84,9 +84,7 @@ fn a_sender_allowlist_refuses_other_senders() {
 fn a_revoked_key_stays_revoked_and_serves_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = open(dir.path());
-    let (alpha, beta) = (key(1), key(2));
-    enrol(&store, &alpha, "alpha");
-    enrol(&store, &beta, "beta");
+    let (alpha, beta) = alpha_and_beta(&store);
     store
         .put_enc_ad_v1(EncAdV1 {
             host_pubkey: beta.clone(),

@@ -85,6 +85,14 @@ fn push_one(store: &SqliteStore, sender: &str, now_ms: i64, it: PushItem) -> Ite
     out.items.remove(0)
 }
 
+/// Enrols `key(1)` as "alpha" and `key(2)` as "beta" in `store`; returns their keys.
+fn alpha_and_beta(store: &SqliteStore) -> (String, String) {
+    let (alpha, beta) = (key(1), key(2));
+    enrol(store, &alpha, "alpha");
+    enrol(store, &beta, "beta");
+    (alpha, beta)
+}
+
 /// Pushes envelope `id` from `sender` to `target` with `wire` at `now_ms`; returns its status.
 fn pushed(
     store: &SqliteStore,

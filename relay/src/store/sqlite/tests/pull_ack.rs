@@ -6,9 +6,7 @@ use super::*;
 fn paging_by_count_and_by_bytes() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = open(dir.path());
-    let (alpha, beta) = (key(1), key(2));
-    enrol(&store, &alpha, "alpha");
-    enrol(&store, &beta, "beta");
+    let (alpha, beta) = alpha_and_beta(&store);
     let sizes = [10usize, 10, 50, 10, 10];
     let mut seqs = Vec::new();
     for (i, n) in sizes.iter().enumerate() {
@@ -79,9 +77,7 @@ fn paging_by_count_and_by_bytes() {
 fn ack_deletes_through_refuses_beyond_head_and_never_goes_back() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = open(dir.path());
-    let (alpha, beta) = (key(1), key(2));
-    enrol(&store, &alpha, "alpha");
-    enrol(&store, &beta, "beta");
+    let (alpha, beta) = alpha_and_beta(&store);
     for i in 0..5 {
         push_one(
             &store,

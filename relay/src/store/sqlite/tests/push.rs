@@ -6,9 +6,7 @@ use super::*;
 fn dedup_absent_duplicate_and_conflict() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = open(dir.path());
-    let (alpha, beta) = (key(1), key(2));
-    enrol(&store, &alpha, "alpha");
-    enrol(&store, &beta, "beta");
+    let (alpha, beta) = alpha_and_beta(&store);
 
     let first = push_one(&store, &alpha, 5_000, item("m1", &[(&beta, b"sealed-1")]));
     assert_eq!(first.status, ItemStatus::Accepted);
@@ -84,9 +82,7 @@ fn mixed_fresh_and_duplicate_targets_are_accepted_at_now() {
 fn later_items_in_one_batch_see_earlier_ones() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = open(dir.path());
-    let (alpha, beta) = (key(1), key(2));
-    enrol(&store, &alpha, "alpha");
-    enrol(&store, &beta, "beta");
+    let (alpha, beta) = alpha_and_beta(&store);
     let out = push(
         &store,
         &alpha,
@@ -164,9 +160,7 @@ fn fan_out_is_all_or_nothing() {
 fn repeated_and_missing_targets_are_refused_defensively() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = open(dir.path());
-    let (alpha, beta) = (key(1), key(2));
-    enrol(&store, &alpha, "alpha");
-    enrol(&store, &beta, "beta");
+    let (alpha, beta) = alpha_and_beta(&store);
     let out = push_one(
         &store,
         &alpha,
@@ -314,9 +308,7 @@ fn a_retry_settles_by_dedup_after_the_target_was_revoked_or_changed_its_allowlis
 fn v1_items_never_expire_and_v2_items_expire_after_retention() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = open(dir.path());
-    let (alpha, beta) = (key(1), key(2));
-    enrol(&store, &alpha, "alpha");
-    enrol(&store, &beta, "beta");
+    let (alpha, beta) = alpha_and_beta(&store);
     push_one(&store, &alpha, 1_000, item("v2", &[(&beta, b"x")]));
     store
         .push(PushBatch {

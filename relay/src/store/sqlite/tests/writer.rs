@@ -131,9 +131,7 @@ fn waiting_requests_share_one_commit_and_nothing_is_visible_or_answered_before_i
         )
         .expect("open"),
     );
-    let (alpha, beta) = (key(1), key(2));
-    enrol(&store, &alpha, "alpha");
-    enrol(&store, &beta, "beta");
+    let (alpha, beta) = alpha_and_beta(&store);
     let base = store.stats();
     let _guard = GateGuard;
 
@@ -219,9 +217,7 @@ fn failpoints_are_hit_at_the_commit_boundaries() {
         },
     )
     .expect("open");
-    let (alpha, beta) = (key(1), key(2));
-    enrol(&store, &alpha, "alpha");
-    enrol(&store, &beta, "beta");
+    let (alpha, beta) = alpha_and_beta(&store);
     FAILPOINT_ARMED.store(true, Ordering::SeqCst);
     let o = push_one(&store, &alpha, 1_000, item("m", &[(&beta, b"x")]));
     store
@@ -252,9 +248,7 @@ fn failpoints_are_hit_at_the_commit_boundaries() {
 fn a_failed_request_leaves_nothing_and_does_not_disturb_its_group() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = open(dir.path());
-    let (alpha, beta) = (key(1), key(2));
-    enrol(&store, &alpha, "alpha");
-    enrol(&store, &beta, "beta");
+    let (alpha, beta) = alpha_and_beta(&store);
     // A request that writes, then fails: its savepoint is rolled back.
     let err = store
         .submit(JobKind::Other, |c, _| -> Result<(), StoreError> {
@@ -322,9 +316,7 @@ fn group_of_other_and_push(
 fn a_push_that_fails_part_way_fails_its_whole_group_and_leaves_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = open(dir.path());
-    let (alpha, beta) = (key(1), key(2));
-    enrol(&store, &alpha, "alpha");
-    enrol(&store, &beta, "beta");
+    let (alpha, beta) = alpha_and_beta(&store);
     let committed_before = store.stats().commits;
     let (other, push) = group_of_other_and_push(&store, |c| {
         meta_put(c, "half", "written")?;
@@ -393,9 +385,7 @@ fn fail_the_commit(store: &SqliteStore) -> StoreError {
 fn a_failed_commit_stops_the_writer_for_good() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = open(dir.path());
-    let (alpha, beta) = (key(1), key(2));
-    enrol(&store, &alpha, "alpha");
-    enrol(&store, &beta, "beta");
+    let (alpha, beta) = alpha_and_beta(&store);
     let kept = push_one(&store, &alpha, 1_000, item("kept", &[(&beta, b"k")]));
     assert_eq!(store.failed(), None);
     let commits = store.commits();
@@ -461,9 +451,7 @@ fn a_failed_commit_stops_the_writer_for_good() {
 fn requests_queued_behind_a_failed_commit_are_refused_not_applied() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = Arc::new(open(dir.path()));
-    let (alpha, beta) = (key(1), key(2));
-    enrol(&store, &alpha, "alpha");
-    enrol(&store, &beta, "beta");
+    let (alpha, beta) = alpha_and_beta(&store);
     // Many writers race the failing one: each gets either its committed result (before the
     // failure) or an error (in the failing group, or after it); none is applied afterwards.
     let racers: Vec<_> = (0..16)

@@ -6,9 +6,7 @@ use super::*;
 #[test]
 fn dedup_rows_are_pruned_past_retention_plus_seven_days_and_not_before() {
     let f = Fixture::new();
-    let (alpha, beta) = (key(1), key(2));
-    f.enrol(&alpha, "alpha");
-    f.enrol(&beta, "beta");
+    let (alpha, beta) = f.alpha_and_beta();
     f.push(&alpha, T0, "m1", &beta, b"sealed-1");
     f.ack_all(&beta);
     let at = f.sweep(T0 + HORIZON);
@@ -39,9 +37,7 @@ fn the_horizon_follows_the_configured_retention() {
         retention_days: 2,
         ..StoreLimits::default()
     });
-    let (alpha, beta) = (key(1), key(2));
-    f.enrol(&alpha, "alpha");
-    f.enrol(&beta, "beta");
+    let (alpha, beta) = f.alpha_and_beta();
     f.push(&alpha, T0, "m1", &beta, b"sealed-1");
     assert_eq!(f.sweep(T0 + 2 * DAY_MS - 1).expired_items, 0);
     assert_eq!(f.sweep(T0 + 2 * DAY_MS).expired_items, 1);
@@ -247,9 +243,7 @@ fn pruning_is_bounded_per_sweep_then_more() {
 #[test]
 fn a_signer_of_another_key_is_refused_and_changes_nothing() {
     let f = Fixture::new();
-    let (alpha, beta) = (key(1), key(2));
-    f.enrol(&alpha, "alpha");
-    f.enrol(&beta, "beta");
+    let (alpha, beta) = f.alpha_and_beta();
     f.push(&alpha, T0, "m1", &beta, b"sealed-1");
     let other: Arc<dyn NoticeSigner> = Arc::new(RelayNoticeSigner::new(HostKey::generate()));
     let e = f.store.sweep(T0 + RET, other).expect_err("refused");

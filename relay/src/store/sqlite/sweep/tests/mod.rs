@@ -70,6 +70,14 @@ impl Fixture {
         assert!(matches!(out, EnrolOutcome::Enrolled(_)), "{out:?}");
     }
 
+    /// Enrols `key(1)` as "alpha" and `key(2)` as "beta"; returns their keys.
+    fn alpha_and_beta(&self) -> (String, String) {
+        let (alpha, beta) = (key(1), key(2));
+        self.enrol(&alpha, "alpha");
+        self.enrol(&beta, "beta");
+        (alpha, beta)
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn push_as(
         &self,
@@ -220,9 +228,7 @@ fn verified_notice(relay: &str, wire: &[u8]) -> Value {
 #[test]
 fn an_item_expires_exactly_at_its_expiry_and_not_a_millisecond_before() {
     let f = Fixture::new();
-    let (alpha, beta) = (key(1), key(2));
-    f.enrol(&alpha, "alpha");
-    f.enrol(&beta, "beta");
+    let (alpha, beta) = f.alpha_and_beta();
     f.push(&alpha, T0, "m1", &beta, b"sealed-1");
 
     let early = f.sweep(T0 + RET - 1);
@@ -274,9 +280,7 @@ fn an_item_expires_exactly_at_its_expiry_and_not_a_millisecond_before() {
 #[test]
 fn the_tombstone_answers_a_late_retry_as_a_duplicate_with_the_original_seq() {
     let f = Fixture::new();
-    let (alpha, beta) = (key(1), key(2));
-    f.enrol(&alpha, "alpha");
-    f.enrol(&beta, "beta");
+    let (alpha, beta) = f.alpha_and_beta();
     let seq = f.push(&alpha, T0, "m1", &beta, b"sealed-1");
     let head = f.store.info_for(&beta).expect("info").head_seq;
     assert_eq!(f.sweep(T0 + RET).expired_items, 1);
@@ -478,9 +482,7 @@ fn the_byte_cap_of_the_senders_queue_counts_the_notice_at_and_past_it() {
 #[test]
 fn a_notice_is_never_queued_twice() {
     let f = Fixture::new();
-    let (alpha, beta) = (key(1), key(2));
-    f.enrol(&alpha, "alpha");
-    f.enrol(&beta, "beta");
+    let (alpha, beta) = f.alpha_and_beta();
     let seq = f.push(&alpha, T0, "m1", &beta, b"sealed-1");
     assert_eq!(f.sweep(T0 + RET).notices, 1);
     // The item comes back (as an older copy of the store would bring it) and expires again.
@@ -517,9 +519,7 @@ fn a_notice_is_never_queued_twice() {
 #[test]
 fn receipts_and_notices_expire_silently() {
     let f = Fixture::new();
-    let (alpha, beta) = (key(1), key(2));
-    f.enrol(&alpha, "alpha");
-    f.enrol(&beta, "beta");
+    let (alpha, beta) = f.alpha_and_beta();
     let out = f.push_as(
         Expiry::Retention,
         &alpha,
