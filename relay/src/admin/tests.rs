@@ -124,6 +124,18 @@ fn relay_key_file(dir: &std::path::Path) -> String {
     key.public().to_b64()
 }
 
+/// A signed store in `dir` (a fresh `relay.key`, opened at 1) with one host, "one", enrolled
+/// at 1; returns the host's key and the store.
+fn store_with_one_host(dir: &std::path::Path) -> (agentmbx_protocol::keys::PublicKey, SqliteStore) {
+    let relay = relay_key_file(dir);
+    let key = agentmbx_protocol::keys::HostKey::generate().public();
+    let store = SqliteStore::open(dir, &relay, 1).expect("open");
+    store
+        .enrol(enrol_request_at(&key.to_b64(), "one", None, 1))
+        .expect("enrol");
+    (key, store)
+}
+
 /// Without the relay key (neither `MBX_RELAY_KEY` nor `relay.key`), an offline revocation
 /// and deny-list change are still made, with unsigned receipts the log does not verify;
 /// with `relay.key` back, the receipts are signed again.
@@ -192,12 +204,7 @@ fn without_the_relay_key_offline_changes_are_made_with_unsigned_receipts() {
 #[test]
 fn a_fingerprint_of_several_enrolments_is_refused_with_the_list() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let relay = relay_key_file(dir.path());
-    let key = agentmbx_protocol::keys::HostKey::generate().public();
-    let store = SqliteStore::open(dir.path(), &relay, 1).expect("open");
-    store
-        .enrol(enrol_request_at(&key.to_b64(), "one", None, 1))
-        .expect("enrol");
+    let (key, store) = store_with_one_host(dir.path());
     store.close().expect("close");
     // A second row whose text differs but names the same key bytes (only a corrupted or
     // hand-edited store can hold one): the fingerprint matches both.
@@ -243,12 +250,7 @@ fn a_fingerprint_of_several_enrolments_is_refused_with_the_list() {
 #[test]
 fn a_change_and_its_log_receipt_are_one_transaction() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let relay = relay_key_file(dir.path());
-    let key = agentmbx_protocol::keys::HostKey::generate().public();
-    let store = SqliteStore::open(dir.path(), &relay, 1).expect("open");
-    store
-        .enrol(enrol_request_at(&key.to_b64(), "one", None, 1))
-        .expect("enrol");
+    let (key, store) = store_with_one_host(dir.path());
     deny(&store, "cli-old", Some(DenyKind::Client), None, 1).expect("deny");
     let ops_before = store.ops(100).expect("ops").len();
     store.close().expect("close");
