@@ -6,6 +6,7 @@ use crate::store::{
 };
 
 use super::{acked, item, key, Factory, Store, T0};
+use crate::store::{PushItem, PushOutcome};
 
 /// Spec §3 "Dedup": the same (sender, item id, target) with the same bytes answers
 /// `duplicate` with the original seq and acceptance time, and stores no second copy.
@@ -82,20 +83,21 @@ pub fn dedup_is_keyed_by_sender_item_and_target(make: &Factory) {
     assert_eq!(targets, want);
 }
 
-/// Spec §3: the items of one push apply in order, each seeing the ones before it.
-pub fn later_items_of_a_batch_see_earlier_ones(make: &Factory) {
-    let st = Store::open(make);
-    let (alpha, beta) = st.alpha_and_beta();
-    let out = st.push(
-        &alpha,
-        T0,
-        vec![
-            item("a", &[(&beta, b"1")]),
-            item("a", &[(&beta, b"1")]),
-            item("a", &[(&beta, b"2")]),
-            item("b", &[(&beta, b"3")]),
-        ],
-    );
+/// The batch of the in-order rule (spec §3), all to `target`: "a", the same "a" again, "a" with
+/// other bytes, then "b".
+pub(crate) fn in_order_batch(target: &str) -> Vec<PushItem> {
+    vec![
+        item("a", &[(target, b"1")]),
+        item("a", &[(target, b"1")]),
+        item("a", &[(target, b"2")]),
+        item("b", &[(target, b"3")]),
+    ]
+}
+
+/// Asserts the outcome of [`in_order_batch`]: accepted, duplicate (at the first's seq),
+/// conflict, accepted (at the next seq).
+#[track_caller]
+pub(crate) fn assert_in_order_outcome(out: &PushOutcome) {
     let statuses: Vec<String> = out.items.iter().map(|o| o.status.wire()).collect();
     assert_eq!(
         statuses,
@@ -103,6 +105,26 @@ pub fn later_items_of_a_batch_see_earlier_ones(make: &Factory) {
     );
     assert_eq!(out.items[1].targets[0].seq, out.items[0].targets[0].seq);
     assert_eq!(out.items[3].targets[0].seq, out.items[0].targets[0].seq + 1);
+}
+
+/// The limits of the queue and sender quota rule (spec §7): 3 items and 30 bytes per queue,
+/// 2 items per sender per queue.
+pub(crate) fn quota_limits() -> StoreLimits {
+    StoreLimits {
+        max_queue_items: 3,
+        max_queue_bytes: 30,
+        max_sender_items: 2,
+        max_sender_bytes: 1_000,
+        ..StoreLimits::default()
+    }
+}
+
+/// Spec §3: the items of one push apply in order, each seeing the ones before it.
+pub fn later_items_of_a_batch_see_earlier_ones(make: &Factory) {
+    let st = Store::open(make);
+    let (alpha, beta) = st.alpha_and_beta();
+    let out = st.push(&alpha, T0, in_order_batch(&beta));
+    assert_in_order_outcome(&out);
     assert_eq!(out.epoch, st.epoch(), "committed under the current epoch");
     assert_eq!(st.queued_ids(&beta), ["a", "b"]);
 }
@@ -215,16 +237,7 @@ pub fn a_repeated_or_missing_target_is_refused(make: &Factory) {
 /// Spec §7: per target, items and bytes; per sender per target, items. An item exactly at a
 /// bound fits, one past it is rejected with the quota's name; a duplicate is never charged.
 pub fn queue_and_sender_quotas_hold_at_the_bound_and_refuse_past_it(make: &Factory) {
-    let st = Store::open_limited(
-        make,
-        StoreLimits {
-            max_queue_items: 3,
-            max_queue_bytes: 30,
-            max_sender_items: 2,
-            max_sender_bytes: 1_000,
-            ..StoreLimits::default()
-        },
-    );
+    let st = Store::open_limited(make, quota_limits());
     let (alpha, beta, gamma) = (key(1), key(2), key(3));
     st.enrol(&alpha, "alpha");
     st.enrol(&beta, "Beta");

@@ -25,7 +25,9 @@ use crate::store::{
     RevokeOutcome, SenderList, SenderListOutcome, StoreError, StoreHealth, StoreLimits, DAY_MS,
     DB_FILE, LOCK_FILE, MAX_PULL_ITEMS,
 };
-use crate::testing::conformance::{enrol_request_at, item, key, relay_key};
+use crate::testing::conformance::{
+    assert_in_order_outcome, enrol_request_at, in_order_batch, item, key, quota_limits, relay_key,
+};
 use std::sync::atomic::AtomicBool;
 use std::sync::Condvar;
 use std::time::Instant;

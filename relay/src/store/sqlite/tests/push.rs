@@ -83,24 +83,8 @@ fn later_items_in_one_batch_see_earlier_ones() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = open(dir.path());
     let (alpha, beta) = alpha_and_beta(&store);
-    let out = push(
-        &store,
-        &alpha,
-        5_000,
-        vec![
-            item("a", &[(&beta, b"1")]),
-            item("a", &[(&beta, b"1")]),
-            item("a", &[(&beta, b"2")]),
-            item("b", &[(&beta, b"3")]),
-        ],
-    );
-    let statuses: Vec<String> = out.items.iter().map(|o| o.status.wire()).collect();
-    assert_eq!(
-        statuses,
-        ["accepted", "duplicate", "rejected:conflict", "accepted"]
-    );
-    assert_eq!(out.items[1].targets[0].seq, out.items[0].targets[0].seq);
-    assert_eq!(out.items[3].targets[0].seq, out.items[0].targets[0].seq + 1);
+    let out = push(&store, &alpha, 5_000, in_order_batch(&beta));
+    assert_in_order_outcome(&out);
     assert_eq!(out.epoch, store.epoch().expect("epoch"));
     assert_eq!(pull_all(&store, &beta).items.len(), 2);
 }

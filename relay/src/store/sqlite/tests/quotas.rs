@@ -5,16 +5,7 @@ use super::*;
 #[test]
 fn quotas_hold_at_the_bound_and_refuse_past_it() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let store = open_limited(
-        dir.path(),
-        StoreLimits {
-            max_queue_items: 3,
-            max_queue_bytes: 30,
-            max_sender_items: 2,
-            max_sender_bytes: 1_000,
-            ..StoreLimits::default()
-        },
-    );
+    let store = open_limited(dir.path(), quota_limits());
     let (alpha, beta, gamma) = (key(1), key(2), key(3));
     enrol(&store, &alpha, "alpha");
     enrol(&store, &beta, "Beta");
