@@ -45,65 +45,49 @@ fn entry(kind: DenyKind, value: &str, until: Option<i64>, at: i64) -> DenyEntry 
     }
 }
 
+/// Enrols `k` named `name` in account "acct" at `at`, bound to cloud key `jkt`.
+fn enrol_in_acct(
+    store: &SqliteStore,
+    k: &str,
+    name: &str,
+    at: i64,
+    jkt: &str,
+) -> Result<EnrolOutcome, StoreError> {
+    store.enrol_bound(request(k, name, Some("acct"), at), Some(binding(k, jkt)))
+}
+
+/// The cloud key `k` is bound to, if any.
+fn bound_jkt(store: &SqliteStore, k: &str) -> Option<String> {
+    store.account_binding(k).expect("read").map(|b| b.cloud_jkt)
+}
+
 #[test]
 fn a_binding_is_written_with_its_enrolment_and_only_then() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = open(dir.path());
     let (a, b) = (key(1), key(2));
-    let out = store
-        .enrol_bound(
-            request(&a, "mac", Some("acct"), 10),
-            Some(binding(&a, "j1")),
-        )
-        .expect("enrol");
+    let out = enrol_in_acct(&store, &a, "mac", 10, "j1").expect("enrol");
     assert!(matches!(out, EnrolOutcome::Enrolled(_)), "{out:?}");
     assert_eq!(
         store.account_binding(&a).expect("read"),
         Some(binding(&a, "j1"))
     );
     // A refused enrolment (same name in the same account) writes no binding.
-    let out = store
-        .enrol_bound(
-            request(&b, "MAC", Some("acct"), 11),
-            Some(binding(&b, "j2")),
-        )
-        .expect("enrol");
+    let out = enrol_in_acct(&store, &b, "MAC", 11, "j2").expect("enrol");
     assert_eq!(out, EnrolOutcome::NameTaken);
     assert_eq!(store.account_binding(&b).expect("read"), None);
     // Re-enrolment replaces the binding; a binding for another key is a caller bug.
-    store
-        .enrol_bound(
-            request(&a, "mac", Some("acct"), 12),
-            Some(binding(&a, "j3")),
-        )
-        .expect("re-enrol");
-    assert_eq!(
-        store
-            .account_binding(&a)
-            .expect("read")
-            .map(|b| b.cloud_jkt),
-        Some("j3".to_owned())
-    );
+    enrol_in_acct(&store, &a, "mac", 12, "j3").expect("re-enrol");
+    assert_eq!(bound_jkt(&store, &a), Some("j3".to_owned()));
     assert!(matches!(
         store.enrol_bound(request(&a, "mac", None, 13), Some(binding(&b, "j4"))),
         Err(StoreError::InvalidInput(_))
     ));
     // A revoked key stays revoked and gets no new binding.
     store.revoke(&a, 14).expect("revoke");
-    let out = store
-        .enrol_bound(
-            request(&a, "mac", Some("acct"), 15),
-            Some(binding(&a, "j5")),
-        )
-        .expect("enrol");
+    let out = enrol_in_acct(&store, &a, "mac", 15, "j5").expect("enrol");
     assert_eq!(out, EnrolOutcome::Revoked);
-    assert_eq!(
-        store
-            .account_binding(&a)
-            .expect("read")
-            .map(|b| b.cloud_jkt),
-        Some("j3".to_owned())
-    );
+    assert_eq!(bound_jkt(&store, &a), Some("j3".to_owned()));
 }
 
 #[test]
@@ -111,11 +95,8 @@ fn a_cloud_key_serves_one_live_host_key() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = open(dir.path());
     let (a, b) = (key(1), key(2));
-    let enrol = |k: &str, name: &str, at: i64| {
-        store
-            .enrol_bound(request(k, name, Some("acct"), at), Some(binding(k, "j1")))
-            .expect("enrol")
-    };
+    let enrol =
+        |k: &str, name: &str, at: i64| enrol_in_acct(&store, k, name, at, "j1").expect("enrol");
     assert!(matches!(enrol(&a, "one", 10), EnrolOutcome::Enrolled(_)));
     // Another key with the same cloud key: refused, nothing written.
     assert_eq!(enrol(&b, "two", 11), EnrolOutcome::CloudKeyTaken);
@@ -124,12 +105,7 @@ fn a_cloud_key_serves_one_live_host_key() {
     // The same key again is a re-enrolment; another cloud key for b is fine.
     assert!(matches!(enrol(&a, "one", 12), EnrolOutcome::Enrolled(_)));
     assert!(matches!(
-        store
-            .enrol_bound(
-                request(&b, "two", Some("acct"), 13),
-                Some(binding(&b, "j2"))
-            )
-            .expect("enrol"),
+        enrol_in_acct(&store, &b, "two", 13, "j2").expect("enrol"),
         EnrolOutcome::Enrolled(_)
     ));
     // Once a is revoked its cloud key is free for another key.
