@@ -28,6 +28,15 @@ fn count(c: &Connection, sql: &str, k: &str) -> i64 {
     c.query_row(sql, [k], |r| r.get(0)).expect("count")
 }
 
+/// The rows of `table` whose `target_pubkey` is `k`.
+fn rows_for(c: &Connection, table: &str, k: &str) -> i64 {
+    count(
+        c,
+        &format!("SELECT COUNT(*) FROM {table} WHERE target_pubkey = ?1"),
+        k,
+    )
+}
+
 fn enrol(store: &SqliteStore, k: &str, name: &str, account: Option<&str>) {
     let out = store
         .enrol(EnrolRequest {
@@ -145,31 +154,10 @@ fn one_transaction_moves_queue_name_account_ads_and_allowlists() {
     assert_eq!(q[1].0, 5_001);
     let c = raw(dir.path());
     crate::store::assert_usage_matches(&c);
-    assert_eq!(
-        count(
-            &c,
-            "SELECT COUNT(*) FROM items WHERE target_pubkey = ?1",
-            &old
-        ),
-        0
-    );
+    assert_eq!(rows_for(&c, "items", &old), 0);
     // Dedup rows stay under the old key (a retry naming it settles as a duplicate).
-    assert_eq!(
-        count(
-            &c,
-            "SELECT COUNT(*) FROM dedup WHERE target_pubkey = ?1",
-            &old
-        ),
-        2
-    );
-    assert_eq!(
-        count(
-            &c,
-            "SELECT COUNT(*) FROM dedup WHERE target_pubkey = ?1",
-            &new
-        ),
-        0
-    );
+    assert_eq!(rows_for(&c, "dedup", &old), 2);
+    assert_eq!(rows_for(&c, "dedup", &new), 0);
     // Ads of the old key dropped.
     for t in ["enc_ads", "enc_ad_records"] {
         let sql = format!("SELECT COUNT(*) FROM {t} WHERE host_pubkey = ?1");
@@ -454,14 +442,7 @@ fn a_long_queue_moves_in_order_with_consecutive_seqs_after_the_new_keys_own() {
     assert_eq!(next, q[450].0 + 1);
     let c = raw(dir.path());
     crate::store::assert_usage_matches(&c);
-    assert_eq!(
-        count(
-            &c,
-            "SELECT COUNT(*) FROM items WHERE target_pubkey = ?1",
-            &old
-        ),
-        0
-    );
+    assert_eq!(rows_for(&c, "items", &old), 0);
 }
 
 #[test]
