@@ -3,7 +3,7 @@
 use super::*;
 use crate::store::SqliteStore;
 use crate::store::{DirectoryStore, ItemStore, OperationsStore, StoreHealth};
-use crate::testing::conformance::enrol_request_at;
+use crate::testing::conformance::{enrol_request_at, item, item_of};
 
 fn relay_key() -> String {
     agentmbx_protocol::keys::HostKey::generate()
@@ -152,7 +152,7 @@ fn relay_key_of(dir: &Path) -> String {
 }
 
 fn enrol_and_push(store: &SqliteStore, n: usize) -> String {
-    use crate::store::{PushBatch, PushItem, PushTarget};
+    use crate::store::PushBatch;
     let target = relay_key();
     store
         .enrol(enrol_request_at(&target, "beta", None, 1))
@@ -164,14 +164,10 @@ fn enrol_and_push(store: &SqliteStore, n: usize) -> String {
                 sender_host: "alpha".into(),
                 now_ms: 10 + i as i64,
                 expiry: crate::store::Expiry::Never,
-                items: vec![PushItem {
-                    item_id: format!("item-{i}"),
-                    kind: "envelope".into(),
-                    targets: vec![PushTarget {
-                        target_pubkey: target.clone(),
-                        wire: format!("wire {i}").into_bytes(),
-                    }],
-                }],
+                items: vec![item(
+                    &format!("item-{i}"),
+                    &[(&target, &format!("wire {i}").into_bytes())],
+                )],
             })
             .expect("push");
     }
@@ -386,7 +382,7 @@ fn every_receipt_a_signed_store_appends_verifies_and_an_altered_one_does_not() {
 /// other operation: signed too, without knowing about signatures.
 #[test]
 fn the_sweep_receipt_is_signed_like_every_other() {
-    use crate::store::{Expiry, PushBatch, PushItem, PushTarget, DAY_MS};
+    use crate::store::{Expiry, PushBatch, DAY_MS};
     let dir = tempfile::tempdir().expect("tempdir");
     let key = HostKey::generate();
     let store = open_offline_signed(dir.path(), key.clone(), 1).expect("signed");
@@ -400,14 +396,7 @@ fn the_sweep_receipt_is_signed_like_every_other() {
             sender_host: "alpha".into(),
             now_ms: 10,
             expiry: Expiry::Retention,
-            items: vec![PushItem {
-                item_id: "old".into(),
-                kind: "receipt".into(),
-                targets: vec![PushTarget {
-                    target_pubkey: target,
-                    wire: b"wire".to_vec(),
-                }],
-            }],
+            items: vec![item_of("receipt", "old", &[(&target, b"wire")])],
         })
         .expect("push");
     let notices: std::sync::Arc<dyn crate::store::NoticeSigner> =

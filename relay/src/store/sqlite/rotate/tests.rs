@@ -4,7 +4,7 @@ use super::*;
 use crate::store::{
     AuthorityStrength, DenyEntry, DenyKind, DirectoryStore, EncAdV1, EncAdV2, EnrolOutcome,
     EnrolRequest, ItemStatus, ItemStore, OpenOptions, OperationsStore, PullRequest, PushBatch,
-    PushItem, PushTarget, SenderList, StoreLimits,
+    SenderList, StoreLimits,
 };
 use crate::store::{SqliteStore, DB_FILE};
 use crate::testing::conformance::{self, enrol_request_at, item, key, rotation};
@@ -314,14 +314,7 @@ fn push_many(store: &SqliteStore, sender: &str, target: &str, prefix: &str, n: u
                 expiry: Default::default(),
                 items: chunk
                     .iter()
-                    .map(|id| PushItem {
-                        kind: "envelope".to_owned(),
-                        item_id: id.clone(),
-                        targets: vec![PushTarget {
-                            target_pubkey: target.to_owned(),
-                            wire: id.as_bytes().to_vec(),
-                        }],
-                    })
+                    .map(|id| item(id, &[(target, id.as_bytes())]))
                     .collect(),
             })
             .expect("push");
@@ -474,14 +467,7 @@ fn moved_items_may_take_the_new_key_past_its_quota_and_new_pushes_wait() {
             sender_host: "alpha".to_owned(),
             now_ms: 6_000,
             expiry: Default::default(),
-            items: vec![PushItem {
-                kind: "envelope".to_owned(),
-                item_id: "late".to_owned(),
-                targets: vec![PushTarget {
-                    target_pubkey: new.clone(),
-                    wire: b"late".to_vec(),
-                }],
-            }],
+            items: vec![item("late", &[(&new, b"late")])],
         })
         .unwrap();
     assert!(

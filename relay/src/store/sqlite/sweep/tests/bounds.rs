@@ -124,13 +124,8 @@ fn fill(f: &Fixture, total: usize) -> Vec<String> {
     for target in &targets {
         let n = (total - pushed).min(SWEEP_BATCH);
         let items = (pushed..pushed + n)
-            .map(|i| PushItem {
-                kind: "receipt".to_owned(),
-                item_id: format!("r{i}"),
-                targets: vec![PushTarget {
-                    target_pubkey: target.clone(),
-                    wire: b"r".to_vec(),
-                }],
+            .map(|i| {
+                crate::testing::conformance::item_of("receipt", &format!("r{i}"), &[(target, b"r")])
             })
             .collect();
         let out = f

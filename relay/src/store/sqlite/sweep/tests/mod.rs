@@ -7,8 +7,7 @@ use super::*;
 use crate::retention::RelayNoticeSigner;
 use crate::store::{
     AckRequest, AckResult, EnrolOutcome, Expiry, ItemOutcome, ItemStatus, OpenOptions, PullPage,
-    PullRequest, PushBatch, PushItem, PushTarget, Rejection, RotateOutcome, RotateRequest, DB_FILE,
-    MAX_PULL_ITEMS,
+    PullRequest, PushBatch, Rejection, RotateOutcome, RotateRequest, DB_FILE, MAX_PULL_ITEMS,
 };
 use crate::store::{DirectoryStore, ItemStore, OperationsStore};
 use agentmbx_protocol::canonical;
@@ -96,14 +95,11 @@ impl Fixture {
                 sender_host: "alpha".to_owned(),
                 now_ms,
                 expiry,
-                items: vec![PushItem {
-                    kind: kind.to_owned(),
-                    item_id: id.to_owned(),
-                    targets: vec![PushTarget {
-                        target_pubkey: target.to_owned(),
-                        wire: wire.to_vec(),
-                    }],
-                }],
+                items: vec![crate::testing::conformance::item_of(
+                    kind,
+                    id,
+                    &[(target, wire)],
+                )],
             })
             .expect("push");
         assert_eq!(out.items.len(), 1);
