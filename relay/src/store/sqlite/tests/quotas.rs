@@ -82,37 +82,26 @@ fn account_quota_charges_only_proven_accounts() {
         assert!(matches!(out, EnrolOutcome::Enrolled(_)));
     }
     enrol(&store, &loose, "loose");
+    // One byte from alpha to `target`, at `now`.
+    let x_to = |now: i64, id: &str, target: &str| pushed(&store, &alpha, now, id, target, b"x");
+    assert_eq!(x_to(1, "1", &b1), ItemStatus::Accepted);
+    assert_eq!(x_to(1, "2", &b2), ItemStatus::Accepted);
     assert_eq!(
-        pushed(&store, &alpha, 1, "1", &b1, b"x"),
-        ItemStatus::Accepted
-    );
-    assert_eq!(
-        pushed(&store, &alpha, 1, "2", &b2, b"x"),
-        ItemStatus::Accepted
-    );
-    assert_eq!(
-        pushed(&store, &alpha, 1, "3", &b2, b"x").wire(),
+        x_to(1, "3", &b2).wire(),
         "rejected:quota:owner queue depth exceeded for two"
     );
     for i in 0..3 {
-        let o = push_one(&store, &alpha, 1, item(&format!("l{i}"), &[(&loose, b"x")]));
-        assert_eq!(
-            o.status,
-            ItemStatus::Accepted,
-            "no account, no account quota"
-        );
+        let o = x_to(1, &format!("l{i}"), &loose);
+        assert_eq!(o, ItemStatus::Accepted, "no account, no account quota");
     }
     // A revoked key's queue no longer counts for its account (its items stay queued).
     assert_eq!(
         store.revoke(&b2, 2).expect("revoke"),
         RevokeOutcome::Revoked
     );
+    assert_eq!(x_to(3, "4", &b1), ItemStatus::Accepted);
     assert_eq!(
-        pushed(&store, &alpha, 3, "4", &b1, b"x"),
-        ItemStatus::Accepted
-    );
-    assert_eq!(
-        pushed(&store, &alpha, 3, "5", &b1, b"x").wire(),
+        x_to(3, "5", &b1).wire(),
         "rejected:quota:owner queue depth exceeded for one"
     );
     assert_eq!(usage_matches(dir.path()), 6);
