@@ -207,18 +207,13 @@ impl Store {
 
     /// Every item queued for `target` (one page as large as the store allows).
     pub(crate) fn pull_all(&self, target: &str) -> PullPage {
-        self.pull(target, 0, crate::store::MAX_PULL_ITEMS, u64::MAX)
+        self.s.pull(pull_everything(target)).expect("pull")
     }
 
     /// One page of `target`'s queue.
     pub(crate) fn pull(&self, target: &str, after: i64, limit: i64, max_bytes: u64) -> PullPage {
         self.s
-            .pull(PullRequest {
-                target_pubkey: target.to_owned(),
-                after,
-                limit,
-                max_bytes,
-            })
+            .pull(pull_request(target, after, limit, max_bytes))
             .expect("pull")
     }
 
@@ -289,6 +284,22 @@ pub fn enrol_request_at(k: &str, name: &str, account: Option<&str>, now_ms: i64)
         now_ms,
         ..enrol_request(k, name, account)
     }
+}
+
+/// A pull of one page of `target`'s queue: items after seq `after`, at most `limit` of them
+/// and `max_bytes` of wire.
+pub(crate) fn pull_request(target: &str, after: i64, limit: i64, max_bytes: u64) -> PullRequest {
+    PullRequest {
+        target_pubkey: target.to_owned(),
+        after,
+        limit,
+        max_bytes,
+    }
+}
+
+/// A pull of all of `target`'s queue (one page as large as the store allows).
+pub(crate) fn pull_everything(target: &str) -> PullRequest {
+    pull_request(target, 0, crate::store::MAX_PULL_ITEMS, u64::MAX)
 }
 
 /// An envelope item `id` with one target per `(target key, wire bytes)`.

@@ -64,12 +64,7 @@ fn push(store: &SqliteStore, sender: &str, target: &str, id: &str, wire: &[u8], 
 
 fn queue(store: &SqliteStore, target: &str) -> Vec<(i64, String)> {
     store
-        .pull(PullRequest {
-            target_pubkey: target.to_owned(),
-            after: 0,
-            limit: 500,
-            max_bytes: u64::MAX,
-        })
+        .pull(conformance::pull_request(target, 0, 500, u64::MAX))
         .expect("pull")
         .items
         .into_iter()

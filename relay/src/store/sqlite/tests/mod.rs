@@ -23,7 +23,7 @@ use crate::store::{
     EncAdV2, EnrolOutcome, EnrolRequest, Expiry, ItemOutcome, ItemStatus, ItemStore, OpenOptions,
     OperationsStore, PullPage, PullRequest, PushBatch, PushItem, PushOutcome, Rejection,
     RevokeOutcome, SenderList, SenderListOutcome, StoreError, StoreHealth, StoreLimits, DAY_MS,
-    DB_FILE, LOCK_FILE, MAX_PULL_ITEMS,
+    DB_FILE, LOCK_FILE,
 };
 use crate::testing::conformance::{
     assert_in_order_outcome, enrol_request_at, in_order_batch, item, key, quota_limits, relay_key,
@@ -109,12 +109,7 @@ fn pushed(
 
 fn pull_all(store: &SqliteStore, target: &str) -> PullPage {
     store
-        .pull(PullRequest {
-            target_pubkey: target.to_owned(),
-            after: 0,
-            limit: MAX_PULL_ITEMS,
-            max_bytes: u64::MAX,
-        })
+        .pull(crate::testing::conformance::pull_everything(target))
         .expect("pull")
 }
 

@@ -347,12 +347,7 @@ fn a_version_2_store_with_a_moved_item_migrates_and_its_notice_names_the_old_key
     let r = store.sweep(T0 + RET, signer).expect("sweep");
     assert_eq!((r.expired_envelopes, r.notices), (2, 2), "{r:?}");
     let ids: Vec<String> = store
-        .pull(PullRequest {
-            target_pubkey: alpha.clone(),
-            after: 0,
-            limit: MAX_PULL_ITEMS,
-            max_bytes: u64::MAX,
-        })
+        .pull(crate::testing::conformance::pull_everything(&alpha))
         .expect("pull")
         .items
         .into_iter()

@@ -7,7 +7,7 @@ use super::*;
 use crate::retention::RelayNoticeSigner;
 use crate::store::{
     AckRequest, AckResult, EnrolOutcome, Expiry, ItemOutcome, ItemStatus, OpenOptions, PullPage,
-    PullRequest, PushBatch, Rejection, RotateOutcome, RotateRequest, DB_FILE, MAX_PULL_ITEMS,
+    PushBatch, Rejection, RotateOutcome, RotateRequest, DB_FILE,
 };
 use crate::store::{DirectoryStore, ItemStore, OperationsStore};
 use agentmbx_protocol::canonical;
@@ -123,12 +123,7 @@ impl Fixture {
 
     fn pull(&self, target: &str) -> PullPage {
         self.store
-            .pull(PullRequest {
-                target_pubkey: target.to_owned(),
-                after: 0,
-                limit: MAX_PULL_ITEMS,
-                max_bytes: u64::MAX,
-            })
+            .pull(crate::testing::conformance::pull_everything(target))
             .expect("pull")
     }
 
