@@ -11,33 +11,23 @@ fn quotas_hold_at_the_bound_and_refuse_past_it() {
     enrol(&store, &beta, "Beta");
     enrol(&store, &gamma, "gamma");
 
+    // An item from `sender` to beta, at 1.
+    let to_beta = |sender: &str, id: &str, wire: &[u8]| pushed(&store, sender, 1, id, &beta, wire);
     // Sender share: 2 items from alpha fit, the 3rd does not.
+    assert_eq!(to_beta(&alpha, "a1", &[1; 10]), ItemStatus::Accepted);
+    assert_eq!(to_beta(&alpha, "a2", &[2; 10]), ItemStatus::Accepted);
     assert_eq!(
-        pushed(&store, &alpha, 1, "a1", &beta, &[1; 10]),
-        ItemStatus::Accepted
-    );
-    assert_eq!(
-        pushed(&store, &alpha, 1, "a2", &beta, &[2; 10]),
-        ItemStatus::Accepted
-    );
-    assert_eq!(
-        pushed(&store, &alpha, 1, "a3", &beta, &[3; 1]).wire(),
+        to_beta(&alpha, "a3", &[3; 1]).wire(),
         "rejected:quota:sender share exceeded for Beta"
     );
     // A duplicate is never charged, even at the bound.
-    assert_eq!(
-        pushed(&store, &alpha, 1, "a2", &beta, &[2; 10]),
-        ItemStatus::Duplicate
-    );
+    assert_eq!(to_beta(&alpha, "a2", &[2; 10]), ItemStatus::Duplicate);
     // Queue bytes: 20 used, 10 more is exactly 30 (fits), then 1 more does not.
-    assert_eq!(
-        pushed(&store, &gamma, 1, "g1", &beta, &[4; 10]),
-        ItemStatus::Accepted
-    );
+    assert_eq!(to_beta(&gamma, "g1", &[4; 10]), ItemStatus::Accepted);
     assert_eq!(pull_all(&store, &beta).items.len(), 3);
     // Queue depth: 3 items queued = the bound; one more is refused (depth is checked first).
     assert_eq!(
-        pushed(&store, &gamma, 1, "g2", &beta, &[5; 1]).wire(),
+        to_beta(&gamma, "g2", &[5; 1]).wire(),
         "rejected:quota:queue depth exceeded for Beta"
     );
     // Free one slot: now bytes are the binding limit (20 + 11 > 30).
@@ -50,13 +40,10 @@ fn quotas_hold_at_the_bound_and_refuse_past_it() {
         .expect("ack");
     assert!(matches!(acked, AckResult::Acked(_)));
     assert_eq!(
-        pushed(&store, &gamma, 1, "g3", &beta, &[6; 11]).wire(),
+        to_beta(&gamma, "g3", &[6; 11]).wire(),
         "rejected:quota:queue bytes exceeded for Beta"
     );
-    assert_eq!(
-        pushed(&store, &gamma, 1, "g4", &beta, &[7; 10]),
-        ItemStatus::Accepted
-    );
+    assert_eq!(to_beta(&gamma, "g4", &[7; 10]), ItemStatus::Accepted);
     assert_eq!(pull_all(&store, &beta).items.len(), 3);
     assert_eq!(
         usage_matches(dir.path()),

@@ -278,30 +278,26 @@ fn the_tombstone_answers_a_late_retry_as_a_duplicate_with_the_original_seq() {
     assert!(f.dedup_exists(&alpha, "m1", &beta), "the dedup row stays");
 
     let late = T0 + RET + 60_000;
-    let retry = f.push_as(
-        Expiry::Retention,
-        &alpha,
-        late,
-        "envelope",
-        "m1",
-        &beta,
-        b"sealed-1",
-    );
+    // "m1" from alpha to beta again, late, with `wire`.
+    let m1_late = |wire: &[u8]| {
+        f.push_as(
+            Expiry::Retention,
+            &alpha,
+            late,
+            "envelope",
+            "m1",
+            &beta,
+            wire,
+        )
+    };
+    let retry = m1_late(b"sealed-1");
     assert_eq!(retry.status, ItemStatus::Duplicate, "{retry:?}");
     assert_eq!(retry.targets[0].seq, seq, "the original seq");
     assert_eq!(retry.at_ms, Some(T0), "the original acceptance time");
     assert!(f.pull(&beta).items.is_empty(), "never delivered again");
     assert_eq!(f.store.info_for(&beta).expect("info").head_seq, head);
 
-    let other = f.push_as(
-        Expiry::Retention,
-        &alpha,
-        late,
-        "envelope",
-        "m1",
-        &beta,
-        b"sealed-2",
-    );
+    let other = m1_late(b"sealed-2");
     assert_eq!(other.status, ItemStatus::Rejected(Rejection::Conflict));
 }
 
