@@ -269,12 +269,7 @@ fn a_change_and_its_log_receipt_are_one_transaction() {
         .expect("read")
         .expect("row")
         .is_revoked());
-    let values: Vec<String> = store
-        .deny_entries()
-        .expect("list")
-        .into_iter()
-        .map(|e| e.value)
-        .collect();
+    let values = crate::testing::conformance::deny_values(&store);
     assert_eq!(values, vec!["cli-old".to_owned()]);
     store.close().expect("close");
 

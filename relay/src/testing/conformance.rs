@@ -302,6 +302,16 @@ pub(crate) fn pull_everything(target: &str) -> PullRequest {
     pull_request(target, 0, crate::store::MAX_PULL_ITEMS, u64::MAX)
 }
 
+/// The values of `store`'s deny entries, in its order.
+pub fn deny_values(store: &dyn crate::store::DirectoryStore) -> Vec<String> {
+    store
+        .deny_entries()
+        .expect("list")
+        .into_iter()
+        .map(|e| e.value)
+        .collect()
+}
+
 /// An envelope item `id` with one target per `(target key, wire bytes)`.
 pub fn item(id: &str, targets: &[(&str, &[u8])]) -> PushItem {
     item_of("envelope", id, targets)
