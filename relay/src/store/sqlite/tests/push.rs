@@ -263,27 +263,27 @@ fn a_retry_settles_by_dedup_after_the_target_was_revoked_or_changed_its_allowlis
     // A fresh target that is not enrolled still refuses the whole item, before conflict
     // (`wire.md` §3.2 order) and before anything is written.
     let head = store.info_for(&gamma).expect("info").head_seq;
-    let out = push_one(
-        &store,
-        &alpha,
-        9_600,
-        item("p", &[(&gamma, b"p"), (&stranger, b"p")]),
-    );
-    assert_eq!(out.status.wire(), "rejected:target not enrolled");
-    let out = push_one(
-        &store,
-        &alpha,
-        9_600,
-        item("m", &[(&beta, b"CONFLICT"), (&stranger, b"p")]),
-    );
-    assert_eq!(out.status.wire(), "rejected:target not enrolled");
-    let out = push_one(
-        &store,
-        &alpha,
-        9_600,
-        item("m", &[(&beta, b"CONFLICT"), (&gamma, b"g")]),
-    );
-    assert_eq!(out.status.wire(), "rejected:conflict");
+    for (id, targets, want) in [
+        (
+            "p",
+            [(&gamma, "p"), (&stranger, "p")],
+            "rejected:target not enrolled",
+        ),
+        (
+            "m",
+            [(&beta, "CONFLICT"), (&stranger, "p")],
+            "rejected:target not enrolled",
+        ),
+        (
+            "m",
+            [(&beta, "CONFLICT"), (&gamma, "g")],
+            "rejected:conflict",
+        ),
+    ] {
+        let targets = targets.map(|(t, w)| (t.as_str(), w.as_bytes()));
+        let out = push_one(&store, &alpha, 9_600, item(id, &targets));
+        assert_eq!(out.status.wire(), want);
+    }
     assert_eq!(store.info_for(&gamma).expect("info").head_seq, head);
     assert_eq!(pull_all(&store, &gamma).items.len(), 1);
 }
