@@ -225,10 +225,7 @@ fn a_backup_is_a_checked_store_with_the_same_items_and_a_matching_receipt() {
         store.info_for(&target).expect("info").head_seq
     });
     // Nothing else left behind.
-    let names: Vec<String> = std::fs::read_dir(out.path())
-        .expect("ls")
-        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
-        .collect();
+    let names = ls(out.path());
     assert_eq!(names, ["b.db"]);
 }
 
@@ -263,11 +260,7 @@ fn an_existing_file_is_refused_and_untouched_and_no_partial_file_remains_on_fail
     let bad = tempfile::tempdir().expect("bad");
     std::fs::write(bad.path().join(DB_FILE), vec![7u8; 8192]).expect("junk");
     assert!(backup(bad.path(), &out.path().join("y.db"), 1).is_err());
-    let mut names: Vec<String> = std::fs::read_dir(out.path())
-        .expect("ls")
-        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
+    let names = ls(out.path());
     assert_eq!(names, ["link.db", "taken.db"]);
     // A missing directory: an I/O error, nothing created.
     assert!(matches!(
@@ -457,12 +450,7 @@ fn only_this_relays_backup_receipts_pass_the_admin_check() {
 }
 
 fn ls(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .expect("ls")
-        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
+    crate::testing::file_names(dir)
 }
 
 #[test]
