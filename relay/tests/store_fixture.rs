@@ -15,8 +15,8 @@ use agentmbx_protocol::keys::HostKey;
 use agentmbx_relay::ops::{self, RelayOpSigner, RestoreOptions, RotatedBy};
 use agentmbx_relay::status;
 use agentmbx_relay::store::{
-    AckRequest, DenyKind, EncAdV2, Expiry, OpSigner, OpenOptions, PullRequest, PushBatch,
-    SenderList, SqliteStore, StoreLock, DB_FILE, SCHEMA_VERSION,
+    AckRequest, DenyKind, EncAdV2, Expiry, OpSigner, OpenOptions, PullRequest, SenderList,
+    SqliteStore, StoreLock, DB_FILE, SCHEMA_VERSION,
 };
 use agentmbx_relay::store::{DirectoryStore, ItemStore, OperationsStore};
 
@@ -71,16 +71,16 @@ fn enrol(store: &SqliteStore, key: &str, name: &str) {
 
 fn push(store: &SqliteStore, sender: &str, target: &str, id: &str, now: i64) {
     let out = store
-        .push(PushBatch {
-            sender_pubkey: sender.to_owned(),
-            sender_host: "fixture".into(),
-            now_ms: now,
-            expiry: Expiry::Never,
-            items: vec![agentmbx_relay::testing::conformance::item(
+        .push(agentmbx_relay::testing::conformance::batch(
+            sender,
+            "fixture",
+            now,
+            Expiry::Never,
+            vec![agentmbx_relay::testing::conformance::item(
                 id,
                 &[(target, &format!("wire of {id}").into_bytes())],
             )],
-        })
+        ))
         .expect("push");
     assert_eq!(out.items[0].status.wire(), "accepted", "{out:?}");
 }

@@ -152,23 +152,22 @@ fn relay_key_of(dir: &Path) -> String {
 }
 
 fn enrol_and_push(store: &SqliteStore, n: usize) -> String {
-    use crate::store::PushBatch;
     let target = relay_key();
     store
         .enrol(enrol_request_at(&target, "beta", None, 1))
         .expect("enrol");
     for i in 0..n {
         store
-            .push(PushBatch {
-                sender_pubkey: relay_key(),
-                sender_host: "alpha".into(),
-                now_ms: 10 + i as i64,
-                expiry: crate::store::Expiry::Never,
-                items: vec![item(
+            .push(crate::testing::conformance::batch(
+                &relay_key(),
+                "alpha",
+                10 + i as i64,
+                crate::store::Expiry::Never,
+                vec![item(
                     &format!("item-{i}"),
                     &[(&target, &format!("wire {i}").into_bytes())],
                 )],
-            })
+            ))
             .expect("push");
     }
     target
@@ -375,7 +374,7 @@ fn every_receipt_a_signed_store_appends_verifies_and_an_altered_one_does_not() {
 /// other operation: signed too, without knowing about signatures.
 #[test]
 fn the_sweep_receipt_is_signed_like_every_other() {
-    use crate::store::{Expiry, PushBatch, DAY_MS};
+    use crate::store::{Expiry, DAY_MS};
     let dir = tempfile::tempdir().expect("tempdir");
     let key = HostKey::generate();
     let store = open_offline_signed(dir.path(), key.clone(), 1).expect("signed");
@@ -384,13 +383,13 @@ fn the_sweep_receipt_is_signed_like_every_other() {
         .enrol(enrol_request_at(&target, "beta", None, 1))
         .expect("enrol");
     store
-        .push(PushBatch {
-            sender_pubkey: sender,
-            sender_host: "alpha".into(),
-            now_ms: 10,
-            expiry: Expiry::Retention,
-            items: vec![item_of("receipt", "old", &[(&target, b"wire")])],
-        })
+        .push(crate::testing::conformance::batch(
+            &sender,
+            "alpha",
+            10,
+            Expiry::Retention,
+            vec![item_of("receipt", "old", &[(&target, b"wire")])],
+        ))
         .expect("push");
     let notices: std::sync::Arc<dyn crate::store::NoticeSigner> =
         std::sync::Arc::new(crate::retention::RelayNoticeSigner::new(key.clone()));

@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::store::SCHEMA_VERSION;
-use crate::store::{AckRequest, Expiry, OpenOptions, PushBatch, SqliteStore};
+use crate::store::{AckRequest, Expiry, OpenOptions, SqliteStore};
 use crate::store::{DirectoryStore, ItemStore, OperationsStore, StoreHealth};
 use agentmbx_protocol::keys::HostKey;
 
@@ -35,16 +35,16 @@ fn enrol(store: &SqliteStore, key: &str, name: &str) {
 
 fn push(store: &SqliteStore, sender: &str, id: &str, target: &str, len: usize, now: i64) {
     let out = store
-        .push(PushBatch {
-            sender_pubkey: sender.to_owned(),
-            sender_host: "alpha".to_owned(),
-            now_ms: now,
-            expiry: Expiry::Retention,
-            items: vec![crate::testing::conformance::item(
+        .push(crate::testing::conformance::batch(
+            sender,
+            "alpha",
+            now,
+            Expiry::Retention,
+            vec![crate::testing::conformance::item(
                 id,
                 &[(target, &vec![b'x'; len])],
             )],
-        })
+        ))
         .expect("push");
     assert_eq!(out.items[0].status.wire(), "accepted");
 }

@@ -188,13 +188,7 @@ impl Store {
         let n = items.len();
         let out = self
             .s
-            .push(PushBatch {
-                sender_pubkey: sender.to_owned(),
-                sender_host: "sender".to_owned(),
-                now_ms,
-                expiry,
-                items,
-            })
+            .push(batch(sender, "sender", now_ms, expiry, items))
             .expect("push");
         assert_eq!(out.items.len(), n, "one outcome per item: {out:?}");
         out
@@ -310,6 +304,23 @@ pub fn deny_values(store: &dyn crate::store::DirectoryStore) -> Vec<String> {
         .into_iter()
         .map(|e| e.value)
         .collect()
+}
+
+/// A push of `items` from `sender` (host `sender_host`) at `now_ms` under `expiry`.
+pub fn batch(
+    sender: &str,
+    sender_host: &str,
+    now_ms: i64,
+    expiry: Expiry,
+    items: Vec<PushItem>,
+) -> PushBatch {
+    PushBatch {
+        sender_pubkey: sender.to_owned(),
+        sender_host: sender_host.to_owned(),
+        now_ms,
+        expiry,
+        items,
+    }
 }
 
 /// An envelope item `id` with one target per `(target key, wire bytes)`.

@@ -15,7 +15,7 @@ use crate::ops::{
 use crate::ops::{read_verified_log, verify_receipt, RelayOpSigner};
 use crate::store::{
     AccountBinding, AuthorityStrength, DenyEntry, DenyKind, EncAdV2, EnrolRequest, Expiry, OpEntry,
-    OpenOptions, PushBatch, SenderList, SqliteStore,
+    OpenOptions, SenderList, SqliteStore,
 };
 use crate::store::{OpSigner, StoreLock, DB_FILE, LOCK_FILE, SCHEMA_VERSION};
 use agentmbx_protocol::keys::HostKey;
@@ -70,16 +70,16 @@ fn enrol(store: &SqliteStore, key: &str, name: &str, now: i64) {
 
 fn push(store: &SqliteStore, sender: &str, target: &str, id: &str, now: i64) {
     store
-        .push(PushBatch {
-            sender_pubkey: sender.to_owned(),
-            sender_host: "alpha".into(),
-            now_ms: now,
-            expiry: Expiry::Never,
-            items: vec![crate::testing::conformance::item(
+        .push(crate::testing::conformance::batch(
+            sender,
+            "alpha",
+            now,
+            Expiry::Never,
+            vec![crate::testing::conformance::item(
                 id,
                 &[(target, &format!("wire of {id}").into_bytes())],
             )],
-        })
+        ))
         .expect("push");
 }
 

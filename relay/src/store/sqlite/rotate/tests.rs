@@ -3,8 +3,8 @@
 use super::*;
 use crate::store::{
     AuthorityStrength, DenyEntry, DenyKind, DirectoryStore, EncAdV1, EncAdV2, EnrolOutcome,
-    EnrolRequest, ItemStatus, ItemStore, OpenOptions, OperationsStore, PullRequest, PushBatch,
-    SenderList, StoreLimits,
+    EnrolRequest, ItemStatus, ItemStore, OpenOptions, OperationsStore, PullRequest, SenderList,
+    StoreLimits,
 };
 use crate::store::{SqliteStore, DB_FILE};
 use crate::testing::conformance::{self, enrol_request_at, item, key, rotation};
@@ -50,13 +50,13 @@ fn enrol(store: &SqliteStore, k: &str, name: &str, account: Option<&str>) {
 /// Pushes one item `id` from `sender` to `target` with `wire`; returns its seq.
 fn push(store: &SqliteStore, sender: &str, target: &str, id: &str, wire: &[u8], now: i64) -> i64 {
     let out = store
-        .push(PushBatch {
-            sender_pubkey: sender.to_owned(),
-            sender_host: "sender".to_owned(),
-            now_ms: now,
-            expiry: Default::default(),
-            items: vec![item(id, &[(target, wire)])],
-        })
+        .push(crate::testing::conformance::batch(
+            sender,
+            "sender",
+            now,
+            Default::default(),
+            vec![item(id, &[(target, wire)])],
+        ))
         .expect("push");
     assert_eq!(out.items[0].status, ItemStatus::Accepted, "{out:?}");
     out.items[0].targets[0].seq
@@ -302,16 +302,16 @@ fn push_many(store: &SqliteStore, sender: &str, target: &str, prefix: &str, n: u
     let ids: Vec<String> = (0..n).map(|i| format!("{prefix}{i:05}")).collect();
     for chunk in ids.chunks(200) {
         let out = store
-            .push(PushBatch {
-                sender_pubkey: sender.to_owned(),
-                sender_host: "sender".to_owned(),
-                now_ms: 2_000,
-                expiry: Default::default(),
-                items: chunk
+            .push(crate::testing::conformance::batch(
+                sender,
+                "sender",
+                2_000,
+                Default::default(),
+                chunk
                     .iter()
                     .map(|id| item(id, &[(target, id.as_bytes())]))
                     .collect(),
-            })
+            ))
             .expect("push");
         assert!(
             out.items.iter().all(|i| i.status == ItemStatus::Accepted),
@@ -457,13 +457,13 @@ fn moved_items_may_take_the_new_key_past_its_quota_and_new_pushes_wait() {
     assert_eq!(queue(&store, &new).len(), 6);
     // A new push waits until the host drained its queue.
     let out = store
-        .push(PushBatch {
-            sender_pubkey: a.clone(),
-            sender_host: "alpha".to_owned(),
-            now_ms: 6_000,
-            expiry: Default::default(),
-            items: vec![item("late", &[(&new, b"late")])],
-        })
+        .push(crate::testing::conformance::batch(
+            &a,
+            "alpha",
+            6_000,
+            Default::default(),
+            vec![item("late", &[(&new, b"late")])],
+        ))
         .unwrap();
     assert!(
         out.items[0].status.wire().starts_with("rejected:quota:"),

@@ -21,9 +21,9 @@ use rusqlite::{Connection, OpenFlags};
 use crate::store::{
     key_fingerprint, wire_hash, AckRequest, AckResult, AuthorityStrength, DirectoryStore, EncAdV1,
     EncAdV2, EnrolOutcome, EnrolRequest, Expiry, ItemOutcome, ItemStatus, ItemStore, OpenOptions,
-    OperationsStore, PullPage, PullRequest, PushBatch, PushItem, PushOutcome, Rejection,
-    RevokeOutcome, SenderList, SenderListOutcome, StoreError, StoreHealth, StoreLimits, DAY_MS,
-    DB_FILE, LOCK_FILE,
+    OperationsStore, PullPage, PullRequest, PushItem, PushOutcome, Rejection, RevokeOutcome,
+    SenderList, SenderListOutcome, StoreError, StoreHealth, StoreLimits, DAY_MS, DB_FILE,
+    LOCK_FILE,
 };
 use crate::testing::conformance::{
     assert_in_order_outcome, enrol_request_at, in_order_batch, item, key, quota_limits, relay_key,
@@ -71,13 +71,13 @@ fn enrol(store: &SqliteStore, k: &str, name: &str) {
 
 fn push(store: &SqliteStore, sender: &str, now_ms: i64, items: Vec<PushItem>) -> PushOutcome {
     store
-        .push(PushBatch {
-            sender_pubkey: sender.to_owned(),
-            sender_host: "alpha".to_owned(),
+        .push(crate::testing::conformance::batch(
+            sender,
+            "alpha",
             now_ms,
-            expiry: Expiry::Retention,
+            Expiry::Retention,
             items,
-        })
+        ))
         .expect("push")
 }
 

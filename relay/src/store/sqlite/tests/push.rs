@@ -295,13 +295,13 @@ fn v1_items_never_expire_and_v2_items_expire_after_retention() {
     let (alpha, beta) = alpha_and_beta(&store);
     push_one(&store, &alpha, 1_000, item("v2", &[(&beta, b"x")]));
     store
-        .push(PushBatch {
-            sender_pubkey: alpha.clone(),
-            sender_host: "alpha".to_owned(),
-            now_ms: 1_000,
-            expiry: Expiry::Never,
-            items: vec![item("v1", &[(&beta, b"y")])],
-        })
+        .push(crate::testing::conformance::batch(
+            &alpha,
+            "alpha",
+            1_000,
+            Expiry::Never,
+            vec![item("v1", &[(&beta, b"y")])],
+        ))
         .expect("push");
     let expiries: Vec<(String, Option<i64>)> = store
         .read(|c| {

@@ -163,16 +163,16 @@ fn the_push_path_reuses_its_prepared_statements() {
     }
     let c = open_write_connection(&dir.path().join(DB_FILE)).expect("open");
     for i in 0..10 {
-        let batch = PushBatch {
-            sender_pubkey: alpha.clone(),
-            sender_host: "alpha".to_owned(),
-            now_ms: 10 + i,
-            expiry: Expiry::Retention,
-            items: vec![
+        let batch = crate::testing::conformance::batch(
+            &alpha,
+            "alpha",
+            10 + i,
+            Expiry::Retention,
+            vec![
                 item(&format!("a{i}"), &[(&beta, b"one")]),
                 item(&format!("b{i}"), &[(&listed, b"two")]),
             ],
-        };
+        );
         run_cached(&c, "BEGIN IMMEDIATE").expect("begin");
         let out = push_apply(&c, &StoreLimits::default(), &batch).expect("push");
         run_cached(&c, "COMMIT").expect("commit");

@@ -400,13 +400,13 @@ fn a_failed_commit_stops_the_writer_for_good() {
     assert_eq!(store.commits(), commits, "nothing committed");
 
     // Every later write fails at once with a clear error, whatever it is.
-    let push = store.push(PushBatch {
-        sender_pubkey: alpha.clone(),
-        sender_host: "alpha".to_owned(),
-        now_ms: 2_000,
-        expiry: Expiry::Retention,
-        items: vec![item("late", &[(&beta, b"l")])],
-    });
+    let push = store.push(crate::testing::conformance::batch(
+        &alpha,
+        "alpha",
+        2_000,
+        Expiry::Retention,
+        vec![item("late", &[(&beta, b"l")])],
+    ));
     let writes = [
         push.map(drop),
         store.set_heartbeat(2_000),
@@ -459,13 +459,13 @@ fn requests_queued_behind_a_failed_commit_are_refused_not_applied() {
             let store = Arc::clone(&store);
             let (alpha, beta) = (alpha.clone(), beta.clone());
             std::thread::spawn(move || {
-                store.push(PushBatch {
-                    sender_pubkey: alpha,
-                    sender_host: "alpha".to_owned(),
-                    now_ms: 1_000,
-                    expiry: Expiry::Retention,
-                    items: vec![item(&format!("r{i}"), &[(&beta, b"r")])],
-                })
+                store.push(crate::testing::conformance::batch(
+                    &alpha,
+                    "alpha",
+                    1_000,
+                    Expiry::Retention,
+                    vec![item(&format!("r{i}"), &[(&beta, b"r")])],
+                ))
             })
         })
         .collect();

@@ -130,13 +130,13 @@ fn fill(f: &Fixture, total: usize) -> Vec<String> {
             .collect();
         let out = f
             .store
-            .push(PushBatch {
-                sender_pubkey: alpha.clone(),
-                sender_host: "alpha".to_owned(),
-                now_ms: T0 + i64::try_from(pushed).expect("small"),
-                expiry: Expiry::Retention,
+            .push(crate::testing::conformance::batch(
+                &alpha,
+                "alpha",
+                T0 + i64::try_from(pushed).expect("small"),
+                Expiry::Retention,
                 items,
-            })
+            ))
             .expect("push");
         assert!(out.items.iter().all(|i| i.status == ItemStatus::Accepted));
         pushed += n;

@@ -7,7 +7,7 @@ use super::*;
 use crate::retention::RelayNoticeSigner;
 use crate::store::{
     AckRequest, AckResult, EnrolOutcome, Expiry, ItemOutcome, ItemStatus, OpenOptions, PullPage,
-    PushBatch, Rejection, RotateOutcome, RotateRequest, DB_FILE,
+    Rejection, RotateOutcome, RotateRequest, DB_FILE,
 };
 use crate::store::{DirectoryStore, ItemStore, OperationsStore};
 use agentmbx_protocol::canonical;
@@ -90,17 +90,17 @@ impl Fixture {
     ) -> ItemOutcome {
         let mut out = self
             .store
-            .push(PushBatch {
-                sender_pubkey: sender.to_owned(),
-                sender_host: "alpha".to_owned(),
+            .push(crate::testing::conformance::batch(
+                sender,
+                "alpha",
                 now_ms,
                 expiry,
-                items: vec![crate::testing::conformance::item_of(
+                vec![crate::testing::conformance::item_of(
                     kind,
                     id,
                     &[(target, wire)],
                 )],
-            })
+            ))
             .expect("push");
         assert_eq!(out.items.len(), 1);
         out.items.remove(0)
