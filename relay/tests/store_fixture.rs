@@ -6,6 +6,7 @@
 //! `regenerate_fixture` (ignored) rebuilt the store; it is kept to show exactly how the fixture
 //! was made, not to be run again (the fixture's point is bytes an older binary wrote).
 
+use agentmbx_relay::testing::conformance::envelope;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -71,15 +72,14 @@ fn enrol(store: &SqliteStore, key: &str, name: &str) {
 
 fn push(store: &SqliteStore, sender: &str, target: &str, id: &str, now: i64) {
     let out = store
-        .push(agentmbx_relay::testing::conformance::batch(
+        .push(envelope(
             sender,
             "fixture",
             now,
             Expiry::Never,
-            vec![agentmbx_relay::testing::conformance::item(
-                id,
-                &[(target, &format!("wire of {id}").into_bytes())],
-            )],
+            id,
+            target,
+            &format!("wire of {id}").into_bytes(),
         ))
         .expect("push");
     assert_eq!(out.items[0].status.wire(), "accepted", "{out:?}");

@@ -4,6 +4,7 @@ use super::*;
 use crate::store::SCHEMA_VERSION;
 use crate::store::{AckRequest, Expiry, OpenOptions, SqliteStore};
 use crate::store::{DirectoryStore, ItemStore, OperationsStore, StoreHealth};
+use crate::testing::conformance::envelope;
 use agentmbx_protocol::keys::HostKey;
 
 const T0: i64 = 1_767_225_600_000;
@@ -35,15 +36,14 @@ fn enrol(store: &SqliteStore, key: &str, name: &str) {
 
 fn push(store: &SqliteStore, sender: &str, id: &str, target: &str, len: usize, now: i64) {
     let out = store
-        .push(crate::testing::conformance::batch(
+        .push(envelope(
             sender,
             "alpha",
             now,
             Expiry::Retention,
-            vec![crate::testing::conformance::item(
-                id,
-                &[(target, &vec![b'x'; len])],
-            )],
+            id,
+            target,
+            &vec![b'x'; len],
         ))
         .expect("push");
     assert_eq!(out.items[0].status.wire(), "accepted");

@@ -323,6 +323,26 @@ pub fn batch(
     }
 }
 
+/// A push of the one envelope `id` from `sender` (host `sender_host`) to `target` with
+/// `wire`, at `now_ms` under `expiry`.
+pub fn envelope(
+    sender: &str,
+    sender_host: &str,
+    now_ms: i64,
+    expiry: Expiry,
+    id: &str,
+    target: &str,
+    wire: &[u8],
+) -> PushBatch {
+    batch(
+        sender,
+        sender_host,
+        now_ms,
+        expiry,
+        vec![item(id, &[(target, wire)])],
+    )
+}
+
 /// An envelope item `id` with one target per `(target key, wire bytes)`.
 pub fn item(id: &str, targets: &[(&str, &[u8])]) -> PushItem {
     item_of("envelope", id, targets)

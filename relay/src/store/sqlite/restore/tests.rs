@@ -2,6 +2,7 @@
 //! stores with SQL, so they live beside the SQLite steps.
 
 use crate::store::{DirectoryStore, ItemStore, OperationsStore};
+use crate::testing::conformance::envelope;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -70,15 +71,14 @@ fn enrol(store: &SqliteStore, key: &str, name: &str, now: i64) {
 
 fn push(store: &SqliteStore, sender: &str, target: &str, id: &str, now: i64) {
     store
-        .push(crate::testing::conformance::batch(
+        .push(envelope(
             sender,
             "alpha",
             now,
             Expiry::Never,
-            vec![crate::testing::conformance::item(
-                id,
-                &[(target, &format!("wire of {id}").into_bytes())],
-            )],
+            id,
+            target,
+            &format!("wire of {id}").into_bytes(),
         ))
         .expect("push");
 }
