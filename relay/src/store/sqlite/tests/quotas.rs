@@ -52,22 +52,29 @@ fn quotas_hold_at_the_bound_and_refuse_past_it() {
     );
 }
 
+/// Two items per account.
+fn owner_limits() -> StoreLimits {
+    StoreLimits {
+        max_owner_items: 2,
+        ..StoreLimits::default()
+    }
+}
+
+/// Enrols `alpha` (no account), then `b1` as "one" and `b2` as "two" in account "acct".
+fn enrol_alpha_and_account(store: &SqliteStore, alpha: &str, b1: &str, b2: &str) {
+    enrol(store, alpha, "alpha");
+    for (k, name) in [(b1, "one"), (b2, "two")] {
+        let out = enrol_as(store, k, name, Some("acct"));
+        assert!(matches!(out, EnrolOutcome::Enrolled(_)));
+    }
+}
+
 #[test]
 fn account_quota_charges_only_proven_accounts() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let store = open_limited(
-        dir.path(),
-        StoreLimits {
-            max_owner_items: 2,
-            ..StoreLimits::default()
-        },
-    );
+    let store = open_limited(dir.path(), owner_limits());
     let (alpha, b1, b2, loose) = (key(1), key(2), key(3), key(4));
-    enrol(&store, &alpha, "alpha");
-    for (k, name) in [(&b1, "one"), (&b2, "two")] {
-        let out = enrol_as(&store, k, name, Some("acct"));
-        assert!(matches!(out, EnrolOutcome::Enrolled(_)));
-    }
+    enrol_alpha_and_account(&store, &alpha, &b1, &b2);
     enrol(&store, &loose, "loose");
     // One byte from alpha to `target`, at `now`.
     let x_to = |now: i64, id: &str, target: &str| pushed(&store, &alpha, now, id, target, b"x");
@@ -100,19 +107,9 @@ fn account_quota_counts_the_items_own_earlier_targets() {
     // account: the second target sees the first target's addition and the whole item is
     // refused, with nothing stored for either target.
     let dir = tempfile::tempdir().expect("tempdir");
-    let store = open_limited(
-        dir.path(),
-        StoreLimits {
-            max_owner_items: 2,
-            ..StoreLimits::default()
-        },
-    );
+    let store = open_limited(dir.path(), owner_limits());
     let (alpha, b1, b2) = (key(1), key(2), key(3));
-    enrol(&store, &alpha, "alpha");
-    for (k, name) in [(&b1, "one"), (&b2, "two")] {
-        let out = enrol_as(&store, k, name, Some("acct"));
-        assert!(matches!(out, EnrolOutcome::Enrolled(_)));
-    }
+    enrol_alpha_and_account(&store, &alpha, &b1, &b2);
     assert_eq!(
         pushed(&store, &alpha, 1, "1", &b1, b"x"),
         ItemStatus::Accepted
