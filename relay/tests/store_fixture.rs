@@ -6,7 +6,7 @@
 //! `regenerate_fixture` (ignored) rebuilt the store; it is kept to show exactly how the fixture
 //! was made, not to be run again (the fixture's point is bytes an older binary wrote).
 
-use agentmbx_relay::testing::conformance::envelope;
+use agentmbx_relay::testing::conformance::kept_envelope;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -16,8 +16,8 @@ use agentmbx_protocol::keys::HostKey;
 use agentmbx_relay::ops::{self, RelayOpSigner, RestoreOptions, RotatedBy};
 use agentmbx_relay::status;
 use agentmbx_relay::store::{
-    AckRequest, DenyKind, EncAdV2, Expiry, OpSigner, OpenOptions, PullRequest, SenderList,
-    SqliteStore, StoreLock, DB_FILE, SCHEMA_VERSION,
+    AckRequest, DenyKind, EncAdV2, OpSigner, OpenOptions, PullRequest, SenderList, SqliteStore,
+    StoreLock, DB_FILE, SCHEMA_VERSION,
 };
 use agentmbx_relay::store::{DirectoryStore, ItemStore, OperationsStore};
 
@@ -72,15 +72,7 @@ fn enrol(store: &SqliteStore, key: &str, name: &str) {
 
 fn push(store: &SqliteStore, sender: &str, target: &str, id: &str, now: i64) {
     let out = store
-        .push(envelope(
-            sender,
-            "fixture",
-            now,
-            Expiry::Never,
-            id,
-            target,
-            &format!("wire of {id}").into_bytes(),
-        ))
+        .push(kept_envelope(sender, "fixture", now, id, target))
         .expect("push");
     assert_eq!(out.items[0].status.wire(), "accepted", "{out:?}");
 }

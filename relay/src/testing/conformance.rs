@@ -343,6 +343,27 @@ pub fn envelope(
     )
 }
 
+/// A push of envelope `id` that never expires (a v1 item), its wire `wire of {id}`: the items
+/// of the backup and restore fixtures.
+pub fn kept_envelope(
+    sender: &str,
+    sender_host: &str,
+    now_ms: i64,
+    id: &str,
+    target: &str,
+) -> PushBatch {
+    let wire = format!("wire of {id}").into_bytes();
+    envelope(
+        sender,
+        sender_host,
+        now_ms,
+        Expiry::Never,
+        id,
+        target,
+        &wire,
+    )
+}
+
 /// An envelope item `id` with one target per `(target key, wire bytes)`.
 pub fn item(id: &str, targets: &[(&str, &[u8])]) -> PushItem {
     item_of("envelope", id, targets)

@@ -2,7 +2,7 @@
 //! stores with SQL, so they live beside the SQLite steps.
 
 use crate::store::{DirectoryStore, ItemStore, OperationsStore};
-use crate::testing::conformance::envelope;
+use crate::testing::conformance::kept_envelope;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -15,7 +15,7 @@ use crate::ops::{
 };
 use crate::ops::{read_verified_log, verify_receipt, RelayOpSigner};
 use crate::store::{
-    AccountBinding, AuthorityStrength, DenyEntry, DenyKind, EncAdV2, EnrolRequest, Expiry, OpEntry,
+    AccountBinding, AuthorityStrength, DenyEntry, DenyKind, EncAdV2, EnrolRequest, OpEntry,
     OpenOptions, SenderList, SqliteStore,
 };
 use crate::store::{OpSigner, StoreLock, DB_FILE, LOCK_FILE, SCHEMA_VERSION};
@@ -71,15 +71,7 @@ fn enrol(store: &SqliteStore, key: &str, name: &str, now: i64) {
 
 fn push(store: &SqliteStore, sender: &str, target: &str, id: &str, now: i64) {
     store
-        .push(envelope(
-            sender,
-            "alpha",
-            now,
-            Expiry::Never,
-            id,
-            target,
-            &format!("wire of {id}").into_bytes(),
-        ))
+        .push(kept_envelope(sender, "alpha", now, id, target))
         .expect("push");
 }
 
