@@ -6,9 +6,8 @@ use super::*;
 fn a_sender_allowlist_refuses_other_senders() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = open(dir.path());
-    let (alpha, beta, mallory) = (key(1), key(2), key(6));
-    enrol(&store, &alpha, "alpha");
-    enrol(&store, &beta, "beta");
+    let (alpha, beta) = alpha_and_beta(&store);
+    let mallory = key(6);
     enrol(&store, &mallory, "mallory");
     let list = |iat_ms: i64, senders: Vec<String>| SenderList {
         target_pubkey: beta.clone(),

@@ -56,9 +56,8 @@ fn dedup_absent_duplicate_and_conflict() {
 fn mixed_fresh_and_duplicate_targets_are_accepted_at_now() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = open(dir.path());
-    let (alpha, beta, gamma) = (key(1), key(2), key(3));
-    enrol(&store, &alpha, "alpha");
-    enrol(&store, &beta, "beta");
+    let (alpha, beta) = alpha_and_beta(&store);
+    let gamma = key(3);
     enrol(&store, &gamma, "gamma");
     let one = push_one(&store, &alpha, 5_000, item("m", &[(&beta, b"b")]));
     assert_eq!(one.status, ItemStatus::Accepted);
