@@ -272,7 +272,8 @@ pub(crate) fn enrol_request(k: &str, name: &str, account: Option<&str>) -> Enrol
     }
 }
 
-/// [`enrol_request`] at `now_ms` (milliseconds since the epoch) instead of [`T0`].
+/// The enrolment request of `enrol_request` at `now_ms` (milliseconds since the epoch) instead
+/// of [`T0`].
 pub fn enrol_request_at(k: &str, name: &str, account: Option<&str>, now_ms: i64) -> EnrolRequest {
     EnrolRequest {
         now_ms,
