@@ -216,6 +216,8 @@ impl RelayClient {
 mod tests {
     use super::*;
 
+    mod publish;
+
     #[test]
     fn senders_are_sorted_unique_and_capped() {
         let keys = ["c", "a", "b", "a"].map(String::from);

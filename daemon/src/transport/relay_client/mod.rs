@@ -25,6 +25,8 @@ pub mod session;
 pub mod state;
 
 #[cfg(test)]
+mod test_support;
+#[cfg(test)]
 mod tests;
 
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -463,6 +463,8 @@ impl RelayClient {
 mod tests {
     use super::*;
 
+    mod relay;
+
     fn item(seq: i64) -> PullItem {
         PullItem {
             seq,

@@ -559,3 +559,6 @@ pub fn urlencode(s: &str) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests;

@@ -960,3 +960,6 @@ fn unreachable_detail(e: &RelayError) -> String {
         other => other.to_string(),
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -767,6 +767,8 @@ pub fn clear_enc_refusal(conn: &Connection, host: &str) -> Result<(), MailboxErr
 mod tests {
     use super::*;
 
+    mod trust;
+
     #[test]
     fn http_dates_parse_and_others_do_not() {
         assert_eq!(
