@@ -92,3 +92,6 @@ pub async fn post(
     state.wake.notify_one();
     answer
 }
+
+#[cfg(test)]
+mod tests;

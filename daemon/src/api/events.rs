@@ -226,3 +226,6 @@ impl Stream {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

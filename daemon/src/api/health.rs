@@ -102,3 +102,6 @@ pub async fn get(
         reasons,
     }))
 }
+
+#[cfg(test)]
+mod tests;

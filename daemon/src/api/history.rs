@@ -287,3 +287,6 @@ fn position_answer(agent: &str, seq: i64) -> Value {
     })
     .unwrap_or(Value::Null)
 }
+
+#[cfg(test)]
+mod tests;

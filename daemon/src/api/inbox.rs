@@ -197,3 +197,6 @@ async fn notified(state: &SharedState, agent: &str, page: &InboxPage) -> Result<
         .await?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests;

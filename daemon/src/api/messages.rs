@@ -221,3 +221,6 @@ pub async fn get(
     state.wake.notify_one();
     Ok(Json(msg))
 }
+
+#[cfg(test)]
+mod tests;

@@ -41,6 +41,8 @@ pub mod wakes;
 
 #[cfg(test)]
 mod http_tests;
+#[cfg(test)]
+mod test_support;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};

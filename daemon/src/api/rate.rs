@@ -238,6 +238,8 @@ async fn read_agent(request: Request) -> Result<(Request, Option<String>), ApiEr
 mod tests {
     use super::*;
 
+    mod http;
+
     #[test]
     fn every_route_has_its_class() {
         let get = Method::GET;

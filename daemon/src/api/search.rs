@@ -69,3 +69,6 @@ pub async fn get(
         .await?;
     Ok(Json(page))
 }
+
+#[cfg(test)]
+mod tests;

@@ -56,3 +56,6 @@ pub async fn get(
         .await?;
     Ok(Json(page))
 }
+
+#[cfg(test)]
+mod tests;

@@ -200,3 +200,6 @@ pub async fn unmute(
     )
     .await
 }
+
+#[cfg(test)]
+mod tests;
