@@ -540,4 +540,6 @@ pub async fn run(paths: Paths, selected: &[Check], opts: Options) -> Report {
 }
 
 #[cfg(test)]
+mod test_support;
+#[cfg(test)]
 mod tests;

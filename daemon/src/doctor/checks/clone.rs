@@ -127,3 +127,6 @@ pub fn peer_key_clone(f: &Facts) -> Result<Outcome, String> {
     }
     Ok(out.detail("the report clears within 10 minutes once only one daemon uses the peer's key"))
 }
+
+#[cfg(test)]
+mod tests;

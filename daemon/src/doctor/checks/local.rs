@@ -585,3 +585,6 @@ mod service_tests {
         );
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -264,3 +264,6 @@ fn peers(f: &Facts) -> Result<Outcome, String> {
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests;

@@ -409,3 +409,6 @@ async fn futures_join_all<F: std::future::Future>(futs: impl Iterator<Item = F>)
     .await;
     out.into_iter().flatten().collect()
 }
+
+#[cfg(test)]
+mod tests;

@@ -519,3 +519,6 @@ pub fn clock_skew(f: &Facts) -> Result<Outcome, String> {
         },
     })
 }
+
+#[cfg(test)]
+mod tests;
