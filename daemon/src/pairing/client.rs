@@ -806,3 +806,6 @@ mod unit {
         assert!(normalize_code("12345a").is_err());
     }
 }
+
+#[cfg(test)]
+mod tests;

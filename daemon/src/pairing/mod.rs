@@ -21,7 +21,7 @@ pub mod server;
 pub mod store;
 
 #[cfg(test)]
-mod tests;
+mod test_support;
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};

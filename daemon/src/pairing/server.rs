@@ -316,3 +316,6 @@ async fn compare(State(lan): State<SharedLan>, body: Bytes) -> Response {
         Err(e) => internal(&e),
     }
 }
+
+#[cfg(test)]
+mod tests;

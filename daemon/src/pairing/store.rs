@@ -285,3 +285,6 @@ pub fn delete_pending(conn: &Connection, host: &str) -> Result<(), MailboxError>
 pub fn purge_pending(conn: &Connection, now_ms: i64) -> Result<usize, MailboxError> {
     Ok(conn.execute("DELETE FROM pair_pending WHERE expires_at <= ?1", [now_ms])?)
 }
+
+#[cfg(test)]
+mod tests;
