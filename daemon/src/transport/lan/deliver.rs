@@ -671,5 +671,4 @@ pub fn fan_out(
 }
 
 #[cfg(test)]
-#[path = "deliver_tests.rs"]
 mod tests;
