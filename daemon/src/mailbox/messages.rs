@@ -5,7 +5,27 @@ use rusqlite::{params, Connection, OptionalExtension};
 use serde::Serialize;
 use serde_json::Value;
 
+use agentmbx_protocol::limits::utf16_len;
+
 use super::MailboxError;
+
+/// Longest receipt note (UTF-16 code units, `wire.md` §2.11): the T218 bound 0.5.x peers
+/// enforce when they check a receipt. An ack note is held to it at the door ([`check_note`])
+/// and cut to it in the receipt (`super::receipts::record`).
+pub const MAX_NOTE: usize = 500;
+
+/// Checks an ack note against [`MAX_NOTE`], in the receipt's unit (UTF-16 code units, as
+/// JavaScript counts: an emoji is two). Errors: [`MailboxError::Invalid`] naming the note's
+/// length and the limit in that unit.
+pub fn check_note(note: &str) -> Result<(), MailboxError> {
+    let units = utf16_len(note);
+    if units > MAX_NOTE {
+        return Err(MailboxError::Invalid(format!(
+            "note is {units} UTF-16 code units; the limit is {MAX_NOTE}"
+        )));
+    }
+    Ok(())
+}
 
 /// Largest inbox page (count).
 pub const MAX_INBOX_LIMIT: u32 = 200;
@@ -146,6 +166,7 @@ pub fn insert(
             .unwrap_or_default()
             .to_string()
     };
+    // Fires trigger `messages_search_insert` (schema.rs): indexes subject and body for search.
     let n = conn.execute(
         "INSERT OR IGNORE INTO messages(id, ts, from_addr, thread, reply_to, kind, subject, body, envelope, origin, received_at)
          VALUES (?1,?2,?3,?4,?5,?6,?7,?8,?9,?10,?11)",
@@ -190,6 +211,8 @@ pub fn deliver(
     agent: &str,
     now_ms: i64,
 ) -> Result<(), MailboxError> {
+    // Fires triggers (schema.rs) `deliveries_receipt_insert`: queues a `delivered` receipt to the
+    // origin of mail from a peer; `deliveries_hook_inbox`: queues the delivery for the hooks.
     conn.execute(
         "INSERT OR IGNORE INTO deliveries(msg_id, agent, state, updated_at) VALUES (?1, ?2, 'new', ?3)",
         params![msg_id, agent, now_ms],
@@ -292,6 +315,8 @@ pub fn mark_notified(
     ids: &[String],
     now_ms: i64,
 ) -> Result<usize, MailboxError> {
+    // Fires trigger `deliveries_receipt_notified` (schema.rs): queues a `notified` receipt to the
+    // origin of mail from a peer.
     let mut st = conn.prepare_cached(
         "UPDATE deliveries SET notified_at = ?3
          WHERE msg_id = ?1 AND agent = ?2 AND state = 'new' AND notified_at IS NULL",
@@ -371,6 +396,8 @@ pub fn read(
     match state {
         Some(st) => {
             if st == "new" {
+                // Fires trigger `deliveries_receipt_update` (schema.rs): queues a `read`
+                // receipt to the origin of mail from a peer.
                 conn.execute(
                     "UPDATE deliveries SET state = 'read', updated_at = ?3 WHERE msg_id = ?1 AND agent = ?2 AND state = 'new'",
                     params![id, agent, now_ms],
@@ -551,7 +578,7 @@ pub fn thread(
 
 /// Acks `ids` for `agent` (mailbox ack, never a transport ack). Returns how many changed state;
 /// an id not delivered to the agent is [`MailboxError::NotFound`] and a note over the receipt's
-/// limit ([`super::receipts::check_note`]) is [`MailboxError::Invalid`]; either changes nothing.
+/// limit ([`check_note`]) is [`MailboxError::Invalid`]; either changes nothing.
 /// Runs inside the caller's transaction (all or nothing).
 pub fn ack(
     tx: &Connection,
@@ -561,7 +588,7 @@ pub fn ack(
     now_ms: i64,
 ) -> Result<u64, MailboxError> {
     if let Some(note) = note {
-        super::receipts::check_note(note)?;
+        check_note(note)?;
     }
     let mut changed = 0;
     for id in ids {
@@ -580,6 +607,8 @@ pub fn ack(
             }
             Some(s) if s == "acked" => {}
             Some(_) => {
+                // Fires trigger `deliveries_receipt_update` (schema.rs): queues an `acked`
+                // receipt (with the note) to the origin of mail from a peer.
                 tx.execute(
                     "UPDATE deliveries SET state = 'acked', note = ?3, updated_at = ?4 WHERE msg_id = ?1 AND agent = ?2",
                     params![id, agent, note, now_ms],

@@ -10,10 +10,13 @@
 //! last item of the run it covers; nothing received is dropped silently (rejected items go to
 //! quarantine).
 //!
-//! This module never talks to the network and never blocks the async runtime: async code calls
-//! [`Mailbox::run`], which moves the closure to a blocking thread. One process (the daemon, or a
-//! CLI command while no daemon writes the same row) writes; SQLite's lock and busy timeout make
-//! a concurrent CLI write safe.
+//! This module is SQL only: it never seals or signs (the outbound step `crate::node::outbound`
+//! makes the wire bytes it keeps) and checks a signature only through a caller's closure
+//! ([`peers::check_retired`]); it never imports a transport or the mail logic (`crate::node`)
+//! above it, never talks to the network and never blocks the async runtime: async code calls
+//! [`Mailbox::run`], which moves the closure to a blocking thread. One process (the daemon, or
+//! a CLI command while no daemon writes the same row) writes; SQLite's lock and busy timeout
+//! make a concurrent CLI write safe.
 //!
 //! Waiting for mail: [`Mailbox::with`] is also the one wake point for readers that wait
 //! ([`wake`]): after a closure that changed rows returns (its transaction committed), the
@@ -26,11 +29,13 @@ pub mod events;
 pub mod history;
 pub mod hooks;
 pub mod idempotency;
+pub mod lane;
 pub mod messages;
 pub mod outbox;
 pub mod peers;
 pub mod receipts;
 pub mod relay_state;
+pub mod schedule;
 mod schema;
 pub mod search;
 pub mod unclaimed;
@@ -163,7 +168,7 @@ impl Mailbox {
     }
 }
 
-/// Runs one of the due-row selections of transport selection ([`crate::transport::select`]):
+/// Runs one of the due-row selections of the LAN-or-relay rule ([`lane`]):
 /// `sql` uses `:now`, `:limit`, `:t` (LAN failures before the relay) and `:r` (a relay is
 /// configured); each row is read with `map`. The one place the outbox and the receipt queue
 /// bind the rule's parameters.
@@ -180,7 +185,7 @@ pub(crate) fn select_due<T>(
         .query_map(
             rusqlite::named_params! {
                 ":now": now_ms, ":limit": limit as i64,
-                ":t": crate::transport::select::LAN_FAILURES_BEFORE_RELAY,
+                ":t": lane::LAN_FAILURES_BEFORE_RELAY,
                 ":r": relay_configured,
             },
             map,

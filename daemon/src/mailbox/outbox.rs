@@ -31,32 +31,30 @@
 //! (`relay-accepted`, `repush`) is never ended by this rule: its deadline is. A row is never
 //! deleted by a failure.
 //!
-//! Which transport takes a due row is decided by [`crate::transport::select`]; the queries
+//! Which transport takes a due row is decided by the rule of [`super::lane`]; the queries
 //! [`due_for_lan`] and [`due_for_relay`] are that rule in SQL, and [`back_to_lan`] is its
 //! hand-back after a relay refusal that shows the target is not enrolled there.
 //!
 //! The wire bytes are written once, before the first attempt, and reused byte for byte on every
-//! retry and by both transports ([`set_wire`] never overwrites). They are resealed only when the
-//! peer's pinned key changed (`wire.md` "Resolved details: Resealing": a new target key, a new
-//! dedup key; [`retarget`], [`follow_rotations`]). A row that reaches a final state drops them
-//! (`wire = NULL`, `wire.md` §3.5 "Settle"; `wire_hash` stays as the record of what was sent):
-//! no transport sends a final row again, a re-push only ever takes `repush` rows, and a late
-//! receipt or LAN verdict for a final row only changes its state.
+//! retry and by both transports ([`set_wire`] never overwrites; the outbound step
+//! `crate::node::outbound` seals them, this store only keeps bytes). They are resealed only
+//! when the peer's pinned key changed (`wire.md` "Resolved details: Resealing": a new target
+//! key, a new dedup key; [`retarget`], [`follow_rotations`]). A row that reaches a final state
+//! drops them (`wire = NULL`, `wire.md` §3.5 "Settle"; `wire_hash` stays as the record of what
+//! was sent): no transport sends a final row again, a re-push only ever takes `repush` rows,
+//! and a late receipt or LAN verdict for a final row only changes its state.
 
 use rusqlite::{params, Connection, OptionalExtension};
 use serde::Serialize;
 
-use agentmbx_protocol::envelope::Envelope;
-use agentmbx_protocol::keys::{EncPublicKey, HostKey};
-use agentmbx_protocol::{hash, seal};
+pub use super::schedule::{
+    backoff_ms, cut_error, max_horizon_ms, BACKOFF_BASE_MS, BACKOFF_MAX_MS, MAX_LAST_ERROR,
+};
 
+use super::lane::{lan_takes_sql, LAN_FAILURES_BEFORE_RELAY, LAN_PEER_SQL};
+use super::schedule::{due_sql, horizon_sql, wake_sql};
 use super::MailboxError;
-use crate::transport::select::LAN_FAILURES_BEFORE_RELAY;
 
-/// First retry delay (ms); the delay doubles per attempt.
-pub const BACKOFF_BASE_MS: i64 = 5_000;
-/// Longest retry delay (ms): one hour.
-pub const BACKOFF_MAX_MS: i64 = 3_600_000;
 /// How long a `pending` row that no relay ever accepted is kept before it is `undelivered`
 /// (ms): 72 h (`wire.md` §4 "Outbox client"), whichever transport was trying it, or none.
 pub const GIVE_UP_MS: i64 = 72 * 3_600_000;
@@ -64,56 +62,6 @@ pub const GIVE_UP_MS: i64 = 72 * 3_600_000;
 pub const GIVE_UP_BATCH: usize = 200;
 /// The error named by a row that was never tried because no transport could take it.
 pub const NO_TRANSPORT: &str = "no transport could take it";
-/// Longest `last_error` kept (characters, `wire.md` §4).
-pub const MAX_LAST_ERROR: usize = 300;
-
-/// Retry delay after `attempts` failed attempts: `min(5 s · 2^attempts, 1 h)` (ms).
-pub fn backoff_ms(attempts: u32) -> i64 {
-    BACKOFF_BASE_MS
-        .saturating_mul(1i64 << attempts.min(20))
-        .min(BACKOFF_MAX_MS)
-}
-
-/// How far ahead of `now` a row's `next_at` can legitimately be after `attempts` failed
-/// attempts (ms): the delay its last failure chose, [`backoff_ms`]`(attempts - 1)`; 0 before
-/// any failure (a new row is due at once, and "peer is back", a re-target and a re-push make
-/// a row due now). Every writer of `next_at` keeps to it. A `next_at` further ahead was
-/// written while the clock was ahead of the current one (a skew fixed since): the row is due
-/// now (`due_sql`), so mail queued during the skew does not wait it out.
-pub fn max_horizon_ms(attempts: u32) -> i64 {
-    match attempts {
-        0 => 0,
-        n => backoff_ms(n - 1),
-    }
-}
-
-/// [`max_horizon_ms`] in SQL, over the integer column (or expression) `attempts`.
-pub(crate) fn horizon_sql(attempts: &str) -> String {
-    format!(
-        "(CASE WHEN {attempts} <= 0 THEN 0 ELSE MIN({BACKOFF_BASE_MS} << MIN({attempts} - 1, 20), {BACKOFF_MAX_MS}) END)"
-    )
-}
-
-/// The "due at `:now`" condition in SQL for a schedule column `next_at` whose furthest
-/// legitimate distance ahead is the SQL expression `horizon` (ms): `next_at ≤ :now`, or
-/// `next_at` further ahead than `horizon` (written by a clock that was ahead; see
-/// [`max_horizon_ms`]). Written as a difference so `:now` = `i64::MAX` cannot overflow.
-pub(crate) fn due_sql(next_at: &str, horizon: &str) -> String {
-    format!("({next_at} <= :now OR {next_at} - :now > {horizon})")
-}
-
-/// The time (ms) the loops should wake for a schedule column `next_at` in SQL: `:now` for a
-/// row [`due_sql`] finds due because it lies beyond its `horizon`, else `next_at`. Take its
-/// `MIN` for a loop's next wake-up, so a loop never sleeps until a skewed time.
-pub(crate) fn wake_sql(next_at: &str, horizon: &str) -> String {
-    format!("(CASE WHEN {next_at} - :now > {horizon} THEN :now ELSE {next_at} END)")
-}
-
-/// `text` cut to at most [`MAX_LAST_ERROR`] characters.
-pub fn cut_error(text: &str) -> String {
-    text.chars().take(MAX_LAST_ERROR).collect()
-}
-
 /// The `last_error` (and alert reason) of a row ended by the 72 h rule:
 /// `gave up after 72 h (<error>)`, cut to [`MAX_LAST_ERROR`] characters.
 pub fn gave_up_reason(error: &str) -> String {
@@ -261,19 +209,18 @@ fn row_wake_sql() -> String {
     wake_sql("o.next_at", &horizon_sql("o.attempts"))
 }
 
-/// The LAN part of the selection rule ([`crate::transport::select::choose`]) over `outbox o`
-/// joined with `peers p`: the peer is pinned with this row's key and has a LAN address, and
-/// fewer than `:t` LAN failures unless no relay is configured (`:r` false). A `repush` row
-/// follows the same rule as a `pending` one. Shared with the receipt queries.
-pub(crate) const LAN_PEER_SQL: &str =
-    "p.pubkey IS NOT NULL AND p.addr IS NOT NULL AND p.addr <> ''";
-
+/// The LAN part of the selection rule ([`super::lane`]) for an `outbox o` row joined with
+/// `peers p`: the peer is pinned with this row's key, and [`lan_takes_sql`] over its LAN
+/// failures. A `repush` row follows the same rule as a `pending` one.
 fn lan_sql() -> String {
-    format!("p.pubkey = o.target_pubkey AND {LAN_PEER_SQL} AND (o.lan_failures < :t OR NOT :r)")
+    format!(
+        "p.pubkey = o.target_pubkey AND {}",
+        lan_takes_sql("o.lan_failures")
+    )
 }
 
 /// `pending` and `repush` rows due at `now_ms` (`next_at ≤ now`, or beyond the row's
-/// [`max_horizon_ms`]) that the LAN takes (spec §10, [`crate::transport::select`]): in the
+/// [`max_horizon_ms`]) that the LAN takes (spec §10, [`super::lane`]): in the
 /// order they were queued here (rowid, never a stored time), at most `limit`. `relay_configured` false lets
 /// the LAN keep every row whose peer has an address, however often it failed.
 pub fn due_for_lan(
@@ -613,37 +560,18 @@ pub fn give_up_stale(
     Ok(out)
 }
 
-/// Seals the row's stored message for its target's enc key and persists the wire bytes once
-/// (`wire.md` Decision 4: the same bytes serve the LAN and the relay, on every retry). Returns
-/// the stored bytes: the row's own when it already had them (nothing is sealed then), else the
-/// first bytes written. Errors: [`MailboxError::NotFound`] (no such row or message),
-/// [`MailboxError::Invalid`] (the stored envelope cannot be sealed).
-pub fn seal_once(
-    conn: &Connection,
-    row: &Row,
-    enc_pub: &EncPublicKey,
-    own_host: &str,
-    host_key: &HostKey,
-) -> Result<Vec<u8>, MailboxError> {
-    if let Some(w) = &row.wire {
-        return Ok(w.clone());
-    }
+/// The stored plain envelope (JSON text) of the message behind an outbox row, the input the
+/// outbound step seals for each target (`crate::node::outbound::seal_once`). Errors:
+/// [`MailboxError::NotFound`] (no such message), storage faults.
+pub fn plain_envelope(conn: &Connection, msg_id: &str) -> Result<String, MailboxError> {
     let stored: Option<String> = conn
         .query_row(
             "SELECT envelope FROM messages WHERE id = ?1",
-            [&row.msg_id],
+            [msg_id],
             |r| r.get(0),
         )
         .optional()?;
-    let stored =
-        stored.ok_or_else(|| MailboxError::NotFound(format!("no message {}", row.msg_id)))?;
-    let plain: Envelope = serde_json::from_str(&stored)
-        .map_err(|e| MailboxError::Invalid(format!("stored envelope {}: {e}", row.msg_id)))?;
-    let sealed = seal::seal_envelope(&plain, enc_pub, own_host, host_key)
-        .map_err(|e| MailboxError::Invalid(format!("cannot seal {}: {e}", row.msg_id)))?;
-    let wire = sealed.wire_json().into_bytes();
-    let wire_hash = hash::sha256_hex(&wire);
-    set_wire(conn, &row.msg_id, &row.host, &wire, &wire_hash)
+    stored.ok_or_else(|| MailboxError::NotFound(format!("no message {msg_id}")))
 }
 
 /// The peer accepted the row over the LAN (`accepted` or `duplicate`): `delivered`, via `lan`,
@@ -847,7 +775,7 @@ impl Repush {
 /// `attempts` of a row made `repush` (`wire.md` §3.5 "Epoch change / rewind": attempts=2). A
 /// re-push is not a first attempt; in this outbox `attempts` only sets the backoff of the next
 /// failure ([`backoff_ms`]), while the LAN-or-relay choice counts `lan_failures`
-/// ([`crate::transport::select`]), which a re-push leaves as it was.
+/// ([`super::lane`]), which a re-push leaves as it was.
 pub const REPUSH_ATTEMPTS: u32 = 2;
 
 /// The relay `relay` showed a new epoch `epoch` or went back in time (spec §5 "On seeing a new

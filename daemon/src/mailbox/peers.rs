@@ -70,6 +70,8 @@ pub fn add(conn: &Connection, host: &str, pubkey: &str, now_ms: i64) -> Result<b
             p.host
         )));
     }
+    // Fires trigger `peers_quarantine_insert` (schema.rs): quarantined mail and receipts from
+    // this key or host are marked for a retry.
     conn.execute(
         "INSERT INTO peers(host, pubkey, added_at) VALUES (?1, ?2, ?3)",
         params![host, pubkey, now_ms],
@@ -153,6 +155,8 @@ pub fn set_addr(
 /// Deletes the peer row `host` alone; returns whether there was one. Unpairing goes through
 /// [`crate::node::unpair::forget_peer`], which also ends the mail still waiting for it.
 pub fn remove(conn: &Connection, host: &str) -> Result<bool, MailboxError> {
+    // Fires trigger `peers_quarantine_delete` (schema.rs): quarantined mail and receipts from
+    // this key or host are marked for a retry.
     Ok(conn.execute("DELETE FROM peers WHERE host = ?1", [host])? == 1)
 }
 
@@ -374,6 +378,8 @@ pub fn rotate(
     prev.drain(..excess);
     let prev = serde_json::to_string(&prev)
         .map_err(|e| MailboxError::Invalid(format!("prev_keys: {e}")))?;
+    // Fires trigger `peers_quarantine_update` (schema.rs): quarantined mail and receipts from
+    // the old or new key or host are marked for a retry.
     let n = conn.execute(
         "UPDATE peers SET pubkey = ?3, enc_pub = ?4, enc_ad_iat = ?5, prev_keys = ?6
          WHERE host = ?1 AND pubkey = ?2",

@@ -2,10 +2,11 @@
 //!
 //! - `receipt_outbox`: receipts this host owes the hosts that sent it mail. The schema-v2
 //!   triggers on `deliveries` queue a row in the transaction that changes a delivery of a
-//!   message from a peer (`new` is sent as `delivered`). A row is signed once ([`wire_once`]),
-//!   sent over the LAN or the relay ([`crate::transport::select`] decides, as for mail), deleted
-//!   when the peer or a verified relay accept took it ([`sent`]), backed off on failure
-//!   ([`fail`]), and dropped unsent after 72 h ([`expire`]: receipts are advisory).
+//!   message from a peer (`new` is sent as `delivered`). A row is signed once (by
+//!   `crate::node::outbound`; this store keeps the bytes, [`set_wire`]), sent over the LAN or
+//!   the relay ([`super::lane`] decides, as for mail), deleted when the peer or a verified
+//!   relay accept took it ([`sent`]), backed off on failure ([`fail`]), and dropped unsent
+//!   after 72 h ([`expire`]: receipts are advisory).
 //! - `remote_receipts`: what peers reported for mail this host sent (written by
 //!   `node::receipts::accept`), read back with the outbox by [`sent_page`] (`GET /v1/sent`).
 //!
@@ -18,14 +19,15 @@ use rusqlite::{params, Connection, OptionalExtension};
 use serde::Serialize;
 use serde_json::Value;
 
-use agentmbx_protocol::keys::HostKey;
 use agentmbx_protocol::limits::utf16_len;
 use agentmbx_protocol::records::Receipt;
 use agentmbx_protocol::time::iso_ms;
 
-use super::outbox::{backoff_ms, cut_error, due_sql, horizon_sql, wake_sql, LAN_PEER_SQL};
+use super::lane::{lan_takes_sql, LAN_FAILURES_BEFORE_RELAY};
+use super::schedule::{backoff_ms, cut_error, due_sql, horizon_sql, wake_sql};
 use super::MailboxError;
-use crate::transport::select::LAN_FAILURES_BEFORE_RELAY;
+
+pub use super::messages::{check_note, MAX_NOTE};
 
 /// Receipts per request and per host in one pass (`wire.md` §4: `POST /v1/receipts` ≤200).
 pub const RECEIPT_BATCH: usize = 200;
@@ -41,7 +43,7 @@ pub const UNSUPPORTED_ERROR_PREFIX: &str = "receipts unsupported by the peer: ";
 /// `receipt_outbox r`: the delay its last failure chose ([`fail`]): [`UNSUPPORTED_RETRY_MS`]
 /// after a peer that does not know receipts (`last_error` starts with
 /// [`UNSUPPORTED_ERROR_PREFIX`]), else the outbox rule
-/// ([`super::outbox::max_horizon_ms`]`(attempts)`; 0 for a new receipt, queued due now). A
+/// ([`super::schedule::max_horizon_ms`]`(attempts)`; 0 for a new receipt, queued due now). A
 /// receipt scheduled further ahead was scheduled by a clock that was ahead (a skew fixed
 /// since): it is due now.
 pub fn horizon_of_sql() -> String {
@@ -59,23 +61,6 @@ fn receipt_due_sql() -> String {
 
 fn receipt_wake_sql() -> String {
     wake_sql("r.next_at", &horizon_of_sql())
-}
-
-/// Longest receipt note (UTF-16 code units, `wire.md` §2.11): the T218 bound 0.5.x peers
-/// enforce when they check a receipt. An ack note is held to it at the door ([`check_note`]).
-pub const MAX_NOTE: usize = 500;
-
-/// Checks an ack note against [`MAX_NOTE`], in the receipt's unit (UTF-16 code units, as
-/// JavaScript counts: an emoji is two). Errors: [`MailboxError::Invalid`] naming the note's
-/// length and the limit in that unit.
-pub fn check_note(note: &str) -> Result<(), MailboxError> {
-    let units = utf16_len(note);
-    if units > MAX_NOTE {
-        return Err(MailboxError::Invalid(format!(
-            "note is {units} UTF-16 code units; the limit is {MAX_NOTE}"
-        )));
-    }
-    Ok(())
 }
 
 /// A queued receipt.
@@ -126,11 +111,13 @@ fn row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Row> {
     })
 }
 
+/// The LAN part of the selection rule ([`super::lane`]) for a `receipt_outbox r` row joined
+/// with `peers p`.
 fn lan_sql() -> String {
-    format!("{LAN_PEER_SQL} AND (r.lan_failures < :t OR NOT :r)")
+    lan_takes_sql("r.lan_failures")
 }
 
-/// Due receipts the LAN takes (same rule as mail, [`crate::transport::select`]): the peer is
+/// Due receipts the LAN takes (same rule as mail, [`super::lane`]): the peer is
 /// pinned with a LAN address and the LAN failed fewer than twice (or no relay is configured).
 /// Oldest first, at most `limit`.
 pub fn due_for_lan(
@@ -229,35 +216,26 @@ pub fn record(row: &Row, own_host: &str) -> Receipt {
     }
 }
 
-/// The row's signed wire `canonical({rec, sig})`, made and stored on first use and reused
-/// byte for byte after (the relay item's dedup is byte-exact). Errors: the row is gone
-/// ([`MailboxError::NotFound`]), or the record cannot be serialized ([`MailboxError::Invalid`]).
-pub fn wire_once(
-    conn: &Connection,
-    row: &Row,
-    own_host: &str,
-    key: &HostKey,
-) -> Result<Vec<u8>, MailboxError> {
-    if let Some(w) = &row.wire {
-        return Ok(w.clone());
-    }
-    let wire = record(row, own_host)
-        .wire(key)
-        .map_err(|e| MailboxError::Invalid(format!("receipt {}: {e}", row.seq)))?;
+/// Persists the signed wire `canonical({rec, sig})` of queued receipt `seq` once (the relay
+/// item's dedup is byte-exact, so every retry reuses it; the outbound step
+/// `crate::node::outbound::receipt_wire_once` signs it). Returns the bytes now stored: the
+/// given ones, or the ones an earlier attempt wrote (never overwritten). Errors: the row is
+/// gone ([`MailboxError::NotFound`]), storage faults.
+pub fn set_wire(conn: &Connection, seq: i64, wire: &[u8]) -> Result<Vec<u8>, MailboxError> {
     conn.execute(
         "UPDATE receipt_outbox SET wire = ?2 WHERE seq = ?1 AND wire IS NULL",
-        params![row.seq, wire.as_bytes()],
+        params![seq, wire],
     )?;
     let stored: Option<Option<Vec<u8>>> = conn
         .query_row(
             "SELECT wire FROM receipt_outbox WHERE seq = ?1",
-            [row.seq],
+            [seq],
             |r| r.get(0),
         )
         .optional()?;
     stored
         .flatten()
-        .ok_or_else(|| MailboxError::NotFound(format!("no queued receipt {}", row.seq)))
+        .ok_or_else(|| MailboxError::NotFound(format!("no queued receipt {seq}")))
 }
 
 /// A repeat of message `msg_id` arrived from its sender (`wire.md` §3.5 "Receive": duplicate →
@@ -822,6 +800,7 @@ pub fn sent_page(
 mod tests {
     use super::*;
     use crate::mailbox::{messages, outbox};
+    use crate::node::outbound::receipt_wire_once as wire_once;
     use crate::testutil::{self, T0};
 
     const ID: &str = "01KDVDNA3VG2MH8KWSQRCWJZ0S";

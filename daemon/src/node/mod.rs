@@ -1,10 +1,12 @@
 //! The host's mail logic, independent of transport: composing and storing what an agent sends
-//! ([`send`]) and verifying, opening and storing what a peer sent ([`receive`]).
+//! ([`send`]), sealing and signing the wire bytes of each target once ([`outbound`]), and
+//! verifying, opening and storing what a peer sent ([`receive`]).
 //!
 //! Both run inside a caller's transaction and never touch the network: the transports
 //! (`crate::transport`) move wire bytes, this module decides what they mean.
 
 pub mod alert;
+pub mod outbound;
 pub mod receipts;
 pub mod receive;
 pub mod route;

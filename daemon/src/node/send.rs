@@ -1,7 +1,8 @@
 //! Sending: validate → route → build and sign the envelope → store the local copy, deliver to
 //! local agents, and add one outbox row per remote target host — all in the caller's one
-//! transaction (design README "Data flow"). Sealing happens later, per target, in the transport
-//! (the wire bytes are persisted before the first attempt).
+//! transaction (design README "Data flow"). Sealing happens later, once per target, in the
+//! outbound step ([`crate::node::outbound::seal_once`], called by the transport's first attempt;
+//! the wire bytes are persisted before they are sent).
 //!
 //! Addressing (`name`, `name@host`, `role:R`, `*`, `owner`) is expanded by
 //! [`route::expand`] into local mailboxes and pinned peers before anything is stored (spec G10:

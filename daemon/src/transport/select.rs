@@ -29,13 +29,14 @@
 //! `repush` row never ends by that rule: its delivery receipt, a LAN verdict or its deadline
 //! (`unconfirmed`, `crate::node::settle`) does.
 //!
-//! The SQL of `mailbox::outbox::due_for_lan` / `due_for_relay` (and the receipt queries in
-//! `mailbox::receipts`) is this rule; a test below checks that the queries and [`choose`]
-//! agree on every combination. This module never does I/O.
+//! The rule is defined once, below both the store and the transports, in
+//! [`crate::mailbox::lane`] ([`choose`] and its SQL form, with a test that they agree on every
+//! case); this module re-exports it for the transports and adds the relay's hand-back
+//! ([`relay_cannot_reach`]). The SQL of `mailbox::outbox::due_for_lan` / `due_for_relay` (and
+//! the receipt queries in `mailbox::receipts`) is built from that form; a test below checks
+//! that the queries and [`choose`] agree on every combination. This module never does I/O.
 
-/// Failed LAN attempts after which a row (or receipt) moves to the relay (spec §10: "at least
-/// twice").
-pub const LAN_FAILURES_BEFORE_RELAY: u32 = 2;
+pub use crate::mailbox::lane::{choose, Facts, Transport, LAN_FAILURES_BEFORE_RELAY};
 
 /// The relay's refusal of an envelope item that means the target host is not enrolled there.
 pub const TARGET_NOT_ENROLLED: &str = "target not enrolled";
@@ -45,39 +46,6 @@ pub const TARGET_NOT_ENROLLED: &str = "target not enrolled";
 /// peer has a LAN address.
 pub fn relay_cannot_reach(result: &str) -> bool {
     result.strip_prefix("rejected:").unwrap_or(result) == TARGET_NOT_ENROLLED
-}
-
-/// The transports a row can take.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Transport {
-    /// A signed hop to the peer's LAN address (`wire.md` §4).
-    Lan,
-    /// A push to the relay (`wire.md` §3.5).
-    Relay,
-}
-
-/// What selection needs to know about one due-or-waiting row.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Facts {
-    /// Failed LAN attempts since the peer was last heard from.
-    pub lan_failures: u32,
-    /// The peer has a pinned LAN address (`peers.addr`).
-    pub has_addr: bool,
-    /// A relay is configured on this host.
-    pub relay_configured: bool,
-}
-
-/// The transport that takes a row with these facts when it is due, or `None` when no
-/// transport can take it now (no LAN address and no relay: it waits for an address).
-pub fn choose(f: Facts) -> Option<Transport> {
-    if !f.relay_configured {
-        return f.has_addr.then_some(Transport::Lan);
-    }
-    if f.has_addr && f.lan_failures < LAN_FAILURES_BEFORE_RELAY {
-        Some(Transport::Lan)
-    } else {
-        Some(Transport::Relay)
-    }
 }
 
 #[cfg(test)]

@@ -3,17 +3,18 @@
 //!
 //! One pass: the due rows the LAN takes ([`outbox::due_for_lan`], oldest first, at most
 //! [`MAX_ROWS_PER_PASS`]) grouped per host; each row sealed to the peer's enc key once and
-//! persisted before its first attempt ([`outbox::seal_once`]: the same bytes serve the LAN and
-//! the relay); `POST /v2/envelopes` in batches bounded by count ([`MAX_BATCH`]) and by bytes
-//! ([`MAX_BATCH_BYTES`], under the peer's 4 MiB body cap, Decision 8). Per result, in one
-//! transaction per batch: `accepted`/`duplicate` → `delivered` via `lan`; `rejected:<why>` →
-//! `rejected` plus a local alert to the sender. A failed call (network, HTTP, bad answer) is a
-//! LAN failure for every row of the host in this pass ([`outbox::fail_lan`]): backoff, and after
-//! two of them the relay takes the row ([`crate::transport::select`]); a row no relay ever
-//! accepted gives up after 72 h (`undelivered`, with an alert). A 429 (the peer's per-peer rate
-//! limit) is no failure: the same batch goes again after a short pause, in the same pass
-//! ([`RATE_LIMIT_PAUSE`]); only a peer still refusing after [`RATE_LIMIT_RETRIES`] pauses makes
-//! it one.
+//! persisted before its first attempt ([`crate::node::outbound::seal_once`]: the same bytes
+//! serve the LAN and the relay); `POST /v2/envelopes` in batches bounded by count
+//! ([`MAX_BATCH`]) and by bytes ([`MAX_BATCH_BYTES`], under the peer's 4 MiB body cap,
+//! Decision 8). Per result, in one transaction per batch
+//! ([`crate::node::outbound::settle_lan_batch`]): `accepted`/`duplicate` → `delivered` via
+//! `lan`; `rejected:<why>` → `rejected` plus a local alert to the sender. A failed call
+//! (network, HTTP, bad answer) is a LAN failure for every row of the host in this pass
+//! ([`outbox::fail_lan`]): backoff, and after two of them the relay takes the row
+//! ([`crate::transport::select`]); a row no relay ever accepted gives up after 72 h
+//! (`undelivered`, with an alert). A 429 (the peer's per-peer rate limit) is no failure: the
+//! same batch goes again after a short pause, in the same pass ([`RATE_LIMIT_PAUSE`]); only a
+//! peer still refusing after [`RATE_LIMIT_RETRIES`] pauses makes it one.
 //!
 //! Every pass ends with the 72 h sweep ([`outbox::give_up_stale`]): a pending row no relay ever
 //! accepted that is more than 72 h old ends `undelivered` with its alert, whichever transport
@@ -41,7 +42,7 @@ use super::client::{LanClient, LanError};
 use crate::mailbox::peers::Peer;
 use crate::mailbox::receipts::{self, RECEIPT_BATCH};
 use crate::mailbox::{outbox, peers, Mailbox, MailboxError};
-use crate::node::alert;
+use crate::node::outbound;
 use crate::service::liveness;
 
 /// Outbox rows taken per pass (`wire.md` §4: ≤200).
@@ -231,15 +232,7 @@ impl LanDelivery {
             let (ident, now) = (self.client.ident.clone(), self.now());
             let ended = self
                 .mailbox
-                .run(move |c| {
-                    let tx = c.transaction()?;
-                    let ended = outbox::give_up_stale(&tx, now, outbox::GIVE_UP_BATCH)?;
-                    for g in &ended {
-                        alert::outbox_undelivered(&tx, &ident, &g.msg_id, &g.host, &g.reason, now)?;
-                    }
-                    tx.commit()?;
-                    Ok(ended)
-                })
+                .run(move |c| outbound::give_up_stale(c, &ident, now))
                 .await?;
             for g in &ended {
                 tracing::warn!(id = %g.msg_id, peer = %g.host, reason = %g.reason, "Undelivered to {}: gave up after 72 h", g.host);
@@ -323,7 +316,7 @@ impl LanDelivery {
                         .run(move |c| {
                             let mut out = Vec::new();
                             for r in &unsealed {
-                                let w = match outbox::seal_once(
+                                let w = match outbound::seal_once(
                                     c,
                                     r,
                                     &key,
@@ -392,38 +385,19 @@ impl LanDelivery {
             match paced(host, || self.client.post_envelopes(addr, &wires)).await {
                 Ok(results) => {
                     let (ident, h, now) = (self.client.ident.clone(), host.to_string(), self.now());
-                    let batch_rows = batch.to_vec();
+                    let verdicts: Vec<(String, String)> = batch
+                        .iter()
+                        .map(|row| {
+                            let result = results
+                                .iter()
+                                .find(|r| r.id == row.msg_id)
+                                .map_or(super::client::MISSING_RESULT, |r| r.result.as_str());
+                            (row.msg_id.clone(), result.to_string())
+                        })
+                        .collect();
                     let c = self
                         .mailbox
-                        .run(move |c| {
-                            let tx = c.transaction()?;
-                            let mut counts = PassCounts::default();
-                            for row in &batch_rows {
-                                let result = results
-                                    .iter()
-                                    .find(|r| r.id == row.msg_id)
-                                    .map_or(super::client::MISSING_RESULT, |r| r.result.as_str());
-                                if result == "accepted" || result == "duplicate" {
-                                    outbox::delivered_lan(&tx, &row.msg_id, &h, now)?;
-                                    counts.delivered += 1;
-                                } else {
-                                    let why = result.strip_prefix("rejected:").unwrap_or(result);
-                                    if outbox::rejected_lan(&tx, &row.msg_id, &h, why, now)? {
-                                        alert::outbox_undelivered(
-                                            &tx,
-                                            &ident,
-                                            &row.msg_id,
-                                            &h,
-                                            why,
-                                            now,
-                                        )?;
-                                    }
-                                    counts.rejected += 1;
-                                }
-                            }
-                            tx.commit()?;
-                            Ok(counts)
-                        })
+                        .run(move |c| outbound::settle_lan_batch(c, &ident, &h, &verdicts, now))
                         .await?;
                     if c.delivered > 0 {
                         tracing::info!(peer = %host, delivered = c.delivered, "delivered over the LAN");
@@ -431,7 +405,11 @@ impl LanDelivery {
                     if c.rejected > 0 {
                         tracing::warn!(peer = %host, rejected = c.rejected, "the peer refused mail");
                     }
-                    counts.add(c);
+                    counts.add(PassCounts {
+                        delivered: c.delivered,
+                        rejected: c.rejected,
+                        ..PassCounts::default()
+                    });
                 }
                 Err(e) => {
                     tracing::warn!(peer = %host, addr, error = %e, "LAN delivery failed");
@@ -461,19 +439,7 @@ impl LanDelivery {
         );
         let gave_up = self
             .mailbox
-            .run(move |c| {
-                let tx = c.transaction()?;
-                let mut gave_up = Vec::new();
-                for id in &ids {
-                    if outbox::fail_lan(&tx, id, &h, &e, now)? == outbox::Failure::GaveUp {
-                        let why = outbox::gave_up_reason(&e);
-                        alert::outbox_undelivered(&tx, &ident, id, &h, &why, now)?;
-                        gave_up.push(id.clone());
-                    }
-                }
-                tx.commit()?;
-                Ok(gave_up)
-            })
+            .run(move |c| outbound::fail_lan_rows(c, &ident, &h, &ids, &e, now))
             .await?;
         for id in gave_up {
             tracing::warn!(id = %id, peer = %host, "Undelivered to {host}: gave up after 72 h");
@@ -505,7 +471,12 @@ impl LanDelivery {
                     .map(|r| {
                         Ok((
                             r.seq,
-                            receipts::wire_once(c, r, ident.host.as_str(), &ident.host_key)?,
+                            outbound::receipt_wire_once(
+                                c,
+                                r,
+                                ident.host.as_str(),
+                                &ident.host_key,
+                            )?,
                         ))
                     })
                     .collect::<Result<Vec<_>, MailboxError>>()

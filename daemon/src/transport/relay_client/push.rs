@@ -35,7 +35,7 @@ use super::session::Session;
 use super::{RelayClient, RelayError};
 use crate::mailbox::outbox::Repush;
 use crate::mailbox::{outbox, peers, receipts, MailboxError};
-use crate::node::alert;
+use crate::node::outbound;
 use crate::transport::select;
 
 /// Bytes of base64 wire per push request we aim under (the relay's body cap is 8 MiB).
@@ -154,7 +154,9 @@ impl RelayClient {
         let (r, ident) = (row.clone(), self.ident.clone());
         let stored = self
             .mailbox
-            .run(move |c| outbox::seal_once(c, &r, &enc_pub, ident.host.as_str(), &ident.host_key))
+            .run(move |c| {
+                outbound::seal_once(c, &r, &enc_pub, ident.host.as_str(), &ident.host_key)
+            })
             .await;
         match stored {
             Ok(w) => Ok(Some(w)),
@@ -260,29 +262,13 @@ impl RelayClient {
             self.clock.now_ms(),
         );
         let ident = self.ident.clone();
-        let (failure, handed_back, retargeted) = self
+        let outbound::RelayFailed {
+            failure,
+            handed_back,
+            retargeted,
+        } = self
             .mailbox
-            .run(move |c| {
-                let tx = c.transaction()?;
-                let failure = outbox::fail(&tx, &m, &h, &e, terminal, now)?;
-                let (mut handed_back, mut retargeted) = (false, 0);
-                match failure {
-                    outbox::Failure::Rejected => {
-                        alert::undelivered(&tx, &ident, &m, &h, &e, now)?;
-                    }
-                    outbox::Failure::GaveUp => {
-                        let why = outbox::gave_up_reason(&e);
-                        alert::outbox_undelivered(&tx, &ident, &m, &h, &why, now)?;
-                    }
-                    outbox::Failure::Retry if to_lan => {
-                        retargeted = outbox::follow_rotations(&tx, Some(&m), now)?;
-                        handed_back = outbox::back_to_lan(&tx, &m, &h)?;
-                    }
-                    outbox::Failure::Retry | outbox::Failure::Gone => {}
-                }
-                tx.commit()?;
-                Ok((failure, handed_back, retargeted))
-            })
+            .run(move |c| outbound::fail_relay_row(c, &ident, &m, &h, &e, terminal, to_lan, now))
             .await?;
         if retargeted > 0 {
             tracing::info!(id = %row.msg_id, peer = %row.host, rows = retargeted, "the peer rotated its key: resealing for the pinned key");
@@ -441,7 +427,7 @@ impl RelayClient {
                 let own = ident.host.as_str();
                 let mut out = Vec::new();
                 for row in receipts::due_for_relay(c, now, max_batch)? {
-                    let wire = receipts::wire_once(c, &row, own, &ident.host_key)?;
+                    let wire = outbound::receipt_wire_once(c, &row, own, &ident.host_key)?;
                     let item_id = receipts::record(&row, own).item_id();
                     out.push((row, item_id, wire));
                 }
@@ -529,16 +515,7 @@ impl RelayClient {
         pass.failed = dropped.len() + failed.len();
         let now = self.clock.now_ms();
         self.mailbox
-            .run(move |c| {
-                let tx = c.transaction()?;
-                receipts::sent(&tx, &done)?;
-                receipts::sent(&tx, &dropped)?;
-                for (seq, why) in &failed {
-                    receipts::fail(&tx, &[*seq], why, false, false, now)?;
-                }
-                tx.commit()?;
-                Ok(())
-            })
+            .run(move |c| outbound::settle_receipt_push(c, &done, &dropped, &failed, now))
             .await?;
         if pass.accepted > 0 {
             tracing::info!(relay = %self.url, receipts = pass.accepted, "delivery receipts accepted by the relay");

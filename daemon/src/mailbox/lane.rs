@@ -1,0 +1,126 @@
+//! The LAN-or-relay rule (spec §10; design README "Data flow"), defined once: which transport
+//! takes a due outbox row or queued receipt. The LAN first, the relay after
+//! [`LAN_FAILURES_BEFORE_RELAY`] failed LAN attempts or when the peer has no LAN address; with
+//! no relay configured the LAN keeps every row whose peer has an address.
+//!
+//! The rule has two forms, both written here from the same three facts and one threshold:
+//! [`choose`] in Rust, and [`lan_takes_sql`] in SQL (over a `peers p` row and a LAN failure
+//! column, binding `:t` = [`LAN_FAILURES_BEFORE_RELAY`] and `:r` = a relay is configured), which
+//! the outbox ([`super::outbox::due_for_lan`], [`super::outbox::due_for_relay`]) and the
+//! receipt queue ([`super::receipts::due_for_lan`], [`super::receipts::due_for_relay`]) select
+//! by: the relay takes exactly the rows the LAN does not (`NOT COALESCE((…), 0)`) when a relay
+//! is configured. A test below evaluates the SQL form for every case of the rule and checks it
+//! against [`choose`]. The transports read the rule through `crate::transport::select`, which
+//! re-exports it.
+//!
+//! This module owns no table and never does I/O; it must never import a transport.
+
+/// Failed LAN attempts after which a row (or receipt) moves to the relay (spec §10: "at least
+/// twice").
+pub const LAN_FAILURES_BEFORE_RELAY: u32 = 2;
+
+/// The transports a row can take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// A signed hop to the peer's LAN address (`wire.md` §4).
+    Lan,
+    /// A push to the relay (`wire.md` §3.5).
+    Relay,
+}
+
+/// What selection needs to know about one due-or-waiting row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Facts {
+    /// Failed LAN attempts since the peer was last heard from.
+    pub lan_failures: u32,
+    /// The peer has a pinned LAN address (`peers.addr`): [`LAN_PEER_SQL`].
+    pub has_addr: bool,
+    /// A relay is configured on this host (`:r` in [`lan_takes_sql`]).
+    pub relay_configured: bool,
+}
+
+/// The transport that takes a row with these facts when it is due, or `None` when no
+/// transport can take it now (no LAN address and no relay: it waits for an address).
+/// [`lan_takes_sql`] is the same rule in SQL.
+pub fn choose(f: Facts) -> Option<Transport> {
+    if !f.relay_configured {
+        return f.has_addr.then_some(Transport::Lan);
+    }
+    if f.has_addr && f.lan_failures < LAN_FAILURES_BEFORE_RELAY {
+        Some(Transport::Lan)
+    } else {
+        Some(Transport::Relay)
+    }
+}
+
+/// "The peer has a LAN address" ([`Facts::has_addr`]) in SQL over a joined `peers p` row: the
+/// peer is pinned and has a non-empty `addr`.
+pub const LAN_PEER_SQL: &str = "p.pubkey IS NOT NULL AND p.addr IS NOT NULL AND p.addr <> ''";
+
+/// "The LAN takes it" ([`choose`] = `Some(Lan)`) in SQL, over a joined `peers p` row and the
+/// LAN failure count column `lan_failures` (e.g. `o.lan_failures`): [`LAN_PEER_SQL`] and fewer
+/// than `:t` ([`LAN_FAILURES_BEFORE_RELAY`]) LAN failures unless no relay is configured (`:r`
+/// false). With a relay configured, `NOT COALESCE((this), 0)` is "the relay takes it".
+pub fn lan_takes_sql(lan_failures: &str) -> String {
+    format!("{LAN_PEER_SQL} AND ({lan_failures} < :t OR NOT :r)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The SQL form and [`choose`] agree on every case of the rule: LAN failures around the
+    /// threshold, a peer with an address, with an empty one, without one or not pinned, and a
+    /// relay configured or not.
+    #[test]
+    fn the_sql_form_agrees_with_choose() {
+        let c = rusqlite::Connection::open_in_memory().unwrap();
+        c.execute_batch("CREATE TABLE peers(pubkey TEXT, addr TEXT)")
+            .unwrap();
+        let peers: [(Option<&str>, Option<&str>, bool); 4] = [
+            (Some("k"), Some("127.0.0.1:1"), true),
+            (Some("k"), Some(""), false),
+            (Some("k"), None, false),
+            (None, Some("127.0.0.1:1"), false),
+        ];
+        let lan = format!("SELECT COALESCE(({}), 0) FROM peers p", lan_takes_sql(":f"));
+        let relay = format!(
+            "SELECT NOT COALESCE(({}), 0) FROM peers p",
+            lan_takes_sql(":f")
+        );
+        for (pubkey, addr, has_addr) in peers {
+            c.execute("DELETE FROM peers", []).unwrap();
+            c.execute(
+                "INSERT INTO peers VALUES (?1, ?2)",
+                rusqlite::params![pubkey, addr],
+            )
+            .unwrap();
+            for lan_failures in 0..=LAN_FAILURES_BEFORE_RELAY + 2 {
+                for relay_configured in [true, false] {
+                    let ask = |sql: &str| -> bool {
+                        c.query_row(
+                            sql,
+                            rusqlite::named_params! {
+                                ":f": lan_failures,
+                                ":t": LAN_FAILURES_BEFORE_RELAY,
+                                ":r": relay_configured,
+                            },
+                            |r| r.get(0),
+                        )
+                        .unwrap()
+                    };
+                    let want = choose(Facts {
+                        lan_failures,
+                        has_addr,
+                        relay_configured,
+                    });
+                    let case = format!("{pubkey:?} {addr:?} {lan_failures} {relay_configured}");
+                    assert_eq!(ask(&lan), want == Some(Transport::Lan), "lan {case}");
+                    if relay_configured {
+                        assert_eq!(ask(&relay), want == Some(Transport::Relay), "relay {case}");
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,239 @@
+//! The outbound step: the wire bytes of what this host sends, made once per target and handed
+//! to the store to keep (`wire.md` Decision 4: the same bytes serve the LAN and the relay, on
+//! every retry; the relay's dedup is byte-exact).
+//!
+//! - Mail: [`seal_once`] seals an outbox row's stored plain envelope for its target host's enc
+//!   key and signs the outer envelope with this host's key, then persists the bytes with
+//!   [`outbox::set_wire`].
+//! - Receipts: [`receipt_wire_once`] signs a queued receipt's record with this host's key, then
+//!   persists the bytes with [`receipts::set_wire`].
+//!
+//! It also holds what a transport does with the store after an attempt, each one named step in
+//! one transaction (the transports carry bytes and call these; the transaction boundaries are
+//! the ones the crash drills test):
+//!
+//! - LAN: [`settle_lan_batch`] (the peer's verdict per row of one batch), [`fail_lan_rows`]
+//!   (a failed call: a LAN failure for each row, the 72 h rule with its alert) and
+//!   [`give_up_stale`] (the 72 h sweep of the rows no transport is trying).
+//! - Relay: [`fail_relay_row`] (a push of one row not accepted: backoff, `rejected` or the 72 h
+//!   rule with its alert, or the hand-back to the LAN) and [`settle_receipt_push`] (what the
+//!   relay answered for a batch of receipts).
+//!
+//! Sealing and signing run in the caller's connection; the steps open their own transaction on
+//! it. None touches the network. The crypto lives here; the store (`crate::mailbox`) only keeps
+//! bytes, and a transport only carries them.
+
+use rusqlite::Connection;
+
+use agentmbx_protocol::envelope::Envelope;
+use agentmbx_protocol::keys::{EncPublicKey, HostKey};
+use agentmbx_protocol::{hash, seal};
+
+use super::alert;
+use crate::identity::Identity;
+use crate::mailbox::{outbox, receipts, MailboxError};
+
+/// The wire bytes of outbox row `row`: the row's own when it already has them (nothing is
+/// sealed then), else its message's stored envelope sealed for `enc_pub` (the target host's
+/// enc key) and signed by `own_host` with `host_key`, persisted once ([`outbox::set_wire`]:
+/// the first bytes written win). Errors: [`MailboxError::NotFound`] (no such row or message),
+/// [`MailboxError::Invalid`] (the stored envelope cannot be parsed or sealed), storage faults.
+pub fn seal_once(
+    conn: &Connection,
+    row: &outbox::Row,
+    enc_pub: &EncPublicKey,
+    own_host: &str,
+    host_key: &HostKey,
+) -> Result<Vec<u8>, MailboxError> {
+    if let Some(w) = &row.wire {
+        return Ok(w.clone());
+    }
+    let stored = outbox::plain_envelope(conn, &row.msg_id)?;
+    let plain: Envelope = serde_json::from_str(&stored)
+        .map_err(|e| MailboxError::Invalid(format!("stored envelope {}: {e}", row.msg_id)))?;
+    let sealed = seal::seal_envelope(&plain, enc_pub, own_host, host_key)
+        .map_err(|e| MailboxError::Invalid(format!("cannot seal {}: {e}", row.msg_id)))?;
+    let wire = sealed.wire_json().into_bytes();
+    let wire_hash = hash::sha256_hex(&wire);
+    outbox::set_wire(conn, &row.msg_id, &row.host, &wire, &wire_hash)
+}
+
+/// The signed wire `canonical({rec, sig})` of queued receipt `row`: the row's own when it
+/// already has them, else its record ([`receipts::record`], from `own_host`) signed with
+/// `key`, persisted once ([`receipts::set_wire`]) and reused byte for byte after. Errors: the
+/// row is gone ([`MailboxError::NotFound`]), the record cannot be serialized
+/// ([`MailboxError::Invalid`]), storage faults.
+pub fn receipt_wire_once(
+    conn: &Connection,
+    row: &receipts::Row,
+    own_host: &str,
+    key: &HostKey,
+) -> Result<Vec<u8>, MailboxError> {
+    if let Some(w) = &row.wire {
+        return Ok(w.clone());
+    }
+    let wire = receipts::record(row, own_host)
+        .wire(key)
+        .map_err(|e| MailboxError::Invalid(format!("receipt {}: {e}", row.seq)))?;
+    receipts::set_wire(conn, row.seq, wire.as_bytes())
+}
+
+/// What [`settle_lan_batch`] did with one batch.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct LanSettled {
+    /// Rows the peer accepted (or already had): `delivered` via `lan`.
+    pub delivered: usize,
+    /// Rows the peer refused: `rejected` (the sender alerted when the row changed).
+    pub rejected: usize,
+}
+
+/// The peer's verdicts on one LAN batch to `host`, in one transaction (`wire.md` §4): for each
+/// `(msg_id, result)`, `accepted`/`duplicate` settles the row `delivered` via `lan`
+/// ([`outbox::delivered_lan`]); anything else (`rejected:<why>`, or the missing-result text)
+/// ends it `rejected` with `<why>` ([`outbox::rejected_lan`]) and, when that changed the row,
+/// alerts its sender ([`alert::outbox_undelivered`]). Errors: storage faults (nothing is
+/// committed then).
+pub fn settle_lan_batch(
+    conn: &mut Connection,
+    ident: &Identity,
+    host: &str,
+    results: &[(String, String)],
+    now_ms: i64,
+) -> Result<LanSettled, MailboxError> {
+    let tx = conn.transaction()?;
+    let mut counts = LanSettled::default();
+    for (msg_id, result) in results {
+        if result == "accepted" || result == "duplicate" {
+            outbox::delivered_lan(&tx, msg_id, host, now_ms)?;
+            counts.delivered += 1;
+        } else {
+            let why = result.strip_prefix("rejected:").unwrap_or(result);
+            if outbox::rejected_lan(&tx, msg_id, host, why, now_ms)? {
+                alert::outbox_undelivered(&tx, ident, msg_id, host, why, now_ms)?;
+            }
+            counts.rejected += 1;
+        }
+    }
+    tx.commit()?;
+    Ok(counts)
+}
+
+/// A failed LAN attempt for each row `ids` to `host`, in one transaction
+/// ([`outbox::fail_lan`]: backoff and a LAN failure); a row the 72 h rule ends alerts its
+/// sender with [`outbox::gave_up_reason`] ([`alert::outbox_undelivered`]). Returns the ids of
+/// the rows given up. Errors: storage faults (nothing is committed then).
+pub fn fail_lan_rows(
+    conn: &mut Connection,
+    ident: &Identity,
+    host: &str,
+    ids: &[String],
+    error: &str,
+    now_ms: i64,
+) -> Result<Vec<String>, MailboxError> {
+    let tx = conn.transaction()?;
+    let mut gave_up = Vec::new();
+    for id in ids {
+        if outbox::fail_lan(&tx, id, host, error, now_ms)? == outbox::Failure::GaveUp {
+            let why = outbox::gave_up_reason(error);
+            alert::outbox_undelivered(&tx, ident, id, host, &why, now_ms)?;
+            gave_up.push(id.clone());
+        }
+    }
+    tx.commit()?;
+    Ok(gave_up)
+}
+
+/// One batch of the 72 h sweep (`wire.md` §4 "Outbox client"), in one transaction: at most
+/// [`outbox::GIVE_UP_BATCH`] `pending` rows no relay ever accepted and older than 72 h end
+/// `undelivered` ([`outbox::give_up_stale`]), each alerting its sender with the stored reason
+/// ([`alert::outbox_undelivered`]). Returns the rows ended (a full batch: call again). Errors:
+/// storage faults (nothing is committed then).
+pub fn give_up_stale(
+    conn: &mut Connection,
+    ident: &Identity,
+    now_ms: i64,
+) -> Result<Vec<outbox::GaveUp>, MailboxError> {
+    let tx = conn.transaction()?;
+    let ended = outbox::give_up_stale(&tx, now_ms, outbox::GIVE_UP_BATCH)?;
+    for g in &ended {
+        alert::outbox_undelivered(&tx, ident, &g.msg_id, &g.host, &g.reason, now_ms)?;
+    }
+    tx.commit()?;
+    Ok(ended)
+}
+
+/// What [`fail_relay_row`] did to its row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RelayFailed {
+    /// What [`outbox::fail`] did.
+    pub failure: outbox::Failure,
+    /// The LAN takes the next attempt ([`outbox::back_to_lan`] changed the row).
+    pub handed_back: bool,
+    /// Rows retargeted to the peer's pinned key ([`outbox::follow_rotations`]).
+    pub retargeted: usize,
+}
+
+/// A push of row `msg_id` → `host` the relay did not accept, in one transaction
+/// ([`outbox::fail`]): `terminal` ends a `pending` row `rejected` with an alert
+/// ([`alert::undelivered`]); the 72 h rule ends it `undelivered` with an alert
+/// ([`alert::outbox_undelivered`], [`outbox::gave_up_reason`]); a retried row with `to_lan`
+/// (the relay cannot reach its target, `crate::transport::select::relay_cannot_reach`) is
+/// retargeted if its peer rotated away from its key ([`outbox::follow_rotations`]) and handed
+/// back to the LAN ([`outbox::back_to_lan`]). Errors: storage faults (nothing is committed
+/// then).
+#[allow(clippy::too_many_arguments)]
+pub fn fail_relay_row(
+    conn: &mut Connection,
+    ident: &Identity,
+    msg_id: &str,
+    host: &str,
+    error: &str,
+    terminal: bool,
+    to_lan: bool,
+    now_ms: i64,
+) -> Result<RelayFailed, MailboxError> {
+    let tx = conn.transaction()?;
+    let failure = outbox::fail(&tx, msg_id, host, error, terminal, now_ms)?;
+    let (mut handed_back, mut retargeted) = (false, 0);
+    match failure {
+        outbox::Failure::Rejected => {
+            alert::undelivered(&tx, ident, msg_id, host, error, now_ms)?;
+        }
+        outbox::Failure::GaveUp => {
+            let why = outbox::gave_up_reason(error);
+            alert::outbox_undelivered(&tx, ident, msg_id, host, &why, now_ms)?;
+        }
+        outbox::Failure::Retry if to_lan => {
+            retargeted = outbox::follow_rotations(&tx, Some(msg_id), now_ms)?;
+            handed_back = outbox::back_to_lan(&tx, msg_id, host)?;
+        }
+        outbox::Failure::Retry | outbox::Failure::Gone => {}
+    }
+    tx.commit()?;
+    Ok(RelayFailed {
+        failure,
+        handed_back,
+        retargeted,
+    })
+}
+
+/// What the relay answered for one batch of receipts, in one transaction: the accepted
+/// (`done`) and the refused-for-good (`dropped`) leave the queue ([`receipts::sent`]); each of
+/// `failed` (`(seq, why)`) is backed off ([`receipts::fail`], not a LAN failure). Errors:
+/// storage faults (nothing is committed then).
+pub fn settle_receipt_push(
+    conn: &mut Connection,
+    done: &[i64],
+    dropped: &[i64],
+    failed: &[(i64, String)],
+    now_ms: i64,
+) -> Result<(), MailboxError> {
+    let tx = conn.transaction()?;
+    receipts::sent(&tx, done)?;
+    receipts::sent(&tx, dropped)?;
+    for (seq, why) in failed {
+        receipts::fail(&tx, &[*seq], why, false, false, now_ms)?;
+    }
+    tx.commit()?;
+    Ok(())
+}
