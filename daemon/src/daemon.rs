@@ -234,7 +234,8 @@ pub fn prepare(
 /// Runs the daemon of `prepared` on `listeners` until `shutdown` completes, then stops every
 /// loop and returns. `clock` is the one clock of every loop; `failpoints` are the points armed
 /// for this daemon (the relay client's `push:*`, `receive:*`, `ack:*` and LAN delivery's
-/// `lan:deliver-pass`). Must run inside a multi-threaded tokio runtime.
+/// `lan:deliver-pass`). Must run inside a tokio runtime with I/O and time enabled (`agentmbx
+/// daemon` gives it two worker threads; in-process tests share one between daemons).
 ///
 /// Writes `api.addr` and `lan.addr` in the home and removes them on the way out; tells a
 /// service manager `READY=1` once everything runs and `STOPPING=1` when `shutdown` completes
