@@ -16,6 +16,8 @@
 //! - [`token`]: the local API bearer token file;
 //! - [`setup`]: registering `agentmbx mcp` with the agent clients (Claude Code, Codex);
 //! - [`service`]: the systemd user unit and launchd agent files, and sd-notify while running;
+//! - [`daemon`]: the daemon as a library call — prepare a home, then run every background loop
+//!   on bound sockets with a given clock and failpoints until a shutdown future completes;
 //! - [`api`]: the local HTTP API for agents (router, auth, error mapping, one file per resource);
 //! - [`fsutil`]: crash-safe creation and replacement of small files;
 //! - [`mailbox`]: the host store `mailbox.db` (messages, deliveries, outbox, relay position,
@@ -30,6 +32,7 @@
 pub mod api;
 pub mod config;
 pub mod config_watch;
+pub mod daemon;
 pub mod discovery;
 pub mod doctor;
 pub mod fsutil;

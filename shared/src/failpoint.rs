@@ -1,27 +1,37 @@
-//! Named crash points, compiled into every build and armed only by the environment
-//! (design README "Decisions": failpoints).
+//! Named crash points, compiled into every build and armed only by a spec string: the
+//! environment for a binary, or a value a test hands to one in-process daemon (design README
+//! "Decisions": failpoints).
 //!
-//! `MBX_FAILPOINTS` is a comma-separated list of `name[=action][@n]`:
+//! This module owns the spec grammar, the hit counters and the actions. It must never arm a
+//! point by itself: with no spec, every point is a no-op.
+//!
+//! A spec (`MBX_FAILPOINTS` for binaries) is a comma-separated list of `name[=action][@n]`:
 //! - `pause` (default): print `FAILPOINT <name> reached` on stderr and block this thread for
 //!   good, so a test can SIGKILL the real process exactly at that boundary;
 //! - `abort`: print the same line and abort the process at once;
 //! - `hang`: print the same line and never return, without blocking a thread: an async point
-//!   ([`hang_point`]) awaits forever, so only that task stops (a hung loop, for the service
-//!   watchdog's tests) while the rest of the process runs; at a synchronous point ([`hit`]) it
-//!   acts as `pause`;
+//!   ([`Failpoints::hang_point`]) awaits forever, so only that task stops (a hung loop, for the
+//!   service watchdog's tests) while the rest of the process runs; at a synchronous point
+//!   ([`Failpoints::hit`]) it acts as `pause`;
 //! - `@n`: act only on the n-th time the point is reached (1-based; default 1).
+//!
+//! A [`Failpoints`] value is one armed set with its own counters: the daemon's `run` receives
+//! one and hands it to the loops that hit points, so two daemons in one process can have
+//! different failpoints. [`Failpoints::from_env`] is the process's own set, read once from
+//! `MBX_FAILPOINTS`; the free functions [`hit`], [`hang_point`] and [`armed`] use it (the relay
+//! and the one-shot commands).
 //!
 //! Names used across the code base (spec §5 crash windows): relay `push:before-commit`,
 //! `push:after-commit`, `pull:before-response`, `ack:before-commit`, `ack:after-commit`; sender
 //! `push:before-send`, `push:after-response`; receiver `receive:after-deliver`,
-//! `ack:before-send`, `ack:after-response`. Async points ([`hang_point`]): daemon
+//! `ack:before-send`, `ack:after-response`. Async points ([`Failpoints::hang_point`]): daemon
 //! `lan:deliver-pass` (the start of each LAN delivery pass).
 //!
-//! With the variable unset, [`hit`] is a single relaxed load of an empty list.
+//! With nothing armed, a hit is a scan of an empty list.
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 /// Environment variable that arms failpoints.
 pub const FAILPOINTS_ENV: &str = "MBX_FAILPOINTS";
@@ -33,8 +43,8 @@ pub enum Action {
     Pause,
     /// Announce on stderr and abort the process.
     Abort,
-    /// Announce on stderr; the task at an async point ([`hang_point`]) awaits forever (at a
-    /// synchronous point, as [`Action::Pause`]).
+    /// Announce on stderr; the task at an async point ([`Failpoints::hang_point`]) awaits
+    /// forever (at a synchronous point, as [`Action::Pause`]).
     Hang,
 }
 
@@ -46,9 +56,78 @@ struct Armed {
     seen: AtomicU64,
 }
 
-fn registry() -> &'static Vec<Armed> {
-    static ARMED: OnceLock<Vec<Armed>> = OnceLock::new();
-    ARMED.get_or_init(|| parse(&std::env::var(FAILPOINTS_ENV).unwrap_or_default()))
+/// One armed set of failpoints and their hit counters. Cheap to clone: clones share the set and
+/// the counters (an `Arc` inside). [`Failpoints::default`] arms nothing.
+#[derive(Debug, Clone, Default)]
+pub struct Failpoints(Arc<Vec<Armed>>);
+
+impl Failpoints {
+    /// The set a spec arms (grammar in the module docs). Entries that do not parse as an action
+    /// or a count fall back to `pause` and 1; empty entries are skipped. Never fails.
+    pub fn parse(spec: &str) -> Self {
+        Failpoints(Arc::new(parse(spec)))
+    }
+
+    /// A set with nothing armed.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// The process's set, armed by `MBX_FAILPOINTS` (read once, at the first call). Every call
+    /// returns a handle to the same set and counters, which the free functions [`hit`],
+    /// [`hang_point`] and [`armed`] use too.
+    pub fn from_env() -> Self {
+        static PROCESS: OnceLock<Failpoints> = OnceLock::new();
+        PROCESS
+            .get_or_init(|| Self::parse(&std::env::var(FAILPOINTS_ENV).unwrap_or_default()))
+            .clone()
+    }
+
+    /// The armed action for this hit of `name`, if it fires now (counts the hit); announces it.
+    fn fire(&self, name: &str) -> Option<Action> {
+        for armed in self.0.iter() {
+            if armed.name == name && armed.seen.fetch_add(1, Ordering::SeqCst) + 1 == armed.nth {
+                let mut err = std::io::stderr().lock();
+                let _ = writeln!(err, "FAILPOINT {name} reached");
+                let _ = err.flush();
+                return Some(armed.action);
+            }
+        }
+        None
+    }
+
+    /// The crash point `name` is reached. Does nothing unless this set arms it.
+    pub fn hit(&self, name: &str) {
+        match self.fire(name) {
+            Some(Action::Abort) => std::process::abort(),
+            Some(Action::Pause | Action::Hang) => loop {
+                std::thread::sleep(std::time::Duration::from_secs(3600));
+            },
+            None => {}
+        }
+    }
+
+    /// The async point `name` is reached: with `hang` armed, the calling task awaits forever
+    /// (`std::future::pending`), its thread free; `pause` blocks the thread and `abort` aborts,
+    /// as in [`Self::hit`]. Does nothing unless this set arms it.
+    pub async fn hang_point(&self, name: &str) {
+        match self.fire(name) {
+            Some(Action::Hang) => std::future::pending::<()>().await,
+            Some(Action::Abort) => std::process::abort(),
+            Some(Action::Pause) => loop {
+                std::thread::sleep(std::time::Duration::from_secs(3600));
+            },
+            None => {}
+        }
+    }
+
+    /// The armed points as `(name, action, nth)`, for a start-up log line.
+    pub fn armed(&self) -> Vec<(String, Action, u64)> {
+        self.0
+            .iter()
+            .map(|a| (a.name.clone(), a.action, a.nth))
+            .collect()
+    }
 }
 
 fn parse(spec: &str) -> Vec<Armed> {
@@ -76,50 +155,21 @@ fn parse(spec: &str) -> Vec<Armed> {
         .collect()
 }
 
-/// The armed action for this hit of `name`, if it fires now (counts the hit); announces it.
-fn fire(name: &str) -> Option<Action> {
-    for armed in registry() {
-        if armed.name == name && armed.seen.fetch_add(1, Ordering::SeqCst) + 1 == armed.nth {
-            let mut err = std::io::stderr().lock();
-            let _ = writeln!(err, "FAILPOINT {name} reached");
-            let _ = err.flush();
-            return Some(armed.action);
-        }
-    }
-    None
-}
-
-/// The crash point `name` is reached. Does nothing unless `MBX_FAILPOINTS` arms it.
+/// The crash point `name` is reached in the process's set ([`Failpoints::from_env`]). Does
+/// nothing unless `MBX_FAILPOINTS` arms it.
 pub fn hit(name: &str) {
-    match fire(name) {
-        Some(Action::Abort) => std::process::abort(),
-        Some(Action::Pause | Action::Hang) => loop {
-            std::thread::sleep(std::time::Duration::from_secs(3600));
-        },
-        None => {}
-    }
+    Failpoints::from_env().hit(name)
 }
 
-/// The async point `name` is reached: with `hang` armed, the calling task awaits forever
-/// (`std::future::pending`), its thread free; `pause` blocks the thread and `abort` aborts, as
-/// in [`hit`]. Does nothing unless `MBX_FAILPOINTS` arms it.
+/// The async point `name` is reached in the process's set ([`Failpoints::from_env`]); see
+/// [`Failpoints::hang_point`]. Does nothing unless `MBX_FAILPOINTS` arms it.
 pub async fn hang_point(name: &str) {
-    match fire(name) {
-        Some(Action::Hang) => std::future::pending::<()>().await,
-        Some(Action::Abort) => std::process::abort(),
-        Some(Action::Pause) => loop {
-            std::thread::sleep(std::time::Duration::from_secs(3600));
-        },
-        None => {}
-    }
+    Failpoints::from_env().hang_point(name).await
 }
 
-/// The armed points as `(name, action, nth)`, for a start-up log line.
+/// The points `MBX_FAILPOINTS` arms, as `(name, action, nth)`, for a start-up log line.
 pub fn armed() -> Vec<(String, Action, u64)> {
-    registry()
-        .iter()
-        .map(|a| (a.name.clone(), a.action, a.nth))
-        .collect()
+    Failpoints::from_env().armed()
 }
 
 #[cfg(test)]
@@ -144,5 +194,19 @@ mod tests {
             (v[3].name.as_str(), v[3].action, v[3].nth),
             ("lan:deliver-pass", Action::Hang, 2)
         );
+    }
+
+    #[test]
+    fn two_sets_count_and_fire_apart() {
+        let a = Failpoints::parse("p=hang@2");
+        let b = Failpoints::none();
+        let a2 = a.clone();
+        a.hit("other");
+        assert_eq!(a.fire("p"), None);
+        b.hit("p");
+        assert!(b.armed().is_empty());
+        // The clone shares the counter: this is the second hit of `p`.
+        assert_eq!(a2.fire("p"), Some(Action::Hang));
+        assert_eq!(a.fire("p"), None);
     }
 }

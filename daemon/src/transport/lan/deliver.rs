@@ -137,6 +137,9 @@ pub struct LanDelivery {
     /// so the daemon can follow a `[relay]` table added or removed while it runs (read at each
     /// pass).
     pub relay_configured: Arc<std::sync::atomic::AtomicBool>,
+    /// The failpoints the loop hits (`lan:deliver-pass`): the daemon's own set; [`Self::new`]
+    /// gives the process's ([`agentmbx_protocol::failpoint::Failpoints::from_env`]).
+    pub failpoints: agentmbx_protocol::failpoint::Failpoints,
 }
 
 impl LanDelivery {
@@ -146,6 +149,7 @@ impl LanDelivery {
             client,
             mailbox,
             relay_configured: Arc::new(relay_configured.into()),
+            failpoints: agentmbx_protocol::failpoint::Failpoints::from_env(),
         }
     }
 
@@ -583,7 +587,7 @@ async fn run_loop(
             return;
         }
         liveness::progress();
-        agentmbx_protocol::failpoint::hang_point("lan:deliver-pass").await;
+        delivery.failpoints.hang_point("lan:deliver-pass").await;
         let delay = match delivery.pass().await {
             Ok(_) => {
                 failures = 0;

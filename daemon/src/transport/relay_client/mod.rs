@@ -34,6 +34,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use agentmbx_protocol::clock::SharedClock;
+use agentmbx_protocol::failpoint::Failpoints;
 use agentmbx_protocol::hop;
 use agentmbx_protocol::keys::PublicKey;
 use agentmbx_protocol::wire::ErrorBody;
@@ -204,6 +205,10 @@ pub struct RelayClient {
     /// advisory), and the relay's `you.instance_conflict` is noted in it each pass
     /// ([`crate::instance`]). `None` (tests, CLI): no header, nothing noted.
     pub instance: Option<Arc<crate::instance::Instance>>,
+    /// The failpoints this client hits (`push:before-send`, `push:after-response`,
+    /// `receive:after-deliver`, `ack:before-send`, `ack:after-response`): the daemon's own set;
+    /// [`Self::new`] gives the process's ([`Failpoints::from_env`]).
+    pub failpoints: Failpoints,
     /// Whether the relay presented the pinned key in this pass ([`Self::confirm_relay_key`]).
     /// The account token is sent only while it is true: the first signed info of a pass goes
     /// without it, and a relay presenting another key never receives it.
@@ -245,6 +250,7 @@ impl RelayClient {
             observed: Arc::new(state::Observed::default()),
             account: None,
             instance: None,
+            failpoints: Failpoints::from_env(),
             key_confirmed: Arc::new(AtomicBool::new(false)),
         })
     }
@@ -631,7 +637,7 @@ async fn run_loop(
 /// [`run`]s until `shutdown`. `received` is notified when a pull stored new mail or queued receipts again
 /// ([`RelayClient::received`]). `account` (from `[relay] token_command`) makes every call
 /// carry the account token ([`RelayClient::account`]). `instance` is the daemon's
-/// ([`RelayClient::instance`]).
+/// ([`RelayClient::instance`]). `failpoints` are the daemon's ([`RelayClient::failpoints`]).
 #[allow(clippy::too_many_arguments)]
 pub async fn start(
     url: String,
@@ -644,6 +650,7 @@ pub async fn start(
     received: Option<Arc<tokio::sync::Notify>>,
     account: Option<Arc<account::AccountTokens>>,
     instance: Option<Arc<crate::instance::Instance>>,
+    failpoints: Failpoints,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
     let mut delay = Duration::from_millis(500);
@@ -688,6 +695,7 @@ pub async fn start(
             client.received = received;
             client.account = account;
             client.instance = instance;
+            client.failpoints = failpoints;
             run(client, pull_interval, wake, shutdown).await
         }
         Err(e) => tracing::error!(relay = %url, error = %e, "relay transport off"),

@@ -32,8 +32,8 @@
 //! [`RelayClient::epoch_changed`] moves the relay's accepted rows to `repush` and resets the
 //! position to 0 in one transaction, and everything is pulled again.
 
+use agentmbx_protocol::b64;
 use agentmbx_protocol::wire::{AckResponse, PullItem, PullResponse};
-use agentmbx_protocol::{b64, failpoint};
 
 use super::session::Session;
 use super::{RelayClient, RelayError};
@@ -256,7 +256,7 @@ impl RelayClient {
                 crate::service::liveness::progress();
                 self.receive_item(&epoch, item, last, &mut pass).await?;
                 if !last {
-                    failpoint::hit("receive:after-deliver");
+                    self.failpoints.hit("receive:after-deliver");
                 }
             }
             let through = self.position(&epoch).await?;
@@ -410,12 +410,12 @@ impl RelayClient {
         if through <= acked {
             return Ok(true);
         }
-        failpoint::hit("ack:before-send");
+        self.failpoints.hit("ack:before-send");
         let body = serde_json::json!({"epoch": epoch, "through": through}).to_string();
         let answer = self
             .call_json::<AckResponse>("POST", "/v2/relay/ack", &body)
             .await;
-        failpoint::hit("ack:after-response");
+        self.failpoints.hit("ack:after-response");
         match answer {
             Ok(a) => {
                 let (url, ep, now) = (self.url.clone(), epoch.to_string(), self.clock.now_ms());

@@ -29,7 +29,7 @@ use serde_json::Value;
 
 use agentmbx_protocol::keys::EncPublicKey;
 use agentmbx_protocol::wire::{EncKeyAnswer, PushItem, PushRequest, PushResponse, PushTarget};
-use agentmbx_protocol::{b64, failpoint, hash, records};
+use agentmbx_protocol::{b64, hash, records};
 
 use super::session::Session;
 use super::{RelayClient, RelayError};
@@ -301,11 +301,11 @@ impl RelayClient {
                 .collect(),
         };
         let body = serde_json::to_string(&req).map_err(|e| RelayError::Malformed(e.to_string()))?;
-        failpoint::hit("push:before-send");
+        self.failpoints.hit("push:before-send");
         let answer = self
             .call_json::<PushResponse>("POST", "/v2/relay/items", &body)
             .await;
-        failpoint::hit("push:after-response");
+        self.failpoints.hit("push:after-response");
         let mut pass = PushPass::default();
         let results = match answer {
             Ok(r) => r.results,
