@@ -8,9 +8,13 @@
 //! column, binding `:t` = [`LAN_FAILURES_BEFORE_RELAY`] and `:r` = a relay is configured), which
 //! the outbox ([`super::outbox::due_for_lan`], [`super::outbox::due_for_relay`]) and the
 //! receipt queue ([`super::receipts::due_for_lan`], [`super::receipts::due_for_relay`]) select
-//! by: the relay takes exactly the rows the LAN does not (`NOT COALESCE((…), 0)`) when a relay
-//! is configured. A test below evaluates the SQL form for every case of the rule and checks it
-//! against [`choose`]. The transports read the rule through `crate::transport::select`, which
+//! by: with a relay configured, the relay queries take the negation of the LAN form
+//! (`NOT COALESCE((…), 0)`) over the rows they join. The joins themselves are the queries' own:
+//! the outbox's relay query also requires `p.pubkey = o.target_pubkey`, and the receipt queue's
+//! relay query joins `peers`, so a receipt whose peer row is gone is taken by neither transport
+//! (where [`choose`] would say the relay). A test below evaluates the SQL form for every case of
+//! the LAN rule and checks it against [`choose`]; `crate::transport::select`'s tests run the
+//! outbox's real queries against it. The transports read the rule through `crate::transport::select`, which
 //! re-exports it.
 //!
 //! This module owns no table and never does I/O; it must never import a transport.

@@ -2,7 +2,8 @@
 //! ([`send`]), sealing and signing the wire bytes of each target once ([`outbound`]), and
 //! verifying, opening and storing what a peer sent ([`receive`]).
 //!
-//! Both run inside a caller's transaction and never touch the network: the transports
+//! [`send`] and [`receive`] run inside a caller's transaction; the steps of [`outbound`] open
+//! their own on the caller's connection. None touches the network: the transports
 //! (`crate::transport`) move wire bytes, this module decides what they mean.
 
 pub mod alert;

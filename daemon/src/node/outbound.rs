@@ -8,9 +8,8 @@
 //! - Receipts: [`receipt_wire_once`] signs a queued receipt's record with this host's key, then
 //!   persists the bytes with [`receipts::set_wire`].
 //!
-//! It also holds what a transport does with the store after an attempt, each one named step in
-//! one transaction (the transports carry bytes and call these; the transaction boundaries are
-//! the ones the crash drills test):
+//! It also holds most of what a transport does with the store after an attempt, each one named
+//! step in one transaction (the transaction boundaries are the ones the crash drills test):
 //!
 //! - LAN: [`settle_lan_batch`] (the peer's verdict per row of one batch), [`fail_lan_rows`]
 //!   (a failed call: a LAN failure for each row, the 72 h rule with its alert) and
@@ -18,6 +17,9 @@
 //! - Relay: [`fail_relay_row`] (a push of one row not accepted: backoff, `rejected` or the 72 h
 //!   rule with its alert, or the hand-back to the LAN) and [`settle_receipt_push`] (what the
 //!   relay answered for a batch of receipts).
+//!
+//! Not yet here: the LAN receipt flush's `receipts::sent` / `receipts::fail` and the relay's
+//! `settle_accepted` and receipt `fail`, which the transports still call themselves.
 //!
 //! Sealing and signing run in the caller's connection; the steps open their own transaction on
 //! it. None touches the network. The crypto lives here; the store (`crate::mailbox`) only keeps

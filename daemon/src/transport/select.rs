@@ -34,7 +34,7 @@
 //! case); this module re-exports it for the transports and adds the relay's hand-back
 //! ([`relay_cannot_reach`]). The SQL of `mailbox::outbox::due_for_lan` / `due_for_relay` (and
 //! the receipt queries in `mailbox::receipts`) is built from that form; a test below checks
-//! that the queries and [`choose`] agree on every combination. This module never does I/O.
+//! that the outbox queries and [`choose`] agree on every combination. This module never does I/O.
 
 pub use crate::mailbox::lane::{choose, Facts, Transport, LAN_FAILURES_BEFORE_RELAY};
 
