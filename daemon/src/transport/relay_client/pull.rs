@@ -9,18 +9,20 @@
 //! A 429 on the pull or on the ack ends the pass ([`RelayError::ends_pass`]) so the relay loop
 //! waits the time the relay gave; the checkpoint already written stays.
 //!
-//! An envelope item goes to `node::receive`; a repeat of a stored one (a duplicate) queues the
-//! delivery receipts of its current deliveries again in the same transaction
-//! (`mailbox::receipts::requeue`; `wire.md` §3.5), so a sender whose first receipt was lost
-//! still settles its relay-accepted row (spec §9). A receipt item (spec §9) goes to
-//! `node::receipts::accept` with no LAN hop and the item's sender key, which must be the
-//! recipient host's pinned key. A `rejected:<why>` of either goes to quarantine as `<why>`. An
-//! expiry notice (kind `expired`, spec §6) goes to [`crate::node::settle::apply_expiry_notice`]
-//! with the pinned relay key and this relay's URL: the outbox row it names ends `expired` with
-//! the sender's alert in the item's transaction when this relay holds it (`relay-accepted` or
-//! `repush`, accepted by this relay), and a notice that key did not push or sign, that names no
-//! row of this host, or that names a live row this relay does not hold goes to quarantine with
-//! its reason.
+//! Every item goes through the inbound path ([`crate::node::inbound`], one transaction per
+//! item, the quarantine and the checkpoint written in it by this module): an envelope item to
+//! `node::receive`, a repeat of a stored one (a duplicate) queuing the delivery receipts of its
+//! current deliveries again in the same transaction (`mailbox::receipts::requeue`; `wire.md`
+//! §3.5), so a sender whose first receipt was lost still settles its relay-accepted row (spec
+//! §9). A receipt item (spec §9) goes to `node::receipts::accept` with no LAN hop and the item's
+//! sender key, which must be the recipient host's pinned key. A `rejected:<why>` of either goes
+//! to quarantine as `<why>`. An expiry notice (kind `expired`, spec §6) goes to
+//! [`crate::node::settle::apply_expiry_notice`] with the pinned relay key and this relay's URL:
+//! the outbox row it names ends `expired` with the sender's alert in the item's transaction when
+//! this relay holds it (`relay-accepted` or `repush`, accepted by this relay), and a notice that
+//! key did not push or sign, that names no row of this host, or that names a live row this relay
+//! does not hold goes to quarantine with its reason. An item that stored mail or queued receipts
+//! again wakes the senders' loops once it committed (the inbound path's wake).
 //!
 //! Quarantined envelopes and receipts are received again ([`RelayClient::retry_quarantined`])
 //! once a change to the pins touched their pushing key or the host their wire names, whatever
@@ -38,51 +40,9 @@ use agentmbx_protocol::wire::{AckResponse, PullItem, PullResponse};
 use super::session::Session;
 use super::{RelayClient, RelayError};
 use crate::mailbox::outbox::Repush;
-use crate::mailbox::{receipts, relay_state, MailboxError};
-use crate::node::{receive, settle};
-
-/// What processing one item came to.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Verdict {
-    /// An envelope was stored for these local agents.
-    Stored { delivered: Vec<String> },
-    /// An envelope that was already stored; this many delivery receipts were queued again.
-    Duplicate { requeued: usize },
-    /// A delivery receipt: `accepted`, `duplicate` or `stale`.
-    Receipt(String),
-    /// A relay's expiry notice for one of this host's rows.
-    Notice(settle::NoticeOutcome),
-}
-
-impl From<receive::Verdict> for Verdict {
-    fn from(v: receive::Verdict) -> Self {
-        match v {
-            receive::Verdict::Stored { delivered } => Verdict::Stored { delivered },
-            receive::Verdict::Duplicate => Verdict::Duplicate { requeued: 0 },
-        }
-    }
-}
-
-/// Applies a receipt item (spec §9: `acceptReceipt(node, item, null)`): the wire is
-/// `canonical({rec, sig})`, the pushing key must be the recipient host's pinned key. Accepted,
-/// duplicate and stale receipts are done; `rejected:<why>` becomes the quarantine reason `<why>`.
-fn receive_receipt(
-    conn: &rusqlite::Connection,
-    own_host: &str,
-    wire: &[u8],
-    sender_pubkey: &str,
-    now_ms: i64,
-) -> Result<Result<Verdict, String>, MailboxError> {
-    let Ok(value) = agentmbx_protocol::canonical::parse(wire) else {
-        return Ok(Err("invalid receipt".into()));
-    };
-    let result =
-        crate::node::receipts::accept(conn, own_host, &value, None, Some(sender_pubkey), now_ms)?;
-    Ok(match result.strip_prefix("rejected:") {
-        Some(why) => Err(why.to_string()),
-        None => Ok(Verdict::Receipt(result)),
-    })
-}
+use crate::mailbox::relay_state;
+use crate::node::inbound::{Granularity, Inbound, Item, Outcome};
+use crate::node::settle;
 
 /// Pages per pull pass (`wire.md` §3.5).
 pub const MAX_PAGES_PER_PASS: usize = 20;
@@ -147,66 +107,61 @@ impl RelayClient {
     /// or stays with the reason of this refusal, unmarked until the next change that touches it.
     /// Returns how many were received.
     pub async fn retry_quarantined(&self) -> Result<usize, RelayError> {
-        let ident = self.ident.clone();
         let (url, now) = (self.url.clone(), self.clock.now_ms());
-        let (received, wake) = self
+        let list_url = url.clone();
+        let rows = self
             .mailbox
-            .run(move |c| {
-                // `wake`: stored mail or receipts queued again, for the senders' loops.
-                let (mut received, mut wake) = (0, false);
-                for item in relay_state::retryable(c, &url, MAX_RETRIES_PER_PASS)? {
-                    let tx = c.transaction()?;
-                    let verdict = if item.kind == "receipt" {
-                        receive_receipt(
-                            &tx,
-                            ident.host.as_str(),
-                            &item.wire,
-                            &item.sender_pubkey,
-                            now,
-                        )?
-                    } else {
-                        receive::receive_sealed(
-                            &tx,
-                            &ident,
-                            &item.wire,
-                            &item.item_id,
-                            &item.sender_pubkey,
-                            now,
-                        )?
-                        .map(Verdict::from)
-                    };
-                    match verdict {
-                        Ok(v) => {
-                            match v {
-                                Verdict::Duplicate { .. } => {
-                                    wake |= receipts::requeue(&tx, &item.item_id, now)? > 0;
-                                }
-                                Verdict::Stored { .. } => wake = true,
-                                Verdict::Receipt(_) | Verdict::Notice(_) => {}
-                            }
-                            relay_state::release(&tx, item.id)?;
-                            received += 1;
-                        }
-                        Err(reason) => {
-                            tracing::debug!(relay = %url, id = %item.item_id, kind = %item.kind, reason = %reason, "quarantined relay item refused again");
-                            relay_state::requarantine(&tx, item.id, &reason, now)?;
-                        }
-                    }
-                    tx.commit()?;
+            .run(move |c| relay_state::retryable(c, &list_url, MAX_RETRIES_PER_PASS))
+            .await?;
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        let mut rows_of_items = Vec::with_capacity(rows.len());
+        let mut items = Vec::with_capacity(rows.len());
+        for row in rows {
+            items.push(if row.kind == "receipt" {
+                Item::ReceiptWire {
+                    wire: row.wire,
+                    sender_pubkey: row.sender_pubkey,
                 }
-                Ok((received, wake))
+            } else {
+                Item::SealedWire {
+                    wire: row.wire,
+                    item_id: row.item_id.clone(),
+                    sender_pubkey: row.sender_pubkey,
+                }
+            });
+            rows_of_items.push((row.id, row.item_id, row.kind));
+        }
+        // Each item leaves quarantine, or records why it was refused again, in its own
+        // transaction; stored mail or receipts queued again wake the senders' loops.
+        let outcomes = self
+            .inbound()
+            .receive(Granularity::PerItem, items, now, move |tx, i, _, outcome| {
+                let (id, item_id, kind) = &rows_of_items[i];
+                match outcome {
+                    Outcome::Refused(reason) => {
+                        tracing::debug!(relay = %url, id = %item_id, kind = %kind, reason = %reason, "quarantined relay item refused again");
+                        relay_state::requarantine(tx, *id, reason, now)
+                    }
+                    _ => relay_state::release(tx, *id),
+                }
             })
             .await?;
+        let received = outcomes.iter().filter(|o| !o.is_refused()).count();
         if received > 0 {
             tracing::info!(relay = %self.url, received, "received quarantined relay items after a pin change");
         }
-        // Stored mail queued delivery receipts: let the senders' loops look now.
-        if wake {
-            if let Some(n) = &self.received {
-                n.notify_one();
-            }
-        }
         Ok(received)
+    }
+
+    /// This relay client's inbound path; it wakes [`RelayClient::received`].
+    fn inbound(&self) -> Inbound {
+        Inbound::new(
+            self.mailbox.clone(),
+            self.ident.clone(),
+            self.received.clone(),
+        )
     }
 
     /// One pull pass: up to [`MAX_PAGES_PER_PASS`] pages, each followed by its ack.
@@ -270,11 +225,6 @@ impl RelayClient {
                 break;
             }
         }
-        if pass.stored > 0 || pass.receipts_requeued > 0 {
-            if let Some(n) = &self.received {
-                n.notify_one();
-            }
-        }
         Ok(pass)
     }
 
@@ -287,92 +237,99 @@ impl RelayClient {
         checkpoint: bool,
         pass: &mut PullPass,
     ) -> Result<(), RelayError> {
-        let ident = self.ident.clone();
         let (url, ep, now) = (self.url.clone(), epoch.to_string(), self.clock.now_ms());
-        let relay_key = self.relay_key;
+        let PullItem {
+            seq,
+            kind,
+            item_id,
+            sender_pubkey,
+            wire_b64,
+        } = item;
+        // Undecodable base64 is kept as the text received, so quarantine loses nothing.
+        let (wire, decoded) = match b64::decode(&wire_b64) {
+            Ok(w) => (w, true),
+            Err(_) => (wire_b64.into_bytes(), false),
+        };
+        let received = if !matches!(kind.as_str(), "envelope" | "receipt" | "expired") {
+            Item::Unreadable {
+                wire,
+                reason: format!("unsupported item kind {kind:?}"),
+            }
+        } else if !decoded || wire.is_empty() {
+            Item::Unreadable {
+                wire,
+                reason: "bad wire".to_string(),
+            }
+        } else if kind == "expired" {
+            Item::ExpiryNotice {
+                wire,
+                item_id: item_id.clone(),
+                sender_pubkey: sender_pubkey.clone(),
+                relay_url: url.clone(),
+                relay_key: self.relay_key,
+            }
+        } else if kind == "receipt" {
+            Item::ReceiptWire {
+                wire,
+                sender_pubkey: sender_pubkey.clone(),
+            }
+        } else {
+            Item::SealedWire {
+                wire,
+                item_id: item_id.clone(),
+                sender_pubkey: sender_pubkey.clone(),
+            }
+        };
+        let id = item_id.clone();
+        // The item's transaction also quarantines a refused item and, for the last item of a
+        // page, moves the checkpoint.
         let outcome = self
-            .mailbox
-            .run(move |c| {
-                let tx = c.transaction()?;
-                // Undecodable base64 is kept as the text received, so quarantine loses nothing.
-                let (wire, decoded) = match b64::decode(&item.wire_b64) {
-                    Ok(w) => (w, true),
-                    Err(_) => (item.wire_b64.clone().into_bytes(), false),
-                };
-                let verdict = if !matches!(item.kind.as_str(), "envelope" | "receipt" | "expired") {
-                    Err(format!("unsupported item kind {:?}", item.kind))
-                } else if !decoded || wire.is_empty() {
-                    Err("bad wire".to_string())
-                } else if item.kind == "expired" {
-                    settle::apply_expiry_notice(
-                        &tx,
-                        &ident,
-                        &url,
-                        &relay_key,
-                        &item.item_id,
-                        &item.sender_pubkey,
-                        &wire,
-                        now,
-                    )?
-                    .map(Verdict::Notice)
-                } else if item.kind == "receipt" {
-                    receive_receipt(&tx, ident.host.as_str(), &wire, &item.sender_pubkey, now)?
-                } else {
-                    receive::receive_sealed(
-                        &tx,
-                        &ident,
-                        &wire,
-                        &item.item_id,
-                        &item.sender_pubkey,
-                        now,
-                    )?
-                    .map(Verdict::from)
-                };
-                // A repeat: the sender may have lost our receipts; queue them again.
-                let verdict = match verdict {
-                    Ok(Verdict::Duplicate { .. }) => Ok(Verdict::Duplicate {
-                        requeued: receipts::requeue(&tx, &item.item_id, now)?,
-                    }),
-                    other => other,
-                };
-                if let Err(reason) = &verdict {
-                    relay_state::quarantine(
-                        &tx,
-                        &url,
-                        &ep,
-                        item.seq,
-                        &item.kind,
-                        &item.item_id,
-                        &item.sender_pubkey,
-                        reason,
-                        &wire,
-                        now,
-                    )?;
-                }
-                if checkpoint {
-                    relay_state::set_received_through(&tx, &url, &ep, item.seq, now)?;
-                }
-                tx.commit()?;
-                Ok((item.seq, item.item_id, verdict))
-            })
-            .await?;
+            .inbound()
+            .receive(
+                Granularity::PerItem,
+                vec![received],
+                now,
+                move |tx, _, item, outcome| {
+                    if let Outcome::Refused(reason) = outcome {
+                        relay_state::quarantine(
+                            tx,
+                            &url,
+                            &ep,
+                            seq,
+                            &kind,
+                            &item_id,
+                            &sender_pubkey,
+                            reason,
+                            item.wire(),
+                            now,
+                        )?;
+                    }
+                    if checkpoint {
+                        relay_state::set_received_through(tx, &url, &ep, seq, now)?;
+                    }
+                    Ok(())
+                },
+            )
+            .await?
+            .pop()
+            .ok_or_else(|| RelayError::Malformed("no outcome for a pulled item".into()))?;
         match outcome {
-            (seq, id, Ok(Verdict::Stored { delivered })) => {
+            Outcome::Stored { delivered } => {
                 tracing::info!(seq, id = %id, to = ?delivered, "received from the relay");
                 pass.stored += 1;
             }
-            (seq, id, Ok(Verdict::Duplicate { requeued })) => {
+            Outcome::Duplicate { requeued } => {
                 if requeued > 0 {
                     tracing::info!(seq, id = %id, requeued, "repeat from the relay: delivery receipts queued again");
                 }
                 pass.duplicates += 1;
                 pass.receipts_requeued += requeued;
             }
-            (seq, id, Ok(Verdict::Receipt(result))) => {
+            Outcome::Receipt(result) => {
                 tracing::info!(seq, id = %id, result = %result, "delivery receipt from the relay");
                 pass.receipts += 1;
             }
-            (seq, _, Ok(Verdict::Notice(n))) => {
+            Outcome::Notice(n) => {
                 match &n {
                     settle::NoticeOutcome::Expired { msg_id, host, days } => {
                         tracing::warn!(seq, id = %msg_id, peer = %host, days, "Undelivered to {host}: the relay expired it after {days} day(s)");
@@ -390,7 +347,7 @@ impl RelayClient {
                 }
                 pass.notices += 1;
             }
-            (seq, id, Err(reason)) => {
+            Outcome::Refused(reason) => {
                 tracing::warn!(seq, id = %id, reason = %reason, "relay item quarantined");
                 pass.quarantined += 1;
             }

@@ -1,32 +1,21 @@
 //! `POST /v1/rotate {records:[≤50]}`: a paired host announces that it rotated its host key
 //! (`wire.md` §2.10, §4; spec §2 "Rotation"). Unsigned by design: a rotated peer signs its hops
 //! with a key this host has not pinned yet, so each record authenticates itself (signed by the
-//! pinned old key and by the new key, [`SignedRotation::check`]).
+//! pinned old key and by the new key). This handler only parses, rate-limits, hands the records
+//! to the mail logic ([`crate::node::rotation`]: the matching rules, the refusals and the pin
+//! update) and answers.
 //!
 //! Order: the per-address rate limit, [`ROTATE_REQS_PER_MIN`] a minute per client address (429
 //! `{error}` with `Retry-After`, before any byte of the body is read; the table holds at most
 //! [`MAX_ROTATE_CLIENTS`] addresses) → the body, at most [`MAX_ROTATE_BODY`] bytes (413) → JSON
 //! (400) → `records` an array of at most [`MAX_RECORDS_PER_ANNOUNCE`] (400 `bad batch`) → each
-//! record in order, in its own transaction ([`accept_record`]). The answer `{results:[…]}`
+//! record in order, in its own transaction ([`accept_records`]). The answer `{results:[…]}`
 //! (0.5.x: one string per record, `rotated`, `current` or `rejected:<why>`) is sent after the
-//! last commit. The refused records of a request are logged as one line (how many, the first
-//! reason), at WARN at most once a minute per client address, else at DEBUG.
+//! last commit; when a pin moved, the sender loops are woken. The refused records of a request
+//! are logged as one line (how many, the first reason), at WARN at most once a minute per client
+//! address, else at DEBUG.
 //!
-//! A record is matched by key: the peer pinned to `old_pub` (its name must be `rec.host`), or
-//! the peer already pinned to `new_pub` (`current`), or a peer named `rec.host` whose retired
-//! keys hold both keys (a step of a chain it already took: `current`); anything else is refused
-//! with 0.5.x's texts (`host not paired`, `rotation does not start from the pinned host key`, …).
-//! A record dated more than 5 minutes ahead of this host's clock, or whose `iat` is not an ISO
-//! ms time, is refused ([`SignedRotation::check_time`]), and so is a rotation back to one of
-//! the peer's retired keys ([`peers::ROTATION_TO_RETIRED`]: the earlier records are public, and
-//! replaying them would flip the pin back and forth).
-//! An accepted record moves the pin, the enc key and the retired keys ([`peers::rotate`]),
-//! retargets the mail still waiting for the old key ([`outbox::retarget`]) and is audited
-//! `peer.rotated` (fingerprints only), all in one transaction; then the sender loops are woken.
-//!
-//! This module never pins a key that did not sign the record, never moves a pin from a key other
-//! than the pinned one, and never logs or audits a key, a signature or a record: fingerprints and
-//! fixed reasons only. A record refused changes nothing.
+//! This module never logs a key, a signature or a record: fingerprints and fixed reasons only.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
@@ -37,22 +26,22 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use rusqlite::{Connection, TransactionBehavior};
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use agentmbx_net::body::{read_capped, BodyError};
 use agentmbx_net::log_gate::LogGate;
 use agentmbx_net::rate::{RateTable, Verdict, WhenFull};
 use agentmbx_protocol::clock::SharedClock;
 use agentmbx_protocol::keys::PublicKey;
-use agentmbx_protocol::rotation::{
-    RotateAnswer, RotateResult, RotationError, SignedRotation, MAX_RECORDS_PER_ANNOUNCE,
-};
+use agentmbx_protocol::rotation::{RotateAnswer, RotateResult, MAX_RECORDS_PER_ANNOUNCE};
 
 use super::{parse_json, HttpError};
-use crate::mailbox::peers::{self, Rotated};
-use crate::mailbox::{audit, outbox, MailboxError};
+use crate::node::rotation::accept_records;
 use crate::transport::lan::SharedLan;
+
+// Rotation acceptance is mail logic ([`crate::node::rotation`]); its items keep their paths
+// here too.
+pub use crate::node::rotation::{accept_record, Outcome, NEW_KEY_TAKEN, NOT_PAIRED, WRONG_HOST};
 
 /// Rotation announcements one client address may make per minute (`wire.md` §4: 30/min; a
 /// burst of 30, then one every 2 s).
@@ -67,12 +56,6 @@ pub const MAX_ROTATE_BODY: usize = 64 * 1024;
 pub const TOO_MANY: &str = "too many key rotation announcements; retry later";
 /// 400 text for a body that is not `{records:[≤50]}` (0.5.x).
 pub const BAD_BATCH: &str = "bad batch";
-/// Refusal of a record whose host is not a peer here (0.5.x).
-pub const NOT_PAIRED: &str = "host not paired";
-/// Refusal of a record whose old key is pinned under another name than `rec.host`.
-pub const WRONG_HOST: &str = "rotation names another host than the one its key is pinned for";
-/// Refusal of a record whose new key is already pinned as another peer.
-pub const NEW_KEY_TAKEN: &str = "the new host key is already pinned as another peer";
 /// A request's refused records are summed up in one log line, at WARN at most once per this
 /// many ms per client address (else at DEBUG), so a flood of bad records cannot flood the log.
 pub const REFUSAL_WARN_EVERY_MS: i64 = 60_000;
@@ -139,132 +122,10 @@ impl AddressLimiter {
     }
 }
 
-/// What one record came to.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Outcome {
-    /// The answer for the record.
-    pub result: RotateResult,
-    /// The pin that moved, when the record was `rotated`.
-    pub rotated: Option<Rotated>,
-    /// Outbox rows moved to the new key.
-    pub retargeted: usize,
-}
-
-impl Outcome {
-    fn refused(why: impl Into<String>) -> Self {
-        Outcome {
-            result: RotateResult::Rejected(why.into()),
-            rotated: None,
-            retargeted: 0,
-        }
-    }
-
-    fn current() -> Self {
-        Outcome {
-            result: RotateResult::Current,
-            rotated: None,
-            retargeted: 0,
-        }
-    }
-}
-
 fn fingerprint(b64: &str) -> String {
     PublicKey::from_b64(b64)
         .map(|k| k.fingerprint())
         .unwrap_or_default()
-}
-
-/// Checks and applies one announced record inside the caller's transaction (module docs: the
-/// matching rules). `rotated` moved the pin of `rec.host` to `new_pub`, set its enc key to
-/// `new_enc_pub`, appended `old_pub` to its retired keys, retargeted its waiting outbox rows
-/// and audited `peer.rotated`; `current` and `rejected:<why>` changed nothing. Errors: storage
-/// faults only.
-pub fn accept_record(
-    conn: &Connection,
-    record: &Value,
-    now_ms: i64,
-) -> Result<Outcome, MailboxError> {
-    let not_a_record = || Outcome::refused(RotationError::NotARecord.to_string());
-    let Ok(signed) = SignedRotation::from_value(record) else {
-        return Ok(not_a_record());
-    };
-    let rec = &signed.rec;
-    // Keys are looked up in their canonical text, as pinned.
-    let (Ok(old), Ok(new)) = (
-        PublicKey::from_b64(&rec.old_pub),
-        PublicKey::from_b64(&rec.new_pub),
-    ) else {
-        return Ok(not_a_record());
-    };
-    let Ok(new_enc) = signed.new_enc_key() else {
-        return Ok(not_a_record());
-    };
-    let (old_b64, new_b64) = (old.to_b64(), new.to_b64());
-
-    if let Some(peer) = peers::by_key(conn, &old_b64)? {
-        if peer.host != rec.host {
-            return Ok(Outcome::refused(WRONG_HOST));
-        }
-        if let Err(why) = signed.check(&old).and_then(|()| signed.check_time(now_ms)) {
-            return Ok(Outcome::refused(why.to_string()));
-        }
-        if peers::prev_keys(conn, &peer.host)?.contains(&new_b64) {
-            // Its earlier records are public: anyone could replay them to flip the pin back.
-            return Ok(Outcome::refused(peers::ROTATION_TO_RETIRED));
-        }
-        let iat = agentmbx_protocol::time::parse_iso_ms(&rec.iat);
-        let moved = match peers::rotate(
-            conn,
-            &peer.host,
-            &old_b64,
-            &new_b64,
-            &new_enc.to_b64(),
-            iat,
-            now_ms,
-        ) {
-            Ok(Some(moved)) => moved,
-            // The pin changed between the lookup and the update: not from the pinned key.
-            Ok(None) => return Ok(Outcome::refused(RotationError::NotFromPinned.to_string())),
-            Err(MailboxError::Conflict(_)) => return Ok(Outcome::refused(NEW_KEY_TAKEN)),
-            Err(e) => return Err(e),
-        };
-        let retargeted = outbox::retarget(conn, &peer.host, &old_b64, &new_b64, now_ms)?;
-        audit::record(
-            conn,
-            now_ms,
-            "peer.rotated",
-            &json!({
-                "host": peer.host,
-                "from": old.fingerprint(),
-                "to": new.fingerprint(),
-                "outbox_retargeted": retargeted,
-            }),
-        )?;
-        return Ok(Outcome {
-            result: RotateResult::Rotated,
-            rotated: Some(moved),
-            retargeted,
-        });
-    }
-    if peers::by_key(conn, &new_b64)?.is_some_and(|p| p.host == rec.host) {
-        return Ok(Outcome::current());
-    }
-    let Some(peer) = peers::by_name(conn, &rec.host)? else {
-        return Ok(Outcome::refused(NOT_PAIRED));
-    };
-    let retired = peers::prev_keys(conn, &peer.host)?;
-    if retired.contains(&old_b64) && retired.contains(&new_b64) {
-        // An earlier step of a chain of rotations this host already followed.
-        return Ok(Outcome::current());
-    }
-    let why = match PublicKey::from_b64(&peer.pubkey) {
-        Ok(pinned) => match signed.check(&pinned) {
-            Err(why) => why,
-            Ok(()) => RotationError::NotFromPinned,
-        },
-        Err(_) => RotationError::NotFromPinned,
-    };
-    Ok(Outcome::refused(why.to_string()))
 }
 
 /// 429 `{error:`[`TOO_MANY`]`}` with `Retry-After` in whole seconds, rounded up (at least 1).
@@ -326,18 +187,7 @@ async fn answer(
     let now = state.clock.now_ms();
     let outcomes = state
         .mailbox
-        .run(move |conn| {
-            let mut out = Vec::with_capacity(records.len());
-            for record in &records {
-                let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-                let outcome = accept_record(&tx, record, now)?;
-                if outcome.rotated.is_some() {
-                    tx.commit()?;
-                }
-                out.push(outcome);
-            }
-            Ok(out)
-        })
+        .run(move |conn| accept_records(conn, &records, now))
         .await?;
     let mut moved = false;
     let (mut refused, mut first_reason) = (0usize, None::<&str>);

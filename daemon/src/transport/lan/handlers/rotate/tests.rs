@@ -7,9 +7,12 @@ use std::sync::Mutex;
 use agentmbx_protocol::clock::ManualClock;
 use agentmbx_protocol::keys::{EncKey, HostKey};
 use agentmbx_protocol::records::Receipt;
+use agentmbx_protocol::rotation::SignedRotation;
+use serde_json::json;
 
 use crate::identity::Identity;
-use crate::mailbox::outbox::Accepted;
+use crate::mailbox::outbox::{self, Accepted};
+use crate::mailbox::peers;
 use crate::node::{receipts, receive};
 use crate::testutil::{self, Store, T0};
 use crate::transport::lan::client::{LanClient, LanError};
