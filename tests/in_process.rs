@@ -270,7 +270,10 @@ fn two_in_process_daemons_pair_exchange_mail_and_the_receipt_comes_back() {
 #[test]
 fn a_failpoint_armed_on_one_in_process_daemon_does_not_fire_on_the_other() {
     let rt = runtime();
-    // A's LAN delivery loop hangs at its first pass; B has nothing armed.
+    // B starts first with nothing armed, then A with its LAN delivery loop hanging at its first
+    // pass. Were the two sets one, B's first pass would have met the armed hit and hung B
+    // instead, and nothing B sends would arrive.
+    let mut b = Node::start(&rt, "hostb", "bob", 0, Failpoints::none());
     let mut a = Node::start(
         &rt,
         "hosta",
@@ -278,18 +281,21 @@ fn a_failpoint_armed_on_one_in_process_daemon_does_not_fire_on_the_other() {
         0,
         Failpoints::parse("lan:deliver-pass=hang"),
     );
-    let mut b = Node::start(&rt, "hostb", "bob", 0, Failpoints::none());
     a.pair_with(&b);
 
     let stuck = a.send("alice", "bob@hostb", "held by A's hung loop");
-    let goes = b.send("bob", "alice@hosta", "B's loop still runs");
-    a.wait_inbox("alice", &goes);
-    wait_for("B's row to be delivered", || {
-        (b.text("SELECT state FROM outbox WHERE msg_id = ?1", &[&goes])
-            .as_deref()
-            == Some("delivered"))
-        .then_some(())
-    });
+    // Two of B's messages, one after the other: B's loop passes again and again while A's row,
+    // sent first, would have gone long before them had A's loop not hung.
+    for subject in ["B's loop still runs", "and runs again"] {
+        let goes = b.send("bob", "alice@hosta", subject);
+        a.wait_inbox("alice", &goes);
+        wait_for("B's row to be delivered", || {
+            (b.text("SELECT state FROM outbox WHERE msg_id = ?1", &[&goes])
+                .as_deref()
+                == Some("delivered"))
+            .then_some(())
+        });
+    }
     // A's row never left: its delivery loop is the one that hangs.
     assert!(!b.inbox_ids("bob").contains(&stuck));
     assert_eq!(

@@ -13,8 +13,11 @@
 //!
 //! This module must never read the process environment for the clock, failpoints or paths (they
 //! are passed in), bind a socket (binding stays in the CLI so its errors keep their wording),
-//! parse a command line, install a logger, or exit the process. Process-wide state it still
-//! uses: the loop liveness registry ([`crate::service::liveness::global`]) and sd-notify
+//! parse a command line, install a logger, or exit the process. (The constructors of the relay
+//! client and of LAN delivery default to the process's set, `Failpoints::from_env`, for callers
+//! outside a daemon; [`run`] gives them the set passed in. The `rotate:*` points, which
+//! [`prepare`] can reach while it completes an interrupted key rotation, follow the process's
+//! set.) Process-wide state it still uses: the loop liveness registry ([`crate::service::liveness::global`]) and sd-notify
 //! ([`crate::service::notify`]), both one per process as the service manager sees one process,
 //! and the log filter hook the config watcher reloads ([`crate::config_watch`]), one per
 //! process as the logger is.
