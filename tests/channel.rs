@@ -3,12 +3,10 @@
 //! wake brake — driven over stdio by the `rmcp` client against a real daemon, with a client
 //! that records the custom notifications it gets.
 
-mod helper;
-
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use helper::{Daemon, Home};
+use crate::helper::{Daemon, Home};
 use rmcp::model::CustomNotification;
 use rmcp::service::{NotificationContext, RunningService};
 use rmcp::transport::TokioChildProcess;

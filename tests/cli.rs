@@ -1,12 +1,12 @@
 //! Black-box tests of the `agentmbx` binary: `init`, `whoami`, and the daemon's start-up,
 //! local API and shutdown, each in its own temporary home (see `helper`).
 
-mod helper;
+use crate::helper;
 
 use std::net::TcpListener;
 
+use crate::helper::{Daemon, Home};
 use agentmbx_protocol::keys::{KeyFile, PublicKey};
-use helper::{Daemon, Home};
 use sha2::{Digest, Sha256};
 
 fn key_file(home: &Home, name: &str) -> KeyFile {

@@ -6,10 +6,8 @@
 //! delivered within the global 30 s poll, far less than the 10 min skew it would otherwise wait
 //! out — and `sent` lists the messages in the order they were sent, not by the skewed times.
 
-mod helper;
-
-use helper::mesh::Mesh;
-use helper::wait_for;
+use crate::helper::mesh::Mesh;
+use crate::helper::wait_for;
 
 /// The real time (ms since the epoch).
 fn now_ms() -> i64 {

@@ -7,12 +7,10 @@
 //! each message goes to whichever xb daemon pulls it, none is lost, none is stored twice in one
 //! store, and xa sees every message delivered.
 
-mod helper;
-
 use serde_json::Value;
 
-use helper::mesh::{Host, Relay};
-use helper::wait_for;
+use crate::helper::mesh::{Host, Relay};
+use crate::helper::wait_for;
 
 /// The daemon's log line for a detection its relay reported.
 const HOST_LINE: &str = "another daemon is using this host key";

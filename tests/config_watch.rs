@@ -5,10 +5,8 @@
 //! switches a running daemon to it; a `[relay]` table added to a daemon started without one
 //! turns the relay transport on, and removing it turns it off, both without a restart.
 
-mod helper;
-
-use helper::mesh::{free_port, Host, Mesh, Relay};
-use helper::{wait_for, Daemon, Home};
+use crate::helper::mesh::{free_port, Host, Mesh, Relay};
+use crate::helper::{wait_for, Daemon, Home};
 
 /// Writes `config.toml` the way editors do: a temporary file renamed over the old one.
 fn replace_config(home: &Home, text: &str) {

@@ -22,11 +22,9 @@
 //! A failed push is retried after the sender's first outbox backoff (5 s), so the drills that
 //! fail a push take that long; the tests never shift a clock mid-run.
 
-mod helper;
-
+use crate::helper::mesh::{Host, Mesh};
+use crate::helper::wait_for;
 use agentmbx_protocol::time::parse_iso_ms;
-use helper::mesh::{Host, Mesh};
-use helper::wait_for;
 use rusqlite::OptionalExtension;
 use serde_json::Value;
 

@@ -6,14 +6,12 @@
 //! shell completions and shown repeatable in the man page); and, with a real relay and daemons,
 //! that doctor reads the enrolment and enc-key ad the client wrote (spec gap G13).
 
-mod helper;
-
 use std::path::Path;
 
 use serde_json::Value;
 
-use helper::mesh::Mesh;
-use helper::{run, Daemon, Home, Output};
+use crate::helper::mesh::Mesh;
+use crate::helper::{run, Daemon, Home, Output};
 
 /// A 127.0.0.1 port nothing listens on.
 fn closed_port() -> u16 {

@@ -36,15 +36,13 @@
 //! The long run (≥ 1,000 kills) is the same test with a larger count:
 //!
 //! ```text
-//! MBX_DRILL_KILLS=1000 cargo nextest run -p agentmbx --test drill --no-capture
+//! MBX_DRILL_KILLS=1000 cargo nextest run -p agentmbx --test integration -E 'test(/^drill::/)' --no-capture
 //! ```
 //!
 //! A kill costs about 0.6–0.8 s on 2 cores (random wait, SIGKILL, restart) and about 25
 //! messages are sent per kill; quiescence takes 5–15 s. 1,000 kills therefore take roughly
 //! 10–15 minutes. nextest's slow-test notices are only notices; a CI profile with a hard
 //! timeout needs it raised for such a run.
-
-mod helper;
 
 use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
@@ -54,8 +52,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use helper::mesh::{Host, Mesh};
-use helper::POLL;
+use crate::helper::mesh::{Host, Mesh};
+use crate::helper::POLL;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rusqlite::Connection;

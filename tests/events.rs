@@ -7,15 +7,13 @@
 //! A stream is known to be open when the daemon logs `an event stream is open` (debug, enabled
 //! for the events module only).
 
-mod helper;
-
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use helper::mesh::Host;
-use helper::wait_for;
+use crate::helper::mesh::Host;
+use crate::helper::wait_for;
 use serde_json::Value;
 
 /// The daemon's log filter: info, plus the events module's debug line for an open stream.

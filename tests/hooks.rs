@@ -8,12 +8,12 @@
 //!
 //! Each hook command is a small shell script written in the test's temporary directory.
 
-mod helper;
+use crate::helper;
 
 use std::path::{Path, PathBuf};
 
-use helper::mesh::Host;
-use helper::{poll, wait_for};
+use crate::helper::mesh::Host;
+use crate::helper::{poll, wait_for};
 use serde_json::{json, Value};
 
 /// A temporary directory for a test's scripts and their output.

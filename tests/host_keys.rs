@@ -4,15 +4,15 @@
 //! keys in a real Secret Service (Debian's gnome-keyring under `dbus-run-session`; skipped, with
 //! the reason printed, where that is not installed).
 
-mod helper;
+use crate::helper;
 
 use std::io::{BufRead, BufReader};
 use std::process::Stdio;
 
+use crate::helper::mesh::Host;
+use crate::helper::{wait_for, Home, TIMEOUT};
 use agentmbx_protocol::keys::{KeyFile, PublicKey};
 use agentmbx_protocol::rotation::SignedRotation;
-use helper::mesh::Host;
-use helper::{wait_for, Home, TIMEOUT};
 use serde_json::Value;
 
 fn read_json(home: &Home, name: &str) -> Value {

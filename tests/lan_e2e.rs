@@ -4,14 +4,14 @@
 //! a peer that was down, the relay fallback after two LAN failures, and the LAN server's
 //! refusals (each with its exact reason, and nothing stored).
 
-mod helper;
+use crate::helper;
 
+use crate::helper::mesh::{free_port, Host, Relay};
+use crate::helper::{request, wait_for, HttpResponse};
 use agentmbx_protocol::envelope::{self, Draft};
 use agentmbx_protocol::hop::sign_lan_hop;
 use agentmbx_protocol::keys::{EncPublicKey, HostKey};
 use agentmbx_protocol::{seal, ulid};
-use helper::mesh::{free_port, Host, Relay};
-use helper::{request, wait_for, HttpResponse};
 use serde_json::{json, Value};
 
 /// Waits until `host`'s agent `agent` has message `id` in its inbox.

@@ -9,12 +9,12 @@
 //! `ip netns exec`, so the local API (127.0.0.1 inside the namespace) is reached by the CLI.
 //! The namespaces (and the veth pair with them) are removed on drop.
 
-mod helper;
+use crate::helper;
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use helper::{Daemon, Home};
+use crate::helper::{Daemon, Home};
 use serde_json::Value;
 
 /// The LAN port inside both namespaces (each namespace has its own ports).

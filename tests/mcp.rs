@@ -4,11 +4,11 @@
 //! retried send with one idempotency key sending once, the guide as resource and prompt, and
 //! a stopped (or not yet started) daemon answered by one clear tool error, never a hang.
 
-mod helper;
+use crate::helper;
 
 use std::time::Duration;
 
-use helper::{Daemon, Home};
+use crate::helper::{Daemon, Home};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::sync::{Arc, Mutex};
 

@@ -11,13 +11,13 @@
 //! test skips, saying why, except under CI (`CI` set), where it fails. All traffic goes to the
 //! daemon on 127.0.0.1 (proxies are disabled for the child).
 
-mod helper;
+use crate::helper;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use helper::{Daemon, Home};
+use crate::helper::{Daemon, Home};
 
 /// Longest the schemathesis run may take (it takes about 15 s on 2 cores; the bound is for a
 /// loaded CI machine).

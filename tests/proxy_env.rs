@@ -5,7 +5,8 @@
 //! A recorder on 127.0.0.1 stands in for the proxy and another for the direct destination; each
 //! records the request line it received and answers 502 (the proxy) or 404 (the destination),
 //! so nothing leaves loopback: a proxied request names `relay.invalid`, which is never resolved.
-//! The environment is process-wide, so every case runs in this one test, in order.
+//! The environment is process-wide, so every case runs in this one test, in order, and the test
+//! relies on nextest's process per test (under `cargo test`, run it alone).
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;

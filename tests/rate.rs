@@ -3,11 +3,11 @@
 //! while another agent's go through, and the CLI waits out a 429 and succeeds, sending each
 //! message once.
 
-mod helper;
+use crate::helper;
 
 use std::time::{Duration, Instant};
 
-use helper::{Daemon, Home};
+use crate::helper::{Daemon, Home};
 
 /// One send of `from` to `to` over the API, as JSON text.
 fn send_body(from: &str, to: &str, subject: &str) -> String {

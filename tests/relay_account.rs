@@ -6,7 +6,7 @@
 //! then it fails, and the daemon retries. Then mail goes both ways through the relay, every hop
 //! carrying the token.
 
-mod helper;
+use crate::helper;
 
 use std::io::{Read, Write};
 use std::net::TcpListener;
@@ -17,8 +17,8 @@ use serde_json::{json, Value};
 use agentmbx_protocol::b64;
 use agentmbx_protocol::keys::HostKey;
 
-use helper::mesh::{free_port, open_read_only, Host};
-use helper::{command, wait_for, Daemon, RELAY_LISTENING};
+use crate::helper::mesh::{free_port, open_read_only, Host};
+use crate::helper::{command, wait_for, Daemon, RELAY_LISTENING};
 
 const ISSUER: &str = "https://accounts.test";
 

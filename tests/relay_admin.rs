@@ -6,8 +6,6 @@
 //! Hosts here are bare keys that enrol and sign hops over plain HTTP, so the test sees the
 //! relay's exact answers.
 
-mod helper;
-
 use std::net::SocketAddr;
 
 use serde_json::{json, Value};
@@ -16,9 +14,9 @@ use agentmbx_protocol::hop;
 use agentmbx_protocol::keys::HostKey;
 use agentmbx_protocol::records;
 
-use helper::mesh::Relay;
-use helper::relay_cli::{relay_cli, serve, ADMIN};
-use helper::{request, Output};
+use crate::helper::mesh::Relay;
+use crate::helper::relay_cli::{relay_cli, serve, ADMIN};
+use crate::helper::{request, Output};
 
 /// Milliseconds since the epoch (hop timestamps; the relay checks ±5 min).
 fn now_ms() -> i64 {

@@ -21,11 +21,9 @@
 //! The two relay push crashes wait out the sender's first outbox backoff (5 s): a failed
 //! attempt is retried no sooner, and the tests do not shift the sender's clock mid-run.
 
-mod helper;
-
+use crate::helper::mesh::{contains, unique_tag, Host, Mesh, Relay};
+use crate::helper::wait_for;
 use base64::Engine;
-use helper::mesh::{contains, unique_tag, Host, Mesh, Relay};
-use helper::wait_for;
 
 /// Waits until `host`'s agent `agent` has message `id` in its inbox.
 fn wait_inbox(host: &Host, agent: &str, id: &str) {

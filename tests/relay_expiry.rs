@@ -15,10 +15,8 @@
 //! from a host that was unpaired while it waited at the relay is quarantined, and
 //! `agentmbx relay quarantine [--json]` lists it with its reason.
 
-mod helper;
-
-use helper::mesh::{unique_tag, Host, Mesh};
-use helper::wait_for;
+use crate::helper::mesh::{unique_tag, Host, Mesh};
+use crate::helper::wait_for;
 use serde_json::Value;
 
 /// One day (ms).

@@ -5,7 +5,7 @@
 //! endpoint, enrolment authority; never the admin token), the one-shot operator commands'
 //! quiet default log level, and the environment and files `relay serve --help` documents.
 
-mod helper;
+use crate::helper;
 
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt as _;
@@ -18,8 +18,8 @@ use agentmbx_protocol::envelope::{self, Draft};
 use agentmbx_protocol::keys::{EncKey, HostKey};
 use agentmbx_protocol::{b64, hop, records, seal, ulid};
 
-use helper::mesh::free_port;
-use helper::{bin, command, request, run, Daemon, RELAY_LISTENING};
+use crate::helper::mesh::free_port;
+use crate::helper::{bin, command, request, run, Daemon, RELAY_LISTENING};
 
 /// Milliseconds since the epoch (hop timestamps and envelope dates; the relay checks ±5 min).
 fn now_ms() -> i64 {

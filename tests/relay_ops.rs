@@ -3,16 +3,16 @@
 //! `relay rotate-epoch` offline (refused with exit 4 while the relay serves) and through the
 //! admin endpoint, `relay log`, and `relay backup` while a relay serves under traffic.
 
-mod helper;
+use crate::helper;
 
 use std::collections::HashMap;
 use std::path::Path;
 
 use serde_json::Value;
 
-use helper::mesh::{free_port, open_read_only, Mesh};
-use helper::relay_cli::{meta, relay_cli, serve, ADMIN};
-use helper::{command, run, wait_for};
+use crate::helper::mesh::{free_port, open_read_only, Mesh};
+use crate::helper::relay_cli::{meta, relay_cli, serve, ADMIN};
+use crate::helper::{command, run, wait_for};
 
 fn log_json(dir: &str, limit: &str) -> Vec<Value> {
     let out = relay_cli(

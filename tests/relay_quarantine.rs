@@ -3,10 +3,8 @@
 //! daemon`s (`hosta` sends, `hostb` receives, relay-only), the pins changed with the CLI while
 //! the receiver runs. State is read in `mailbox.db` (read-only) and through the local API.
 
-mod helper;
-
-use helper::mesh::{Host, Mesh};
-use helper::wait_for;
+use crate::helper::mesh::{Host, Mesh};
+use crate::helper::wait_for;
 
 /// The reason `host` recorded for quarantined item `id`, if it is quarantined.
 fn quarantine_reason(host: &Host, id: &str) -> Option<String> {

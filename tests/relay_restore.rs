@@ -12,15 +12,15 @@
 //! key (done, with unsigned receipts), and the receipt of a backup taken while the relay
 //! serves, logged through its admin endpoint without `--url`.
 
-mod helper;
+use crate::helper;
 
 use std::path::Path;
 
 use serde_json::Value;
 
-use helper::mesh::{open_read_only, Host, Mesh};
-use helper::relay_cli::{meta, relay_cli, serve, ADMIN};
-use helper::{command, run, wait_for, Output};
+use crate::helper::mesh::{open_read_only, Host, Mesh};
+use crate::helper::relay_cli::{meta, relay_cli, serve, ADMIN};
+use crate::helper::{command, run, wait_for, Output};
 
 fn s(path: &Path) -> &str {
     path.to_str().expect("UTF-8 path")

@@ -3,8 +3,6 @@
 //! store while the relay serves (JSON and text), then on the stopped store after an offline
 //! backup; it creates nothing and never needs the lock. A missing store exits 3.
 
-mod helper;
-
 use std::path::Path;
 
 use serde_json::Value;
@@ -12,8 +10,8 @@ use serde_json::Value;
 use agentmbx_protocol::keys::PublicKey;
 use agentmbx_protocol::time::iso_ms;
 
-use helper::mesh::{open_read_only, Mesh};
-use helper::{command, run, wait_for, Output};
+use crate::helper::mesh::{open_read_only, Mesh};
+use crate::helper::{command, run, wait_for, Output};
 
 fn relay_cli(args: &[&str]) -> Output {
     let mut full = vec!["relay"];

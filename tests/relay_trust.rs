@@ -24,14 +24,12 @@
 //!
 //! State is read from the stores (read-only) and through `relay info --json`.
 
-mod helper;
-
 use std::path::Path;
 
 use serde_json::Value;
 
-use helper::mesh::{free_port, open_read_only, Host, Mesh, Relay};
-use helper::{command, poll, wait_for, Daemon, RELAY_LISTENING};
+use crate::helper::mesh::{free_port, open_read_only, Host, Mesh, Relay};
+use crate::helper::{command, poll, wait_for, Daemon, RELAY_LISTENING};
 
 /// A relay process on `port` with its store in `dir` (optionally with `MBX_RELAY_KEY`), and its
 /// fingerprint. A bind refused because the port is still held is retried.

@@ -8,11 +8,9 @@
 //!
 //! State is read from the stores themselves (read-only) and through the CLI and the local API.
 
-mod helper;
-
+use crate::helper::mesh::{free_port, unique_tag, Host, Relay};
+use crate::helper::wait_for;
 use agentmbx_protocol::keys::PublicKey;
-use helper::mesh::{free_port, unique_tag, Host, Relay};
-use helper::wait_for;
 use serde_json::Value;
 
 /// Waits until `host`'s agent `agent` has message `id` in its inbox.

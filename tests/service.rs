@@ -4,7 +4,7 @@
 //! as `NOTIFY_SOCKET` (READY after bind, STATUS, WATCHDOG pings, STOPPING on SIGTERM; no
 //! ping and an `unhealthy` status once a loop hangs).
 
-mod helper;
+use crate::helper;
 
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
@@ -12,8 +12,8 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use helper::relay_cli::serve;
-use helper::{command, http, run, wait_for, Daemon, Home, LISTENING};
+use crate::helper::relay_cli::serve;
+use crate::helper::{command, http, run, wait_for, Daemon, Home, LISTENING};
 
 /// `agentmbx <args>` for `home` with `HOME` set to `user_home` and no XDG config override.
 fn in_user_home(home: &Home, user_home: &Path, args: &[&str]) -> Command {

@@ -7,14 +7,14 @@
 //! our entry, a client not installed is skipped, no terminal and no `--yes` refuses (exit 2), and
 //! the `mcp-setup` doctor check (skip, ok, warn with the fix).
 
-mod helper;
+use crate::helper;
 
 use std::path::PathBuf;
 use std::process::Command;
 
 use serde_json::Value;
 
-use helper::{run, Output};
+use crate::helper::{run, Output};
 
 /// A fake `claude`: logs `$*` to `$FAKE_CLAUDE_LOG`; `$FAKE_CLAUDE_STATE` holds the one
 /// user-scope entry as `claude mcp get` prints it.

@@ -5,10 +5,8 @@
 //! sender, whose `sent` does not say delivered); `whoami --as nobody` on hostb makes it
 //! nobody's mail and the delivered receipt reaches the sender.
 
-mod helper;
-
-use helper::mesh::Host;
-use helper::wait_for;
+use crate::helper::mesh::Host;
+use crate::helper::wait_for;
 use serde_json::Value;
 
 /// The newest receipt state `host` holds for (`id`, `recipient`).

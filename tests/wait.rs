@@ -9,12 +9,12 @@
 //! A waiter is known to wait when the daemon logs `a reader waits for mail` (debug, enabled for
 //! the inbox module only); then the mail is sent.
 
-mod helper;
+use crate::helper;
 
 use std::time::{Duration, Instant};
 
-use helper::mesh::{Host, Mesh};
-use helper::{request, wait_for};
+use crate::helper::mesh::{Host, Mesh};
+use crate::helper::{request, wait_for};
 use serde_json::Value;
 
 /// The daemon's log filter: info, plus the inbox module's debug line for a waiter.

@@ -7,8 +7,6 @@
 //! 1-minute, 10-minute and 1-hour rules are crossed by moving it.
 #![allow(clippy::unwrap_used)] // Tests may unwrap (clippy.toml).
 
-mod helper;
-
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -24,7 +22,7 @@ use agentmbx_relay::config::{AdminToken, AuthorityConfig, AuthorityKind, RelayCo
 use agentmbx_relay::ratelimit::RateConfig;
 use agentmbx_relay::store::{AuthorityStrength, DenyKind};
 
-use helper::*;
+use crate::helper::*;
 
 const ISSUER: &str = "https://accounts.test";
 const AUDIENCE: &str = "https://relay.test";

@@ -12,8 +12,6 @@
 //! oversized uploads, fan-out over a full queue depth) and the store's unit tests.
 #![allow(clippy::unwrap_used)] // Tests may unwrap (clippy.toml); the helpers use `expect`.
 
-mod helper;
-
 use std::path::Path;
 
 use serde_json::{json, Value};
@@ -24,7 +22,7 @@ use agentmbx_protocol::records;
 use agentmbx_relay::config::{LimitsConfig, RelayConfig};
 use agentmbx_relay::store::{self, AuthorityStrength, EnrolOutcome, StoreLimits};
 
-use helper::*;
+use crate::helper::*;
 
 /// A relay configured by `relay.toml` text (parsed and validated as `relay serve` does).
 async fn relay_toml(text: &str) -> Relay {

@@ -5,8 +5,6 @@
 //! run on 127.0.0.1 port 0 over a fresh store, driven by a manual clock.
 #![allow(clippy::unwrap_used)] // Tests may unwrap (clippy.toml); the helpers use `expect`.
 
-mod helper;
-
 use std::sync::{Arc, Mutex};
 
 use serde_json::{json, Value};
@@ -17,7 +15,7 @@ use agentmbx_relay::authority::challenge::{CHALLENGE_TTL_MS, MAX_CHALLENGES_PER_
 use agentmbx_relay::config::{AdminToken, RelayConfig};
 use agentmbx_relay::ratelimit::{RateConfig, ADMIN_PER_MIN};
 
-use helper::*;
+use crate::helper::*;
 
 const ADMIN: &str = "admin-token-0123456789abcdef";
 

@@ -5,8 +5,6 @@
 //! shows.
 #![allow(clippy::unwrap_used)] // Tests may unwrap (clippy.toml); the helpers use `expect`.
 
-mod helper;
-
 use serde_json::{json, Value};
 
 use agentmbx_protocol::b64;
@@ -19,7 +17,7 @@ use agentmbx_protocol::time::iso_ms;
 use agentmbx_relay::config::LimitsConfig;
 use agentmbx_relay::store::SenderList;
 
-use helper::*;
+use crate::helper::*;
 
 /// Two enrolled hosts on a fresh relay: `alpha` (sender) and `beta` (target).
 async fn two_hosts(relay: &Relay) -> (Host, Host) {

@@ -4,14 +4,12 @@
 //! in `GET /v2/relay/admin/stats` (`instance_conflicts`). One id, a restart (one id, then
 //! another for good) and hops without the header never count.
 
-mod helper;
-
 use serde_json::Value;
 
 use agentmbx_protocol::instance::{CONFLICT_WINDOW_MS, INSTANCE_HEADER};
 use agentmbx_relay::config::{AdminToken, RelayConfig};
 
-use helper::*;
+use crate::helper::*;
 
 const ADMIN: &str = "admin-token-0123456789abcdef";
 

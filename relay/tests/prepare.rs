@@ -2,11 +2,12 @@
 //! (configuration, relay key from `MBX_RELAY_KEY`, store, listener) runs before any runtime
 //! exists and takes the key out of the environment; the async half serves it.
 //!
-//! This file holds one test so that it owns its process: it sets and reads environment
-//! variables, which is only safe while no other test thread runs.
+//! This module holds one test, which sets and reads environment variables: that is only safe
+//! while no other test thread runs, so it relies on nextest's process per test (under
+//! `cargo test`, run it alone).
 #![allow(clippy::unwrap_used)] // Tests may unwrap (clippy.toml).
 
-mod helper;
+use crate::helper;
 
 use std::net::{IpAddr, Ipv4Addr};
 

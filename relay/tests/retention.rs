@@ -4,7 +4,7 @@
 //! late retry is a `duplicate` with the original seq, never a second delivery. Time moves on
 //! the relay's manual clock; the sweep runs as the server runs it (`retention::sweep_once`).
 
-mod helper;
+use crate::helper;
 
 use std::time::Duration;
 
@@ -19,7 +19,7 @@ use agentmbx_protocol::time::iso_ms;
 
 use agentmbx_relay::config::{LimitsConfig, RelayConfig};
 
-use helper::{env_item, sealed_wire, Host, Relay, T0};
+use crate::helper::{env_item, sealed_wire, Host, Relay, T0};
 
 const DAY_MS: i64 = 86_400_000;
 

@@ -6,8 +6,6 @@
 //! test moves it).
 #![allow(clippy::unwrap_used)] // Tests may unwrap (clippy.toml); the helpers use `expect`.
 
-mod helper;
-
 use std::collections::HashMap;
 
 use serde_json::{json, Value};
@@ -23,7 +21,7 @@ use agentmbx_relay::config::RelayConfig;
 use agentmbx_relay::ratelimit::RateConfig;
 use agentmbx_relay::store::{self as relay_store, AuthorityStrength, EnrolRequest};
 
-use helper::*;
+use crate::helper::*;
 
 // ---- local fixtures ---------------------------------------------------------------------------
 

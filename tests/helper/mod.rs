@@ -5,7 +5,6 @@
 //! the caller's other `MBX_*` variables; daemons bind 127.0.0.1 port 0 and their port is read
 //! from the `local API listening on <addr>` log line. Waiting is always polling a condition
 //! under the one [`TIMEOUT`], never a bare sleep. Children are killed when their handle drops.
-#![allow(dead_code)] // Each test binary uses a subset.
 
 pub mod mesh;
 pub mod relay_cli;

@@ -5,7 +5,7 @@
 //!
 //! The clock only moves when a test moves it, so sequence numbers are predictable
 //! (`seq = max(next_seq, now_ms)`) and hop timestamps can be placed exactly on the window edge.
-#![allow(dead_code)] // Not every test uses every fixture.
+#![allow(dead_code)] // Not every fixture has a test today (`HOP_HEADERS`, `Relay::store`).
 
 use std::sync::Arc;
 
