@@ -6,8 +6,6 @@
 //! The daemons share one tokio runtime owned by the test; the test thread itself stays
 //! synchronous (the helper's polling and child commands block).
 
-mod helper;
-
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -16,8 +14,9 @@ use agentmbx::daemon::{self, DaemonLock, Listeners, RunError};
 use agentmbx::paths::Paths;
 use agentmbx_protocol::clock::{SharedClock, SystemClock};
 use agentmbx_protocol::failpoint::Failpoints;
-use helper::mesh::open_read_only;
-use helper::{request, wait_for, Home, HttpResponse};
+use crate::helper;
+use crate::helper::mesh::open_read_only;
+use crate::helper::{request, wait_for, Home, HttpResponse};
 use serde_json::{json, Value};
 
 /// The environment an in-process daemon's config is loaded with: the helper's for child

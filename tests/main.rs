@@ -3,7 +3,9 @@
 //! a test binary of its own) and keeps its tests' names, so a test's path is `<area>::<test>`
 //! (`cli::init_creates_private_key_files_and_refuses_a_second_init`). `helper` holds the
 //! fixtures: temporary homes, daemons and relays as child processes, polling under one timeout,
-//! HTTP to the local API.
+//! HTTP to the local API. Most areas run the real binary as child processes (crashes, signals,
+//! service readiness and network namespaces need one); `in_process` runs daemons inside the test
+//! process through `agentmbx::daemon::run`, each with its own clock and failpoints.
 //!
 //! One area, or the crash drill with a long run (see `drill`):
 //!
@@ -31,6 +33,7 @@ mod drill;
 mod events;
 mod hooks;
 mod host_keys;
+mod in_process;
 mod lan_e2e;
 mod lan_netns;
 mod mcp;
