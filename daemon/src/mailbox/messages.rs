@@ -31,7 +31,7 @@ pub struct Message {
     /// Message replied to.
     pub reply_to: Option<String>,
     /// Kind.
-    #[schema(value_type = crate::api::openapi::Kind)]
+    #[schema(value_type = crate::vocab::Kind)]
     pub kind: String,
     /// Subject.
     pub subject: String,
@@ -44,7 +44,7 @@ pub struct Message {
     /// `local` or the sending peer's host name.
     pub origin: String,
     /// This agent's delivery state: `new`, `read` or `acked` (null for the sender's copy).
-    #[schema(value_type = Option<crate::api::openapi::DeliveryState>)]
+    #[schema(value_type = Option<crate::vocab::DeliveryState>)]
     pub state: Option<String>,
 }
 
@@ -60,7 +60,7 @@ pub struct InboxEntry {
     /// Subject.
     pub subject: String,
     /// Kind.
-    #[schema(value_type = crate::api::openapi::Kind)]
+    #[schema(value_type = crate::vocab::Kind)]
     pub kind: String,
     /// Thread id.
     pub thread: String,
@@ -69,7 +69,7 @@ pub struct InboxEntry {
     /// The message this one replies to, if any.
     pub reply_to: Option<String>,
     /// `new`, `read` or `acked`.
-    #[schema(value_type = crate::api::openapi::DeliveryState)]
+    #[schema(value_type = crate::vocab::DeliveryState)]
     pub state: String,
 }
 

@@ -17,12 +17,13 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 
 use super::client::{self, Local, PairError};
-use super::server::{self, own_offer};
+use super::own_offer;
 use super::store;
 use super::{PairingMemory, MAX_TOKEN_TTL_MS, NONCE_TTL_MS, PENDING_TTL_MS, TOKEN_TTL_MS};
 use crate::identity::Identity;
 use crate::mailbox::peers;
 use crate::testutil::{self, Store};
+use crate::transport::lan::handlers::pairing as server;
 use crate::transport::lan::{LanState, SharedLan};
 
 /// The token key most tests pair with (what scrypt would give for some token).
