@@ -20,6 +20,8 @@ use crate::fsutil;
 use crate::host_name::HostName;
 use crate::paths::Paths;
 
+pub mod hooks;
+
 /// Overrides [`Config::api_port`].
 pub const API_PORT_ENV: &str = "MBX_API_PORT";
 /// Overrides [`Config::api_bind`].
@@ -129,8 +131,8 @@ pub struct Config {
     #[serde(default = "default_true")]
     pub mdns: bool,
     /// `hook_concurrency`: most `[[hooks]]` commands running at once (default 4, 1..=64;
-    /// [`crate::hooks::config`]).
-    #[serde(default = "crate::hooks::config::default_concurrency")]
+    /// [`hooks`]).
+    #[serde(default = "hooks::default_concurrency")]
     pub hook_concurrency: u32,
     /// `[relay]`: the relay this host pushes to and pulls from, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -149,9 +151,9 @@ pub struct Config {
     /// over it. Default: unset (`info`). Applied without a restart when the file changes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub log_level: Option<String>,
-    /// `[[hooks]]`: commands run for new mail ([`crate::hooks::config`]); read at start.
+    /// `[[hooks]]`: commands run for new mail ([`hooks`]); read at start.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub hooks: Vec<crate::hooks::config::HookConfig>,
+    pub hooks: Vec<hooks::HookConfig>,
     /// `[api_rate]`: the local API's rate classes ([`ApiRateConfig`]; issue 19 part 4). Read
     /// at start (a change needs a restart).
     #[serde(default, skip_serializing_if = "ApiRateConfig::is_default")]
@@ -285,7 +287,7 @@ impl Default for Config {
             relay_pull_interval_ms: default_relay_pull_interval_ms(),
             key_store: KeyStore::default(),
             log_level: None,
-            hook_concurrency: crate::hooks::config::DEFAULT_CONCURRENCY,
+            hook_concurrency: hooks::DEFAULT_CONCURRENCY,
             hooks: Vec::new(),
             api_rate: ApiRateConfig::default(),
         }
@@ -662,7 +664,7 @@ impl Config {
                 )
             })?;
         }
-        crate::hooks::config::validate(self.hook_concurrency, &self.hooks)
+        hooks::validate(self.hook_concurrency, &self.hooks)
             .map_err(|(key, message)| invalid(key, message))?;
         if let Some(relay) = &self.relay {
             check_relay_url(&relay.url).map_err(|e| invalid("relay.url", e.to_string()))?;

@@ -4,8 +4,12 @@
 //! `main` only restores the default SIGPIPE action of one-shot commands, installs the TLS crypto
 //! provider and the logger and hands over to [`cli`]; everything else lives in the library
 //! (`agentmbx::…`) so the black-box tests exercise the same code.
+//!
+//! Its modules: [`cli`] (the commands), [`mcp`] (`agentmbx mcp`, the MCP server) and, below both,
+//! [`local_api`] (the client of the daemon's local API they share).
 
 mod cli;
+mod local_api;
 mod mcp;
 
 use std::io::IsTerminal;

@@ -41,7 +41,7 @@ use agentmbx_protocol::keys::PublicKey;
 
 use crate::error::ApiError;
 use crate::refusals::AuthRefusal;
-use crate::server::RelayState;
+use crate::state::RelayState;
 use crate::store::Enrolment;
 
 /// Keys the parse memo holds before it is emptied (each entry about 250 bytes).
@@ -292,7 +292,7 @@ async fn check_hop(
         return Err(Refused::new(
             AuthRefusal::Denied,
             Some(&fp),
-            crate::handlers::enrol::denied(crate::handlers::enrol::DENY_LISTED),
+            crate::error::denied(crate::error::DENY_LISTED),
         ));
     }
     check_account_token(state, headers, &key, &enrolment, now, rule)
@@ -393,9 +393,7 @@ async fn check_account_token(
                 "BAD_TOKEN",
             ))
         }
-        Err(HopTokenError::Unavailable) => {
-            return Err(crate::handlers::enrol::authority_unavailable())
-        }
+        Err(HopTokenError::Unavailable) => return Err(crate::error::authority_unavailable()),
     };
     let store = state.store.clone();
     let (k, fp, client) = (
@@ -411,9 +409,7 @@ async fn check_account_token(
     })
     .await?;
     if client_denied.is_some() {
-        return Err(crate::handlers::enrol::denied(
-            crate::handlers::enrol::DENY_LISTED,
-        ));
+        return Err(crate::error::denied(crate::error::DENY_LISTED));
     }
     let Some(binding) = binding else {
         return Err(ApiError::new(

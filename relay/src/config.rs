@@ -11,6 +11,8 @@ use agentmbx_protocol::limits;
 
 use crate::store::StoreLimits;
 
+pub mod rate;
+
 /// Default relay port (0.5.x).
 pub const DEFAULT_PORT: u16 = 7374;
 
@@ -242,7 +244,7 @@ pub struct RelayConfig {
     /// Limits and quotas.
     pub limits: LimitsConfig,
     /// Rate limits and the request-body budget (`[rate]`, [`crate::ratelimit`]).
-    pub rate: crate::ratelimit::RateConfig,
+    pub rate: rate::RateConfig,
     /// The enrolment authority (`[authority]`, [`crate::authority`]; default the host-key
     /// challenge).
     pub authority: AuthorityConfig,
@@ -295,7 +297,7 @@ impl RelayConfig {
             check_range("sweep_interval_ms", ms, SWEEP_INTERVAL_MS_RANGE)?;
         }
         if let Some(tp) = &self.trust_proxy {
-            crate::ratelimit::TrustProxy::parse(tp)?;
+            rate::TrustProxy::parse(tp)?;
         }
         self.rate.validate()?;
         self.authority.validate()?;
@@ -321,7 +323,7 @@ impl RelayConfig {
             cfg.trust_proxy = Some(tp).filter(|t| !t.is_empty());
         }
         if let Some(tp) = &cfg.trust_proxy {
-            crate::ratelimit::TrustProxy::parse(tp).map_err(ConfigError::Env)?;
+            rate::TrustProxy::parse(tp).map_err(ConfigError::Env)?;
         }
         cfg.validate()
             .map_err(|message| ConfigError::Invalid { path, message })?;

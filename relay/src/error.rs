@@ -8,7 +8,28 @@ use axum::Json;
 
 use agentmbx_protocol::wire::ErrorBody;
 
+use crate::authority::{UNAVAILABLE, UNAVAILABLE_CODE, UNAVAILABLE_RETRY_S};
 use crate::store::StoreError;
+
+/// 403 `{error, code:"DENIED"}`.
+pub fn denied(reason: impl Into<String>) -> ApiError {
+    ApiError::new(StatusCode::FORBIDDEN, reason, "DENIED")
+}
+
+/// The text of a deny-list refusal (enrolment and hops).
+pub const DENY_LISTED: &str = "this host is denied on this relay";
+
+/// 503 `{error:"the enrolment authority is unavailable", code:"AUTHORITY_UNAVAILABLE",
+/// retry_after}` with `Retry-After` ([`UNAVAILABLE`]): the authority could
+/// not decide (its issuer's keys cannot be had); not a denial.
+pub fn authority_unavailable() -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        UNAVAILABLE,
+        UNAVAILABLE_CODE,
+    )
+    .with_retry_after(UNAVAILABLE_RETRY_S)
+}
 
 /// A failed relay request.
 #[derive(Debug, Clone, PartialEq, Eq)]

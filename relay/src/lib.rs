@@ -12,9 +12,11 @@
 //!   heartbeat epoch rotation, `relay rotate-epoch`, `relay backup`, `relay restore`,
 //!   `relay log` and the relay-key signatures of its receipts;
 //! - [`retention`]: the retention sweep (expired items, signed expiry notices, dedup horizon);
-//! - [`server`]: state, router and `serve(listener, state, shutdown)`; [`run`]: `relay serve`;
+//! - [`state`]: what every handler can reach; [`server`]: router and
+//!   `serve(listener, state, shutdown)`; [`run`]: `relay serve`;
 //! - [`status`]: `relay status`, an operator's read-only facts about a store;
-//! - [`config`]: `relay.toml` and environment; [`key`]: the relay key;
+//! - [`config`]: `relay.toml` and environment (its `[rate]` table in [`config::rate`]); [`key`]:
+//!   the relay key;
 //! - [`ratelimit`]: per-address and per-sender rate limits, the request-body budget (built
 //!   from the shared serving plumbing, `agentmbx_net`: rate tables, the body budget, the log
 //!   gate); [`refusals`]: the running relay's counters of refused items and requests by reason;
@@ -22,6 +24,9 @@
 //!   conformance suite.
 //!
 //! Every successful answer is sent only after the transaction that made it true committed.
+//!
+//! No two sibling modules import each other, directly or in a circle (`.ci/module-cycles`): the
+//! shared state, errors and settings sit below the handlers and loops that use them.
 
 pub mod admin;
 pub mod auth;
@@ -37,6 +42,7 @@ pub mod refusals;
 pub mod retention;
 pub mod run;
 pub mod server;
+pub mod state;
 pub mod status;
 pub mod store;
 #[cfg(any(test, feature = "testing"))]

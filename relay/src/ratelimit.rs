@@ -62,171 +62,36 @@
 use std::net::{IpAddr, SocketAddr};
 
 use axum::body::HttpBody;
-use axum::extract::{ConnectInfo, Request, State};
+use axum::extract::{ConnectInfo, Request};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde::Deserialize;
 
 use agentmbx_net::budget::{BodyBudget, Refusal};
 use agentmbx_net::log_gate::LogGate;
 use agentmbx_net::rate::{self, retry_after_secs, RateTable, Verdict};
 
+use agentmbx_protocol::clock::SharedClock;
 use agentmbx_protocol::limits::RELAY_MAX_BODY;
 use agentmbx_protocol::wire::ErrorBody;
 
 use crate::config::RelayConfig;
-use crate::server::SharedRelay;
 
-/// Default calls per minute per client address on challenge + enrol + rotate (shared bucket;
-/// `wire.md` §3.2 "Rate limits": 30/min, 0.5.x's `enrolPerMinutePerIp`).
-pub const DEFAULT_ENROL_PER_MIN: u64 = 30;
-/// Default `GET /v2/relay/info` calls per minute per client address.
-pub const DEFAULT_INFO_PER_MIN: u64 = 600;
+/// The `[rate]` settings and the `trust_proxy` mode are configuration ([`crate::config::rate`]);
+/// re-exported here beside the tables they size.
+pub use crate::config::rate::{
+    RateConfig, TrustProxy, DEFAULT_BODY_BUDGET_BYTES, DEFAULT_BODY_PER_ADDRESS_BYTES,
+    DEFAULT_ENROL_PER_MIN, DEFAULT_INFO_PER_MIN, DEFAULT_MAX_KEYS, DEFAULT_PUSH_PER_MIN,
+    RATE_RANGES,
+};
+
 /// Admin endpoint calls (`/v2/relay/admin/*`) per minute per client address.
 pub const ADMIN_PER_MIN: u64 = 30;
-/// Default push requests per minute per sender key (`wire.md` §3.2: 120/min, 0.5.x's
-/// `pushesPerMinute`).
-pub const DEFAULT_PUSH_PER_MIN: u64 = 120;
-/// Default hard cap on the keys of each rate table (`wire.md` §3.2: 50,000).
-pub const DEFAULT_MAX_KEYS: u64 = 50_000;
-/// Default request-body budget over all connections, bytes (64 MiB).
-pub const DEFAULT_BODY_BUDGET_BYTES: u64 = 64 * 1024 * 1024;
-/// Default request-body bytes one client address may hold at once (16 MiB: two full-size
-/// pushes).
-pub const DEFAULT_BODY_PER_ADDRESS_BYTES: u64 = 16 * 1024 * 1024;
 /// Prefix length IPv6 client addresses are counted by (a /64 is one subscriber's network).
 pub const IPV6_PREFIX_BITS: u32 = 64;
 /// Longest client address kept (characters; 0.5.x cuts at 64).
 pub const MAX_ADDRESS_CHARS: usize = 64;
-
-/// Bounds of the `[rate]` keys, `(key, min, max)`:
-/// - the per-minute rates are 1..=1,000,000 (a zero rate would refuse everything);
-/// - `max_keys` is 1..=10,000,000 (each key costs about a hundred bytes);
-/// - `body_budget_bytes` and `body_per_address_bytes` are at least the 8 MiB body cap (else a
-///   full-size push could never be admitted) and at most 16 GiB.
-pub const RATE_RANGES: &[(&str, u64, u64)] = &[
-    ("enrol_per_min", 1, 1_000_000),
-    ("info_per_min", 1, 1_000_000),
-    ("push_per_min", 1, 1_000_000),
-    ("max_keys", 1, 10_000_000),
-    (
-        "body_budget_bytes",
-        RELAY_MAX_BODY as u64,
-        16 * 1024 * 1024 * 1024,
-    ),
-    (
-        "body_per_address_bytes",
-        RELAY_MAX_BODY as u64,
-        16 * 1024 * 1024 * 1024,
-    ),
-];
-
-/// `[rate]` in `relay.toml`: rate limits and the body budget (`wire.md` "Rate limits"). A
-/// benchmark raises them; the defaults are 0.5.x's where 0.5.x has one.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct RateConfig {
-    /// Calls per minute per client address on challenge, enrol and rotate together (default
-    /// 30).
-    pub enrol_per_min: u64,
-    /// `GET /v2/relay/info` calls per minute per client address (default 600).
-    pub info_per_min: u64,
-    /// Push requests per minute per sender key (default 120).
-    pub push_per_min: u64,
-    /// Keys each rate table holds at most (default 50,000).
-    pub max_keys: u64,
-    /// Request-body bytes held at once over all connections (default 64 MiB).
-    pub body_budget_bytes: u64,
-    /// Request-body bytes the requests of one client address hold at once (default 16 MiB);
-    /// past it that address is answered 503 `BUSY` while others are still served.
-    pub body_per_address_bytes: u64,
-}
-
-impl Default for RateConfig {
-    fn default() -> Self {
-        RateConfig {
-            enrol_per_min: DEFAULT_ENROL_PER_MIN,
-            info_per_min: DEFAULT_INFO_PER_MIN,
-            push_per_min: DEFAULT_PUSH_PER_MIN,
-            max_keys: DEFAULT_MAX_KEYS,
-            body_budget_bytes: DEFAULT_BODY_BUDGET_BYTES,
-            body_per_address_bytes: DEFAULT_BODY_PER_ADDRESS_BYTES,
-        }
-    }
-}
-
-impl RateConfig {
-    /// Checks every key against [`RATE_RANGES`]; the error names the first one out of bounds,
-    /// e.g. `rate.max_keys must be 1..=10000000, got 0`.
-    pub fn validate(&self) -> Result<(), String> {
-        let values = [
-            self.enrol_per_min,
-            self.info_per_min,
-            self.push_per_min,
-            self.max_keys,
-            self.body_budget_bytes,
-            self.body_per_address_bytes,
-        ];
-        for ((key, min, max), value) in RATE_RANGES.iter().zip(values) {
-            if !(*min..=*max).contains(&value) {
-                return Err(format!("rate.{key} must be {min}..={max}, got {value}"));
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Where the client address comes from (`wire.md` "Rate limits").
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum TrustProxy {
-    /// The socket's peer address (no proxy trusted).
-    #[default]
-    Socket,
-    /// The rightmost `X-Forwarded-For` entry (`xff`, or `1` as 0.5.x spells it).
-    Xff,
-    /// `CF-Connecting-IP` (`cloudflare`).
-    Cloudflare,
-}
-
-impl TrustProxy {
-    /// Reads a `trust_proxy` setting: `xff` or `1` → [`TrustProxy::Xff`], `cloudflare` →
-    /// [`TrustProxy::Cloudflare`]; anything else is an error naming the accepted values.
-    pub fn parse(text: &str) -> Result<Self, String> {
-        match text {
-            "xff" | "1" => Ok(TrustProxy::Xff),
-            "cloudflare" => Ok(TrustProxy::Cloudflare),
-            other => Err(format!(
-                "trust_proxy must be xff (or 1) or cloudflare, got {other:?}"
-            )),
-        }
-    }
-
-    /// The mode of a configuration's `trust_proxy` (unset or invalid: the socket; `load`
-    /// refuses invalid values before a relay starts).
-    pub fn of(config: &RelayConfig) -> Self {
-        config
-            .trust_proxy
-            .as_deref()
-            .and_then(|t| TrustProxy::parse(t).ok())
-            .unwrap_or_default()
-    }
-}
-
-/// Where the client address comes from, in words for the operator's log: e.g. `the
-/// connection's peer address (trust_proxy unset: no proxy trusted)`.
-impl std::fmt::Display for TrustProxy {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            TrustProxy::Socket => {
-                "the connection's peer address (trust_proxy unset: no proxy trusted)"
-            }
-            TrustProxy::Xff => "the rightmost X-Forwarded-For entry (trust_proxy = xff)",
-            TrustProxy::Cloudflare => "the CF-Connecting-IP header (trust_proxy = cloudflare)",
-        })
-    }
-}
 
 /// The key an IP address is counted by (module docs): an IPv4 address (also one mapped into
 /// IPv6) as itself, `203.0.113.7`; an IPv6 address by its /64 network, `2001:db8:1:2::/64`.
@@ -313,7 +178,7 @@ impl Class {
 }
 
 /// The relay's rate tables, address mode and body budget (one per relay, in
-/// [`crate::server::RelayState`]).
+/// [`crate::state::RelayState`]).
 #[derive(Debug)]
 pub struct RateLimits {
     /// Where client addresses come from.
@@ -415,15 +280,14 @@ fn busy(refusal: Refusal) -> Response {
 /// (429 past it), then the body budget, relay-wide and per client address (503 when spent;
 /// the reservation lives until the answer is made). Requests of routes that do not exist never
 /// reach it.
-pub async fn guard(State(state): State<SharedRelay>, req: Request, next: Next) -> Response {
-    let limits = &state.rates;
+pub async fn guard(limits: &RateLimits, clock: &SharedClock, req: Request, next: Next) -> Response {
     let socket = req
         .extensions()
         .get::<ConnectInfo<SocketAddr>>()
         .map(|c| c.0);
     let address = client_address(req.headers(), socket, limits.trust_proxy);
     if let Some(class) = Class::of(req.method(), req.uri().path()) {
-        let verdict = limits.table(class).hit(&address, state.clock.now_ms());
+        let verdict = limits.table(class).hit(&address, clock.now_ms());
         match verdict {
             Verdict::Allowed => {}
             Verdict::Limited { retry_after_ms } | Verdict::TableFull { retry_after_ms } => {

@@ -36,7 +36,7 @@ use agentmbx_protocol::records::ExpiryNotice;
 use agentmbx_protocol::time::iso_ms;
 
 pub use crate::config::DEFAULT_SWEEP_INTERVAL_MS;
-use crate::server::SharedRelay;
+use crate::state::SharedRelay;
 use crate::store::{ExpiryFacts, NoticeSigner, StoreError, SweepReport};
 
 /// The item id of the notice about `item_id` pushed to `target_pubkey`:
@@ -374,7 +374,7 @@ mod tests {
         let authority =
             crate::authority::from_config(&config.authority, shared.clone(), store.clone())
                 .expect("authority");
-        let state = Arc::new(crate::server::RelayState::new(
+        let state = Arc::new(crate::state::RelayState::new(
             store.clone(),
             key,
             shared,

@@ -1,4 +1,5 @@
-//! The relay server: shared state, the router and `serve(listener, state, shutdown)`.
+//! The relay server: the router and `serve(listener, state, shutdown)` over the shared state
+//! ([`crate::state`]).
 //!
 //! `serve` takes an already-bound listener (tests bind port 0) and a shutdown future; it logs
 //! the address it actually bound, writes the store heartbeat every 30 s, runs the retention
@@ -18,7 +19,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::Request;
+use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -26,12 +27,12 @@ use axum::routing::{get, post};
 use axum::Router;
 
 use agentmbx_net::serve::{accept_loop, ConnSettings};
-use agentmbx_protocol::clock::SharedClock;
-use agentmbx_protocol::keys::HostKey;
 
 use crate::config::RelayConfig;
 use crate::error::ApiError;
-use crate::handlers::{self, enrol::Challenges};
+use crate::handlers;
+/// The state moved below the handlers ([`crate::state`]); re-exported under its old path.
+pub use crate::state::{RelayState, SharedRelay};
 use crate::store::RelayStore;
 
 /// Heartbeat period (spec §5: every 30 s).
@@ -43,69 +44,6 @@ pub const STORE_WATCH_EVERY: Duration = Duration::from_millis(100);
 /// How long requests in flight may still run once the store failed (their writes fail at once;
 /// reads may finish) before `serve` returns anyway.
 pub const FAILED_STORE_GRACE: Duration = Duration::from_secs(5);
-
-/// Everything a handler can reach.
-#[derive(Debug)]
-pub struct RelayState {
-    /// The store (every call blocks: use `auth::blocking`).
-    pub store: Arc<dyn RelayStore>,
-    /// The relay key (signs accept statements).
-    pub key: HostKey,
-    /// The one clock.
-    pub clock: SharedClock,
-    /// Limits and settings.
-    pub config: RelayConfig,
-    /// Outstanding enrolment challenges (memory only, bounded).
-    pub challenges: Challenges,
-    /// Software version reported by info.
-    pub version: &'static str,
-    /// Requests whose head has been read and whose answer is not yet sent (for status lines,
-    /// and for tests that must know a request is in flight).
-    pub in_flight: std::sync::atomic::AtomicUsize,
-    /// Rate tables and the request-body budget (`RateLimits::new(&config)`).
-    pub rates: crate::ratelimit::RateLimits,
-    /// The enrolment authority (`authority::from_config(&config.authority, clock)`), asked at
-    /// every enrolment and, for the account authority, on every hop.
-    pub authority: Arc<dyn crate::authority::EnrolmentAuthority>,
-    /// The absolute path of the store's `relay.db`: the `store` of the operation receipts the
-    /// relay writes ([`crate::ops::store_db`]).
-    pub store_db: String,
-    /// Refused pushed items and requests by reason since start (`Default::default()`;
-    /// `GET /v2/relay/admin/stats` `refused`).
-    pub refused: crate::refusals::Refusals,
-    /// Instance ids seen per host key: two daemons on one key (`Instances::default()`).
-    pub instances: crate::instances::Instances,
-}
-
-impl RelayState {
-    /// The state `serve` runs on: `store`, `key`, `clock`, `config` and the enrolment
-    /// `authority` as given, fresh rate tables from `config`, no challenges, no requests in
-    /// flight, no refusals counted, no instances seen. `store_db` is the store's `relay.db`
-    /// ([`crate::ops::store_db`]). `relay serve` and the in-process test relay both build it here.
-    pub fn new(
-        store: Arc<dyn RelayStore>,
-        key: HostKey,
-        clock: SharedClock,
-        config: RelayConfig,
-        authority: Arc<dyn crate::authority::EnrolmentAuthority>,
-        store_db: String,
-    ) -> Self {
-        RelayState {
-            rates: crate::ratelimit::RateLimits::new(&config),
-            store,
-            key,
-            clock,
-            config,
-            challenges: Challenges::default(),
-            version: crate::VERSION,
-            in_flight: Default::default(),
-            authority,
-            store_db,
-            refused: Default::default(),
-            instances: Default::default(),
-        }
-    }
-}
 
 /// Counts a request in [`RelayState::in_flight`] for as long as it lives.
 struct Counted(SharedRelay);
@@ -126,9 +64,6 @@ impl Drop for Counted {
             .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
-
-/// Shared handle to [`RelayState`].
-pub type SharedRelay = Arc<RelayState>;
 
 /// The relay's routes (`wire.md` §3.1); anything else is 404 `{error:"not found"}`.
 pub fn router(state: SharedRelay) -> Router {
@@ -169,10 +104,7 @@ pub fn router(state: SharedRelay) -> Router {
         .route("/v2/relay/senders", post(handlers::senders::post))
         .route("/v2/relay/rotate", post(handlers::rotate::post))
         // Per-address rate limits and the body budget, for the routes above only.
-        .route_layer(middleware::from_fn_with_state(
-            state.clone(),
-            crate::ratelimit::guard,
-        ))
+        .route_layer(middleware::from_fn_with_state(state.clone(), rate_guard))
         .fallback(|| async { ApiError::not_found() })
         .method_not_allowed_fallback(|| async { ApiError::not_found() })
         .layer(middleware::from_fn({
@@ -180,6 +112,11 @@ pub fn router(state: SharedRelay) -> Router {
             move |req: Request, next: Next| request_timeout(state.clone(), timeout, req, next)
         }))
         .with_state(state)
+}
+
+/// [`crate::ratelimit::guard`] on the relay's rate tables and clock.
+async fn rate_guard(State(state): State<SharedRelay>, req: Request, next: Next) -> Response {
+    crate::ratelimit::guard(&state.rates, &state.clock, req, next).await
 }
 
 /// Bounds one request (body upload included) to `limit`; past it the answer is 408

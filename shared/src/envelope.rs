@@ -16,7 +16,24 @@ use serde_json::Value;
 use crate::canonical::{self, CanonicalError};
 use crate::keys::{HostKey, PublicKey};
 use crate::limits::{self, utf16_len};
-use crate::seal::Enc;
+
+/// The `enc.alg` value (`wire.md` §2.4; sealing is in [`crate::seal`]).
+pub const ENC_ALG: &str = "x25519+xchacha20poly1305";
+
+/// The envelope `enc` object (field order is 0.5.x's: v, alg, epk, nonce, body).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Enc {
+    /// Always 1.
+    pub v: u8,
+    /// Always [`ENC_ALG`].
+    pub alg: String,
+    /// Ephemeral X25519 public key, base64 (32 bytes).
+    pub epk: String,
+    /// XChaCha20 nonce, base64 (24 bytes).
+    pub nonce: String,
+    /// Ciphertext ‖ 16-byte tag, base64.
+    pub body: String,
+}
 
 /// Envelope kinds (`wire.md` §2.3).
 pub const KINDS: [&str; 7] = [
@@ -292,7 +309,7 @@ fn check_enc(enc: &Value) -> Option<String> {
     if enc.get("v").and_then(Value::as_f64) != Some(1.0) {
         return Some("unsupported enc version".into());
     }
-    if str_field(enc, "alg") != Some(crate::seal::ENC_ALG) {
+    if str_field(enc, "alg") != Some(ENC_ALG) {
         return Some("unsupported enc algorithm".into());
     }
     if !b64_len_is(enc.get("epk"), 32) {

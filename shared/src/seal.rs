@@ -9,29 +9,13 @@
 use chacha20poly1305::aead::{Aead, KeyInit};
 use chacha20poly1305::{XChaCha20Poly1305, XNonce};
 use rand::RngCore;
-use serde::{Deserialize, Serialize};
 
 use crate::b64;
 use crate::envelope::Envelope;
+/// The sealed `enc` object and its algorithm name are part of the envelope's wire shape; they
+/// live in [`crate::envelope`] and are re-exported here, beside the code that fills them.
+pub use crate::envelope::{Enc, ENC_ALG};
 use crate::keys::{EncKey, EncPublicKey, HostKey};
-
-/// The `enc.alg` value.
-pub const ENC_ALG: &str = "x25519+xchacha20poly1305";
-
-/// The envelope `enc` object (field order is 0.5.x's: v, alg, epk, nonce, body).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Enc {
-    /// Always 1.
-    pub v: u8,
-    /// Always [`ENC_ALG`].
-    pub alg: String,
-    /// Ephemeral X25519 public key, base64 (32 bytes).
-    pub epk: String,
-    /// XChaCha20 nonce, base64 (24 bytes).
-    pub nonce: String,
-    /// Ciphertext ‖ 16-byte tag, base64.
-    pub body: String,
-}
 
 /// A sealed body that could not be opened. Deliberately uninformative beyond its kind.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

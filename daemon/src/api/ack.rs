@@ -19,10 +19,10 @@ pub const MAX_ACK_IDS: usize = 50;
 pub struct AckRequest {
     /// The acking agent.
     #[serde(rename = "as")]
-    #[schema(value_type = crate::api::openapi::AgentName)]
+    #[schema(value_type = crate::vocab::AgentName)]
     pub as_agent: String,
     /// Message ids, 1..=50.
-    #[schema(value_type = Vec<crate::api::openapi::MessageId>, min_items = 1, max_items = 50)]
+    #[schema(value_type = Vec<crate::vocab::MessageId>, min_items = 1, max_items = 50)]
     pub ids: Vec<String>,
     /// Optional note, at most 500 UTF-16 code units (the delivery receipt's limit, which
     /// 0.5.x peers enforce; an emoji counts two); a longer one is refused (400 `BAD_REQUEST`,

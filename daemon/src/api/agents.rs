@@ -19,7 +19,7 @@ use super::{idempotent, ApiError, ApiJson, ApiQuery, NoQuery, SharedState};
 #[serde(deny_unknown_fields)]
 pub struct RegisterRequest {
     /// The agent's name on this host (NAME_RE).
-    #[schema(value_type = crate::api::openapi::AgentName)]
+    #[schema(value_type = crate::vocab::AgentName)]
     pub name: String,
     /// Role (NAME_RE) that `role:<R>` addresses reach; absent keeps the stored one, `""` clears it.
     #[serde(default)]

@@ -48,7 +48,7 @@ pub const KEEP_ALIVE_S: u64 = 15;
 pub struct EventsQuery {
     /// The agent whose new mail to hint.
     #[serde(rename = "as")]
-    #[param(value_type = crate::api::openapi::AgentName)]
+    #[param(value_type = crate::vocab::AgentName)]
     pub as_agent: String,
     /// Resume after this position: an event `id` of this agent's stream (an inbox cursor,
     /// `<agent>.<seq>`). `Last-Event-ID` wins when both are given; empty or absent with no

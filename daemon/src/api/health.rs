@@ -24,7 +24,7 @@ use crate::instance::Reason;
 pub struct Health {
     /// `"ok"`, or `"degraded"` when `reasons` lists something wrong. Either way the daemon is
     /// up and serving.
-    #[schema(value_type = crate::api::openapi::HealthStatus)]
+    #[schema(value_type = crate::vocab::HealthStatus)]
     pub status: &'static str,
     /// This host's name.
     pub host: String,
@@ -40,7 +40,7 @@ pub struct Health {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct HealthReason {
     /// `host-key-clone` or `peer-key-clone` ([`crate::instance`]).
-    #[schema(value_type = crate::api::openapi::HealthReasonCode)]
+    #[schema(value_type = crate::vocab::HealthReasonCode)]
     pub code: &'static str,
     /// What is wrong and what to do, one line (with the token only).
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -27,7 +27,7 @@ pub const MAX_THREAD: usize = 300;
 pub struct ReplayQuery {
     /// The agent whose history to list.
     #[serde(rename = "as")]
-    #[param(value_type = crate::api::openapi::AgentName)]
+    #[param(value_type = crate::vocab::AgentName)]
     pub as_agent: String,
     /// Opaque cursor from a previous answer of this agent (`next_cursor`, or `cursor`: what
     /// comes after that answer); empty: from the beginning. At most 2048 characters; another
@@ -47,7 +47,7 @@ pub struct ReplayQuery {
     #[param(minimum = 2048, maximum = 262144)]
     pub max_bytes: Option<u32>,
     /// Only messages of this thread (a thread id: 1..=300 UTF-16 code units).
-    #[param(value_type = Option<crate::api::openapi::ThreadId>)]
+    #[param(value_type = Option<crate::vocab::ThreadId>)]
     pub thread: Option<String>,
 }
 
@@ -58,7 +58,7 @@ pub struct ReplayQuery {
 pub struct CatchupQuery {
     /// The agent catching up.
     #[serde(rename = "as")]
-    #[param(value_type = crate::api::openapi::AgentName)]
+    #[param(value_type = crate::vocab::AgentName)]
     pub as_agent: String,
     /// Opaque cursor of a previous catchup answer of this agent (`next_cursor`), to read on
     /// before committing; empty or absent: from the agent's stored position. At most 2048
@@ -82,7 +82,7 @@ pub struct CatchupQuery {
 pub struct CommitRequest {
     /// The agent.
     #[serde(rename = "as")]
-    #[schema(value_type = crate::api::openapi::AgentName)]
+    #[schema(value_type = crate::vocab::AgentName)]
     pub as_agent: String,
     /// The `cursor` of a catchup (or replay) answer of this agent: everything up to it has
     /// been taken. Another agent's cursor, or one past the agent's newest message, is 400.
@@ -96,7 +96,7 @@ pub struct CommitRequest {
 pub struct RestartRequest {
     /// The agent.
     #[serde(rename = "as")]
-    #[schema(value_type = crate::api::openapi::AgentName)]
+    #[schema(value_type = crate::vocab::AgentName)]
     pub as_agent: String,
     /// `all`: the next catchup lists everything delivered to the agent; `now`: only what
     /// arrives after this.

@@ -28,7 +28,7 @@ use super::{ApiError, ApiQuery, SharedState};
 pub struct InboxQuery {
     /// The agent whose inbox to list.
     #[serde(rename = "as")]
-    #[param(value_type = crate::api::openapi::AgentName)]
+    #[param(value_type = crate::vocab::AgentName)]
     pub as_agent: String,
     /// Opaque cursor from a previous answer of this agent's inbox: `next_cursor` (the next
     /// page) or `cursor` (what comes after that answer); empty: from the start. Another

@@ -142,7 +142,7 @@ fn send_error(e: SendError) -> Result<ApiError, MailboxError> {
 /// thread, subject `Re: <subject>`, kind `reply` unless given. `{id}` must be delivered to
 /// `from` or sent by it, else 404 and nothing is sent. `Idempotency-Key` as for a send.
 #[utoipa::path(post, path = "/v1/messages/{id}/reply", operation_id = "reply_message", request_body = ReplyRequest,
-    params(("id" = crate::api::openapi::MessageId, Path, description = "the message answered"),
+    params(("id" = crate::vocab::MessageId, Path, description = "the message answered"),
         ("Idempotency-Key" = Option<String>, Header, description = "replay protection: 1..=200 visible ASCII characters, not starting or ending with a space (else 400); the same key and body again return the first answer, another body is 409", min_length = 1, max_length = 200, pattern = "^[!-~]([ -~]*[!-~])?$")),
     responses((status = 201, body = SendOutcome),
         (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped field or query parameter (named) or one that breaks its rule; INVALID_JSON (with line and column); UNKNOWN_HOST: the parent's sender is on a host that is no longer paired; nothing was sent", body = super::ErrorBody),
@@ -193,14 +193,14 @@ pub async fn reply(
 pub struct ReadQuery {
     /// The reading agent.
     #[serde(rename = "as")]
-    #[param(value_type = crate::api::openapi::AgentName)]
+    #[param(value_type = crate::vocab::AgentName)]
     pub as_agent: String,
 }
 
 /// Reads one message as an agent (marks the agent's copy read). The sender may read its own copy.
 /// An `as` that is no agent of this host is 404 `UNKNOWN_AGENT`; a message the agent cannot
 /// see is 404 `NOT_FOUND`.
-#[utoipa::path(get, path = "/v1/messages/{id}", operation_id = "read_message", params(("id" = crate::api::openapi::MessageId, Path, description = "the message to read"), ReadQuery),
+#[utoipa::path(get, path = "/v1/messages/{id}", operation_id = "read_message", params(("id" = crate::vocab::MessageId, Path, description = "the message to read"), ReadQuery),
     responses((status = 200, body = messages::Message),
         (status = 404, description = "NOT_FOUND: `{id}` names no message delivered to or sent by this agent; UNKNOWN_AGENT: `as` is no agent of this host (the error names the closest agents)", body = super::ErrorBody)),
     security(("bearer" = [])))]

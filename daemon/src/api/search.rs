@@ -16,7 +16,7 @@ use super::{ApiError, ApiQuery, SharedState};
 pub struct SearchQueryParams {
     /// The agent whose mail to search (delivered to it, or sent by it).
     #[serde(rename = "as")]
-    #[param(value_type = crate::api::openapi::AgentName)]
+    #[param(value_type = crate::vocab::AgentName)]
     pub as_agent: String,
     /// Words to find, 2..=200 characters, holding at least one word: ASCII letters and digits
     /// and any other character but white space and controls make words; ASCII punctuation,

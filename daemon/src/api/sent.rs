@@ -16,7 +16,7 @@ use super::{ApiError, ApiQuery, SharedState};
 pub struct SentQuery {
     /// The agent whose sent messages to list.
     #[serde(rename = "as")]
-    #[param(value_type = crate::api::openapi::AgentName)]
+    #[param(value_type = crate::vocab::AgentName)]
     pub as_agent: String,
     /// Opaque cursor from the previous page's `next_cursor` (empty: the first page).
     #[param(pattern = "^([1-9][0-9]{0,17})?$")]

@@ -15,11 +15,11 @@ use super::{ApiError, ApiQuery, SharedState};
 pub struct ThreadQuery {
     /// The agent whose view of the thread to list.
     #[serde(rename = "as")]
-    #[param(value_type = crate::api::openapi::AgentName)]
+    #[param(value_type = crate::vocab::AgentName)]
     pub as_agent: String,
     /// Opaque cursor from the previous page's `next_cursor` (a message id of this thread; any
     /// other is 400).
-    #[param(value_type = Option<crate::api::openapi::MessageId>)]
+    #[param(value_type = Option<crate::vocab::MessageId>)]
     pub cursor: Option<String>,
     /// Page size, 1..=200 (default 50); pages are also bounded to 256 KiB.
     #[param(minimum = 1, maximum = 200)]
@@ -30,7 +30,7 @@ pub struct ThreadQuery {
 /// oldest first, with bodies; marks nothing read. `{id}` is a message id (its thread is listed)
 /// or a thread id. 404 when the agent sees nothing of it.
 #[utoipa::path(get, path = "/v1/threads/{id}", operation_id = "get_thread",
-    params(("id" = crate::api::openapi::ThreadId, Path, description = "a message id or a thread id"), ThreadQuery),
+    params(("id" = crate::vocab::ThreadId, Path, description = "a message id or a thread id"), ThreadQuery),
     responses((status = 200, body = ThreadPage),
         (status = 400, description = "BAD_REQUEST: a missing, unknown or mistyped query parameter (named), one that breaks its rule, or a cursor that is not a message of this thread", body = super::ErrorBody),
         (status = 404, description = "NOT_FOUND: the agent sees no message of this id or thread; UNKNOWN_AGENT: `as` is no agent of this host (no mailbox, no mail delivered to it); the error names the closest agents", body = super::ErrorBody)),

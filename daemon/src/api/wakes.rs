@@ -23,13 +23,13 @@ pub const MAX_CLAIM_IDS: usize = 50;
 pub struct ClaimRequest {
     /// The agent to wake.
     #[serde(rename = "as")]
-    #[schema(value_type = crate::api::openapi::AgentName)]
+    #[schema(value_type = crate::vocab::AgentName)]
     pub as_agent: String,
     /// Ids of new messages the session saw arrive for the agent, 0..=50 (none: claim what an
     /// earlier `batched` answer carried). Ids that name no message delivered to the agent are
     /// ignored.
     #[serde(default)]
-    #[schema(value_type = Vec<crate::api::openapi::MessageId>, max_items = 50)]
+    #[schema(value_type = Vec<crate::vocab::MessageId>, max_items = 50)]
     pub ids: Vec<String>,
 }
 
@@ -39,7 +39,7 @@ pub struct ClaimRequest {
 pub struct MuteRequest {
     /// The agent whose wakes to mute.
     #[serde(rename = "as")]
-    #[schema(value_type = crate::api::openapi::AgentName)]
+    #[schema(value_type = crate::vocab::AgentName)]
     pub as_agent: String,
     /// How long, whole minutes, 1..=10080 (default 60); `5.0` is 5 (JSON Schema counts it an
     /// integer).
@@ -61,7 +61,7 @@ pub struct MuteAnswer {
 pub struct UnmuteRequest {
     /// The agent whose mute to end.
     #[serde(rename = "as")]
-    #[schema(value_type = crate::api::openapi::AgentName)]
+    #[schema(value_type = crate::vocab::AgentName)]
     pub as_agent: String,
 }
 

@@ -221,21 +221,9 @@ pub enum Command {
     Openapi,
 }
 
-/// A usage error found after parsing (exit code 2).
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct UsageError(pub String);
-
-/// The thing asked for does not exist (exit code 3).
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct NotFoundError(pub String);
-
-/// A temporary failure (exit code 75, EX_TEMPFAIL): the outcome is unknown or the daemon's
-/// store stayed busy; the text says what to do.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct TempFailError(pub String);
+/// The error classes the exit code is chosen by live with the local API's client, which
+/// answers with them too ([`crate::local_api`]).
+pub use crate::local_api::{NotFoundError, TempFailError, UsageError};
 
 /// The full command definition, as `--help` and the man pages show it.
 pub fn command() -> clap::Command {

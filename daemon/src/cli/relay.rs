@@ -21,7 +21,7 @@ pub enum RelayCommand {
     /// Use the relay at URL for this host and pin its key (trust on first use, or --key);
     /// also confirms a changed relay key (from the daemon's next pass; a running daemon
     /// applies a first or another URL when it sees config.toml change, without a restart)
-    Set(SetArgs),
+    Set(super::relay_info::SetArgs),
     /// Show this host's standing with its relay: pinned key, state (a key mismatch, a deny or
     /// a revocation and its fix), epoch, enrolment, enc-key ad, allowlist, position and outbox
     /// (offline; --live); exits 1 unless the state is ok
@@ -137,22 +137,6 @@ pub struct ServeArgs {
     #[arg(long, value_name = "MODE", num_args = 0..=1, default_missing_value = "xff",
           value_parser = ["xff", "cloudflare"])]
     pub trust_proxy: Option<String>,
-}
-
-/// Flags of `relay set`.
-#[derive(Debug, Args)]
-#[command(after_long_help = super::relay_info::SET_HELP)]
-pub struct SetArgs {
-    /// Relay base URL, e.g. https://relay.example.org or http://127.0.0.1:7374
-    pub url: String,
-    /// Expected relay key: its fingerprint (16 hex digits, dashes optional) or the base64 key.
-    /// Without it the key the relay presents now is pinned (trust on first use).
-    #[arg(long, value_name = "FINGERPRINT")]
-    pub key: Option<String>,
-    /// Print the result as JSON: {url, relay_pubkey, fingerprint, epoch, reachable, pinned,
-    /// previous?, restart_needed}
-    #[arg(long)]
-    pub json: bool,
 }
 
 /// Runs a relay subcommand.

@@ -47,7 +47,6 @@ use agentmbx_protocol::clock::{Clock, SystemClock};
 use agentmbx_protocol::keys::PublicKey;
 use agentmbx_protocol::time::iso_ms;
 
-use super::relay::SetArgs;
 use super::{NotFoundError, UsageError};
 
 /// The exit status of `relay info`, shown in its `--help`.
@@ -67,6 +66,22 @@ restart: a first relay starts its relay loop, another URL switches the loop to i
 started with MBX_RELAY_URL keeps that URL. restart_needed in --json is always false (kept for \
 scripts). Exit status: 0 pinned, 1 key mismatch or unreachable relay without --key, 2 \
 malformed URL or --key, 3 this host is not initialized (run `agentmbx init`).";
+
+/// Flags of `relay set`.
+#[derive(Debug, Args)]
+#[command(after_long_help = SET_HELP)]
+pub struct SetArgs {
+    /// Relay base URL, e.g. https://relay.example.org or http://127.0.0.1:7374
+    pub url: String,
+    /// Expected relay key: its fingerprint (16 hex digits, dashes optional) or the base64 key.
+    /// Without it the key the relay presents now is pinned (trust on first use).
+    #[arg(long, value_name = "FINGERPRINT")]
+    pub key: Option<String>,
+    /// Print the result as JSON: {url, relay_pubkey, fingerprint, epoch, reachable, pinned,
+    /// previous?, restart_needed}
+    #[arg(long)]
+    pub json: bool,
+}
 
 /// Flags of `relay info`.
 #[derive(Debug, Args)]

@@ -5,7 +5,7 @@
 use clap::{Args, Subcommand};
 use serde_json::json;
 
-use super::mail::{mint_key, Api, Mutation};
+use crate::local_api::{mint_key, Api, Mutation};
 
 /// `wake` subcommands.
 #[derive(Debug, Subcommand)]

@@ -16,8 +16,8 @@ use std::time::Duration;
 use clap::Args;
 use serde_json::Value;
 
-use super::mail::{enc, Api, DaemonDown};
-use super::{NotFoundError, TempFailError, UsageError};
+use super::TempFailError;
+use crate::local_api::{enc, Api, DaemonDown};
 
 /// Longest pause between two reconnects.
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
@@ -256,19 +256,6 @@ impl SseParser {
             _ => {}
         }
         None
-    }
-}
-
-/// Maps the daemon's refusal of a stream to the CLI's errors (exit 2 for a bad request, 3 for
-/// an unknown agent, 75 while busy or rate-limited: `watch` tries again), for
-/// [`Api::open_stream`].
-pub(crate) fn refusal(status: u16, code: &str, msg: String) -> anyhow::Error {
-    match status {
-        404 => NotFoundError(msg).into(),
-        400 if code == "UNKNOWN_AGENT" => NotFoundError(msg).into(),
-        400 => UsageError(msg).into(),
-        s if s >= 500 || s == 429 => TempFailError(format!("{msg} (HTTP {s})")).into(),
-        s => anyhow::anyhow!("{msg} (HTTP {s})"),
     }
 }
 

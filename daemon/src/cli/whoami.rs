@@ -85,7 +85,7 @@ pub fn run(args: WhoamiArgs) -> anyhow::Result<()> {
             println!("last_seen: {}", entry.last_seen.as_deref().unwrap_or("-"));
         }
         if held > 0 {
-            let when = if super::mail::wake_daemon_for(name) {
+            let when = if crate::local_api::wake_daemon_for(name) {
                 "now"
             } else {
                 "once the daemon runs"

@@ -302,21 +302,8 @@ pub fn select(ids: &[String]) -> Result<Vec<Check>, UnknownCheck> {
         .collect())
 }
 
-/// `arg` quoted for a POSIX shell: unchanged when it is made only of characters no shell treats
-/// specially (`A-Z a-z 0-9 _ @ % + = : , . / -`) and not empty, else wrapped in single quotes
-/// with each `'` written as `'\''`.
-pub fn shell_quote(arg: &str) -> String {
-    let plain = |c: char| c.is_ascii_alphanumeric() || "_@%+=:,./-".contains(c);
-    if !arg.is_empty() && arg.chars().all(plain) {
-        return arg.to_string();
-    }
-    format!("'{}'", arg.replace('\'', "'\\''"))
-}
-
-/// `path` quoted for a POSIX shell ([`shell_quote`] of its lossy UTF-8 form).
-pub fn shell_path(path: &std::path::Path) -> String {
-    shell_quote(&path.to_string_lossy())
-}
+/// Shell quoting is shared with `setup` (the commands it writes): [`crate::shell`].
+pub use crate::shell::{shell_path, shell_quote};
 
 /// How to run.
 #[derive(Debug, Clone)]

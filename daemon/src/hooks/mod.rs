@@ -35,7 +35,8 @@
 //! the run ends `timeout`. When the daemon stops, running commands are killed and their runs
 //! end `unknown` (how far they got is not known); they are not run again.
 
-pub mod config;
+/// The `[[hooks]]` settings are configuration: [`crate::config::hooks`], re-exported here.
+pub use crate::config::hooks as config;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -45,9 +46,9 @@ use std::time::Duration;
 use agentmbx_protocol::clock::SharedClock;
 use tokio::sync::{watch, Notify, Semaphore};
 
+use crate::config::hooks::HookConfig;
 use crate::mailbox::hooks::{self as store, Outcome, RunFacts};
 use crate::mailbox::{Mailbox, MailboxError};
-use config::HookConfig;
 
 /// Longest sleep of an idle runner (ms): 10 s. It looks for mail another process committed
 /// at this pace; mail the daemon commits wakes it at once.

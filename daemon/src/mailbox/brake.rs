@@ -42,9 +42,6 @@ const DAY_MS: i64 = 24 * HOUR_MS;
 /// How long a claimed message is remembered (ms): 7 days.
 const CLAIM_KEEP_MS: i64 = 7 * DAY_MS;
 
-/// Kinds that wake by themselves.
-const WAKING_KINDS: [&str; 4] = ["request", "task", "decision", "alert"];
-
 /// What a claim decided.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case", tag = "decision")]
@@ -74,64 +71,8 @@ pub enum Decision {
     None,
 }
 
-/// True when a message wakes `agent` of host `host` (see the module docs). `kind` `status`
-/// never wakes.
-pub fn is_wake_worthy(
-    agent: &str,
-    host: &str,
-    kind: &str,
-    needs_reply: bool,
-    subject: &str,
-    body: &str,
-) -> bool {
-    if kind == "status" {
-        return false;
-    }
-    WAKING_KINDS.contains(&kind)
-        || needs_reply
-        || mentions(subject, agent, host)
-        || mentions(body, agent, host)
-}
-
-/// True when `text` holds `@agent` or `@agent@host` as a word (not `@agentx`, not `x@agent`,
-/// not `@agent@otherhost`).
-fn mentions(text: &str, agent: &str, host: &str) -> bool {
-    let name_char = |c: char| c.is_ascii_alphanumeric() || c == '-' || c == '_';
-    // A word ends at the end, or at a character that is no name character and no dot that
-    // goes on with a name character.
-    let ends_word = |rest: &str| {
-        let mut cs = rest.chars();
-        match cs.next() {
-            None => true,
-            Some('.') => !cs.next().is_some_and(name_char),
-            Some(c) => !name_char(c) && c != '@',
-        }
-    };
-    let needle = format!("@{agent}");
-    let mut from = 0;
-    while let Some(pos) = text[from..].find(&needle) {
-        let start = from + pos;
-        let end = start + needle.len();
-        from = end;
-        let before_ok = text[..start]
-            .chars()
-            .next_back()
-            .is_none_or(|c| !name_char(c) && c != '@' && c != '.');
-        if !before_ok {
-            continue;
-        }
-        let rest = &text[end..];
-        if ends_word(rest) {
-            return true;
-        }
-        if let Some(h) = rest.strip_prefix('@').and_then(|h| h.strip_prefix(host)) {
-            if ends_word(h) {
-                return true;
-            }
-        }
-    }
-    false
-}
+/// The wake-worthy rule is shared with the hooks' filter: [`crate::wake_rule`].
+pub use crate::wake_rule::is_wake_worthy;
 
 /// The end of `agent`'s mute (ms since the epoch) when it is muted at `now_ms`.
 pub fn muted_until(

@@ -20,7 +20,7 @@ use rusqlite::{params, Connection, OptionalExtension};
 use serde::Serialize;
 
 use super::MailboxError;
-use crate::hooks::config::{HookConfig, MailFacts};
+use crate::config::hooks::{HookConfig, MailFacts};
 
 /// Most messages in one run: 500 (a longer burst opens another run).
 pub const MAX_RUN_MESSAGES: i64 = 500;

@@ -51,7 +51,7 @@ pub struct Message {
     /// Message replied to.
     pub reply_to: Option<String>,
     /// Kind.
-    #[schema(value_type = crate::api::openapi::Kind)]
+    #[schema(value_type = crate::vocab::Kind)]
     pub kind: String,
     /// Subject.
     pub subject: String,
@@ -64,7 +64,7 @@ pub struct Message {
     /// `local` or the sending peer's host name.
     pub origin: String,
     /// This agent's delivery state: `new`, `read` or `acked` (null for the sender's copy).
-    #[schema(value_type = Option<crate::api::openapi::DeliveryState>)]
+    #[schema(value_type = Option<crate::vocab::DeliveryState>)]
     pub state: Option<String>,
 }
 
@@ -80,7 +80,7 @@ pub struct InboxEntry {
     /// Subject.
     pub subject: String,
     /// Kind.
-    #[schema(value_type = crate::api::openapi::Kind)]
+    #[schema(value_type = crate::vocab::Kind)]
     pub kind: String,
     /// Thread id.
     pub thread: String,
@@ -89,7 +89,7 @@ pub struct InboxEntry {
     /// The message this one replies to, if any.
     pub reply_to: Option<String>,
     /// `new`, `read` or `acked`.
-    #[schema(value_type = crate::api::openapi::DeliveryState)]
+    #[schema(value_type = crate::vocab::DeliveryState)]
     pub state: String,
 }
 

@@ -365,7 +365,7 @@ pub struct RecipientState {
     /// until that agent registers), `delivered` (the host took it, for a recipient the address
     /// did not name), `undelivered`, `expired` (the relay's notice), `unconfirmed` (no receipt
     /// by the deadline).
-    #[schema(value_type = crate::api::openapi::SentState)]
+    #[schema(value_type = crate::vocab::SentState)]
     pub state: String,
     /// ISO ms time of that state, when known.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -376,7 +376,7 @@ pub struct RecipientState {
     pub reason: Option<String>,
     /// The transport that delivered it to the host: `lan`, `relay` (remote recipients).
     #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(value_type = Option<crate::api::openapi::Via>)]
+    #[schema(value_type = Option<crate::vocab::Via>)]
     pub via: Option<String>,
     /// `queued` and `repush` only: why the last attempt did not get it through (the outbox row's
     /// last error: a relay or LAN error text, never a secret), at most 120 characters (a longer
@@ -405,7 +405,7 @@ pub struct SentMessage {
     /// Subject.
     pub subject: String,
     /// Kind.
-    #[schema(value_type = crate::api::openapi::Kind)]
+    #[schema(value_type = crate::vocab::Kind)]
     pub kind: String,
     /// Thread id.
     pub thread: String,

@@ -139,7 +139,7 @@ pub struct SearchHit {
     /// Thread id.
     pub thread: String,
     /// Kind.
-    #[schema(value_type = crate::api::openapi::Kind)]
+    #[schema(value_type = crate::vocab::Kind)]
     pub kind: String,
     /// ISO ms send time.
     pub ts: String,

@@ -29,10 +29,10 @@ pub const DEFAULT_UNCLAIMED_LIMIT: u32 = 50;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct UnclaimedEntry {
     /// Envelope id.
-    #[schema(value_type = crate::api::openapi::MessageId)]
+    #[schema(value_type = crate::vocab::MessageId)]
     pub id: String,
     /// The name it is addressed to (`name@<this host>`), which has no mailbox here.
-    #[schema(value_type = crate::api::openapi::AgentName)]
+    #[schema(value_type = crate::vocab::AgentName)]
     pub name: String,
     /// `name@host` of the sender.
     pub from: String,

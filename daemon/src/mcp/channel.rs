@@ -25,7 +25,7 @@ use rmcp::model::{CustomNotification, ServerNotification};
 use rmcp::{Peer, RoleServer};
 use serde_json::{json, Map, Value};
 
-use crate::cli::mail::{enc, mint_key, Api, Mutation};
+use crate::local_api::{enc, mint_key, Api, Mutation};
 
 /// The experimental capability Claude Code looks for.
 pub const CAPABILITY: &str = "claude/channel";

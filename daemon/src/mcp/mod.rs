@@ -3,7 +3,7 @@
 //!
 //! It holds no state of its own and never opens `mailbox.db`: every tool is a call of the
 //! running daemon's local API (the daemon stays the one writer), through the CLI's client
-//! ([`crate::cli::mail::Api`]: `api.addr`, `api.token`, retries). Stdout carries only the
+//! ([`crate::local_api::Api`]: `api.addr`, `api.token`, retries). Stdout carries only the
 //! protocol; logs go to stderr and never hold a body.
 //!
 //! - [`server`]: the tools (0.5.x's names and arguments, `agent-surface.md`), the resource

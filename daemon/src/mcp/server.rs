@@ -28,8 +28,8 @@ use super::tools::{
     SentArgs, ThreadArgs, WaitArgs, WhoamiArgs,
 };
 use super::{GUIDE, GUIDE_URI, PROMPT_NAME};
-use crate::cli::mail::{enc, mint_key, Api, DaemonDown, Mutation, Query};
-use crate::cli::{NotFoundError, TempFailError, UsageError};
+use crate::local_api::{enc, mint_key, Api, DaemonDown, Mutation, Query};
+use crate::local_api::{NotFoundError, TempFailError, UsageError};
 
 /// Upper bound of one tool result's text in bytes: clients cut large outputs (Claude Code
 /// at about 25,000 tokens), so lists are cut to this and carry a cursor.

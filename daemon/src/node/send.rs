@@ -34,12 +34,12 @@ pub const MAX_LOCAL_REFS: usize = 20;
 #[serde(deny_unknown_fields)]
 pub struct SendRequest {
     /// The sending agent's name on this host (NAME_RE).
-    #[schema(value_type = crate::api::openapi::AgentName)]
+    #[schema(value_type = crate::vocab::AgentName)]
     pub from: String,
     /// Recipients, 1..=20: `name` (a local mailbox, else the one paired host whose directory
     /// lists it, else refused 400 `UNKNOWN_AGENT` unless `new_mailbox`), `name@host` (this host or a pinned peer), `role:R` (local mailboxes with role R
     /// and every paired host), `*` (every local mailbox and every paired host), `owner`.
-    #[schema(value_type = Vec<crate::api::openapi::Address>, min_items = 1, max_items = 20)]
+    #[schema(value_type = Vec<crate::vocab::Address>, min_items = 1, max_items = 20)]
     pub to: Vec<String>,
     /// One line: not only whitespace (else 400); control characters become spaces and a
     /// subject over 200 UTF-16 units is cut to 200, each with a warning in the answer.
@@ -53,25 +53,25 @@ pub struct SendRequest {
     /// `message` (default; `reply` when `reply_to` is given), `request`, `reply`, `status`,
     /// `decision`, `alert`, `task`.
     #[serde(default)]
-    #[schema(value_type = Option<crate::api::openapi::Kind>)]
+    #[schema(value_type = Option<crate::vocab::Kind>)]
     pub kind: Option<String>,
     /// Thread id; default the parent's thread when `reply_to` is given, else the new message's
     /// id. With `reply_to`, a thread other than the parent's is refused (400), as is an
     /// empty one.
     #[serde(default)]
-    #[schema(value_type = Option<crate::api::openapi::ThreadId>)]
+    #[schema(value_type = Option<crate::vocab::ThreadId>)]
     pub thread: Option<String>,
     /// Id of the message this replies to: one delivered to the sender or sent by it, else 404
     /// (nothing sent). The reply continues that message's thread.
     #[serde(default)]
-    #[schema(value_type = Option<crate::api::openapi::MessageId>)]
+    #[schema(value_type = Option<crate::vocab::MessageId>)]
     pub reply_to: Option<String>,
     /// Whether a reply is expected.
     #[serde(default)]
     pub needs_reply: bool,
     /// References (≤20, each ≤2048 UTF-16 units).
     #[serde(default)]
-    #[schema(value_type = Vec<crate::api::openapi::RefText>, max_items = 20)]
+    #[schema(value_type = Vec<crate::vocab::RefText>, max_items = 20)]
     pub refs: Vec<String>,
     /// Create a new local mailbox on purpose for each bare name in `to` that is no agent here
     /// nor on any paired host (it is registered, then delivered to); without it such a name
@@ -93,7 +93,7 @@ pub struct SendRequest {
 pub struct ReplyRequest {
     /// The replying agent's name on this host (NAME_RE); `{id}` must be delivered to it or
     /// sent by it.
-    #[schema(value_type = crate::api::openapi::AgentName)]
+    #[schema(value_type = crate::vocab::AgentName)]
     pub from: String,
     /// Body, ≤ 262,144 UTF-8 bytes (`maxLength` bounds the characters; the byte count is the
     /// rule: a body over it is 400).
@@ -102,14 +102,14 @@ pub struct ReplyRequest {
     pub body: String,
     /// Kind (default `reply`); as for a send.
     #[serde(default)]
-    #[schema(value_type = Option<crate::api::openapi::Kind>)]
+    #[schema(value_type = Option<crate::vocab::Kind>)]
     pub kind: Option<String>,
     /// Whether a reply is expected.
     #[serde(default)]
     pub needs_reply: bool,
     /// References (≤20, each ≤2048 UTF-16 units).
     #[serde(default)]
-    #[schema(value_type = Vec<crate::api::openapi::RefText>, max_items = 20)]
+    #[schema(value_type = Vec<crate::vocab::RefText>, max_items = 20)]
     pub refs: Vec<String>,
 }
 
@@ -178,7 +178,7 @@ pub struct Route {
     /// The address as given.
     pub to: String,
     /// `local` (delivered now) or `remote` (queued for the target host).
-    #[schema(value_type = crate::api::openapi::RouteKind)]
+    #[schema(value_type = crate::vocab::RouteKind)]
     pub route: String,
     /// The mailbox: always for a local route; for a remote one when the address named it.
     #[serde(skip_serializing_if = "Option::is_none")]

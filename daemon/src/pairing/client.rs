@@ -29,7 +29,7 @@ use agentmbx_protocol::pairing::{
     PairingError,
 };
 
-use super::server::own_offer;
+use super::own_offer;
 use super::{check_party, new_nonce, store, valid_addr, MAX_TOKEN_TTL_MS, PENDING_TTL_MS};
 use crate::identity::Identity;
 use crate::mailbox::{Mailbox, MailboxError};

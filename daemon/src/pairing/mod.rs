@@ -1,8 +1,9 @@
 //! Host pairing (`wire.md` §2.9): the one-time token flow (`pair` / `join`) and the
 //! commit-reveal 6-digit comparison (`pair --compare` / `pair approve`).
 //!
-//! - [`server`]: the unauthenticated LAN routes `GET /v1/pair/hello`, `POST /v1/pair/join` and
-//!   `POST /v1/pair`, merged into the LAN server's router;
+//! - the unauthenticated LAN routes `GET /v1/pair/hello`, `POST /v1/pair/join` and
+//!   `POST /v1/pair` are handlers of the LAN server (`crate::transport::lan::handlers::pairing`),
+//!   built on this module;
 //! - [`client`]: the initiator side (`join`, `pair --compare`) and the local operations of the
 //!   CLI (creating a token, approving a comparison);
 //! - [`store`]: the SQL of `pair_tokens`, `pair_pending` and pinning a paired peer;
@@ -17,7 +18,6 @@
 //! human-compared code proved it, and never answer success before the pin is committed.
 
 pub mod client;
-pub mod server;
 pub mod store;
 
 #[cfg(test)]
@@ -29,6 +29,7 @@ use std::sync::{Mutex, OnceLock};
 use agentmbx_net::rate::{RateTable, Verdict};
 use agentmbx_protocol::clock::SharedClock;
 use agentmbx_protocol::keys::PublicKey;
+use agentmbx_protocol::pairing::PairOffer;
 
 use crate::host_name::{HostName, MAX_LEN as HOST_MAX_LEN};
 
@@ -164,6 +165,22 @@ fn make_room<V>(map: &mut HashMap<String, V>, now_ms: i64, expiry: impl Fn(&V) -
             break;
         };
         map.remove(&oldest);
+    }
+}
+
+/// This host's comparison offer with `nonce`.
+pub(crate) fn own_offer(
+    ident: &crate::identity::Identity,
+    advertise: &str,
+    nonce: String,
+) -> PairOffer {
+    PairOffer {
+        v: 1,
+        host: ident.host.to_string(),
+        host_pubkey: ident.host_key.public().to_b64(),
+        owner_pubkey: None,
+        nonce,
+        addr: advertise.to_string(),
     }
 }
 

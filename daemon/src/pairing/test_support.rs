@@ -17,7 +17,7 @@ use agentmbx_protocol::pairing::{self};
 use crate::identity::Identity;
 use crate::mailbox::peers;
 use crate::pairing::client::{self, Local, PairError};
-use crate::pairing::server::{self};
+use crate::transport::lan::handlers::pairing as server;
 use crate::pairing::store;
 use crate::pairing::PairingMemory;
 use crate::testutil::{self, Store};

@@ -10,7 +10,8 @@
 //! token) into a service file.
 
 pub mod launchd;
-pub mod liveness;
+/// The loops' liveness registry sits below the loops it watches: [`crate::liveness`].
+pub use crate::liveness;
 pub mod notify;
 pub mod systemd;
 

@@ -1,7 +1,7 @@
 //! The supervisor protocol while the daemon runs (sd-notify, `sd_notify(3)`): `READY=1` once
 //! the listeners are bound and the store is open, a one-line `STATUS=`, `WATCHDOG=1` pings
 //! from a real liveness check (the store answers and every registered loop progresses,
-//! [`super::liveness`]), and `STOPPING=1` when a shutdown signal arrives.
+//! [`crate::liveness`]), and `STOPPING=1` when a shutdown signal arrives.
 //!
 //! Without `NOTIFY_SOCKET` in the environment every function here is a no-op (Homebrew's unit
 //! and a daemon started by hand). A failed send is logged at debug level and never stops the
@@ -13,7 +13,7 @@ use std::time::Duration;
 use rusqlite::Connection;
 use sd_notify::NotifyState;
 
-use super::liveness::{self, Liveness};
+use crate::liveness::{self, Liveness};
 use crate::mailbox::{Mailbox, MailboxError};
 use crate::transport::relay_client::state as relay_state;
 

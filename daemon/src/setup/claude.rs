@@ -165,7 +165,7 @@ pub fn remove_args() -> Vec<String> {
 /// `claude args…` quoted for a POSIX shell.
 pub fn command_line(args: &[String]) -> String {
     std::iter::once("claude".to_string())
-        .chain(args.iter().map(|a| crate::doctor::shell_quote(a)))
+        .chain(args.iter().map(|a| crate::shell::shell_quote(a)))
         .collect::<Vec<_>>()
         .join(" ")
 }

@@ -17,7 +17,7 @@ use jsonc_parser::cst::{CstArray, CstInputValue, CstObject, CstRootNode};
 use jsonc_parser::ParseOptions;
 
 use super::{Edited, Status};
-use crate::doctor::shell_quote as sh_quote;
+use crate::shell::shell_quote as sh_quote;
 
 /// The client events and the `agentmbx hook` subcommand each runs.
 pub const EVENTS: [(&str, &str); 3] = [

@@ -22,7 +22,7 @@ use serde_json::value::RawValue;
 
 use crate::auth::{authenticate, blocking, read_body, utf8};
 use crate::error::ApiError;
-use crate::server::SharedRelay;
+use crate::state::SharedRelay;
 use crate::store::{self, AckResult};
 
 /// The ack body with `through` kept as its JSON text, so an integer too large for any number

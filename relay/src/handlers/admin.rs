@@ -68,7 +68,7 @@ use crate::admin::{self, AdminError};
 use crate::auth::{read_body, utf8};
 use crate::error::ApiError;
 use crate::ratelimit::client_address;
-use crate::server::SharedRelay;
+use crate::state::SharedRelay;
 use crate::store::DenyKind;
 
 /// An admin refusal: a status and its JSON body `{error, code[, matches]}`.

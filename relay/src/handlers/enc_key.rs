@@ -23,12 +23,12 @@ use agentmbx_protocol::wire::EncKeyAnswer;
 
 use crate::auth::{authenticate, blocking, read_body, utf8};
 use crate::error::ApiError;
-use crate::server::SharedRelay;
+use crate::state::SharedRelay;
 use crate::store::{EncAdV2, Enrolment};
 
 /// Live enrolments one name may carry before it is crowded (spec §2: "more than 16"; 0.5.x
-/// `maxPerName`).
-pub const MAX_PER_NAME: usize = 16;
+/// `maxPerName`). Defined beside the store's name query, which reads one row more.
+pub use crate::store::MAX_PER_NAME;
 
 /// What a name lookup found (spec §2 v1 name lookups).
 #[derive(Debug, Clone, PartialEq, Eq)]

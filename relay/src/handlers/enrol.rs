@@ -26,10 +26,10 @@ use agentmbx_protocol::wire::ChallengeResponse;
 
 use crate::auth::{blocking, read_body, utf8};
 use crate::authority::challenge::ChallengeError;
-use crate::authority::{AuthorizeRequest, UNAVAILABLE, UNAVAILABLE_CODE, UNAVAILABLE_RETRY_S};
+use crate::authority::AuthorizeRequest;
 use crate::error::ApiError;
 use crate::refusals::AuthRefusal;
-use crate::server::SharedRelay;
+use crate::state::SharedRelay;
 use crate::store::{AccountBinding, EnrolOutcome, EnrolRequest};
 
 pub use crate::authority::challenge::{Challenges, CHALLENGE_TTL_MS, MAX_OPEN_CHALLENGES};
@@ -71,25 +71,9 @@ fn poisoned() -> ApiError {
     )
 }
 
-/// 403 `{error, code:"DENIED"}`.
-pub fn denied(reason: impl Into<String>) -> ApiError {
-    ApiError::new(StatusCode::FORBIDDEN, reason, "DENIED")
-}
-
-/// The text of a deny-list refusal (enrolment and hops).
-pub const DENY_LISTED: &str = "this host is denied on this relay";
-
-/// 503 `{error:"the enrolment authority is unavailable", code:"AUTHORITY_UNAVAILABLE",
-/// retry_after}` with `Retry-After` ([`crate::authority::UNAVAILABLE`]): the authority could
-/// not decide (its issuer's keys cannot be had); not a denial.
-pub fn authority_unavailable() -> ApiError {
-    ApiError::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        UNAVAILABLE,
-        UNAVAILABLE_CODE,
-    )
-    .with_retry_after(UNAVAILABLE_RETRY_S)
-}
+/// The refusals enrolment shares with hop authentication ([`crate::auth`]) and rotation; they
+/// live in [`crate::error`], below both.
+pub use crate::error::{authority_unavailable, denied, DENY_LISTED};
 
 #[derive(Deserialize)]
 struct ChallengeBody {

@@ -15,7 +15,7 @@ use agentmbx_protocol::wire::{RelayInfo, You, YouEncAd};
 
 use crate::auth::{authenticate_info, blocking, parse_key};
 use crate::error::ApiError;
-use crate::server::SharedRelay;
+use crate::state::SharedRelay;
 
 /// Handles `GET /v2/relay/info`.
 pub async fn get(

@@ -13,7 +13,7 @@ use agentmbx_protocol::{b64, failpoint};
 
 use crate::auth::{authenticate, blocking};
 use crate::error::ApiError;
-use crate::server::SharedRelay;
+use crate::state::SharedRelay;
 use crate::store::{PullRequest, MAX_PULL_ITEMS};
 
 fn int_param(q: &HashMap<String, String>, name: &str) -> Result<Option<i64>, ApiError> {

@@ -47,7 +47,7 @@ use serde_json::value::RawValue;
 
 use crate::auth::{authenticate, blocking, read_body, utf8};
 use crate::error::ApiError;
-use crate::server::{RelayState, SharedRelay};
+use crate::state::{RelayState, SharedRelay};
 use crate::store::{self, Expiry, ItemStatus, PushBatch};
 
 /// A push result as the relay writes it: the accept statement as its canonical text (the bytes it

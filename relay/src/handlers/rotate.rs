@@ -36,7 +36,7 @@ use agentmbx_protocol::rotation::SignedRotation;
 
 use crate::auth::{blocking, read_body, utf8};
 use crate::error::ApiError;
-use crate::server::SharedRelay;
+use crate::state::SharedRelay;
 use crate::store::{RotateOutcome, RotateRequest};
 
 fn not_enrolled() -> ApiError {

@@ -27,7 +27,7 @@ use agentmbx_protocol::keys::PublicKey;
 
 use crate::auth::{authenticate, blocking, read_body, utf8};
 use crate::error::ApiError;
-use crate::server::SharedRelay;
+use crate::state::SharedRelay;
 use crate::store::{SenderList, SenderListOutcome};
 
 /// Most senders one list names (`wire.md` "Resolved details" → "Sender allowlists": 1,024, as

@@ -303,12 +303,16 @@ pub struct AccountBinding {
     pub at_ms: i64,
 }
 
+/// Live enrolments one name may carry before it is crowded (spec §2: "more than 16"; 0.5.x
+/// `maxPerName`). The name lookup (`crate::handlers::enc_key`) refuses to resolve a crowded name.
+pub const MAX_PER_NAME: usize = 16;
+
 /// Most rows [`DirectoryStore::live_enrolments_by_name`] returns: the crowded threshold (a name
-/// carried by more than 16 live enrolments, spec §2,
-/// [`crate::handlers::enc_key::MAX_PER_NAME`]) plus one, enough to tell a crowded name.
+/// carried by more than [`MAX_PER_NAME`] live enrolments, spec §2) plus one, enough to tell a
+/// crowded name.
 pub const MAX_LIVE_BY_NAME: usize = 17;
 
-const _: () = assert!(MAX_LIVE_BY_NAME == crate::handlers::enc_key::MAX_PER_NAME + 1);
+const _: () = assert!(MAX_LIVE_BY_NAME == MAX_PER_NAME + 1);
 
 /// Who may send and receive (spec §2, §8): enrolments and revocation, enc-key advertisements,
 /// sender allowlists, host rotation, the deny list and account bindings. Blocking, like every

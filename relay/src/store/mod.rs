@@ -83,7 +83,7 @@ mod sqlite;
 pub use directory::{
     AccountBinding, AuthorityStrength, DenyEntry, DenyKind, DenyOutcome, DirectoryStore, EncAd,
     EncAdV1, EncAdV2, EnrolOutcome, EnrolRequest, Enrolment, RevokeOutcome, RotateOutcome,
-    RotateRequest, SenderList, SenderListOutcome, MAX_DENY_ENTRIES, MAX_LIVE_BY_NAME,
+    RotateRequest, SenderList, SenderListOutcome, MAX_DENY_ENTRIES, MAX_LIVE_BY_NAME, MAX_PER_NAME,
 };
 pub use health::{StoreHealth, StoreStats};
 pub use items::{
@@ -106,7 +106,7 @@ pub use sqlite::schema::SCHEMA_VERSION;
 pub(crate) use sqlite::schema::{migrate, rebuild_usage, MIGRATIONS};
 pub(crate) use sqlite::{append_op_signed, replay_rotation, ROTATION_META_PREFIX};
 pub use sqlite::{prepare_store_dir, SqliteError, SqliteStore, StoreLock};
-pub use {maintenance::StoreMaintenance, sqlite::backup::SqliteMaintenance};
+pub use {maintenance::StoreMaintenance, sqlite::maintenance::SqliteMaintenance};
 
 use std::path::PathBuf;
 

@@ -26,7 +26,7 @@ use agentmbx_protocol::keys::{HostKey, PublicKey};
 
 use crate::authority::EnrolmentAuthority;
 use crate::config::RelayConfig;
-use crate::server::{RelayState, SharedRelay};
+use crate::state::{RelayState, SharedRelay};
 use crate::store::{OpenOptions, RelayStore, SqliteStore, StoreError, SweepReport};
 
 /// Where a [`TestRelay`]'s manual clock starts unless told otherwise:

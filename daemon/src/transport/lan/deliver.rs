@@ -39,11 +39,11 @@ use agentmbx_protocol::clock::SharedClock;
 use agentmbx_protocol::keys::EncPublicKey;
 
 use super::client::{LanClient, LanError};
+use crate::liveness;
 use crate::mailbox::peers::Peer;
 use crate::mailbox::receipts::{self, RECEIPT_BATCH};
 use crate::mailbox::{outbox, peers, Mailbox, MailboxError};
 use crate::node::outbound;
-use crate::service::liveness;
 
 /// Outbox rows taken per pass (`wire.md` §4: ≤200).
 pub const MAX_ROWS_PER_PASS: usize = 200;
@@ -66,7 +66,7 @@ pub const RATE_LIMIT_PAUSE: Duration = Duration::from_millis(100);
 pub const RATE_LIMIT_RETRIES: u32 = 4;
 /// Longest pause after a failed pass (ms).
 pub const MAX_RETRY_DELAY_MS: u64 = 10_000;
-/// The loop's liveness bound ([`crate::service::liveness`]): 60 s. [`run`] stamps at each pass,
+/// The loop's liveness bound ([`crate::liveness`]): 60 s. [`run`] stamps at each pass,
 /// before each call to a peer and while it waits (every 10 s), so between two stamps there is
 /// at most one call ([`super::client::REQUEST_TIMEOUT`], 15 s, connect included) and the store
 /// work around it (due rows, sealing up to [`MAX_ROWS_PER_PASS`] rows, one transaction per

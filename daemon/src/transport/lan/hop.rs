@@ -31,7 +31,7 @@ use agentmbx_protocol::clock::SharedClock;
 use agentmbx_protocol::hop::{self, header, HopError};
 use agentmbx_protocol::keys::PublicKey;
 
-use super::handlers::HttpError;
+use super::http::HttpError;
 use super::{presence, SharedLan};
 use crate::mailbox::peers::{self, Peer};
 use crate::mailbox::{outbox, relay_state};
@@ -42,10 +42,9 @@ pub const PEER_REQUESTS_PER_MINUTE: u32 = 600;
 /// The LAN port assumed for a peer that gave none (0.5.x's default daemon port).
 pub const DEFAULT_LAN_PORT: u16 = 7373;
 
-/// The kv key of the address a peer's last verified hop came from (`ip:port`).
-pub fn last_seen_key(host: &str) -> String {
-    format!("peer-lastseen:{host}")
-}
+/// The kv key of the address a peer's last verified hop came from (`ip:port`); defined with
+/// the other peer-address keys in [`super::presence`].
+pub use super::presence::last_seen_key;
 
 /// The verified caller of a signed route: set as a request extension by [`require_hop`].
 #[derive(Debug, Clone)]
@@ -167,7 +166,7 @@ async fn verified(
 ) -> Result<Request, HttpError> {
     let (mut parts, body) = req.into_parts();
     // The server's body cap already read the body; this only takes the buffered bytes.
-    let body: Bytes = axum::body::to_bytes(body, super::server::MAX_BODY)
+    let body: Bytes = axum::body::to_bytes(body, super::http::MAX_BODY)
         .await
         .map_err(|_| HttpError::bad_request("request body could not be read"))?;
     if std::str::from_utf8(&body).is_err() {

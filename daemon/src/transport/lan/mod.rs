@@ -23,6 +23,7 @@ pub mod deliver;
 pub mod directory;
 pub mod handlers;
 pub mod hop;
+pub mod http;
 pub mod presence;
 pub mod rotate_announce;
 pub mod server;

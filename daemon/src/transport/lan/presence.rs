@@ -180,7 +180,7 @@ pub fn presence_at_key(host: &str) -> String {
 
 /// kv key: the address a verified hop from `host` last came from (written by the hop check).
 pub fn last_seen_key(host: &str) -> String {
-    super::hop::last_seen_key(host)
+    format!("peer-lastseen:{host}")
 }
 
 /// Which once-a-minute healing slot of a peer a run takes: each source of hints has its own.

@@ -36,8 +36,8 @@ use super::handlers::{self, HttpError};
 use super::hop::{self, PeerLimiter, PEER_REQUESTS_PER_MINUTE};
 use super::SharedLan;
 
-/// Largest request body in bytes (4 MiB, `wire.md` §4).
-pub const MAX_BODY: usize = 4 * 1024 * 1024;
+/// Largest request body in bytes ([`super::http`], where the hop check reads it too).
+pub use super::http::MAX_BODY;
 
 /// Time allowed to send a request's headers (10 s).
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
@@ -76,7 +76,7 @@ pub fn router(state: SharedLan) -> Router {
         }));
     let unsigned = Router::new()
         .route("/v1/status", any(handlers::status::get))
-        .merge(crate::pairing::server::router());
+        .merge(handlers::pairing::router());
     let budget = Arc::new(BodyBudget::new(BODY_BUDGET as u64, BODY_BUDGET as u64));
     Router::new()
         .merge(unsigned)

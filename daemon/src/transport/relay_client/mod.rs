@@ -59,7 +59,7 @@ pub const CLOCK_WAIT_STEP_MS: u64 = 1_000;
 /// Client timeout of one relay request (`wire.md` §2.6: 15 s for v2).
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
 
-/// The relay loop's liveness bound ([`crate::service::liveness`]): 60 s. [`run`] stamps at each
+/// The relay loop's liveness bound ([`crate::liveness`]): 60 s. [`run`] stamps at each
 /// pass, before each relay call ([`RelayClient::call_capped`]), before each pulled item and
 /// while it waits (every 10 s), so between two stamps there is at most one call (the account
 /// token command, [`account::TOKEN_COMMAND_TIMEOUT`] 10 s, then the request,
@@ -295,7 +295,7 @@ impl RelayClient {
         body: &str,
         cap: usize,
     ) -> Result<(u16, bytes::Bytes), RelayError> {
-        crate::service::liveness::progress();
+        crate::liveness::progress();
         let target = hop::normalize_target(target);
         let h = hop::sign_relay_hop(
             &self.ident.host_key,
@@ -468,7 +468,7 @@ pub async fn wait_until_clock(
             return true;
         }
         let step = Duration::from_millis((left as u64).min(CLOCK_WAIT_STEP_MS));
-        crate::service::liveness::progress();
+        crate::liveness::progress();
         tokio::select! {
             _ = tokio::time::sleep(step) => {}
             _ = shutdown.changed() => return false,
@@ -518,7 +518,7 @@ pub fn status_error(status: u16, bytes: &[u8]) -> RelayError {
 /// lookup, receipts, pull or ack) waits the time the relay gave, on the clock, before the next
 /// pass; a new send does not cut that wait short.
 ///
-/// The loop is registered as `relay` in [`crate::service::liveness::global`]
+/// The loop is registered as `relay` in [`crate::liveness::global`]
 /// ([`LIVENESS_MAX_GAP`]) while it runs: a loop stopped because the relay left the config is
 /// not reported.
 pub async fn run(
@@ -527,7 +527,7 @@ pub async fn run(
     wake: Arc<tokio::sync::Notify>,
     shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
-    let beat = crate::service::liveness::global().register("relay", LIVENESS_MAX_GAP);
+    let beat = crate::liveness::global().register("relay", LIVENESS_MAX_GAP);
     beat.scope(run_loop(client, pull_interval, wake, shutdown))
         .await
 }
@@ -543,7 +543,7 @@ async fn run_loop(
         if *shutdown.borrow() {
             return;
         }
-        crate::service::liveness::progress();
+        crate::liveness::progress();
         let outcome = match client.reload_pin().await {
             Ok(()) => pass(&client).await,
             Err(e) => Err(e),
@@ -617,7 +617,7 @@ async fn run_loop(
             }
         };
         // Stamps the loop's liveness while it waits.
-        let stop = crate::service::liveness::waiting(async {
+        let stop = crate::liveness::waiting(async {
             tokio::select! {
                 _ = tokio::time::sleep(delay) => false,
                 _ = wake.notified() => false,

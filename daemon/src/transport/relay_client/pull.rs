@@ -208,7 +208,7 @@ impl RelayClient {
             let n = items.len();
             for (i, item) in items.into_iter().enumerate() {
                 let last = i + 1 == n;
-                crate::service::liveness::progress();
+                crate::liveness::progress();
                 self.receive_item(&epoch, item, last, &mut pass).await?;
                 if !last {
                     self.failpoints.hit("receive:after-deliver");

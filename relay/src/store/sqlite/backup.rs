@@ -15,12 +15,7 @@ use std::path::{Path, PathBuf};
 
 use rusqlite::{Connection, OpenFlags, OptionalExtension};
 
-use serde_json::{Map, Value};
-
-use crate::store::maintenance::{
-    BackupFacts, MaintenanceError, StagedStore, StoreCounts, StoreFacts, StoreMaintenance,
-    StoreStatus, StoredOp, TakeFailure, TakenStore,
-};
+use crate::store::maintenance::{MaintenanceError, StoreCounts, StoreFacts};
 use crate::store::{stored_version, StoreError};
 
 /// An I/O error at `path`.
@@ -248,91 +243,6 @@ pub(crate) fn online_copy(
     let parent = dest.parent().unwrap_or(Path::new("/"));
     fsync(parent)?;
     Ok(facts)
-}
-
-/// The SQLite backend's [`StoreMaintenance`]: the files of a store directory (`relay.db` and
-/// its `-wal`/`-shm`), each operation on its own connection.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct SqliteMaintenance;
-
-impl StoreMaintenance for SqliteMaintenance {
-    fn status(
-        &self,
-        db: &Path,
-        top: usize,
-        last_op: &str,
-    ) -> Result<StoreStatus, MaintenanceError> {
-        super::status::status(db, top, last_op)
-    }
-
-    fn read_log(
-        &self,
-        db: &Path,
-        limit: i64,
-    ) -> Result<(Vec<StoredOp>, Option<String>), StoreError> {
-        super::status::read_log(db, limit)
-    }
-
-    fn restored_paths(&self, db: &Path) -> Result<Option<Map<String, Value>>, StoreError> {
-        super::restore::restored_paths_of(db)
-    }
-
-    fn heartbeat(&self, db: &Path) -> Option<i64> {
-        super::restore::heartbeat(db)
-    }
-
-    fn backup(
-        &self,
-        db: &Path,
-        dest: &Path,
-        failpoint: Option<&str>,
-    ) -> Result<StoreFacts, MaintenanceError> {
-        backup(db, dest, failpoint)
-    }
-
-    fn stage(&self, src: &Path, copy: &Path) -> Result<(), MaintenanceError> {
-        super::restore::stage(src, copy)
-    }
-
-    fn discard(&self, copy: &Path) {
-        Partial::remove(copy);
-    }
-
-    fn remove_dead_partials(&self, dir: &Path, base_ok: &dyn Fn(&str) -> bool) {
-        remove_dead_partials(dir, base_ok);
-    }
-
-    fn check_staged(&self, copy: &Path) -> Result<BackupFacts, MaintenanceError> {
-        super::restore::check_staged(copy)
-    }
-
-    fn take_current(
-        &self,
-        db: &Path,
-        rollback: &Path,
-        backup_key: &str,
-    ) -> Result<TakenStore, TakeFailure> {
-        if let Some(dir) = rollback.parent() {
-            super::restore::private_dir(dir).map_err(TakeFailure::Failed)?;
-        }
-        super::restore::take_current(db, rollback, backup_key)
-    }
-
-    fn salvage_restored_paths(&self, db: &Path) -> Map<String, Value> {
-        super::restore::salvage_restored_paths(db)
-    }
-
-    fn keep_unreadable(&self, db: &Path, rollback: &Path) -> Result<(), MaintenanceError> {
-        super::restore::keep_unreadable(db, rollback)
-    }
-
-    fn open_staged(&self, copy: &Path) -> Result<Box<dyn StagedStore + '_>, MaintenanceError> {
-        Ok(Box::new(super::restore::open_staged(copy)?))
-    }
-
-    fn swap_in(&self, copy: &Path, db: &Path, rollback: &Path) -> Result<(), MaintenanceError> {
-        super::restore::swap_in(copy, db, rollback)
-    }
 }
 
 /// Direct SQL on a store file, for tests that alter or inspect a store the way only a damaged

@@ -15,8 +15,8 @@
 
 use rusqlite::{params, Connection, OptionalExtension};
 
-use super::directory::{enrol_apply, enrolment_from_row, revoke_apply, ENROLMENT_COLS};
-use super::oplog::{append_op_apply, op_receipt_text};
+use super::enrolment_rows::{enrol_apply, enrolment_from_row, revoke_apply, ENROLMENT_COLS};
+use super::oplog_rows::{append_op_apply, op_receipt_text};
 use super::writer::JobKind;
 use super::SqliteStore;
 use crate::store::{

@@ -63,10 +63,13 @@
 pub(crate) mod backup;
 mod deny;
 mod directory;
+mod enrolment_rows;
 mod files;
 mod items;
+pub(crate) mod maintenance;
 mod meta;
 mod oplog;
+mod oplog_rows;
 mod read_pool;
 mod restore;
 mod rotate;
@@ -79,7 +82,7 @@ mod writer;
 mod tests;
 
 pub use files::{prepare_store_dir, StoreLock};
-pub(crate) use oplog::append_op_signed;
+pub(crate) use oplog_rows::append_op_signed;
 pub(crate) use rotate::{replay_rotation, ROTATION_META_PREFIX};
 /// The error SQLite reports (`rusqlite::Error`), carried by [`StoreError::Sqlite`].
 pub use rusqlite::Error as SqliteError;

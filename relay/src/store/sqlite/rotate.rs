@@ -88,7 +88,7 @@
 
 use rusqlite::{params, Connection, OptionalExtension};
 
-use super::directory::enrolment_row;
+use super::enrolment_rows::enrolment_row;
 use super::meta::{meta_get, meta_put};
 use crate::store::{key_fingerprint, Enrolment, RotateOutcome, RotateRequest, StoreError};
 

@@ -62,9 +62,9 @@ use std::sync::Arc;
 
 use rusqlite::{params, Connection, OptionalExtension};
 
-use super::directory::enrolment_row;
+use super::enrolment_rows::enrolment_row;
 use super::items::allocate_seq;
-use super::oplog::{append_op_apply, op_receipt_text};
+use super::oplog_rows::{append_op_apply, op_receipt_text};
 use super::writer::JobKind;
 use super::SqliteStore;
 use crate::store::{

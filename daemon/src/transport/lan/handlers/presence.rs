@@ -18,8 +18,8 @@ use serde_json::json;
 
 use super::{parse_json, HttpError};
 use crate::transport::lan::hop::HopPeer;
+use crate::transport::lan::http::MAX_BODY;
 use crate::transport::lan::presence::{self, PresenceError};
-use crate::transport::lan::server::MAX_BODY;
 use crate::transport::lan::SharedLan;
 
 /// The handler. Errors: 400 `{ok:false, error}` as above; 401 when no verified peer came with

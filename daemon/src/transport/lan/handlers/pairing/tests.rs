@@ -1,4 +1,4 @@
-//! The pairing routes of `server.rs` served in process (see `pairing::test_support`): wrong,
+//! The pairing routes of `pairing.rs` served in process (see `pairing::test_support`): wrong,
 //! expired and malformed tokens, single-use nonces, tampered transcripts, name clashes,
 //! commitments and the rate limits.
 
@@ -12,7 +12,8 @@ use agentmbx_protocol::pairing::{
 
 use crate::identity::Identity;
 use crate::pairing::client::{self, PairError};
-use crate::pairing::server::{self, own_offer};
+use crate::pairing::own_offer;
+use crate::transport::lan::handlers::pairing as server;
 use crate::pairing::test_support::*;
 use crate::pairing::{MAX_TOKEN_TTL_MS, NONCE_TTL_MS, PENDING_TTL_MS, TOKEN_TTL_MS};
 use crate::testutil::{self};

@@ -20,7 +20,7 @@
 //! A message runs a hook when it is delivered to the hook's agent and passes every filter the
 //! hook gives: its sender is one of `from`, its kind one of `kind`, its `needs_reply` equals
 //! `needs_reply`, and, when `wake_worthy` is true, it is wake-worthy for the agent by the
-//! wake brake's rule ([`crate::mailbox::brake::is_wake_worthy`]). With no filter at all a hook
+//! wake brake's rule ([`crate::wake_rule::is_wake_worthy`]). With no filter at all a hook
 //! runs for wake-worthy mail only.
 
 use serde::{Deserialize, Serialize};
@@ -138,7 +138,7 @@ impl HookConfig {
             }
         }
         !self.wants_wake_worthy()
-            || crate::mailbox::brake::is_wake_worthy(
+            || crate::wake_rule::is_wake_worthy(
                 agent,
                 host,
                 mail.kind,

@@ -1,4 +1,5 @@
-//! The pairing routes of the LAN server (`wire.md` §2.9, §4): unauthenticated by design, since
+//! The pairing routes of the LAN server (`wire.md` §2.9, §4; the pairing rules and state are
+//! [`crate::pairing`]'s): unauthenticated by design, since
 //! the caller is not paired yet; each proves itself by a token MAC or by a code the humans
 //! compare.
 //!
@@ -8,8 +9,8 @@
 //! | `POST /v1/pair/join` | 200 `{v:1, host, mac}` after the joiner is pinned; 400/401/409 `{error}` |
 //! | `POST /v1/pair` | `{v:2, commit}` → this host's offer; `{v:2, offer}` → `{ok:true}` (pending comparison) |
 //!
-//! Hello and join share [`super::TOKEN_REQS_PER_MIN`]; `POST /v1/pair` has
-//! [`super::COMPARE_REQS_PER_MIN`]; past them 429 `{error}` with `Retry-After` (s).
+//! Hello and join share [`crate::pairing::TOKEN_REQS_PER_MIN`]; `POST /v1/pair` has
+//! [`crate::pairing::COMPARE_REQS_PER_MIN`]; past them 429 `{error}` with `Retry-After` (s).
 //! Refusal texts are 0.5.x's, so a 0.5.x joiner shows the same message.
 //!
 //! Invariants: a hello nonce or a commitment answers at most one request; a join pins its
@@ -30,8 +31,10 @@ use agentmbx_protocol::pairing::{
     offer_commit, sas_code, HolderParty, PairAccept, PairHello, PairJoin, PairOffer,
 };
 
-use super::{check_party, store, valid_addr, valid_text, MAX_MAC_LEN, MAX_NONCE_LEN};
 use crate::mailbox::MailboxError;
+use crate::pairing::{
+    check_party, own_offer, store, valid_addr, valid_text, MAX_MAC_LEN, MAX_NONCE_LEN,
+};
 use crate::transport::lan::{LanState, SharedLan};
 
 /// Largest pairing request body accepted, in bytes: a join or an offer is well under 2 KiB.
@@ -88,22 +91,6 @@ fn holder(lan: &LanState, nonce: String) -> HolderParty {
         host_pubkey: lan.ident.host_key.public().to_b64(),
         owner_pubkey: None,
         nonce,
-    }
-}
-
-/// This host's comparison offer with `nonce`.
-pub(crate) fn own_offer(
-    ident: &crate::identity::Identity,
-    advertise: &str,
-    nonce: String,
-) -> PairOffer {
-    PairOffer {
-        v: 1,
-        host: ident.host.to_string(),
-        host_pubkey: ident.host_key.public().to_b64(),
-        owner_pubkey: None,
-        nonce,
-        addr: advertise.to_string(),
     }
 }
 
@@ -285,7 +272,7 @@ async fn compare(State(lan): State<SharedLan>, body: Bytes) -> Response {
         nonce_remote: offer.nonce.clone(),
         code: code.clone(),
         created_at: now,
-        expires_at: now + super::PENDING_TTL_MS,
+        expires_at: now + crate::pairing::PENDING_TTL_MS,
     };
     let stored = lan
         .mailbox

@@ -1,5 +1,5 @@
 //! Liveness of the daemon's long-running loops, the second half of the service watchdog's
-//! check ([`super::notify::supervise`]: the store answers *and* every loop makes progress).
+//! check ([`crate::service::notify::supervise`]: the store answers *and* every loop makes progress).
 //!
 //! A loop registers once ([`Liveness::register`], with the longest gap between two signs of
 //! progress that its work can legitimately take) and gets a [`Beat`]; it stamps the beat when
