@@ -21,7 +21,7 @@ pub mod client;
 pub mod store;
 
 #[cfg(test)]
-mod test_support;
+pub(crate) mod test_support;
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
