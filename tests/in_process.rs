@@ -9,14 +9,14 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use crate::helper;
+use crate::helper::mesh::open_read_only;
+use crate::helper::{request, wait_for, Home, HttpResponse};
 use agentmbx::config::Config;
 use agentmbx::daemon::{self, DaemonLock, Listeners, RunError};
 use agentmbx::paths::Paths;
 use agentmbx_protocol::clock::{SharedClock, SystemClock};
 use agentmbx_protocol::failpoint::Failpoints;
-use crate::helper;
-use crate::helper::mesh::open_read_only;
-use crate::helper::{request, wait_for, Home, HttpResponse};
 use serde_json::{json, Value};
 
 /// The environment an in-process daemon's config is loaded with: the helper's for child

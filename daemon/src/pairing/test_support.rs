@@ -17,10 +17,10 @@ use agentmbx_protocol::pairing::{self};
 use crate::identity::Identity;
 use crate::mailbox::peers;
 use crate::pairing::client::{self, Local, PairError};
-use crate::transport::lan::handlers::pairing as server;
 use crate::pairing::store;
 use crate::pairing::PairingMemory;
 use crate::testutil::{self, Store};
+use crate::transport::lan::handlers::pairing as server;
 use crate::transport::lan::{LanState, SharedLan};
 
 /// The token key most tests pair with (what scrypt would give for some token).

@@ -13,10 +13,10 @@ use agentmbx_protocol::pairing::{
 use crate::identity::Identity;
 use crate::pairing::client::{self, PairError};
 use crate::pairing::own_offer;
-use crate::transport::lan::handlers::pairing as server;
 use crate::pairing::test_support::*;
 use crate::pairing::{MAX_TOKEN_TTL_MS, NONCE_TTL_MS, PENDING_TTL_MS, TOKEN_TTL_MS};
 use crate::testutil::{self};
+use crate::transport::lan::handlers::pairing as server;
 
 async fn get_hello(addr: &str) -> HolderParty {
     let hello: PairHello = http()
