@@ -12,14 +12,20 @@
 //! step in one transaction (the transaction boundaries are the ones the crash drills test):
 //!
 //! - LAN: [`settle_lan_batch`] (the peer's verdict per row of one batch), [`fail_lan_rows`]
-//!   (a failed call: a LAN failure for each row, the 72 h rule with its alert) and
-//!   [`give_up_stale`] (the 72 h sweep of the rows no transport is trying).
-//! - Relay: [`fail_relay_row`] (a push of one row not accepted: backoff, `rejected` or the 72 h
-//!   rule with its alert, or the hand-back to the LAN) and [`settle_receipt_push`] (what the
-//!   relay answered for a batch of receipts).
+//!   (a failed call: a LAN failure for each row, the 72 h rule with its alert),
+//!   [`give_up_stale`] (the 72 h sweep of the rows no transport is trying),
+//!   [`settle_lan_receipts`] (a peer answered a receipt flush) and [`fail_lan_receipts`] (a
+//!   receipt flush failed).
+//! - Relay: [`settle_relay_accept`] (a verified accept of one row), [`fail_relay_row`] (a push
+//!   of one row not accepted: backoff, `rejected` or the 72 h rule with its alert, or the
+//!   hand-back to the LAN), [`settle_receipt_push`] (what the relay answered for a batch of
+//!   receipts) and [`fail_receipt_push`] (a receipt push failed as a whole).
 //!
-//! Not yet here: the LAN receipt flush's `receipts::sent` / `receipts::fail` and the relay's
-//! `settle_accepted` and receipt `fail`, which the transports still call themselves.
+//! Two relay steps are one statement each and run without an explicit transaction, as they
+//! always have: [`settle_relay_accept`] (one `UPDATE`) and [`fail_receipt_push`] (one `UPDATE`
+//! per receipt, each its own autocommit). A transport opens no store transaction itself: it
+//! calls these steps (or, for the relay's enc-key rollback guard,
+//! `crate::transport::relay_client::state::accept_enc_ad`).
 //!
 //! Sealing and signing run in the caller's connection; the steps open their own transaction on
 //! it. None touches the network. The crypto lives here; the store (`crate::mailbox`) only keeps
@@ -162,6 +168,59 @@ pub fn give_up_stale(
     }
     tx.commit()?;
     Ok(ended)
+}
+
+/// The receipts `seqs` a LAN peer answered (`POST /v1/receipts` returned, whatever each
+/// result said: receipts are advisory) leave the queue ([`receipts::sent`]), in one
+/// transaction. Errors: storage faults (nothing is committed then).
+pub fn settle_lan_receipts(conn: &mut Connection, seqs: &[i64]) -> Result<(), MailboxError> {
+    let tx = conn.transaction()?;
+    receipts::sent(&tx, seqs)?;
+    tx.commit()?;
+    Ok(())
+}
+
+/// A failed LAN receipt flush: each of `seqs` is backed off with `error` as a LAN failure
+/// ([`receipts::fail`]; `unsupported`: the peer answered 404/405/501, so it has no receipt
+/// route and the next attempt waits 1 h), in one transaction. Errors: storage faults (nothing
+/// is committed then).
+pub fn fail_lan_receipts(
+    conn: &mut Connection,
+    seqs: &[i64],
+    error: &str,
+    unsupported: bool,
+    now_ms: i64,
+) -> Result<(), MailboxError> {
+    let tx = conn.transaction()?;
+    receipts::fail(&tx, seqs, error, true, unsupported, now_ms)?;
+    tx.commit()?;
+    Ok(())
+}
+
+/// A verified relay accept of row `msg_id` → `host` ([`outbox::settle_accepted`]: the row is
+/// `relay-accepted` with the relay, epoch, seq, accept record and signature of `a`, keeping a
+/// first accept time and deadline). One statement, no explicit transaction. Returns whether
+/// the row changed (false: it was no longer `pending` or `repush`). Errors: storage faults.
+pub fn settle_relay_accept(
+    conn: &Connection,
+    msg_id: &str,
+    host: &str,
+    a: &outbox::Accepted<'_>,
+    now_ms: i64,
+) -> Result<bool, MailboxError> {
+    outbox::settle_accepted(conn, msg_id, host, a, now_ms)
+}
+
+/// A receipt push the relay did not answer (a network or server error): each of `seqs` is
+/// backed off with `error` ([`receipts::fail`], not a LAN failure). No explicit transaction:
+/// each receipt's update commits on its own. Errors: storage faults.
+pub fn fail_receipt_push(
+    conn: &Connection,
+    seqs: &[i64],
+    error: &str,
+    now_ms: i64,
+) -> Result<(), MailboxError> {
+    receipts::fail(conn, seqs, error, false, false, now_ms)
 }
 
 /// What [`fail_relay_row`] did to its row.
