@@ -23,9 +23,12 @@
 //!
 //! Two relay steps are one statement each and run without an explicit transaction, as they
 //! always have: [`settle_relay_accept`] (one `UPDATE`) and [`fail_receipt_push`] (one `UPDATE`
-//! per receipt, each its own autocommit). A transport opens no store transaction itself: it
-//! calls these steps (or, for the relay's enc-key rollback guard,
-//! `crate::transport::relay_client::state::accept_enc_ad`).
+//! per receipt, each its own autocommit). The LAN delivery (`transport::lan::deliver`) and the
+//! relay push (`transport::relay_client::push`) open no store transaction themselves: they call
+//! these steps (and, for the relay's enc-key rollback guard,
+//! `crate::transport::relay_client::state::accept_enc_ad`). Transactions still opened under
+//! `crate::transport` are not about outbound mail: presence and hop bookkeeping, the relay
+//! session's standing, epoch, key rotation and allowlist state, and unpairing.
 //!
 //! Sealing and signing run in the caller's connection; the steps open their own transaction on
 //! it. None touches the network. The crypto lives here; the store (`crate::mailbox`) only keeps

@@ -18,7 +18,8 @@
 //! - `relay-enc-ad:<url>`: [`PublishedAd`], this host's last published v2 enc-key ad;
 //! - `relay-senders:<url>`: the last published sender allowlist ([`super::allowlist`]);
 //! - `relay-enc-newest:<peer host key>` and `relay-enc-rejected:<peer>`: the enc-key ad rollback
-//!   guard per peer host key and the last refusal of a relay-served ad (`wire.md` §2.8).
+//!   guard per peer host key and the last refusal of a relay-served ad (`wire.md` §2.8);
+//!   [`accept_enc_ad`] is the one step the push calls with a relay-served ad.
 //!
 //! Audit events (`relay.key_changed`, `relay.key_confirmed`, `enc_key.rejected`) are written in
 //! the same transaction as the state they describe. This module never stores private keys,
