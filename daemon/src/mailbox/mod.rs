@@ -10,10 +10,13 @@
 //! last item of the run it covers; nothing received is dropped silently (rejected items go to
 //! quarantine).
 //!
-//! This module is SQL only: it never seals or signs (the outbound step `crate::node::outbound`
-//! makes the wire bytes it keeps) and checks a signature only through a caller's closure
-//! ([`peers::check_retired`]); it never imports a transport or the mail logic (`crate::node`)
-//! above it, never talks to the network and never blocks the async runtime: async code calls
+//! This module is SQL only: it never seals, signs, verifies or parses a key (the outbound step
+//! `crate::node::outbound` makes the wire bytes it keeps; a caller's closure parses and checks
+//! a retired key for [`peers::check_retired`]). Outside its tests it imports nothing of
+//! `agentmbx_protocol::{seal, keys, envelope::verify, hop}`, with one exception: the conflict
+//! text of [`peers::add`] names the already pinned key by its fingerprint, which parses that
+//! key. The protocol's text helpers (`envelope::one_line`, `truncate_utf16`) may be used. It
+//! never imports a transport or the mail logic (`crate::node`) above it, never talks to the network and never blocks the async runtime: async code calls
 //! [`Mailbox::run`], which moves the closure to a blocking thread. One process (the daemon, or
 //! a CLI command while no daemon writes the same row) writes; SQLite's lock and busy timeout
 //! make a concurrent CLI write safe.

@@ -800,7 +800,6 @@ pub fn sent_page(
 mod tests {
     use super::*;
     use crate::mailbox::{messages, outbox};
-    use crate::node::outbound::receipt_wire_once as wire_once;
     use crate::testutil::{self, T0};
 
     const ID: &str = "01KDVDNA3VG2MH8KWSQRCWJZ0S";
@@ -838,81 +837,6 @@ mod tests {
         assert!(
             agentmbx_protocol::records::parse_receipt_wire(wire.as_bytes(), &key.public()).is_ok()
         );
-    }
-
-    #[test]
-    fn deliveries_of_mail_from_peers_queue_receipts_and_the_wire_is_made_once() {
-        let s = testutil::store();
-        let me = testutil::identity("home");
-        s.register("home", &["bob"]);
-        let work = testutil::identity("work");
-        s.add_peer(&work, true);
-        s.register("home", &["bob"]);
-        let wire = testutil::sealed_wire(
-            &work,
-            &me.enc_key.public(),
-            ID,
-            "ann@work",
-            &["bob@home"],
-            "s",
-            T0,
-        );
-        let pk = work.host_key.public().to_b64();
-        s.mailbox
-            .with(|c| {
-                let v = crate::node::receive::receive_sealed(c, &me, &wire, ID, &pk, T0)?;
-                assert!(v.is_ok());
-                messages::read(c, "bob", "home", ID, T0 + 1)?;
-                messages::ack(c, "bob", &[ID.to_string()], Some("done"), T0 + 2)?;
-                Ok(())
-            })
-            .unwrap();
-        // Local mail queues nothing.
-        s.send(
-            &me,
-            "carol",
-            &["bob"],
-            "local",
-            "01KDVDNA3VG2MH8KWSQRCWJZ0T",
-            T0,
-        )
-        .unwrap();
-        let rows = s.mailbox.with(|c| due_for_relay(c, T0 + 2, 10)).unwrap();
-        let states: Vec<(&str, Option<&str>, i64)> = rows
-            .iter()
-            .map(|r| (r.state.as_str(), r.note.as_deref(), r.at))
-            .collect();
-        assert_eq!(
-            states,
-            vec![
-                ("delivered", None, T0),
-                ("read", None, T0 + 1),
-                ("acked", Some("done"), T0 + 2)
-            ]
-        );
-        assert!(rows
-            .iter()
-            .all(|r| r.target_pubkey.as_deref() == Some(pk.as_str())));
-        let key = me.host_key.clone();
-        s.mailbox
-            .with(|c| {
-                let first = wire_once(c, &rows[2], "home", &key)?;
-                // Made once: the stored bytes come back, whatever the row says now.
-                c.execute("UPDATE receipt_outbox SET note = 'changed'", [])?;
-                let again = due_for_relay(c, T0 + 2, 10)?;
-                assert_eq!(again[2].wire.as_deref(), Some(first.as_slice()));
-                assert_eq!(wire_once(c, &again[2], "home", &key)?, first);
-                // Failures back off; sent rows leave; expiry drops the rest after 72 h.
-                fail(c, &[again[0].seq], "e", true, false, T0 + 2)?;
-                let r = &due_for_relay(c, T0 + 2 + outbox::backoff_ms(0), 10)?[0];
-                assert_eq!((r.attempts, r.lan_failures), (1, 1));
-                assert_eq!(sent(c, &[again[1].seq])?, 1);
-                assert_eq!(expire(c, T0 + RECEIPT_TTL_MS)?, 0);
-                assert_eq!(expire(c, T0 + RECEIPT_TTL_MS + 3)?, 2);
-                assert!(due_for_relay(c, i64::MAX, 10)?.is_empty());
-                Ok(())
-            })
-            .unwrap();
     }
 
     /// Issue 17 (9): when the LAN failed (`last_error`) and the relay is not working either, a

@@ -12,14 +12,23 @@
 //! step in one transaction (the transaction boundaries are the ones the crash drills test):
 //!
 //! - LAN: [`settle_lan_batch`] (the peer's verdict per row of one batch), [`fail_lan_rows`]
-//!   (a failed call: a LAN failure for each row, the 72 h rule with its alert) and
-//!   [`give_up_stale`] (the 72 h sweep of the rows no transport is trying).
-//! - Relay: [`fail_relay_row`] (a push of one row not accepted: backoff, `rejected` or the 72 h
-//!   rule with its alert, or the hand-back to the LAN) and [`settle_receipt_push`] (what the
-//!   relay answered for a batch of receipts).
+//!   (a failed call: a LAN failure for each row, the 72 h rule with its alert),
+//!   [`give_up_stale`] (the 72 h sweep of the rows no transport is trying),
+//!   [`settle_lan_receipts`] (a peer answered a receipt flush) and [`fail_lan_receipts`] (a
+//!   receipt flush failed).
+//! - Relay: [`settle_relay_accept`] (a verified accept of one row), [`fail_relay_row`] (a push
+//!   of one row not accepted: backoff, `rejected` or the 72 h rule with its alert, or the
+//!   hand-back to the LAN), [`settle_receipt_push`] (what the relay answered for a batch of
+//!   receipts) and [`fail_receipt_push`] (a receipt push failed as a whole).
 //!
-//! Not yet here: the LAN receipt flush's `receipts::sent` / `receipts::fail` and the relay's
-//! `settle_accepted` and receipt `fail`, which the transports still call themselves.
+//! Two relay steps are one statement each and run without an explicit transaction, as they
+//! always have: [`settle_relay_accept`] (one `UPDATE`) and [`fail_receipt_push`] (one `UPDATE`
+//! per receipt, each its own autocommit). The LAN delivery (`transport::lan::deliver`) and the
+//! relay push (`transport::relay_client::push`) open no store transaction themselves: they call
+//! these steps (and, for the relay's enc-key rollback guard,
+//! `crate::transport::relay_client::state::accept_enc_ad`). Transactions still opened under
+//! `crate::transport` are not about outbound mail: presence and hop bookkeeping, the relay
+//! session's standing, epoch, key rotation and allowlist state, and unpairing.
 //!
 //! Sealing and signing run in the caller's connection; the steps open their own transaction on
 //! it. None touches the network. The crypto lives here; the store (`crate::mailbox`) only keeps
@@ -164,6 +173,59 @@ pub fn give_up_stale(
     Ok(ended)
 }
 
+/// The receipts `seqs` a LAN peer answered (`POST /v1/receipts` returned, whatever each
+/// result said: receipts are advisory) leave the queue ([`receipts::sent`]), in one
+/// transaction. Errors: storage faults (nothing is committed then).
+pub fn settle_lan_receipts(conn: &mut Connection, seqs: &[i64]) -> Result<(), MailboxError> {
+    let tx = conn.transaction()?;
+    receipts::sent(&tx, seqs)?;
+    tx.commit()?;
+    Ok(())
+}
+
+/// A failed LAN receipt flush: each of `seqs` is backed off with `error` as a LAN failure
+/// ([`receipts::fail`]; `unsupported`: the peer answered 404/405/501, so it has no receipt
+/// route and the next attempt waits 1 h), in one transaction. Errors: storage faults (nothing
+/// is committed then).
+pub fn fail_lan_receipts(
+    conn: &mut Connection,
+    seqs: &[i64],
+    error: &str,
+    unsupported: bool,
+    now_ms: i64,
+) -> Result<(), MailboxError> {
+    let tx = conn.transaction()?;
+    receipts::fail(&tx, seqs, error, true, unsupported, now_ms)?;
+    tx.commit()?;
+    Ok(())
+}
+
+/// A verified relay accept of row `msg_id` → `host` ([`outbox::settle_accepted`]: the row is
+/// `relay-accepted` with the relay, epoch, seq, accept record and signature of `a`, keeping a
+/// first accept time and deadline). One statement, no explicit transaction. Returns whether
+/// the row changed (false: it was no longer `pending` or `repush`). Errors: storage faults.
+pub fn settle_relay_accept(
+    conn: &Connection,
+    msg_id: &str,
+    host: &str,
+    a: &outbox::Accepted<'_>,
+    now_ms: i64,
+) -> Result<bool, MailboxError> {
+    outbox::settle_accepted(conn, msg_id, host, a, now_ms)
+}
+
+/// A receipt push the relay did not answer (a network or server error): each of `seqs` is
+/// backed off with `error` ([`receipts::fail`], not a LAN failure). No explicit transaction:
+/// each receipt's update commits on its own. Errors: storage faults.
+pub fn fail_receipt_push(
+    conn: &Connection,
+    seqs: &[i64],
+    error: &str,
+    now_ms: i64,
+) -> Result<(), MailboxError> {
+    receipts::fail(conn, seqs, error, false, false, now_ms)
+}
+
 /// What [`fail_relay_row`] did to its row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RelayFailed {
@@ -238,4 +300,127 @@ pub fn settle_receipt_push(
     }
     tx.commit()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use agentmbx_protocol::envelope::Envelope;
+    use agentmbx_protocol::seal;
+
+    use super::receipt_wire_once as wire_once;
+    use super::seal_once;
+    use crate::mailbox::receipts::{due_for_relay, expire, fail, sent, RECEIPT_TTL_MS};
+    use crate::mailbox::{messages, outbox};
+    use crate::testutil::{self, T0};
+
+    const ID: &str = "01KDVDNA3VG2MH8KWSQRCWJZ0S";
+
+    #[test]
+    fn an_outbox_row_is_sealed_once_for_its_targets_enc_key() {
+        let s = testutil::store();
+        let me = testutil::identity("home");
+        let work = testutil::identity("work");
+        s.add_peer(&work, true);
+        s.send(&me, "alice", &["bob@work"], "hi", ID, T0).unwrap();
+        let enc_pub = work.enc_key.public();
+        s.mailbox
+            .with(|c| {
+                let row = outbox::get(c, ID, "work")?.expect("the outbox row");
+                assert!(row.wire.is_none());
+                let first = seal_once(c, &row, &enc_pub, "home", &me.host_key)?;
+                // Sealed once: a second call, with the row as it was or as stored now, returns
+                // the same bytes.
+                assert_eq!(seal_once(c, &row, &enc_pub, "home", &me.host_key)?, first);
+                let stored = outbox::get(c, ID, "work")?.expect("the outbox row");
+                assert_eq!(stored.wire.as_deref(), Some(first.as_slice()));
+                assert_eq!(
+                    seal_once(c, &stored, &enc_pub, "home", &me.host_key)?,
+                    first
+                );
+                // The bytes open with the target's enc key.
+                let env: Envelope = serde_json::from_slice(&first).expect("an envelope");
+                let enc = env.enc.as_ref().expect("a sealed body");
+                assert_eq!(
+                    seal::open(enc, &work.enc_key, ID).expect("opens"),
+                    "body of hi"
+                );
+                Ok(())
+            })
+            .unwrap();
+    }
+
+    #[test]
+    fn deliveries_of_mail_from_peers_queue_receipts_and_the_wire_is_made_once() {
+        let s = testutil::store();
+        let me = testutil::identity("home");
+        s.register("home", &["bob"]);
+        let work = testutil::identity("work");
+        s.add_peer(&work, true);
+        s.register("home", &["bob"]);
+        let wire = testutil::sealed_wire(
+            &work,
+            &me.enc_key.public(),
+            ID,
+            "ann@work",
+            &["bob@home"],
+            "s",
+            T0,
+        );
+        let pk = work.host_key.public().to_b64();
+        s.mailbox
+            .with(|c| {
+                let v = crate::node::receive::receive_sealed(c, &me, &wire, ID, &pk, T0)?;
+                assert!(v.is_ok());
+                messages::read(c, "bob", "home", ID, T0 + 1)?;
+                messages::ack(c, "bob", &[ID.to_string()], Some("done"), T0 + 2)?;
+                Ok(())
+            })
+            .unwrap();
+        // Local mail queues nothing.
+        s.send(
+            &me,
+            "carol",
+            &["bob"],
+            "local",
+            "01KDVDNA3VG2MH8KWSQRCWJZ0T",
+            T0,
+        )
+        .unwrap();
+        let rows = s.mailbox.with(|c| due_for_relay(c, T0 + 2, 10)).unwrap();
+        let states: Vec<(&str, Option<&str>, i64)> = rows
+            .iter()
+            .map(|r| (r.state.as_str(), r.note.as_deref(), r.at))
+            .collect();
+        assert_eq!(
+            states,
+            vec![
+                ("delivered", None, T0),
+                ("read", None, T0 + 1),
+                ("acked", Some("done"), T0 + 2)
+            ]
+        );
+        assert!(rows
+            .iter()
+            .all(|r| r.target_pubkey.as_deref() == Some(pk.as_str())));
+        let key = me.host_key.clone();
+        s.mailbox
+            .with(|c| {
+                let first = wire_once(c, &rows[2], "home", &key)?;
+                // Made once: the stored bytes come back, whatever the row says now.
+                c.execute("UPDATE receipt_outbox SET note = 'changed'", [])?;
+                let again = due_for_relay(c, T0 + 2, 10)?;
+                assert_eq!(again[2].wire.as_deref(), Some(first.as_slice()));
+                assert_eq!(wire_once(c, &again[2], "home", &key)?, first);
+                // Failures back off; sent rows leave; expiry drops the rest after 72 h.
+                fail(c, &[again[0].seq], "e", true, false, T0 + 2)?;
+                let r = &due_for_relay(c, T0 + 2 + outbox::backoff_ms(0), 10)?[0];
+                assert_eq!((r.attempts, r.lan_failures), (1, 1));
+                assert_eq!(sent(c, &[again[1].seq])?, 1);
+                assert_eq!(expire(c, T0 + RECEIPT_TTL_MS)?, 0);
+                assert_eq!(expire(c, T0 + RECEIPT_TTL_MS + 3)?, 2);
+                assert!(due_for_relay(c, i64::MAX, 10)?.is_empty());
+                Ok(())
+            })
+            .unwrap();
+    }
 }

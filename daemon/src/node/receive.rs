@@ -111,7 +111,7 @@ pub fn receive(
         let retired = peers::retired_keys(conn, &via.host)?;
         let ts = env.get("ts").and_then(Value::as_str).and_then(parse_iso_ms);
         if let Err(why) = peers::check_retired(&retired, &via.host, "mail", ts, |k| {
-            envelope::verify(env, k)
+            PublicKey::from_b64(k).is_ok_and(|k| envelope::verify(env, &k))
         }) {
             return Ok(Err(why));
         }

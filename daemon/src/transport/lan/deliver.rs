@@ -25,7 +25,10 @@
 //!
 //! Then the due receipts the LAN takes, at most [`RECEIPT_BATCH`] per host in one
 //! `POST /v1/receipts` (a 429 waited out the same way); a length mismatch or any error is a
-//! failure of all of them.
+//! failure of all of them ([`crate::node::outbound::fail_lan_receipts`]), an answer settles
+//! them all ([`crate::node::outbound::settle_lan_receipts`]). This module opens no store
+//! transaction itself: every write after an attempt is a named step of
+//! [`crate::node::outbound`].
 //!
 //! The loop ([`run`]) wakes on its `Notify` (new mail, a peer that is back) or at the earliest
 //! `next_at` of what it takes, never on a fast fixed tick. It never decides by itself what the
@@ -498,12 +501,7 @@ impl LanDelivery {
                 }
                 let n = seqs.len();
                 self.mailbox
-                    .run(move |c| {
-                        let tx = c.transaction()?;
-                        receipts::sent(&tx, &seqs)?;
-                        tx.commit()?;
-                        Ok(())
-                    })
+                    .run(move |c| outbound::settle_lan_receipts(c, &seqs))
                     .await?;
                 Ok(PassCounts {
                     receipts_sent: n,
@@ -515,12 +513,7 @@ impl LanDelivery {
                 tracing::warn!(peer = %host, error = %e, unsupported, "delivery receipts not sent");
                 let err = e.to_string();
                 self.mailbox
-                    .run(move |c| {
-                        let tx = c.transaction()?;
-                        receipts::fail(&tx, &seqs, &err, true, unsupported, now)?;
-                        tx.commit()?;
-                        Ok(())
-                    })
+                    .run(move |c| outbound::fail_lan_receipts(c, &seqs, &err, unsupported, now))
                     .await?;
                 Ok(PassCounts::default())
             }

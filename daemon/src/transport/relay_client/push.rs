@@ -101,36 +101,7 @@ impl RelayClient {
         let (h, tp) = (host.to_string(), target_pubkey.to_string());
         let refused = self
             .mailbox
-            .run(move |c| {
-                let ad = match verdict {
-                    Ok(ad) => ad,
-                    Err(why) => {
-                        super::state::note_enc_refusal(c, &h, &why, now)?;
-                        return Ok(Err(why));
-                    }
-                };
-                let iat = agentmbx_protocol::time::parse_iso_ms(&ad.iat).unwrap_or(0);
-                let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
-                let mut why = super::state::guard_enc_ad(&tx, &tp, &ad.enc_pub, iat)?.err();
-                if why.is_none() && !peers::set_enc_key(&tx, &h, &ad.enc_pub, iat)? {
-                    why = Some(format!(
-                        "rolled back: the relay served an ad from {} naming another key than the newer one already accepted",
-                        ad.iat
-                    ));
-                }
-                match why {
-                    None => {
-                        super::state::clear_enc_refusal(&tx, &h)?;
-                        tx.commit()?;
-                        Ok(Ok(ad))
-                    }
-                    Some(why) => {
-                        drop(tx);
-                        super::state::note_enc_refusal(c, &h, &why, now)?;
-                        Ok(Err(why))
-                    }
-                }
-            })
+            .run(move |c| super::state::accept_enc_ad(c, &h, &tp, verdict, now))
             .await?;
         let ad = match refused {
             Ok(ad) => ad,
@@ -391,7 +362,7 @@ impl RelayClient {
                                 accepted_at,
                                 deadline_at: deadline,
                             };
-                            outbox::settle_accepted(c, &m, &h, &a, now)
+                            outbound::settle_relay_accept(c, &m, &h, &a, now)
                         })
                         .await?;
                     tracing::info!(id = %row.msg_id, host = %row.host, seq, status = %result.map_or("", |r| r.status.as_str()), "relay accepted");
@@ -465,7 +436,7 @@ impl RelayClient {
                 let seqs: Vec<i64> = batch.iter().map(|(r, _, _)| r.seq).collect();
                 let (err, now) = (e.to_string(), self.clock.now_ms());
                 self.mailbox
-                    .run(move |c| receipts::fail(c, &seqs, &err, false, false, now))
+                    .run(move |c| outbound::fail_receipt_push(c, &seqs, &err, now))
                     .await?;
                 pass.failed = batch.len();
                 return Ok(pass);

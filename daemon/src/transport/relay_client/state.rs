@@ -18,7 +18,8 @@
 //! - `relay-enc-ad:<url>`: [`PublishedAd`], this host's last published v2 enc-key ad;
 //! - `relay-senders:<url>`: the last published sender allowlist ([`super::allowlist`]);
 //! - `relay-enc-newest:<peer host key>` and `relay-enc-rejected:<peer>`: the enc-key ad rollback
-//!   guard per peer host key and the last refusal of a relay-served ad (`wire.md` §2.8).
+//!   guard per peer host key and the last refusal of a relay-served ad (`wire.md` §2.8);
+//!   [`accept_enc_ad`] is the one step the push calls with a relay-served ad.
 //!
 //! Audit events (`relay.key_changed`, `relay.key_confirmed`, `enc_key.rejected`) are written in
 //! the same transaction as the state they describe. This module never stores private keys,
@@ -30,10 +31,11 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use agentmbx_protocol::keys::PublicKey;
+use agentmbx_protocol::records::EncAd;
 use agentmbx_protocol::time::iso_ms;
 
 use crate::mailbox::relay_state::{kv_get, kv_set};
-use crate::mailbox::{audit, MailboxError};
+use crate::mailbox::{audit, peers, MailboxError};
 
 /// The relay's hop window (`wire.md` §2.6: ±300,000 ms). A refusal right after a fresh
 /// enrolment while the relay's `Date` is further than this from our clock is `clock-skew`.
@@ -749,6 +751,50 @@ pub fn note_enc_refusal(
     }
     tx.commit()?;
     Ok(new)
+}
+
+/// Records the verdict on a relay-served enc-key ad for peer `host` (pinned host key
+/// `peer_pubkey`, `wire.md` §2.8) and returns it: a refused `verdict` is noted
+/// ([`note_enc_refusal`]); a valid ad passes the rollback guard ([`guard_enc_ad`]) and is
+/// stored as the peer's enc key ([`crate::mailbox::peers::set_enc_key`]), its refusal record
+/// cleared, in one immediate transaction; when either refuses it (`rolled back: …`) nothing
+/// of that transaction is kept and the refusal is noted instead. `Ok(Err(reason))` is a
+/// refusal. Errors: SQLite failures.
+pub fn accept_enc_ad(
+    conn: &mut Connection,
+    host: &str,
+    peer_pubkey: &str,
+    verdict: Result<EncAd, String>,
+    now_ms: i64,
+) -> Result<Result<EncAd, String>, MailboxError> {
+    let ad = match verdict {
+        Ok(ad) => ad,
+        Err(why) => {
+            note_enc_refusal(conn, host, &why, now_ms)?;
+            return Ok(Err(why));
+        }
+    };
+    let iat = agentmbx_protocol::time::parse_iso_ms(&ad.iat).unwrap_or(0);
+    let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    let mut why = guard_enc_ad(&tx, peer_pubkey, &ad.enc_pub, iat)?.err();
+    if why.is_none() && !peers::set_enc_key(&tx, host, &ad.enc_pub, iat)? {
+        why = Some(format!(
+            "rolled back: the relay served an ad from {} naming another key than the newer one already accepted",
+            ad.iat
+        ));
+    }
+    match why {
+        None => {
+            clear_enc_refusal(&tx, host)?;
+            tx.commit()?;
+            Ok(Ok(ad))
+        }
+        Some(why) => {
+            drop(tx);
+            note_enc_refusal(conn, host, &why, now_ms)?;
+            Ok(Err(why))
+        }
+    }
 }
 
 /// The last refusal reason recorded for peer `host`, if any. Errors: SQLite failures.
