@@ -1,4 +1,3 @@
-
 //! The states a relay accept leads to (`wire.md` §3.5 "Epoch change / rewind", "Settle").
 
 use super::*;

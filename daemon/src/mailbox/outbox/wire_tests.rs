@@ -1,4 +1,3 @@
-
 use super::*;
 use crate::testutil::{self, T0};
 

@@ -1,4 +1,3 @@
-
 use super::*;
 use crate::mailbox::{messages, outbox};
 use crate::testutil::{self, T0};
