@@ -91,6 +91,15 @@ async fn a_429_makes_the_loop_wait_the_given_time_before_its_next_pass() {
     // (the pull interval is 50 ms, so a loop that did not wait would have asked many times).
     let id = s.send_to_peer(ID1);
     wake.notify_one();
+    // First with the clock where the 429 found it, so the loop reads it for its wait before the
+    // clock moves (the test yields every 20 ms in this window).
+    let first = tokio::time::timeout(std::time::Duration::from_millis(2_500), async {
+        while infos_seen() == 1 {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(first.is_err(), "a pass ran at once after the 429");
     s.clock.advance(29_999);
     let early = tokio::time::timeout(std::time::Duration::from_millis(2_500), async {
         while infos_seen() == 1 {
@@ -194,14 +203,23 @@ async fn a_429_on_push_makes_the_loop_wait_the_given_time_before_its_next_pass()
     // No pass runs before the 30 s have passed on the clock, whatever wakes the loop (the pull
     // interval is 50 ms, so a loop that did not wait would have passed many times).
     wake.notify_one();
+    // First with the clock where the 429 found it: the loop reads the clock once it has the
+    // answer, and this window (the test yields every 20 ms) lets it do so before the clock moves,
+    // so its wait ends 30 s after the refusal, not 30 s after a clock already moved on.
+    let no_pass = || async {
+        tokio::time::timeout(std::time::Duration::from_millis(2_500), async {
+            while s.relay.seen("GET /v2/relay/info").len() == infos {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        })
+        .await
+    };
+    assert!(no_pass().await.is_err(), "a pass ran at once after the 429");
     s.clock.advance(29_999);
-    let early = tokio::time::timeout(std::time::Duration::from_millis(2_500), async {
-        while s.relay.seen("GET /v2/relay/info").len() == infos {
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
-    })
-    .await;
-    assert!(early.is_err(), "a pass ran before retry_after had passed");
+    assert!(
+        no_pass().await.is_err(),
+        "a pass ran before retry_after had passed"
+    );
     assert_eq!(pushes_seen(), 1);
     let row = s.row(&id);
     assert_eq!((row.state.as_str(), row.attempts), ("pending", 0));
