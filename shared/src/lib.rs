@@ -28,6 +28,7 @@ pub mod records;
 pub mod rotation;
 pub mod seal;
 pub mod status;
+pub mod stream;
 pub mod time;
 pub mod ulid;
 pub mod wire;

@@ -84,6 +84,11 @@ pub struct You {
     /// with each other (a changed `since_ms` is a new detection).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instance_conflict: Option<crate::instance::InstanceConflict>,
+    /// A fresh single-use nonce for opening the push stream (`GET /v2/relay/stream?nonce=…`,
+    /// [`crate::stream`]), valid for [`crate::stream::NONCE_TTL_MS`]. An added field that 0.5.x
+    /// ignores; absent from a relay without the stream.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_nonce: Option<String>,
 }
 
 /// GET /v2/relay/info.

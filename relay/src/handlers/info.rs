@@ -68,6 +68,7 @@ pub async fn get(
                 acked_through: q.acked_through,
                 enc_ad,
                 instance_conflict,
+                stream_nonce: None,
             });
         }
     }
