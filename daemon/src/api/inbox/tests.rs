@@ -218,11 +218,15 @@ async fn many_waiters_leave_ordinary_calls_prompt_and_shutdown_ends_them() {
         .await,
     );
     let mut waiters = tokio::task::JoinSet::new();
+    // One client for all: HTTP/1.1 carries one request at a time per connection, so each
+    // waiter still holds a connection of its own (and 300 clients, each loading the system's
+    // root certificates, would spend the wait deadline being built).
+    let client = reqwest::Client::new();
     for _ in 0..300 {
         let api = api.clone();
-        // A client each: one connection per waiter.
+        let client = client.clone();
         waiters.spawn(async move {
-            let resp = reqwest::Client::new()
+            let resp = client
                 .get(format!("{}/v1/inbox?as=bob&wait=60", api.base))
                 .bearer_auth(&api.token)
                 .send()
