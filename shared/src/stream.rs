@@ -87,6 +87,12 @@ pub enum ServerFrame {
     Deliver {
         /// Relay seq.
         seq: i64,
+        /// The seq allocated for this target just before `seq` (0 if none): no item for the
+        /// target lies strictly between the two. In a replay it is the previous replayed seq
+        /// (the `resume`'s `after` for the first). The receiver stores the item only when
+        /// `prev_seq <= received_through < seq`; when `received_through < prev_seq` it has a
+        /// gap and pulls instead (spec §4: received-through moves only over a contiguous run).
+        prev_seq: i64,
         /// `envelope`, `receipt` or `expired`.
         kind: String,
         /// Item id.
@@ -160,6 +166,24 @@ mod tests {
         assert_eq!(s, r#"{"type":"resume_complete","replayed":2,"head_seq":9}"#);
         let s = serde_json::to_string(&ServerFrame::Lagged { from_seq: 12 }).expect("serializes");
         assert_eq!(s, r#"{"type":"lagged","from_seq":12}"#);
+    }
+
+    #[test]
+    fn a_deliver_frame_carries_its_prev_seq() {
+        let s = serde_json::to_string(&ServerFrame::Deliver {
+            seq: 9,
+            prev_seq: 4,
+            kind: "envelope".into(),
+            item_id: "i".into(),
+            sender_pubkey: "k".into(),
+            wire_b64: "AA==".into(),
+            replay: false,
+        })
+        .expect("serializes");
+        assert_eq!(
+            s,
+            r#"{"type":"deliver","seq":9,"prev_seq":4,"kind":"envelope","item_id":"i","sender_pubkey":"k","wire_b64":"AA==","replay":false}"#
+        );
     }
 
     #[test]
