@@ -152,14 +152,18 @@ pub fn due_for_relay(
 }
 
 /// The earliest time (ms) a receipt the LAN takes is due at `now_ms` (`now_ms` for one
-/// scheduled beyond its horizon, [`horizon_of_sql`]), for the LAN loop's sleep.
+/// scheduled beyond its horizon, [`horizon_of_sql`]), for the LAN loop's sleep;
+/// receipts owed to the peers in `exclude` (a LAN call to them is still open) are left out.
 pub fn next_due_for_lan(
     conn: &Connection,
     relay_configured: bool,
     now_ms: i64,
+    exclude: &[String],
 ) -> Result<Option<i64>, MailboxError> {
+    let exclude = serde_json::to_string(exclude).unwrap_or_else(|_| "[]".into());
     let sql = format!(
-        "SELECT MIN({}) FROM receipt_outbox r JOIN peers p ON p.host = r.host WHERE {}",
+        "SELECT MIN({}) FROM receipt_outbox r JOIN peers p ON p.host = r.host WHERE {}
+           AND r.host NOT IN (SELECT value FROM json_each(:ex))",
         receipt_wake_sql(),
         lan_sql()
     );
@@ -167,6 +171,7 @@ pub fn next_due_for_lan(
         &sql,
         rusqlite::named_params! {
             ":t": LAN_FAILURES_BEFORE_RELAY, ":r": relay_configured, ":now": now_ms,
+            ":ex": exclude,
         },
         |r| r.get(0),
     )?)

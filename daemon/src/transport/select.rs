@@ -59,6 +59,7 @@ mod tests {
         let f = |lan_failures, has_addr, relay_configured| Facts {
             lan_failures,
             has_addr,
+            lan_down: false,
             relay_configured,
         };
         use Transport::*;
@@ -145,6 +146,7 @@ mod tests {
                 let want = choose(Facts {
                     lan_failures: *lan_failures,
                     has_addr: *has_addr,
+                    lan_down: false,
                     relay_configured,
                 })
                 .filter(|_| *due && *state != "relay-accepted");

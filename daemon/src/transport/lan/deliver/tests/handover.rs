@@ -227,6 +227,7 @@ async fn the_sweep_ends_rows_no_transport_takes_after_72_hours_but_never_relay_a
         crate::transport::select::choose(crate::transport::select::Facts {
             lan_failures: 0,
             has_addr: false,
+            lan_down: false,
             relay_configured,
         })
     };
