@@ -51,9 +51,14 @@ pub async fn get(
         )));
     }
     let host = state.ident.host.to_string();
+    let now = state.clock.now_ms();
     let page = state
         .mailbox
-        .run(move |c| receipts::sent_page(c, &q.as_agent, &host, q.cursor.as_deref(), limit))
+        .run(move |c| {
+            let mut page = receipts::sent_page(c, &q.as_agent, &host, q.cursor.as_deref(), limit)?;
+            receipts::annotate_routes(c, &mut page, now)?;
+            Ok(page)
+        })
         .await?;
     Ok(Json(page))
 }

@@ -268,5 +268,49 @@ pub fn next_probe_at(conn: &Connection) -> Result<Option<i64>, MailboxError> {
     )?)
 }
 
+/// A wait in words: `<n> s` under two minutes, else `<n> min`; `now` when due or past.
+fn wait_words(ms: i64) -> String {
+    if ms <= 0 {
+        "now".to_string()
+    } else if ms < 120_000 {
+        format!("{} s", (ms + 999) / 1000)
+    } else {
+        format!("{} min", (ms + 59_999) / 60_000)
+    }
+}
+
+/// The route `host`'s mail takes at `now_ms`, in words for `agentmbx sent` and `doctor`
+/// (spec §10): `lan`; `relay (LAN unreachable since <ISO ms> (<reason>), next LAN probe in
+/// <wait>)` while the peer is marked and `relay` is true (a relay is in use); `relay (no LAN
+/// address)`; `lan (unreachable since <ISO ms> (<reason>); no relay configured)` when marked
+/// without a relay (the LAN keeps trying). `None`: not a peer, or no route at all (no address,
+/// no relay). Errors: storage faults.
+pub fn route_text(
+    conn: &Connection,
+    host: &str,
+    now_ms: i64,
+    relay: bool,
+) -> Result<Option<String>, MailboxError> {
+    let Some(st) = get(conn, host)? else {
+        return Ok(None);
+    };
+    let has_addr = st.addr.as_deref().is_some_and(|a| !a.is_empty());
+    let reason = st.down_reason.as_deref().unwrap_or("unreachable");
+    Ok(match (st.down_since, has_addr, relay) {
+        (_, false, true) => Some("relay (no LAN address)".to_string()),
+        (_, false, false) => None,
+        (Some(since), true, true) => Some(format!(
+            "relay (LAN unreachable since {} ({reason}), next LAN probe in {})",
+            agentmbx_protocol::time::iso_ms(since),
+            wait_words(st.probe_at.unwrap_or(now_ms) - now_ms)
+        )),
+        (Some(since), true, false) => Some(format!(
+            "lan (unreachable since {} ({reason}); no relay configured)",
+            agentmbx_protocol::time::iso_ms(since)
+        )),
+        (None, true, _) => Some("lan".to_string()),
+    })
+}
+
 #[cfg(test)]
 mod tests;

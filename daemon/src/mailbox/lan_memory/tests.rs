@@ -164,3 +164,35 @@ fn probe_backoff_doubles_to_five_minutes_with_jitter() {
     assert_eq!(probe_delay_ms(0, 0.0), 3_750);
     assert_eq!(probe_delay_ms(0, 1.0), 6_250);
 }
+
+#[test]
+fn the_route_in_words() {
+    let (s, _lan, _failing, _relay) = setup();
+    let now = T0 + 1_000;
+    let route = |relay| {
+        s.mailbox
+            .with(|c| route_text(c, "work", now + 2_000, relay))
+            .unwrap()
+    };
+    assert_eq!(route(true).as_deref(), Some("lan"));
+    s.mailbox
+        .with(|c| {
+            let r = lan_route(c, "work")?;
+            mark_down(c, "work", DownReason::Refused, now, now + 5_000, &r)?;
+            Ok(())
+        })
+        .unwrap();
+    let text = route(true).unwrap();
+    assert!(
+        text.starts_with("relay (LAN unreachable since ")
+            && text.ends_with("(refused), next LAN probe in 3 s)"),
+        "{text}"
+    );
+    assert!(route(false).unwrap().starts_with("lan (unreachable since "));
+    assert_eq!(
+        s.mailbox
+            .with(|c| route_text(c, "nobody", now, true))
+            .unwrap(),
+        None
+    );
+}
