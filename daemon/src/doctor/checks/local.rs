@@ -222,7 +222,8 @@ pub fn keystore(f: &Facts) -> Result<Outcome, String> {
 }
 
 /// `outbox`: stuck pending rows, and per the configured relay the rows waiting for a receipt,
-/// to push again, expired and unconfirmed (`wire.md` §7 item 10).
+/// to push again, expired and unconfirmed (`wire.md` §7 item 10); last, the route of each peer
+/// with mail queued or a LAN address marked as not answering ([`peer_routes`]).
 pub fn outbox(f: &Facts) -> Result<Outcome, String> {
     let Some(m) = &f.mailbox else {
         return Ok(Outcome::new(Status::Skip, "no mailbox.db yet"));
@@ -251,9 +252,6 @@ pub fn outbox(f: &Facts) -> Result<Outcome, String> {
     let routes = peer_routes(m, f.opts.now_ms, url.as_deref())
         .map_err(|e| format!("cannot read the peers' routes: {e}"))?;
     let mut out = Outcome::new(Status::Ok, format!("{pending} pending"));
-    for line in routes {
-        out = out.detail(line);
-    }
     if f.config_invalid().is_some() {
         out = out.detail("relay counts not shown: config.toml is invalid (see the config check)");
     }
@@ -277,6 +275,9 @@ pub fn outbox(f: &Facts) -> Result<Outcome, String> {
             ));
             out = out.detail("agentmbx sent --as AGENT shows each recipient's state");
         }
+    }
+    for line in routes {
+        out = out.detail(line);
     }
     Ok(out)
 }

@@ -30,8 +30,17 @@
 //! transaction itself: every write after an attempt is a named step of
 //! [`crate::node::outbound`].
 //!
-//! The loop ([`run`]) wakes on its `Notify` (new mail, a peer that is back) or at the earliest
-//! `next_at` of what it takes, never on a fast fixed tick. It never decides by itself what the
+//! Per-peer LAN memory (spec §10, `crate::mailbox::lan_memory`): a failure that shows the
+//! address does not answer (refused, no route, or — with a relay configured — no connection and
+//! answer within [`LAN_RACE`]) marks the peer in the transaction that records the failure, and
+//! its rows and receipts go to the relay at once. A raced call that did not answer in time goes
+//! on detached; its peer is skipped while it is open ([`InFlight`]) and its verdicts are applied
+//! late ([`crate::node::outbound::settle_late_lan_batch`]). Each pass starts the due probes of
+//! marked addresses ([`LanDelivery::start_probes`]), detached as well.
+//!
+//! The loop ([`run`]) wakes on its `Notify` (new mail, a peer that is back, a detached call or
+//! probe that ended) or at the earliest `next_at` of what it takes (peers with a call open left
+//! out, never sooner than [`INFLIGHT_FLOOR_MS`] while one is), never on a fast fixed tick. It never decides by itself what the
 //! relay does, and never trusts a delivery answer for more than the peer's word (0.5.x F5).
 
 use std::collections::{BTreeMap, HashMap};
