@@ -133,7 +133,7 @@ impl StandIn {
     }
 
     fn set(&self, mode: Mode) {
-        *self.mode.lock().unwrap() = mode;
+        *self.mode.lock().expect("mode lock") = mode;
     }
 }
 
@@ -145,7 +145,7 @@ fn serve(mut client: TcpStream, mode: Arc<Mutex<Mode>>) {
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
-        let now = mode.lock().unwrap().clone();
+        let now = mode.lock().expect("mode lock").clone();
         let target = match now {
             // Never answers: the bytes are read and dropped, the connection stays open.
             Mode::Hang if upstream.is_none() => continue,
@@ -163,7 +163,9 @@ fn serve(mut client: TcpStream, mode: Arc<Mutex<Mode>>) {
             let Ok(up) = TcpStream::connect(t) else {
                 return;
             };
-            let (mut from, mut to) = (up.try_clone().unwrap(), client.try_clone().unwrap());
+            let (Ok(mut from), Ok(mut to)) = (up.try_clone(), client.try_clone()) else {
+                return;
+            };
             std::thread::spawn(move || {
                 let _ = std::io::copy(&mut from, &mut to);
                 let _ = to.shutdown(std::net::Shutdown::Both);
@@ -203,7 +205,7 @@ fn scrub_port_hint(chunk: &mut [u8]) {
 fn refusing_address() -> (socket2::Socket, SocketAddr) {
     let s =
         socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
-    let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let any: SocketAddr = "127.0.0.1:0".parse().expect("an address");
     s.bind(&any.into()).expect("bind");
     let addr = s
         .local_addr()

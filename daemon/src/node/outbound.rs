@@ -236,7 +236,8 @@ pub fn settle_late_lan_batch(
             .optional()?;
         match state.as_deref() {
             Some("pending") | Some("repush") => {
-                if outbox::rejected_lan(&tx, msg_id, host, why, now_ms)? {
+                let changed = outbox::rejected_lan(&tx, msg_id, host, why, now_ms)?;
+                if changed {
                     alert::outbox_undelivered(&tx, ident, msg_id, host, why, now_ms)?;
                 }
             }
