@@ -35,8 +35,10 @@
 //! answer within [`LAN_RACE`]) marks the peer in the transaction that records the failure, and
 //! its rows and receipts go to the relay at once. A raced call that did not answer in time goes
 //! on detached; its peer is skipped while it is open ([`InFlight`]) and its verdicts are applied
-//! late ([`crate::node::outbound::settle_late_lan_batch`]). Each pass starts the due probes of
-//! marked addresses ([`LanDelivery::start_probes`]), detached as well.
+//! late ([`crate::node::outbound::settle_late_lan_batch`]). A pass waits at most [`PASS_WAIT`]
+//! for its hosts' work; what still runs then goes on detached, counted in flight for its host, so
+//! one peer's slow answer never holds the attempts to the others. Each pass starts the due
+//! probes of marked addresses ([`LanDelivery::start_probes`]), detached as well.
 //!
 //! The loop ([`run`]) wakes on its `Notify` (new mail, a peer that is back, a detached call or
 //! probe that ended) or at the earliest `next_at` of what it takes (peers with a call open left
@@ -102,6 +104,9 @@ pub const LAN_RACE: Duration = Duration::from_secs(2);
 pub const UPLOAD_ALLOWANCE_BYTES_PER_S: u64 = 1024 * 1024;
 /// Time a probe of a marked address may take (connect and answer; ms).
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
+/// Longest a pass waits for its hosts' calls: one still running then goes on detached (its
+/// host skipped while it runs), so a slow peer never holds the attempts to the others.
+pub const PASS_WAIT: Duration = Duration::from_secs(4);
 /// Shortest sleep of the loop while LAN calls are still open (ms), so it never spins.
 pub const INFLIGHT_FLOOR_MS: i64 = 50;
 
@@ -130,13 +135,36 @@ impl InFlight {
     /// Counts one more open call to `host` until the returned guard is dropped; the drop
     /// raises `wake` (the loop looks again).
     fn enter(&self, host: &str, wake: Arc<tokio::sync::Notify>) -> InFlightGuard {
-        if let Ok(mut m) = self.0.lock() {
-            *m.entry(host.to_string()).or_default() += 1;
-        }
+        self.count_in(host);
         InFlightGuard {
             map: self.clone(),
             host: host.to_string(),
             wake,
+            raise: None,
+        }
+    }
+
+    /// As [`Self::enter`] for a pass's own work on `host`: the drop raises `wake` only once
+    /// the pass gave up waiting for it (`detached` set), so a pass that waited for all of its
+    /// work does not wake the loop again.
+    fn enter_for_pass(
+        &self,
+        host: &str,
+        wake: &Arc<tokio::sync::Notify>,
+        detached: &Arc<std::sync::atomic::AtomicBool>,
+    ) -> InFlightGuard {
+        self.count_in(host);
+        InFlightGuard {
+            map: self.clone(),
+            host: host.to_string(),
+            wake: wake.clone(),
+            raise: Some(detached.clone()),
+        }
+    }
+
+    fn count_in(&self, host: &str) {
+        if let Ok(mut m) = self.0.lock() {
+            *m.entry(host.to_string()).or_default() += 1;
         }
     }
 
@@ -161,6 +189,8 @@ struct InFlightGuard {
     map: InFlight,
     host: String,
     wake: Arc<tokio::sync::Notify>,
+    /// Raise `wake` on drop only when this is set (`None`: always).
+    raise: Option<Arc<std::sync::atomic::AtomicBool>>,
 }
 
 impl Drop for InFlightGuard {
@@ -173,7 +203,13 @@ impl Drop for InFlightGuard {
                 }
             }
         }
-        self.wake.notify_one();
+        let raise = self
+            .raise
+            .as_ref()
+            .is_none_or(|d| d.load(std::sync::atomic::Ordering::Acquire));
+        if raise {
+            self.wake.notify_one();
+        }
     }
 }
 
@@ -336,22 +372,51 @@ impl LanDelivery {
                 list.push(r);
             }
         }
+        // Each host's work is a call in flight while it runs; one still running after
+        // PASS_WAIT goes on detached (its own steps settle its rows), its host skipped until it
+        // ends, so no peer's next attempt waits on another peer's slow answer.
+        let detached = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let mut tasks = tokio::task::JoinSet::new();
         for (host, rows) in by_host {
             let this = self.clone();
+            let guard = self
+                .inflight
+                .enter_for_pass(&host, &self.self_wake, &detached);
             tasks.spawn(liveness::inherit(async move {
+                let _guard = guard;
                 this.deliver_host(&host, rows).await
             }));
         }
         for (host, rows) in receipts_by_host {
             let this = self.clone();
+            let guard = self
+                .inflight
+                .enter_for_pass(&host, &self.self_wake, &detached);
             tasks.spawn(liveness::inherit(async move {
+                let _guard = guard;
                 this.flush_receipts(&host, rows).await
             }));
         }
         let mut counts = PassCounts::default();
         let mut first_error = None;
-        while let Some(done) = tasks.join_next().await {
+        let deadline = tokio::time::sleep(PASS_WAIT);
+        tokio::pin!(deadline);
+        loop {
+            let done = tokio::select! {
+                done = tasks.join_next() => done,
+                _ = &mut deadline => {
+                    detached.store(true, std::sync::atomic::Ordering::Release);
+                    tokio::spawn(async move {
+                        while let Some(done) = tasks.join_next().await {
+                            if let Ok(Err(e)) = done {
+                                tracing::warn!(error = %e, "a detached LAN delivery failed in the mailbox");
+                            }
+                        }
+                    });
+                    break;
+                }
+            };
+            let Some(done) = done else { break };
             match done {
                 Ok(Ok(c)) => counts.add(c),
                 Ok(Err(e)) => {
