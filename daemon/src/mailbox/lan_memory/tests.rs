@@ -196,3 +196,49 @@ fn the_route_in_words() {
         None
     );
 }
+
+/// Receipts follow the rule of mail: the mark switches the receipts the LAN was taking to the
+/// relay, due now, and leaves one backing off on the relay route alone.
+#[test]
+fn the_mark_switches_receipts_too() {
+    let (s, _lan, _failing, _relay) = setup();
+    let now = T0 + 1_000;
+    s.mailbox
+        .with(|c| {
+            c.execute(
+                "INSERT INTO receipt_outbox(msg_id, agent, host, state, at, attempts, lan_failures, next_at, created_at)
+                 VALUES ('r1', 'bob', 'work', 'delivered', 1, 1, 1, ?1, 1),
+                        ('r2', 'bob', 'work', 'delivered', 1, 2, 2, ?2, 1)",
+                rusqlite::params![T0 + 5_000, T0 + 9_000],
+            )?;
+            let route = lan_route(c, "work")?;
+            assert_eq!(route.receipts.len(), 1);
+            assert!(mark_down(c, "work", DownReason::Unreachable, now, now + 5_000, &route)?);
+            Ok(())
+        })
+        .unwrap();
+    let times: Vec<(String, i64)> = s
+        .mailbox
+        .with(|c| {
+            let mut st = c.prepare("SELECT msg_id, next_at FROM receipt_outbox ORDER BY msg_id")?;
+            let rows = st
+                .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(rows)
+        })
+        .unwrap();
+    assert_eq!(
+        times,
+        vec![("r1".to_string(), now), ("r2".to_string(), T0 + 9_000)]
+    );
+    let (lan, relay) = s
+        .mailbox
+        .with(|c| {
+            Ok((
+                crate::mailbox::receipts::due_for_lan(c, now, 10, true)?.len(),
+                crate::mailbox::receipts::due_for_relay(c, now, 10)?.len(),
+            ))
+        })
+        .unwrap();
+    assert_eq!((lan, relay), (0, 1));
+}
