@@ -394,50 +394,16 @@ pub struct RecipientState {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub relay: Option<String>,
     /// `queued` and `repush` remote recipients only: the route their host's mail takes now and
-    /// why (spec §10; [`super::lan_memory::route_text`]): `lan`, or `relay (LAN unreachable
+    /// why (spec §10): `lan`, or `relay (LAN unreachable
     /// since <ISO ms> (<reason>), next LAN probe in <n> s)`, or `relay (no LAN address)`;
-    /// "relay" only when a relay is in use. Set by [`annotate_routes`].
+    /// "relay" only when a relay is in use. Set by the API (`GET /v1/sent`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub route: Option<String>,
     /// A LAN verdict that came back after a relay settled the row and disagreed with it (e.g.
-    /// `rejected:<why>` after the relay accepted): shown, never applied. Set by
-    /// [`annotate_routes`].
+    /// `rejected:<why>` after the relay accepted): shown, never applied. Set by the API
+    /// (`GET /v1/sent`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub late_lan_verdict: Option<String>,
-}
-
-/// Fills [`RecipientState::route`] (for `queued` and `repush` remote recipients) and
-/// [`RecipientState::late_lan_verdict`] on a sent page at `now_ms`. "A relay is in use" is
-/// read from the relay loop's kv `relay-state:<url>` records. Errors: storage faults.
-pub fn annotate_routes(
-    conn: &Connection,
-    page: &mut SentPage,
-    now_ms: i64,
-) -> Result<(), MailboxError> {
-    let relay_in_use = conn
-        .query_row(
-            "SELECT 1 FROM kv WHERE k LIKE 'relay-state:%' LIMIT 1",
-            [],
-            |_| Ok(()),
-        )
-        .optional()?
-        .is_some();
-    for m in &mut page.messages {
-        for r in &mut m.recipients {
-            if r.state == "queued" || r.state == "repush" {
-                r.route = super::lan_memory::route_text(conn, &r.host, now_ms, relay_in_use)?;
-            }
-            r.late_lan_verdict = conn
-                .query_row(
-                    "SELECT late_lan_verdict FROM outbox WHERE msg_id = ?1 AND host = ?2",
-                    params![m.id, r.host],
-                    |row| row.get(0),
-                )
-                .optional()?
-                .flatten();
-        }
-    }
-    Ok(())
 }
 
 /// Longest `last_error` a sent page shows (characters; longer ones are cut and end with `…`).
