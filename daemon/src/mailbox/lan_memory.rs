@@ -9,9 +9,11 @@
 //!   are not re-timed. While the mark is set and a relay is configured, the rule of
 //!   [`super::lane`] gives every queued and new row and receipt for the peer to the relay.
 //! - The mark clears only when the address answers again ([`clear`]): a background probe
-//!   ([`due_probes`], [`probe_failed`] with its own backoff, [`probe_delay_ms`]) or an address
-//!   proven by the peer's signed status (presence healing). Clearing makes the peer's queued
-//!   rows due now with one more LAN try (`outbox::peer_is_back`).
+//!   ([`due_probes`], [`probe_failed`] with its own backoff, [`probe_delay_ms`]) that got the
+//!   peer's signed enc key within the LAN race, or an address proven by the peer's signed
+//!   status (presence healing). Clearing makes the peer's queued rows due now with one more LAN
+//!   try (`outbox::peer_is_back`); the backoff count is kept across marks until a real LAN
+//!   delivery succeeds ([`lan_delivered`]) or the peer stays unmarked for [`STABLE_MS`].
 //! - An inbound hop from the peer proves it is alive, not that its address answers:
 //!   [`probe_soon`] brings the next probe forward; it never clears the mark.
 //!
@@ -68,9 +70,11 @@ pub struct LanState {
     pub down_since: Option<i64>,
     /// Why ([`DownReason::as_str`]).
     pub down_reason: Option<String>,
-    /// When the next probe of its address is due (ms), while marked.
+    /// When the next probe of its address is due (ms), while marked; while not marked, when
+    /// its last mark was lifted (ms), if ever.
     pub probe_at: Option<i64>,
-    /// Probes that failed since the mark.
+    /// Failed probes and lifted marks since the peer was last stable ([`STABLE_MS`] unmarked,
+    /// or a real LAN delivery): the exponent of the probe backoff.
     pub probe_fails: u32,
 }
 
@@ -146,12 +150,23 @@ pub fn lan_route(conn: &Connection, host: &str) -> Result<LanRoute, MailboxError
     Ok(LanRoute { rows, receipts })
 }
 
-/// Marks `host`'s LAN address as not answering since `now_ms` for `reason`, first probe at
-/// `probe_at` (ms), and switches `route` (read by [`lan_route`] in the same transaction, before
-/// the failure was recorded) to the relay: each of those rows and receipts still queued becomes
-/// due at `now_ms` (never later than it was). Rows not in `route` (already on the relay route)
-/// keep their `next_at`. Returns `false` (and changes nothing) when the peer is gone or already
-/// marked. Runs in the caller's transaction. Errors: storage faults.
+/// How long a peer must stay unmarked (ms) before the count of its failed probes and lifted
+/// marks ([`LanState::probe_fails`]) starts again from zero: 10 min. A real LAN delivery
+/// resets it at once ([`lan_delivered`]).
+pub const STABLE_MS: i64 = 600_000;
+
+/// Marks `host`'s LAN address as not answering since `now_ms` for `reason`, and switches
+/// `route` (read by [`lan_route`] in the same transaction, before the failure was recorded) to
+/// the relay: each of those rows and receipts still queued becomes due at `now_ms` (never later
+/// than it was). Rows not in `route` (already on the relay route) keep their `next_at`.
+///
+/// `probe_at` (ms) is when the first probe would be due for a peer never marked before
+/// (`now_ms` + [`probe_delay_ms`] of 0, jittered); the kept count of failed probes and lifted
+/// marks ([`LanState::probe_fails`], reset only after [`STABLE_MS`] unmarked or a real LAN
+/// delivery) doubles that wait per count, at most [`PROBE_MAX_MS`] (jittered the same way), so
+/// a peer that keeps failing right after each probe is probed less and less often. Returns
+/// `false` (and changes nothing) when the peer is gone or already marked. Runs in the
+/// caller's transaction. Errors: storage faults.
 pub fn mark_down(
     conn: &Connection,
     host: &str,
@@ -160,11 +175,17 @@ pub fn mark_down(
     probe_at: i64,
     route: &LanRoute,
 ) -> Result<bool, MailboxError> {
+    let first = (probe_at - now_ms).max(0);
+    let cap = PROBE_MAX_MS.saturating_mul(first) / PROBE_FIRST_MS;
     let n = conn.execute(
-        "UPDATE peers SET lan_down_since = ?2, lan_down_reason = ?3, lan_probe_at = ?4,
-           lan_probe_fails = 0
+        "UPDATE peers SET lan_down_since = ?2, lan_down_reason = ?3,
+           lan_probe_fails = CASE WHEN lan_probe_at IS NOT NULL AND ?2 - lan_probe_at >= ?6
+                             THEN 0 ELSE lan_probe_fails END,
+           lan_probe_at = ?2 + MIN(?4 << MIN(CASE WHEN lan_probe_at IS NOT NULL
+                                                    AND ?2 - lan_probe_at >= ?6
+                                               THEN 0 ELSE lan_probe_fails END, 16), ?5)
          WHERE host = ?1 AND lan_down_since IS NULL",
-        params![host, now_ms, reason.as_str(), probe_at],
+        params![host, now_ms, reason.as_str(), first, cap, STABLE_MS],
     )?;
     if n == 0 {
         return Ok(false);
@@ -185,16 +206,21 @@ pub fn mark_down(
     Ok(true)
 }
 
-/// `host`'s LAN address answered again (a probe, or an address proven by its signed status):
-/// the mark is cleared and its queued rows and receipts are due now with one more LAN try
-/// (`outbox::peer_is_back`). Returns whether a mark was cleared (`false`: not marked, nothing
-/// changed). Runs in the caller's transaction. Errors: storage faults.
+/// `host`'s LAN address answered again (a probe got its enc key, signed by its pinned host
+/// key, within the LAN race; or an address proven by its signed status): the mark is lifted
+/// and its queued rows and receipts are due now with one more LAN try (`outbox::peer_is_back`:
+/// one more failure hands them back to the relay). The lift is provisional until a real LAN
+/// delivery succeeds ([`lan_delivered`]): it counts in `lan_probe_fails`, so a peer marked
+/// again soon after (e.g. one answering the probe but failing deliveries with 5xx) waits twice
+/// as long for its next probe. `lan_probe_at` keeps the time of the lift (ms; [`STABLE_MS`]).
+/// Returns whether a mark was cleared (`false`: not marked, nothing changed). Runs in the
+/// caller's transaction. Errors: storage faults.
 pub fn clear(conn: &Connection, host: &str, now_ms: i64) -> Result<bool, MailboxError> {
     let n = conn.execute(
-        "UPDATE peers SET lan_down_since = NULL, lan_down_reason = NULL, lan_probe_at = NULL,
-           lan_probe_fails = 0
+        "UPDATE peers SET lan_down_since = NULL, lan_down_reason = NULL, lan_probe_at = ?2,
+           lan_probe_fails = lan_probe_fails + 1
          WHERE host = ?1 AND lan_down_since IS NOT NULL",
-        [host],
+        params![host, now_ms],
     )?;
     if n == 0 {
         return Ok(false);
@@ -203,30 +229,39 @@ pub fn clear(conn: &Connection, host: &str, now_ms: i64) -> Result<bool, Mailbox
     Ok(true)
 }
 
-/// A probe of `host`'s marked address got no answer: one more failed probe, the next at
-/// `next_probe_at` (ms; the caller adds [`probe_delay_ms`] of the new count). Returns the new
-/// failed-probe count, or `None` when the peer is not marked (any more). Errors: storage faults.
+/// A real LAN delivery to `host` succeeded (the peer accepted mail over its LAN address): the
+/// count of failed probes and lifted marks starts again from zero. Only for an unmarked peer.
+/// Errors: storage faults.
+pub fn lan_delivered(conn: &Connection, host: &str) -> Result<(), MailboxError> {
+    conn.execute(
+        "UPDATE peers SET lan_probe_fails = 0
+         WHERE host = ?1 AND lan_down_since IS NULL AND lan_probe_fails <> 0",
+        [host],
+    )?;
+    Ok(())
+}
+
+/// A probe of `host`'s marked address got no answer in time, or not a valid one: one more
+/// failed probe, the next at `now_ms` + [`probe_delay_ms`] of the new count with `jitter`
+/// (`[0, 1)`), in one guarded statement. Returns the new failed-probe count, or `None` when the
+/// peer is not marked (any more). Errors: storage faults.
 pub fn probe_failed(
     conn: &Connection,
     host: &str,
-    next_probe_at: impl FnOnce(u32) -> i64,
+    now_ms: i64,
+    jitter: f64,
 ) -> Result<Option<u32>, MailboxError> {
-    let fails: Option<u32> = conn
+    let factor = 0.75 + jitter.clamp(0.0, 1.0) / 2.0;
+    Ok(conn
         .query_row(
-            "SELECT lan_probe_fails FROM peers WHERE host = ?1 AND lan_down_since IS NOT NULL",
-            [host],
+            "UPDATE peers SET lan_probe_fails = lan_probe_fails + 1,
+               lan_probe_at = ?2 + CAST(MIN(?3 << MIN(lan_probe_fails + 1, 16), ?4) * ?5 AS INTEGER)
+             WHERE host = ?1 AND lan_down_since IS NOT NULL
+             RETURNING lan_probe_fails",
+            params![host, now_ms, PROBE_FIRST_MS, PROBE_MAX_MS, factor],
             |r| r.get(0),
         )
-        .optional()?;
-    let Some(fails) = fails else {
-        return Ok(None);
-    };
-    let fails = fails.saturating_add(1);
-    conn.execute(
-        "UPDATE peers SET lan_probe_fails = ?2, lan_probe_at = ?3 WHERE host = ?1",
-        params![host, fails, next_probe_at(fails)],
-    )?;
-    Ok(Some(fails))
+        .optional()?)
 }
 
 /// Brings the next probe of `host`'s marked address forward to `at` (ms) when it was later:

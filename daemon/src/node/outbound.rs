@@ -126,6 +126,9 @@ pub fn settle_lan_batch(
             counts.rejected += 1;
         }
     }
+    if counts.delivered > 0 {
+        lan_memory::lan_delivered(&tx, host)?;
+    }
     tx.commit()?;
     Ok(counts)
 }
@@ -140,6 +143,9 @@ pub struct LanVerdict {
     pub down: Option<DownReason>,
     /// A relay is configured: without one nothing is marked (the LAN is the only route).
     pub relay_configured: bool,
+    /// The failure is this host's own (sealing failed, a newer enc key ad already pinned), not
+    /// the peer's: it never marks the peer, however many rows it hit.
+    pub local: bool,
     /// When the first probe of a newly marked address is due (ms, jittered by the caller).
     pub probe_at: i64,
 }
@@ -158,7 +164,8 @@ pub struct LanFailed {
 /// ([`outbox::fail_lan`]: backoff and a LAN failure); a row the 72 h rule ends alerts its
 /// sender with [`outbox::gave_up_reason`] ([`alert::outbox_undelivered`]). In the same
 /// transaction, with a relay configured, the peer is marked LAN down when the address did not
-/// answer (`verdict.down`) or a row reached its second LAN failure, and every row and receipt the
+/// answer (`verdict.down`) or one of the rows `ids` reached its second LAN failure (never for a
+/// local failure, `verdict.local`), and every row and receipt the
 /// LAN was taking for it (the failed ones included) is switched to the relay, due now
 /// ([`lan_memory::mark_down`]). Errors: storage faults (nothing is committed then).
 pub fn fail_lan_rows(
@@ -183,14 +190,21 @@ pub fn fail_lan_rows(
     if verdict.relay_configured {
         let reason = match verdict.down {
             Some(r) => Some(r),
+            None if verdict.local => None,
             None => {
-                let worst: Option<u32> = tx.query_row(
-                    "SELECT MAX(lan_failures) FROM outbox
-                     WHERE host = ?1 AND state IN ('pending', 'repush')",
-                    [host],
-                    |r| r.get(0),
-                )?;
-                (worst.unwrap_or(0) >= crate::mailbox::lane::LAN_FAILURES_BEFORE_RELAY)
+                let mut worst = 0u32;
+                for id in ids {
+                    let n: Option<u32> = tx
+                        .query_row(
+                            "SELECT lan_failures FROM outbox
+                             WHERE msg_id = ?1 AND host = ?2 AND state IN ('pending', 'repush')",
+                            rusqlite::params![id, host],
+                            |r| r.get(0),
+                        )
+                        .optional()?;
+                    worst = worst.max(n.unwrap_or(0));
+                }
+                (worst >= crate::mailbox::lane::LAN_FAILURES_BEFORE_RELAY)
                     .then_some(DownReason::Failed)
             }
         };
@@ -206,15 +220,16 @@ pub fn fail_lan_rows(
 /// A LAN call for rows that was still open when the LAN race gave up on it (the rows were
 /// switched to the relay) came back with the peer's verdicts, in one transaction: each
 /// `accepted`/`duplicate` settles its row `delivered` (the peer has it; a relay accept is
-/// superseded by the peer's own word, as a delivery receipt would); a `rejected:<why>` for a row
-/// that is still `pending` or `repush` ends it `rejected` with its alert, as an in-time verdict
-/// would; a `rejected:<why>` for a row a relay already accepted (or that is final) does not undo
-/// that settlement: it is kept on the row as `late_lan_verdict` (shown by `agentmbx sent`) and
-/// returned for a log line. Returns the rows whose late verdict disagreed. Errors: storage
+/// superseded by the peer's own word, as a delivery receipt would), a row the relay had
+/// rejected too (noted in `late_lan_verdict`). A late `rejected:<why>` is never applied,
+/// whatever the row's state (still `pending` on the relay route, relay-accepted or final): the
+/// relay push that is under way may still deliver it. It is kept on the row as
+/// `late_lan_verdict` (shown by `agentmbx sent`) and returned for a log line. Returns the rows
+/// whose late verdict disagreed with the row's own settlement. Errors: storage
 /// faults (nothing is committed then).
 pub fn settle_late_lan_batch(
     conn: &mut Connection,
-    ident: &Identity,
+    _ident: &Identity,
     host: &str,
     results: &[(String, String)],
     now_ms: i64,
@@ -223,32 +238,28 @@ pub fn settle_late_lan_batch(
     let mut disagreed = Vec::new();
     for (msg_id, result) in results {
         if result == "accepted" || result == "duplicate" {
-            outbox::delivered_lan(&tx, msg_id, host, now_ms)?;
-            continue;
-        }
-        let why = result.strip_prefix("rejected:").unwrap_or(result);
-        let state: Option<String> = tx
-            .query_row(
-                "SELECT state FROM outbox WHERE msg_id = ?1 AND host = ?2",
-                rusqlite::params![msg_id, host],
-                |r| r.get(0),
-            )
-            .optional()?;
-        match state.as_deref() {
-            Some("pending") | Some("repush") => {
-                let changed = outbox::rejected_lan(&tx, msg_id, host, why, now_ms)?;
-                if changed {
-                    alert::outbox_undelivered(&tx, ident, msg_id, host, why, now_ms)?;
+            if !outbox::delivered_lan(&tx, msg_id, host, now_ms)? {
+                // A row the relay (not the peer) refused: the peer has it after all.
+                let n = tx.execute(
+                    "UPDATE outbox SET state = 'delivered', via = 'lan', settled_at = ?3,
+                       last_error = NULL, wire = NULL,
+                       late_lan_verdict = 'delivered over the LAN after the relay refused it'
+                     WHERE msg_id = ?1 AND host = ?2 AND state = 'rejected'
+                       AND COALESCE(via, '') <> 'lan'",
+                    rusqlite::params![msg_id, host, now_ms],
+                )?;
+                if n == 1 {
+                    disagreed.push((msg_id.clone(), result.clone()));
                 }
             }
-            Some(_) => {
-                tx.execute(
-                    "UPDATE outbox SET late_lan_verdict = ?3 WHERE msg_id = ?1 AND host = ?2",
-                    rusqlite::params![msg_id, host, outbox::cut_error(result)],
-                )?;
-                disagreed.push((msg_id.clone(), result.clone()));
-            }
-            None => {}
+            continue;
+        }
+        let n = tx.execute(
+            "UPDATE outbox SET late_lan_verdict = ?3 WHERE msg_id = ?1 AND host = ?2",
+            rusqlite::params![msg_id, host, outbox::cut_error(result)],
+        )?;
+        if n == 1 {
+            disagreed.push((msg_id.clone(), result.clone()));
         }
     }
     tx.commit()?;

@@ -138,7 +138,7 @@ fn only_an_answering_address_clears_the_mark() {
     );
     let fails = s
         .mailbox
-        .with(|c| probe_failed(c, "work", |n| now + probe_delay_ms(n, 0.5)))
+        .with(|c| probe_failed(c, "work", now, 0.5))
         .unwrap();
     assert_eq!(fails, Some(1));
     assert_eq!(
@@ -241,4 +241,223 @@ fn the_mark_switches_receipts_too() {
         })
         .unwrap();
     assert_eq!((lan, relay), (0, 1));
+}
+
+fn peer_state(s: &testutil::Store) -> LanState {
+    s.mailbox.with(|c| get(c, "work")).unwrap().unwrap()
+}
+
+/// A lifted mark counts until a real LAN delivery proves the address: a peer marked again soon
+/// after each lift waits twice as long each time for its next probe; a delivery, or ten
+/// minutes unmarked, starts the count again.
+#[test]
+fn a_lifted_mark_counts_until_a_lan_delivery_and_marks_back_off() {
+    let (s, _lan, _failing, _relay) = setup();
+    let mut now = T0 + 1_000;
+    for (fails, wait) in [(0, 5_000), (1, 10_000), (2, 20_000)] {
+        s.mailbox
+            .with(|c| {
+                let route = lan_route(c, "work")?;
+                assert!(mark_down(
+                    c,
+                    "work",
+                    DownReason::Failed,
+                    now,
+                    now + 5_000,
+                    &route
+                )?);
+                Ok(())
+            })
+            .unwrap();
+        let st = peer_state(&s);
+        assert_eq!((st.probe_fails, st.probe_at), (fails, Some(now + wait)));
+        now += wait;
+        assert!(s.mailbox.with(|c| clear(c, "work", now)).unwrap());
+        now += 1;
+    }
+    assert_eq!(peer_state(&s).probe_fails, 3);
+    // A delivery over the LAN resets the count; the next mark waits 5 s again.
+    s.mailbox.with(|c| lan_delivered(c, "work")).unwrap();
+    assert_eq!(peer_state(&s).probe_fails, 0);
+    // Ten minutes unmarked does too.
+    s.mailbox
+        .with(|c| {
+            let route = lan_route(c, "work")?;
+            mark_down(c, "work", DownReason::Refused, now, now + 5_000, &route)?;
+            clear(c, "work", now + 1)?;
+            assert_eq!(get(c, "work")?.unwrap().probe_fails, 1);
+            let later = now + 1 + STABLE_MS;
+            mark_down(c, "work", DownReason::Refused, later, later + 5_000, &route)?;
+            let st = get(c, "work")?.unwrap();
+            assert_eq!((st.probe_fails, st.probe_at), (0, Some(later + 5_000)));
+            Ok(())
+        })
+        .unwrap();
+    // The wait never passes five minutes (jitter kept).
+    s.mailbox
+        .with(|c| {
+            c.execute(
+                "UPDATE peers SET lan_down_since = NULL, lan_probe_fails = 30, lan_probe_at = ?1",
+                [now],
+            )?;
+            let route = lan_route(c, "work")?;
+            mark_down(c, "work", DownReason::Refused, now, now + 6_000, &route)?;
+            assert_eq!(get(c, "work")?.unwrap().probe_at, Some(now + 360_000));
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// A failed probe of a peer that is not marked (any more) changes nothing: one guarded
+/// statement.
+#[test]
+fn a_failed_probe_of_an_unmarked_peer_changes_nothing() {
+    let (s, _lan, _failing, _relay) = setup();
+    let now = T0 + 1_000;
+    assert_eq!(
+        s.mailbox
+            .with(|c| probe_failed(c, "work", now, 0.5))
+            .unwrap(),
+        None
+    );
+    let st = peer_state(&s);
+    assert_eq!((st.probe_fails, st.probe_at), (0, None));
+    s.mailbox
+        .with(|c| {
+            let route = lan_route(c, "work")?;
+            mark_down(c, "work", DownReason::Timeout, now, now + 5_000, &route)?;
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(
+        s.mailbox
+            .with(|c| probe_failed(c, "work", now, 0.0))
+            .unwrap(),
+        Some(1)
+    );
+    assert_eq!(
+        s.mailbox
+            .with(|c| probe_failed(c, "work", now, 1.0))
+            .unwrap(),
+        Some(2)
+    );
+    assert_eq!(peer_state(&s).probe_at, Some(now + 25_000));
+}
+
+fn verdict(down: Option<DownReason>, local: bool) -> crate::node::outbound::LanVerdict {
+    crate::node::outbound::LanVerdict {
+        down,
+        relay_configured: true,
+        local,
+        probe_at: T0 + 10_000,
+    }
+}
+
+/// Only the failed rows' own counts decide the two-failure rule: another row of the peer at
+/// two failures does not make one failure of this row a mark; a local failure (sealing) never
+/// marks; the second real failure of a row does.
+#[test]
+fn only_the_failed_rows_count_and_local_failures_never_mark() {
+    let (s, lan, failing, _relay) = setup();
+    let me = testutil::identity("home");
+    let now = T0 + 1_000;
+    s.mailbox
+        .with(|c| {
+            c.execute(
+                "UPDATE outbox SET lan_failures = 0 WHERE msg_id = ?1",
+                [&lan],
+            )?;
+            Ok(())
+        })
+        .unwrap();
+    let fail = |id: &str, local: bool| {
+        let ids = vec![id.to_string()];
+        s.mailbox
+            .with(|c| {
+                crate::node::outbound::fail_lan_rows(
+                    c,
+                    &me,
+                    "work",
+                    &ids,
+                    "peer answered 500",
+                    verdict(None, local),
+                    now,
+                )
+            })
+            .unwrap()
+            .marked
+    };
+    assert!(
+        !fail(&lan, false),
+        "one failure of this row; another row's count is not its"
+    );
+    assert!(!fail(&failing, true), "a local failure never marks");
+    assert!(peer_state(&s).down_since.is_none());
+    assert!(
+        fail(&failing, false),
+        "the second real failure of a row marks"
+    );
+    assert_eq!(peer_state(&s).down_reason.as_deref(), Some("failed"));
+}
+
+/// A late LAN `rejected:` is never applied (the relay push under way may still deliver the
+/// row): it is kept on the row. A late `accepted` settles a row the relay refused.
+#[test]
+fn a_late_rejection_is_kept_not_applied_and_a_late_accept_beats_a_relay_refusal() {
+    let (s, lan, failing, _relay) = setup();
+    let me = testutil::identity("home");
+    let now = T0 + 1_000;
+    s.mailbox
+        .with(|c| {
+            c.execute(
+                "UPDATE outbox SET state = 'rejected', via = NULL, last_error = 'relay: no'
+                 WHERE msg_id = ?1",
+                [&failing],
+            )?;
+            Ok(())
+        })
+        .unwrap();
+    let count_messages = || -> i64 {
+        s.mailbox
+            .with(|c| Ok(c.query_row("SELECT COUNT(*) FROM messages", [], |r| r.get(0))?))
+            .unwrap()
+    };
+    let before = count_messages();
+    let results = vec![
+        (lan.clone(), "rejected:too big".to_string()),
+        (failing.clone(), "accepted".to_string()),
+    ];
+    let disagreed = s
+        .mailbox
+        .with(|c| crate::node::outbound::settle_late_lan_batch(c, &me, "work", &results, now))
+        .unwrap();
+    assert_eq!(disagreed.len(), 2, "{disagreed:?}");
+    let row = |id: &str| {
+        s.mailbox
+            .with(|c| {
+                Ok(c.query_row(
+                    "SELECT state, via, late_lan_verdict FROM outbox WHERE msg_id = ?1",
+                    [id],
+                    |r| {
+                        Ok((
+                            r.get::<_, String>(0)?,
+                            r.get::<_, Option<String>>(1)?,
+                            r.get::<_, Option<String>>(2)?,
+                        ))
+                    },
+                )?)
+            })
+            .unwrap()
+    };
+    let (state, _, late) = row(&lan);
+    assert_eq!(state, "pending");
+    assert_eq!(late.as_deref(), Some("rejected:too big"));
+    assert_eq!(
+        count_messages(),
+        before,
+        "no undelivered alert for a kept rejection"
+    );
+    let (state, via, late) = row(&failing);
+    assert_eq!((state.as_str(), via.as_deref()), ("delivered", Some("lan")));
+    assert!(late.is_some());
 }

@@ -102,22 +102,33 @@ pub const LAN_RACE: Duration = Duration::from_secs(2);
 /// Body bytes per second the LAN race allows on top of [`LAN_RACE`] (1 MiB/s), so a large
 /// batch to a slow but alive peer is not taken for a hang.
 pub const UPLOAD_ALLOWANCE_BYTES_PER_S: u64 = 1024 * 1024;
-/// Time a probe of a marked address may take (connect and answer; ms).
-pub const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
 /// Longest a pass waits for its hosts' calls: one still running then goes on detached (its
 /// host skipped while it runs), so a slow peer never holds the attempts to the others.
 pub const PASS_WAIT: Duration = Duration::from_secs(4);
 /// Shortest sleep of the loop while LAN calls are still open (ms), so it never spins.
 pub const INFLIGHT_FLOOR_MS: i64 = 50;
 
+/// The text of a LAN attempt the race gave up on ([`LAN_RACE`]): no connection, or no answer
+/// (response head), within `race`.
+pub fn race_lost(race: Duration) -> LanError {
+    LanError::NoConnection(format!(
+        "no answer within {} ms (LAN race)",
+        race.as_millis()
+    ))
+}
+
 /// Why a failed LAN call says the address itself does not answer (spec §10 "unreachable"),
-/// from its error: refused, timed out, or another network failure; `None` when the peer
-/// answered (a status or a bad answer).
+/// from its error: only a failure to connect ([`LanError::NoConnection`]: refused, no route,
+/// connect timeout) or the LAN race ([`race_lost`]). `None` for everything after a connection
+/// was made (a reset, an answer that broke off, a stale keep-alive connection closed, a status,
+/// a bad answer): those count toward the two-failure rule instead.
 pub fn down_reason(e: &LanError) -> Option<DownReason> {
     match e {
-        LanError::Unreachable(t) if t.contains("refused") => Some(DownReason::Refused),
-        LanError::Unreachable(t) if t.contains("timed out") => Some(DownReason::Timeout),
-        LanError::Unreachable(_) => Some(DownReason::Unreachable),
+        LanError::NoConnection(t) if t.contains("refused") => Some(DownReason::Refused),
+        LanError::NoConnection(t) if t.contains("timed out") || t.contains("LAN race") => {
+            Some(DownReason::Timeout)
+        }
+        LanError::NoConnection(_) => Some(DownReason::Unreachable),
         _ => None,
     }
 }
@@ -327,10 +338,11 @@ impl LanDelivery {
 
     /// How a failed attempt bears on the peer's LAN memory: `down` as found, a relay
     /// configured or not, the first probe jittered ([`lan_memory::probe_delay_ms`]).
-    fn verdict(&self, down: Option<DownReason>) -> outbound::LanVerdict {
+    fn verdict(&self, down: Option<DownReason>, local: bool) -> outbound::LanVerdict {
         outbound::LanVerdict {
             down,
             relay_configured: self.relay(),
+            local,
             probe_at: self.now() + lan_memory::probe_delay_ms(0, rand::random::<f64>()),
         }
     }
@@ -499,8 +511,9 @@ impl LanDelivery {
     }
 
     /// Starts a probe of each marked address that is due ([`lan_memory::due_probes`]) and has
-    /// no call open, detached: a signed `GET /v1/enc-key` within [`PROBE_TIMEOUT`]. Any HTTP
-    /// answer shows the address answers again: the mark clears ([`lan_memory::clear`]) and the
+    /// no call open, detached: a signed `GET /v1/enc-key` whose ad is signed by the peer's
+    /// pinned host key, within the LAN race ([`LanDelivery::race`]). Only that shows the address
+    /// answers again: the mark clears ([`lan_memory::clear`]) and the
     /// peer's queued rows are due over the LAN now; no answer backs the next probe off
     /// ([`lan_memory::probe_failed`], 5 s doubling to 5 min, jittered). Errors: storage faults.
     pub async fn start_probes(&self) -> Result<(), MailboxError> {
@@ -523,14 +536,27 @@ impl LanDelivery {
         Ok(())
     }
 
-    /// One probe of `host`'s marked address `addr` ([`Self::start_probes`]).
+    /// One probe of `host`'s marked address `addr` ([`Self::start_probes`]): its enc key
+    /// ([`LanClient::get_enc_key`](super::client::LanClient::get_enc_key), the ad verified
+    /// against the peer's pinned host key) within the same [`LanDelivery::race`] a delivery
+    /// gets. Anything else (no answer in time, a status, an unsigned or foreign answer) is a
+    /// failed probe.
     async fn probe(&self, host: &str, addr: &str) {
-        let answer = tokio::time::timeout(
-            PROBE_TIMEOUT,
-            self.client
-                .call(reqwest::Method::GET, addr, "/v1/enc-key", Vec::new()),
-        )
-        .await;
+        let h = host.to_string();
+        let peer = match self.mailbox.run(move |c| peers::by_name(c, &h)).await {
+            Ok(Some(p)) => p,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!(peer = %host, error = %e, "could not read the peer for a LAN probe");
+                return;
+            }
+        };
+        let answer = tokio::time::timeout(self.race, self.client.get_enc_key(addr, &peer)).await;
+        let answer = match answer {
+            Ok(Ok(_)) => Ok(Ok((200u16, ()))),
+            Ok(Err(e)) => Ok(Err(e)),
+            Err(e) => Err(e),
+        };
         let now = self.now();
         let h = host.to_string();
         match answer {
@@ -557,16 +583,12 @@ impl LanDelivery {
             failed => {
                 let error = match failed {
                     Ok(Err(e)) => e.to_string(),
-                    _ => format!("no answer within {} s", PROBE_TIMEOUT.as_secs()),
+                    _ => format!("no answer within {} ms", self.race.as_millis()),
                 };
                 let jitter = rand::random::<f64>();
                 let r = self
                     .mailbox
-                    .run(move |c| {
-                        lan_memory::probe_failed(c, &h, |n| {
-                            now + lan_memory::probe_delay_ms(n, jitter)
-                        })
-                    })
+                    .run(move |c| lan_memory::probe_failed(c, &h, now, jitter))
                     .await;
                 match r {
                     Ok(Some(n)) => {
@@ -583,13 +605,14 @@ impl LanDelivery {
 
     /// The peer's enc key: pinned, else fetched from its LAN server (a v1 ad signed by its
     /// pinned host key) and recorded. With a relay configured the fetch is raced
-    /// ([`LAN_RACE`]): no answer within it is a timeout of the address. Errors: the text, and
-    /// whether the address did not answer ([`down_reason`]).
+    /// ([`LAN_RACE`]): no answer within it is a timeout of the address. Errors: the text,
+    /// whether the address did not answer ([`down_reason`]), and whether the failure is this
+    /// host's own (storage, a newer ad already pinned) rather than the peer's.
     async fn enc_key(
         &self,
         peer: &Peer,
         addr: &str,
-    ) -> Result<EncPublicKey, (String, Option<DownReason>)> {
+    ) -> Result<EncPublicKey, (String, Option<DownReason>, bool)> {
         if let Some(k) = peer.enc_pub.as_deref() {
             if let Ok(k) = EncPublicKey::from_b64(k) {
                 return Ok(k);
@@ -600,24 +623,21 @@ impl LanDelivery {
         let fetched = if self.relay() {
             match tokio::time::timeout(self.race, fetch).await {
                 Ok(r) => r,
-                Err(_) => Err(LanError::Unreachable(format!(
-                    "timed out after {} ms",
-                    self.race.as_millis()
-                ))),
+                Err(_) => Err(race_lost(self.race)),
             }
         } else {
             fetch.await
         };
         let enc = fetched.map_err(|e| {
             let down = down_reason(&e);
-            (format!("no enc key for {}: {e}", peer.host), down)
+            (format!("no enc key for {}: {e}", peer.host), down, false)
         })?;
         let (h, e, now) = (peer.host.clone(), enc.clone(), self.now());
         let ok = self
             .mailbox
             .run(move |c| peers::set_enc_key(c, &h, &e, now))
             .await
-            .map_err(|e| (e.to_string(), None))?;
+            .map_err(|e| (e.to_string(), None, true))?;
         if !ok {
             return Err((
                 format!(
@@ -625,9 +645,11 @@ impl LanDelivery {
                     peer.host
                 ),
                 None,
+                true,
             ));
         }
-        EncPublicKey::from_b64(&enc).map_err(|_| (format!("no enc key for {}", peer.host), None))
+        EncPublicKey::from_b64(&enc)
+            .map_err(|_| (format!("no enc key for {}", peer.host), None, false))
     }
 
     /// Delivers one host's due rows (oldest first).
@@ -687,16 +709,16 @@ impl LanDelivery {
                     for (id, e) in broken {
                         let row: Vec<outbox::Row> =
                             rows.iter().filter(|r| r.msg_id == id).cloned().collect();
-                        counts.add(self.fail_rows(host, &row, &e, None).await?);
+                        counts.add(self.fail_rows(host, &row, &e, None, true).await?);
                         rows.retain(|r| r.msg_id != id);
                     }
                     let rest = self.send_sealed(host, &addr, rows).await?;
                     counts.add(rest);
                     return Ok(counts);
                 }
-                Err((e, down)) => {
+                Err((e, down, local)) => {
                     tracing::warn!(peer = %host, error = %e, "cannot seal for the peer yet");
-                    return self.fail_rows(host, &rows, &e, down).await;
+                    return self.fail_rows(host, &rows, &e, down, local).await;
                 }
             }
         }
@@ -733,7 +755,7 @@ impl LanDelivery {
                     tracing::warn!(peer = %host, addr, error = %e, "LAN delivery hangs");
                     let rest = &rows[range.start..];
                     counts.add(
-                        self.fail_rows(host, rest, &e, Some(DownReason::Timeout))
+                        self.fail_rows(host, rest, &e, Some(DownReason::Timeout), false)
                             .await?,
                     );
                     break;
@@ -772,7 +794,7 @@ impl LanDelivery {
                     tracing::warn!(peer = %host, addr, error = %e, "LAN delivery failed");
                     let rest = &rows[range.start..];
                     counts.add(
-                        self.fail_rows(host, rest, &e.to_string(), down_reason(&e))
+                        self.fail_rows(host, rest, &e.to_string(), down_reason(&e), false)
                             .await?,
                     );
                     break;
@@ -783,10 +805,11 @@ impl LanDelivery {
     }
 
     /// `POST /v2/envelopes` of `wires` (the rows `batch`) to `host` at `addr`, paced through
-    /// 429s ([`paced`]). With a relay configured the first attempt is raced
-    /// ([`race_window`]): no answer in time leaves the call running detached (counted in
-    /// [`LanDelivery::inflight`]); when it ends, its verdicts are applied late
-    /// ([`outbound::settle_late_lan_batch`]: never undoing a relay's settlement).
+    /// 429s as [`paced`] does. With a relay configured each attempt is raced on its own
+    /// ([`race_window`]; the pauses after a 429 are not part of it): an attempt with no answer
+    /// in time is left running detached (counted in [`LanDelivery::inflight`]); when it ends,
+    /// its verdicts are applied late ([`outbound::settle_late_lan_batch`]: never undoing a
+    /// relay's settlement).
     async fn post_raced(
         &self,
         host: &str,
@@ -797,51 +820,65 @@ impl LanDelivery {
         if !self.relay() {
             return Raced::Answer(paced(host, || self.client.post_envelopes(addr, &wires)).await);
         }
-        let bytes = body_bytes(&wires.iter().map(Vec::len).collect::<Vec<_>>());
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let (this, h, a) = (self.clone(), host.to_string(), addr.to_string());
-        let mut call = tokio::spawn(async move {
-            let first = Mutex::new(Some(tx));
-            let first = &first;
-            paced(&h, || {
-                let fut = this.client.post_envelopes(&a, &wires);
-                async move {
-                    let r = fut.await;
-                    if let Some(t) = first.lock().ok().and_then(|mut f| f.take()) {
-                        let _ = t.send(());
-                    }
-                    r
+        let window = race_window(
+            self.race,
+            body_bytes(&wires.iter().map(Vec::len).collect::<Vec<_>>()),
+        );
+        let wires = Arc::new(wires);
+        let mut pause = RATE_LIMIT_PAUSE;
+        let mut refusals = 0;
+        loop {
+            liveness::progress();
+            let (this, a, w) = (self.clone(), addr.to_string(), wires.clone());
+            let mut call = tokio::spawn(async move { this.client.post_envelopes(&a, &w).await });
+            let answer = match tokio::time::timeout(window, &mut call).await {
+                Ok(joined) => joined.unwrap_or_else(|e| {
+                    Err(LanError::Unreachable(format!(
+                        "LAN call ended abnormally: {e}"
+                    )))
+                }),
+                Err(_) => {
+                    self.detach_late(host, batch, call);
+                    return Raced::Detached;
                 }
-            })
-            .await
-        });
-        let failed = |e: tokio::task::JoinError| {
-            Err(LanError::Unreachable(format!(
-                "LAN call ended abnormally: {e}"
-            )))
-        };
-        match tokio::time::timeout(race_window(self.race, bytes), rx).await {
-            Ok(_) => Raced::Answer(call.await.unwrap_or_else(failed)),
-            Err(_) => {
-                let guard = self.inflight.enter(host, self.self_wake.clone());
-                let this = self.clone();
-                let host = host.to_string();
-                let ids: Vec<String> = batch.iter().map(|r| r.msg_id.clone()).collect();
-                tokio::spawn(async move {
-                    let _guard = guard;
-                    match (&mut call).await {
-                        Ok(Ok(results)) => this.settle_late(&host, &ids, results).await,
-                        Ok(Err(e)) => {
-                            tracing::debug!(peer = %host, error = %e, "a detached LAN call failed")
-                        }
-                        Err(e) => {
-                            tracing::debug!(peer = %host, error = %e, "a detached LAN call ended abnormally")
-                        }
-                    }
-                });
-                Raced::Detached
+            };
+            match answer {
+                Err(LanError::Status { status: 429, .. }) if refusals < RATE_LIMIT_RETRIES => {
+                    let pause_ms = u64::try_from(pause.as_millis()).unwrap_or(u64::MAX);
+                    tracing::debug!(peer = %host, pause_ms, "rate-limited by the peer: sending again after a pause");
+                    tokio::time::sleep(pause).await;
+                    pause *= 2;
+                    refusals += 1;
+                }
+                answer => return Raced::Answer(answer),
             }
         }
+    }
+
+    /// Leaves `call` (an envelope POST for the rows `batch` that lost the race) running,
+    /// counted in flight for `host`; its verdicts, if it answers, are applied late.
+    fn detach_late(
+        &self,
+        host: &str,
+        batch: &[outbox::Row],
+        call: tokio::task::JoinHandle<Result<Vec<super::client::EnvelopeResult>, LanError>>,
+    ) {
+        let guard = self.inflight.enter(host, self.self_wake.clone());
+        let this = self.clone();
+        let host = host.to_string();
+        let ids: Vec<String> = batch.iter().map(|r| r.msg_id.clone()).collect();
+        tokio::spawn(async move {
+            let _guard = guard;
+            match call.await {
+                Ok(Ok(results)) => this.settle_late(&host, &ids, results).await,
+                Ok(Err(e)) => {
+                    tracing::debug!(peer = %host, error = %e, "a detached LAN call failed")
+                }
+                Err(e) => {
+                    tracing::debug!(peer = %host, error = %e, "a detached LAN call ended abnormally")
+                }
+            }
+        });
     }
 
     /// Applies the verdicts of a detached LAN call that answered after the race
@@ -880,13 +917,15 @@ impl LanDelivery {
     }
 
     /// Records a failed LAN attempt for each row in one transaction (giving up after 72 h with
-    /// an alert).
+    /// an alert). `down`: the address did not answer; `local`: the failure is this host's own
+    /// (sealing), which never marks the peer.
     async fn fail_rows(
         &self,
         host: &str,
         rows: &[outbox::Row],
         error: &str,
         down: Option<DownReason>,
+        local: bool,
     ) -> Result<PassCounts, MailboxError> {
         let ids: Vec<String> = rows.iter().map(|r| r.msg_id.clone()).collect();
         let (ident, h, e, now) = (
@@ -895,7 +934,7 @@ impl LanDelivery {
             error.to_string(),
             self.now(),
         );
-        let verdict = self.verdict(down);
+        let verdict = self.verdict(down, local);
         let failed = self
             .mailbox
             .run(move |c| outbound::fail_lan_rows(c, &ident, &h, &ids, &e, verdict, now))
@@ -946,20 +985,23 @@ impl LanDelivery {
             .await?;
         let seqs: Vec<i64> = wires.iter().map(|w| w.0).collect();
         let bytes: Vec<Vec<u8>> = wires.into_iter().map(|w| w.1).collect();
-        let now = self.now();
-        let post = paced(host, || self.client.post_receipts(&addr, &bytes));
-        let answer = if self.relay() {
-            let window = race_window(self.race, bytes.iter().map(Vec::len).sum());
-            match tokio::time::timeout(window, post).await {
-                Ok(a) => a,
-                Err(_) => Err(LanError::Unreachable(format!(
-                    "timed out after {} ms",
-                    self.race.as_millis()
-                ))),
+        let relay = self.relay();
+        let window = race_window(self.race, bytes.iter().map(Vec::len).sum());
+        // With a relay each attempt is raced on its own, never the pauses after a 429. A
+        // receipt attempt that loses the race is dropped, not detached: its receipts go via
+        // the relay at once and a receipt is idempotent, so nothing is lost by not waiting.
+        let answer = paced(host, || async {
+            let post = self.client.post_receipts(&addr, &bytes);
+            if relay {
+                tokio::time::timeout(window, post)
+                    .await
+                    .unwrap_or_else(|_| Err(race_lost(self.race)))
+            } else {
+                post.await
             }
-        } else {
-            post.await
-        };
+        })
+        .await;
+        let now = self.now();
         match answer {
             Ok(results) => {
                 for (seq, r) in seqs.iter().zip(&results) {
@@ -981,7 +1023,7 @@ impl LanDelivery {
                 tracing::warn!(peer = %host, error = %e, unsupported, "delivery receipts not sent");
                 let err = e.to_string();
                 let down = down_reason(&e);
-                let verdict = self.verdict(down);
+                let verdict = self.verdict(down, false);
                 let h = host.to_string();
                 let marked = self
                     .mailbox
