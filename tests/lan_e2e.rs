@@ -190,10 +190,21 @@ fn a_peer_unreachable_on_the_lan_gets_its_mail_through_the_relay_once() {
     assert_eq!(b.messages_with_id(&id), 1);
     assert_eq!(b.deliveries_of(&id), 1);
     let (_, via, lan_failures) = outbox_route(&a, &id);
-    assert!(
-        lan_failures >= 2,
-        "moved to the relay after {lan_failures} LAN failures"
+    // A refused connection is an unreachable address (spec §10): one failure marks the peer
+    // and its mail moves to the relay at once.
+    assert_eq!(
+        lan_failures, 1,
+        "moved to the relay after one refused attempt"
     );
+    let reason: Option<String> = a
+        .db()
+        .query_row(
+            "SELECT lan_down_reason FROM peers WHERE host = 'hostb'",
+            [],
+            |r| r.get(0),
+        )
+        .expect("peer row");
+    assert_eq!(reason.as_deref(), Some("refused"));
     assert_eq!(via.as_deref(), Some("relay"));
     // The delivered receipt (over the LAN: A is reachable) settles the relay-accepted row.
     wait_for("A's relay-accepted row settled by the receipt", || {

@@ -35,6 +35,7 @@ mod hooks;
 mod host_keys;
 mod in_process;
 mod lan_e2e;
+mod lan_failover;
 mod lan_netns;
 mod mcp;
 mod openapi_contract;

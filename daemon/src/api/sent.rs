@@ -5,7 +5,11 @@ use axum::extract::State;
 use axum::Json;
 use serde::Deserialize;
 
+use rusqlite::{params, Connection, OptionalExtension};
+
+use crate::mailbox::lan_memory;
 use crate::mailbox::receipts::{self, SentPage};
+use crate::mailbox::MailboxError;
 
 use super::{ApiError, ApiQuery, SharedState};
 
@@ -51,11 +55,50 @@ pub async fn get(
         )));
     }
     let host = state.ident.host.to_string();
+    let now = state.clock.now_ms();
     let page = state
         .mailbox
-        .run(move |c| receipts::sent_page(c, &q.as_agent, &host, q.cursor.as_deref(), limit))
+        .run(move |c| {
+            let mut page = receipts::sent_page(c, &q.as_agent, &host, q.cursor.as_deref(), limit)?;
+            annotate_routes(c, &mut page, now)?;
+            Ok(page)
+        })
         .await?;
     Ok(Json(page))
+}
+
+/// Fills `RecipientState::route` (for `queued` and `repush` remote recipients) and
+/// `RecipientState::late_lan_verdict` on a sent page at `now_ms`. "A relay is in use" is
+/// read from the relay loop's kv `relay-state:<url>` records. Errors: storage faults.
+fn annotate_routes(
+    conn: &Connection,
+    page: &mut SentPage,
+    now_ms: i64,
+) -> Result<(), MailboxError> {
+    let relay_in_use = conn
+        .query_row(
+            "SELECT 1 FROM kv WHERE k LIKE 'relay-state:%' LIMIT 1",
+            [],
+            |_| Ok(()),
+        )
+        .optional()?
+        .is_some();
+    for m in &mut page.messages {
+        for r in &mut m.recipients {
+            if r.state == "queued" || r.state == "repush" {
+                r.route = lan_memory::route_text(conn, &r.host, now_ms, relay_in_use)?;
+            }
+            r.late_lan_verdict = conn
+                .query_row(
+                    "SELECT late_lan_verdict FROM outbox WHERE msg_id = ?1 AND host = ?2",
+                    params![m.id, r.host],
+                    |row| row.get(0),
+                )
+                .optional()?
+                .flatten();
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -653,7 +653,10 @@ pub fn ack(args: AckArgs) -> anyhow::Result<()> {
 /// `undelivered`, `expired`, `unconfirmed`; with the reason when undelivered, expired or
 /// unconfirmed (`: <reason>`), the last error when queued or re-pushed (`queued (<last
 /// error>)`) and, when the relay is not working either, its standing (`(relay unreachable
-/// since <time>: <detail>)`); all with anything but printable text escaped.
+/// since <time>: <detail>)`); for queued mail the route its host is on and why (`[route: relay
+/// (LAN unreachable since <time> (<reason>), next LAN probe in <wait>)]`), and a late LAN
+/// verdict that disagreed with a relay's settlement; all with anything but printable text
+/// escaped.
 pub fn sent(args: SentArgs) -> anyhow::Result<()> {
     let mut path = format!("/v1/sent?as={}&limit={}", enc(&args.as_agent), args.limit);
     if let Some(c) = &args.cursor {
@@ -694,6 +697,15 @@ pub fn sent(args: SentArgs) -> anyhow::Result<()> {
             }
             if let Some(relay) = r["relay"].as_str() {
                 line.push_str(&format!(" (relay {})", printable(relay)));
+            }
+            if let Some(route) = r["route"].as_str() {
+                line.push_str(&format!(" [route: {}]", printable(route)));
+            }
+            if let Some(late) = r["late_lan_verdict"].as_str() {
+                line.push_str(&format!(
+                    " (late LAN verdict, not applied: {})",
+                    printable(late)
+                ));
             }
             if let Some(why) = r["reason"].as_str() {
                 line.push_str(&format!(": {}", printable(why)));

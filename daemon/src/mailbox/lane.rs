@@ -1,9 +1,12 @@
 //! The LAN-or-relay rule (spec §10; design README "Data flow"), defined once: which transport
 //! takes a due outbox row or queued receipt. The LAN first, the relay after
-//! [`LAN_FAILURES_BEFORE_RELAY`] failed LAN attempts or when the peer has no LAN address; with
-//! no relay configured the LAN keeps every row whose peer has an address.
+//! [`LAN_FAILURES_BEFORE_RELAY`] failed LAN attempts, when the peer has no LAN address, or while
+//! the peer is marked "LAN down" (`peers.lan_down_since`, [`super::lan_memory`]: the decision
+//! that its address does not answer, kept per peer so every queued and new row and receipt for
+//! it goes to the relay at once); with no relay configured the LAN keeps every row whose peer
+//! has an address.
 //!
-//! The rule has two forms, both written here from the same three facts and one threshold:
+//! The rule has two forms, both written here from the same four facts and one threshold:
 //! [`choose`] in Rust, and [`lan_takes_sql`] in SQL (over a `peers p` row and a LAN failure
 //! column, binding `:t` = [`LAN_FAILURES_BEFORE_RELAY`] and `:r` = a relay is configured), which
 //! the outbox ([`super::outbox::due_for_lan`], [`super::outbox::due_for_relay`]) and the
@@ -39,6 +42,8 @@ pub struct Facts {
     pub lan_failures: u32,
     /// The peer has a pinned LAN address (`peers.addr`): [`LAN_PEER_SQL`].
     pub has_addr: bool,
+    /// The peer is marked "LAN down" (`peers.lan_down_since` set, [`super::lan_memory`]).
+    pub lan_down: bool,
     /// A relay is configured on this host (`:r` in [`lan_takes_sql`]).
     pub relay_configured: bool,
 }
@@ -50,7 +55,7 @@ pub fn choose(f: Facts) -> Option<Transport> {
     if !f.relay_configured {
         return f.has_addr.then_some(Transport::Lan);
     }
-    if f.has_addr && f.lan_failures < LAN_FAILURES_BEFORE_RELAY {
+    if f.has_addr && !f.lan_down && f.lan_failures < LAN_FAILURES_BEFORE_RELAY {
         Some(Transport::Lan)
     } else {
         Some(Transport::Relay)
@@ -62,24 +67,41 @@ pub fn choose(f: Facts) -> Option<Transport> {
 pub const LAN_PEER_SQL: &str = "p.pubkey IS NOT NULL AND p.addr IS NOT NULL AND p.addr <> ''";
 
 /// "The LAN takes it" ([`choose`] = `Some(Lan)`) in SQL, over a joined `peers p` row and the
-/// LAN failure count column `lan_failures` (e.g. `o.lan_failures`): [`LAN_PEER_SQL`] and fewer
-/// than `:t` ([`LAN_FAILURES_BEFORE_RELAY`]) LAN failures unless no relay is configured (`:r`
-/// false). With a relay configured, `NOT COALESCE((this), 0)` is "the relay takes it".
+/// LAN failure count column `lan_failures` (e.g. `o.lan_failures`): [`LAN_PEER_SQL`], and fewer
+/// than `:t` ([`LAN_FAILURES_BEFORE_RELAY`]) LAN failures with the peer not marked LAN down
+/// (`p.lan_down_since IS NULL`), unless no relay is configured (`:r` false). With a relay
+/// configured, `NOT COALESCE((this), 0)` is "the relay takes it".
 pub fn lan_takes_sql(lan_failures: &str) -> String {
-    format!("{LAN_PEER_SQL} AND ({lan_failures} < :t OR NOT :r)")
+    format!("{LAN_PEER_SQL} AND (({lan_failures} < :t AND p.lan_down_since IS NULL) OR NOT :r)")
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// The per-peer mark sends every row to the relay whatever its own LAN failures, and only
+    /// with a relay configured (without one the LAN keeps trying the address).
+    #[test]
+    fn a_peer_marked_lan_down_goes_to_the_relay() {
+        let f = |lan_failures, lan_down, relay_configured| Facts {
+            lan_failures,
+            has_addr: true,
+            lan_down,
+            relay_configured,
+        };
+        assert_eq!(choose(f(0, true, true)), Some(Transport::Relay));
+        assert_eq!(choose(f(0, false, true)), Some(Transport::Lan));
+        assert_eq!(choose(f(0, true, false)), Some(Transport::Lan));
+        assert_eq!(choose(f(3, true, false)), Some(Transport::Lan));
+    }
+
     /// The SQL form and [`choose`] agree on every case of the rule: LAN failures around the
-    /// threshold, a peer with an address, with an empty one, without one or not pinned, and a
-    /// relay configured or not.
+    /// threshold, a peer with an address, with an empty one, without one or not pinned, marked
+    /// LAN down or not, and a relay configured or not.
     #[test]
     fn the_sql_form_agrees_with_choose() {
         let c = rusqlite::Connection::open_in_memory().unwrap();
-        c.execute_batch("CREATE TABLE peers(pubkey TEXT, addr TEXT)")
+        c.execute_batch("CREATE TABLE peers(pubkey TEXT, addr TEXT, lan_down_since INTEGER)")
             .unwrap();
         let peers: [(Option<&str>, Option<&str>, bool); 4] = [
             (Some("k"), Some("127.0.0.1:1"), true),
@@ -92,11 +114,13 @@ mod tests {
             "SELECT NOT COALESCE(({}), 0) FROM peers p",
             lan_takes_sql(":f")
         );
-        for (pubkey, addr, has_addr) in peers {
+        for ((pubkey, addr, has_addr), lan_down) in
+            peers.iter().flat_map(|p| [(*p, false), (*p, true)])
+        {
             c.execute("DELETE FROM peers", []).unwrap();
             c.execute(
-                "INSERT INTO peers VALUES (?1, ?2)",
-                rusqlite::params![pubkey, addr],
+                "INSERT INTO peers VALUES (?1, ?2, ?3)",
+                rusqlite::params![pubkey, addr, lan_down.then_some(7i64)],
             )
             .unwrap();
             for lan_failures in 0..=LAN_FAILURES_BEFORE_RELAY + 2 {
@@ -116,9 +140,11 @@ mod tests {
                     let want = choose(Facts {
                         lan_failures,
                         has_addr,
+                        lan_down,
                         relay_configured,
                     });
-                    let case = format!("{pubkey:?} {addr:?} {lan_failures} {relay_configured}");
+                    let case =
+                        format!("{pubkey:?} {addr:?} {lan_down} {lan_failures} {relay_configured}");
                     assert_eq!(ask(&lan), want == Some(Transport::Lan), "lan {case}");
                     if relay_configured {
                         assert_eq!(ask(&relay), want == Some(Transport::Relay), "relay {case}");

@@ -32,6 +32,7 @@ pub mod events;
 pub mod history;
 pub mod hooks;
 pub mod idempotency;
+pub mod lan_memory;
 pub mod lane;
 pub mod messages;
 pub mod outbox;

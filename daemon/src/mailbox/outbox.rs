@@ -259,15 +259,19 @@ pub fn due_for_relay(
 }
 
 /// The earliest time (ms) a `pending` or `repush` row the LAN takes is due at `now_ms` (due or
-/// not; `now_ms` for a row scheduled beyond its [`max_horizon_ms`]), for the LAN loop's sleep.
+/// not; `now_ms` for a row scheduled beyond its [`max_horizon_ms`]), for the LAN loop's sleep;
+/// rows of the peers in `exclude` (a LAN call to them is still open) are left out.
 pub fn next_due_for_lan(
     conn: &Connection,
     relay_configured: bool,
     now_ms: i64,
+    exclude: &[String],
 ) -> Result<Option<i64>, MailboxError> {
+    let exclude = serde_json::to_string(exclude).unwrap_or_else(|_| "[]".into());
     let sql = format!(
         "SELECT MIN({}) FROM outbox o JOIN peers p ON p.host = o.host
-         WHERE o.state IN {SENDABLE_SQL} AND {}",
+         WHERE o.state IN {SENDABLE_SQL} AND {}
+           AND o.host NOT IN (SELECT value FROM json_each(:ex))",
         row_wake_sql(),
         lan_sql()
     );
@@ -275,6 +279,7 @@ pub fn next_due_for_lan(
         &sql,
         rusqlite::named_params! {
             ":t": LAN_FAILURES_BEFORE_RELAY, ":r": relay_configured, ":now": now_ms,
+            ":ex": exclude,
         },
         |r| r.get(0),
     )?)

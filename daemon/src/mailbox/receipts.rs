@@ -152,14 +152,18 @@ pub fn due_for_relay(
 }
 
 /// The earliest time (ms) a receipt the LAN takes is due at `now_ms` (`now_ms` for one
-/// scheduled beyond its horizon, [`horizon_of_sql`]), for the LAN loop's sleep.
+/// scheduled beyond its horizon, [`horizon_of_sql`]), for the LAN loop's sleep;
+/// receipts owed to the peers in `exclude` (a LAN call to them is still open) are left out.
 pub fn next_due_for_lan(
     conn: &Connection,
     relay_configured: bool,
     now_ms: i64,
+    exclude: &[String],
 ) -> Result<Option<i64>, MailboxError> {
+    let exclude = serde_json::to_string(exclude).unwrap_or_else(|_| "[]".into());
     let sql = format!(
-        "SELECT MIN({}) FROM receipt_outbox r JOIN peers p ON p.host = r.host WHERE {}",
+        "SELECT MIN({}) FROM receipt_outbox r JOIN peers p ON p.host = r.host WHERE {}
+           AND r.host NOT IN (SELECT value FROM json_each(:ex))",
         receipt_wake_sql(),
         lan_sql()
     );
@@ -167,6 +171,7 @@ pub fn next_due_for_lan(
         &sql,
         rusqlite::named_params! {
             ":t": LAN_FAILURES_BEFORE_RELAY, ":r": relay_configured, ":now": now_ms,
+            ":ex": exclude,
         },
         |r| r.get(0),
     )?)
@@ -388,6 +393,17 @@ pub struct RecipientState {
     /// refused`), so a LAN error in `last_error` is not the whole story; at most 120 characters.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub relay: Option<String>,
+    /// `queued` and `repush` remote recipients only: the route their host's mail takes now and
+    /// why (spec §10): `lan`, or `relay (LAN unreachable
+    /// since <ISO ms> (<reason>), next LAN probe in <n> s)`, or `relay (no LAN address)`;
+    /// "relay" only when a relay is in use. Set by the API (`GET /v1/sent`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub route: Option<String>,
+    /// A LAN verdict that came back after a relay settled the row and disagreed with it (e.g.
+    /// `rejected:<why>` after the relay accepted): shown, never applied. Set by the API
+    /// (`GET /v1/sent`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub late_lan_verdict: Option<String>,
 }
 
 /// Longest `last_error` a sent page shows (characters; longer ones are cut and end with `…`).
@@ -533,6 +549,8 @@ fn recipients_of(
             via: None,
             last_error: None,
             relay: None,
+            route: None,
+            late_lan_verdict: None,
         });
     };
     for addr in to {
@@ -560,6 +578,8 @@ fn recipients_of(
                 via: via_of(h),
                 last_error: None,
                 relay: None,
+                route: None,
+                late_lan_verdict: None,
             });
             continue;
         }
@@ -583,6 +603,8 @@ fn recipients_of(
                 via: row.via.clone().filter(|v| v == "lan" || v == "relay"),
                 last_error,
                 relay: None,
+                route: None,
+                late_lan_verdict: None,
             });
         }
     }
@@ -603,6 +625,8 @@ fn recipients_of(
                 via: via_of(h),
                 last_error: None,
                 relay: None,
+                route: None,
+                late_lan_verdict: None,
             });
         }
     }
@@ -624,6 +648,8 @@ fn recipients_of(
                     via: row.via.clone().filter(|v| v == "lan" || v == "relay"),
                     last_error: last_error.clone(),
                     relay: None,
+                    route: None,
+                    late_lan_verdict: None,
                 });
             }
         }

@@ -5,7 +5,7 @@ use rusqlite::Connection;
 use super::MailboxError;
 
 /// The schema version this binary writes.
-pub const SCHEMA_VERSION: u32 = 12;
+pub const SCHEMA_VERSION: u32 = 13;
 
 /// Migrations in order: `(version reached, SQL)`. A new schema change appends a step; each
 /// step runs inside the one migration transaction.
@@ -350,6 +350,24 @@ CREATE INDEX hook_run_messages_run ON hook_run_messages(run);
 CREATE INDEX idempotency_created ON idempotency(created_at);
 "#,
     ),
+    (
+        13,
+        r#"
+-- Per-peer LAN memory (issue 22 part 2, spec §10; mailbox::lan_memory): the decision "this
+-- peer's LAN address does not answer" is kept on the peer, not per row. While lan_down_since
+-- (ms) is set and a relay is configured, every queued and new row and receipt for the peer goes
+-- to the relay (mailbox::lane); the mark clears only when the address answers again (a probe
+-- at lan_probe_at (ms) with its own backoff over lan_probe_fails, or a proven address).
+-- lan_down_reason: refused | timeout | unreachable | failed.
+ALTER TABLE peers ADD COLUMN lan_down_since INTEGER;
+ALTER TABLE peers ADD COLUMN lan_down_reason TEXT;
+ALTER TABLE peers ADD COLUMN lan_probe_at INTEGER;
+ALTER TABLE peers ADD COLUMN lan_probe_fails INTEGER NOT NULL DEFAULT 0;
+-- A LAN verdict that arrived after the relay settled the row and disagrees with it (e.g.
+-- `rejected:<why>` after a relay accept): kept for `agentmbx sent`, never applied.
+ALTER TABLE outbox ADD COLUMN late_lan_verdict TEXT;
+"#,
+    ),
 ];
 
 /// Brings `conn` to [`SCHEMA_VERSION`] in one transaction; refuses a newer file.
@@ -687,6 +705,43 @@ mod tests {
                 []
             )
             .is_err());
+    }
+
+    /// Issue 22 (2): a version 12 store gains the per-peer LAN memory, every peer unmarked
+    /// (the LAN first, as before), its outbox rows kept with no late LAN verdict.
+    #[test]
+    fn a_version_12_store_gains_the_lan_memory_unmarked() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = Connection::open(dir.path().join("m.db")).unwrap();
+        migrate_with(&mut c, &MIGRATIONS[..12]).unwrap();
+        c.execute_batch(
+            "INSERT INTO messages VALUES ('m1','t','a@h','m1',NULL,'message','s','b','{}','local',1);
+             INSERT INTO peers(host, pubkey, added_at, addr) VALUES ('work','K',1,'127.0.0.1:9');
+             INSERT INTO outbox(msg_id, host, target_pubkey, state, attempts, next_at, created_at)
+               VALUES ('m1','work','K','pending',1,5,1);",
+        )
+        .unwrap();
+        migrate(&mut c).unwrap();
+        let v: u32 = c
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(v, SCHEMA_VERSION);
+        let peer: (Option<i64>, Option<String>, Option<i64>, i64) = c
+            .query_row(
+                "SELECT lan_down_since, lan_down_reason, lan_probe_at, lan_probe_fails FROM peers",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+            )
+            .unwrap();
+        assert_eq!(peer, (None, None, None, 0));
+        let row: (String, i64, Option<String>) = c
+            .query_row(
+                "SELECT state, next_at, late_lan_verdict FROM outbox WHERE msg_id = 'm1'",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .unwrap();
+        assert_eq!(row, ("pending".into(), 5, None));
     }
 
     #[test]

@@ -34,7 +34,7 @@
 //! it. None touches the network. The crypto lives here; the store (`crate::mailbox`) only keeps
 //! bytes, and a transport only carries them.
 
-use rusqlite::Connection;
+use rusqlite::{Connection, OptionalExtension};
 
 use agentmbx_protocol::envelope::Envelope;
 use agentmbx_protocol::keys::{EncPublicKey, HostKey};
@@ -42,6 +42,7 @@ use agentmbx_protocol::{hash, seal};
 
 use super::alert;
 use crate::identity::Identity;
+use crate::mailbox::lan_memory::{self, DownReason};
 use crate::mailbox::{outbox, receipts, MailboxError};
 
 /// The wire bytes of outbox row `row`: the row's own when it already has them (nothing is
@@ -125,33 +126,144 @@ pub fn settle_lan_batch(
             counts.rejected += 1;
         }
     }
+    if counts.delivered > 0 {
+        lan_memory::lan_delivered(&tx, host)?;
+    }
     tx.commit()?;
     Ok(counts)
 }
 
+/// How a failed LAN attempt bears on the per-peer LAN memory ([`lan_memory`], spec §10).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LanVerdict {
+    /// The address itself did not answer (refused, no connection or no answer within the LAN
+    /// race, no route): one such failure marks the peer (spec §10 "unreachable"). `None`: the
+    /// peer answered but the attempt failed (e.g. a 5xx), which marks it only at the second
+    /// failed attempt of a row ([`crate::mailbox::lane::LAN_FAILURES_BEFORE_RELAY`]).
+    pub down: Option<DownReason>,
+    /// A relay is configured: without one nothing is marked (the LAN is the only route).
+    pub relay_configured: bool,
+    /// The failure is this host's own (sealing failed, a newer enc key ad already pinned), not
+    /// the peer's: it never marks the peer, however many rows it hit.
+    pub local: bool,
+    /// When the first probe of a newly marked address is due (ms, jittered by the caller).
+    pub probe_at: i64,
+}
+
+/// What [`fail_lan_rows`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LanFailed {
+    /// Rows the 72 h rule ended (each alerted).
+    pub gave_up: Vec<String>,
+    /// The peer was marked LAN down by this failure, and its LAN rows and receipts switched to
+    /// the relay ([`lan_memory::mark_down`]).
+    pub marked: bool,
+}
+
 /// A failed LAN attempt for each row `ids` to `host`, in one transaction
 /// ([`outbox::fail_lan`]: backoff and a LAN failure); a row the 72 h rule ends alerts its
-/// sender with [`outbox::gave_up_reason`] ([`alert::outbox_undelivered`]). Returns the ids of
-/// the rows given up. Errors: storage faults (nothing is committed then).
+/// sender with [`outbox::gave_up_reason`] ([`alert::outbox_undelivered`]). In the same
+/// transaction, with a relay configured, the peer is marked LAN down when the address did not
+/// answer (`verdict.down`) or one of the rows `ids` reached its second LAN failure (never for a
+/// local failure, `verdict.local`), and every row and receipt the
+/// LAN was taking for it (the failed ones included) is switched to the relay, due now
+/// ([`lan_memory::mark_down`]). Errors: storage faults (nothing is committed then).
 pub fn fail_lan_rows(
     conn: &mut Connection,
     ident: &Identity,
     host: &str,
     ids: &[String],
     error: &str,
+    verdict: LanVerdict,
     now_ms: i64,
-) -> Result<Vec<String>, MailboxError> {
+) -> Result<LanFailed, MailboxError> {
     let tx = conn.transaction()?;
-    let mut gave_up = Vec::new();
+    let route = lan_memory::lan_route(&tx, host)?;
+    let mut out = LanFailed::default();
     for id in ids {
         if outbox::fail_lan(&tx, id, host, error, now_ms)? == outbox::Failure::GaveUp {
             let why = outbox::gave_up_reason(error);
             alert::outbox_undelivered(&tx, ident, id, host, &why, now_ms)?;
-            gave_up.push(id.clone());
+            out.gave_up.push(id.clone());
+        }
+    }
+    if verdict.relay_configured {
+        let reason = match verdict.down {
+            Some(r) => Some(r),
+            None if verdict.local => None,
+            None => {
+                let mut worst = 0u32;
+                for id in ids {
+                    let n: Option<u32> = tx
+                        .query_row(
+                            "SELECT lan_failures FROM outbox
+                             WHERE msg_id = ?1 AND host = ?2 AND state IN ('pending', 'repush')",
+                            rusqlite::params![id, host],
+                            |r| r.get(0),
+                        )
+                        .optional()?;
+                    worst = worst.max(n.unwrap_or(0));
+                }
+                (worst >= crate::mailbox::lane::LAN_FAILURES_BEFORE_RELAY)
+                    .then_some(DownReason::Failed)
+            }
+        };
+        if let Some(reason) = reason {
+            out.marked =
+                lan_memory::mark_down(&tx, host, reason, now_ms, verdict.probe_at, &route)?;
         }
     }
     tx.commit()?;
-    Ok(gave_up)
+    Ok(out)
+}
+
+/// A LAN call for rows that was still open when the LAN race gave up on it (the rows were
+/// switched to the relay) came back with the peer's verdicts, in one transaction: each
+/// `accepted`/`duplicate` settles its row `delivered` (the peer has it; a relay accept is
+/// superseded by the peer's own word, as a delivery receipt would), a row the relay had
+/// rejected too (noted in `late_lan_verdict`). A late `rejected:<why>` is never applied,
+/// whatever the row's state (still `pending` on the relay route, relay-accepted or final): the
+/// relay push that is under way may still deliver it. It is kept on the row as
+/// `late_lan_verdict` (shown by `agentmbx sent`) and returned for a log line. Returns the rows
+/// whose late verdict disagreed with the row's own settlement. Errors: storage
+/// faults (nothing is committed then).
+pub fn settle_late_lan_batch(
+    conn: &mut Connection,
+    _ident: &Identity,
+    host: &str,
+    results: &[(String, String)],
+    now_ms: i64,
+) -> Result<Vec<(String, String)>, MailboxError> {
+    let tx = conn.transaction()?;
+    let mut disagreed = Vec::new();
+    for (msg_id, result) in results {
+        if result == "accepted" || result == "duplicate" {
+            if !outbox::delivered_lan(&tx, msg_id, host, now_ms)? {
+                // A row the relay (not the peer) refused: the peer has it after all.
+                let n = tx.execute(
+                    "UPDATE outbox SET state = 'delivered', via = 'lan', settled_at = ?3,
+                       last_error = NULL, wire = NULL,
+                       late_lan_verdict = 'delivered over the LAN after the relay refused it'
+                     WHERE msg_id = ?1 AND host = ?2 AND state = 'rejected'
+                       AND COALESCE(via, '') <> 'lan'",
+                    rusqlite::params![msg_id, host, now_ms],
+                )?;
+                if n == 1 {
+                    disagreed.push((msg_id.clone(), result.clone()));
+                }
+            }
+            continue;
+        }
+        let n = tx.execute(
+            "UPDATE outbox SET late_lan_verdict = ?3 WHERE msg_id = ?1 AND host = ?2",
+            rusqlite::params![msg_id, host, outbox::cut_error(result)],
+        )?;
+        if n == 1 {
+            disagreed.push((msg_id.clone(), result.clone()));
+        }
+    }
+    tx.commit()?;
+    Ok(disagreed)
 }
 
 /// One batch of the 72 h sweep (`wire.md` §4 "Outbox client"), in one transaction: at most
@@ -185,19 +297,31 @@ pub fn settle_lan_receipts(conn: &mut Connection, seqs: &[i64]) -> Result<(), Ma
 
 /// A failed LAN receipt flush: each of `seqs` is backed off with `error` as a LAN failure
 /// ([`receipts::fail`]; `unsupported`: the peer answered 404/405/501, so it has no receipt
-/// route and the next attempt waits 1 h), in one transaction. Errors: storage faults (nothing
-/// is committed then).
+/// route and the next attempt waits 1 h), in one transaction. Receipts follow the rule of mail
+/// ([`fail_lan_rows`]): with a relay configured, an address that did not answer
+/// (`verdict.down`) marks the peer LAN down in the same transaction and switches what the LAN
+/// was taking for it to the relay, due now. Returns whether the peer was marked. Errors:
+/// storage faults (nothing is committed then).
 pub fn fail_lan_receipts(
     conn: &mut Connection,
+    host: &str,
     seqs: &[i64],
     error: &str,
     unsupported: bool,
+    verdict: LanVerdict,
     now_ms: i64,
-) -> Result<(), MailboxError> {
+) -> Result<bool, MailboxError> {
     let tx = conn.transaction()?;
+    let route = lan_memory::lan_route(&tx, host)?;
     receipts::fail(&tx, seqs, error, true, unsupported, now_ms)?;
+    let mut marked = false;
+    if verdict.relay_configured {
+        if let Some(reason) = verdict.down {
+            marked = lan_memory::mark_down(&tx, host, reason, now_ms, verdict.probe_at, &route)?;
+        }
+    }
     tx.commit()?;
-    Ok(())
+    Ok(marked)
 }
 
 /// A verified relay accept of row `msg_id` → `host` ([`outbox::settle_accepted`]: the row is

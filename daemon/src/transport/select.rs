@@ -11,6 +11,13 @@
 //!   has no LAN address;
 //! - either way only when due (`next_at ≤ now`): the backoff of a row is respected by both.
 //!
+//! The decision is also kept per peer (`crate::mailbox::lan_memory`): once the peer's LAN
+//! address is found not answering (two failed attempts, or unreachable: refused, or no answer
+//! within the LAN race of `crate::transport::lan::deliver`), every queued and new row and receipt
+//! for it goes to the relay at once, until a probe (or an address proven by its signed status)
+//! finds the address answering again. The per-row count below still applies while the peer is
+//! not marked.
+//!
 //! A verified LAN hop from the peer brings `lan_failures` of its waiting rows back below the
 //! threshold (`outbox::peer_is_back`), so new and waiting rows go over the LAN again; a row whose
 //! LAN attempt then fails once more goes back to the relay (one LAN try per sign of life, so a
@@ -59,6 +66,7 @@ mod tests {
         let f = |lan_failures, has_addr, relay_configured| Facts {
             lan_failures,
             has_addr,
+            lan_down: false,
             relay_configured,
         };
         use Transport::*;
@@ -145,6 +153,7 @@ mod tests {
                 let want = choose(Facts {
                     lan_failures: *lan_failures,
                     has_addr: *has_addr,
+                    lan_down: false,
                     relay_configured,
                 })
                 .filter(|_| *due && *state != "relay-accepted");

@@ -222,7 +222,8 @@ pub fn keystore(f: &Facts) -> Result<Outcome, String> {
 }
 
 /// `outbox`: stuck pending rows, and per the configured relay the rows waiting for a receipt,
-/// to push again, expired and unconfirmed (`wire.md` §7 item 10).
+/// to push again, expired and unconfirmed (`wire.md` §7 item 10); last, the route of each peer
+/// with mail queued or a LAN address marked as not answering ([`peer_routes`]).
 pub fn outbox(f: &Facts) -> Result<Outcome, String> {
     let Some(m) = &f.mailbox else {
         return Ok(Outcome::new(Status::Skip, "no mailbox.db yet"));
@@ -248,6 +249,8 @@ pub fn outbox(f: &Facts) -> Result<Outcome, String> {
             Ok((stuck, pending, relay))
         })
         .map_err(|e| format!("cannot read the outbox: {e}"))?;
+    let routes = peer_routes(m, f.opts.now_ms, url.as_deref())
+        .map_err(|e| format!("cannot read the peers' routes: {e}"))?;
     let mut out = Outcome::new(Status::Ok, format!("{pending} pending"));
     if f.config_invalid().is_some() {
         out = out.detail("relay counts not shown: config.toml is invalid (see the config check)");
@@ -273,7 +276,64 @@ pub fn outbox(f: &Facts) -> Result<Outcome, String> {
             out = out.detail("agentmbx sent --as AGENT shows each recipient's state");
         }
     }
+    for line in routes {
+        out = out.detail(line);
+    }
     Ok(out)
+}
+
+/// One line per peer that has mail queued or whose LAN address is marked as not answering
+/// (spec §10, `crate::mailbox::lan_memory`): `<peer>: <route>` (e.g. `work: relay (LAN
+/// unreachable since <time> (refused), next LAN probe in 4 s)`), and when the relay `url` is
+/// not working either, its standing (`; relay <state> since <time>: <detail>`). "relay" is said
+/// only when a relay is configured (`url`).
+fn peer_routes(
+    m: &crate::mailbox::Mailbox,
+    now_ms: i64,
+    url: Option<&str>,
+) -> Result<Vec<String>, crate::mailbox::MailboxError> {
+    use crate::mailbox::lan_memory;
+    m.with(|c| {
+        let relay_trouble = match url {
+            Some(u) => crate::mailbox::relay_state::kv_get(
+                c,
+                &crate::transport::relay_client::state::state_kv(u),
+            )?
+            .and_then(|v| serde_json::from_str::<serde_json::Value>(&v).ok())
+            .filter(|v| v.get("state").and_then(|s| s.as_str()) != Some("ok"))
+            .map(|v| {
+                let f = |k: &str| v.get(k).and_then(|s| s.as_str()).unwrap_or("").to_string();
+                let detail = f("detail");
+                if detail.is_empty() {
+                    format!("relay {} since {}", f("state"), f("at"))
+                } else {
+                    format!("relay {} since {}: {detail}", f("state"), f("at"))
+                }
+            }),
+            None => None,
+        };
+        let mut lines = Vec::new();
+        for st in lan_memory::all(c)? {
+            let queued: i64 = c.query_row(
+                "SELECT COUNT(*) FROM outbox WHERE host = ?1 AND state IN ('pending', 'repush')",
+                [&st.host],
+                |r| r.get(0),
+            )?;
+            if queued == 0 && st.down_since.is_none() {
+                continue;
+            }
+            let Some(route) = lan_memory::route_text(c, &st.host, now_ms, url.is_some())? else {
+                lines.push(format!("{}: no route (no LAN address, no relay)", st.host));
+                continue;
+            };
+            let mut line = format!("{}: {route}", st.host);
+            if let (Some(t), true) = (&relay_trouble, st.down_since.is_some()) {
+                line.push_str(&format!("; {t}"));
+            }
+            lines.push(line);
+        }
+        Ok(lines)
+    })
 }
 
 /// `quarantine`: relay items this host refused to process (warn when any).

@@ -37,6 +37,16 @@ use crate::mailbox::peers::Peer;
 
 /// A reqwest error of this client in our words ([`crate::net_error::describe`]), naming the
 /// limit that fired when it timed out.
+/// A failed send as a [`LanError`]: [`LanError::NoConnection`] when the connection was never
+/// made ([`reqwest::Error::is_connect`]), else [`LanError::Unreachable`].
+fn send_error(e: &reqwest::Error) -> LanError {
+    if e.is_connect() {
+        LanError::NoConnection(describe(e))
+    } else {
+        LanError::Unreachable(describe(e))
+    }
+}
+
 fn describe(e: &reqwest::Error) -> String {
     let limit = if e.is_connect() {
         CONNECT_TIMEOUT
@@ -77,6 +87,11 @@ pub enum LanError {
     /// Network failure or timeout: the effect is unknown, the caller retries.
     #[error("peer unreachable: {0}")]
     Unreachable(String),
+    /// No connection to the peer's address at all (refused, no route, connect timeout): the
+    /// request never reached the peer. Spec §10 "unreachable": the caller may decide on the
+    /// address at once (`crate::mailbox::lan_memory`).
+    #[error("peer unreachable: {0}")]
+    NoConnection(String),
     /// The peer answered with an error status.
     #[error("peer answered {status}: {error}")]
     Status {
@@ -102,7 +117,7 @@ impl LanError {
     /// and 5xx answers.
     pub fn is_retryable(&self) -> bool {
         match self {
-            LanError::Unreachable(_) => true,
+            LanError::Unreachable(_) | LanError::NoConnection(_) => true,
             LanError::Status { status, .. } => matches!(status, 408 | 429 | 500..=599),
             LanError::NoVerifiedSender { .. } | LanError::BadAnswer(_) => false,
         }
@@ -222,10 +237,7 @@ impl LanClient {
         if !body.is_empty() {
             req = req.body(body);
         }
-        let resp = req
-            .send()
-            .await
-            .map_err(|e| LanError::Unreachable(describe(&e)))?;
+        let resp = req.send().await.map_err(|e| send_error(&e))?;
         let status = resp.status().as_u16();
         let bytes = read_capped(resp, &target, max_answer).await?;
         Ok((status, bytes))
@@ -463,7 +475,7 @@ impl LanClient {
             .body(body)
             .send()
             .await
-            .map_err(|e| LanError::Unreachable(describe(&e)))?;
+            .map_err(|e| send_error(&e))?;
         let status = resp.status().as_u16();
         let bytes = read_capped(resp, target, MAX_SMALL_ANSWER).await?;
         let answer = json_answer(status, &bytes)?;

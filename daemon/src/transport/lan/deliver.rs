@@ -30,12 +30,23 @@
 //! transaction itself: every write after an attempt is a named step of
 //! [`crate::node::outbound`].
 //!
-//! The loop ([`run`]) wakes on its `Notify` (new mail, a peer that is back) or at the earliest
-//! `next_at` of what it takes, never on a fast fixed tick. It never decides by itself what the
+//! Per-peer LAN memory (spec §10, `crate::mailbox::lan_memory`): a failure that shows the
+//! address does not answer (refused, no route, or — with a relay configured — no connection and
+//! answer within [`LAN_RACE`]) marks the peer in the transaction that records the failure, and
+//! its rows and receipts go to the relay at once. A raced call that did not answer in time goes
+//! on detached; its peer is skipped while it is open ([`InFlight`]) and its verdicts are applied
+//! late ([`crate::node::outbound::settle_late_lan_batch`]). A pass waits at most [`PASS_WAIT`]
+//! for its hosts' work; what still runs then goes on detached, counted in flight for its host, so
+//! one peer's slow answer never holds the attempts to the others. Each pass starts the due
+//! probes of marked addresses ([`LanDelivery::start_probes`]), detached as well.
+//!
+//! The loop ([`run`]) wakes on its `Notify` (new mail, a peer that is back, a detached call or
+//! probe that ended) or at the earliest `next_at` of what it takes (peers with a call open left
+//! out, never sooner than [`INFLIGHT_FLOOR_MS`] while one is), never on a fast fixed tick. It never decides by itself what the
 //! relay does, and never trusts a delivery answer for more than the peer's word (0.5.x F5).
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use agentmbx_protocol::clock::SharedClock;
@@ -43,6 +54,7 @@ use agentmbx_protocol::keys::EncPublicKey;
 
 use super::client::{LanClient, LanError};
 use crate::liveness;
+use crate::mailbox::lan_memory::{self, DownReason};
 use crate::mailbox::peers::Peer;
 use crate::mailbox::receipts::{self, RECEIPT_BATCH};
 use crate::mailbox::{outbox, peers, Mailbox, MailboxError};
@@ -78,6 +90,147 @@ pub const MAX_RETRY_DELAY_MS: u64 = 10_000;
 /// never costs a restart while a loop stuck for a minute is reported.
 pub const LIVENESS_MAX_GAP: Duration =
     Duration::from_secs(2 * super::client::REQUEST_TIMEOUT.as_secs() + 30);
+
+/// The LAN race (spec §10 "unreachable"; issue 22 part 2): while a relay route exists, a LAN
+/// attempt that has not connected and had its answer (the response head) within this time
+/// marks the peer's address as not answering, and its rows go to the relay at once; the call
+/// itself goes on detached and may still complete (the receiver dedups by envelope id). Covers
+/// one attempt's connect and wait for the answer, plus [`UPLOAD_ALLOWANCE_BYTES_PER_S`] for the
+/// body, never the pauses after a 429. Without a relay there is no race (the client's own
+/// timeouts stand), the enc-key fetch included.
+pub const LAN_RACE: Duration = Duration::from_secs(2);
+/// Body bytes per second the LAN race allows on top of [`LAN_RACE`] (1 MiB/s), so a large
+/// batch to a slow but alive peer is not taken for a hang.
+pub const UPLOAD_ALLOWANCE_BYTES_PER_S: u64 = 1024 * 1024;
+/// Longest a pass waits for its hosts' calls: one still running then goes on detached (its
+/// host skipped while it runs), so a slow peer never holds the attempts to the others.
+pub const PASS_WAIT: Duration = Duration::from_secs(4);
+/// Shortest sleep of the loop while LAN calls are still open (ms), so it never spins.
+pub const INFLIGHT_FLOOR_MS: i64 = 50;
+
+/// The text of a LAN attempt the race gave up on ([`LAN_RACE`]): no connection, or no answer
+/// (response head), within `race`.
+pub fn race_lost(race: Duration) -> LanError {
+    LanError::NoConnection(format!(
+        "no answer within {} ms (LAN race)",
+        race.as_millis()
+    ))
+}
+
+/// Why a failed LAN call says the address itself does not answer (spec §10 "unreachable"),
+/// from its error: only a failure to connect ([`LanError::NoConnection`]: refused, no route,
+/// connect timeout) or the LAN race ([`race_lost`]). `None` for everything after a connection
+/// was made (a reset, an answer that broke off, a stale keep-alive connection closed, a status,
+/// a bad answer): those count toward the two-failure rule instead.
+pub fn down_reason(e: &LanError) -> Option<DownReason> {
+    match e {
+        LanError::NoConnection(t) if t.contains("refused") => Some(DownReason::Refused),
+        LanError::NoConnection(t) if t.contains("timed out") || t.contains("LAN race") => {
+            Some(DownReason::Timeout)
+        }
+        LanError::NoConnection(_) => Some(DownReason::Unreachable),
+        _ => None,
+    }
+}
+
+/// The race window for a request body of `bytes` ([`LAN_RACE`] plus the upload allowance).
+pub fn race_window(race: Duration, bytes: usize) -> Duration {
+    race + Duration::from_millis((bytes as u64).saturating_mul(1000) / UPLOAD_ALLOWANCE_BYTES_PER_S)
+}
+
+/// LAN calls still open, counted per peer (several detached calls can be open at once).
+#[derive(Debug, Clone, Default)]
+pub struct InFlight(Arc<Mutex<HashMap<String, usize>>>);
+
+impl InFlight {
+    /// Counts one more open call to `host` until the returned guard is dropped; the drop
+    /// raises `wake` (the loop looks again).
+    fn enter(&self, host: &str, wake: Arc<tokio::sync::Notify>) -> InFlightGuard {
+        self.count_in(host);
+        InFlightGuard {
+            map: self.clone(),
+            host: host.to_string(),
+            wake,
+            raise: None,
+        }
+    }
+
+    /// As [`Self::enter`] for a pass's own work on `host`: the drop raises `wake` only once
+    /// the pass gave up waiting for it (`detached` set), so a pass that waited for all of its
+    /// work does not wake the loop again.
+    fn enter_for_pass(
+        &self,
+        host: &str,
+        wake: &Arc<tokio::sync::Notify>,
+        detached: &Arc<std::sync::atomic::AtomicBool>,
+    ) -> InFlightGuard {
+        self.count_in(host);
+        InFlightGuard {
+            map: self.clone(),
+            host: host.to_string(),
+            wake: wake.clone(),
+            raise: Some(detached.clone()),
+        }
+    }
+
+    fn count_in(&self, host: &str) {
+        if let Ok(mut m) = self.0.lock() {
+            *m.entry(host.to_string()).or_default() += 1;
+        }
+    }
+
+    /// The peers with a call open now.
+    pub fn hosts(&self) -> Vec<String> {
+        self.0
+            .lock()
+            .map(|m| m.keys().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// Open calls to `host`.
+    pub fn count(&self, host: &str) -> usize {
+        self.0
+            .lock()
+            .map(|m| m.get(host).copied().unwrap_or(0))
+            .unwrap_or(0)
+    }
+}
+
+struct InFlightGuard {
+    map: InFlight,
+    host: String,
+    wake: Arc<tokio::sync::Notify>,
+    /// Raise `wake` on drop only when this is set (`None`: always).
+    raise: Option<Arc<std::sync::atomic::AtomicBool>>,
+}
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        if let Ok(mut m) = self.map.0.lock() {
+            if let Some(n) = m.get_mut(&self.host) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    m.remove(&self.host);
+                }
+            }
+        }
+        let raise = self
+            .raise
+            .as_ref()
+            .is_none_or(|d| d.load(std::sync::atomic::Ordering::Acquire));
+        if raise {
+            self.wake.notify_one();
+        }
+    }
+}
+
+/// What a raced LAN call came to.
+enum Raced<T> {
+    /// It answered (or failed) within the race, or no race applied.
+    Answer(Result<T, LanError>),
+    /// No answer within the race: the call goes on detached.
+    Detached,
+}
 
 /// The body size of `{"envelopes":[w1,…]}` for wires of these sizes (bytes).
 pub fn body_bytes(sizes: &[usize]) -> usize {
@@ -143,6 +296,16 @@ pub struct LanDelivery {
     /// The failpoints the loop hits (`lan:deliver-pass`): the daemon's own set; [`Self::new`]
     /// gives the process's ([`agentmbx_protocol::failpoint::Failpoints::from_env`]).
     pub failpoints: agentmbx_protocol::failpoint::Failpoints,
+    /// LAN calls still open per peer: that peer's rows and receipts are skipped meanwhile.
+    pub inflight: InFlight,
+    /// This loop's own wake, raised when a detached call or a probe ends ([`run`] sets it to
+    /// the `wake` it is given).
+    pub self_wake: Arc<tokio::sync::Notify>,
+    /// The relay loop's wake, raised when a peer is marked LAN down (its rows are due on the
+    /// relay now). The daemon sets it; by default a `Notify` nobody waits on.
+    pub relay_wake: Arc<tokio::sync::Notify>,
+    /// The LAN race ([`LAN_RACE`]); a test may shorten it.
+    pub race: Duration,
 }
 
 impl LanDelivery {
@@ -153,6 +316,10 @@ impl LanDelivery {
             mailbox,
             relay_configured: Arc::new(relay_configured.into()),
             failpoints: agentmbx_protocol::failpoint::Failpoints::from_env(),
+            inflight: InFlight::default(),
+            self_wake: Arc::new(tokio::sync::Notify::new()),
+            relay_wake: Arc::new(tokio::sync::Notify::new()),
+            race: LAN_RACE,
         }
     }
 
@@ -162,6 +329,29 @@ impl LanDelivery {
 
     fn now(&self) -> i64 {
         self.clock().now_ms()
+    }
+
+    fn relay(&self) -> bool {
+        self.relay_configured
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// How a failed attempt bears on the peer's LAN memory: `down` as found, a relay
+    /// configured or not, the first probe jittered ([`lan_memory::probe_delay_ms`]).
+    fn verdict(&self, down: Option<DownReason>, local: bool) -> outbound::LanVerdict {
+        outbound::LanVerdict {
+            down,
+            relay_configured: self.relay(),
+            local,
+            probe_at: self.now() + lan_memory::probe_delay_ms(0, rand::random::<f64>()),
+        }
+    }
+
+    /// Logs a new mark and wakes the relay loop.
+    fn marked(&self, host: &str, down: Option<DownReason>, error: &str) {
+        let reason = down.unwrap_or(DownReason::Failed).as_str();
+        tracing::warn!(event = "lan.down", peer = %host, reason, error, "the LAN address of {host} does not answer: its mail goes via the relay until the address answers again");
+        self.relay_wake.notify_one();
     }
 
     /// One pass over due rows and due receipts, hosts in parallel, then the 72 h sweep
@@ -182,33 +372,63 @@ impl LanDelivery {
                 ))
             })
             .await?;
+        let busy = self.inflight.hosts();
         let mut by_host: BTreeMap<String, Vec<outbox::Row>> = BTreeMap::new();
-        for r in rows {
+        for r in rows.into_iter().filter(|r| !busy.contains(&r.host)) {
             by_host.entry(r.host.clone()).or_default().push(r);
         }
         let mut receipts_by_host: BTreeMap<String, Vec<receipts::Row>> = BTreeMap::new();
-        for r in due_receipts {
+        for r in due_receipts.into_iter().filter(|r| !busy.contains(&r.host)) {
             let list = receipts_by_host.entry(r.host.clone()).or_default();
             if list.len() < RECEIPT_BATCH {
                 list.push(r);
             }
         }
+        // Each host's work is a call in flight while it runs; one still running after
+        // PASS_WAIT goes on detached (its own steps settle its rows), its host skipped until it
+        // ends, so no peer's next attempt waits on another peer's slow answer.
+        let detached = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let mut tasks = tokio::task::JoinSet::new();
         for (host, rows) in by_host {
             let this = self.clone();
+            let guard = self
+                .inflight
+                .enter_for_pass(&host, &self.self_wake, &detached);
             tasks.spawn(liveness::inherit(async move {
+                let _guard = guard;
                 this.deliver_host(&host, rows).await
             }));
         }
         for (host, rows) in receipts_by_host {
             let this = self.clone();
+            let guard = self
+                .inflight
+                .enter_for_pass(&host, &self.self_wake, &detached);
             tasks.spawn(liveness::inherit(async move {
+                let _guard = guard;
                 this.flush_receipts(&host, rows).await
             }));
         }
         let mut counts = PassCounts::default();
         let mut first_error = None;
-        while let Some(done) = tasks.join_next().await {
+        let deadline = tokio::time::sleep(PASS_WAIT);
+        tokio::pin!(deadline);
+        loop {
+            let done = tokio::select! {
+                done = tasks.join_next() => done,
+                _ = &mut deadline => {
+                    detached.store(true, std::sync::atomic::Ordering::Release);
+                    tokio::spawn(async move {
+                        while let Some(done) = tasks.join_next().await {
+                            if let Ok(Err(e)) = done {
+                                tracing::warn!(error = %e, "a detached LAN delivery failed in the mailbox");
+                            }
+                        }
+                    });
+                    break;
+                }
+            };
+            let Some(done) = done else { break };
             match done {
                 Ok(Ok(c)) => counts.add(c),
                 Ok(Err(e)) => {
@@ -222,6 +442,7 @@ impl LanDelivery {
         if let Some(e) = first_error {
             return Err(e);
         }
+        self.start_probes().await?;
         counts.gave_up += self.give_up_stale().await?;
         crate::node::settle::settle_pass(&self.mailbox, self.client.ident.clone(), self.now())
             .await?;
@@ -253,48 +474,182 @@ impl LanDelivery {
 
     /// The earliest time (ms) anything the LAN takes is due, if any: its `next_at`, or now for
     /// a row or receipt scheduled further ahead than its backoff allows (a clock that was
-    /// ahead when it was scheduled; [`outbox::max_horizon_ms`]).
+    /// ahead when it was scheduled; [`outbox::max_horizon_ms`]), or a probe of a marked address.
+    /// Peers with a LAN call still open are left out (their rows are skipped until it ends, and
+    /// its end wakes the loop), and while any call is open the time is at least
+    /// [`INFLIGHT_FLOOR_MS`] ahead, so the loop never spins.
     pub async fn next_due(&self) -> Result<Option<i64>, MailboxError> {
-        let relay = self
-            .relay_configured
-            .load(std::sync::atomic::Ordering::Acquire);
+        let relay = self.relay();
         let now = self.now();
+        let busy = self.inflight.hosts();
+        let floor = if busy.is_empty() {
+            i64::MIN
+        } else {
+            now + INFLIGHT_FLOOR_MS
+        };
         self.mailbox
             .run(move |c| {
-                let rows = outbox::next_due_for_lan(c, relay, now)?;
-                let rec = receipts::next_due_for_lan(c, relay, now)?;
-                Ok(rows.into_iter().chain(rec).min())
+                let rows = outbox::next_due_for_lan(c, relay, now, &busy)?;
+                let rec = receipts::next_due_for_lan(c, relay, now, &busy)?;
+                let probe = lan_memory::all(c)?
+                    .into_iter()
+                    .filter(|p| {
+                        p.down_since.is_some()
+                            && p.addr.as_deref().is_some_and(|a| !a.is_empty())
+                            && !busy.contains(&p.host)
+                    })
+                    .map(|p| p.probe_at.unwrap_or(now))
+                    .min();
+                Ok(rows
+                    .into_iter()
+                    .chain(rec)
+                    .chain(probe)
+                    .min()
+                    .map(|t| t.max(floor)))
             })
             .await
     }
 
+    /// Starts a probe of each marked address that is due ([`lan_memory::due_probes`]) and has
+    /// no call open, detached: a signed `GET /v1/enc-key` whose ad is signed by the peer's
+    /// pinned host key, within the LAN race ([`LanDelivery::race`]). Only that shows the address
+    /// answers again: the mark clears ([`lan_memory::clear`]) and the
+    /// peer's queued rows are due over the LAN now; no answer backs the next probe off
+    /// ([`lan_memory::probe_failed`], 5 s doubling to 5 min, jittered). Errors: storage faults.
+    pub async fn start_probes(&self) -> Result<(), MailboxError> {
+        let now = self.now();
+        let due = self
+            .mailbox
+            .run(move |c| lan_memory::due_probes(c, now))
+            .await?;
+        for (host, addr) in due {
+            if self.inflight.count(&host) > 0 {
+                continue;
+            }
+            let guard = self.inflight.enter(&host, self.self_wake.clone());
+            let this = self.clone();
+            tokio::spawn(async move {
+                let _guard = guard;
+                this.probe(&host, &addr).await;
+            });
+        }
+        Ok(())
+    }
+
+    /// One probe of `host`'s marked address `addr` ([`Self::start_probes`]): its enc key
+    /// ([`LanClient::get_enc_key`](super::client::LanClient::get_enc_key), the ad verified
+    /// against the peer's pinned host key) within the same [`LanDelivery::race`] a delivery
+    /// gets. Anything else (no answer in time, a status, an unsigned or foreign answer) is a
+    /// failed probe.
+    async fn probe(&self, host: &str, addr: &str) {
+        let h = host.to_string();
+        let peer = match self.mailbox.run(move |c| peers::by_name(c, &h)).await {
+            Ok(Some(p)) => p,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!(peer = %host, error = %e, "could not read the peer for a LAN probe");
+                return;
+            }
+        };
+        let answer = tokio::time::timeout(self.race, self.client.get_enc_key(addr, &peer)).await;
+        let answer = match answer {
+            Ok(Ok(_)) => Ok(Ok((200u16, ()))),
+            Ok(Err(e)) => Ok(Err(e)),
+            Err(e) => Err(e),
+        };
+        let now = self.now();
+        let h = host.to_string();
+        match answer {
+            Ok(Ok((status, _))) => {
+                let cleared = self
+                    .mailbox
+                    .run(move |c| {
+                        let tx = c.transaction()?;
+                        let cleared = lan_memory::clear(&tx, &h, now)?;
+                        tx.commit()?;
+                        Ok(cleared)
+                    })
+                    .await;
+                match cleared {
+                    Ok(true) => {
+                        tracing::info!(event = "lan.up", peer = %host, addr, status, "the LAN address of {host} answers again: its mail goes over the LAN");
+                    }
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::warn!(peer = %host, error = %e, "could not clear the LAN mark")
+                    }
+                }
+            }
+            failed => {
+                let error = match failed {
+                    Ok(Err(e)) => e.to_string(),
+                    _ => format!("no answer within {} ms", self.race.as_millis()),
+                };
+                let jitter = rand::random::<f64>();
+                let r = self
+                    .mailbox
+                    .run(move |c| lan_memory::probe_failed(c, &h, now, jitter))
+                    .await;
+                match r {
+                    Ok(Some(n)) => {
+                        tracing::debug!(event = "lan.probe", peer = %host, addr, failed = n, error = %error, "the LAN address still does not answer");
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::warn!(peer = %host, error = %e, "could not record a LAN probe")
+                    }
+                }
+            }
+        }
+    }
+
     /// The peer's enc key: pinned, else fetched from its LAN server (a v1 ad signed by its
-    /// pinned host key) and recorded.
-    async fn enc_key(&self, peer: &Peer, addr: &str) -> Result<EncPublicKey, String> {
+    /// pinned host key) and recorded. With a relay configured the fetch is raced
+    /// ([`LAN_RACE`]): no answer within it is a timeout of the address. Errors: the text,
+    /// whether the address did not answer ([`down_reason`]), and whether the failure is this
+    /// host's own (storage, a newer ad already pinned) rather than the peer's.
+    async fn enc_key(
+        &self,
+        peer: &Peer,
+        addr: &str,
+    ) -> Result<EncPublicKey, (String, Option<DownReason>, bool)> {
         if let Some(k) = peer.enc_pub.as_deref() {
             if let Ok(k) = EncPublicKey::from_b64(k) {
                 return Ok(k);
             }
         }
         liveness::progress();
-        let enc = self
-            .client
-            .get_enc_key(addr, peer)
-            .await
-            .map_err(|e| format!("no enc key for {}: {e}", peer.host))?;
+        let fetch = self.client.get_enc_key(addr, peer);
+        let fetched = if self.relay() {
+            match tokio::time::timeout(self.race, fetch).await {
+                Ok(r) => r,
+                Err(_) => Err(race_lost(self.race)),
+            }
+        } else {
+            fetch.await
+        };
+        let enc = fetched.map_err(|e| {
+            let down = down_reason(&e);
+            (format!("no enc key for {}: {e}", peer.host), down, false)
+        })?;
         let (h, e, now) = (peer.host.clone(), enc.clone(), self.now());
         let ok = self
             .mailbox
             .run(move |c| peers::set_enc_key(c, &h, &e, now))
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| (e.to_string(), None, true))?;
         if !ok {
-            return Err(format!(
-                "no enc key for {}: an enc key with a newer ad is already pinned",
-                peer.host
+            return Err((
+                format!(
+                    "no enc key for {}: an enc key with a newer ad is already pinned",
+                    peer.host
+                ),
+                None,
+                true,
             ));
         }
-        EncPublicKey::from_b64(&enc).map_err(|_| format!("no enc key for {}", peer.host))
+        EncPublicKey::from_b64(&enc)
+            .map_err(|_| (format!("no enc key for {}", peer.host), None, false))
     }
 
     /// Delivers one host's due rows (oldest first).
@@ -354,16 +709,16 @@ impl LanDelivery {
                     for (id, e) in broken {
                         let row: Vec<outbox::Row> =
                             rows.iter().filter(|r| r.msg_id == id).cloned().collect();
-                        counts.add(self.fail_rows(host, &row, &e).await?);
+                        counts.add(self.fail_rows(host, &row, &e, None, true).await?);
                         rows.retain(|r| r.msg_id != id);
                     }
                     let rest = self.send_sealed(host, &addr, rows).await?;
                     counts.add(rest);
                     return Ok(counts);
                 }
-                Err(e) => {
+                Err((e, down, local)) => {
                     tracing::warn!(peer = %host, error = %e, "cannot seal for the peer yet");
-                    return self.fail_rows(host, &rows, &e).await;
+                    return self.fail_rows(host, &rows, &e, down, local).await;
                 }
             }
         }
@@ -389,7 +744,24 @@ impl LanDelivery {
                 .iter()
                 .map(|r| r.wire.clone().unwrap_or_default())
                 .collect();
-            match paced(host, || self.client.post_envelopes(addr, &wires)).await {
+            let raced = self.post_raced(host, addr, batch, wires).await;
+            let answer = match raced {
+                Raced::Answer(a) => a,
+                Raced::Detached => {
+                    let e = format!(
+                        "no answer within {} ms: sent via the relay",
+                        self.race.as_millis()
+                    );
+                    tracing::warn!(peer = %host, addr, error = %e, "LAN delivery hangs");
+                    let rest = &rows[range.start..];
+                    counts.add(
+                        self.fail_rows(host, rest, &e, Some(DownReason::Timeout), false)
+                            .await?,
+                    );
+                    break;
+                }
+            };
+            match answer {
                 Ok(results) => {
                     let (ident, h, now) = (self.client.ident.clone(), host.to_string(), self.now());
                     let verdicts: Vec<(String, String)> = batch
@@ -421,7 +793,10 @@ impl LanDelivery {
                 Err(e) => {
                     tracing::warn!(peer = %host, addr, error = %e, "LAN delivery failed");
                     let rest = &rows[range.start..];
-                    counts.add(self.fail_rows(host, rest, &e.to_string()).await?);
+                    counts.add(
+                        self.fail_rows(host, rest, &e.to_string(), down_reason(&e), false)
+                            .await?,
+                    );
                     break;
                 }
             }
@@ -429,13 +804,128 @@ impl LanDelivery {
         Ok(counts)
     }
 
+    /// `POST /v2/envelopes` of `wires` (the rows `batch`) to `host` at `addr`, paced through
+    /// 429s as [`paced`] does. With a relay configured each attempt is raced on its own
+    /// ([`race_window`]; the pauses after a 429 are not part of it): an attempt with no answer
+    /// in time is left running detached (counted in [`LanDelivery::inflight`]); when it ends,
+    /// its verdicts are applied late ([`outbound::settle_late_lan_batch`]: never undoing a
+    /// relay's settlement).
+    async fn post_raced(
+        &self,
+        host: &str,
+        addr: &str,
+        batch: &[outbox::Row],
+        wires: Vec<Vec<u8>>,
+    ) -> Raced<Vec<super::client::EnvelopeResult>> {
+        if !self.relay() {
+            return Raced::Answer(paced(host, || self.client.post_envelopes(addr, &wires)).await);
+        }
+        let window = race_window(
+            self.race,
+            body_bytes(&wires.iter().map(Vec::len).collect::<Vec<_>>()),
+        );
+        let wires = Arc::new(wires);
+        let mut pause = RATE_LIMIT_PAUSE;
+        let mut refusals = 0;
+        loop {
+            liveness::progress();
+            let (this, a, w) = (self.clone(), addr.to_string(), wires.clone());
+            let mut call = tokio::spawn(async move { this.client.post_envelopes(&a, &w).await });
+            let answer = match tokio::time::timeout(window, &mut call).await {
+                Ok(joined) => joined.unwrap_or_else(|e| {
+                    Err(LanError::Unreachable(format!(
+                        "LAN call ended abnormally: {e}"
+                    )))
+                }),
+                Err(_) => {
+                    self.detach_late(host, batch, call);
+                    return Raced::Detached;
+                }
+            };
+            match answer {
+                Err(LanError::Status { status: 429, .. }) if refusals < RATE_LIMIT_RETRIES => {
+                    let pause_ms = u64::try_from(pause.as_millis()).unwrap_or(u64::MAX);
+                    tracing::debug!(peer = %host, pause_ms, "rate-limited by the peer: sending again after a pause");
+                    tokio::time::sleep(pause).await;
+                    pause *= 2;
+                    refusals += 1;
+                }
+                answer => return Raced::Answer(answer),
+            }
+        }
+    }
+
+    /// Leaves `call` (an envelope POST for the rows `batch` that lost the race) running,
+    /// counted in flight for `host`; its verdicts, if it answers, are applied late.
+    fn detach_late(
+        &self,
+        host: &str,
+        batch: &[outbox::Row],
+        call: tokio::task::JoinHandle<Result<Vec<super::client::EnvelopeResult>, LanError>>,
+    ) {
+        let guard = self.inflight.enter(host, self.self_wake.clone());
+        let this = self.clone();
+        let host = host.to_string();
+        let ids: Vec<String> = batch.iter().map(|r| r.msg_id.clone()).collect();
+        tokio::spawn(async move {
+            let _guard = guard;
+            match call.await {
+                Ok(Ok(results)) => this.settle_late(&host, &ids, results).await,
+                Ok(Err(e)) => {
+                    tracing::debug!(peer = %host, error = %e, "a detached LAN call failed")
+                }
+                Err(e) => {
+                    tracing::debug!(peer = %host, error = %e, "a detached LAN call ended abnormally")
+                }
+            }
+        });
+    }
+
+    /// Applies the verdicts of a detached LAN call that answered after the race
+    /// ([`outbound::settle_late_lan_batch`]), logging each that disagrees with a relay's
+    /// settlement.
+    async fn settle_late(
+        &self,
+        host: &str,
+        ids: &[String],
+        results: Vec<super::client::EnvelopeResult>,
+    ) {
+        let verdicts: Vec<(String, String)> = ids
+            .iter()
+            .map(|id| {
+                let result = results
+                    .iter()
+                    .find(|r| &r.id == id)
+                    .map_or(super::client::MISSING_RESULT, |r| r.result.as_str());
+                (id.clone(), result.to_string())
+            })
+            .collect();
+        let (ident, h, now) = (self.client.ident.clone(), host.to_string(), self.now());
+        let r = self
+            .mailbox
+            .run(move |c| outbound::settle_late_lan_batch(c, &ident, &h, &verdicts, now))
+            .await;
+        match r {
+            Ok(disagreed) => {
+                tracing::info!(peer = %host, rows = ids.len(), "a late LAN answer came back");
+                for (id, result) in disagreed {
+                    tracing::warn!(event = "lan.late_verdict", id = %id, peer = %host, result = %result, "a late LAN verdict disagrees with the relay's settlement: kept on the row, not applied");
+                }
+            }
+            Err(e) => tracing::warn!(peer = %host, error = %e, "could not apply a late LAN answer"),
+        }
+    }
+
     /// Records a failed LAN attempt for each row in one transaction (giving up after 72 h with
-    /// an alert).
+    /// an alert). `down`: the address did not answer; `local`: the failure is this host's own
+    /// (sealing), which never marks the peer.
     async fn fail_rows(
         &self,
         host: &str,
         rows: &[outbox::Row],
         error: &str,
+        down: Option<DownReason>,
+        local: bool,
     ) -> Result<PassCounts, MailboxError> {
         let ids: Vec<String> = rows.iter().map(|r| r.msg_id.clone()).collect();
         let (ident, h, e, now) = (
@@ -444,11 +934,15 @@ impl LanDelivery {
             error.to_string(),
             self.now(),
         );
-        let gave_up = self
+        let verdict = self.verdict(down, local);
+        let failed = self
             .mailbox
-            .run(move |c| outbound::fail_lan_rows(c, &ident, &h, &ids, &e, now))
+            .run(move |c| outbound::fail_lan_rows(c, &ident, &h, &ids, &e, verdict, now))
             .await?;
-        for id in gave_up {
+        if failed.marked {
+            self.marked(host, down, error);
+        }
+        for id in failed.gave_up {
             tracing::warn!(id = %id, peer = %host, "Undelivered to {host}: gave up after 72 h");
         }
         Ok(PassCounts {
@@ -491,8 +985,24 @@ impl LanDelivery {
             .await?;
         let seqs: Vec<i64> = wires.iter().map(|w| w.0).collect();
         let bytes: Vec<Vec<u8>> = wires.into_iter().map(|w| w.1).collect();
+        let relay = self.relay();
+        let window = race_window(self.race, bytes.iter().map(Vec::len).sum());
+        // With a relay each attempt is raced on its own, never the pauses after a 429. A
+        // receipt attempt that loses the race is dropped, not detached: its receipts go via
+        // the relay at once and a receipt is idempotent, so nothing is lost by not waiting.
+        let answer = paced(host, || async {
+            let post = self.client.post_receipts(&addr, &bytes);
+            if relay {
+                tokio::time::timeout(window, post)
+                    .await
+                    .unwrap_or_else(|_| Err(race_lost(self.race)))
+            } else {
+                post.await
+            }
+        })
+        .await;
         let now = self.now();
-        match paced(host, || self.client.post_receipts(&addr, &bytes)).await {
+        match answer {
             Ok(results) => {
                 for (seq, r) in seqs.iter().zip(&results) {
                     if r.starts_with("rejected:") {
@@ -512,9 +1022,18 @@ impl LanDelivery {
                 let unsupported = matches!(&e, LanError::Status { status, .. } if matches!(status, 404 | 405 | 501));
                 tracing::warn!(peer = %host, error = %e, unsupported, "delivery receipts not sent");
                 let err = e.to_string();
-                self.mailbox
-                    .run(move |c| outbound::fail_lan_receipts(c, &seqs, &err, unsupported, now))
+                let down = down_reason(&e);
+                let verdict = self.verdict(down, false);
+                let h = host.to_string();
+                let marked = self
+                    .mailbox
+                    .run(move |c| {
+                        outbound::fail_lan_receipts(c, &h, &seqs, &err, unsupported, verdict, now)
+                    })
                     .await?;
+                if marked {
+                    self.marked(host, down, &e.to_string());
+                }
                 Ok(PassCounts::default())
             }
         }
@@ -566,6 +1085,8 @@ pub async fn run(
     shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
     let beat = liveness::global().register("lan delivery", LIVENESS_MAX_GAP);
+    let mut delivery = delivery;
+    delivery.self_wake = wake.clone();
     beat.scope(run_loop(delivery, wake, shutdown)).await
 }
 

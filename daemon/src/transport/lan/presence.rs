@@ -449,6 +449,8 @@ fn adopt(
     }
     peers::set_addr(conn, host, cand, via.as_str())?;
     outbox::peer_is_back(conn, host, now_ms)?;
+    // Its signed status answered at `cand`: the address answers, the LAN mark clears.
+    crate::mailbox::lan_memory::clear(conn, host, now_ms)?;
     let record = json!({
         "via": via.as_str(),
         "at": agentmbx_protocol::time::iso_ms(now_ms),
@@ -594,6 +596,8 @@ pub async fn accept_presence(
                 &agentmbx_protocol::time::iso_ms(now),
             )?;
             let peer = peers::by_name(&tx, &host_s)?;
+            // A presence announcement: probe a marked address now (mailbox::lan_memory).
+            let probe = crate::mailbox::lan_memory::probe_soon(&tx, &host_s, now)?;
             let go = match &peer {
                 Some(p) => {
                     should_move(&tx, &host_s, p.addr.as_deref(), Some(&addrs))?
@@ -602,9 +606,13 @@ pub async fn accept_presence(
                 None => false,
             };
             tx.commit()?;
-            Ok(Ok(peer.filter(|_| go)))
+            Ok(Ok((peer.filter(|_| go), probe)))
         })
         .await??;
+    let (decided, probe) = decided;
+    if probe {
+        state.wake.notify_one();
+    }
     let Some(peer) = decided else { return Ok(None) };
     let fallback_port = beacon.port.unwrap_or_else(|| pinned_port(&peer));
     let mut candidates: Vec<String> = Vec::new();
@@ -708,17 +716,27 @@ pub async fn consider_mdns(
                 .as_deref()
                 .is_some_and(|a| reported.iter().any(|c| c == a))
             {
+                // Sighted at its pinned address: probe it now if it is marked LAN down
+                // (mailbox::lan_memory); the probe's answer clears the mark.
+                if crate::mailbox::lan_memory::probe_soon(conn, &host_s, now)? {
+                    return Ok(Some(None));
+                }
                 return Ok(None);
             }
             let tx = conn.transaction()?;
             let go = should_move(&tx, &host_s, peer.addr.as_deref(), Some(&reported))?
                 && take_heal_slot(&tx, &host_s, Slot::Mdns, now)?;
             tx.commit()?;
-            Ok(go.then_some(peer))
+            Ok(go.then_some(Some(peer)))
         })
         .await?;
-    if go.is_none() {
-        return Ok(None);
+    match go {
+        None => return Ok(None),
+        Some(None) => {
+            state.wake.notify_one();
+            return Ok(None);
+        }
+        Some(Some(_)) => {}
     }
     Ok(heal_first(state, host, &candidates, Via::Mdns).await)
 }

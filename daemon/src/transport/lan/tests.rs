@@ -529,6 +529,6 @@ async fn unknown_routes_are_404_and_the_server_stops_on_shutdown() {
         .unwrap()
         .unwrap();
     let e = n.client.get_agents(&n.beta.addr).await.unwrap_err();
-    assert!(matches!(e, LanError::Unreachable(_)), "{e:?}");
+    assert!(matches!(e, LanError::NoConnection(_)), "{e:?}");
     assert!(e.is_retryable());
 }

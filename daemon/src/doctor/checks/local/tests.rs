@@ -171,6 +171,40 @@ async fn outbox_warns_on_pending_rows_older_than_an_hour() {
     assert_eq!(stuck.status, Some(Status::Warn));
     assert!(stuck.details[0].starts_with("1 pending row(s) older than 1 h"));
     assert!(stuck.fix.is_some());
+    // The peer's route, and why: no LAN address and no relay configured.
+    assert_eq!(
+        stuck.details.last().map(String::as_str),
+        Some("work: no route (no LAN address, no relay)"),
+        "{stuck:?}"
+    );
+    // Its LAN address marked as not answering, a relay configured: the relay, and why.
+    let m = Mailbox::open(&s.path).unwrap();
+    m.with(|c| {
+        c.execute(
+            "UPDATE peers SET addr = '127.0.0.1:9' WHERE host = 'work'",
+            [],
+        )?;
+        let route = crate::mailbox::lan_memory::lan_route(c, "work")?;
+        crate::mailbox::lan_memory::mark_down(
+            c,
+            "work",
+            crate::mailbox::lan_memory::DownReason::Timeout,
+            NOW,
+            NOW + 5_000,
+            &route,
+        )?;
+        Ok(())
+    })
+    .unwrap();
+    let mut f = facts(NOW + 1_000);
+    f.relay_url = Some("https://relay.example".into());
+    let routed = checks::evaluate("outbox", &f).unwrap();
+    let last = routed.details.last().cloned().unwrap_or_default();
+    assert!(
+        last.starts_with("work: relay (LAN unreachable since ")
+            && last.ends_with("(timeout), next LAN probe in 4 s)"),
+        "{routed:?}"
+    );
 }
 
 #[test]

@@ -564,3 +564,42 @@ async fn the_loop_delivers_on_wake_and_stops_on_shutdown() {
         .expect("the loop stops on shutdown")
         .unwrap();
 }
+
+/// Only a failure to connect, or the LAN race, says the address does not answer; anything
+/// after a connection was made (a reset, a broken-off answer, the client's own timeout, a
+/// status) counts toward the two-failure rule instead.
+#[test]
+fn only_connect_failures_and_the_race_mark_at_once() {
+    let nc = |t: &str| LanError::NoConnection(t.to_string());
+    let un = |t: &str| LanError::Unreachable(t.to_string());
+    assert_eq!(
+        down_reason(&nc("connection refused")),
+        Some(DownReason::Refused)
+    );
+    assert_eq!(
+        down_reason(&nc("timed out after 3 s")),
+        Some(DownReason::Timeout)
+    );
+    assert_eq!(
+        down_reason(&nc("no route to host")),
+        Some(DownReason::Unreachable)
+    );
+    assert_eq!(
+        down_reason(&race_lost(Duration::from_secs(2))),
+        Some(DownReason::Timeout)
+    );
+    for after_connect in [
+        un("connection reset"),
+        un("the answer broke off: connection reset"),
+        un("connection closed before message completed"),
+        un("timed out after 15 s"),
+        un("the answer was not HTTP"),
+        LanError::Status {
+            status: 503,
+            error: "busy".into(),
+        },
+        LanError::BadAnswer("1 results for 2 envelopes".into()),
+    ] {
+        assert_eq!(down_reason(&after_connect), None, "{after_connect:?}");
+    }
+}

@@ -1,10 +1,11 @@
-//! The LAN goes first and hands a row to the relay after two failures, gives up after 72 hours
+//! The LAN goes first and hands a peer's rows to the relay once its address does not answer
+//! (a refusal, spec §10 "unreachable"), until the address answers again; gives up after 72 hours
 //! (never on a row a relay accepted), and the sweep ends rows no transport takes.
 
 use super::*;
 
 #[tokio::test]
-async fn the_lan_goes_first_the_relay_takes_over_after_two_failures_and_a_peer_back_returns_it() {
+async fn the_lan_goes_first_a_refusing_address_hands_the_peer_to_the_relay_until_it_answers() {
     let clock = testutil::clock();
     let home = Host::new("home", clock.clone());
     let work = testutil::identity("work");
@@ -32,11 +33,13 @@ async fn the_lan_goes_first_the_relay_takes_over_after_two_failures_and_a_peer_b
         assert!(relay(&c, T0).is_empty());
     }
     let d = home.delivery(true);
-    // First LAN failure: backoff 5 s; not due before, still the LAN's.
+    // First LAN failure: the address refuses, so it is unreachable (spec §10) and, a relay
+    // being configured, the peer is marked at once: the row goes to the relay now, without
+    // waiting out the LAN backoff (mailbox::lan_memory).
     let counts = d.pass().await.unwrap();
     assert_eq!(counts.failed, 1);
     let r = home.row(ID1, "work");
-    assert_eq!((r.attempts, r.lan_failures, r.next_at), (1, 1, T0 + 5_000));
+    assert_eq!((r.attempts, r.lan_failures, r.next_at), (1, 1, T0));
     // The stored error `sent` shows is in our words: no URL, no `(os error N)`.
     assert_eq!(
         r.last_error.as_deref(),
@@ -47,36 +50,27 @@ async fn the_lan_goes_first_the_relay_takes_over_after_two_failures_and_a_peer_b
         r.wire.is_some(),
         "sealed and persisted before the first attempt"
     );
+    let marked = |home: &Host| {
+        home.store
+            .mailbox
+            .with(|c| crate::mailbox::lan_memory::get(c, "work"))
+            .unwrap()
+            .unwrap()
+    };
+    assert_eq!(marked(&home).down_reason.as_deref(), Some("refused"));
     {
         let c = home.store.fresh_conn();
-        assert!(lan(&c, T0 + 4_999).is_empty(), "next_at is respected");
-        assert!(relay(&c, T0 + 4_999).is_empty());
+        assert!(lan(&c, T0).is_empty());
+        assert_eq!(relay(&c, T0), vec![ID1.to_string()]);
     }
-    assert_eq!(d.pass().await.unwrap(), PassCounts::default());
-    clock.set(T0 + 5_000);
-    d.pass().await.unwrap();
-    let r = home.row(ID1, "work");
-    assert_eq!((r.attempts, r.lan_failures, r.next_at), (2, 2, T0 + 15_000));
-    // After two LAN failures the relay takes it (when due), the LAN no longer does.
-    {
-        let c = home.store.fresh_conn();
-        assert!(relay(&c, T0 + 14_999).is_empty());
-        assert_eq!(relay(&c, T0 + 15_000), vec![ID1.to_string()]);
-        assert!(lan(&c, T0 + 15_000).is_empty());
-    }
-    clock.set(T0 + 15_000);
     assert_eq!(d.pass().await.unwrap(), PassCounts::default());
     // Without a relay the LAN keeps it.
     {
         let c = home.store.fresh_conn();
-        assert_eq!(
-            outbox::due_for_lan(&c, T0 + 15_000, 10, false)
-                .unwrap()
-                .len(),
-            1
-        );
+        assert_eq!(outbox::due_for_lan(&c, T0, 10, false).unwrap().len(), 1);
     }
-    // A verified hop from work: the row is due now and the LAN's again.
+    // A verified hop from work shows it is alive, not that its address answers: still the
+    // relay's.
     clock.set(T0 + 16_000);
     home.store
         .mailbox
@@ -84,14 +78,24 @@ async fn the_lan_goes_first_the_relay_takes_over_after_two_failures_and_a_peer_b
         .unwrap();
     {
         let c = home.store.fresh_conn();
+        assert!(lan(&c, T0 + 16_000).is_empty());
+        assert_eq!(relay(&c, T0 + 16_000), vec![ID1.to_string()]);
+    }
+    // The address answers a probe: the mark clears, the row is the LAN's again.
+    home.store
+        .mailbox
+        .with(|c| crate::mailbox::lan_memory::clear(c, "work", T0 + 16_000).map(|_| ()))
+        .unwrap();
+    {
+        let c = home.store.fresh_conn();
         assert_eq!(lan(&c, T0 + 16_000), vec![ID1.to_string()]);
         assert!(relay(&c, T0 + 16_000).is_empty());
     }
-    // One LAN try per sign of life: failing again hands it straight back to the relay (a peer
-    // that reaches us while we cannot reach it never keeps the row off the relay).
+    // It refuses again: marked again, straight back to the relay.
     d.pass().await.unwrap();
     let r = home.row(ID1, "work");
-    assert_eq!((r.attempts, r.lan_failures), (3, 2));
+    assert_eq!((r.attempts, r.lan_failures, r.next_at), (2, 2, T0 + 16_000));
+    assert!(marked(&home).down_since.is_some());
     {
         let c = home.store.fresh_conn();
         assert_eq!(relay(&c, r.next_at), vec![ID1.to_string()]);
@@ -227,6 +231,7 @@ async fn the_sweep_ends_rows_no_transport_takes_after_72_hours_but_never_relay_a
         crate::transport::select::choose(crate::transport::select::Facts {
             lan_failures: 0,
             has_addr: false,
+            lan_down: false,
             relay_configured,
         })
     };
