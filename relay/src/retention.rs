@@ -353,7 +353,7 @@ mod tests {
                             item_id: id.clone(),
                             targets: vec![PushTarget {
                                 target_pubkey: target.clone(),
-                                wire: id.as_bytes().to_vec(),
+                                wire: bytes::Bytes::copy_from_slice(id.as_bytes()),
                             }],
                         })
                         .collect(),

@@ -273,7 +273,7 @@ fn queue_notice(
         r.notices_over_cap += 1;
         return Ok(());
     }
-    let seq = allocate_seq(c, &it.sender, now_ms)?;
+    let (seq, _prev_seq) = allocate_seq(c, &it.sender, now_ms)?;
     let hash = wire_hash(&wire);
     let expires_at = now_ms.saturating_add(i64::from(limits.retention_days).saturating_mul(DAY_MS));
     c.prepare_cached(
