@@ -461,3 +461,259 @@ async fn deny(relay: &Relay, kind: &str, value: &str) {
         .await
         .expect("deny");
 }
+
+const ADMIN: &str = "admin-token-0123456789abcdef";
+
+/// A relay whose admin endpoints answer to [`ADMIN`].
+async fn admin_relay() -> Relay {
+    Relay::start_with_config(agentmbx_relay::config::RelayConfig {
+        admin_token: Some(agentmbx_relay::config::AdminToken::new(ADMIN).expect("token")),
+        ..Default::default()
+    })
+    .await
+}
+
+async fn admin(relay: &Relay, path: &str, body: Value) {
+    let headers = vec![
+        ("content-type".to_owned(), "application/json".to_owned()),
+        ("authorization".to_owned(), format!("Bearer {ADMIN}")),
+    ];
+    let r = relay
+        .send("POST", path, &headers, body.to_string().into_bytes())
+        .await;
+    r.assert_ok();
+}
+
+/// A stream that resumed and replayed (nothing queued): live from now on.
+async fn live(relay: &Relay, host: &Host) -> Ws {
+    let mut ws = open(relay, host).await;
+    ws.resume("", 0).await;
+    ws.replay().await;
+    ws
+}
+
+#[tokio::test]
+async fn a_key_revoked_while_connected_is_closed_with_4403() {
+    let relay = admin_relay().await;
+    let (alice, bob) = pair(&relay).await;
+    let mut a = live(&relay, &alice).await;
+    let mut b = live(&relay, &bob).await;
+    admin(
+        &relay,
+        "/v2/relay/admin/revoke",
+        json!({"host": bob.pubkey()}),
+    )
+    .await;
+    assert_eq!(b.closed().await, close::AUTH);
+    // Only that key's stream.
+    let carol = Host::new("carol");
+    relay.enrol(&carol).await;
+    let (id, _) = push_one(&relay, &carol, &alice, "still here").await;
+    assert_eq!(a.frame().await["item_id"], id.as_str());
+}
+
+#[tokio::test]
+async fn a_deny_entry_closes_only_the_streams_it_matches() {
+    let relay = admin_relay().await;
+    let (alice, bob) = pair(&relay).await;
+    let mut a = live(&relay, &alice).await;
+    let mut b = live(&relay, &bob).await;
+    // A client_id entry matches no stream of a host-key relay.
+    admin(
+        &relay,
+        "/v2/relay/admin/deny",
+        json!({"target": "client-bob", "kind": "client"}),
+    )
+    .await;
+    admin(
+        &relay,
+        "/v2/relay/admin/deny",
+        json!({"target": bob.key.public().fingerprint()}),
+    )
+    .await;
+    assert_eq!(b.closed().await, close::AUTH);
+    let carol = Host::new("carol");
+    relay.enrol(&carol).await;
+    let (id, _) = push_one(&relay, &carol, &alice, "alice is not denied").await;
+    assert_eq!(a.frame().await["item_id"], id.as_str());
+}
+
+#[tokio::test]
+async fn a_rotation_closes_the_old_keys_stream() {
+    let relay = Relay::start().await;
+    let old = Host::new("laptop");
+    let new = Host::new("laptop");
+    relay.enrol(&old).await;
+    relay.enrol(&new).await;
+    let mut ws = live(&relay, &old).await;
+    relay.clock.advance(1_000);
+    let rotation = agentmbx_protocol::rotation::SignedRotation::sign(
+        "laptop",
+        &old.key,
+        &new.key,
+        &new.enc.public(),
+        relay.now(),
+    );
+    let body = json!({ "rotation": rotation }).to_string();
+    relay
+        .plain("POST", "/v2/relay/rotate", &body)
+        .await
+        .assert_ok();
+    assert_eq!(ws.closed().await, close::AUTH);
+    // The new key streams.
+    let mut fresh = live(&relay, &new).await;
+    let alice = Host::new("alice");
+    relay.enrol(&alice).await;
+    let (id, _) = push_one(&relay, &alice, &new, "to the new key").await;
+    assert_eq!(fresh.frame().await["item_id"], id.as_str());
+}
+
+#[tokio::test]
+async fn a_second_stream_for_a_key_replaces_the_first_with_4409() {
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    let mut first = live(&relay, &bob).await;
+    let mut second = live(&relay, &bob).await;
+    assert_eq!(first.closed().await, close::REPLACED);
+    let (id, _) = push_one(&relay, &alice, &bob, "to the newer one").await;
+    assert_eq!(second.frame().await["item_id"], id.as_str());
+    let stats = relay.state.streams.stats();
+    assert_eq!(stats["open"], 1, "{stats}");
+    assert_eq!(stats["closes"]["4409"], 1, "{stats}");
+}
+
+/// Waits (up to [`WAIT`]) until `cond` holds.
+async fn until(what: &str, cond: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !cond() {
+        assert!(tokio::time::Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_reader_that_stops_reading_gets_lagged_and_the_queue_stays_bounded() {
+    use agentmbx_protocol::stream::STREAM_QUEUE_BYTES;
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    // A small receive buffer, so the kernel holds little of what the relay writes.
+    let mut ws = {
+        let n = nonce(&relay, &bob).await;
+        let target = format!("{STREAM_PATH}?nonce={n}");
+        let mut req = format!("ws://{}{target}", relay.addr())
+            .into_client_request()
+            .expect("request");
+        for (k, v) in bob.hop_headers("GET", &target, "", relay.now()) {
+            if k != "content-type" {
+                req.headers_mut().insert(
+                    axum::http::HeaderName::from_bytes(k.as_bytes()).expect("name"),
+                    v.parse().expect("value"),
+                );
+            }
+        }
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket.set_recv_buffer_size(4096).expect("rcvbuf");
+        let tcp = socket
+            .connect(relay.addr().parse().expect("addr"))
+            .await
+            .expect("connect");
+        Ws(tokio_tungstenite::client_async(req, tcp)
+            .await
+            .expect("upgrade")
+            .0)
+    };
+    ws.resume("", 0).await;
+    ws.replay().await;
+    // Stop reading; push far more than the queue holds (each item about 48 KiB of wire).
+    let body = "y".repeat(48 * 1024);
+    let mut pushed = Vec::new();
+    for _ in 0..80 {
+        pushed.push(push_one(&relay, &alice, &bob, &body).await.1);
+        let used = relay.state.streams.budget_used();
+        assert!(
+            used <= STREAM_QUEUE_BYTES + 1024,
+            "queued {used} bytes past the stream's cap"
+        );
+    }
+    let stats = relay.state.streams.stats();
+    assert_eq!(
+        stats["lagged"], 1,
+        "lagged once until the next resume: {stats}"
+    );
+    // Reading again: deliver frames in order, contiguous by prev_seq, then `lagged` from the
+    // first seq that was dropped.
+    let mut last = 0;
+    let from = loop {
+        let f = ws.frame().await;
+        match f["type"].as_str() {
+            Some("deliver") => {
+                assert_eq!(f["prev_seq"], last, "{f}");
+                last = f["seq"].as_i64().expect("seq");
+            }
+            Some("lagged") => break f["from_seq"].as_i64().expect("from_seq"),
+            _ => panic!("unexpected {f}"),
+        }
+    };
+    assert!(from > last && pushed.contains(&from), "{from} after {last}");
+    // A resume starts over: the replay from the client's position.
+    ws.resume("", last).await;
+    let (items, done) = ws.replay().await;
+    assert_eq!(items[0]["seq"], from);
+    assert!(done["replayed"].as_u64().expect("replayed") >= 1);
+    drop(ws);
+    until("the stream's bytes return to the budget", || {
+        relay.state.streams.running() == 0 && relay.state.streams.budget_used() == 0
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn shutdown_closes_every_stream_with_going_away() {
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    let mut a = live(&relay, &alice).await;
+    let mut b = live(&relay, &bob).await;
+    let stopping = tokio::spawn(relay.stop());
+    assert_eq!(a.closed().await, close::GOING_AWAY);
+    assert_eq!(b.closed().await, close::GOING_AWAY);
+    tokio::time::timeout(WAIT, stopping)
+        .await
+        .expect("serve returned within the deadline")
+        .expect("the stop task");
+}
+
+#[tokio::test]
+async fn a_stream_holds_its_connection_slot_until_it_closes() {
+    let relay = Relay::start_with_config(agentmbx_relay::config::RelayConfig {
+        max_connections: Some(1),
+        // The HTTP client's kept-alive connection (the info request) gives its slot back soon.
+        keep_alive_timeout_ms: Some(50),
+        ..Default::default()
+    })
+    .await;
+    let (_, bob) = pair(&relay).await;
+    let ws = live(&relay, &bob).await;
+    // The one slot is the stream's: another connection is not served while it is open.
+    let addr = relay.addr();
+    let (raw, early) = tokio::task::spawn_blocking(move || {
+        let mut raw = crate::helper::RawConn::connect(&addr);
+        raw.send(b"GET /v2/relay/info HTTP/1.1\r\nhost: relay\r\n\r\n")
+            .expect("send");
+        let early = raw.try_response(Duration::from_millis(500));
+        (raw, early)
+    })
+    .await
+    .expect("the raw connection");
+    assert!(
+        early.is_none(),
+        "answered while the stream held the only slot"
+    );
+    drop(ws);
+    let later = tokio::task::spawn_blocking(move || {
+        let mut raw = raw;
+        raw.try_response(WAIT)
+    })
+    .await
+    .expect("the raw connection");
+    assert_eq!(later.expect("answered once the stream closed").0, 200);
+}

@@ -63,6 +63,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use agentmbx_protocol::limits::RELAY_SMALL_BODY;
+use agentmbx_protocol::stream::close;
 
 use crate::admin::{self, AdminError};
 use crate::auth::{read_body, utf8};
@@ -205,6 +206,8 @@ pub async fn revoke(
     let b: RevokeBody = guarded_body(&state, req).await?;
     let (store, now) = (state.store.clone(), state.clock.now_ms());
     let r = run(move || admin::revoke(store.as_ref(), &b.host, now)).await?;
+    // Committed: the key's push stream, if one is open, closes (4403).
+    state.streams.close_key(&r.host.host_pubkey, close::AUTH);
     Ok(Json(
         json!({"ok": true, "newly_revoked": r.newly_revoked, "host": r.host}),
     ))
@@ -226,6 +229,20 @@ pub async fn deny(State(state): State<SharedRelay>, req: Request) -> Result<Json
     let k = kind(b.kind.as_deref())?;
     let (store, now) = (state.store.clone(), state.clock.now_ms());
     let e = run(move || admin::deny(store.as_ref(), &b.target, k, b.until_ms, now)).await?;
+    // Committed: close the push streams the entry matches (by its kind), 4403.
+    if e.is_active(now) {
+        let n = match e.kind {
+            DenyKind::Host => state
+                .streams
+                .close_where(close::AUTH, |s| s.fingerprint == e.value),
+            DenyKind::Client => state
+                .streams
+                .close_where(close::AUTH, |s| s.client_id.as_deref() == Some(&e.value)),
+        };
+        if n > 0 {
+            tracing::info!(streams = n, "push streams closed by a deny entry");
+        }
+    }
     Ok(Json(
         json!({"ok": true, "entry": admin::DenyView::of(&e, now)}),
     ))
@@ -288,6 +305,10 @@ pub async fn rotate_epoch(
         .map_err(AdminError::from)
     })
     .await?;
+    // Committed: every open stream hears the new epoch and resumes in it.
+    if let Ok(epoch) = state.store.epoch() {
+        state.streams.announce_epoch(&epoch);
+    }
     Ok(Json(receipt))
 }
 

@@ -333,7 +333,7 @@ fn next_frame(
         return Some(done);
     }
     while let Some(f) = hub.pop(stream) {
-        if f.lagged || skip_through == i64::MAX || f.seq > skip_through {
+        if f.marker || f.seq > skip_through {
             return Some(f.text);
         }
     }

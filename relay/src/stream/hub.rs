@@ -64,8 +64,8 @@ pub fn frame_text(frame: &ServerFrame) -> String {
 pub struct Queued {
     /// The seq of a `deliver` frame (the `lagged` marker carries its `from_seq`).
     pub seq: i64,
-    /// Whether it is the `lagged` marker (sent even when its seq was replayed).
-    pub lagged: bool,
+    /// Whether it is a marker (`lagged`, `epoch`): sent even when its seq was replayed.
+    pub marker: bool,
     /// The frame's JSON text.
     pub text: String,
 }
@@ -243,7 +243,7 @@ impl Hub {
             q.bytes += marker.len();
             q.frames.push_back(Queued {
                 seq: item.seq,
-                lagged: true,
+                marker: true,
                 text: marker,
             });
             self.counters.lagged.fetch_add(1, Ordering::Relaxed);
@@ -252,7 +252,7 @@ impl Hub {
             q.bytes += n;
             q.frames.push_back(Queued {
                 seq: item.seq,
-                lagged: false,
+                marker: false,
                 text,
             });
         }
@@ -299,6 +299,28 @@ impl Hub {
         drop(q);
         self.release(f.text.len());
         Some(f)
+    }
+
+    /// Tells every stream the relay's epoch changed: its queue is emptied, it stops being live
+    /// and `epoch {epoch}` is queued; the client runs spec §5's new-epoch handling and resumes.
+    pub fn announce_epoch(&self, epoch: &str) {
+        let all: Vec<Arc<Stream>> = self.map().values().cloned().collect();
+        let text = frame_text(&ServerFrame::Epoch {
+            epoch: epoch.to_owned(),
+        });
+        for s in all {
+            self.reset(&s, false);
+            let mut q = s.lock();
+            self.budget_used.fetch_add(text.len(), Ordering::AcqRel);
+            q.bytes += text.len();
+            q.frames.push_back(Queued {
+                seq: 0,
+                marker: true,
+                text: text.clone(),
+            });
+            drop(q);
+            s.wake.notify_one();
+        }
     }
 
     /// Asks `key`'s stream to close with `code`; true when there was one.
@@ -454,7 +476,7 @@ mod tests {
         let mut delivered = 0;
         let mut lagged = Vec::new();
         while let Some(f) = hub.pop(&reg.stream) {
-            if f.lagged {
+            if f.marker {
                 lagged.push(f.seq);
             } else {
                 delivered += 1;
