@@ -22,13 +22,13 @@ use crate::helper::{env_item, sealed_wire, Host, Relay};
 const WAIT: Duration = Duration::from_secs(10);
 
 /// A client's end of one stream.
-struct Ws(WebSocketStream<tokio::net::TcpStream>);
+pub(crate) struct Ws(pub(crate) WebSocketStream<tokio::net::TcpStream>);
 
 /// A refused upgrade: the HTTP status and the JSON body.
 #[derive(Debug)]
-struct Refused {
-    status: u16,
-    body: Value,
+pub(crate) struct Refused {
+    pub(crate) status: u16,
+    pub(crate) body: Value,
 }
 
 impl Refused {
@@ -40,7 +40,7 @@ impl Refused {
 }
 
 /// `you.stream_nonce` of a signed info for `host`.
-async fn nonce(relay: &Relay, host: &Host) -> String {
+pub(crate) async fn nonce(relay: &Relay, host: &Host) -> String {
     let r = relay.hop(host, "GET", "/v2/relay/info", "").await;
     r.assert_ok();
     r.json["you"]["stream_nonce"]
@@ -50,7 +50,7 @@ async fn nonce(relay: &Relay, host: &Host) -> String {
 }
 
 /// The upgrade signed by `host` at `ts_ms` with `nonce` (and `extra` headers).
-async fn upgrade_with(
+pub(crate) async fn upgrade_with(
     relay: &Relay,
     host: &Host,
     nonce: &str,
@@ -105,20 +105,20 @@ async fn open(relay: &Relay, host: &Host) -> Ws {
 }
 
 impl Ws {
-    async fn send(&mut self, frame: Value) {
+    pub(crate) async fn send(&mut self, frame: Value) {
         self.0
             .send(Message::Text(frame.to_string().into()))
             .await
             .expect("send a frame");
     }
 
-    async fn resume(&mut self, epoch: &str, after: i64) {
+    pub(crate) async fn resume(&mut self, epoch: &str, after: i64) {
         self.send(json!({"type": "resume", "epoch": epoch, "after": after}))
             .await;
     }
 
     /// The next text frame (pings included), or a panic naming what came instead.
-    async fn frame(&mut self) -> Value {
+    pub(crate) async fn frame(&mut self) -> Value {
         loop {
             let next = tokio::time::timeout(WAIT, self.0.next())
                 .await
@@ -134,7 +134,7 @@ impl Ws {
     }
 
     /// The frames of one replay: the `deliver`s, then `resume_complete`.
-    async fn replay(&mut self) -> (Vec<Value>, Value) {
+    pub(crate) async fn replay(&mut self) -> (Vec<Value>, Value) {
         let mut delivered = Vec::new();
         loop {
             let f = self.frame().await;
@@ -147,7 +147,7 @@ impl Ws {
     }
 
     /// Reads until the relay closes; returns the close code (frames before it are skipped).
-    async fn closed(&mut self) -> u16 {
+    pub(crate) async fn closed(&mut self) -> u16 {
         loop {
             let next = tokio::time::timeout(WAIT, self.0.next())
                 .await
@@ -716,4 +716,34 @@ async fn a_stream_holds_its_connection_slot_until_it_closes() {
     .await
     .expect("the raw connection");
     assert_eq!(later.expect("answered once the stream closed").0, 200);
+}
+
+#[tokio::test]
+async fn an_expiry_notice_from_the_sweep_is_delivered_live_and_counted_in_admin_stats() {
+    let relay = admin_relay().await;
+    let (alice, bob) = pair(&relay).await;
+    let (id, _) = push_one(&relay, &alice, &bob, "never pulled").await;
+    let mut a = live(&relay, &alice).await;
+    let days = i64::from(agentmbx_relay::config::LimitsConfig::default().retention_days);
+    relay.clock.advance(days * 86_400_000);
+    let report = relay.sweep().await;
+    assert_eq!(report.notices, 1);
+    let f = a.frame().await;
+    assert_eq!(f["kind"], "expired", "{f}");
+    assert_eq!(f["replay"], false);
+    assert_eq!(f["prev_seq"], 0);
+    assert_eq!(f["seq"], report.stored[0].seq);
+    assert_eq!(f["sender_pubkey"], relay.relay_pub.to_b64().as_str());
+    assert!(f["item_id"].as_str().expect("id").contains(&id));
+    let headers = vec![("authorization".to_owned(), format!("Bearer {ADMIN}"))];
+    let r = relay
+        .send("GET", "/v2/relay/admin/stats", &headers, Vec::new())
+        .await;
+    let streams = &r.assert_ok()["streams"];
+    assert_eq!(streams["open"], 1, "{streams}");
+    assert_eq!(streams["queued_bytes"], 0, "{streams}");
+    assert_eq!(
+        streams["budget_bytes"],
+        agentmbx_protocol::stream::RELAY_STREAM_BUDGET_BYTES
+    );
 }

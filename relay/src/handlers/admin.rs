@@ -11,7 +11,7 @@
 //! | POST /v2/relay/admin/undeny | `{target, kind?}` | `{ok:true, removed, kind, value}` |
 //! | POST /v2/relay/admin/rotate-epoch | `{}` | the receipt `{v:1, type:"relay-epoch-rotated", at, store, from, to, by:"operator"}` |
 //! | POST /v2/relay/admin/backup-receipt | `{receipt}` (a `relay-backup` receipt of this relay's store, [`crate::ops::check_backup_receipt`]) | `{ok:true, id, receipt}` (its relay-log id, and the receipt as logged: signed by the relay key) |
-//! | GET /v2/relay/admin/stats | — | `{write_requests, groups, commits, queued, refused, instance_conflicts}`: the store writer's counters since the relay started ([`crate::store::StoreStats`]; `commits` is the number of fsynced group transactions, so accepted items ÷ commits is items per fsync) and `refused: {push: {<reason>: n}, auth: {<reason>: n}}`, refusals by reason since the relay started (table below), and `instance_conflicts: {detected, active}`, the host keys seen used by two daemons at once ([`crate::instances`]); 404 `NOT_FOUND` for a store that keeps none |
+//! | GET /v2/relay/admin/stats | — | `{write_requests, groups, commits, queued, refused, instance_conflicts, streams}`: the store writer's counters since the relay started ([`crate::store::StoreStats`]; `commits` is the number of fsynced group transactions, so accepted items ÷ commits is items per fsync) and `refused: {push: {<reason>: n}, auth: {<reason>: n}}`, refusals by reason since the relay started (table below), `instance_conflicts: {detected, active}`, the host keys seen used by two daemons at once ([`crate::instances`]), and `streams: {open, running, opened, lagged, dropped_frames, queued_bytes, budget_bytes, closes: {<code>: n}}`, the push streams ([`crate::stream::hub`]); 404 `NOT_FOUND` for a store that keeps none |
 //!
 //! `refused` ([`crate::refusals`]) lists every key, 0 when it never happened; the counters live
 //! in the running relay's memory only (`relay status` reads the store and cannot show them).
@@ -349,7 +349,9 @@ pub async fn backup_receipt(
 /// the refusals by reason since the relay started (`{push: {<reason>: n}, auth: {<reason>: n}}`,
 /// every key of [`crate::refusals`] listed), and `instance_conflicts: {detected, active}` (two
 /// daemons on one host key: detections since the start, keys reported now;
-/// [`crate::instances::InstanceStats`]); 404 `NOT_FOUND` when the store keeps none. Reads
+/// [`crate::instances::InstanceStats`]), and `streams` (the push streams: `{open, running,
+/// opened, lagged, dropped_frames, queued_bytes, budget_bytes, closes: {<code>: n}}`,
+/// [`crate::stream::hub::Hub::stats`]); 404 `NOT_FOUND` when the store keeps none. Reads
 /// atomics and memory only: it never touches the database.
 pub async fn stats(State(state): State<SharedRelay>, req: Request) -> Result<Json<Value>, Refusal> {
     guard(&state, &req)?;
@@ -363,5 +365,6 @@ pub async fn stats(State(state): State<SharedRelay>, req: Request) -> Result<Jso
         "queued": s.queued,
         "refused": state.refused.to_json(),
         "instance_conflicts": state.instances.stats(),
+        "streams": state.streams.stats(),
     })))
 }
