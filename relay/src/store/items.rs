@@ -18,8 +18,9 @@ pub enum Expiry {
 pub struct PushTarget {
     /// The target host key.
     pub target_pubkey: String,
-    /// The exact bytes to store (decoded from `wire_b64`).
-    pub wire: Vec<u8>,
+    /// The exact bytes to store (decoded from `wire_b64`), shared: the push handler keeps a
+    /// handle to publish them on the target's push stream after the commit.
+    pub wire: bytes::Bytes,
 }
 
 /// One pushed item, validated by the handler (id, kind, size, wire shape).
@@ -143,6 +144,11 @@ pub struct TargetAccept {
     pub seq: i64,
     /// Lowercase hex SHA-256 of the stored wire bytes.
     pub wire_hash: String,
+    /// For a target stored fresh by this push: the target's head seq just before `seq` was
+    /// allocated (0 if none), read in the same transaction, so no item for the target lies
+    /// strictly between the two (the push stream's `deliver.prev_seq`,
+    /// `docs/relay-stream.md`). `None` for a duplicate: nothing new was stored.
+    pub prev_seq: Option<i64>,
 }
 
 /// The store's verdict on one pushed item.
