@@ -207,3 +207,43 @@ fn close_codes_and_delays() {
     assert!(replaced_delay(3) >= REPLACED_MIN * 4);
     assert!(replaced_delay(100) <= REPLACED_MAX + REPLACED_MAX / 4);
 }
+
+#[tokio::test]
+async fn an_epoch_frame_runs_the_new_epoch_handling_and_asks_for_a_pass_and_a_resume() {
+    let s = Setup::new(true).await;
+    let mut g = testutil::ids();
+    let m1 = g.next(T0);
+    let peer = s.peer_pub();
+    let w1 = s.peer_wire(&m1, "one");
+    s.client
+        .epoch_changed("e1", crate::mailbox::outbox::Repush::Epoch, "test")
+        .await
+        .unwrap();
+    let mut pos = at(&s.client, "e1").await.unwrap();
+    let mut turn = Turn::default();
+    handle(
+        &s.client,
+        deliver(50, 0, &m1, &peer, &w1),
+        &mut pos,
+        &mut turn,
+    )
+    .await
+    .unwrap();
+    assert_eq!(s.position().received_through, 50);
+
+    let mut turn = Turn::default();
+    handle(
+        &s.client,
+        ServerFrame::Epoch { epoch: "e2".into() },
+        &mut pos,
+        &mut turn,
+    )
+    .await
+    .unwrap();
+    // Spec §5: the position restarts at 0 in the new epoch, recorded in one transaction.
+    let p = s.position();
+    assert_eq!((p.epoch.as_str(), p.received_through), ("e2", 0));
+    assert_eq!((pos.epoch.as_str(), pos.through), ("e2", 0));
+    assert!(turn.pull && turn.push && turn.resume, "{turn:?}");
+    assert_eq!(s.audits("relay.epoch_changed").len(), 1);
+}
