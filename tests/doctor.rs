@@ -258,6 +258,7 @@ fn list_and_unknown_ids() {
             "relay-reachable",
             "relay-key",
             "relay-enrolled",
+            "relay-stream",
             "enc-ad",
             "clock-skew",
             "outbox",

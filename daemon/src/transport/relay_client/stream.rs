@@ -14,8 +14,10 @@
 //!   after the commits of a run of frames, once no further frame is waiting. `resume_complete`
 //!   with a head above what was stored, `lagged` and a gap run a pull; `epoch` runs spec §5's
 //!   new-epoch handling ([`RelayClient::epoch_changed`]) and a pass, then resumes; `ping` is
-//!   answered `pong`. A send (the loop's wake) or a due row runs a push pass without a pull,
-//!   and a pull runs at least every [`SAFETY_PULL_EVERY`].
+//!   answered `pong`. A send (the loop's wake), a due row or a commit by another process (seen
+//!   every [`STORE_CHECK_EVERY`] from SQLite's `data_version`: a pairing by the CLI must reach
+//!   the allowlist) runs a pass without a pull, and a pull runs at least every
+//!   [`SAFETY_PULL_EVERY`].
 //! - [`StreamRecord`]: what the stream does, kept in `mailbox.db` (kv `relay-stream:<url>`,
 //!   written only when it changes) for `doctor`'s `relay-stream` check.
 //!
@@ -45,6 +47,12 @@ use crate::mailbox::relay_state::{kv_get, kv_set};
 
 /// While the stream is up, a pull still runs at least this often (ms: 5 min), as a safety net.
 pub const SAFETY_PULL_EVERY: Duration = Duration::from_secs(300);
+
+/// While the stream is up, how often the daemon looks (locally, no request) whether another
+/// process changed `mailbox.db` (SQLite's `data_version`: e.g. `agentmbx peers add`, which the
+/// allowlist, a quarantine retry or a rotation at the relay must follow): 5 s. A change runs a
+/// pass without a pull, as polling would have.
+pub const STORE_CHECK_EVERY: Duration = Duration::from_secs(5);
 
 /// Where the stream cannot be opened (no nonce, upgrade refused, 404), the daemon polls and
 /// tries the stream again after this (5 min).
@@ -326,6 +334,8 @@ pub async fn serve(
     // The pass that preceded the stream pulled.
     let mut last_pull = tokio::time::Instant::now();
     let mut due_row = next_due(client).await;
+    let mut version = data_version(client).await;
+    let mut next_check = tokio::time::Instant::now() + STORE_CHECK_EVERY;
     loop {
         let safety = last_pull + SAFETY_PULL_EVERY;
         let due = due_row.map_or(safety, |d| d.min(safety));
@@ -336,6 +346,7 @@ pub async fn serve(
                 m = ws.next() => Some(Some(m)),
                 _ = wake.notified() => Some(None),
                 _ = tokio::time::sleep_until(due) => Some(None),
+                _ = tokio::time::sleep_until(next_check) => Some(None),
             }
         })
         .await;
@@ -365,9 +376,18 @@ pub async fn serve(
                 }
             }
             None => {
-                // A send, a due row, or the safety net.
-                turn.push = true;
-                turn.pull = tokio::time::Instant::now() >= safety;
+                let now = tokio::time::Instant::now();
+                turn.pull = now >= safety;
+                if now >= next_check {
+                    // Another process's commit: a pass; else nothing to do.
+                    next_check = now + STORE_CHECK_EVERY;
+                    let v = data_version(client).await;
+                    turn.push = turn.pull || v != version || due_row.is_some_and(|d| now >= d);
+                    version = v;
+                } else {
+                    // A send, a due row, or the safety net.
+                    turn.push = true;
+                }
             }
         }
         if turn.ack {
@@ -430,6 +450,16 @@ fn resume(pos: &Position) -> ClientFrame {
         epoch: pos.epoch.clone(),
         after: pos.through,
     }
+}
+
+/// SQLite's `data_version` of the store's connection: it changes when another connection (another
+/// process) committed. `None` when it cannot be read (the next check tries again).
+async fn data_version(client: &RelayClient) -> Option<i64> {
+    client
+        .mailbox
+        .run(|c| Ok(c.query_row("PRAGMA data_version", [], |r| r.get::<_, i64>(0))?))
+        .await
+        .ok()
 }
 
 /// When the next outbox row or receipt is due for the relay.
