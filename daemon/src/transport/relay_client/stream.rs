@@ -16,7 +16,8 @@
 //!   new-epoch handling ([`RelayClient::epoch_changed`]) and a pass, then resumes; `ping` is
 //!   answered `pong`. A send (the loop's wake), a due row or a commit by another process (seen
 //!   every [`STORE_CHECK_EVERY`] from SQLite's `data_version`: a pairing by the CLI must reach
-//!   the allowlist) runs a pass without a pull, and a pull runs at least every
+//!   the allowlist; the same check finds rows the LAN handed over to the relay) runs a pass
+//!   without a pull, and a pull runs at least every
 //!   [`SAFETY_PULL_EVERY`].
 //! - [`StreamRecord`]: what the stream does, kept in `mailbox.db` (kv `relay-stream:<url>`,
 //!   written only when it changes) for `doctor`'s `relay-stream` check.
@@ -50,8 +51,9 @@ pub const SAFETY_PULL_EVERY: Duration = Duration::from_secs(300);
 
 /// While the stream is up, how often the daemon looks (locally, no request) whether another
 /// process changed `mailbox.db` (SQLite's `data_version`: e.g. `agentmbx peers add`, which the
-/// allowlist, a quarantine retry or a rotation at the relay must follow): 5 s. A change runs a
-/// pass without a pull, as polling would have.
+/// allowlist, a quarantine retry or a rotation at the relay must follow) or a row became due
+/// for the relay (handed over by the LAN): 5 s. Either runs a pass without a pull, as polling
+/// would have.
 pub const STORE_CHECK_EVERY: Duration = Duration::from_secs(5);
 
 /// Where the stream cannot be opened (no nonce, upgrade refused, 404), the daemon polls and
@@ -379,10 +381,12 @@ pub async fn serve(
                 let now = tokio::time::Instant::now();
                 turn.pull = now >= safety;
                 if now >= next_check {
-                    // Another process's commit: a pass; else nothing to do.
+                    // Another process's commit, or a row the LAN handed over to the relay
+                    // since the last pass: a pass; else nothing to do.
                     next_check = now + STORE_CHECK_EVERY;
                     let v = data_version(client).await;
-                    turn.push = turn.pull || v != version || due_row.is_some_and(|d| now >= d);
+                    due_row = next_due(client).await;
+                    turn.push = turn.pull || v != version || due_row.is_some_and(|d| d <= now);
                     version = v;
                 } else {
                     // A send, a due row, or the safety net.
