@@ -336,7 +336,7 @@ pub async fn serve(
     // The pass that preceded the stream pulled.
     let mut last_pull = tokio::time::Instant::now();
     let mut due_row = next_due(client).await;
-    let mut version = data_version(client).await;
+    let mut version = store_check(client).await.0;
     let mut next_check = tokio::time::Instant::now() + STORE_CHECK_EVERY;
     loop {
         let safety = last_pull + SAFETY_PULL_EVERY;
@@ -384,8 +384,8 @@ pub async fn serve(
                     // Another process's commit, or a row the LAN handed over to the relay
                     // since the last pass: a pass; else nothing to do.
                     next_check = now + STORE_CHECK_EVERY;
-                    let v = data_version(client).await;
-                    due_row = next_due(client).await;
+                    let (v, due) = store_check(client).await;
+                    due_row = due;
                     turn.push = turn.pull || v != version || due_row.is_some_and(|d| d <= now);
                     version = v;
                 } else {
@@ -456,14 +456,32 @@ fn resume(pos: &Position) -> ClientFrame {
     }
 }
 
-/// SQLite's `data_version` of the store's connection: it changes when another connection (another
-/// process) committed. `None` when it cannot be read (the next check tries again).
-async fn data_version(client: &RelayClient) -> Option<i64> {
-    client
+/// SQLite's `data_version` of the store's connection (it changes when another connection,
+/// another process, committed; `None` when it cannot be read, and the next check tries again)
+/// and when the next row or receipt is due for the relay, in one trip to the store.
+async fn store_check(client: &RelayClient) -> (Option<i64>, Option<tokio::time::Instant>) {
+    let now = client.clock.now_ms();
+    let read = client
         .mailbox
-        .run(|c| Ok(c.query_row("PRAGMA data_version", [], |r| r.get::<_, i64>(0))?))
-        .await
-        .ok()
+        .run(move |c| {
+            let version: i64 = c.query_row("PRAGMA data_version", [], |r| r.get(0))?;
+            Ok((version, due_at(c, now)?))
+        })
+        .await;
+    match read {
+        Ok((v, at)) => (Some(v), at.map(|at| instant_of(at, now))),
+        Err(_) => (None, None),
+    }
+}
+
+fn due_at(c: &rusqlite::Connection, now: i64) -> Result<Option<i64>, crate::mailbox::MailboxError> {
+    let rows = crate::mailbox::outbox::next_due_for_relay(c, now)?;
+    let receipts = crate::mailbox::receipts::next_due_for_relay(c, now)?;
+    Ok(rows.into_iter().chain(receipts).min())
+}
+
+fn instant_of(at_ms: i64, now_ms: i64) -> tokio::time::Instant {
+    tokio::time::Instant::now() + Duration::from_millis((at_ms - now_ms).max(0) as u64)
 }
 
 /// When the next outbox row or receipt is due for the relay.
@@ -471,15 +489,11 @@ async fn next_due(client: &RelayClient) -> Option<tokio::time::Instant> {
     let now = client.clock.now_ms();
     let at = client
         .mailbox
-        .run(move |c| {
-            let rows = crate::mailbox::outbox::next_due_for_relay(c, now)?;
-            let receipts = crate::mailbox::receipts::next_due_for_relay(c, now)?;
-            Ok(rows.into_iter().chain(receipts).min())
-        })
+        .run(move |c| due_at(c, now))
         .await
         .ok()
         .flatten()?;
-    Some(tokio::time::Instant::now() + Duration::from_millis((at - now).max(0) as u64))
+    Some(instant_of(at, now))
 }
 
 async fn send(ws: &mut Ws, frame: &ClientFrame) -> Result<(), End> {
