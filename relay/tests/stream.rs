@@ -747,3 +747,26 @@ async fn an_expiry_notice_from_the_sweep_is_delivered_live_and_counted_in_admin_
         agentmbx_protocol::stream::RELAY_STREAM_BUDGET_BYTES
     );
 }
+
+#[tokio::test]
+async fn an_epoch_rotation_is_announced_and_the_stream_waits_for_a_resume_in_it() {
+    let relay = admin_relay().await;
+    let (alice, bob) = pair(&relay).await;
+    let old = relay.epoch().await;
+    let mut ws = open(&relay, &bob).await;
+    ws.resume(&old, 0).await;
+    ws.replay().await;
+    admin(&relay, "/v2/relay/admin/rotate-epoch", json!({})).await;
+    let new = relay.epoch().await;
+    assert_ne!(new, old);
+    assert_eq!(ws.frame().await, json!({"type": "epoch", "epoch": new}));
+    // Not live: a push now reaches bob through the next replay, not as a live frame.
+    let (id, seq) = push_one(&relay, &alice, &bob, "after the rotation").await;
+    ws.resume(&old, 0).await;
+    assert_eq!(ws.frame().await, json!({"type": "epoch", "epoch": new}));
+    ws.resume(&new, 0).await;
+    let (items, done) = ws.replay().await;
+    assert_eq!(items.len(), 1);
+    assert_eq!(items[0]["item_id"], id.as_str());
+    assert_eq!(done["head_seq"], seq);
+}

@@ -491,6 +491,19 @@ mod tests {
     }
 
     #[test]
+    fn an_item_larger_than_the_queue_is_lagged_at_once() {
+        let hub = Arc::new(Hub::default());
+        let reg = hub.register("K", "fp", None);
+        hub.reset(&reg.stream, true);
+        hub.publish("K", &item(7, STREAM_QUEUE_BYTES));
+        let f = hub.pop(&reg.stream).expect("a frame");
+        assert!(f.marker);
+        assert_eq!(f.text, r#"{"type":"lagged","from_seq":7}"#);
+        assert!(hub.pop(&reg.stream).is_none());
+        assert_eq!(hub.budget_used(), 0);
+    }
+
+    #[test]
     fn the_relay_budget_bounds_all_queues_together() {
         let hub = Arc::new(Hub::with_budget(50_000));
         let a = hub.register("A", "fa", None);
