@@ -386,6 +386,17 @@ async fn a_nonce_is_single_use_bound_to_its_key_and_expires() {
         "missing, unknown, used or expired stream nonce (ask GET /v2/relay/info for one)",
         "BAD_NONCE",
     );
+    // A signed GET that is not an upgrade: refused, and its nonce is spent.
+    let n = nonce(&relay, &bob).await;
+    let target = format!("{STREAM_PATH}?nonce={n}");
+    let r = relay.hop(&bob, "GET", &target, "").await;
+    assert!(matches!(r.status, 400 | 426), "{r:#?}");
+    assert_eq!(r.str("code"), "NOT_UPGRADE", "{r:#?}");
+    upgrade(&relay, &bob, &n)
+        .await
+        .err()
+        .expect("refused")
+        .assert(401, "BAD_NONCE");
     // Used twice.
     let n = nonce(&relay, &bob).await;
     let ws = upgrade(&relay, &bob, &n).await.expect("first use");

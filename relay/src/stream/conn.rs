@@ -287,17 +287,24 @@ pub async fn run<H: Send>(
             }
         }
     };
-    if let Ended::Closed(code) = ended {
-        hub.count_close(code);
-        let frame = Message::Close(Some(CloseFrame {
-            code,
-            reason: Utf8Bytes::from_static(close_reason(code)),
-        }));
-        let _ = tokio::time::timeout(CLOSE_WRITE_LIMIT, async {
-            let _ = sink.send(frame).await;
-            let _ = sink.close().await;
-        })
-        .await;
+    match ended {
+        Ended::Closed(code) => {
+            hub.count_close(code);
+            let frame = Message::Close(Some(CloseFrame {
+                code,
+                reason: Utf8Bytes::from_static(close_reason(code)),
+            }));
+            let _ = tokio::time::timeout(CLOSE_WRITE_LIMIT, async {
+                let _ = sink.send(frame).await;
+                let _ = sink.close().await;
+            })
+            .await;
+        }
+        // The client closed (its close is answered by the WebSocket layer: flush it) or the
+        // socket failed (this returns at once).
+        Ended::Gone => {
+            let _ = tokio::time::timeout(CLOSE_WRITE_LIMIT, sink.close()).await;
+        }
     }
     drop(reg);
     drop(hold);
