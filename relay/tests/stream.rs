@@ -781,3 +781,32 @@ async fn an_epoch_rotation_is_announced_and_the_stream_waits_for_a_resume_in_it(
     assert_eq!(items[0]["item_id"], id.as_str());
     assert_eq!(done["head_seq"], seq);
 }
+
+#[tokio::test]
+async fn pings_keep_an_answering_stream_open_and_a_silent_one_is_closed_with_policy() {
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    // Shortened timers (the contract's are 25 s and 60 s): a ping every 50 ms, 300 ms to answer.
+    relay.state.streams.set_timers(50, 300);
+    let mut ws = live(&relay, &bob).await;
+    // Answer ten pings: well past the pong timeout, the stream is still open.
+    let mut ids = Vec::new();
+    while ids.len() < 10 {
+        let f = ws.frame().await;
+        assert_eq!(f["type"], "ping", "{f}");
+        let id = f["id"].as_u64().expect("id");
+        ws.send(json!({"type": "pong", "id": id})).await;
+        ids.push(id);
+    }
+    assert!(ids.windows(2).all(|w| w[1] > w[0]), "{ids:?}");
+    let (id, _) = push_one(&relay, &alice, &bob, "still open").await;
+    loop {
+        let f = ws.frame().await;
+        if f["type"] == "deliver" {
+            assert_eq!(f["item_id"], id.as_str());
+            break;
+        }
+    }
+    // Stop answering: closed with 1008.
+    assert_eq!(ws.closed().await, close::POLICY);
+}

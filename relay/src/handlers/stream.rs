@@ -82,7 +82,7 @@ async fn upgrade(state: SharedRelay, req: Request) -> Result<Response, Response>
     let key = enrolment.host_pubkey.clone();
     let fingerprint = crate::auth::parse_key(&key).map_or_else(String::new, |k| k.fingerprint());
     let client_id = token.as_ref().map(|t| t.client_id.clone());
-    let (ping_every, pong_timeout) = ConnParams::timers();
+    let (ping_every, pong_timeout) = state.streams.timers();
     let params = ConnParams {
         store: state.store.clone(),
         clock: state.clock.clone(),

@@ -28,9 +28,7 @@ use futures_util::{SinkExt, StreamExt};
 use tokio::time::Instant;
 
 use agentmbx_protocol::clock::SharedClock;
-use agentmbx_protocol::stream::{
-    close, ClientFrame, ServerFrame, MAX_CLIENT_FRAME, PING_EVERY_MS, PONG_TIMEOUT_MS,
-};
+use agentmbx_protocol::stream::{close, ClientFrame, ServerFrame, MAX_CLIENT_FRAME};
 
 use super::hub::{frame_text, Registration};
 use crate::store::{PullRequest, PulledItem, RelayStore, MAX_PULL_ITEMS};
@@ -52,20 +50,12 @@ pub struct ConnParams {
     /// The account token's `exp` in ms (account relays, spec §8): the stream closes with
     /// [`close::TOKEN_EXPIRED`] once the relay clock reaches it.
     pub token_exp_ms: Option<i64>,
-    /// Ping period (the contract's [`PING_EVERY_MS`]).
+    /// Ping period (the contract's
+    /// [`PING_EVERY_MS`](agentmbx_protocol::stream::PING_EVERY_MS), [`super::hub::Hub::timers`]).
     pub ping_every: Duration,
-    /// No pong for this long after a ping closes with [`close::POLICY`] ([`PONG_TIMEOUT_MS`]).
+    /// No pong for this long after a ping closes with [`close::POLICY`]
+    /// ([`PONG_TIMEOUT_MS`](agentmbx_protocol::stream::PONG_TIMEOUT_MS)).
     pub pong_timeout: Duration,
-}
-
-impl ConnParams {
-    /// The contract's ping period and pong timeout.
-    pub fn timers() -> (Duration, Duration) {
-        (
-            Duration::from_millis(PING_EVERY_MS),
-            Duration::from_millis(PONG_TIMEOUT_MS),
-        )
-    }
 }
 
 /// How a connection ended.

@@ -153,6 +153,9 @@ pub struct Hub {
     ended: tokio::sync::Notify,
     /// Set by [`Hub::shut_down`]: a stream registered afterwards closes at once (1001).
     closing: AtomicBool,
+    /// Ping period and pong timeout of streams opened from now on, in ms.
+    ping_ms: AtomicU64,
+    pong_ms: AtomicU64,
     counters: Counters,
 }
 
@@ -174,6 +177,8 @@ impl Hub {
             running: AtomicUsize::new(0),
             ended: tokio::sync::Notify::new(),
             closing: AtomicBool::new(false),
+            ping_ms: AtomicU64::new(agentmbx_protocol::stream::PING_EVERY_MS),
+            pong_ms: AtomicU64::new(agentmbx_protocol::stream::PONG_TIMEOUT_MS),
             counters: Counters::default(),
         }
     }
@@ -363,6 +368,22 @@ impl Hub {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         *closes.entry(code).or_default() += 1;
+    }
+
+    /// The ping period and pong timeout of streams opened from now on: the contract's 25,000
+    /// and 60,000 ms unless [`Hub::set_timers`] changed them.
+    pub fn timers(&self) -> (std::time::Duration, std::time::Duration) {
+        (
+            std::time::Duration::from_millis(self.ping_ms.load(Ordering::Relaxed)),
+            std::time::Duration::from_millis(self.pong_ms.load(Ordering::Relaxed)),
+        )
+    }
+
+    /// Sets the ping period and pong timeout (ms, at least 1) of streams opened from now on.
+    /// Only tests change them (the contract fixes 25 s and 60 s).
+    pub fn set_timers(&self, ping_ms: u64, pong_ms: u64) {
+        self.ping_ms.store(ping_ms.max(1), Ordering::Relaxed);
+        self.pong_ms.store(pong_ms.max(1), Ordering::Relaxed);
     }
 
     /// Streams registered now (one per host key).
