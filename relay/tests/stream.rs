@@ -810,3 +810,39 @@ async fn pings_keep_an_answering_stream_open_and_a_silent_one_is_closed_with_pol
     // Stop answering: closed with 1008.
     assert_eq!(ws.closed().await, close::POLICY);
 }
+
+#[tokio::test]
+async fn a_client_that_keeps_sending_is_answered_in_turn_and_the_stream_stays_open() {
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    let mut ws = live(&relay, &bob).await;
+    let (mut tx, mut rx) = ws.0.split();
+    const N: usize = 2_000;
+    let writer = tokio::spawn(async move {
+        for i in 0..N {
+            let frame = json!({"type": format!("x{i}"), "pad": "p".repeat(1_000)}).to_string();
+            tx.send(Message::Text(frame.into())).await.expect("send");
+        }
+        tx
+    });
+    // Every frame answered, in order, while the client keeps writing.
+    for i in 0..N {
+        let f = loop {
+            match tokio::time::timeout(WAIT, rx.next())
+                .await
+                .expect("an answer")
+            {
+                Some(Ok(Message::Text(t))) => {
+                    break serde_json::from_str::<Value>(t.as_str()).expect("json")
+                }
+                Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
+                other => panic!("answer {i}: {other:?}"),
+            }
+        };
+        assert_eq!(f["frame_type"], format!("x{i}"), "{f}");
+    }
+    let tx = writer.await.expect("the writer");
+    ws = Ws(tx.reunite(rx).expect("the two halves"));
+    let (id, _) = push_one(&relay, &alice, &bob, "still live").await;
+    assert_eq!(ws.frame().await["item_id"], id.as_str());
+}
