@@ -386,6 +386,17 @@ async fn a_nonce_is_single_use_bound_to_its_key_and_expires() {
         "missing, unknown, used or expired stream nonce (ask GET /v2/relay/info for one)",
         "BAD_NONCE",
     );
+    // A signed GET that is not an upgrade: refused, and its nonce is spent.
+    let n = nonce(&relay, &bob).await;
+    let target = format!("{STREAM_PATH}?nonce={n}");
+    let r = relay.hop(&bob, "GET", &target, "").await;
+    assert!(matches!(r.status, 400 | 426), "{r:#?}");
+    assert_eq!(r.str("code"), "NOT_UPGRADE", "{r:#?}");
+    upgrade(&relay, &bob, &n)
+        .await
+        .err()
+        .expect("refused")
+        .assert(401, "BAD_NONCE");
     // Used twice.
     let n = nonce(&relay, &bob).await;
     let ws = upgrade(&relay, &bob, &n).await.expect("first use");
@@ -746,4 +757,92 @@ async fn an_expiry_notice_from_the_sweep_is_delivered_live_and_counted_in_admin_
         streams["budget_bytes"],
         agentmbx_protocol::stream::RELAY_STREAM_BUDGET_BYTES
     );
+}
+
+#[tokio::test]
+async fn an_epoch_rotation_is_announced_and_the_stream_waits_for_a_resume_in_it() {
+    let relay = admin_relay().await;
+    let (alice, bob) = pair(&relay).await;
+    let old = relay.epoch().await;
+    let mut ws = open(&relay, &bob).await;
+    ws.resume(&old, 0).await;
+    ws.replay().await;
+    admin(&relay, "/v2/relay/admin/rotate-epoch", json!({})).await;
+    let new = relay.epoch().await;
+    assert_ne!(new, old);
+    assert_eq!(ws.frame().await, json!({"type": "epoch", "epoch": new}));
+    // Not live: a push now reaches bob through the next replay, not as a live frame.
+    let (id, seq) = push_one(&relay, &alice, &bob, "after the rotation").await;
+    ws.resume(&old, 0).await;
+    assert_eq!(ws.frame().await, json!({"type": "epoch", "epoch": new}));
+    ws.resume(&new, 0).await;
+    let (items, done) = ws.replay().await;
+    assert_eq!(items.len(), 1);
+    assert_eq!(items[0]["item_id"], id.as_str());
+    assert_eq!(done["head_seq"], seq);
+}
+
+#[tokio::test]
+async fn pings_keep_an_answering_stream_open_and_a_silent_one_is_closed_with_policy() {
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    // Shortened timers (the contract's are 25 s and 60 s): a ping every 50 ms, 300 ms to answer.
+    relay.state.streams.set_timers(50, 300);
+    let mut ws = live(&relay, &bob).await;
+    // Answer ten pings: well past the pong timeout, the stream is still open.
+    let mut ids = Vec::new();
+    while ids.len() < 10 {
+        let f = ws.frame().await;
+        assert_eq!(f["type"], "ping", "{f}");
+        let id = f["id"].as_u64().expect("id");
+        ws.send(json!({"type": "pong", "id": id})).await;
+        ids.push(id);
+    }
+    assert!(ids.windows(2).all(|w| w[1] > w[0]), "{ids:?}");
+    let (id, _) = push_one(&relay, &alice, &bob, "still open").await;
+    loop {
+        let f = ws.frame().await;
+        if f["type"] == "deliver" {
+            assert_eq!(f["item_id"], id.as_str());
+            break;
+        }
+    }
+    // Stop answering: closed with 1008.
+    assert_eq!(ws.closed().await, close::POLICY);
+}
+
+#[tokio::test]
+async fn a_client_that_keeps_sending_is_answered_in_turn_and_the_stream_stays_open() {
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    let mut ws = live(&relay, &bob).await;
+    let (mut tx, mut rx) = ws.0.split();
+    const N: usize = 2_000;
+    let writer = tokio::spawn(async move {
+        for i in 0..N {
+            let frame = json!({"type": format!("x{i}"), "pad": "p".repeat(1_000)}).to_string();
+            tx.send(Message::Text(frame.into())).await.expect("send");
+        }
+        tx
+    });
+    // Every frame answered, in order, while the client keeps writing.
+    for i in 0..N {
+        let f = loop {
+            match tokio::time::timeout(WAIT, rx.next())
+                .await
+                .expect("an answer")
+            {
+                Some(Ok(Message::Text(t))) => {
+                    break serde_json::from_str::<Value>(t.as_str()).expect("json")
+                }
+                Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
+                other => panic!("answer {i}: {other:?}"),
+            }
+        };
+        assert_eq!(f["frame_type"], format!("x{i}"), "{f}");
+    }
+    let tx = writer.await.expect("the writer");
+    ws = Ws(tx.reunite(rx).expect("the two halves"));
+    let (id, _) = push_one(&relay, &alice, &bob, "still live").await;
+    assert_eq!(ws.frame().await["item_id"], id.as_str());
 }

@@ -464,8 +464,8 @@ pub async fn post(
     Ok(Json(PushResponse { results }))
 }
 
-/// Publishes every target an accepted item was stored for fresh by this push (its `prev_seq`
-/// is set) on that target's push stream ([`crate::stream::hub::Hub::publish`], never waits).
+/// Publishes every target an accepted item was stored for fresh by this push (its entry in
+/// `prev_seqs` is set) on that target's push stream ([`crate::stream::hub::Hub::publish`], never waits).
 /// A duplicate stored nothing and is not published again. Called only after the commit.
 fn publish(
     state: &RelayState,
@@ -477,8 +477,8 @@ fn publish(
         if out.status != ItemStatus::Accepted {
             continue;
         }
-        for (t, wire) in out.targets.iter().zip(item_wires) {
-            let Some(prev_seq) = t.prev_seq else {
+        for ((t, prev_seq), wire) in out.targets.iter().zip(&out.prev_seqs).zip(item_wires) {
+            let Some(prev_seq) = *prev_seq else {
                 continue;
             };
             state.streams.publish(

@@ -4,8 +4,8 @@
 //! Order: the signed hop exactly as for a pull (same refusals: 401 `BAD_HOP`, 401
 //! `NOT_ENROLLED`, 403 `REVOKED`, 403 `DENIED`, the account token on an account relay), then
 //! the single-use nonce of the caller's signed info (unknown, used, expired or another key's →
-//! 401 `BAD_NONCE`), then the upgrade headers (axum's refusal when they are missing). Only then
-//! `101 Switching Protocols`.
+//! 401 `BAD_NONCE`), then the upgrade headers (missing or wrong: 400 or 426 `NOT_UPGRADE`, the
+//! nonce is spent all the same). Only then `101 Switching Protocols`.
 //!
 //! After the upgrade the stream is registered first (closing the key's older stream with
 //! 4409), then the key's enrolment and deny entries are read again: a revocation or deny that
@@ -70,12 +70,19 @@ async fn upgrade(state: SharedRelay, req: Request) -> Result<Response, Response>
         })?;
     let ws = WebSocketUpgrade::from_request_parts(&mut parts, &state)
         .await
-        .map_err(IntoResponse::into_response)?;
+        .map_err(|rejection| {
+            ApiError::new(
+                rejection.status(),
+                "GET /v2/relay/stream must be a WebSocket upgrade (RFC 6455, version 13)",
+                "NOT_UPGRADE",
+            )
+            .into_response()
+        })?;
     let slot = parts.extensions.get::<ConnSlot>().cloned();
     let key = enrolment.host_pubkey.clone();
     let fingerprint = crate::auth::parse_key(&key).map_or_else(String::new, |k| k.fingerprint());
     let client_id = token.as_ref().map(|t| t.client_id.clone());
-    let (ping_every, pong_timeout) = ConnParams::timers();
+    let (ping_every, pong_timeout) = state.streams.timers();
     let params = ConnParams {
         store: state.store.clone(),
         clock: state.clock.clone(),

@@ -144,11 +144,6 @@ pub struct TargetAccept {
     pub seq: i64,
     /// Lowercase hex SHA-256 of the stored wire bytes.
     pub wire_hash: String,
-    /// For a target stored fresh by this push: the target's head seq just before `seq` was
-    /// allocated (0 if none), read in the same transaction, so no item for the target lies
-    /// strictly between the two (the push stream's `deliver.prev_seq`,
-    /// `docs/relay-stream.md`). `None` for a duplicate: nothing new was stored.
-    pub prev_seq: Option<i64>,
 }
 
 /// The store's verdict on one pushed item.
@@ -164,6 +159,12 @@ pub struct ItemOutcome {
     pub at_ms: Option<i64>,
     /// Per target, in push order; empty when rejected.
     pub targets: Vec<TargetAccept>,
+    /// Per target, in push order (empty when rejected): for a target this push stored fresh,
+    /// the target's head seq just before its `seq` was allocated (0 if none), read in the same
+    /// transaction, so no item for the target lies strictly between the two (the push stream's
+    /// `deliver.prev_seq`, `docs/relay-stream.md`); `None` for a target settled by dedup
+    /// (nothing new stored, nothing to publish).
+    pub prev_seqs: Vec<Option<i64>>,
 }
 
 /// The result of [`ItemStore::push`].

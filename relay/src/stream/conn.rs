@@ -9,8 +9,10 @@
 //! writing the queued live frames ([`super::hub`]) and the close with its code.
 //!
 //! Each iteration of the loop first looks at the control side (a close request, the token
-//! deadline, the ping, the pong deadline), then reads, then writes at most one frame, so a
-//! sustained flow of `deliver` frames never starves pings, deadlines or close requests.
+//! deadline, the ping, the pong deadline), then reads or writes at most one frame (after a
+//! read, a pending write goes first), so a sustained flow of `deliver` frames never starves
+//! pings, deadlines or close requests, and a client that keeps sending never starves the
+//! writes.
 //! Writing uses the sink's readiness (cancel-safe): a frame is taken from the queue only once
 //! the socket can take it, so a slow reader leaves frames in the bounded queue, where the
 //! publish path turns the overflow into `lagged`.
@@ -28,12 +30,15 @@ use futures_util::{SinkExt, StreamExt};
 use tokio::time::Instant;
 
 use agentmbx_protocol::clock::SharedClock;
-use agentmbx_protocol::stream::{
-    close, ClientFrame, ServerFrame, MAX_CLIENT_FRAME, PING_EVERY_MS, PONG_TIMEOUT_MS,
-};
+use agentmbx_protocol::stream::{close, ClientFrame, ServerFrame, MAX_CLIENT_FRAME};
 
 use super::hub::{frame_text, Registration};
 use crate::store::{PullRequest, PulledItem, RelayStore, MAX_PULL_ITEMS};
+
+/// Control frames (pings, `error` answers, `epoch`) waiting to be written, at most: a client
+/// that keeps sending frames the relay answers, without reading the answers, is closed with
+/// [`close::POLICY`] instead of growing this queue.
+pub const MAX_CONTROL_FRAMES: usize = 64;
 
 /// How long the close frame may take to leave before the connection is dropped anyway.
 pub const CLOSE_WRITE_LIMIT: Duration = Duration::from_secs(1);
@@ -52,20 +57,12 @@ pub struct ConnParams {
     /// The account token's `exp` in ms (account relays, spec §8): the stream closes with
     /// [`close::TOKEN_EXPIRED`] once the relay clock reaches it.
     pub token_exp_ms: Option<i64>,
-    /// Ping period (the contract's [`PING_EVERY_MS`]).
+    /// Ping period (the contract's
+    /// [`PING_EVERY_MS`](agentmbx_protocol::stream::PING_EVERY_MS), [`super::hub::Hub::timers`]).
     pub ping_every: Duration,
-    /// No pong for this long after a ping closes with [`close::POLICY`] ([`PONG_TIMEOUT_MS`]).
+    /// No pong for this long after a ping closes with [`close::POLICY`]
+    /// ([`PONG_TIMEOUT_MS`](agentmbx_protocol::stream::PONG_TIMEOUT_MS)).
     pub pong_timeout: Duration,
-}
-
-impl ConnParams {
-    /// The contract's ping period and pong timeout.
-    pub fn timers() -> (Duration, Duration) {
-        (
-            Duration::from_millis(PING_EVERY_MS),
-            Duration::from_millis(PONG_TIMEOUT_MS),
-        )
-    }
 }
 
 /// How a connection ended.
@@ -159,6 +156,10 @@ pub async fn run<H: Send>(
     // Live frames up to this seq were sent by the replay (or the client has them).
     let mut skip_through: i64 = i64::MAX;
     let mut dirty = false;
+    // A frame was just read: with frames to write, the next turn writes before it reads again,
+    // so a client that keeps sending is answered (and, when it does not read, held back by
+    // TCP) instead of starving the writes.
+    let mut just_read = false;
     let max_pull = params.max_pull.clamp(1, MAX_PULL_ITEMS);
 
     let ended = loop {
@@ -185,6 +186,9 @@ pub async fn run<H: Send>(
             }
             deadline = Some(deadline.map_or(due, |d| d.min(due)));
         }
+        if control.len() > MAX_CONTROL_FRAMES {
+            break Ended::Closed(close::POLICY);
+        }
         let replaying = !replay.items.is_empty() || replay.complete.is_some();
         let has_out = !control.is_empty() || replaying || stream.has_frames();
         tokio::select! {
@@ -203,7 +207,7 @@ pub async fn run<H: Send>(
                     None => std::future::pending().await,
                 }
             }, if deadline.is_some() => {}
-            read = rx.next() => match read {
+            read = rx.next(), if !(has_out && just_read) => { just_read = true; match read {
                 None => break Ended::Gone,
                 Some(Err(e)) => {
                     if is_oversize(e) {
@@ -263,13 +267,14 @@ pub async fn run<H: Send>(
                         }
                     }
                 },
-            },
+            } },
             // With frames to write: wait until the socket takes one. Without: flush.
             done = std::future::poll_fn(|cx| if has_out {
                 sink.poll_ready_unpin(cx)
             } else {
                 sink.poll_flush_unpin(cx)
             }), if has_out || dirty => {
+                just_read = false;
                 if done.is_err() {
                     break Ended::Gone;
                 }
@@ -287,17 +292,24 @@ pub async fn run<H: Send>(
             }
         }
     };
-    if let Ended::Closed(code) = ended {
-        hub.count_close(code);
-        let frame = Message::Close(Some(CloseFrame {
-            code,
-            reason: Utf8Bytes::from_static(close_reason(code)),
-        }));
-        let _ = tokio::time::timeout(CLOSE_WRITE_LIMIT, async {
-            let _ = sink.send(frame).await;
-            let _ = sink.close().await;
-        })
-        .await;
+    match ended {
+        Ended::Closed(code) => {
+            hub.count_close(code);
+            let frame = Message::Close(Some(CloseFrame {
+                code,
+                reason: Utf8Bytes::from_static(close_reason(code)),
+            }));
+            let _ = tokio::time::timeout(CLOSE_WRITE_LIMIT, async {
+                let _ = sink.send(frame).await;
+                let _ = sink.close().await;
+            })
+            .await;
+        }
+        // The client closed (its close is answered by the WebSocket layer: flush it) or the
+        // socket failed (this returns at once).
+        Ended::Gone => {
+            let _ = tokio::time::timeout(CLOSE_WRITE_LIMIT, sink.close()).await;
+        }
     }
     drop(reg);
     drop(hold);

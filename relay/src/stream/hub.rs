@@ -153,6 +153,9 @@ pub struct Hub {
     ended: tokio::sync::Notify,
     /// Set by [`Hub::shut_down`]: a stream registered afterwards closes at once (1001).
     closing: AtomicBool,
+    /// Ping period and pong timeout of streams opened from now on, in ms.
+    ping_ms: AtomicU64,
+    pong_ms: AtomicU64,
     counters: Counters,
 }
 
@@ -174,6 +177,8 @@ impl Hub {
             running: AtomicUsize::new(0),
             ended: tokio::sync::Notify::new(),
             closing: AtomicBool::new(false),
+            ping_ms: AtomicU64::new(agentmbx_protocol::stream::PING_EVERY_MS),
+            pong_ms: AtomicU64::new(agentmbx_protocol::stream::PONG_TIMEOUT_MS),
             counters: Counters::default(),
         }
     }
@@ -365,6 +370,22 @@ impl Hub {
         *closes.entry(code).or_default() += 1;
     }
 
+    /// The ping period and pong timeout of streams opened from now on: the contract's 25,000
+    /// and 60,000 ms unless [`Hub::set_timers`] changed them.
+    pub fn timers(&self) -> (std::time::Duration, std::time::Duration) {
+        (
+            std::time::Duration::from_millis(self.ping_ms.load(Ordering::Relaxed)),
+            std::time::Duration::from_millis(self.pong_ms.load(Ordering::Relaxed)),
+        )
+    }
+
+    /// Sets the ping period and pong timeout (ms, at least 1) of streams opened from now on.
+    /// Only tests change them (the contract fixes 25 s and 60 s).
+    pub fn set_timers(&self, ping_ms: u64, pong_ms: u64) {
+        self.ping_ms.store(ping_ms.max(1), Ordering::Relaxed);
+        self.pong_ms.store(pong_ms.max(1), Ordering::Relaxed);
+    }
+
     /// Streams registered now (one per host key).
     pub fn open(&self) -> usize {
         self.map().len()
@@ -488,6 +509,19 @@ mod tests {
         drop(reg);
         assert_eq!(hub.open(), 0);
         assert_eq!(hub.running(), 0);
+    }
+
+    #[test]
+    fn an_item_larger_than_the_queue_is_lagged_at_once() {
+        let hub = Arc::new(Hub::default());
+        let reg = hub.register("K", "fp", None);
+        hub.reset(&reg.stream, true);
+        hub.publish("K", &item(7, STREAM_QUEUE_BYTES));
+        let f = hub.pop(&reg.stream).expect("a frame");
+        assert!(f.marker);
+        assert_eq!(f.text, r#"{"type":"lagged","from_seq":7}"#);
+        assert!(hub.pop(&reg.stream).is_none());
+        assert_eq!(hub.budget_used(), 0);
     }
 
     #[test]

@@ -110,6 +110,7 @@ fn rejected(item: &PushItem, why: Rejection) -> ItemOutcome {
         status: ItemStatus::Rejected(why),
         at_ms: None,
         targets: Vec::new(),
+        prev_seqs: Vec::new(),
     }
 }
 
@@ -251,6 +252,7 @@ fn push_item(
     let any_fresh = !written.is_empty();
     let mut earliest: Option<i64> = None;
     let mut targets = Vec::with_capacity(item.targets.len());
+    let mut prev_seqs = Vec::with_capacity(item.targets.len());
     for (i, ((t, hit), hash)) in item.targets.iter().zip(hits).zip(hashes).enumerate() {
         let (seq, prev_seq) = match hit {
             Some(hit) => {
@@ -269,8 +271,8 @@ fn push_item(
             target_pubkey: t.target_pubkey.clone(),
             seq,
             wire_hash: hash,
-            prev_seq,
         });
+        prev_seqs.push(prev_seq);
     }
     let (status, at_ms) = if any_fresh {
         (ItemStatus::Accepted, batch.now_ms)
@@ -282,6 +284,7 @@ fn push_item(
         status,
         at_ms: Some(at_ms),
         targets,
+        prev_seqs,
     })
 }
 
