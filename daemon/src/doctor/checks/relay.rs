@@ -323,7 +323,7 @@ pub fn key(f: &Facts) -> Result<Outcome, String> {
 }
 
 /// `relay-stream`: what the running daemon's push stream to the relay does, from the record the
-/// relay loop keeps (kv `relay-stream:<url>`, [`stream::StreamRecord`]): `ok` up (since when)
+/// relay loop keeps (kv `relay-stream:<url>`, [`crate::transport::relay_client::stream::StreamRecord`]): `ok` up (since when)
 /// or disabled by config (`relay_stream = false`, `MBX_RELAY_STREAM=0`), `ok` polling because
 /// the relay does not offer the stream, `warn` polling because the upgrade was refused, while
 /// it reconnects, or when the relay replaced it (with the count: a cloned key?). `skip` without

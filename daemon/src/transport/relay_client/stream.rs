@@ -8,7 +8,7 @@
 //! - [`serve`]: one task owns the stream and the relay passes that run while it is up, so a
 //!   frame and a pull never race on received-through. It sends `resume {epoch, after}`, stores
 //!   each `deliver` frame that fits ([`fit`]: `prev_seq <= received_through < seq`) through the
-//!   same receive path as a pulled item ([`RelayClient::receive_item`]: one transaction per
+//!   same receive path as a pulled item (`RelayClient::receive_item` of `pull`: one transaction per
 //!   item with the checkpoint and the quarantine in it), ignores one at or below the
 //!   checkpoint, and pulls instead of storing one above a gap. It acks (`POST /v2/relay/ack`)
 //!   after the commits of a run of frames, once no further frame is waiting. `resume_complete`
@@ -169,7 +169,7 @@ pub enum OpenError {
 
 impl RelayClient {
     /// Opens the push stream with `nonce` (`you.stream_nonce` of this pass's signed info): the
-    /// signed `GET /v2/relay/stream?nonce=<nonce>` ([`Self::signed_request`]) with the
+    /// signed `GET /v2/relay/stream?nonce=<nonce>` (the hop as every relay call signs it) with the
     /// RFC 6455 upgrade headers; the `101` answer's `Sec-WebSocket-Accept` is checked, then the
     /// connection is a WebSocket client with [`READ_BUFFER_BYTES`] and [`WRITE_BUFFER_BYTES`],
     /// reading messages up to the pull answer cap of `limits` (one item as a pull page carries
