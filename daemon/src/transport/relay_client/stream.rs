@@ -18,7 +18,8 @@
 //!   every [`STORE_CHECK_EVERY`] from SQLite's `data_version`: a pairing by the CLI must reach
 //!   the allowlist; the same check finds rows the LAN handed over to the relay) runs a pass
 //!   without a pull, and a pull runs at least every
-//!   [`SAFETY_PULL_EVERY`].
+//!   [`SAFETY_PULL_EVERY`]. A stream silent for [`SILENCE_LIMIT`] (no ping) is taken for
+//!   dead and reopened.
 //! - [`StreamRecord`]: what the stream does, kept in `mailbox.db` (kv `relay-stream:<url>`,
 //!   written only when it changes) for `doctor`'s `relay-stream` check.
 //!
@@ -37,7 +38,9 @@ use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role, WebSocketConfig
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
 
-use agentmbx_protocol::stream::{close, ClientFrame, ServerFrame, NONCE_PARAM, STREAM_PATH};
+use agentmbx_protocol::stream::{
+    close, ClientFrame, ServerFrame, NONCE_PARAM, PONG_TIMEOUT_MS, STREAM_PATH,
+};
 use agentmbx_protocol::wire::{Limits, PullItem};
 
 use super::pull::PullPass;
@@ -55,6 +58,12 @@ pub const SAFETY_PULL_EVERY: Duration = Duration::from_secs(300);
 /// for the relay (handed over by the LAN): 5 s. Either runs a pass without a pull, as polling
 /// would have.
 pub const STORE_CHECK_EVERY: Duration = Duration::from_secs(5);
+
+/// A stream from which nothing arrived for this long is taken for dead and reopened: the relay
+/// pings every 25 s ([`agentmbx_protocol::stream::PING_EVERY_MS`]), so 60 s of silence
+/// ([`agentmbx_protocol::stream::PONG_TIMEOUT_MS`], the relay's own bound) means a connection
+/// lost without a close (a NAT that forgot it, a network change).
+pub const SILENCE_LIMIT: Duration = Duration::from_millis(PONG_TIMEOUT_MS);
 
 /// Where the stream cannot be opened (no nonce, upgrade refused, 404), the daemon polls and
 /// tries the stream again after this (5 min).
@@ -338,22 +347,27 @@ pub async fn serve(
     let mut due_row = next_due(client).await;
     let mut version = store_check(client).await.0;
     let mut next_check = tokio::time::Instant::now() + STORE_CHECK_EVERY;
+    let mut heard = tokio::time::Instant::now();
     loop {
         let safety = last_pull + SAFETY_PULL_EVERY;
         let due = due_row.map_or(safety, |d| d.min(safety));
         let mut turn = Turn::default();
-        let first = crate::liveness::waiting(async {
+        let event = crate::liveness::waiting(async {
+            // Biased: a waiting frame is read before the silence bound is judged.
             tokio::select! {
-                _ = shutdown.changed() => None,
-                m = ws.next() => Some(Some(m)),
-                _ = wake.notified() => Some(None),
-                _ = tokio::time::sleep_until(due) => Some(None),
-                _ = tokio::time::sleep_until(next_check) => Some(None),
+                biased;
+                _ = shutdown.changed() => Event::Stop,
+                m = ws.next() => Event::Message(m),
+                _ = wake.notified() => Event::Tick,
+                _ = tokio::time::sleep_until(due) => Event::Tick,
+                _ = tokio::time::sleep_until(next_check) => Event::Tick,
+                _ = tokio::time::sleep_until(heard + SILENCE_LIMIT) => Event::Silent,
             }
         })
         .await;
-        let first = match first {
-            None => {
+        crate::liveness::progress();
+        match event {
+            Event::Stop => {
                 let _ = ws
                     .close(Some(CloseFrame {
                         code: CloseCode::Normal,
@@ -362,11 +376,14 @@ pub async fn serve(
                     .await;
                 return End::Shutdown;
             }
-            Some(m) => m,
-        };
-        crate::liveness::progress();
-        match first {
-            Some(m) => {
+            Event::Silent => {
+                return End::Closed {
+                    code: None,
+                    reason: format!("nothing from the relay for {} s", SILENCE_LIMIT.as_secs()),
+                }
+            }
+            Event::Message(m) => {
+                heard = tokio::time::Instant::now();
                 if let Err(end) = frame(client, &mut ws, m, &mut pos, &mut turn).await {
                     return end;
                 }
@@ -377,7 +394,7 @@ pub async fn serve(
                     }
                 }
             }
-            None => {
+            Event::Tick => {
                 let now = tokio::time::Instant::now();
                 turn.pull = now >= safety;
                 if now >= next_check {
@@ -433,6 +450,18 @@ pub async fn serve(
             }
         }
     }
+}
+
+/// What woke [`serve`].
+enum Event {
+    /// The daemon stops.
+    Stop,
+    /// A message of the stream, its end (`None`) or its error.
+    Message(Option<Result<Message, tokio_tungstenite::tungstenite::Error>>),
+    /// A send, a due row, the store check or the safety net.
+    Tick,
+    /// Nothing from the relay for [`SILENCE_LIMIT`].
+    Silent,
 }
 
 /// The position to resume from after the pass that preceded the stream.
