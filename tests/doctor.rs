@@ -46,7 +46,7 @@ fn status_of<'a>(report: &'a Value, id: &str) -> &'a str {
 fn assert_shape(report: &Value) {
     assert_eq!(report["schema"], 2);
     let checks = report["checks"].as_array().expect("checks");
-    assert_eq!(checks.len(), 18);
+    assert_eq!(checks.len(), 19);
     let mut counted = 0;
     for c in checks {
         assert!(c["id"].is_string() && c["title"].is_string() && c["summary"].is_string());
@@ -96,6 +96,7 @@ fn doctor_on_fresh_and_running_homes() {
         "relay-reachable",
         "relay-key",
         "relay-enrolled",
+        "relay-stream",
         "enc-ad",
         "clock-skew",
     ] {
@@ -257,6 +258,7 @@ fn list_and_unknown_ids() {
             "relay-reachable",
             "relay-key",
             "relay-enrolled",
+            "relay-stream",
             "enc-ad",
             "clock-skew",
             "outbox",

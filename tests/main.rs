@@ -50,6 +50,7 @@ mod relay_ops;
 mod relay_quarantine;
 mod relay_restore;
 mod relay_status;
+mod relay_stream;
 mod relay_trust;
 mod rotation_e2e;
 mod service;

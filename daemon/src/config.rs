@@ -42,6 +42,10 @@ pub const RELAY_URL_ENV: &str = "MBX_RELAY_URL";
 /// Overrides [`Config::relay_pull_interval_ms`].
 pub const RELAY_PULL_INTERVAL_ENV: &str = "MBX_RELAY_PULL_INTERVAL_MS";
 
+/// Overrides [`Config::relay_stream`]: `0` (or `false`, `off`, `no`) turns the push stream
+/// off, `1` (or `true`, `on`, `yes`) on.
+pub const RELAY_STREAM_ENV: &str = "MBX_RELAY_STREAM";
+
 /// The daemon's log filter; wins over [`Config::log_level`] (applied by the binary's logger,
 /// not by [`Config::apply_env`]).
 pub const LOG_ENV: &str = "MBX_LOG";
@@ -59,6 +63,7 @@ pub const ENV_KEYS: &[(&str, &str)] = &[
     (NO_MDNS_ENV, "mdns"),
     (RELAY_URL_ENV, "relay.url"),
     (RELAY_PULL_INTERVAL_ENV, "relay_pull_interval_ms"),
+    (RELAY_STREAM_ENV, "relay_stream"),
     (LOG_ENV, "log_level"),
 ];
 
@@ -141,6 +146,11 @@ pub struct Config {
     /// accepted [`MIN_RELAY_PULL_INTERVAL_MS`]..=[`MAX_RELAY_PULL_INTERVAL_MS`]).
     #[serde(default = "default_relay_pull_interval_ms")]
     pub relay_pull_interval_ms: u64,
+    /// `relay_stream`: keep the relay's push stream open (`docs/relay-stream.md`; default
+    /// true). While it is up the periodic pull stops; off, or where the relay does not offer
+    /// it, the daemon pulls every `relay_pull_interval_ms`. [`RELAY_STREAM_ENV`] overrides it.
+    #[serde(default = "default_true")]
+    pub relay_stream: bool,
     /// `key_store`: where private keys are kept (`"keyring"` or `"file"`), chosen at `init`
     /// (`MBX_KEYSTORE`, else this key, else the OS keyring when it answers) and never switched
     /// silently afterwards ([`crate::keystore`]). Default `"file"` for a home that records none.
@@ -285,6 +295,7 @@ impl Default for Config {
             mdns: true,
             relay: None,
             relay_pull_interval_ms: default_relay_pull_interval_ms(),
+            relay_stream: true,
             key_store: KeyStore::default(),
             log_level: None,
             hook_concurrency: hooks::DEFAULT_CONCURRENCY,
@@ -610,6 +621,18 @@ impl Config {
         }
         if let Some(v) = get(RELAY_PULL_INTERVAL_ENV) {
             self.relay_pull_interval_ms = parse_env(RELAY_PULL_INTERVAL_ENV, &v)?;
+        }
+        if let Some(v) = get(RELAY_STREAM_ENV) {
+            self.relay_stream = match v.trim().to_ascii_lowercase().as_str() {
+                "1" | "true" | "on" | "yes" => true,
+                "0" | "false" | "off" | "no" => false,
+                _ => {
+                    return Err(ConfigError::Env {
+                        var: RELAY_STREAM_ENV,
+                        message: format!("{v:?}: expected 0 or 1"),
+                    })
+                }
+            };
         }
         if let Some(url) = get(RELAY_URL_ENV) {
             let url = url.trim().to_string();

@@ -163,6 +163,12 @@ pub fn diff(old: &Config, new: &Config) -> Vec<Change> {
         new.relay_pull_interval_ms.to_string(),
         true,
     );
+    push(
+        "relay_stream",
+        old.relay_stream.to_string(),
+        new.relay_stream.to_string(),
+        true,
+    );
     let rate = |c: &Config| format!("{:?}", c.api_rate.values_by_key());
     push("api_rate", rate(old), rate(new), false);
     match (&old.relay, &new.relay) {
@@ -199,6 +205,7 @@ pub fn merge_live(old: &Config, new: &Config) -> Config {
     let mut merged = old.clone();
     merged.log_level = new.log_level.clone();
     merged.relay_pull_interval_ms = new.relay_pull_interval_ms;
+    merged.relay_stream = new.relay_stream;
     merged.relay = new.relay.clone();
     merged
 }
@@ -327,9 +334,9 @@ pub fn watch_file(
 /// Runs the relay loop for the running configuration until `stop` turns true: starts it when
 /// the configuration has a `[relay]` table (at once, or when one is added), stops it when the
 /// table is removed, and restarts it when its settings (`relay` table,
-/// `relay_pull_interval_ms`) change.
+/// `relay_pull_interval_ms`, `relay_stream`) change.
 ///
-/// `spawn(relay, pull_interval, stop)` starts one relay loop that ends when its `stop` turns
+/// `spawn(relay, (pull_interval, stream), stop)` starts one relay loop that ends when its `stop` turns
 /// true; a loop is always stopped through that channel and awaited (an in-flight pass finishes
 /// its commits) before another starts. `relay_on(bool)` is told whether a relay loop runs:
 /// once at the start, `true` just before a loop is started after none ran, `false` once a
@@ -337,23 +344,29 @@ pub fn watch_file(
 /// LAN keeps every row).
 pub async fn supervise_relay(
     mut config: watch::Receiver<Arc<Config>>,
-    spawn: impl Fn(RelayConfig, Duration, watch::Receiver<bool>) -> tokio::task::JoinHandle<()>,
+    spawn: impl Fn(RelayConfig, (Duration, bool), watch::Receiver<bool>) -> tokio::task::JoinHandle<()>,
     relay_on: impl Fn(bool),
     mut stop: watch::Receiver<bool>,
 ) {
     let settings = |c: &Config| {
-        c.relay
-            .clone()
-            .map(|r| (r, Duration::from_millis(c.relay_pull_interval_ms)))
+        c.relay.clone().map(|r| {
+            (
+                r,
+                (
+                    Duration::from_millis(c.relay_pull_interval_ms),
+                    c.relay_stream,
+                ),
+            )
+        })
     };
     let mut current = settings(&config.borrow_and_update());
     relay_on(current.is_some());
     // When the watcher is gone, keep what runs until the daemon stops.
     let mut watched = true;
     loop {
-        let running = current.clone().map(|(relay, pull_interval)| {
+        let running = current.clone().map(|(relay, loop_settings)| {
             let (loop_stop, loop_rx) = watch::channel(false);
-            (loop_stop, spawn(relay, pull_interval, loop_rx))
+            (loop_stop, spawn(relay, loop_settings, loop_rx))
         });
         let next = loop {
             tokio::select! {

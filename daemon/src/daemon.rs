@@ -419,7 +419,7 @@ pub async fn run(
         };
         tokio::spawn(crate::config_watch::supervise_relay(
             config_rx,
-            move |r, pull_interval, stop| {
+            move |r, (pull_interval, stream), stop| {
                 let account = r.token_command.as_deref().map(|cmd| {
                     Arc::new(relay_client::account::AccountTokens::new(
                         cmd,
@@ -440,6 +440,7 @@ pub async fn run(
                     account,
                     Some(instance.clone()),
                     failpoints.clone(),
+                    stream,
                     stop,
                 ))
             },

@@ -13,6 +13,11 @@
 //! - [`Instance::observe_peer`]: the LAN server feeds every verified hop of a pinned peer with
 //!   its header into a tracker of its own; a peer whose ids alternate is logged once per
 //!   detection and reported for the window after its last alternation.
+//! - [`Instance::note_replaced`]: the relay closed this daemon's push stream with 4409
+//!   `replaced` (another stream opened with this host key, `docs/relay-stream.md`). Once a
+//!   stream replaces ours rather than pulls alternating, the relay's own tracker may no longer
+//!   see two daemons, so [`REPLACED_TO_REPORT`] replacements within the window are reported as
+//!   the same `host-key-clone` (logged once per detection).
 //! - [`Instance::reasons`]: what is reported now, for `GET /v1/health` (`status: "degraded"`
 //!   with `reasons`) and through it `agentmbx doctor` (checks `host-key-clone` and
 //!   `peer-key-clone`).
@@ -34,6 +39,11 @@ pub const HOST_KEY_CLONE: &str = "host-key-clone";
 
 /// [`Reason::code`] when a paired peer's key is used by two daemons (seen on the LAN server).
 pub const PEER_KEY_CLONE: &str = "peer-key-clone";
+
+/// Push-stream replacements (close 4409) within [`CONFLICT_WINDOW_MS`] that make a
+/// `host-key-clone` report: 2 (one replacement can be this daemon's own restart racing its old
+/// connection; a second within the window means another daemon keeps opening streams).
+pub const REPLACED_TO_REPORT: usize = 2;
 
 /// Peers (host name and key) the LAN tracker remembers: 1,024, far above any peer list; past
 /// it the peer seen longest ago is forgotten first (a forgotten peer starts over).
@@ -71,6 +81,18 @@ struct RelayNote {
     told_ms: i64,
 }
 
+/// The push-stream replacements (close 4409) one relay reported.
+#[derive(Debug, Clone, Default)]
+struct Replaced {
+    relay: String,
+    /// Every replacement since the start (for `doctor`).
+    total: u64,
+    /// When the recent ones happened (ms on [`Instance`]'s clock; within the window).
+    recent: Vec<i64>,
+    /// Whether the current run of replacements was already logged as a detection.
+    reported: bool,
+}
+
 /// This daemon process's instance id and its findings (module docs). One per daemon start,
 /// shared by the local API, the LAN server and client, and the relay client.
 #[derive(Debug)]
@@ -78,6 +100,7 @@ pub struct Instance {
     id: String,
     started: Instant,
     relay: Mutex<Option<RelayNote>>,
+    replaced: Mutex<Option<Replaced>>,
     peers: Mutex<InstanceTracker<PeerKey>>,
 }
 
@@ -104,6 +127,7 @@ impl Instance {
             id: new_instance_id(),
             started: Instant::now(),
             relay: Mutex::new(None),
+            replaced: Mutex::new(None),
             peers: Mutex::new(InstanceTracker::with_window(MAX_TRACKED_PEERS, window_ms)),
         }
     }
@@ -149,6 +173,37 @@ impl Instance {
         new
     }
 
+    /// Records that `relay` closed this daemon's push stream with 4409 `replaced`. Returns the
+    /// number of replacements by that relay since the start, and whether this one made a new
+    /// detection ([`REPLACED_TO_REPORT`] within [`CONFLICT_WINDOW_MS`]; logged once at WARN).
+    pub fn note_replaced(&self, relay: &str) -> (u64, bool) {
+        let now = self.now_ms();
+        let mut note = lock(&self.replaced);
+        let r = note.get_or_insert_with(Replaced::default);
+        if r.relay != relay {
+            *r = Replaced {
+                relay: relay.to_owned(),
+                ..Replaced::default()
+            };
+        }
+        r.total += 1;
+        r.recent.retain(|t| now - *t <= CONFLICT_WINDOW_MS);
+        if r.recent.is_empty() {
+            r.reported = false;
+        }
+        r.recent.push(now);
+        let new = r.recent.len() >= REPLACED_TO_REPORT && !r.reported;
+        if new {
+            r.reported = true;
+            tracing::warn!(
+                relay = %relay,
+                replaced = r.recent.len(),
+                "another daemon is using this host key (a copied home, a restored backup or a cloned disk): the relay keeps replacing this daemon's push stream with another one opened with the same key, so incoming mail is split between them; see agentmbx doctor"
+            );
+        }
+        (r.total, new)
+    }
+
     /// Records a verified LAN hop of the pinned peer `host` (key `pubkey`) carrying instance id
     /// `id`. Logs one WARN line naming the peer when this hop detected a conflict, and returns
     /// whether it did.
@@ -186,6 +241,24 @@ impl Instance {
                 ),
                 peer: None,
                 relay: Some(n.relay.clone()),
+            });
+        }
+        let told = out.iter().any(|r| r.code == HOST_KEY_CLONE);
+        if let Some(r) = lock(&self.replaced).as_ref().filter(|r| {
+            !told
+                && r.recent.len() >= REPLACED_TO_REPORT
+                && r.recent
+                    .last()
+                    .is_some_and(|t| now - *t <= CONFLICT_WINDOW_MS)
+        }) {
+            out.push(Reason {
+                code: HOST_KEY_CLONE,
+                detail: format!(
+                    "another daemon is using this host key: the relay replaced this daemon's push stream {} times in 10 minutes with one opened by another daemon with the same key (a copied home, a restored backup or a cloned disk), so incoming mail is split between them; see agentmbx doctor",
+                    r.recent.len()
+                ),
+                peer: None,
+                relay: Some(r.relay.clone()),
             });
         }
         let mut peers: Vec<String> = lock(&self.peers)
@@ -247,6 +320,28 @@ mod tests {
             me.note_relay("http://r", Some(conflict(99))),
             "back after absence"
         );
+    }
+
+    #[test]
+    fn a_repeated_stream_replacement_is_reported_as_a_cloned_key() {
+        let me = Instance::new();
+        assert_eq!(
+            me.note_replaced("http://r"),
+            (1, false),
+            "one may be a restart"
+        );
+        assert!(me.reasons().is_empty());
+        assert_eq!(me.note_replaced("http://r"), (2, true));
+        assert_eq!(me.note_replaced("http://r"), (3, false), "logged once");
+        let r = me.reasons();
+        assert_eq!(r.len(), 1, "{r:?}");
+        assert_eq!(
+            (r[0].code, r[0].relay.as_deref()),
+            (HOST_KEY_CLONE, Some("http://r"))
+        );
+        // The relay's own word is not reported twice.
+        me.note_relay("http://r", Some(conflict(5)));
+        assert_eq!(me.reasons().len(), 1);
     }
 
     #[test]

@@ -121,7 +121,21 @@ pub async fn authenticate(
     headers: &HeaderMap,
     raw_body: &str,
 ) -> Result<Enrolment, ApiError> {
-    authenticate_as(state, method, uri, headers, raw_body, TokenRule::Required).await
+    authenticate_as(state, method, uri, headers, raw_body, TokenRule::Required)
+        .await
+        .map(|(enrolment, _)| enrolment)
+}
+
+/// [`authenticate`] for the push stream's upgrade (`GET /v2/relay/stream`, an empty body):
+/// the same checks and refusals, and on an account relay also the verified token, whose `exp`
+/// bounds the stream and whose `client_id` a deny entry may name.
+pub async fn authenticate_stream(
+    state: &RelayState,
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+) -> Result<(Enrolment, Option<crate::authority::HopToken>), ApiError> {
+    authenticate_as(state, method, uri, headers, "", TokenRule::Required).await
 }
 
 /// [`authenticate`] for signed `GET /v2/relay/info`: on an account relay a hop without
@@ -137,6 +151,7 @@ pub async fn authenticate_info(
 ) -> Result<Enrolment, ApiError> {
     check_hop(state, method, uri, headers, "", TokenRule::IfPresent)
         .await
+        .map(|(enrolment, _)| enrolment)
         .map_err(|Refused { reason, error, .. }| {
             if let Some(reason) = reason {
                 tracing::debug!(
@@ -155,9 +170,9 @@ async fn authenticate_as(
     headers: &HeaderMap,
     raw_body: &str,
     rule: TokenRule,
-) -> Result<Enrolment, ApiError> {
+) -> Result<(Enrolment, Option<crate::authority::HopToken>), ApiError> {
     match check_hop(state, method, uri, headers, raw_body, rule).await {
-        Ok(enrolment) => Ok(enrolment),
+        Ok(found) => Ok(found),
         Err(Refused {
             reason,
             key_fp,
@@ -211,7 +226,7 @@ async fn check_hop(
     headers: &HeaderMap,
     raw_body: &str,
     rule: TokenRule,
-) -> Result<Enrolment, Refused> {
+) -> Result<(Enrolment, Option<crate::authority::HopToken>), Refused> {
     let missing = |_| Refused::new(AuthRefusal::MissingHeader, None, ApiError::bad_hop());
     let key_text = header_str(headers, header::KEY).map_err(missing)?;
     let ts = header_str(headers, header::TS).map_err(missing)?;
@@ -295,7 +310,7 @@ async fn check_hop(
             crate::error::denied(crate::error::DENY_LISTED),
         ));
     }
-    check_account_token(state, headers, &key, &enrolment, now, rule)
+    let token = check_account_token(state, headers, &key, &enrolment, now, rule)
         .await
         .map_err(|error| Refused {
             reason: token_refusal(&error),
@@ -304,7 +319,7 @@ async fn check_hop(
         })?;
     // Only a hop that passed every check counts for the instance record (advisory).
     state.instances.observe(&key, &enrolment.host_name, headers);
-    Ok(enrolment)
+    Ok((enrolment, token))
 }
 
 /// The reason of a refusal by [`check_account_token`], from its code; `None` for the faults
@@ -350,7 +365,7 @@ fn bearer(headers: &HeaderMap) -> Result<Option<&str>, ApiError> {
 /// `BAD_TOKEN`, 401 `NOT_ENROLLED` when the key was enrolled without an account token (the host
 /// enrols again), 403 `DENIED`, 503 `AUTHORITY_UNAVAILABLE` when the issuer's keys were never
 /// fetched. Under [`TokenRule::IfPresent`] (signed info) a hop without `Authorization` needs
-/// only the recorded binding.
+/// only the recorded binding. Returns the verified token, when one was checked.
 async fn check_account_token(
     state: &RelayState,
     headers: &HeaderMap,
@@ -358,17 +373,17 @@ async fn check_account_token(
     enrolment: &Enrolment,
     now: i64,
     rule: TokenRule,
-) -> Result<(), ApiError> {
+) -> Result<Option<crate::authority::HopToken>, ApiError> {
     use crate::authority::HopTokenError;
     if !state.authority.wants_hop_token() {
-        return Ok(());
+        return Ok(None);
     }
     let presented = bearer(headers)?;
     if presented.is_none() && rule == TokenRule::IfPresent {
         let store = state.store.clone();
         let k = enrolment.host_pubkey.clone();
         return match blocking(move || store.account_binding(&k)).await? {
-            Some(_) => Ok(()),
+            Some(_) => Ok(None),
             None => Err(ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "not enrolled with an account token on this relay",
@@ -377,7 +392,7 @@ async fn check_account_token(
         };
     }
     let token = match state.authority.check_hop(presented, key).await {
-        Ok(None) => return Ok(()),
+        Ok(None) => return Ok(None),
         Ok(Some(t)) => t,
         Err(e @ HopTokenError::Missing) => {
             return Err(ApiError::new(
@@ -439,7 +454,7 @@ async fn check_account_token(
             "BAD_TOKEN",
         ));
     }
-    Ok(())
+    Ok(Some(token))
 }
 
 /// Runs a blocking store call off the async runtime.

@@ -14,6 +14,8 @@
 //! - [`retention`]: the retention sweep (expired items, signed expiry notices, dedup horizon);
 //! - [`state`]: what every handler can reach; [`server`]: router and
 //!   `serve(listener, state, shutdown)`; [`run`]: `relay serve`;
+//! - [`stream`]: the push stream's nonces, registry of open streams and connection loop
+//!   (`GET /v2/relay/stream`, `docs/relay-stream.md`; the upgrade is `handlers::stream`);
 //! - [`status`]: `relay status`, an operator's read-only facts about a store;
 //! - [`config`]: `relay.toml` and environment (its `[rate]` table in [`config::rate`]); [`key`]:
 //!   the relay key;
@@ -45,6 +47,7 @@ pub mod server;
 pub mod state;
 pub mod status;
 pub mod store;
+pub mod stream;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod watchdog;

@@ -115,6 +115,20 @@ pub async fn sweep_once(state: &SharedRelay) -> Result<SweepReport, StoreError> 
             reason: "the sweep task failed".to_owned(),
         })??;
     log_report(&report);
+    // Committed: each stored notice goes to its target's push stream, if one is open.
+    for n in &report.stored {
+        state.streams.publish(
+            &n.target_pubkey,
+            &crate::stream::hub::LiveItem {
+                seq: n.seq,
+                prev_seq: n.prev_seq,
+                kind: "expired".to_owned(),
+                item_id: n.item_id.clone(),
+                sender_pubkey: n.sender_pubkey.clone(),
+                wire: bytes::Bytes::copy_from_slice(&n.wire),
+            },
+        );
+    }
     Ok(report)
 }
 
@@ -353,7 +367,7 @@ mod tests {
                             item_id: id.clone(),
                             targets: vec![PushTarget {
                                 target_pubkey: target.clone(),
-                                wire: id.as_bytes().to_vec(),
+                                wire: bytes::Bytes::copy_from_slice(id.as_bytes()),
                             }],
                         })
                         .collect(),

@@ -41,6 +41,10 @@ pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(30);
 /// How often `serve` asks the store whether it failed.
 pub const STORE_WATCH_EVERY: Duration = Duration::from_millis(100);
 
+/// How long open push streams get to close (1001) once shutdown began, before `serve` returns
+/// anyway (each stream's close frame has [`crate::stream::conn::CLOSE_WRITE_LIMIT`]).
+pub const STREAM_CLOSE_GRACE: Duration = Duration::from_secs(5);
+
 /// How long requests in flight may still run once the store failed (their writes fail at once;
 /// reads may finish) before `serve` returns anyway.
 pub const FAILED_STORE_GRACE: Duration = Duration::from_secs(5);
@@ -86,6 +90,10 @@ pub fn router(state: SharedRelay) -> Router {
             post(handlers::items_push::post).get(handlers::items_pull::get),
         )
         .route("/v2/relay/ack", post(handlers::ack::post))
+        .route(
+            agentmbx_protocol::stream::STREAM_PATH,
+            get(handlers::stream::get),
+        )
         .route("/v2/relay/admin/revoke", post(handlers::admin::revoke))
         .route(
             "/v2/relay/admin/deny",
@@ -231,12 +239,19 @@ pub async fn serve(
     // Then WATCHDOG=1 while the store's writer answers (only under a manager's watchdog).
     let watchdog = crate::watchdog::interval()
         .map(|w| tokio::spawn(crate::watchdog::run(state.store.clone(), w)));
+    let streams = state.streams.clone();
     let stop = {
         let store_failed = failed(failed_rx.clone());
+        let streams = streams.clone();
         async move {
             tokio::select! {
                 () = shutdown => {}
                 () = store_failed => {}
+            }
+            // Upgraded connections are no longer the accept loop's: close them here.
+            let n = streams.shut_down();
+            if n > 0 {
+                tracing::info!(streams = n, "closing push streams (going away)");
             }
         }
     };
@@ -253,6 +268,15 @@ pub async fn serve(
     tokio::select! {
         () = server => {}
         () = deadline => {}
+    }
+    if tokio::time::timeout(STREAM_CLOSE_GRACE, streams.all_ended())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            running = streams.running(),
+            "push streams still open after the shutdown grace"
+        );
     }
     heartbeat.abort();
     sweeper.abort();

@@ -49,6 +49,10 @@ pub struct RelayState {
     pub refused: crate::refusals::Refusals,
     /// Instance ids seen per host key: two daemons on one key (`Instances::default()`).
     pub instances: crate::instances::Instances,
+    /// The open push streams and the publish path (`docs/relay-stream.md`).
+    pub streams: Arc<crate::stream::hub::Hub>,
+    /// Outstanding stream nonces (`you.stream_nonce`), single use, bounded.
+    pub nonces: crate::stream::nonce::Nonces,
 }
 
 impl RelayState {
@@ -77,6 +81,8 @@ impl RelayState {
             store_db,
             refused: Default::default(),
             instances: Default::default(),
+            streams: Default::default(),
+            nonces: Default::default(),
         }
     }
 }

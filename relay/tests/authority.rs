@@ -1316,3 +1316,51 @@ async fn a_junk_signature_does_not_burn_the_pending_challenge() {
         .await
         .assert_error(401, "no pending challenge", "NO_CHALLENGE");
 }
+
+#[tokio::test]
+async fn a_push_stream_closes_when_its_account_token_expires_and_on_a_client_id_deny() {
+    use crate::stream::{nonce, upgrade_with};
+    use agentmbx_protocol::stream::close;
+    let ed = SigningKey::ed("ed-1");
+    let jwks = JwksServer::start(&[&ed]).await;
+    let relay = Relay::start_with_config(account_config(&jwks)).await;
+    let (a, b) = (CloudHost::new("alpha"), CloudHost::new("beta"));
+    let ta = ed.sign(&a.claims(&relay, "acct-1"));
+    let tb = ed.sign(&b.claims(&relay, "acct-1"));
+    enrol_ok(&relay, &a, &ta).await;
+    enrol_ok(&relay, &b, &tb).await;
+    // Without the token: the pull's refusal.
+    let n = nonce(&relay, &a.host).await;
+    let refused = upgrade_with(&relay, &a.host, &n, &[]).await.err().unwrap();
+    assert_eq!(refused.status, 401);
+    assert_eq!(refused.body, pull(&relay, &a, None).await.json);
+    // With it: open until the token's exp (600 s after its iat).
+    let n = nonce(&relay, &a.host).await;
+    let mut sa = upgrade_with(&relay, &a.host, &n, &bearer(&ta))
+        .await
+        .unwrap();
+    let n = nonce(&relay, &b.host).await;
+    let mut sb = upgrade_with(&relay, &b.host, &n, &bearer(&tb))
+        .await
+        .unwrap();
+    sa.resume("", 0).await;
+    sa.replay().await;
+    sb.resume("", 0).await;
+    sb.replay().await;
+    // A deny entry for beta's client_id closes beta's stream only.
+    admin(
+        &relay,
+        "POST",
+        "/v2/relay/admin/deny",
+        json!({"target": "client-beta", "kind": "client"}),
+        Some(ADMIN),
+    )
+    .await
+    .assert_ok();
+    assert_eq!(sb.closed().await, close::AUTH);
+    // The relay clock passes alpha's exp. The manual clock wakes no timer: the next turn of
+    // the connection loop (here, a client frame) sees the deadline.
+    relay.clock.advance(600 * 1_000);
+    sa.send(json!({"type": "pong", "id": 0})).await;
+    assert_eq!(sa.closed().await, close::TOKEN_EXPIRED);
+}

@@ -1975,8 +1975,15 @@ async fn info_public_and_signed() {
     );
     // Signed by an enrolled key: `you`.
     let r = relay.hop(&b, "GET", "/v2/relay/info", "").await;
+    let mut you = r.assert_ok()["you"].clone();
+    // A fresh single-use push stream nonce (16 random bytes, base64url) on every signed info.
+    let nonce = you
+        .as_object_mut()
+        .and_then(|o| o.remove("stream_nonce"))
+        .expect("a stream nonce");
+    assert_eq!(nonce.as_str().map(str::len), Some(22), "{nonce}");
     assert_eq!(
-        r.assert_ok()["you"],
+        you,
         json!({"host": "beta", "pubkey": b.pubkey(), "head_seq": 0, "acked_through": 0, "enc_ad": null})
     );
     push_one(&relay, &a, &b, "x").await;

@@ -24,4 +24,5 @@ mod instances;
 mod prepare;
 mod retention;
 mod store_fixture;
+mod stream;
 mod trust;

@@ -52,6 +52,7 @@ const KEYS: &[&str] = &[
     "self_addrs",
     "mdns",
     "relay_pull_interval_ms",
+    "relay_stream",
     "key_store",
     "log_level",
     "hook_concurrency",

@@ -87,12 +87,14 @@ pub fn run(args: DaemonArgs) -> anyhow::Result<()> {
     let clock: SharedClock = Arc::new(clock);
     // The daemon is I/O bound and idle most of the time: two workers are enough on any
     // machine (tokio's default is one per core), and each worker costs a stack, a malloc arena
-    // and wakeups. Store work runs on blocking threads, which exit after 10 s unused.
+    // and wakeups. Store work runs on blocking threads, kept 60 s unused: with tokio's 10 s the
+    // idle loops' 10 s checks started and ended a thread each time.
     let workers = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .min(2);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)
+        .thread_keep_alive(std::time::Duration::from_secs(60))
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;

@@ -330,6 +330,11 @@ fn config_lines(settings: Vec<(String, String)>) -> String {
         match key {
             "mdns" if v == "0" => {}
             "mdns" => top.push_str("mdns = false\n"),
+            "relay_stream" => match v.to_ascii_lowercase().as_str() {
+                "0" | "false" | "off" | "no" => top.push_str("relay_stream = false\n"),
+                "1" | "true" | "on" | "yes" => top.push_str("relay_stream = true\n"),
+                _ => {}
+            },
             "api_port" | "lan_port" | "relay_pull_interval_ms" if v.parse::<u64>().is_ok() => {
                 top.push_str(&format!("{key} = {v}\n"))
             }

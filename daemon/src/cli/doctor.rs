@@ -18,7 +18,7 @@ use super::UsageError;
 
 /// The checks and exit status of `doctor`, shown in its `--help`.
 pub const DOCTOR_HELP: &str = "Checks: config, host-identity, keystore, daemon, host-key-clone, \
-peers, peer-key-clone, relay-reachable, relay-key, relay-enrolled, enc-ad, clock-skew, outbox, quarantine, unclaimed, service, \
+peers, peer-key-clone, relay-reachable, relay-key, relay-enrolled, relay-stream, enc-ad, clock-skew, outbox, quarantine, unclaimed, service, \
 mcp-setup, disk-space (--list shows their titles). Network checks wait at most 2 s each and run \
 concurrently. A `fix:` line is a shell command to run as it stands; explanations are in the \
 lines above it. --fix applies only safe local fixes (create the data directory 0700, tighten \

@@ -64,6 +64,7 @@ Environment (each overrides the matching config.toml setting):
   MBX_NO_MDNS=1: no mDNS advertising or browsing (mdns = false)
   MBX_RELAY_URL: relay base URL ([relay] url)
   MBX_RELAY_PULL_INTERVAL_MS: pause between relay pulls in ms (relay_pull_interval_ms)
+  MBX_RELAY_STREAM=0: no relay push stream, poll instead (relay_stream = false)
   HTTPS_PROXY, HTTP_PROXY, ALL_PROXY, NO_PROXY: the proxy for relay calls (never used for
     LAN peers or the local API)
   MBX_KEYSTORE: keyring|file, where init keeps the private keys (key_store; default: the OS

@@ -121,6 +121,10 @@ pub const CHECKS: &[Check] = &[
         title: "enrolled for the current relay key and epoch",
     },
     Check {
+        id: "relay-stream",
+        title: "relay push stream up, or why the daemon polls",
+    },
+    Check {
         id: "enc-ad",
         title: "enc-key ad published and not near expiry",
     },
@@ -485,7 +489,7 @@ pub async fn run(paths: Paths, selected: &[Check], opts: Options) -> Report {
     };
     facts.probes = checks::net::probe(
         &facts,
-        wants(&["daemon", "host-key-clone", "peer-key-clone"]),
+        wants(&["daemon", "host-key-clone", "peer-key-clone", "relay-stream"]),
         // `relay-reachable` reads the peers' probe too: a relay that is down while every
         // peer answers over the LAN only warns.
         wants(&["peers", "relay-reachable"]),

@@ -5,7 +5,8 @@
 //! The runner ([`run`]) is one task of the daemon. At start it turns runs left `started` by
 //! a previous daemon into `unknown` (never re-run) and runs the `pending` ones. Then, woken by
 //! the mailbox's wake hub when mail for a hooked agent is committed (and at the latest every
-//! [`IDLE_POLL_MS`], for mail another process committed), it matches queued deliveries into
+//! [`IDLE_POLL_MS`], for mail another process committed; with no hook configured it only
+//! waits for the stop after recovery), it matches queued deliveries into
 //! runs, and starts each due run while fewer than `hook_concurrency` commands run: the run is
 //! marked `started` in a committed transaction BEFORE its command is spawned, and `ok`,
 //! `failed` or `timeout` after it ends. A failure or a timeout is logged (hook name, run id,
@@ -118,6 +119,12 @@ pub async fn run(runner: Runner, mut stop: watch::Receiver<bool>) {
                 }
             }
         }
+    }
+    // No hook configured (they are read at start): nothing can become due, so an idle daemon
+    // does not wake every IDLE_POLL_MS for nothing.
+    if runner.hooks.is_empty() {
+        let _ = stop.wait_for(|s| *s).await;
+        return;
     }
     // Wake on commits of mail for any hooked agent.
     let woke = Arc::new(Notify::new());

@@ -140,7 +140,7 @@ pub fn seed(
                         item_id: id,
                         targets: vec![PushTarget {
                             target_pubkey: target.pubkey(),
-                            wire,
+                            wire: wire.into(),
                         }],
                     }
                 })

@@ -11,7 +11,7 @@
 //! | POST /v2/relay/admin/undeny | `{target, kind?}` | `{ok:true, removed, kind, value}` |
 //! | POST /v2/relay/admin/rotate-epoch | `{}` | the receipt `{v:1, type:"relay-epoch-rotated", at, store, from, to, by:"operator"}` |
 //! | POST /v2/relay/admin/backup-receipt | `{receipt}` (a `relay-backup` receipt of this relay's store, [`crate::ops::check_backup_receipt`]) | `{ok:true, id, receipt}` (its relay-log id, and the receipt as logged: signed by the relay key) |
-//! | GET /v2/relay/admin/stats | — | `{write_requests, groups, commits, queued, refused, instance_conflicts}`: the store writer's counters since the relay started ([`crate::store::StoreStats`]; `commits` is the number of fsynced group transactions, so accepted items ÷ commits is items per fsync) and `refused: {push: {<reason>: n}, auth: {<reason>: n}}`, refusals by reason since the relay started (table below), and `instance_conflicts: {detected, active}`, the host keys seen used by two daemons at once ([`crate::instances`]); 404 `NOT_FOUND` for a store that keeps none |
+//! | GET /v2/relay/admin/stats | — | `{write_requests, groups, commits, queued, refused, instance_conflicts, streams}`: the store writer's counters since the relay started ([`crate::store::StoreStats`]; `commits` is the number of fsynced group transactions, so accepted items ÷ commits is items per fsync) and `refused: {push: {<reason>: n}, auth: {<reason>: n}}`, refusals by reason since the relay started (table below), `instance_conflicts: {detected, active}`, the host keys seen used by two daemons at once ([`crate::instances`]), and `streams: {open, running, opened, lagged, dropped_frames, queued_bytes, budget_bytes, closes: {<code>: n}}`, the push streams ([`crate::stream::hub`]); 404 `NOT_FOUND` for a store that keeps none |
 //!
 //! `refused` ([`crate::refusals`]) lists every key, 0 when it never happened; the counters live
 //! in the running relay's memory only (`relay status` reads the store and cannot show them).
@@ -63,6 +63,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use agentmbx_protocol::limits::RELAY_SMALL_BODY;
+use agentmbx_protocol::stream::close;
 
 use crate::admin::{self, AdminError};
 use crate::auth::{read_body, utf8};
@@ -205,6 +206,8 @@ pub async fn revoke(
     let b: RevokeBody = guarded_body(&state, req).await?;
     let (store, now) = (state.store.clone(), state.clock.now_ms());
     let r = run(move || admin::revoke(store.as_ref(), &b.host, now)).await?;
+    // Committed: the key's push stream, if one is open, closes (4403).
+    state.streams.close_key(&r.host.host_pubkey, close::AUTH);
     Ok(Json(
         json!({"ok": true, "newly_revoked": r.newly_revoked, "host": r.host}),
     ))
@@ -226,6 +229,20 @@ pub async fn deny(State(state): State<SharedRelay>, req: Request) -> Result<Json
     let k = kind(b.kind.as_deref())?;
     let (store, now) = (state.store.clone(), state.clock.now_ms());
     let e = run(move || admin::deny(store.as_ref(), &b.target, k, b.until_ms, now)).await?;
+    // Committed: close the push streams the entry matches (by its kind), 4403.
+    if e.is_active(now) {
+        let n = match e.kind {
+            DenyKind::Host => state
+                .streams
+                .close_where(close::AUTH, |s| s.fingerprint == e.value),
+            DenyKind::Client => state
+                .streams
+                .close_where(close::AUTH, |s| s.client_id.as_deref() == Some(&e.value)),
+        };
+        if n > 0 {
+            tracing::info!(streams = n, "push streams closed by a deny entry");
+        }
+    }
     Ok(Json(
         json!({"ok": true, "entry": admin::DenyView::of(&e, now)}),
     ))
@@ -288,6 +305,10 @@ pub async fn rotate_epoch(
         .map_err(AdminError::from)
     })
     .await?;
+    // Committed: every open stream hears the new epoch and resumes in it.
+    if let Ok(epoch) = state.store.epoch() {
+        state.streams.announce_epoch(&epoch);
+    }
     Ok(Json(receipt))
 }
 
@@ -328,7 +349,9 @@ pub async fn backup_receipt(
 /// the refusals by reason since the relay started (`{push: {<reason>: n}, auth: {<reason>: n}}`,
 /// every key of [`crate::refusals`] listed), and `instance_conflicts: {detected, active}` (two
 /// daemons on one host key: detections since the start, keys reported now;
-/// [`crate::instances::InstanceStats`]); 404 `NOT_FOUND` when the store keeps none. Reads
+/// [`crate::instances::InstanceStats`]), and `streams` (the push streams: `{open, running,
+/// opened, lagged, dropped_frames, queued_bytes, budget_bytes, closes: {<code>: n}}`,
+/// [`crate::stream::hub::Hub::stats`]); 404 `NOT_FOUND` when the store keeps none. Reads
 /// atomics and memory only: it never touches the database.
 pub async fn stats(State(state): State<SharedRelay>, req: Request) -> Result<Json<Value>, Refusal> {
     guard(&state, &req)?;
@@ -342,5 +365,6 @@ pub async fn stats(State(state): State<SharedRelay>, req: Request) -> Result<Jso
         "queued": s.queued,
         "refused": state.refused.to_json(),
         "instance_conflicts": state.instances.stats(),
+        "streams": state.streams.stats(),
     })))
 }

@@ -61,6 +61,11 @@ pub async fn get(
             });
             let instance_conflict =
                 parse_key(&enrolment.host_pubkey).and_then(|k| state.instances.conflict(&k));
+            let stream_nonce = Some(
+                state
+                    .nonces
+                    .issue(&enrolment.host_pubkey, state.clock.now_ms()),
+            );
             info.you = Some(You {
                 host: enrolment.host_name,
                 pubkey: enrolment.host_pubkey,
@@ -68,7 +73,7 @@ pub async fn get(
                 acked_through: q.acked_through,
                 enc_ad,
                 instance_conflict,
-                stream_nonce: None,
+                stream_nonce,
             });
         }
     }

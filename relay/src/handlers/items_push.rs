@@ -350,7 +350,7 @@ pub async fn post(
                         .zip(wires)
                         .map(|(t, wire)| store::PushTarget {
                             target_pubkey: t.host_pubkey.clone(),
-                            wire,
+                            wire: wire.into(),
                         })
                         .collect(),
                 });
@@ -381,6 +381,15 @@ pub async fn post(
     }
 
     if !to_store.is_empty() {
+        // Handles on the wire bytes (not copies), to publish on the targets' push streams
+        // once the batch committed.
+        let wires: Vec<(String, Vec<bytes::Bytes>)> = to_store
+            .iter()
+            .map(|i| {
+                let w = i.targets.iter().map(|t| t.wire.clone()).collect();
+                (i.kind.clone(), w)
+            })
+            .collect();
         let batch = PushBatch {
             sender_pubkey: caller.host_pubkey.clone(),
             sender_host: caller.host_name.clone(),
@@ -400,6 +409,8 @@ pub async fn post(
         let outcome = answer
             .await
             .map_err(|_| ApiError::from(store::StoreError::WriterStopped))??;
+        // Committed: each target stored fresh goes to its push stream, if one is open.
+        publish(&state, &caller.host_pubkey, &outcome.items, &wires);
         let relay_pubkey = state.key.public().to_b64();
         for (pos, out) in positions.into_iter().zip(outcome.items) {
             let result = match &out.status {
@@ -451,6 +462,38 @@ pub async fn post(
         .collect();
     count_refused(&state, &caller.host_pubkey, &results);
     Ok(Json(PushResponse { results }))
+}
+
+/// Publishes every target an accepted item was stored for fresh by this push (its entry in
+/// `prev_seqs` is set) on that target's push stream ([`crate::stream::hub::Hub::publish`], never waits).
+/// A duplicate stored nothing and is not published again. Called only after the commit.
+fn publish(
+    state: &RelayState,
+    sender_pubkey: &str,
+    outcomes: &[store::ItemOutcome],
+    wires: &[(String, Vec<bytes::Bytes>)],
+) {
+    for (out, (kind, item_wires)) in outcomes.iter().zip(wires) {
+        if out.status != ItemStatus::Accepted {
+            continue;
+        }
+        for ((t, prev_seq), wire) in out.targets.iter().zip(&out.prev_seqs).zip(item_wires) {
+            let Some(prev_seq) = *prev_seq else {
+                continue;
+            };
+            state.streams.publish(
+                &t.target_pubkey,
+                &crate::stream::hub::LiveItem {
+                    seq: t.seq,
+                    prev_seq,
+                    kind: kind.clone(),
+                    item_id: out.item_id.clone(),
+                    sender_pubkey: sender_pubkey.to_owned(),
+                    wire: wire.clone(),
+                },
+            );
+        }
+    }
 }
 
 /// Counts every `rejected:<why>` result of a push answer by its reason and logs each at DEBUG

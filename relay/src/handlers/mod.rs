@@ -11,3 +11,4 @@ pub mod items_pull;
 pub mod items_push;
 pub mod rotate;
 pub mod senders;
+pub mod stream;

@@ -125,8 +125,14 @@ pub async fn post(State(state): State<SharedRelay>, req: Request) -> Result<Json
         now_ms: now,
     };
     let store = state.store.clone();
+    let old_pubkey = req.old_pubkey.clone();
     match blocking(move || store.rotate(req)).await? {
         RotateOutcome::Rotated { moved } => {
+            // Committed: the old key's push stream closes (4403); the host opens one with its
+            // new key.
+            state
+                .streams
+                .close_key(&old_pubkey, agentmbx_protocol::stream::close::AUTH);
             tracing::info!(
                 old = %old_key.fingerprint(),
                 new = %new_key.fingerprint(),

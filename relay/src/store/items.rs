@@ -18,8 +18,9 @@ pub enum Expiry {
 pub struct PushTarget {
     /// The target host key.
     pub target_pubkey: String,
-    /// The exact bytes to store (decoded from `wire_b64`).
-    pub wire: Vec<u8>,
+    /// The exact bytes to store (decoded from `wire_b64`), shared: the push handler keeps a
+    /// handle to publish them on the target's push stream after the commit.
+    pub wire: bytes::Bytes,
 }
 
 /// One pushed item, validated by the handler (id, kind, size, wire shape).
@@ -158,6 +159,12 @@ pub struct ItemOutcome {
     pub at_ms: Option<i64>,
     /// Per target, in push order; empty when rejected.
     pub targets: Vec<TargetAccept>,
+    /// Per target, in push order (empty when rejected): for a target this push stored fresh,
+    /// the target's head seq just before its `seq` was allocated (0 if none), read in the same
+    /// transaction, so no item for the target lies strictly between the two (the push stream's
+    /// `deliver.prev_seq`, `docs/relay-stream.md`); `None` for a target settled by dedup
+    /// (nothing new stored, nothing to publish).
+    pub prev_seqs: Vec<Option<i64>>,
 }
 
 /// The result of [`ItemStore::push`].

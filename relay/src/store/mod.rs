@@ -93,8 +93,8 @@ pub use items::{
 };
 pub use operations::{
     sign_op_receipt, EpochRotation, ExpiryFacts, NoticeSigner, OpEntry, OpRecord, OpSigner,
-    OperationsStore, SweepReport, DEDUP_GRACE_DAYS, OP_SWEEP, SWEEP_BATCH, SWEEP_MAX_BATCHES,
-    SWEEP_MAX_PRUNE,
+    OperationsStore, StoredNotice, SweepReport, DEDUP_GRACE_DAYS, OP_SWEEP, SWEEP_BATCH,
+    SWEEP_MAX_BATCHES, SWEEP_MAX_PRUNE,
 };
 
 #[cfg(test)]

@@ -158,6 +158,26 @@ pub struct SweepReport {
     pub more: bool,
     /// Whether a `relay-sweep` receipt was appended to the relay log.
     pub logged: bool,
+    /// The expiry notices this sweep stored, each in a transaction that committed, for the
+    /// targets' push streams (`docs/relay-stream.md`).
+    pub stored: Vec<StoredNotice>,
+}
+
+/// An expiry notice a sweep stored for a target (the expired envelope's sender).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredNotice {
+    /// The notice's target: the sender of the expired envelope.
+    pub target_pubkey: String,
+    /// Its seq in the target's queue.
+    pub seq: i64,
+    /// The target's head just before `seq` was allocated (same transaction).
+    pub prev_seq: i64,
+    /// The notice's item id.
+    pub item_id: String,
+    /// The relay key (the notice's sender).
+    pub sender_pubkey: String,
+    /// The notice's wire bytes.
+    pub wire: Vec<u8>,
 }
 
 impl SweepReport {

@@ -379,7 +379,7 @@ pub(crate) fn item_of(kind: &str, id: &str, targets: &[(&str, &[u8])]) -> PushIt
             .iter()
             .map(|(t, w)| PushTarget {
                 target_pubkey: (*t).to_owned(),
-                wire: w.to_vec(),
+                wire: bytes::Bytes::copy_from_slice(w),
             })
             .collect(),
     }

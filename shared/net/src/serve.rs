@@ -7,7 +7,14 @@
 //!
 //! # What it owns
 //! Accepting, the connection slots, the per-connection timers and the drain on shutdown. Every
-//! request carries the peer's address as `axum::extract::ConnectInfo<SocketAddr>`.
+//! request carries the peer's address as `axum::extract::ConnectInfo<SocketAddr>` and its
+//! connection's slot as [`ConnSlot`].
+//!
+//! Connections may be upgraded (HTTP/1.1 `Upgrade`, e.g. a WebSocket): once hyper handed the
+//! socket to the upgrade, the HTTP connection task ends, but the slot does not come back while
+//! a holder of the request's [`ConnSlot`] keeps it. A handler that upgrades moves the
+//! [`ConnSlot`] into the task that serves the upgraded socket, so an upgraded connection counts
+//! against `max_connections` for its whole life.
 //!
 //! # What it must never do
 //! Route, authenticate or answer a request itself (the router does), or log anything about a
@@ -23,6 +30,15 @@ use axum::Router;
 /// Pause after an accept error that is not about one connection (EMFILE, ENFILE, ENOBUFS…),
 /// so the loop does not spin while the condition lasts.
 pub const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// One connection's slot among [`ConnSettings::max_connections`], in every request's
+/// extensions. The slot returns when the connection task and every clone of this handle are
+/// gone: a handler that upgrades the connection keeps a clone for as long as the upgraded socket
+/// is served.
+#[derive(Debug, Clone)]
+pub struct ConnSlot {
+    _permit: Arc<tokio::sync::OwnedSemaphorePermit>,
+}
 
 /// How the accept loop treats each connection (the relay's from its configuration; the daemon's
 /// LAN server uses the same loop with its own).
@@ -176,6 +192,7 @@ struct Tracked {
     inner: hyper_util::service::TowerToHyperService<Router>,
     activity: Arc<tokio::sync::watch::Sender<Activity>>,
     remote: std::net::SocketAddr,
+    slot: ConnSlot,
 }
 
 impl hyper::service::Service<hyper::Request<hyper::body::Incoming>> for Tracked {
@@ -187,6 +204,7 @@ impl hyper::service::Service<hyper::Request<hyper::body::Incoming>> for Tracked 
     fn call(&self, mut req: hyper::Request<hyper::body::Incoming>) -> Self::Future {
         req.extensions_mut()
             .insert(axum::extract::ConnectInfo(self.remote));
+        req.extensions_mut().insert(self.slot.clone());
         let in_flight = InFlight::begin(self.activity.clone());
         let answer = self.inner.call(req);
         Box::pin(async move {
@@ -232,11 +250,13 @@ async fn closing(signal: &mut tokio::sync::watch::Receiver<bool>) {
 }
 
 /// Serves one connection until it closes: HTTP/1.1 with keep-alive, the header-read timeout,
-/// the keep-alive idle timeout and graceful shutdown once `closing_signal` says so.
+/// the keep-alive idle timeout and graceful shutdown once `closing_signal` says so. An upgrade
+/// ends this task once hyper handed the socket over; the upgraded socket's server holds the
+/// request's [`ConnSlot`] for as long as it serves it.
 async fn serve_connection(
     tcp: tokio::net::TcpStream,
     remote: std::net::SocketAddr,
-    _slot: tokio::sync::OwnedSemaphorePermit,
+    slot: tokio::sync::OwnedSemaphorePermit,
     app: Router,
     settings: ConnSettings,
     mut closing_signal: tokio::sync::watch::Receiver<bool>,
@@ -249,12 +269,17 @@ async fn serve_connection(
         inner: hyper_util::service::TowerToHyperService::new(app),
         activity: Arc::new(activity_tx),
         remote,
+        slot: ConnSlot {
+            _permit: Arc::new(slot),
+        },
     };
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(hyper_util::rt::TokioTimer::new())
         .header_read_timeout(settings.header_read)
         .keep_alive(true);
-    let conn = http.serve_connection(hyper_util::rt::TokioIo::new(tcp), service);
+    let conn = http
+        .serve_connection(hyper_util::rt::TokioIo::new(tcp), service)
+        .with_upgrades();
     let mut conn = std::pin::pin!(conn);
     let mut winding_down = false;
     loop {

@@ -1,7 +1,7 @@
 //! The checks of [`super::CHECKS`], one function each, evaluated over the gathered
 //! [`super::Facts`]: `local` (config, identity, key store, outbox, quarantine, unclaimed mail,
 //! service, disk space), `mcp_setup` (the agent clients' agentmbx MCP entries),
-//! `relay` (reachable, key, enrolment, enc-key ad, clock skew), `clone` (two daemons on this
+//! `relay` (reachable, key, enrolment, push stream, enc-key ad, clock skew), `clone` (two daemons on this
 //! host's or a peer's key) and `net` (the probes they read, plus the daemon and peer checks). A check never panics and never prints secrets: an `Err`
 //! is reported as status `error`.
 
@@ -32,6 +32,7 @@ pub fn evaluate(id: &str, f: &Facts) -> Result<Outcome, String> {
         "relay-reachable" => relay::reachable(f),
         "relay-key" => relay::key(f),
         "relay-enrolled" => relay::enrolled(f),
+        "relay-stream" => relay::stream(f),
         "enc-ad" => relay::enc_ad(f),
         "clock-skew" => relay::clock_skew(f),
         "outbox" => local::outbox(f),

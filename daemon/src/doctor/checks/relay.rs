@@ -1,5 +1,5 @@
 //! Relay checks (`wire.md` §7 item 10, §3.5): reachable, key pinned and matching, enrolled for
-//! the current key and epoch, enc-key ad, clock skew. They read the relay state the client keeps
+//! the current key and epoch, the push stream (`docs/relay-stream.md`), enc-key ad, clock skew. They read the relay state the client keeps
 //! in `mailbox.db` ([`crate::transport::relay_client::state`], the same kv keys the client
 //! writes: spec gap G13) and the probe of `GET /v2/relay/info`. All skip without a relay (and
 //! when `config.toml` is invalid, which hides the relay); enrolment and enc-key ad skip while
@@ -320,6 +320,97 @@ pub fn key(f: &Facts) -> Result<Outcome, String> {
             format!("pinned {pin}; not compared (the relay did not answer)"),
         ),
     })
+}
+
+/// `relay-stream`: what the running daemon's push stream to the relay does, from the record the
+/// relay loop keeps (kv `relay-stream:<url>`, [`crate::transport::relay_client::stream::StreamRecord`]): `ok` up (since when)
+/// or disabled by config (`relay_stream = false`, `MBX_RELAY_STREAM=0`), `ok` polling because
+/// the relay does not offer the stream, `warn` polling because the upgrade was refused, while
+/// it reconnects, or when the relay replaced it (with the count: a cloned key?). `skip` without
+/// a relay, or when this host's daemon does not answer (only a running daemon keeps a stream).
+pub fn stream(f: &Facts) -> Result<Outcome, String> {
+    use super::net::DaemonProbe;
+    use crate::transport::relay_client::stream::{self, StreamState};
+    let url = match relay_url(f) {
+        Ok(u) => u,
+        Err(skip) => return Ok(skip),
+    };
+    let interval = f
+        .config
+        .as_ref()
+        .map_or(crate::config::default_relay_pull_interval_ms(), |c| {
+            c.relay_pull_interval_ms
+        });
+    let record = match &f.mailbox {
+        Some(m) => m
+            .with(|c| stream::read_record(c, url))
+            .map_err(|e| format!("cannot read the stream record: {e}"))?,
+        None => None,
+    };
+    let running = matches!(
+        f.probes.daemon,
+        Some(DaemonProbe::Answered { status: 200, .. })
+    );
+    let off_here = f.config.as_ref().is_ok_and(|c| !c.relay_stream);
+    let disabled = || {
+        Outcome::new(
+            Status::Ok,
+            format!(
+                "disabled by config (relay_stream = false or MBX_RELAY_STREAM=0): the daemon pulls every {interval} ms"
+            ),
+        )
+    };
+    if !running {
+        if off_here {
+            return Ok(disabled());
+        }
+        return Ok(Outcome::new(
+            Status::Skip,
+            "this host's daemon does not answer (see the daemon check): only a running daemon keeps a push stream",
+        ));
+    }
+    let Some(r) = record else {
+        if off_here {
+            return Ok(disabled());
+        }
+        return Ok(Outcome::new(
+            Status::Skip,
+            "the daemon has not tried the push stream yet (it opens after its first relay pass)",
+        ));
+    };
+    let since = iso_ms(r.since_ms);
+    let reason = r.reason.clone().unwrap_or_default();
+    let mut out = match r.state {
+        StreamState::Disabled => disabled(),
+        StreamState::Up => Outcome::new(
+            Status::Ok,
+            format!("up since {since}: mail arrives as the relay stores it; a pull runs every 5 min as a safety net"),
+        ),
+        StreamState::Polling if reason.contains("does not offer") => Outcome::new(
+            Status::Ok,
+            format!("polling every {interval} ms because {reason}; the stream is tried again every 5 min"),
+        ),
+        StreamState::Polling => Outcome::new(
+            Status::Warn,
+            format!("polling every {interval} ms because {reason}; the stream is tried again every 5 min"),
+        )
+        .detail("a reverse proxy in front of the relay must pass WebSocket upgrades (see docs/relay-operator.md)"),
+        StreamState::Reconnecting => Outcome::new(
+            Status::Warn,
+            format!("reconnecting since {since} ({reason}); the daemon pulls every {interval} ms meanwhile"),
+        ),
+    };
+    if r.replaced > 0 {
+        out = Outcome {
+            status: Some(Status::Warn),
+            ..out
+        }
+        .detail(format!(
+            "replaced {} time(s) by another stream opened with this host key (cloned key? see the host-key-clone check)",
+            r.replaced
+        ));
+    }
+    Ok(out)
 }
 
 /// `relay-enrolled`: the enrolment cache (kv `relay-enrolled:<url>`, the one the client writes)

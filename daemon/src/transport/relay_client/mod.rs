@@ -8,7 +8,9 @@
 //! - [`push`]: sealing each outbox row for its target once, pushing, and settling rows only on
 //!   a verified accept receipt;
 //! - [`pull`]: pulling after `received_through`, receiving in seq order with the checkpoint in
-//!   the last item's transaction, quarantine, then the transport ack.
+//!   the last item's transaction, quarantine, then the transport ack;
+//! - [`stream`]: the push stream (`GET /v2/relay/stream`): pushed items through the same
+//!   receive path, the prev_seq rule, acks after the commit, and the loop's reconnects.
 //!
 //! Every request carries the v2 signed hop ([`agentmbx_protocol::hop`]), and from the daemon
 //! its instance id in `x-mbx-instance` (unsigned, advisory: [`crate::instance`]). This module never
@@ -23,6 +25,7 @@ pub mod push;
 pub mod rotate;
 pub mod session;
 pub mod state;
+pub mod stream;
 
 #[cfg(test)]
 mod test_support;
@@ -209,6 +212,9 @@ pub struct RelayClient {
     /// `receive:after-deliver`, `ack:before-send`, `ack:after-response`): the daemon's own set;
     /// [`Self::new`] gives the process's ([`Failpoints::from_env`]).
     pub failpoints: Failpoints,
+    /// Whether [`run`] keeps a push stream open to the relay ([`stream`]; `relay_stream` in
+    /// `config.toml`, `MBX_RELAY_STREAM`). [`Self::new`] leaves it off; [`start`] sets it.
+    pub stream: bool,
     /// Whether the relay presented the pinned key in this pass ([`Self::confirm_relay_key`]).
     /// The account token is sent only while it is true: the first signed info of a pass goes
     /// without it, and a relay presenting another key never receives it.
@@ -251,6 +257,7 @@ impl RelayClient {
             account: None,
             instance: None,
             failpoints: Failpoints::from_env(),
+            stream: false,
             key_confirmed: Arc::new(AtomicBool::new(false)),
         })
     }
@@ -296,6 +303,45 @@ impl RelayClient {
         cap: usize,
     ) -> Result<(u16, bytes::Bytes), RelayError> {
         crate::liveness::progress();
+        let req = self.signed_request(method, target, body).await?;
+        let resp = req
+            .send()
+            .await
+            .map_err(|e| RelayError::Unreachable(describe(&e)))?;
+        let status = resp.status().as_u16();
+        self.observed.note_date(
+            resp.headers()
+                .get(reqwest::header::DATE)
+                .and_then(|v| v.to_str().ok()),
+        );
+        let retry_after = resp
+            .headers()
+            .get(reqwest::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let bytes = answer::read_capped(resp, cap).await?;
+        if status == 429 {
+            return Err(rate_limited(retry_after.as_deref(), &bytes));
+        }
+        if let Some(account) = self.account.as_ref().filter(|_| status == 401) {
+            if account::refused_token(&bytes) {
+                account.invalidate().await;
+            }
+        }
+        Ok((status, bytes))
+    }
+
+    /// The signed v2 hop `method target` with `body` as a request of this client's HTTP client
+    /// (so the proxy environment applies): the hop headers, `x-mbx-instance` and, once the
+    /// relay presented the pinned key in this pass, the account token. `target` is normalised
+    /// here and signed with its query. Errors: [`RelayError::Token`] when no account token
+    /// could be had.
+    pub(crate) async fn signed_request(
+        &self,
+        method: &str,
+        target: &str,
+        body: &str,
+    ) -> Result<reqwest::RequestBuilder, RelayError> {
         let target = hop::normalize_target(target);
         let h = hop::sign_relay_hop(
             &self.ident.host_key,
@@ -329,31 +375,7 @@ impl RelayClient {
                 .map_err(|e| RelayError::Token(e.to_string()))?;
             req = req.bearer_auth(token);
         }
-        let resp = req
-            .send()
-            .await
-            .map_err(|e| RelayError::Unreachable(describe(&e)))?;
-        let status = resp.status().as_u16();
-        self.observed.note_date(
-            resp.headers()
-                .get(reqwest::header::DATE)
-                .and_then(|v| v.to_str().ok()),
-        );
-        let retry_after = resp
-            .headers()
-            .get(reqwest::header::RETRY_AFTER)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
-        let bytes = answer::read_capped(resp, cap).await?;
-        if status == 429 {
-            return Err(rate_limited(retry_after.as_deref(), &bytes));
-        }
-        if let Some(account) = self.account.as_ref().filter(|_| status == 401) {
-            if account::refused_token(&bytes) {
-                account.invalidate().await;
-            }
-        }
-        Ok((status, bytes))
+        Ok(req)
     }
 
     /// Like [`Self::call`], but a non-2xx status becomes [`RelayError::Status`] and the body is
@@ -539,13 +561,31 @@ async fn run_loop(
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
     let mut failures: u32 = 0;
+    let mut ctl = StreamCtl::default();
+    if !client.stream {
+        client
+            .note_stream(stream::StreamState::Disabled, None, 0)
+            .await;
+    }
     loop {
         if *shutdown.borrow() {
             return;
         }
         crate::liveness::progress();
         let outcome = match client.reload_pin().await {
-            Ok(()) => pass(&client).await,
+            Ok(()) => pass_session(&client, true).await,
+            Err(e) => Err(e),
+        };
+        // The pass pulled: open the push stream now when it is on and not waiting for its
+        // backoff; it runs until it ends, then this loop goes on as after a pass.
+        let outcome = match outcome {
+            Ok(session) if client.stream && ctl.due() => {
+                match stream_turn(&client, &mut ctl, &session, &wake, &mut shutdown).await {
+                    Some(r) => r,
+                    None => return,
+                }
+            }
+            Ok(_) => Ok(()),
             Err(e) => Err(e),
         };
         let delay = match outcome {
@@ -616,6 +656,13 @@ async fn run_loop(
                 Duration::from_millis((500u64 << failures.min(7)).min(MAX_RETRY_DELAY_MS))
             }
         };
+        // Polling while the stream waits for its backoff: wake up for its next attempt.
+        let delay = match ctl.not_before {
+            Some(t) if client.stream => {
+                delay.min(t.saturating_duration_since(tokio::time::Instant::now()))
+            }
+            _ => delay,
+        };
         // Stamps the loop's liveness while it waits.
         let stop = crate::liveness::waiting(async {
             tokio::select! {
@@ -631,6 +678,153 @@ async fn run_loop(
     }
 }
 
+/// The push stream's part of the relay loop: when it may be tried again, its failures in a
+/// row and the 4409 replacements seen.
+#[derive(Debug, Default)]
+struct StreamCtl {
+    /// No stream attempt before this (`None`: now).
+    not_before: Option<tokio::time::Instant>,
+    /// Reopen attempts in a row that did not give a stream that stayed up.
+    failures: u32,
+    /// 4409 `replaced` closes since the loop started.
+    replaced: u64,
+}
+
+impl StreamCtl {
+    fn due(&self) -> bool {
+        self.not_before
+            .is_none_or(|t| tokio::time::Instant::now() >= t)
+    }
+
+    /// Reopen after the reconnect backoff ([`stream::reconnect_delay`]).
+    async fn retry_later(&mut self, client: &RelayClient, reason: String) {
+        let wait = stream::reconnect_delay(self.failures);
+        self.failures = self.failures.saturating_add(1);
+        self.not_before = Some(tokio::time::Instant::now() + wait);
+        client
+            .note_stream(
+                stream::StreamState::Reconnecting,
+                Some(reason),
+                self.replaced,
+            )
+            .await;
+    }
+
+    /// Poll, and try the stream again after [`stream::RETRY_STREAM_WHEN_POLLING`].
+    async fn poll(&mut self, client: &RelayClient, reason: String) {
+        self.failures = 0;
+        self.not_before = Some(tokio::time::Instant::now() + stream::RETRY_STREAM_WHEN_POLLING);
+        client
+            .note_stream(stream::StreamState::Polling, Some(reason), self.replaced)
+            .await;
+    }
+}
+
+/// Opens the push stream with the nonce of `session` and serves it until it ends, then sets
+/// when it is tried again (module [`stream`]). Returns the outcome the loop handles as a pass's
+/// (`Ok` when the stream merely ended), or `None` at shutdown.
+async fn stream_turn(
+    client: &RelayClient,
+    ctl: &mut StreamCtl,
+    session: &session::Session,
+    wake: &tokio::sync::Notify,
+    shutdown: &mut tokio::sync::watch::Receiver<bool>,
+) -> Option<Result<(), RelayError>> {
+    let Some(nonce) = session.stream_nonce.as_deref() else {
+        if ctl.not_before.is_none() {
+            tracing::info!(relay = %client.url, "the relay does not offer the push stream: polling");
+        }
+        ctl.poll(
+            client,
+            "the relay does not offer the push stream (no stream nonce in its signed info: an older relay)".into(),
+        )
+        .await;
+        return Some(Ok(()));
+    };
+    let ws = match client.open_stream(nonce, &session.limits).await {
+        Ok(ws) => ws,
+        Err(stream::OpenError::NotOffered(why)) => {
+            tracing::info!(relay = %client.url, reason = %why, "push stream not available: polling");
+            ctl.poll(client, why).await;
+            return Some(Ok(()));
+        }
+        Err(stream::OpenError::Relay(e)) => {
+            tracing::warn!(relay = %client.url, error = %e, "push stream not opened; polling until it is tried again");
+            ctl.retry_later(client, format!("the stream could not be opened: {e}"))
+                .await;
+            return Some(match e {
+                RelayError::RateLimited { .. } => Err(e),
+                _ => Ok(()),
+            });
+        }
+    };
+    tracing::info!(relay = %client.url, "push stream open: mail arrives as it is pushed");
+    client
+        .note_stream(stream::StreamState::Up, None, ctl.replaced)
+        .await;
+    let opened = tokio::time::Instant::now();
+    let end = stream::serve(client, ws, session, wake, shutdown).await;
+    if opened.elapsed() >= stream::STABLE_AFTER {
+        ctl.failures = 0;
+    }
+    match end {
+        stream::End::Shutdown => None,
+        stream::End::Failed(e) => {
+            ctl.retry_later(client, format!("the stream stopped: {e}"))
+                .await;
+            Some(Err(e))
+        }
+        stream::End::Closed { code, reason } => {
+            let code_text = code.map_or_else(|| "none".to_string(), |c| c.to_string());
+            match stream::after_close(code) {
+                stream::AfterClose::Reconnect => {
+                    tracing::info!(relay = %client.url, code = %code_text, reason = %reason, "push stream closed; reconnecting with backoff");
+                    ctl.retry_later(client, format!("closed (code {code_text}); reconnecting"))
+                        .await;
+                }
+                stream::AfterClose::NewToken => {
+                    tracing::info!(relay = %client.url, "the account token of the push stream expired; reopening with a fresh one");
+                    if let Some(account) = &client.account {
+                        account.invalidate().await;
+                    }
+                    ctl.retry_later(client, "the account token expired; reopening".into())
+                        .await;
+                }
+                stream::AfterClose::Refused => {
+                    tracing::warn!(relay = %client.url, "the relay closed the push stream: this host was revoked or denied");
+                    ctl.retry_later(
+                        client,
+                        "the relay refused this host (revoked or denied)".into(),
+                    )
+                    .await;
+                }
+                stream::AfterClose::Replaced => {
+                    ctl.replaced += 1;
+                    let total = client
+                        .instance
+                        .as_ref()
+                        .map_or(ctl.replaced, |i| i.note_replaced(&client.url).0);
+                    let wait = stream::replaced_delay(ctl.replaced);
+                    tracing::warn!(relay = %client.url, replaced = total, wait_ms = wait.as_millis() as u64,
+                        "the relay replaced this daemon's push stream with another one opened with the same host key (another daemon with this key?); reopening after a long backoff");
+                    ctl.not_before = Some(tokio::time::Instant::now() + wait);
+                    client
+                        .note_stream(
+                            stream::StreamState::Reconnecting,
+                            Some(format!(
+                                "replaced by another stream opened with this host key ({} time(s): a cloned key?)",
+                                ctl.replaced
+                            )),
+                            ctl.replaced,
+                        )
+                        .await;
+                }
+            }
+            Some(Ok(()))
+        }
+    }
+}
+
 /// Starts the relay transport for `url`: resolves the pinned key (the configured one, the one
 /// pinned on first contact, or — when the relay cannot be reached yet — retried with a doubling
 /// delay up to 60 s, so a relay that is down at daemon start is used once it is up), then
@@ -638,6 +832,7 @@ async fn run_loop(
 /// ([`RelayClient::received`]). `account` (from `[relay] token_command`) makes every call
 /// carry the account token ([`RelayClient::account`]). `instance` is the daemon's
 /// ([`RelayClient::instance`]). `failpoints` are the daemon's ([`RelayClient::failpoints`]).
+/// `stream` keeps the push stream open while the relay offers it ([`RelayClient::stream`]).
 #[allow(clippy::too_many_arguments)]
 pub async fn start(
     url: String,
@@ -651,6 +846,7 @@ pub async fn start(
     account: Option<Arc<account::AccountTokens>>,
     instance: Option<Arc<crate::instance::Instance>>,
     failpoints: Failpoints,
+    stream: bool,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
     let mut delay = Duration::from_millis(500);
@@ -696,6 +892,7 @@ pub async fn start(
             client.account = account;
             client.instance = instance;
             client.failpoints = failpoints;
+            client.stream = stream;
             run(client, pull_interval, wake, shutdown).await
         }
         Err(e) => tracing::error!(relay = %url, error = %e, "relay transport off"),
@@ -707,12 +904,21 @@ pub async fn start(
 /// and the transfer is retried once; a second 401 is a refusal right after a fresh enrolment
 /// (backoff and classification), a 403 the `denied` or `revoked` state.
 pub async fn pass(client: &RelayClient) -> Result<(), RelayError> {
-    let session = client.open_session().await?;
-    let result = match transfer(client, &session).await {
+    pass_session(client, true).await.map(|_| ())
+}
+
+/// [`pass`], pulling only when `pull` is set (a pass while the push stream is up pushes only:
+/// the stream delivers). Returns the session of the pass (its `stream_nonce` opens the stream).
+pub async fn pass_session(
+    client: &RelayClient,
+    pull: bool,
+) -> Result<session::Session, RelayError> {
+    let mut session = client.open_session().await?;
+    let result = match transfer(client, &session, pull).await {
         Err(e) if e.is_not_enrolled() => {
             tracing::warn!(relay = %client.url, error = %e, "the relay no longer knows this host: enrolling again in this pass");
-            let session = client.recover_enrolment().await?;
-            match transfer(client, &session).await {
+            session = client.recover_enrolment().await?;
+            match transfer(client, &session, pull).await {
                 Err(e) if e.is_not_enrolled() => {
                     Err(client.refused_after_enrol(&session.epoch).await?)
                 }
@@ -734,15 +940,22 @@ pub async fn pass(client: &RelayClient) -> Result<(), RelayError> {
         }
         Err(_) => {}
     }
-    result
+    result.map(|()| session)
 }
 
-/// Pushes due rows and receipts, retries quarantined items and pulls, in that order.
-async fn transfer(client: &RelayClient, session: &session::Session) -> Result<(), RelayError> {
+/// Pushes due rows and receipts, retries quarantined items and, when `pull` is set, pulls, in
+/// that order.
+async fn transfer(
+    client: &RelayClient,
+    session: &session::Session,
+    pull: bool,
+) -> Result<(), RelayError> {
     client.push_due(session).await?;
     client.push_receipts(session).await?;
     client.retry_quarantined().await?;
-    client.pull_pass(session).await?;
+    if pull {
+        client.pull_pass(session).await?;
+    }
     Ok(())
 }
 

@@ -79,7 +79,7 @@ pub fn order_page(mut items: Vec<PullItem>, through: i64) -> Vec<PullItem> {
 impl RelayClient {
     /// `received_through` in `epoch`; a position of another epoch (or none) is an epoch change
     /// ([`Self::epoch_changed`]) and the pull starts at 0.
-    async fn position(&self, epoch: &str) -> Result<i64, RelayError> {
+    pub(super) async fn position(&self, epoch: &str) -> Result<i64, RelayError> {
         let url = self.url.clone();
         let pos = self
             .mailbox
@@ -230,7 +230,7 @@ impl RelayClient {
 
     /// Processes one item in its own transaction; when `checkpoint` is set the transaction also
     /// moves `received_through` to the item's seq.
-    async fn receive_item(
+    pub(super) async fn receive_item(
         &self,
         epoch: &str,
         item: PullItem,
@@ -357,7 +357,7 @@ impl RelayClient {
 
     /// Acks `through` when it is above what the relay confirmed. Returns false when the
     /// position was reset (epoch change or BAD_ACK) and the page loop should start over.
-    async fn ack(&self, epoch: &str, through: i64) -> Result<bool, RelayError> {
+    pub(super) async fn ack(&self, epoch: &str, through: i64) -> Result<bool, RelayError> {
         let url = self.url.clone();
         let acked = self
             .mailbox

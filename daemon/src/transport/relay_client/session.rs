@@ -70,6 +70,9 @@ pub struct Session {
     pub limits: Limits,
     /// The relay's view of this host's queue head.
     pub head_seq: i64,
+    /// The single-use nonce for opening the push stream (`you.stream_nonce`,
+    /// `docs/relay-stream.md`); `None` from a relay that does not offer the stream.
+    pub stream_nonce: Option<String>,
 }
 
 /// How the enc-key ad step of a session ended.
@@ -267,10 +270,12 @@ impl RelayClient {
         if let (Some(instance), Some(you)) = (&self.instance, &info.you) {
             instance.note_relay(&self.url, you.instance_conflict.clone());
         }
+        let (head_seq, stream_nonce) = info.you.map_or((0, None), |y| (y.head_seq, y.stream_nonce));
         Ok(Session {
             epoch: info.epoch,
             limits: info.limits,
-            head_seq: info.you.map_or(0, |y| y.head_seq),
+            head_seq,
+            stream_nonce,
         })
     }
 

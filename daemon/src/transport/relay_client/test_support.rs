@@ -232,6 +232,7 @@ pub(crate) fn session(epoch: &str) -> Session {
         epoch: epoch.into(),
         limits: limits(),
         head_seq: 0,
+        stream_nonce: None,
     }
 }
 

@@ -110,6 +110,7 @@ fn rejected(item: &PushItem, why: Rejection) -> ItemOutcome {
         status: ItemStatus::Rejected(why),
         at_ms: None,
         targets: Vec::new(),
+        prev_seqs: Vec::new(),
     }
 }
 
@@ -213,7 +214,7 @@ fn push_item(
     let mut written = Vec::with_capacity(fresh.len());
     for (idx, live, bytes) in &fresh {
         let hash = &hashes[*idx];
-        let seq = allocate_seq(c, live.pubkey, batch.now_ms)?;
+        let (seq, prev_seq) = allocate_seq(c, live.pubkey, batch.now_ms)?;
         c.prepare_cached(
             "INSERT INTO items (target_pubkey, seq, kind, item_id, sender_pubkey, sender_host,
                                 wire, wire_hash, bytes, accepted_at, expires_at)
@@ -244,23 +245,24 @@ fn push_item(
             seq,
             batch.now_ms
         ])?;
-        written.push((*idx, seq));
+        written.push((*idx, seq, prev_seq));
     }
 
     // 3. The outcome, in the sender's target order.
     let any_fresh = !written.is_empty();
     let mut earliest: Option<i64> = None;
     let mut targets = Vec::with_capacity(item.targets.len());
+    let mut prev_seqs = Vec::with_capacity(item.targets.len());
     for (i, ((t, hit), hash)) in item.targets.iter().zip(hits).zip(hashes).enumerate() {
-        let seq = match hit {
+        let (seq, prev_seq) = match hit {
             Some(hit) => {
                 earliest = Some(earliest.map_or(hit.accepted_at, |e| e.min(hit.accepted_at)));
-                hit.seq
+                (hit.seq, None)
             }
             None => written
                 .iter()
-                .find(|(idx, _)| *idx == i)
-                .map(|(_, seq)| *seq)
+                .find(|(idx, _, _)| *idx == i)
+                .map(|(_, seq, prev)| (*seq, Some(*prev)))
                 .ok_or_else(|| {
                     StoreError::Corrupt("a fresh push target was not written".to_owned())
                 })?,
@@ -270,6 +272,7 @@ fn push_item(
             seq,
             wire_hash: hash,
         });
+        prev_seqs.push(prev_seq);
     }
     let (status, at_ms) = if any_fresh {
         (ItemStatus::Accepted, batch.now_ms)
@@ -281,6 +284,7 @@ fn push_item(
         status,
         at_ms: Some(at_ms),
         targets,
+        prev_seqs,
     })
 }
 
@@ -358,7 +362,13 @@ fn quota_exceeded(
 }
 
 /// `seq = max(next_seq (default 1), now_ms)`, `next_seq = seq + 1` (spec §2 "seqs").
-pub(super) fn allocate_seq(c: &Connection, target: &str, now_ms: i64) -> Result<i64, StoreError> {
+/// Returns `(seq, prev_seq)`: `prev_seq` is the head before this allocation (`next_seq − 1`,
+/// 0 if none), read in the caller's transaction (the push stream's `deliver.prev_seq`).
+pub(super) fn allocate_seq(
+    c: &Connection,
+    target: &str,
+    now_ms: i64,
+) -> Result<(i64, i64), StoreError> {
     let next: Option<i64> = c
         .prepare_cached("SELECT next_seq FROM seqs WHERE target_pubkey = ?1")?
         .query_row([target], |r| r.get(0))
@@ -372,7 +382,8 @@ pub(super) fn allocate_seq(c: &Connection, target: &str, now_ms: i64) -> Result<
          ON CONFLICT(target_pubkey) DO UPDATE SET next_seq = excluded.next_seq",
     )?
     .execute(params![target, following])?;
-    Ok(seq)
+    let prev = next.map_or(0, |n| n.saturating_sub(1).max(0));
+    Ok((seq, prev))
 }
 
 // ---------------------------------------------------------------------------------------------

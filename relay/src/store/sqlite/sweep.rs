@@ -69,7 +69,7 @@ use super::writer::JobKind;
 use super::SqliteStore;
 use crate::store::{
     iso_utc, wire_hash, ExpiryFacts, NoticeSigner, OperationsStore, StoreError, StoreLimits,
-    SweepReport, DAY_MS, DEDUP_GRACE_DAYS, OP_SWEEP, SWEEP_BATCH, SWEEP_MAX_BATCHES,
+    StoredNotice, SweepReport, DAY_MS, DEDUP_GRACE_DAYS, OP_SWEEP, SWEEP_BATCH, SWEEP_MAX_BATCHES,
     SWEEP_MAX_PRUNE,
 };
 
@@ -127,6 +127,7 @@ fn add(total: &mut SweepReport, batch: &SweepReport) {
     total.notices_not_enrolled += batch.notices_not_enrolled;
     total.notices_over_cap += batch.notices_over_cap;
     total.notices_already_sent += batch.notices_already_sent;
+    total.stored.extend(batch.stored.iter().cloned());
 }
 
 /// One expired item, as the batch reads it.
@@ -273,7 +274,7 @@ fn queue_notice(
         r.notices_over_cap += 1;
         return Ok(());
     }
-    let seq = allocate_seq(c, &it.sender, now_ms)?;
+    let (seq, prev_seq) = allocate_seq(c, &it.sender, now_ms)?;
     let hash = wire_hash(&wire);
     let expires_at = now_ms.saturating_add(i64::from(limits.retention_days).saturating_mul(DAY_MS));
     c.prepare_cached(
@@ -302,6 +303,14 @@ fn queue_notice(
     queue.items += 1;
     queue.bytes += bytes;
     r.notices += 1;
+    r.stored.push(StoredNotice {
+        target_pubkey: it.sender.clone(),
+        seq,
+        prev_seq,
+        item_id: notice_id,
+        sender_pubkey: relay.to_owned(),
+        wire,
+    });
     Ok(())
 }
 

@@ -252,6 +252,7 @@ async fn an_invalid_config_fails_the_config_check_and_the_checks_needing_it_skip
         "relay-reachable",
         "relay-key",
         "relay-enrolled",
+        "relay-stream",
         "enc-ad",
         "clock-skew",
     ] {

@@ -26,6 +26,7 @@ async fn relay_checks_skip_without_a_relay() {
             "relay-reachable",
             "relay-key",
             "relay-enrolled",
+            "relay-stream",
             "enc-ad",
             "clock-skew",
         ])

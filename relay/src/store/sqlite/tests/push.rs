@@ -319,3 +319,33 @@ fn v1_items_never_expire_and_v2_items_expire_after_retention() {
         ]
     );
 }
+
+#[test]
+fn a_fresh_target_reports_the_head_before_its_seq_and_a_duplicate_none() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = open(dir.path());
+    let (alpha, beta) = alpha_and_beta(&store);
+    let gamma = key(3);
+    enrol(&store, &gamma, "gamma");
+    // Two items in one batch: the second sees the first's seq as beta's head.
+    let out = push(
+        &store,
+        &alpha,
+        5_000,
+        vec![
+            item("m1", &[(&beta, b"one")]),
+            item("m2", &[(&beta, b"two"), (&gamma, b"two")]),
+        ],
+    );
+    let (m1, m2) = (&out.items[0], &out.items[1]);
+    assert_eq!(m1.prev_seqs, vec![Some(0)]);
+    assert_eq!(m2.prev_seqs, vec![Some(m1.targets[0].seq), Some(0)]);
+    // A retry: settled by dedup, nothing new stored, nothing to publish.
+    let again = push_one(&store, &alpha, 9_000, item("m1", &[(&beta, b"one")]));
+    assert_eq!(again.status, ItemStatus::Duplicate);
+    assert_eq!(again.prev_seqs, vec![None]);
+    // The head moved with the seqs allocated, whatever the clock.
+    let m3 = push_one(&store, &alpha, 1, item("m3", &[(&beta, b"three")]));
+    assert_eq!(m3.prev_seqs, vec![Some(m2.targets[0].seq)]);
+    assert_eq!(m3.targets[0].seq, m2.targets[0].seq + 1);
+}

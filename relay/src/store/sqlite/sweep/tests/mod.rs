@@ -238,6 +238,11 @@ fn an_item_expires_exactly_at_its_expiry_and_not_a_millisecond_before() {
     );
 
     let at = f.sweep(T0 + RET);
+    // The notice stored for alpha (the sender), its first item: prev_seq 0.
+    assert_eq!(at.stored.len(), 1);
+    assert_eq!(at.stored[0].target_pubkey, alpha);
+    assert_eq!(at.stored[0].prev_seq, 0);
+    assert_eq!(at.stored[0].seq, f.pull(&alpha).items[0].seq);
     assert_eq!(
         at,
         SweepReport {
@@ -247,6 +252,7 @@ fn an_item_expires_exactly_at_its_expiry_and_not_a_millisecond_before() {
             notices: 1,
             batches: 1,
             logged: true,
+            stored: at.stored.clone(),
             ..SweepReport::default()
         }
     );

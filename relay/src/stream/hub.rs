@@ -1,0 +1,559 @@
+//! The registry of open push streams and the publish path (`docs/relay-stream.md` "Bounds").
+//!
+//! # What it owns
+//! One entry per host key with an open stream (a new stream for the key replaces the old one,
+//! which is asked to close with 4409), each with its bounded send queue of frame texts; the
+//! relay-wide byte budget all queues draw from ([`RELAY_STREAM_BUDGET_BYTES`]); the close
+//! requests (revocation, deny, rotation, shutdown) and the stream counters of admin stats.
+//!
+//! Publishing ([`Hub::publish`]) only takes a short lock and appends to a queue: it never
+//! waits for a socket, so the store's writer and the push handler never block on a slow
+//! reader. When a queue ([`STREAM_QUEUE_BYTES`]) or the budget is full the live frame is
+//! dropped (never the stored item) and one `lagged {from_seq}` marker is queued instead; the
+//! stream then drops every live frame until its client sends `resume` again.
+//!
+//! # What it must never do
+//! Touch the store or a socket, or publish a frame before the transaction that stored its item
+//! committed (callers publish after the commit).
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use agentmbx_protocol::stream::{ServerFrame, RELAY_STREAM_BUDGET_BYTES, STREAM_QUEUE_BYTES};
+
+/// A committed item for one target, as its live `deliver` frame needs it.
+#[derive(Debug, Clone)]
+pub struct LiveItem {
+    /// Relay seq in the target's queue.
+    pub seq: i64,
+    /// The target's head just before `seq` was allocated (same transaction).
+    pub prev_seq: i64,
+    /// `envelope`, `receipt` or `expired`.
+    pub kind: String,
+    /// Item id.
+    pub item_id: String,
+    /// The pushing host key (the relay key for notices).
+    pub sender_pubkey: String,
+    /// The stored wire bytes.
+    pub wire: bytes::Bytes,
+}
+
+impl LiveItem {
+    /// The item's live `deliver` frame as JSON text.
+    pub fn frame(&self) -> String {
+        frame_text(&ServerFrame::Deliver {
+            seq: self.seq,
+            prev_seq: self.prev_seq,
+            kind: self.kind.clone(),
+            item_id: self.item_id.clone(),
+            sender_pubkey: self.sender_pubkey.clone(),
+            wire_b64: agentmbx_protocol::b64::encode(&self.wire),
+            replay: false,
+        })
+    }
+}
+
+/// A server frame as JSON text (serializing these shapes cannot fail; `{}` if it did).
+pub fn frame_text(frame: &ServerFrame) -> String {
+    serde_json::to_string(frame).unwrap_or_else(|_| "{}".to_owned())
+}
+
+/// One queued frame.
+#[derive(Debug)]
+pub struct Queued {
+    /// The seq of a `deliver` frame (the `lagged` marker carries its `from_seq`).
+    pub seq: i64,
+    /// Whether it is a marker (`lagged`, `epoch`): sent even when its seq was replayed.
+    pub marker: bool,
+    /// The frame's JSON text.
+    pub text: String,
+}
+
+#[derive(Debug, Default)]
+struct Queue {
+    frames: VecDeque<Queued>,
+    bytes: usize,
+    /// The client sent `resume` (with the current epoch): live frames are queued.
+    live: bool,
+    /// A `lagged` marker was queued: drop live frames until the next `resume`.
+    lagged: bool,
+}
+
+/// One open stream, shared by the hub (publishers, close requests) and its connection loop.
+#[derive(Debug)]
+pub struct Stream {
+    /// Unique per relay process (a replaced stream and its successor differ).
+    pub id: u64,
+    /// The host key (canonical base64).
+    pub key: String,
+    /// The key's fingerprint (what a deny entry of kind `fingerprint` names).
+    pub fingerprint: String,
+    /// The account token's `client_id` the stream was opened under (account relays).
+    pub client_id: Option<String>,
+    queue: Mutex<Queue>,
+    /// Woken when a frame is queued or a close is requested.
+    pub wake: tokio::sync::Notify,
+    /// The close code asked for (0: none yet; the first request wins).
+    close: AtomicU16,
+}
+
+impl Stream {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
+        self.queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The close code asked for, if any.
+    pub fn close_requested(&self) -> Option<u16> {
+        match self.close.load(Ordering::Acquire) {
+            0 => None,
+            code => Some(code),
+        }
+    }
+
+    /// Asks the connection loop to close with `code` (the first request wins).
+    pub fn request_close(&self, code: u16) {
+        let _ = self
+            .close
+            .compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire);
+        self.wake.notify_one();
+    }
+
+    /// Whether frames are queued.
+    pub fn has_frames(&self) -> bool {
+        !self.lock().frames.is_empty()
+    }
+
+    /// Bytes of frames queued.
+    pub fn queued_bytes(&self) -> usize {
+        self.lock().bytes
+    }
+}
+
+/// Counters of admin stats `streams`.
+#[derive(Debug, Default)]
+struct Counters {
+    opened: AtomicU64,
+    lagged: AtomicU64,
+    dropped_frames: AtomicU64,
+    closes: Mutex<BTreeMap<u16, u64>>,
+}
+
+/// The registry ([module docs](self)).
+#[derive(Debug)]
+pub struct Hub {
+    streams: Mutex<HashMap<String, Arc<Stream>>>,
+    budget_cap: usize,
+    budget_used: AtomicUsize,
+    next_id: AtomicU64,
+    /// Connection loops running (registered or winding down after a replacement).
+    running: AtomicUsize,
+    ended: tokio::sync::Notify,
+    /// Set by [`Hub::shut_down`]: a stream registered afterwards closes at once (1001).
+    closing: AtomicBool,
+    /// Ping period and pong timeout of streams opened from now on, in ms.
+    ping_ms: AtomicU64,
+    pong_ms: AtomicU64,
+    counters: Counters,
+}
+
+impl Default for Hub {
+    fn default() -> Self {
+        Hub::with_budget(RELAY_STREAM_BUDGET_BYTES)
+    }
+}
+
+impl Hub {
+    /// A hub whose streams may queue `budget` bytes together (the relay uses
+    /// [`RELAY_STREAM_BUDGET_BYTES`]).
+    pub fn with_budget(budget: usize) -> Self {
+        Hub {
+            streams: Mutex::new(HashMap::new()),
+            budget_cap: budget,
+            budget_used: AtomicUsize::new(0),
+            next_id: AtomicU64::new(1),
+            running: AtomicUsize::new(0),
+            ended: tokio::sync::Notify::new(),
+            closing: AtomicBool::new(false),
+            ping_ms: AtomicU64::new(agentmbx_protocol::stream::PING_EVERY_MS),
+            pong_ms: AtomicU64::new(agentmbx_protocol::stream::PONG_TIMEOUT_MS),
+            counters: Counters::default(),
+        }
+    }
+
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Stream>>> {
+        self.streams
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Registers a new stream for `key` and returns it with the guard that unregisters it (and
+    /// returns its queued bytes to the budget) when dropped. An open stream for the same key is
+    /// asked to close with [`close::REPLACED`](agentmbx_protocol::stream::close::REPLACED).
+    pub fn register(
+        self: &Arc<Self>,
+        key: &str,
+        fingerprint: &str,
+        client_id: Option<String>,
+    ) -> Registration {
+        let stream = Arc::new(Stream {
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            key: key.to_owned(),
+            fingerprint: fingerprint.to_owned(),
+            client_id,
+            queue: Mutex::new(Queue::default()),
+            wake: tokio::sync::Notify::new(),
+            close: AtomicU16::new(0),
+        });
+        self.running.fetch_add(1, Ordering::AcqRel);
+        self.counters.opened.fetch_add(1, Ordering::Relaxed);
+        let old = self.map().insert(key.to_owned(), stream.clone());
+        if let Some(old) = old {
+            old.request_close(agentmbx_protocol::stream::close::REPLACED);
+        }
+        if self.closing.load(Ordering::Acquire) {
+            stream.request_close(agentmbx_protocol::stream::close::GOING_AWAY);
+        }
+        Registration {
+            hub: self.clone(),
+            stream,
+        }
+    }
+
+    /// Publishes a committed item to `target`'s stream, if one is open and live. Never waits.
+    pub fn publish(&self, target: &str, item: &LiveItem) {
+        let Some(stream) = self.map().get(target).cloned() else {
+            return;
+        };
+        {
+            let q = stream.lock();
+            if !q.live || q.lagged {
+                return;
+            }
+        }
+        // The frame is built outside the lock (base64 of the wire).
+        let text = item.frame();
+        let n = text.len();
+        let mut q = stream.lock();
+        if !q.live || q.lagged {
+            return;
+        }
+        if q.bytes.saturating_add(n) > STREAM_QUEUE_BYTES || !self.reserve(n) {
+            q.lagged = true;
+            let marker = frame_text(&ServerFrame::Lagged { from_seq: item.seq });
+            // The marker is a few dozen bytes: counted, never refused.
+            self.budget_used.fetch_add(marker.len(), Ordering::AcqRel);
+            q.bytes += marker.len();
+            q.frames.push_back(Queued {
+                seq: item.seq,
+                marker: true,
+                text: marker,
+            });
+            self.counters.lagged.fetch_add(1, Ordering::Relaxed);
+            self.counters.dropped_frames.fetch_add(1, Ordering::Relaxed);
+        } else {
+            q.bytes += n;
+            q.frames.push_back(Queued {
+                seq: item.seq,
+                marker: false,
+                text,
+            });
+        }
+        drop(q);
+        stream.wake.notify_one();
+    }
+
+    /// Takes `n` bytes from the relay-wide budget; false when they do not fit.
+    fn reserve(&self, n: usize) -> bool {
+        self.budget_used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                let after = used.checked_add(n)?;
+                (after <= self.budget_cap).then_some(after)
+            })
+            .is_ok()
+    }
+
+    fn release(&self, n: usize) {
+        let _ = self
+            .budget_used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                Some(used.saturating_sub(n))
+            });
+    }
+
+    /// Empties `stream`'s queue and sets whether it is live (a `resume` with the current epoch:
+    /// true; a stale epoch: false). Clears the lagged state.
+    pub fn reset(&self, stream: &Stream, live: bool) {
+        let mut q = stream.lock();
+        let freed = q.bytes;
+        q.frames.clear();
+        q.bytes = 0;
+        q.live = live;
+        q.lagged = false;
+        drop(q);
+        self.release(freed);
+    }
+
+    /// The oldest queued frame of `stream`, its bytes returned to the budget.
+    pub fn pop(&self, stream: &Stream) -> Option<Queued> {
+        let mut q = stream.lock();
+        let f = q.frames.pop_front()?;
+        q.bytes = q.bytes.saturating_sub(f.text.len());
+        drop(q);
+        self.release(f.text.len());
+        Some(f)
+    }
+
+    /// Tells every stream the relay's epoch changed: its queue is emptied, it stops being live
+    /// and `epoch {epoch}` is queued; the client runs spec §5's new-epoch handling and resumes.
+    pub fn announce_epoch(&self, epoch: &str) {
+        let all: Vec<Arc<Stream>> = self.map().values().cloned().collect();
+        let text = frame_text(&ServerFrame::Epoch {
+            epoch: epoch.to_owned(),
+        });
+        for s in all {
+            self.reset(&s, false);
+            let mut q = s.lock();
+            self.budget_used.fetch_add(text.len(), Ordering::AcqRel);
+            q.bytes += text.len();
+            q.frames.push_back(Queued {
+                seq: 0,
+                marker: true,
+                text: text.clone(),
+            });
+            drop(q);
+            s.wake.notify_one();
+        }
+    }
+
+    /// Asks `key`'s stream to close with `code`; true when there was one.
+    pub fn close_key(&self, key: &str, code: u16) -> bool {
+        let s = self.map().get(key).cloned();
+        s.map(|s| s.request_close(code)).is_some()
+    }
+
+    /// Asks every stream `matches` selects to close with `code`; returns how many.
+    pub fn close_where(&self, code: u16, matches: impl Fn(&Stream) -> bool) -> usize {
+        let chosen: Vec<Arc<Stream>> = self
+            .map()
+            .values()
+            .filter(|s| matches(s))
+            .cloned()
+            .collect();
+        for s in &chosen {
+            s.request_close(code);
+        }
+        chosen.len()
+    }
+
+    /// Asks every stream to close with `code`.
+    pub fn close_all(&self, code: u16) -> usize {
+        self.close_where(code, |_| true)
+    }
+
+    /// Shutdown: every open stream, and any registered from now on, closes with 1001
+    /// (`going away`).
+    pub fn shut_down(&self) -> usize {
+        self.closing.store(true, Ordering::Release);
+        self.close_all(agentmbx_protocol::stream::close::GOING_AWAY)
+    }
+
+    /// Counts a close by its code (admin stats).
+    pub fn count_close(&self, code: u16) {
+        let mut closes = self
+            .counters
+            .closes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *closes.entry(code).or_default() += 1;
+    }
+
+    /// The ping period and pong timeout of streams opened from now on: the contract's 25,000
+    /// and 60,000 ms unless [`Hub::set_timers`] changed them.
+    pub fn timers(&self) -> (std::time::Duration, std::time::Duration) {
+        (
+            std::time::Duration::from_millis(self.ping_ms.load(Ordering::Relaxed)),
+            std::time::Duration::from_millis(self.pong_ms.load(Ordering::Relaxed)),
+        )
+    }
+
+    /// Sets the ping period and pong timeout (ms, at least 1) of streams opened from now on.
+    /// Only tests change them (the contract fixes 25 s and 60 s).
+    pub fn set_timers(&self, ping_ms: u64, pong_ms: u64) {
+        self.ping_ms.store(ping_ms.max(1), Ordering::Relaxed);
+        self.pong_ms.store(pong_ms.max(1), Ordering::Relaxed);
+    }
+
+    /// Streams registered now (one per host key).
+    pub fn open(&self) -> usize {
+        self.map().len()
+    }
+
+    /// Connection loops still running.
+    pub fn running(&self) -> usize {
+        self.running.load(Ordering::Acquire)
+    }
+
+    /// Bytes queued across all streams (the budget in use).
+    pub fn budget_used(&self) -> usize {
+        self.budget_used.load(Ordering::Acquire)
+    }
+
+    /// Resolves once no connection loop runs.
+    pub async fn all_ended(&self) {
+        loop {
+            let ended = self.ended.notified();
+            if self.running() == 0 {
+                return;
+            }
+            ended.await;
+        }
+    }
+
+    /// Admin stats `streams`: `{open, running, opened, lagged, dropped_frames, queued_bytes,
+    /// budget_bytes, closes: {<code>: n}}`.
+    pub fn stats(&self) -> serde_json::Value {
+        let closes: serde_json::Map<String, serde_json::Value> = self
+            .counters
+            .closes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .map(|(code, n)| (code.to_string(), serde_json::Value::from(*n)))
+            .collect();
+        serde_json::json!({
+            "open": self.open(),
+            "running": self.running(),
+            "opened": self.counters.opened.load(Ordering::Relaxed),
+            "lagged": self.counters.lagged.load(Ordering::Relaxed),
+            "dropped_frames": self.counters.dropped_frames.load(Ordering::Relaxed),
+            "queued_bytes": self.budget_used(),
+            "budget_bytes": self.budget_cap,
+            "closes": closes,
+        })
+    }
+}
+
+/// A registered stream; dropping it unregisters the stream (unless a newer one replaced it)
+/// and returns its queued bytes to the budget.
+#[derive(Debug)]
+pub struct Registration {
+    hub: Arc<Hub>,
+    /// The stream.
+    pub stream: Arc<Stream>,
+}
+
+impl Registration {
+    /// The hub the stream is registered in.
+    pub fn hub(&self) -> &Arc<Hub> {
+        &self.hub
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        {
+            let mut map = self.hub.map();
+            if map
+                .get(&self.stream.key)
+                .is_some_and(|s| s.id == self.stream.id)
+            {
+                map.remove(&self.stream.key);
+            }
+        }
+        self.hub.reset(&self.stream, false);
+        self.hub.running.fetch_sub(1, Ordering::AcqRel);
+        self.hub.ended.notify_waiters();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn item(seq: i64, len: usize) -> LiveItem {
+        LiveItem {
+            seq,
+            prev_seq: seq - 1,
+            kind: "envelope".into(),
+            item_id: format!("i{seq}"),
+            sender_pubkey: "s".into(),
+            wire: bytes::Bytes::from(vec![b'x'; len]),
+        }
+    }
+
+    #[test]
+    fn a_full_queue_drops_live_frames_and_says_lagged_once() {
+        let hub = Arc::new(Hub::default());
+        let reg = hub.register("K", "fp", None);
+        hub.publish("K", &item(1, 10));
+        assert!(!reg.stream.has_frames(), "not live before resume");
+        hub.reset(&reg.stream, true);
+        for seq in 1..=100 {
+            hub.publish("K", &item(seq, 10_000));
+        }
+        let mut delivered = 0;
+        let mut lagged = Vec::new();
+        while let Some(f) = hub.pop(&reg.stream) {
+            if f.marker {
+                lagged.push(f.seq);
+            } else {
+                delivered += 1;
+            }
+        }
+        assert!(delivered > 0 && delivered < 100, "{delivered}");
+        assert_eq!(lagged, vec![i64::from(delivered) + 1]);
+        assert_eq!(hub.budget_used(), 0);
+        drop(reg);
+        assert_eq!(hub.open(), 0);
+        assert_eq!(hub.running(), 0);
+    }
+
+    #[test]
+    fn an_item_larger_than_the_queue_is_lagged_at_once() {
+        let hub = Arc::new(Hub::default());
+        let reg = hub.register("K", "fp", None);
+        hub.reset(&reg.stream, true);
+        hub.publish("K", &item(7, STREAM_QUEUE_BYTES));
+        let f = hub.pop(&reg.stream).expect("a frame");
+        assert!(f.marker);
+        assert_eq!(f.text, r#"{"type":"lagged","from_seq":7}"#);
+        assert!(hub.pop(&reg.stream).is_none());
+        assert_eq!(hub.budget_used(), 0);
+    }
+
+    #[test]
+    fn the_relay_budget_bounds_all_queues_together() {
+        let hub = Arc::new(Hub::with_budget(50_000));
+        let a = hub.register("A", "fa", None);
+        let b = hub.register("B", "fb", None);
+        hub.reset(&a.stream, true);
+        hub.reset(&b.stream, true);
+        for seq in 1..=10 {
+            hub.publish("A", &item(seq, 8_000));
+            hub.publish("B", &item(seq, 8_000));
+        }
+        assert!(hub.budget_used() <= 50_000 + 200, "{}", hub.budget_used());
+        drop(a);
+        drop(b);
+        assert_eq!(hub.budget_used(), 0);
+    }
+
+    #[test]
+    fn a_second_stream_for_a_key_replaces_the_first() {
+        let hub = Arc::new(Hub::default());
+        let first = hub.register("K", "fp", None);
+        let second = hub.register("K", "fp", None);
+        assert_eq!(
+            first.stream.close_requested(),
+            Some(agentmbx_protocol::stream::close::REPLACED)
+        );
+        assert_eq!(second.stream.close_requested(), None);
+        drop(first);
+        assert_eq!(hub.open(), 1, "the newer one stays registered");
+        drop(second);
+        assert_eq!(hub.open(), 0);
+    }
+}

@@ -1,0 +1,848 @@
+//! The push stream (`GET /v2/relay/stream`, `docs/relay-stream.md`) against the real relay on
+//! 127.0.0.1 with a real WebSocket client: opening (signed hop, single-use nonce, the pull's
+//! refusals), resume and replay (the pull's rules), live `deliver` frames with their
+//! `prev_seq`, frame errors and close codes, bounds, and the connection cap.
+//!
+//! Frames are awaited with a deadline ([`WAIT`]); nothing sleeps and hopes.
+
+use std::time::Duration;
+
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::protocol::Message;
+use tokio_tungstenite::tungstenite::Error as WsError;
+use tokio_tungstenite::WebSocketStream;
+
+use agentmbx_protocol::stream::{close, MAX_CLIENT_FRAME, STREAM_PATH};
+
+use crate::helper::{env_item, sealed_wire, Host, Relay};
+
+/// How long a test waits for a frame or a close before it fails.
+const WAIT: Duration = Duration::from_secs(10);
+
+/// A client's end of one stream.
+pub(crate) struct Ws(pub(crate) WebSocketStream<tokio::net::TcpStream>);
+
+/// A refused upgrade: the HTTP status and the JSON body.
+#[derive(Debug)]
+pub(crate) struct Refused {
+    pub(crate) status: u16,
+    pub(crate) body: Value,
+}
+
+impl Refused {
+    #[track_caller]
+    fn assert(&self, status: u16, code: &str) {
+        assert_eq!(self.status, status, "{self:?}");
+        assert_eq!(self.body["code"], code, "{self:?}");
+    }
+}
+
+/// `you.stream_nonce` of a signed info for `host`.
+pub(crate) async fn nonce(relay: &Relay, host: &Host) -> String {
+    let r = relay.hop(host, "GET", "/v2/relay/info", "").await;
+    r.assert_ok();
+    r.json["you"]["stream_nonce"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no stream nonce: {r:#?}"))
+        .to_owned()
+}
+
+/// The upgrade signed by `host` at `ts_ms` with `nonce` (and `extra` headers).
+pub(crate) async fn upgrade_with(
+    relay: &Relay,
+    host: &Host,
+    nonce: &str,
+    extra: &[(String, String)],
+) -> Result<Ws, Refused> {
+    let target = format!("{STREAM_PATH}?nonce={nonce}");
+    let mut req = format!("ws://{}{target}", relay.addr())
+        .into_client_request()
+        .expect("a client request");
+    for (k, v) in host
+        .hop_headers("GET", &target, "", relay.now())
+        .into_iter()
+        .chain(extra.iter().cloned())
+    {
+        if k == "content-type" {
+            continue;
+        }
+        req.headers_mut().insert(
+            axum::http::HeaderName::from_bytes(k.as_bytes()).expect("header name"),
+            v.parse().expect("header value"),
+        );
+    }
+    let tcp = tokio::net::TcpStream::connect(relay.addr())
+        .await
+        .expect("connect");
+    match tokio::time::timeout(WAIT, tokio_tungstenite::client_async(req, tcp)).await {
+        Err(_) => panic!("the upgrade got no answer"),
+        Ok(Ok((ws, resp))) => {
+            assert_eq!(resp.status(), 101);
+            Ok(Ws(ws))
+        }
+        Ok(Err(WsError::Http(resp))) => Err(Refused {
+            status: resp.status().as_u16(),
+            body: resp
+                .body()
+                .as_ref()
+                .and_then(|b| serde_json::from_slice(b).ok())
+                .unwrap_or(Value::Null),
+        }),
+        Ok(Err(e)) => panic!("upgrade failed: {e}"),
+    }
+}
+
+async fn upgrade(relay: &Relay, host: &Host, nonce: &str) -> Result<Ws, Refused> {
+    upgrade_with(relay, host, nonce, &[]).await
+}
+
+/// A fresh stream for `host` (info for a nonce, then the upgrade).
+async fn open(relay: &Relay, host: &Host) -> Ws {
+    let n = nonce(relay, host).await;
+    upgrade(relay, host, &n).await.expect("the stream opens")
+}
+
+impl Ws {
+    pub(crate) async fn send(&mut self, frame: Value) {
+        self.0
+            .send(Message::Text(frame.to_string().into()))
+            .await
+            .expect("send a frame");
+    }
+
+    pub(crate) async fn resume(&mut self, epoch: &str, after: i64) {
+        self.send(json!({"type": "resume", "epoch": epoch, "after": after}))
+            .await;
+    }
+
+    /// The next text frame (pings included), or a panic naming what came instead.
+    pub(crate) async fn frame(&mut self) -> Value {
+        loop {
+            let next = tokio::time::timeout(WAIT, self.0.next())
+                .await
+                .expect("a frame within the deadline");
+            match next {
+                Some(Ok(Message::Text(t))) => {
+                    return serde_json::from_str(t.as_str()).expect("a JSON frame")
+                }
+                Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
+                other => panic!("expected a text frame, got {other:?}"),
+            }
+        }
+    }
+
+    /// The frames of one replay: the `deliver`s, then `resume_complete`.
+    pub(crate) async fn replay(&mut self) -> (Vec<Value>, Value) {
+        let mut delivered = Vec::new();
+        loop {
+            let f = self.frame().await;
+            match f["type"].as_str() {
+                Some("deliver") => delivered.push(f),
+                Some("resume_complete") => return (delivered, f),
+                _ => panic!("unexpected frame during a replay: {f}"),
+            }
+        }
+    }
+
+    /// Reads until the relay closes; returns the close code (frames before it are skipped).
+    pub(crate) async fn closed(&mut self) -> u16 {
+        loop {
+            let next = tokio::time::timeout(WAIT, self.0.next())
+                .await
+                .expect("the close within the deadline");
+            match next {
+                Some(Ok(Message::Close(Some(f)))) => return u16::from(f.code),
+                Some(Ok(Message::Close(None))) => panic!("closed without a code"),
+                Some(Ok(_)) => {}
+                Some(Err(e)) => panic!("the stream failed instead of closing: {e}"),
+                None => panic!("the stream ended without a close frame"),
+            }
+        }
+    }
+}
+
+/// Two enrolled hosts: `alice` pushes to `bob`, who streams.
+async fn pair(relay: &Relay) -> (Host, Host) {
+    let (alice, bob) = (Host::new("alice"), Host::new("bob"));
+    relay.enrol(&alice).await;
+    relay.enrol(&bob).await;
+    (alice, bob)
+}
+
+/// Pushes one sealed envelope from `from` to `to`; returns `(item id, seq)`.
+async fn push_one(relay: &Relay, from: &Host, to: &Host, body: &str) -> (String, i64) {
+    let (id, wire) = sealed_wire(from, to, body, relay.now());
+    let r = relay.push(from, vec![env_item(&id, to, &wire)]).await;
+    assert_eq!(r.status1(), "accepted", "{r:#?}");
+    let seq = r.json["results"][0]["targets"][0]["seq"]
+        .as_i64()
+        .expect("seq");
+    (id, seq)
+}
+
+fn seqs(frames: &[Value]) -> Vec<(i64, i64)> {
+    frames
+        .iter()
+        .map(|f| {
+            (
+                f["prev_seq"].as_i64().expect("prev_seq"),
+                f["seq"].as_i64().expect("seq"),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn resume_from_zero_replays_the_queue_in_order_then_goes_live() {
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    let (id1, s1) = push_one(&relay, &alice, &bob, "one").await;
+    let (id2, s2) = push_one(&relay, &alice, &bob, "two").await;
+    let mut ws = open(&relay, &bob).await;
+    let epoch = relay.epoch().await;
+    ws.resume(&epoch, 0).await;
+    let (items, done) = ws.replay().await;
+    assert_eq!(seqs(&items), vec![(0, s1), (s1, s2)]);
+    assert_eq!(items[0]["item_id"], id1.as_str());
+    assert_eq!(items[1]["item_id"], id2.as_str());
+    assert!(items.iter().all(|f| f["replay"] == true));
+    assert_eq!(items[0]["kind"], "envelope");
+    assert_eq!(items[0]["sender_pubkey"], alice.pubkey().as_str());
+    // The wire is exactly what a pull returns.
+    let pulled = relay.pull(&bob, "after=0").await;
+    assert_eq!(items[0]["wire_b64"], pulled.json["items"][0]["wire_b64"]);
+    assert_eq!(
+        done,
+        json!({"type": "resume_complete", "replayed": 2, "head_seq": s2})
+    );
+
+    // Live: two more pushes, each frame's prev_seq is the seq before it.
+    let (id3, s3) = push_one(&relay, &alice, &bob, "three").await;
+    let (_, s4) = push_one(&relay, &alice, &bob, "four").await;
+    let f3 = ws.frame().await;
+    let f4 = ws.frame().await;
+    assert_eq!(f3["type"], "deliver", "{f3}");
+    assert_eq!(f3["replay"], false);
+    assert_eq!(f3["item_id"], id3.as_str());
+    assert_eq!(seqs(&[f3, f4]), vec![(s2, s3), (s3, s4)]);
+}
+
+#[tokio::test]
+async fn resume_from_the_middle_and_from_beyond_the_head_follow_the_pull() {
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    let (_, s1) = push_one(&relay, &alice, &bob, "one").await;
+    let (_, s2) = push_one(&relay, &alice, &bob, "two").await;
+    let (_, s3) = push_one(&relay, &alice, &bob, "three").await;
+    let epoch = relay.epoch().await;
+    let mut ws = open(&relay, &bob).await;
+    ws.resume(&epoch, s1).await;
+    let (items, done) = ws.replay().await;
+    assert_eq!(seqs(&items), vec![(s1, s2), (s2, s3)]);
+    assert_eq!(done["replayed"], 2);
+    // Beyond the head: an empty replay whose head_seq is below `after` (the client rewinds,
+    // as after a pull past the head).
+    ws.resume(&epoch, s3 + 1_000).await;
+    let (items, done) = ws.replay().await;
+    assert!(items.is_empty());
+    assert_eq!(
+        done,
+        json!({"type": "resume_complete", "replayed": 0, "head_seq": s3})
+    );
+    let pulled = relay.pull(&bob, &format!("after={}", s3 + 1_000)).await;
+    assert_eq!(pulled.json["head_seq"], s3);
+    assert_eq!(pulled.json["items"], json!([]));
+}
+
+#[tokio::test]
+async fn a_replay_is_bounded_like_a_pull_page() {
+    let relay = Relay::start_with(agentmbx_relay::config::LimitsConfig {
+        max_pull: 2,
+        ..Default::default()
+    })
+    .await;
+    let (alice, bob) = pair(&relay).await;
+    let mut last = 0;
+    for i in 0..3 {
+        last = push_one(&relay, &alice, &bob, &format!("m{i}")).await.1;
+    }
+    let mut ws = open(&relay, &bob).await;
+    ws.resume("", 0).await;
+    let (items, done) = ws.replay().await;
+    assert_eq!(items.len(), 2);
+    assert_eq!(done["head_seq"], last);
+    assert_eq!(done["replayed"], 2);
+}
+
+#[tokio::test]
+async fn a_stale_epoch_is_answered_with_the_current_one() {
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    push_one(&relay, &alice, &bob, "one").await;
+    let mut ws = open(&relay, &bob).await;
+    ws.resume("not-the-epoch", 0).await;
+    let f = ws.frame().await;
+    assert_eq!(f, json!({"type": "epoch", "epoch": relay.epoch().await}));
+    // Not live until a resume with the current epoch: the next frame is that replay's.
+    push_one(&relay, &alice, &bob, "two").await;
+    ws.resume(&relay.epoch().await, 0).await;
+    let (items, _) = ws.replay().await;
+    assert_eq!(items.len(), 2);
+}
+
+#[tokio::test]
+async fn live_frames_follow_the_replay_without_repeating_it_and_a_duplicate_is_not_sent() {
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    let mut ws = open(&relay, &bob).await;
+    ws.resume("", 0).await;
+    let (items, done) = ws.replay().await;
+    assert!(items.is_empty());
+    assert_eq!(done["head_seq"], 0);
+    let (id, wire) = sealed_wire(&alice, &bob, "once", relay.now());
+    let r = relay.push(&alice, vec![env_item(&id, &bob, &wire)]).await;
+    assert_eq!(r.status1(), "accepted");
+    let f = ws.frame().await;
+    assert_eq!(f["item_id"], id.as_str());
+    assert_eq!(f["prev_seq"], 0);
+    // The same push again: `duplicate`, nothing new stored, nothing published.
+    let r = relay.push(&alice, vec![env_item(&id, &bob, &wire)]).await;
+    assert_eq!(r.status1(), "duplicate");
+    let (next_id, next_seq) = push_one(&relay, &alice, &bob, "next").await;
+    let f = ws.frame().await;
+    assert_eq!(
+        f["item_id"],
+        next_id.as_str(),
+        "the duplicate was published: {f}"
+    );
+    assert_eq!(f["seq"], next_seq);
+}
+
+#[tokio::test]
+async fn an_unknown_frame_is_answered_and_the_stream_stays_open() {
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    let mut ws = open(&relay, &bob).await;
+    ws.send(json!({"type": "subscribe", "topic": "x"})).await;
+    assert_eq!(
+        ws.frame().await,
+        json!({"type": "error", "reason": "unknown_frame", "frame_type": "subscribe"})
+    );
+    ws.send(json!({"type": "resume", "epoch": 7})).await;
+    let f = ws.frame().await;
+    assert_eq!(
+        (f["reason"].as_str(), f["frame_type"].as_str()),
+        (Some("bad_frame"), Some("resume"))
+    );
+    ws.resume("", 0).await;
+    ws.replay().await;
+    let (id, _) = push_one(&relay, &alice, &bob, "still open").await;
+    assert_eq!(ws.frame().await["item_id"], id.as_str());
+}
+
+#[tokio::test]
+async fn a_binary_or_unreadable_frame_closes_with_policy() {
+    let relay = Relay::start().await;
+    let (_, bob) = pair(&relay).await;
+    let mut ws = open(&relay, &bob).await;
+    ws.0.send(Message::Binary(vec![1, 2, 3].into()))
+        .await
+        .expect("send");
+    assert_eq!(ws.closed().await, close::POLICY);
+    let mut ws = open(&relay, &bob).await;
+    ws.0.send(Message::Text("not json".into()))
+        .await
+        .expect("send");
+    assert_eq!(ws.closed().await, close::POLICY);
+}
+
+#[tokio::test]
+async fn a_client_frame_over_64_kib_closes_with_oversize() {
+    let relay = Relay::start().await;
+    let (_, bob) = pair(&relay).await;
+    let mut ws = open(&relay, &bob).await;
+    let big = json!({"type": "pong", "id": 1, "pad": "x".repeat(MAX_CLIENT_FRAME)});
+    ws.send(big).await;
+    assert_eq!(ws.closed().await, close::OVERSIZE);
+}
+
+#[tokio::test]
+async fn a_nonce_is_single_use_bound_to_its_key_and_expires() {
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    // Unknown.
+    upgrade(&relay, &bob, "AAAAAAAAAAAAAAAAAAAAAA")
+        .await
+        .err()
+        .expect("refused")
+        .assert(401, "BAD_NONCE");
+    // Missing.
+    let target = STREAM_PATH.to_owned();
+    let r = relay.hop(&bob, "GET", &target, "").await;
+    r.assert_error(
+        401,
+        "missing, unknown, used or expired stream nonce (ask GET /v2/relay/info for one)",
+        "BAD_NONCE",
+    );
+    // A signed GET that is not an upgrade: refused, and its nonce is spent.
+    let n = nonce(&relay, &bob).await;
+    let target = format!("{STREAM_PATH}?nonce={n}");
+    let r = relay.hop(&bob, "GET", &target, "").await;
+    assert!(matches!(r.status, 400 | 426), "{r:#?}");
+    assert_eq!(r.str("code"), "NOT_UPGRADE", "{r:#?}");
+    upgrade(&relay, &bob, &n)
+        .await
+        .err()
+        .expect("refused")
+        .assert(401, "BAD_NONCE");
+    // Used twice.
+    let n = nonce(&relay, &bob).await;
+    let ws = upgrade(&relay, &bob, &n).await.expect("first use");
+    drop(ws);
+    upgrade(&relay, &bob, &n)
+        .await
+        .err()
+        .expect("refused")
+        .assert(401, "BAD_NONCE");
+    // Another key's.
+    let n = nonce(&relay, &alice).await;
+    upgrade(&relay, &bob, &n)
+        .await
+        .err()
+        .expect("refused")
+        .assert(401, "BAD_NONCE");
+    // Expired (the relay's clock moves past the nonce's 120 s).
+    let n = nonce(&relay, &bob).await;
+    relay
+        .clock
+        .advance(agentmbx_protocol::stream::NONCE_TTL_MS + 1);
+    upgrade(&relay, &bob, &n)
+        .await
+        .err()
+        .expect("refused")
+        .assert(401, "BAD_NONCE");
+}
+
+#[tokio::test]
+async fn an_unenrolled_revoked_or_denied_key_gets_the_pulls_refusal() {
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    let stranger = Host::new("stranger");
+    let pull = relay.pull(&stranger, "").await;
+    let refused = upgrade(&relay, &stranger, "AAAAAAAAAAAAAAAAAAAAAA")
+        .await
+        .err()
+        .expect("refused");
+    refused.assert(401, "NOT_ENROLLED");
+    assert_eq!(refused.body, pull.json);
+    // A nonce obtained while enrolled, then the key revoked.
+    let n = nonce(&relay, &bob).await;
+    relay.revoke(&bob).await;
+    let pull = relay.pull(&bob, "").await;
+    let refused = upgrade(&relay, &bob, &n).await.err().expect("refused");
+    refused.assert(403, "REVOKED");
+    assert_eq!(refused.body, pull.json);
+    // Deny-listed by fingerprint.
+    let n = nonce(&relay, &alice).await;
+    deny(&relay, "host", &alice.key.public().fingerprint()).await;
+    let pull = relay.pull(&alice, "").await;
+    let refused = upgrade(&relay, &alice, &n).await.err().expect("refused");
+    refused.assert(403, "DENIED");
+    assert_eq!(refused.body, pull.json);
+}
+
+/// Adds a deny entry through the store, as `relay deny` does offline.
+async fn deny(relay: &Relay, kind: &str, value: &str) {
+    let kind = match kind {
+        "host" => agentmbx_relay::store::DenyKind::Host,
+        _ => agentmbx_relay::store::DenyKind::Client,
+    };
+    let (value, now) = (value.to_owned(), relay.now());
+    relay
+        .with_store(move |s| {
+            s.deny(agentmbx_relay::store::DenyEntry {
+                kind,
+                value,
+                until_ms: None,
+                at_ms: now,
+            })
+        })
+        .await
+        .expect("deny");
+}
+
+const ADMIN: &str = "admin-token-0123456789abcdef";
+
+/// A relay whose admin endpoints answer to [`ADMIN`].
+async fn admin_relay() -> Relay {
+    Relay::start_with_config(agentmbx_relay::config::RelayConfig {
+        admin_token: Some(agentmbx_relay::config::AdminToken::new(ADMIN).expect("token")),
+        ..Default::default()
+    })
+    .await
+}
+
+async fn admin(relay: &Relay, path: &str, body: Value) {
+    let headers = vec![
+        ("content-type".to_owned(), "application/json".to_owned()),
+        ("authorization".to_owned(), format!("Bearer {ADMIN}")),
+    ];
+    let r = relay
+        .send("POST", path, &headers, body.to_string().into_bytes())
+        .await;
+    r.assert_ok();
+}
+
+/// A stream that resumed and replayed (nothing queued): live from now on.
+async fn live(relay: &Relay, host: &Host) -> Ws {
+    let mut ws = open(relay, host).await;
+    ws.resume("", 0).await;
+    ws.replay().await;
+    ws
+}
+
+#[tokio::test]
+async fn a_key_revoked_while_connected_is_closed_with_4403() {
+    let relay = admin_relay().await;
+    let (alice, bob) = pair(&relay).await;
+    let mut a = live(&relay, &alice).await;
+    let mut b = live(&relay, &bob).await;
+    admin(
+        &relay,
+        "/v2/relay/admin/revoke",
+        json!({"host": bob.pubkey()}),
+    )
+    .await;
+    assert_eq!(b.closed().await, close::AUTH);
+    // Only that key's stream.
+    let carol = Host::new("carol");
+    relay.enrol(&carol).await;
+    let (id, _) = push_one(&relay, &carol, &alice, "still here").await;
+    assert_eq!(a.frame().await["item_id"], id.as_str());
+}
+
+#[tokio::test]
+async fn a_deny_entry_closes_only_the_streams_it_matches() {
+    let relay = admin_relay().await;
+    let (alice, bob) = pair(&relay).await;
+    let mut a = live(&relay, &alice).await;
+    let mut b = live(&relay, &bob).await;
+    // A client_id entry matches no stream of a host-key relay.
+    admin(
+        &relay,
+        "/v2/relay/admin/deny",
+        json!({"target": "client-bob", "kind": "client"}),
+    )
+    .await;
+    admin(
+        &relay,
+        "/v2/relay/admin/deny",
+        json!({"target": bob.key.public().fingerprint()}),
+    )
+    .await;
+    assert_eq!(b.closed().await, close::AUTH);
+    let carol = Host::new("carol");
+    relay.enrol(&carol).await;
+    let (id, _) = push_one(&relay, &carol, &alice, "alice is not denied").await;
+    assert_eq!(a.frame().await["item_id"], id.as_str());
+}
+
+#[tokio::test]
+async fn a_rotation_closes_the_old_keys_stream() {
+    let relay = Relay::start().await;
+    let old = Host::new("laptop");
+    let new = Host::new("laptop");
+    relay.enrol(&old).await;
+    relay.enrol(&new).await;
+    let mut ws = live(&relay, &old).await;
+    relay.clock.advance(1_000);
+    let rotation = agentmbx_protocol::rotation::SignedRotation::sign(
+        "laptop",
+        &old.key,
+        &new.key,
+        &new.enc.public(),
+        relay.now(),
+    );
+    let body = json!({ "rotation": rotation }).to_string();
+    relay
+        .plain("POST", "/v2/relay/rotate", &body)
+        .await
+        .assert_ok();
+    assert_eq!(ws.closed().await, close::AUTH);
+    // The new key streams.
+    let mut fresh = live(&relay, &new).await;
+    let alice = Host::new("alice");
+    relay.enrol(&alice).await;
+    let (id, _) = push_one(&relay, &alice, &new, "to the new key").await;
+    assert_eq!(fresh.frame().await["item_id"], id.as_str());
+}
+
+#[tokio::test]
+async fn a_second_stream_for_a_key_replaces_the_first_with_4409() {
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    let mut first = live(&relay, &bob).await;
+    let mut second = live(&relay, &bob).await;
+    assert_eq!(first.closed().await, close::REPLACED);
+    let (id, _) = push_one(&relay, &alice, &bob, "to the newer one").await;
+    assert_eq!(second.frame().await["item_id"], id.as_str());
+    let stats = relay.state.streams.stats();
+    assert_eq!(stats["open"], 1, "{stats}");
+    assert_eq!(stats["closes"]["4409"], 1, "{stats}");
+}
+
+/// Waits (up to [`WAIT`]) until `cond` holds.
+async fn until(what: &str, cond: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !cond() {
+        assert!(tokio::time::Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_reader_that_stops_reading_gets_lagged_and_the_queue_stays_bounded() {
+    use agentmbx_protocol::stream::STREAM_QUEUE_BYTES;
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    // A small receive buffer, so the kernel holds little of what the relay writes.
+    let mut ws = {
+        let n = nonce(&relay, &bob).await;
+        let target = format!("{STREAM_PATH}?nonce={n}");
+        let mut req = format!("ws://{}{target}", relay.addr())
+            .into_client_request()
+            .expect("request");
+        for (k, v) in bob.hop_headers("GET", &target, "", relay.now()) {
+            if k != "content-type" {
+                req.headers_mut().insert(
+                    axum::http::HeaderName::from_bytes(k.as_bytes()).expect("name"),
+                    v.parse().expect("value"),
+                );
+            }
+        }
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket.set_recv_buffer_size(4096).expect("rcvbuf");
+        let tcp = socket
+            .connect(relay.addr().parse().expect("addr"))
+            .await
+            .expect("connect");
+        Ws(tokio_tungstenite::client_async(req, tcp)
+            .await
+            .expect("upgrade")
+            .0)
+    };
+    ws.resume("", 0).await;
+    ws.replay().await;
+    // Stop reading; push far more than the queue holds (each item about 48 KiB of wire).
+    let body = "y".repeat(48 * 1024);
+    let mut pushed = Vec::new();
+    for _ in 0..80 {
+        pushed.push(push_one(&relay, &alice, &bob, &body).await.1);
+        let used = relay.state.streams.budget_used();
+        assert!(
+            used <= STREAM_QUEUE_BYTES + 1024,
+            "queued {used} bytes past the stream's cap"
+        );
+    }
+    let stats = relay.state.streams.stats();
+    assert_eq!(
+        stats["lagged"], 1,
+        "lagged once until the next resume: {stats}"
+    );
+    // Reading again: deliver frames in order, contiguous by prev_seq, then `lagged` from the
+    // first seq that was dropped.
+    let mut last = 0;
+    let from = loop {
+        let f = ws.frame().await;
+        match f["type"].as_str() {
+            Some("deliver") => {
+                assert_eq!(f["prev_seq"], last, "{f}");
+                last = f["seq"].as_i64().expect("seq");
+            }
+            Some("lagged") => break f["from_seq"].as_i64().expect("from_seq"),
+            _ => panic!("unexpected {f}"),
+        }
+    };
+    assert!(from > last && pushed.contains(&from), "{from} after {last}");
+    // A resume starts over: the replay from the client's position.
+    ws.resume("", last).await;
+    let (items, done) = ws.replay().await;
+    assert_eq!(items[0]["seq"], from);
+    assert!(done["replayed"].as_u64().expect("replayed") >= 1);
+    drop(ws);
+    until("the stream's bytes return to the budget", || {
+        relay.state.streams.running() == 0 && relay.state.streams.budget_used() == 0
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn shutdown_closes_every_stream_with_going_away() {
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    let mut a = live(&relay, &alice).await;
+    let mut b = live(&relay, &bob).await;
+    let stopping = tokio::spawn(relay.stop());
+    assert_eq!(a.closed().await, close::GOING_AWAY);
+    assert_eq!(b.closed().await, close::GOING_AWAY);
+    tokio::time::timeout(WAIT, stopping)
+        .await
+        .expect("serve returned within the deadline")
+        .expect("the stop task");
+}
+
+#[tokio::test]
+async fn a_stream_holds_its_connection_slot_until_it_closes() {
+    let relay = Relay::start_with_config(agentmbx_relay::config::RelayConfig {
+        max_connections: Some(1),
+        // The HTTP client's kept-alive connection (the info request) gives its slot back soon.
+        keep_alive_timeout_ms: Some(50),
+        ..Default::default()
+    })
+    .await;
+    let (_, bob) = pair(&relay).await;
+    let ws = live(&relay, &bob).await;
+    // The one slot is the stream's: another connection is not served while it is open.
+    let addr = relay.addr();
+    let (raw, early) = tokio::task::spawn_blocking(move || {
+        let mut raw = crate::helper::RawConn::connect(&addr);
+        raw.send(b"GET /v2/relay/info HTTP/1.1\r\nhost: relay\r\n\r\n")
+            .expect("send");
+        let early = raw.try_response(Duration::from_millis(500));
+        (raw, early)
+    })
+    .await
+    .expect("the raw connection");
+    assert!(
+        early.is_none(),
+        "answered while the stream held the only slot"
+    );
+    drop(ws);
+    let later = tokio::task::spawn_blocking(move || {
+        let mut raw = raw;
+        raw.try_response(WAIT)
+    })
+    .await
+    .expect("the raw connection");
+    assert_eq!(later.expect("answered once the stream closed").0, 200);
+}
+
+#[tokio::test]
+async fn an_expiry_notice_from_the_sweep_is_delivered_live_and_counted_in_admin_stats() {
+    let relay = admin_relay().await;
+    let (alice, bob) = pair(&relay).await;
+    let (id, _) = push_one(&relay, &alice, &bob, "never pulled").await;
+    let mut a = live(&relay, &alice).await;
+    let days = i64::from(agentmbx_relay::config::LimitsConfig::default().retention_days);
+    relay.clock.advance(days * 86_400_000);
+    let report = relay.sweep().await;
+    assert_eq!(report.notices, 1);
+    let f = a.frame().await;
+    assert_eq!(f["kind"], "expired", "{f}");
+    assert_eq!(f["replay"], false);
+    assert_eq!(f["prev_seq"], 0);
+    assert_eq!(f["seq"], report.stored[0].seq);
+    assert_eq!(f["sender_pubkey"], relay.relay_pub.to_b64().as_str());
+    assert!(f["item_id"].as_str().expect("id").contains(&id));
+    let headers = vec![("authorization".to_owned(), format!("Bearer {ADMIN}"))];
+    let r = relay
+        .send("GET", "/v2/relay/admin/stats", &headers, Vec::new())
+        .await;
+    let streams = &r.assert_ok()["streams"];
+    assert_eq!(streams["open"], 1, "{streams}");
+    assert_eq!(streams["queued_bytes"], 0, "{streams}");
+    assert_eq!(
+        streams["budget_bytes"],
+        agentmbx_protocol::stream::RELAY_STREAM_BUDGET_BYTES
+    );
+}
+
+#[tokio::test]
+async fn an_epoch_rotation_is_announced_and_the_stream_waits_for_a_resume_in_it() {
+    let relay = admin_relay().await;
+    let (alice, bob) = pair(&relay).await;
+    let old = relay.epoch().await;
+    let mut ws = open(&relay, &bob).await;
+    ws.resume(&old, 0).await;
+    ws.replay().await;
+    admin(&relay, "/v2/relay/admin/rotate-epoch", json!({})).await;
+    let new = relay.epoch().await;
+    assert_ne!(new, old);
+    assert_eq!(ws.frame().await, json!({"type": "epoch", "epoch": new}));
+    // Not live: a push now reaches bob through the next replay, not as a live frame.
+    let (id, seq) = push_one(&relay, &alice, &bob, "after the rotation").await;
+    ws.resume(&old, 0).await;
+    assert_eq!(ws.frame().await, json!({"type": "epoch", "epoch": new}));
+    ws.resume(&new, 0).await;
+    let (items, done) = ws.replay().await;
+    assert_eq!(items.len(), 1);
+    assert_eq!(items[0]["item_id"], id.as_str());
+    assert_eq!(done["head_seq"], seq);
+}
+
+#[tokio::test]
+async fn pings_keep_an_answering_stream_open_and_a_silent_one_is_closed_with_policy() {
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    // Shortened timers (the contract's are 25 s and 60 s): a ping every 50 ms, 300 ms to answer.
+    relay.state.streams.set_timers(50, 300);
+    let mut ws = live(&relay, &bob).await;
+    // Answer ten pings: well past the pong timeout, the stream is still open.
+    let mut ids = Vec::new();
+    while ids.len() < 10 {
+        let f = ws.frame().await;
+        assert_eq!(f["type"], "ping", "{f}");
+        let id = f["id"].as_u64().expect("id");
+        ws.send(json!({"type": "pong", "id": id})).await;
+        ids.push(id);
+    }
+    assert!(ids.windows(2).all(|w| w[1] > w[0]), "{ids:?}");
+    let (id, _) = push_one(&relay, &alice, &bob, "still open").await;
+    loop {
+        let f = ws.frame().await;
+        if f["type"] == "deliver" {
+            assert_eq!(f["item_id"], id.as_str());
+            break;
+        }
+    }
+    // Stop answering: closed with 1008.
+    assert_eq!(ws.closed().await, close::POLICY);
+}
+
+#[tokio::test]
+async fn a_client_that_keeps_sending_is_answered_in_turn_and_the_stream_stays_open() {
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    let mut ws = live(&relay, &bob).await;
+    let (mut tx, mut rx) = ws.0.split();
+    const N: usize = 2_000;
+    let writer = tokio::spawn(async move {
+        for i in 0..N {
+            let frame = json!({"type": format!("x{i}"), "pad": "p".repeat(1_000)}).to_string();
+            tx.send(Message::Text(frame.into())).await.expect("send");
+        }
+        tx
+    });
+    // Every frame answered, in order, while the client keeps writing.
+    for i in 0..N {
+        let f = loop {
+            match tokio::time::timeout(WAIT, rx.next())
+                .await
+                .expect("an answer")
+            {
+                Some(Ok(Message::Text(t))) => {
+                    break serde_json::from_str::<Value>(t.as_str()).expect("json")
+                }
+                Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
+                other => panic!("answer {i}: {other:?}"),
+            }
+        };
+        assert_eq!(f["frame_type"], format!("x{i}"), "{f}");
+    }
+    let tx = writer.await.expect("the writer");
+    ws = Ws(tx.reunite(rx).expect("the two halves"));
+    let (id, _) = push_one(&relay, &alice, &bob, "still live").await;
+    assert_eq!(ws.frame().await["item_id"], id.as_str());
+}
