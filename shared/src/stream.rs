@@ -125,7 +125,9 @@ pub enum ServerFrame {
         epoch: String,
     },
     /// Live frames from `from_seq` on were dropped (a full queue or budget, or an item too
-    /// large for the queue): pull from the received-through.
+    /// large for the queue): pull from the received-through, then send
+    /// [`ClientFrame::Resume`] again. After `lagged` the relay sends no live frame until that
+    /// next `resume`.
     Lagged {
         /// The first seq that was not sent.
         from_seq: i64,
