@@ -1083,3 +1083,56 @@ async fn a_late_pong_does_not_push_the_pong_deadline() {
         started.elapsed()
     );
 }
+
+#[tokio::test]
+async fn a_stored_item_too_large_for_a_frame_ends_the_replay_before_it() {
+    // Items up to 32 KiB now; one of 400 KiB stored earlier (under a larger setting) is
+    // larger than any frame this relay writes.
+    let relay = Relay::start_with(agentmbx_relay::config::LimitsConfig {
+        max_item_bytes: 32 * 1024,
+        ..Default::default()
+    })
+    .await;
+    let (alice, bob) = pair(&relay).await;
+    let (first, first_seq) = push_one(&relay, &alice, &bob, "small").await;
+    let (from, to, now) = (alice.pubkey(), bob.pubkey(), relay.now());
+    relay
+        .with_store(move |s| {
+            s.push(agentmbx_relay::testing::conformance::envelope(
+                &from,
+                "alice",
+                now,
+                agentmbx_relay::store::Expiry::Retention,
+                "01JBIGBIGBIGBIGBIGBIGBIGBI",
+                &to,
+                &vec![b'w'; 400 * 1024],
+            ))
+            .expect("stored")
+        })
+        .await;
+    let (_, last_seq) = push_one(&relay, &alice, &bob, "after").await;
+    let mut ws = open(&relay, &bob).await;
+    ws.resume("", 0).await;
+    let (items, done) = ws.replay().await;
+    assert_eq!(items.len(), 1, "{items:?}");
+    assert_eq!(items[0]["item_id"], first.as_str());
+    assert_eq!(done["replayed"], 1, "{done}");
+    assert_eq!(done["head_seq"], last_seq, "{done}");
+    // The stream stays open and live (the client pulls the rest).
+    let (id, _) = push_one(&relay, &alice, &bob, "live").await;
+    let f = non_ping(&mut ws).await;
+    assert_eq!(f["item_id"], id.as_str(), "{f}");
+    assert!(f["seq"].as_i64() > Some(first_seq));
+}
+
+#[tokio::test]
+async fn a_text_frame_that_is_not_utf8_closes_with_policy() {
+    use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
+    use tokio_tungstenite::tungstenite::protocol::frame::Frame;
+    let relay = Relay::start().await;
+    let (_alice, bob) = pair(&relay).await;
+    let mut ws = live(&relay, &bob).await;
+    let bad = Frame::message(vec![b'{', 0xff, 0xfe, b'}'], OpCode::Data(Data::Text), true);
+    ws.0.send(Message::Frame(bad)).await.expect("send");
+    assert_eq!(ws.closed().await, close::POLICY);
+}

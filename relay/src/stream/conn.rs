@@ -1,25 +1,30 @@
 //! One push stream's connection loop (`docs/relay-stream.md` "Frames", "Order and gaps",
-//! "Close codes"), run on the task axum's upgrade spawned: that one task per connection, no
-//! other task and no timer but the ping interval (plus a deadline only while a ping is
-//! unanswered or an account token bounds the stream).
+//! "Bounds", "Close codes"), run on the task axum's upgrade spawned: that one task per
+//! connection, no other task and no timer but the ping interval (plus a deadline only while a
+//! ping is unanswered or an account token bounds the stream).
 //!
 //! # What it owns
-//! Reading client frames (`resume`, `pong`; anything else is answered `error`), the replay of
-//! one pull page after a `resume`, the ping and its pong deadline, the account token's expiry,
-//! writing the queued live frames ([`super::hub`]) and the close with its code.
+//! Reading client frames (`resume`, `pong`; anything else is answered `error`, at most
+//! [`BAD_FRAME_BURST`] then one per [`BAD_FRAME_EVERY`], past that 1008), the replay of one
+//! pull page after a `resume` (read in chunks of [`REPLAY_CHUNK_BYTES`], each reserved from
+//! the relay-wide budget until written), the ping (random ids) and its pong deadline (from the
+//! oldest unanswered ping), the account token's expiry, writing the queued live frames and the
+//! announced `epoch` ([`super::hub`]) and the close with its code.
 //!
 //! Each iteration of the loop first looks at the control side (a close request, the token
 //! deadline, the ping, the pong deadline), then reads or writes at most one frame (after a
-//! read, a pending write goes first), so a sustained flow of `deliver` frames never starves
-//! pings, deadlines or close requests, and a client that keeps sending never starves the
-//! writes.
+//! read, a pending write goes first; while [`MAX_CONTROL_FRAMES`] answers wait, nothing is
+//! read), and only last waits for the hub's wake-up, so a sustained flow of `deliver` frames
+//! never starves pings, deadlines or close requests, and a client that keeps sending never
+//! starves the writes.
 //! Writing uses the sink's readiness (cancel-safe): a frame is taken from the queue only once
 //! the socket can take it, so a slow reader leaves frames in the bounded queue, where the
 //! publish path turns the overflow into `lagged`.
 //!
 //! # What it must never do
 //! Send a live frame for a seq the replay already sent, send live frames before the replay
-//! and its `resume_complete`, or buffer a client frame over [`MAX_CLIENT_FRAME`].
+//! and its `resume_complete`, hold more than one replay chunk, or buffer a client frame over
+//! [`MAX_CLIENT_FRAME`].
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -37,9 +42,9 @@ use agentmbx_protocol::stream::{
 use super::hub::{frame_text, Hub, Registration, Stream};
 use crate::store::{PullPage, PullRequest, PulledItem, RelayStore, MAX_PULL_ITEMS};
 
-/// Control frames (pings, `error` answers, `epoch`) waiting to be written, at most: a client
-/// that keeps sending frames the relay answers, without reading the answers, is closed with
-/// [`close::POLICY`] instead of growing this queue.
+/// Control frames (pings, `error` answers, `epoch` answers) waiting to be written, at most:
+/// while the queue is full the loop reads no client frame (a client that does not read its
+/// answers is held back by TCP), and a ping due then is not queued (its deadline still runs).
 pub const MAX_CONTROL_FRAMES: usize = 64;
 
 /// Frames the relay answers `error` (unknown type, bad `resume`/`pong`) a client may send in a
