@@ -461,6 +461,9 @@ async fn a_nonce_is_single_use_bound_to_its_key_and_expires() {
         .err()
         .expect("refused")
         .assert(401, "BAD_NONCE");
+    // Each refusal counted (unknown, missing, used, another key's, expired).
+    use agentmbx_relay::refusals::AuthRefusal;
+    assert_eq!(relay.state.refused.auths(AuthRefusal::BadNonce), 5);
 }
 
 #[tokio::test]
