@@ -1139,3 +1139,48 @@ async fn a_text_frame_that_is_not_utf8_closes_with_policy() {
     ws.0.send(Message::Frame(bad)).await.expect("send");
     assert_eq!(ws.closed().await, close::POLICY);
 }
+
+#[tokio::test]
+async fn a_client_close_is_answered_with_a_close_frame() {
+    let relay = Relay::start().await;
+    let (_alice, bob) = pair(&relay).await;
+    let mut ws = live(&relay, &bob).await;
+    ws.0.send(Message::Close(Some(
+        tokio_tungstenite::tungstenite::protocol::CloseFrame {
+            code: 1000.into(),
+            reason: "bye".into(),
+        },
+    )))
+    .await
+    .expect("send the close");
+    // The relay's reply to the close reaches the client (then the stream ends).
+    assert_eq!(ws.closed().await, 1000);
+    until("the stream is unregistered", || {
+        relay.state.streams.running() == 0
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn two_streams_opened_at_once_for_one_key_leave_exactly_one() {
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    let (n1, n2) = (nonce(&relay, &bob).await, nonce(&relay, &bob).await);
+    let (a, b) = tokio::join!(upgrade(&relay, &bob, &n1), upgrade(&relay, &bob, &n2));
+    let (mut a, mut b) = (a.expect("first opens"), b.expect("second opens"));
+    until("one stream left for the key", || {
+        relay.state.streams.open() == 1 && relay.state.streams.running() == 1
+    })
+    .await;
+    // One of the two was replaced (4409); the other is live after its resume.
+    a.resume("", 0).await;
+    b.resume("", 0).await;
+    let (mut alive, code) = tokio::select! {
+        code = a.closed() => (b, code),
+        code = b.closed() => (a, code),
+    };
+    assert_eq!(code, close::REPLACED);
+    alive.replay().await;
+    let (id, _) = push_one(&relay, &alice, &bob, "to the survivor").await;
+    assert_eq!(non_ping(&mut alive).await["item_id"], id.as_str());
+}
