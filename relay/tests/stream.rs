@@ -1184,3 +1184,30 @@ async fn two_streams_opened_at_once_for_one_key_leave_exactly_one() {
     let (id, _) = push_one(&relay, &alice, &bob, "to the survivor").await;
     assert_eq!(non_ping(&mut alive).await["item_id"], id.as_str());
 }
+
+#[tokio::test]
+async fn a_revocation_between_the_authentication_and_the_registration_closes_the_stream() {
+    use crate::helper::ReadHook;
+    let (relay, store) = Relay::start_failing().await;
+    let (_alice, bob) = pair(&relay).await;
+    let n = nonce(&relay, &bob).await;
+    // The upgrade's authentication reads the enrolment (live); the revocation commits right
+    // before the next read, the one after the registration. The revoke never went through the
+    // handler, so only that second read can close the stream.
+    store.on_enrolment_read(&bob.pubkey(), 2, ReadHook::Revoke(relay.now()));
+    let mut ws = upgrade(&relay, &bob, &n)
+        .await
+        .expect("authenticated before the revoke");
+    assert_eq!(ws.closed().await, close::AUTH);
+}
+
+#[tokio::test]
+async fn a_store_error_in_the_second_read_closes_with_overload_not_auth() {
+    use crate::helper::ReadHook;
+    let (relay, store) = Relay::start_failing().await;
+    let (_alice, bob) = pair(&relay).await;
+    let n = nonce(&relay, &bob).await;
+    store.on_enrolment_read(&bob.pubkey(), 2, ReadHook::Fail);
+    let mut ws = upgrade(&relay, &bob, &n).await.expect("authenticated");
+    assert_eq!(ws.closed().await, close::OVERLOAD);
+}
