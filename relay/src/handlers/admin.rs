@@ -42,6 +42,7 @@
 //! | `admin_token` | 401 `ADMIN_TOKEN` on an admin route |
 //! | `no_challenge`, `bad_enrol_signature`, `authority_denied` | `POST /v1/relay/enrol`: 401 `NO_CHALLENGE`, 401 `BAD_SIGNATURE`, 403 `DENIED` by the enrolment authority (an enrolment of a revoked or deny-listed key counts as `revoked`, `denied`) |
 //! | `bad_list_signature` | `POST /v2/relay/senders`: 401 `BAD_SIGNATURE` |
+//! | `bad_nonce` | `GET /v2/relay/stream`: 401 `BAD_NONCE` |
 //!
 //! `backup-receipt` exists because `relay backup` copies the store from its own process (a
 //! read-only connection, allowed while the relay serves) but only the relay may write its
