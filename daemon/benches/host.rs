@@ -23,6 +23,11 @@
 //!   Then wake: per message a new agent's `agentmbx mcp` session whose channel watcher waits
 //!   in the daemon; alice sends it a `request`: ms from just before the send request to the
 //!   `notifications/claude/channel` line (`wake_channel_p50/p99`);
+//!   The relay path runs twice in the same run: with B on the push stream (`e2e_relay_*`) and
+//!   with the stream off, B polling every 2 s (`e2e_relay_polling_*`);
+//! - `failover`: A knows a LAN address for B that refuses connections (`refused`) or accepts
+//!   and never answers (`hung`); a relay is the other route: ms to the first message and p50/max
+//!   of the next 20 (`failover_<mode>_first_ms`, `_next_p50`, `_next_max`), fresh homes per run;
 //! - `idle`: a daemon with a relay configured and no traffic: RSS, CPU and wakeups;
 //! - `start`: daemon start to `READY=1` (sd-notify datagram) on a fresh and an existing home;
 //! - `all`: every scenario above, in that order;
@@ -116,6 +121,7 @@ fn main() -> Result<()> {
         "disk" => disk(&opts),
         "redis" => redis(&opts),
         "e2e" => e2e(&opts),
+        "failover" => failover(&opts),
         "wait" => wait(&opts),
         "idle" => idle(&opts),
         "start" => start(&opts),
@@ -123,13 +129,14 @@ fn main() -> Result<()> {
             disk(&opts)?;
             redis(&opts)?;
             e2e(&opts)?;
+            failover(&opts)?;
             wait(&opts)?;
             idle(&opts)?;
             start(&opts)
         }
         "report" => report(&opts),
         s => {
-            bail!("unknown scenario {s} (disk | redis | e2e | wait | idle | start | all | report)")
+            bail!("unknown scenario {s} (disk | redis | e2e | failover | wait | idle | start | all | report)")
         }
     }
 }
@@ -800,6 +807,8 @@ struct Host {
     pubkey: String,
     daemon: Option<Proc>,
     api_addr: Option<SocketAddr>,
+    /// Variables set on the daemon at [`Host::start`] (e.g. `MBX_RELAY_STREAM=0`).
+    env: Vec<(&'static str, &'static str)>,
 }
 
 impl Host {
@@ -829,17 +838,27 @@ impl Host {
             pubkey,
             daemon: None,
             api_addr: None,
+            env: Vec::new(),
         })
     }
 
     /// Starts the daemon with the product's defaults (relay pull interval included; rate
     /// classes raised at init).
     fn start(&mut self) -> Result<()> {
-        let cmd = mbx(&self.home, &["daemon", "--api-port", "0"]);
+        let mut cmd = mbx(&self.home, &["daemon", "--api-port", "0"]);
+        cmd.envs(self.env.iter().copied());
         let mut proc = Proc::spawn(&format!("{} daemon", self.name), cmd)?;
         self.api_addr = Some(proc.announced("local API listening on ")?);
         self.daemon = Some(proc);
         Ok(())
+    }
+
+    /// Stops the daemon (SIGTERM, then SIGKILL after 10 s).
+    fn stop(&mut self) {
+        if let Some(mut proc) = self.daemon.take() {
+            proc.stop();
+        }
+        self.api_addr = None;
     }
 
     fn daemon(&mut self) -> Result<&mut Proc> {
@@ -1025,13 +1044,21 @@ fn latency_figures(
 /// (`wire.md` §4, 600 signed requests a minute, one more every 100 ms).
 const LAN_SEND_SPACING: Duration = Duration::from_millis(100);
 
+/// What a daemon logs once its push stream to the relay is open.
+const STREAM_UP_LOG: &str = "relay stream open";
+
+/// Longest pause before a send on the push-stream path: enough to keep sends off any phase of
+/// the daemon's own timers, short enough that a run of 200 stays short.
+const STREAM_SEND_JITTER: Duration = Duration::from_millis(50);
+
 fn e2e(o: &Opts) -> Result<()> {
     let dir = o.dir.join("e2e");
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;
     {
         // Through the relay: the hosts pin each other without a LAN address, so the relay is
-        // their only path.
+        // their only path. First with the push stream (the default), then, in the same run,
+        // with the stream switched off (`MBX_RELAY_STREAM=0`): B pulls every 2 s.
         let relay = start_relay(&dir)?;
         let mut a = Host::init(&dir, "hosta")?;
         let mut b = Host::init(&dir, "hostb")?;
@@ -1044,19 +1071,38 @@ fn e2e(o: &Opts) -> Result<()> {
         for h in [&mut a, &mut b] {
             h.daemon()?.wait_log("published the enc-key ad")?;
         }
+        b.daemon()?.wait_log(STREAM_UP_LOG)?;
         latency_figures(
             o,
             &a,
             &b,
             "e2e_relay",
-            "end-to-end via the relay (send on A → listed in B's inbox)",
+            "end-to-end via the relay, push stream (send on A → listed in B's inbox)",
+            if o.quick { 20 } else { 200 },
+            STREAM_SEND_JITTER,
+            Duration::ZERO,
+            json!({
+                "path": "relay only (peers pinned without a LAN address), B on the push stream",
+            }),
+        )?;
+        for h in [&mut a, &mut b] {
+            h.stop();
+            h.env = vec![("MBX_RELAY_STREAM", "0")];
+            h.start()?;
+        }
+        latency_figures(
+            o,
+            &a,
+            &b,
+            "e2e_relay_polling",
+            "end-to-end via the relay, stream off: B polls (send on A → listed in B's inbox)",
             // Each message waits for a pull (every 2 s by default): 1,000 in a closed loop
             // would take over half an hour per run.
             if o.quick { 10 } else { 100 },
             Duration::from_millis(agentmbx::config::default_relay_pull_interval_ms()),
             Duration::ZERO,
             json!({
-                "path": "relay only (peers pinned without a LAN address)",
+                "path": "relay only (peers pinned without a LAN address), MBX_RELAY_STREAM=0",
                 "relay_pull_interval_ms": agentmbx::config::default_relay_pull_interval_ms(),
             }),
         )?;
@@ -1096,6 +1142,136 @@ fn e2e(o: &Opts) -> Result<()> {
             LAN_SEND_SPACING,
             json!({"path": "LAN only (paired on 127.0.0.1, no relay configured)"}),
         )?;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fail-over from a dead LAN address to the relay
+
+/// A LAN address for hostb at A that never delivers, kept for as long as the value lives:
+/// `refused` is a socket bound on 127.0.0.1 that never listens (every connect is refused and
+/// the port stays reserved); `hung` is a listener whose connections are accepted and never
+/// answered.
+struct DeadAddr {
+    addr: SocketAddr,
+    _socket: socket2::Socket,
+    _held: Arc<Mutex<Vec<TcpStream>>>,
+}
+
+fn dead_addr(mode: &str) -> Result<DeadAddr> {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::IPV4, Type::STREAM, None)?;
+    socket.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())?;
+    let addr = socket
+        .local_addr()?
+        .as_socket()
+        .context("a bound IPv4 address")?;
+    let held = Arc::new(Mutex::new(Vec::new()));
+    if mode == "hung" {
+        socket.listen(128)?;
+        let listener: TcpListener = socket.try_clone()?.into();
+        let sink = Arc::clone(&held);
+        std::thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                if let Ok(mut held) = sink.lock() {
+                    held.push(conn);
+                }
+            }
+        });
+    }
+    Ok(DeadAddr {
+        addr,
+        _socket: socket,
+        _held: held,
+    })
+}
+
+/// Messages sent after the first one in each fail-over run.
+const FAILOVER_NEXT: usize = 20;
+
+/// A and B on one relay; A knows B's LAN address, but that address refuses connections or
+/// accepts and never answers. Per run, with fresh homes: ms from the send of the first message
+/// to B listing it (`failover_<mode>_first_ms`), then the latencies of the next 20, one at a
+/// time (`failover_<mode>_next_p50/max`).
+fn failover(o: &Opts) -> Result<()> {
+    let dir = o.dir.join("failover");
+    for mode in ["refused", "hung"] {
+        let (mut first, mut next_p50, mut next_max) = (Vec::new(), Vec::new(), Vec::new());
+        for run in 0..o.runs {
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir)?;
+            eprintln!("failover {mode}: run {}/{}", run + 1, o.runs);
+            let relay = start_relay(&dir)?;
+            let dead = dead_addr(mode)?;
+            let mut a = Host::init(&dir, "hosta")?;
+            let mut b = Host::init(&dir, "hostb")?;
+            mbx_run(&a.home, &["peers", "add", "hostb", &b.pubkey])?;
+            mbx_run(&b.home, &["peers", "add", "hosta", &a.pubkey])?;
+            mbx_run(
+                &a.home,
+                &["peers", "addr", "hostb", &dead.addr.to_string(), "--force"],
+            )?;
+            a.set_relay(&relay)?;
+            b.set_relay(&relay)?;
+            a.start()?;
+            b.start()?;
+            for h in [&mut a, &mut b] {
+                h.daemon()?.wait_log("published the enc-key ad")?;
+            }
+            b.daemon()?.wait_log(STREAM_UP_LOG)?;
+            let tag = format!("failover-{mode}-{run}");
+            let lat = latencies(&a, &b, 1, &tag, Duration::ZERO, Duration::ZERO)?;
+            first.push(lat[0]);
+            let lat = latencies(
+                &a,
+                &b,
+                FAILOVER_NEXT,
+                &format!("{tag}-next"),
+                STREAM_SEND_JITTER,
+                Duration::ZERO,
+            )?;
+            next_p50.push(percentile(&lat, 50.0));
+            next_max.push(percentile(&lat, 100.0));
+            drop((a, b, relay, dead));
+        }
+        let extra = json!({
+            "lan_address": if mode == "refused" {
+                "127.0.0.1 port bound, never listening: every connect refused"
+            } else {
+                "127.0.0.1 listener: connections accepted, never answered"
+            },
+            "relay": "on 127.0.0.1, B on the push stream",
+            "next_messages": FAILOVER_NEXT,
+            "fresh_homes_per_run": true,
+        });
+        let what = if mode == "refused" {
+            "LAN address refuses"
+        } else {
+            "LAN address accepts, never answers"
+        };
+        emit(
+            &format!("failover_{mode}_first_ms"),
+            &format!("fail-over to the relay, {what}: first message (send → listed at B)"),
+            "ms",
+            &first,
+            extra.clone(),
+        );
+        emit(
+            &format!("failover_{mode}_next_p50"),
+            &format!("fail-over to the relay, {what}: next {FAILOVER_NEXT} messages, p50"),
+            "ms",
+            &next_p50,
+            extra.clone(),
+        );
+        emit(
+            &format!("failover_{mode}_next_max"),
+            &format!("fail-over to the relay, {what}: next {FAILOVER_NEXT} messages, max"),
+            "ms",
+            &next_max,
+            extra,
+        );
     }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
@@ -1619,10 +1795,7 @@ fn idle_window(o: &Opts, host: &mut Host, with_relay: bool) -> Result<()> {
         .map(|(name, n)| (name, json!(round3(n as f64 / elapsed))))
         .collect();
     let setup = if with_relay {
-        format!(
-            "fresh host, relay configured (pull every {} ms), no peers, no traffic",
-            agentmbx::config::default_relay_pull_interval_ms()
-        )
+        "fresh host, relay configured (on its push stream), no peers, no traffic".to_string()
     } else {
         "fresh host, no relay, no peers, no traffic".to_string()
     };
@@ -1770,6 +1943,55 @@ const TARGETS: &[Target] = &[
         "<=",
         15.0,
     ),
+    (
+        "end-to-end via the relay on the push stream, p50 (ms)",
+        "e2e_relay_p50",
+        None,
+        "<=",
+        20.0,
+    ),
+    (
+        "end-to-end via the relay on the push stream, p99 (ms)",
+        "e2e_relay_p99",
+        None,
+        "<=",
+        100.0,
+    ),
+    (
+        "fail-over, LAN refuses: first message (ms)",
+        "failover_refused_first_ms",
+        None,
+        "<=",
+        3000.0,
+    ),
+    (
+        "fail-over, LAN hangs: first message (ms)",
+        "failover_hung_first_ms",
+        None,
+        "<=",
+        3000.0,
+    ),
+    (
+        "fail-over, LAN hangs: next 20, max (ms)",
+        "failover_hung_next_max",
+        None,
+        "<=",
+        100.0,
+    ),
+    (
+        "daemon idle wakeups, relay configured (1/s)",
+        "daemon_idle_wakeups_per_s",
+        None,
+        "<",
+        1.0,
+    ),
+    (
+        "relay memory per idle stream (KiB)",
+        "relay_streams_kib_per_stream",
+        None,
+        "<=",
+        16.0,
+    ),
 ];
 
 /// Which figure each issue figure number covers, for the table's first column.
@@ -1786,6 +2008,8 @@ fn figure_of(id: &str) -> &'static str {
         s if s.starts_with("wait_mcp") => "7",
         s if s.starts_with("wait_") => "6",
         s if s.starts_with("wake_") => "8",
+        s if s.starts_with("failover_") => "9",
+        s if s.starts_with("relay_streams") => "10",
         _ => "",
     }
 }
@@ -1872,7 +2096,11 @@ fn report(o: &Opts) -> Result<()> {
         };
         let (shown, verdict) = match v {
             Some(v) if v.is_finite() => {
-                let met = if *cmp == ">=" { v >= *goal } else { v <= *goal };
+                let met = match *cmp {
+                    ">=" => v >= *goal,
+                    "<" => v < *goal,
+                    _ => v <= *goal,
+                };
                 (fmt_num(v), if met { "met" } else { "**missed**" })
             }
             _ => ("—".to_string(), "not measured"),
