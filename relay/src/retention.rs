@@ -109,26 +109,31 @@ pub async fn sweep_once(state: &SharedRelay) -> Result<SweepReport, StoreError> 
     let now = state.clock.now_ms();
     let store = state.store.clone();
     let signer: Arc<dyn NoticeSigner> = Arc::new(RelayNoticeSigner::new(state.key.clone()));
-    let report = tokio::task::spawn_blocking(move || store.sweep(now, signer))
-        .await
-        .map_err(|_| StoreError::NotCommitted {
-            reason: "the sweep task failed".to_owned(),
-        })??;
+    let hub = state.streams.clone();
+    // Each batch's notices go to their targets' push streams once that batch committed (a
+    // later batch's error loses none of them).
+    let report = tokio::task::spawn_blocking(move || {
+        store.sweep_notify(now, signer, &mut |notices| {
+            for n in notices {
+                hub.publish(
+                    &n.target_pubkey,
+                    &crate::stream::hub::LiveItem {
+                        seq: n.seq,
+                        prev_seq: n.prev_seq,
+                        kind: "expired".to_owned(),
+                        item_id: n.item_id.clone(),
+                        sender_pubkey: n.sender_pubkey.clone(),
+                        wire: bytes::Bytes::copy_from_slice(&n.wire),
+                    },
+                );
+            }
+        })
+    })
+    .await
+    .map_err(|_| StoreError::NotCommitted {
+        reason: "the sweep task failed".to_owned(),
+    })??;
     log_report(&report);
-    // Committed: each stored notice goes to its target's push stream, if one is open.
-    for n in &report.stored {
-        state.streams.publish(
-            &n.target_pubkey,
-            &crate::stream::hub::LiveItem {
-                seq: n.seq,
-                prev_seq: n.prev_seq,
-                kind: "expired".to_owned(),
-                item_id: n.item_id.clone(),
-                sender_pubkey: n.sender_pubkey.clone(),
-                wire: bytes::Bytes::copy_from_slice(&n.wire),
-            },
-        );
-    }
     Ok(report)
 }
 

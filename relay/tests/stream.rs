@@ -94,6 +94,38 @@ pub(crate) async fn upgrade_with(
     }
 }
 
+/// The upgrade signed by `host` without a nonce in its path.
+async fn upgrade_missing_nonce(relay: &Relay, host: &Host) -> Result<Ws, Refused> {
+    let target = STREAM_PATH.to_owned();
+    let mut req = format!("ws://{}{target}", relay.addr())
+        .into_client_request()
+        .expect("a client request");
+    for (k, v) in host.hop_headers("GET", &target, "", relay.now()) {
+        if k != "content-type" {
+            req.headers_mut().insert(
+                axum::http::HeaderName::from_bytes(k.as_bytes()).expect("header name"),
+                v.parse().expect("header value"),
+            );
+        }
+    }
+    let tcp = tokio::net::TcpStream::connect(relay.addr())
+        .await
+        .expect("connect");
+    match tokio::time::timeout(WAIT, tokio_tungstenite::client_async(req, tcp)).await {
+        Err(_) => panic!("the upgrade got no answer"),
+        Ok(Ok((ws, _))) => Ok(Ws(ws)),
+        Ok(Err(WsError::Http(resp))) => Err(Refused {
+            status: resp.status().as_u16(),
+            body: resp
+                .body()
+                .as_ref()
+                .and_then(|b| serde_json::from_slice(b).ok())
+                .unwrap_or(Value::Null),
+        }),
+        Ok(Err(e)) => panic!("upgrade failed: {e}"),
+    }
+}
+
 async fn upgrade(relay: &Relay, host: &Host, nonce: &str) -> Result<Ws, Refused> {
     upgrade_with(relay, host, nonce, &[]).await
 }
@@ -326,10 +358,17 @@ async fn an_unknown_frame_is_answered_and_the_stream_stays_open() {
     let (alice, bob) = pair(&relay).await;
     let mut ws = open(&relay, &bob).await;
     ws.send(json!({"type": "subscribe", "topic": "x"})).await;
+    let f = ws.frame().await;
     assert_eq!(
-        ws.frame().await,
-        json!({"type": "error", "reason": "unknown_frame", "frame_type": "subscribe"})
+        (
+            f["type"].as_str(),
+            f["reason"].as_str(),
+            f["frame_type"].as_str()
+        ),
+        (Some("error"), Some("unknown_frame"), Some("subscribe")),
+        "{f}"
     );
+    assert!(f["detail"].as_str().is_some_and(|d| !d.is_empty()), "{f}");
     ws.send(json!({"type": "resume", "epoch": 7})).await;
     let f = ws.frame().await;
     assert_eq!(
@@ -379,24 +418,23 @@ async fn a_nonce_is_single_use_bound_to_its_key_and_expires() {
         .expect("refused")
         .assert(401, "BAD_NONCE");
     // Missing.
-    let target = STREAM_PATH.to_owned();
-    let r = relay.hop(&bob, "GET", &target, "").await;
-    r.assert_error(
-        401,
-        "missing, unknown, used or expired stream nonce (ask GET /v2/relay/info for one)",
-        "BAD_NONCE",
-    );
-    // A signed GET that is not an upgrade: refused, and its nonce is spent.
+    upgrade_missing_nonce(&relay, &bob)
+        .await
+        .err()
+        .expect("refused")
+        .assert(401, "BAD_NONCE");
+    // A signed GET that is not an upgrade: refused before its nonce is looked at, so the
+    // nonce still opens a stream.
     let n = nonce(&relay, &bob).await;
     let target = format!("{STREAM_PATH}?nonce={n}");
     let r = relay.hop(&bob, "GET", &target, "").await;
     assert!(matches!(r.status, 400 | 426), "{r:#?}");
     assert_eq!(r.str("code"), "NOT_UPGRADE", "{r:#?}");
-    upgrade(&relay, &bob, &n)
-        .await
-        .err()
-        .expect("refused")
-        .assert(401, "BAD_NONCE");
+    drop(
+        upgrade(&relay, &bob, &n)
+            .await
+            .expect("the nonce was not spent"),
+    );
     // Used twice.
     let n = nonce(&relay, &bob).await;
     let ws = upgrade(&relay, &bob, &n).await.expect("first use");
@@ -798,7 +836,10 @@ async fn pings_keep_an_answering_stream_open_and_a_silent_one_is_closed_with_pol
         ws.send(json!({"type": "pong", "id": id})).await;
         ids.push(id);
     }
-    assert!(ids.windows(2).all(|w| w[1] > w[0]), "{ids:?}");
+    // Random ids: not a counter a client could answer without reading the pings.
+    assert!(!ids.windows(2).all(|w| w[1] == w[0] + 1), "{ids:?}");
+    let distinct: std::collections::HashSet<u64> = ids.iter().copied().collect();
+    assert_eq!(distinct.len(), ids.len(), "{ids:?}");
     let (id, _) = push_one(&relay, &alice, &bob, "still open").await;
     loop {
         let f = ws.frame().await;
@@ -811,38 +852,287 @@ async fn pings_keep_an_answering_stream_open_and_a_silent_one_is_closed_with_pol
     assert_eq!(ws.closed().await, close::POLICY);
 }
 
+/// The next text frame that is not a `ping`.
+async fn non_ping(ws: &mut Ws) -> Value {
+    loop {
+        let f = ws.frame().await;
+        if f["type"] != "ping" {
+            return f;
+        }
+    }
+}
+
 #[tokio::test]
-async fn a_client_that_keeps_sending_is_answered_in_turn_and_the_stream_stays_open() {
+async fn a_client_that_keeps_sending_does_not_starve_the_writes() {
     let relay = Relay::start().await;
     let (alice, bob) = pair(&relay).await;
-    let mut ws = live(&relay, &bob).await;
+    let ws = live(&relay, &bob).await;
     let (mut tx, mut rx) = ws.0.split();
-    const N: usize = 2_000;
+    // Pongs for no ping: read and dropped (no answer), as fast as the client can write.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stopping = stop.clone();
     let writer = tokio::spawn(async move {
-        for i in 0..N {
-            let frame = json!({"type": format!("x{i}"), "pad": "p".repeat(1_000)}).to_string();
+        let pad = "p".repeat(1_000);
+        while !stopping.load(std::sync::atomic::Ordering::Relaxed) {
+            let frame = json!({"type": "pong", "id": 1, "pad": pad}).to_string();
             tx.send(Message::Text(frame.into())).await.expect("send");
         }
         tx
     });
-    // Every frame answered, in order, while the client keeps writing.
-    for i in 0..N {
+    // Two live deliver frames arrive while the client keeps writing.
+    for body in ["one", "two"] {
+        let (id, _) = push_one(&relay, &alice, &bob, body).await;
         let f = loop {
             match tokio::time::timeout(WAIT, rx.next())
                 .await
-                .expect("an answer")
+                .expect("a frame while the client writes")
             {
                 Some(Ok(Message::Text(t))) => {
                     break serde_json::from_str::<Value>(t.as_str()).expect("json")
                 }
                 Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
-                other => panic!("answer {i}: {other:?}"),
+                other => panic!("{other:?}"),
             }
         };
-        assert_eq!(f["frame_type"], format!("x{i}"), "{f}");
+        assert_eq!(f["item_id"], id.as_str(), "{f}");
     }
-    let tx = writer.await.expect("the writer");
-    ws = Ws(tx.reunite(rx).expect("the two halves"));
+    assert!(!writer.is_finished(), "the client was still writing");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let tx = tokio::time::timeout(WAIT, writer)
+        .await
+        .expect("the writer stops")
+        .expect("the writer");
+    let mut ws = Ws(tx.reunite(rx).expect("the two halves"));
     let (id, _) = push_one(&relay, &alice, &bob, "still live").await;
-    assert_eq!(ws.frame().await["item_id"], id.as_str());
+    assert_eq!(non_ping(&mut ws).await["item_id"], id.as_str());
+}
+
+#[tokio::test]
+async fn unknown_frames_past_the_allowed_rate_close_with_policy() {
+    use agentmbx_relay::stream::conn::BAD_FRAME_BURST;
+    let relay = Relay::start().await;
+    let (_alice, bob) = pair(&relay).await;
+    let mut ws = live(&relay, &bob).await;
+    // Well past the burst, faster than the refill (one a second).
+    let n = BAD_FRAME_BURST as usize * 4;
+    for i in 0..n {
+        let frame = json!({"type": format!("x{i}")}).to_string();
+        if ws.0.send(Message::Text(frame.into())).await.is_err() {
+            break;
+        }
+    }
+    let mut answered = 0;
+    let code = loop {
+        let next = tokio::time::timeout(WAIT, ws.0.next())
+            .await
+            .expect("answers, then the close");
+        match next {
+            Some(Ok(Message::Text(t))) => {
+                let f: Value = serde_json::from_str(t.as_str()).expect("json");
+                assert_eq!(f["reason"], "unknown_frame", "{f}");
+                answered += 1;
+            }
+            Some(Ok(Message::Close(Some(f)))) => break u16::from(f.code),
+            Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
+            other => panic!("{other:?}"),
+        }
+    };
+    assert_eq!(code, close::POLICY);
+    assert!(
+        answered >= BAD_FRAME_BURST as usize && answered < n,
+        "{answered} answered"
+    );
+}
+
+#[tokio::test]
+async fn a_resume_with_a_negative_after_or_during_a_replay_is_a_bad_frame() {
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    let mut ws = open(&relay, &bob).await;
+    ws.resume("", -1).await;
+    let f = ws.frame().await;
+    assert_eq!(
+        (f["reason"].as_str(), f["frame_type"].as_str()),
+        (Some("bad_frame"), Some("resume")),
+        "{f}"
+    );
+    // A replay of many chunks (each item about 48 KiB of wire, the chunks about 192 KiB):
+    // a second resume sent right behind the first finds it running.
+    let body = "z".repeat(48 * 1024);
+    let mut pushed = Vec::new();
+    for _ in 0..24 {
+        pushed.push(push_one(&relay, &alice, &bob, &body).await.1);
+    }
+    ws.resume("", 0).await;
+    ws.resume("", 0).await;
+    let mut delivered = Vec::new();
+    let mut refused = 0;
+    let done = loop {
+        let f = ws.frame().await;
+        match f["type"].as_str() {
+            Some("deliver") => delivered.push(f),
+            Some("error") => {
+                assert_eq!(f["reason"], "bad_frame", "{f}");
+                refused += 1;
+            }
+            Some("resume_complete") => break f,
+            _ => panic!("unexpected {f}"),
+        }
+    };
+    assert_eq!(refused, 1, "the second resume was answered bad_frame");
+    let got: Vec<i64> = delivered
+        .iter()
+        .map(|f| f["seq"].as_i64().expect("seq"))
+        .collect();
+    assert_eq!(got, pushed, "the whole queue, in order, across chunks");
+    let mut prev = 0;
+    for (p, q) in seqs(&delivered) {
+        assert_eq!(p, prev);
+        prev = q;
+    }
+    assert_eq!(done["replayed"], 24);
+    assert_eq!(done["head_seq"], *pushed.last().expect("pushed"));
+    until("the replay's bytes return to the budget", || {
+        relay.state.streams.budget_used() == 0
+    })
+    .await;
+    // Live again after the replay.
+    let (id, _) = push_one(&relay, &alice, &bob, "live").await;
+    assert_eq!(non_ping(&mut ws).await["item_id"], id.as_str());
+}
+
+#[tokio::test]
+async fn concurrent_pushes_to_one_target_arrive_as_one_prev_seq_chain() {
+    let relay = Relay::start().await;
+    let bob = std::sync::Arc::new(Host::new("bob"));
+    relay.enrol(&bob).await;
+    let mut senders = Vec::new();
+    for i in 0..8 {
+        let h = Host::new(&format!("sender{i}"));
+        relay.enrol(&h).await;
+        senders.push(h);
+    }
+    let mut ws = live(&relay, &bob).await;
+    let relay = std::sync::Arc::new(relay);
+    let mut tasks = Vec::new();
+    for (i, h) in senders.into_iter().enumerate() {
+        let (relay, to) = (relay.clone(), bob.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut ids = Vec::new();
+            for j in 0..5 {
+                let (id, wire) = sealed_wire(&h, &to, &format!("{i}-{j}"), relay.now());
+                let r = relay.push(&h, vec![env_item(&id, &to, &wire)]).await;
+                assert_eq!(r.status1(), "accepted", "{r:#?}");
+                ids.push(id);
+            }
+            ids
+        }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t.await.expect("a sender").len();
+    }
+    // Every live frame continues the previous one: committed and published in one order.
+    let mut prev = 0;
+    for _ in 0..total {
+        let f = non_ping(&mut ws).await;
+        assert_eq!(f["type"], "deliver", "{f}");
+        assert_eq!(f["prev_seq"], prev, "out of commit order: {f}");
+        prev = f["seq"].as_i64().expect("seq");
+    }
+}
+
+#[tokio::test]
+async fn a_late_pong_does_not_push_the_pong_deadline() {
+    let relay = Relay::start().await;
+    let (_alice, bob) = pair(&relay).await;
+    // A ping every 50 ms, 300 ms to answer each.
+    relay.state.streams.set_timers(50, 300);
+    let mut ws = live(&relay, &bob).await;
+    // The client answers every ping, in order, but only one every 250 ms: each answer is within
+    // 300 ms of the previous answer, never of its own ping. The oldest unanswered ping sets
+    // the deadline, so the stream closes.
+    let started = tokio::time::Instant::now();
+    let mut unanswered = std::collections::VecDeque::new();
+    let mut answer = tokio::time::interval(Duration::from_millis(250));
+    let code = loop {
+        tokio::select! {
+            next = tokio::time::timeout(WAIT, ws.0.next()) => {
+                match next.expect("a frame or the close within the deadline") {
+                    Some(Ok(Message::Text(t))) => {
+                        let f: Value = serde_json::from_str(t.as_str()).expect("json");
+                        assert_eq!(f["type"], "ping", "{f}");
+                        unanswered.push_back(f["id"].as_u64().expect("id"));
+                    }
+                    Some(Ok(Message::Close(Some(f)))) => break u16::from(f.code),
+                    Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
+                    other => panic!("{other:?}"),
+                }
+            }
+            _ = answer.tick() => {
+                if let Some(id) = unanswered.pop_front() {
+                    ws.send(json!({"type": "pong", "id": id})).await;
+                }
+            }
+        }
+    };
+    assert_eq!(code, close::POLICY);
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "closed only after {:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn a_stored_item_too_large_for_a_frame_ends_the_replay_before_it() {
+    // Items up to 32 KiB now; one of 400 KiB stored earlier (under a larger setting) is
+    // larger than any frame this relay writes.
+    let relay = Relay::start_with(agentmbx_relay::config::LimitsConfig {
+        max_item_bytes: 32 * 1024,
+        ..Default::default()
+    })
+    .await;
+    let (alice, bob) = pair(&relay).await;
+    let (first, first_seq) = push_one(&relay, &alice, &bob, "small").await;
+    let (from, to, now) = (alice.pubkey(), bob.pubkey(), relay.now());
+    relay
+        .with_store(move |s| {
+            s.push(agentmbx_relay::testing::conformance::envelope(
+                &from,
+                "alice",
+                now,
+                agentmbx_relay::store::Expiry::Retention,
+                "01JBIGBIGBIGBIGBIGBIGBIGBI",
+                &to,
+                &vec![b'w'; 400 * 1024],
+            ))
+            .expect("stored")
+        })
+        .await;
+    let (_, last_seq) = push_one(&relay, &alice, &bob, "after").await;
+    let mut ws = open(&relay, &bob).await;
+    ws.resume("", 0).await;
+    let (items, done) = ws.replay().await;
+    assert_eq!(items.len(), 1, "{items:?}");
+    assert_eq!(items[0]["item_id"], first.as_str());
+    assert_eq!(done["replayed"], 1, "{done}");
+    assert_eq!(done["head_seq"], last_seq, "{done}");
+    // The stream stays open and live (the client pulls the rest).
+    let (id, _) = push_one(&relay, &alice, &bob, "live").await;
+    let f = non_ping(&mut ws).await;
+    assert_eq!(f["item_id"], id.as_str(), "{f}");
+    assert!(f["seq"].as_i64() > Some(first_seq));
+}
+
+#[tokio::test]
+async fn a_text_frame_that_is_not_utf8_closes_with_policy() {
+    use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
+    use tokio_tungstenite::tungstenite::protocol::frame::Frame;
+    let relay = Relay::start().await;
+    let (_alice, bob) = pair(&relay).await;
+    let mut ws = live(&relay, &bob).await;
+    let bad = Frame::message(vec![b'{', 0xff, 0xfe, b'}'], OpCode::Data(Data::Text), true);
+    ws.0.send(Message::Frame(bad)).await.expect("send");
+    assert_eq!(ws.closed().await, close::POLICY);
 }

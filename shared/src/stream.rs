@@ -64,7 +64,9 @@ pub mod close {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ClientFrame {
     /// Start (or restart) delivery after `after` in `epoch`: the relay replays the stored items
-    /// after it, then goes live. A stale epoch is answered [`ServerFrame::Epoch`].
+    /// after it, then goes live. A stale epoch is answered [`ServerFrame::Epoch`]; `after < 0`,
+    /// or a `resume` sent while a replay runs (before its [`ServerFrame::ResumeComplete`]), is
+    /// answered [`ServerFrame::Error`] `bad_frame` and changes nothing.
     Resume {
         /// The epoch the client's received-through belongs to ("" when it has none yet).
         epoch: String,
@@ -125,7 +127,9 @@ pub enum ServerFrame {
         epoch: String,
     },
     /// Live frames from `from_seq` on were dropped (a full queue or budget, or an item too
-    /// large for the queue): pull from the received-through.
+    /// large for the queue): pull from the received-through, then send
+    /// [`ClientFrame::Resume`] again. After `lagged` the relay sends no live frame until that
+    /// next `resume`.
     Lagged {
         /// The first seq that was not sent.
         from_seq: i64,

@@ -398,10 +398,17 @@ pub async fn post(
             items: to_store,
         };
         // The writer answers through the channel after its commit; no thread waits for it.
+        // The live frames are published by the same callback, right after the commit and in
+        // commit order, whether or not this request is still there to read the answer.
         let (done, answer) = tokio::sync::oneshot::channel();
+        let hub = state.streams.clone();
+        let sender = caller.host_pubkey.clone();
         state.store.push_then(
             batch,
             Box::new(move |r| {
+                if let Ok(outcome) = &r {
+                    publish(&hub, &sender, &outcome.items, &wires);
+                }
                 // The request may have gone away (client closed); nobody else to tell.
                 let _ = done.send(r);
             }),
@@ -409,8 +416,6 @@ pub async fn post(
         let outcome = answer
             .await
             .map_err(|_| ApiError::from(store::StoreError::WriterStopped))??;
-        // Committed: each target stored fresh goes to its push stream, if one is open.
-        publish(&state, &caller.host_pubkey, &outcome.items, &wires);
         let relay_pubkey = state.key.public().to_b64();
         for (pos, out) in positions.into_iter().zip(outcome.items) {
             let result = match &out.status {
@@ -466,9 +471,10 @@ pub async fn post(
 
 /// Publishes every target an accepted item was stored for fresh by this push (its entry in
 /// `prev_seqs` is set) on that target's push stream ([`crate::stream::hub::Hub::publish`], never waits).
-/// A duplicate stored nothing and is not published again. Called only after the commit.
+/// A duplicate stored nothing and is not published again. Called by the store's commit callback
+/// only (after the commit, in commit order; it must not block).
 fn publish(
-    state: &RelayState,
+    hub: &crate::stream::hub::Hub,
     sender_pubkey: &str,
     outcomes: &[store::ItemOutcome],
     wires: &[(String, Vec<bytes::Bytes>)],
@@ -481,7 +487,7 @@ fn publish(
             let Some(prev_seq) = *prev_seq else {
                 continue;
             };
-            state.streams.publish(
+            hub.publish(
                 &t.target_pubkey,
                 &crate::stream::hub::LiveItem {
                     seq: t.seq,

@@ -3,14 +3,15 @@
 //!
 //! Order: the signed hop exactly as for a pull (same refusals: 401 `BAD_HOP`, 401
 //! `NOT_ENROLLED`, 403 `REVOKED`, 403 `DENIED`, the account token on an account relay), then
-//! the single-use nonce of the caller's signed info (unknown, used, expired or another key's →
-//! 401 `BAD_NONCE`), then the upgrade headers (missing or wrong: 400 or 426 `NOT_UPGRADE`, the
-//! nonce is spent all the same). Only then `101 Switching Protocols`.
+//! the upgrade headers (missing or wrong: 400 or 426 `NOT_UPGRADE`; the nonce is not spent),
+//! then the single-use nonce of the caller's signed info (unknown, used, expired or another
+//! key's → 401 `BAD_NONCE`). Only then `101 Switching Protocols`.
 //!
 //! After the upgrade the stream is registered first (closing the key's older stream with
 //! 4409), then the key's enrolment and deny entries are read again: a revocation or deny that
 //! committed between the authentication and the registration closes the stream (4403), and one
-//! that commits after the registration finds it in the registry ([`crate::stream::hub`]).
+//! that commits after the registration finds it in the registry ([`crate::stream::hub`]). A
+//! store error in that second read closes with 1013 (overload), not as a revocation.
 //!
 //! The connection keeps its slot among `max_connections` for the stream's whole life: the
 //! request's [`ConnSlot`] moves into the connection loop.
@@ -56,6 +57,18 @@ async fn upgrade(state: SharedRelay, req: Request) -> Result<Response, Response>
     let (enrolment, token) = authenticate_stream(&state, &parts.method, &parts.uri, &parts.headers)
         .await
         .map_err(IntoResponse::into_response)?;
+    // The upgrade headers before the nonce: a request that cannot become a stream does not
+    // spend it.
+    let ws = WebSocketUpgrade::from_request_parts(&mut parts, &state)
+        .await
+        .map_err(|rejection| {
+            ApiError::new(
+                rejection.status(),
+                "GET /v2/relay/stream must be a WebSocket upgrade (RFC 6455, version 13)",
+                "NOT_UPGRADE",
+            )
+            .into_response()
+        })?;
     let Query(q) = Query::<HashMap<String, String>>::try_from_uri(&parts.uri)
         .map_err(|_| bad_nonce().into_response())?;
     let nonce = q
@@ -67,16 +80,6 @@ async fn upgrade(state: SharedRelay, req: Request) -> Result<Response, Response>
         .map_err(|e| {
             tracing::debug!(reason = %e, "push stream refused: bad nonce");
             bad_nonce().into_response()
-        })?;
-    let ws = WebSocketUpgrade::from_request_parts(&mut parts, &state)
-        .await
-        .map_err(|rejection| {
-            ApiError::new(
-                rejection.status(),
-                "GET /v2/relay/stream must be a WebSocket upgrade (RFC 6455, version 13)",
-                "NOT_UPGRADE",
-            )
-            .into_response()
         })?;
     let slot = parts.extensions.get::<ConnSlot>().cloned();
     let key = enrolment.host_pubkey.clone();
@@ -93,6 +96,7 @@ async fn upgrade(state: SharedRelay, req: Request) -> Result<Response, Response>
         token_exp_ms: token.as_ref().map(|t| t.exp_ms),
         ping_every,
         pong_timeout,
+        max_frame_bytes: 0,
     };
     // The largest frame the relay writes: a replayed item of `max_item_bytes` in base64 plus
     // its fields. The write buffer never holds more than one frame (the loop waits for the
@@ -104,6 +108,13 @@ async fn upgrade(state: SharedRelay, req: Request) -> Result<Response, Response>
         .saturating_mul(4)
         .saturating_add(8 * 1024)
         .max(STREAM_QUEUE_BYTES);
+    let params = ConnParams {
+        max_frame_bytes: largest_frame,
+        ..params
+    };
+    // Counted as running before the `101` goes out: shutdown waits for this stream even when
+    // its loop has not started yet.
+    let running = state.streams.start_running();
     let ws = ws
         .read_buffer_size(READ_BUFFER_BYTES)
         .write_buffer_size(0)
@@ -124,9 +135,15 @@ async fn upgrade(state: SharedRelay, req: Request) -> Result<Response, Response>
             Ok(live && !denied)
         })
         .await;
-        if !matches!(still, Ok(true)) {
-            reg.stream.request_close(close::AUTH);
+        match still {
+            Ok(true) => {}
+            Ok(false) => reg.stream.request_close(close::AUTH),
+            // Not a revocation: the relay cannot tell now (pull, reconnect with backoff).
+            Err(e) => {
+                tracing::warn!(error = ?e, "push stream: the key's status could not be read again");
+                reg.stream.request_close(close::OVERLOAD);
+            }
         }
-        conn::run(socket, reg, params, slot).await;
+        conn::run(socket, reg, params, (slot, running)).await;
     }))
 }

@@ -257,4 +257,22 @@ pub trait OperationsStore: Send + Sync + std::fmt::Debug {
         now_ms: i64,
         signer: std::sync::Arc<dyn NoticeSigner>,
     ) -> Result<SweepReport, StoreError>;
+
+    /// [`OperationsStore::sweep`], calling `committed` with the notices of each batch right
+    /// after that batch's transaction committed, in commit order (the relay publishes them on
+    /// the targets' push streams), so a later batch's error loses none. `committed` must not
+    /// block. The default runs [`OperationsStore::sweep`] and calls `committed` once with all
+    /// its notices when it succeeds.
+    ///
+    /// Errors: as [`OperationsStore::sweep`].
+    fn sweep_notify(
+        &self,
+        now_ms: i64,
+        signer: std::sync::Arc<dyn NoticeSigner>,
+        committed: &mut dyn FnMut(&[StoredNotice]),
+    ) -> Result<SweepReport, StoreError> {
+        let report = self.sweep(now_ms, signer)?;
+        committed(&report.stored);
+        Ok(report)
+    }
 }

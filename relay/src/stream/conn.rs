@@ -1,25 +1,30 @@
 //! One push stream's connection loop (`docs/relay-stream.md` "Frames", "Order and gaps",
-//! "Close codes"), run on the task axum's upgrade spawned: that one task per connection, no
-//! other task and no timer but the ping interval (plus a deadline only while a ping is
-//! unanswered or an account token bounds the stream).
+//! "Bounds", "Close codes"), run on the task axum's upgrade spawned: that one task per
+//! connection, no other task and no timer but the ping interval (plus a deadline only while a
+//! ping is unanswered or an account token bounds the stream).
 //!
 //! # What it owns
-//! Reading client frames (`resume`, `pong`; anything else is answered `error`), the replay of
-//! one pull page after a `resume`, the ping and its pong deadline, the account token's expiry,
-//! writing the queued live frames ([`super::hub`]) and the close with its code.
+//! Reading client frames (`resume`, `pong`; anything else is answered `error`, at most
+//! [`BAD_FRAME_BURST`] then one per [`BAD_FRAME_EVERY`], past that 1008), the replay of one
+//! pull page after a `resume` (read in chunks of [`REPLAY_CHUNK_BYTES`], each reserved from
+//! the relay-wide budget until written), the ping (random ids) and its pong deadline (from the
+//! oldest unanswered ping), the account token's expiry, writing the queued live frames and the
+//! announced `epoch` ([`super::hub`]) and the close with its code.
 //!
 //! Each iteration of the loop first looks at the control side (a close request, the token
 //! deadline, the ping, the pong deadline), then reads or writes at most one frame (after a
-//! read, a pending write goes first), so a sustained flow of `deliver` frames never starves
-//! pings, deadlines or close requests, and a client that keeps sending never starves the
-//! writes.
+//! read, a pending write goes first; while [`MAX_CONTROL_FRAMES`] answers wait, nothing is
+//! read), and only last waits for the hub's wake-up, so a sustained flow of `deliver` frames
+//! never starves pings, deadlines or close requests, and a client that keeps sending never
+//! starves the writes.
 //! Writing uses the sink's readiness (cancel-safe): a frame is taken from the queue only once
 //! the socket can take it, so a slow reader leaves frames in the bounded queue, where the
 //! publish path turns the overflow into `lagged`.
 //!
 //! # What it must never do
 //! Send a live frame for a seq the replay already sent, send live frames before the replay
-//! and its `resume_complete`, or buffer a client frame over [`MAX_CLIENT_FRAME`].
+//! and its `resume_complete`, hold more than one replay chunk, or buffer a client frame over
+//! [`MAX_CLIENT_FRAME`].
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -30,15 +35,29 @@ use futures_util::{SinkExt, StreamExt};
 use tokio::time::Instant;
 
 use agentmbx_protocol::clock::SharedClock;
-use agentmbx_protocol::stream::{close, ClientFrame, ServerFrame, MAX_CLIENT_FRAME};
+use agentmbx_protocol::stream::{
+    close, ClientFrame, ServerFrame, MAX_CLIENT_FRAME, STREAM_QUEUE_BYTES,
+};
 
-use super::hub::{frame_text, Registration};
-use crate::store::{PullRequest, PulledItem, RelayStore, MAX_PULL_ITEMS};
+use super::hub::{frame_text, Hub, Registration, Stream};
+use crate::store::{PullPage, PullRequest, PulledItem, RelayStore, MAX_PULL_ITEMS};
 
-/// Control frames (pings, `error` answers, `epoch`) waiting to be written, at most: a client
-/// that keeps sending frames the relay answers, without reading the answers, is closed with
-/// [`close::POLICY`] instead of growing this queue.
+/// Control frames (pings, `error` answers, `epoch` answers) waiting to be written, at most:
+/// while the queue is full the loop reads no client frame (a client that does not read its
+/// answers is held back by TCP), and a ping due then is not queued (its deadline still runs).
 pub const MAX_CONTROL_FRAMES: usize = 64;
+
+/// Frames the relay answers `error` (unknown type, bad `resume`/`pong`) a client may send in a
+/// burst before the rate applies: 8 (seed 004: continued abuse after a nack closes with 1008).
+pub const BAD_FRAME_BURST: u32 = 8;
+
+/// After the burst, one more answered bad frame per 1,000 ms; a client over that rate is closed
+/// with [`close::POLICY`].
+pub const BAD_FRAME_EVERY: Duration = Duration::from_millis(1_000);
+
+/// Pings sent and not answered yet, at most (the pong timeout closes the stream long before a
+/// client at the contract's timers gets there: 60 s / 25 s).
+const MAX_OUTSTANDING_PINGS: usize = 8;
 
 /// How long the close frame may take to leave before the connection is dropped anyway.
 pub const CLOSE_WRITE_LIMIT: Duration = Duration::from_secs(1);
@@ -63,6 +82,11 @@ pub struct ConnParams {
     /// No pong for this long after a ping closes with [`close::POLICY`]
     /// ([`PONG_TIMEOUT_MS`](agentmbx_protocol::stream::PONG_TIMEOUT_MS)).
     pub pong_timeout: Duration,
+    /// The largest frame the socket takes, in bytes (its `max_write_buffer_size` less one): a
+    /// replay ends with `resume_complete` before an item whose frame is larger (one stored
+    /// under an earlier, larger `max_item_bytes`), so the client pulls it instead of
+    /// reconnecting into it.
+    pub max_frame_bytes: usize,
 }
 
 /// How a connection ended.
@@ -74,21 +98,127 @@ pub enum Ended {
     Gone,
 }
 
-/// The replay in progress after a `resume`.
+/// Wire bytes one replay chunk reads at most: about [`STREAM_QUEUE_BYTES`] of `deliver`
+/// frames once in base64 (a single larger item is read alone).
+pub const REPLAY_CHUNK_BYTES: u64 = (STREAM_QUEUE_BYTES / 4 * 3) as u64;
+
+/// The replay in progress after a `resume`: read from the store in chunks of about
+/// [`REPLAY_CHUNK_BYTES`], the next chunk only once the previous one was written, up to one
+/// pull page (`max_pull` items, about `max_pull_bytes`). Each chunk's frame bytes are reserved
+/// from the relay-wide budget until written.
 #[derive(Debug, Default)]
 struct Replay {
-    items: VecDeque<PulledItem>,
+    /// From the `resume` until its `resume_complete` was taken for writing.
+    active: bool,
+    /// The epoch the replay reads in.
+    epoch: String,
+    /// The current chunk, not written yet.
+    chunk: VecDeque<PulledItem>,
+    /// Budget bytes reserved for the frames of `chunk`.
+    reserved: usize,
+    /// The last replayed seq (the `resume`'s `after` before the first).
     prev_seq: i64,
-    /// `resume_complete`, sent after the last replayed item.
-    complete: Option<String>,
+    /// Items and wire bytes replayed so far (the page bounds).
+    sent: u64,
+    sent_bytes: u64,
+    /// The caller's head seq at the last chunk read.
+    head_seq: i64,
+    /// More stored items follow the last chunk read.
+    more: bool,
+    /// The replay ends after `chunk` (an item too large for a frame was met).
+    last: bool,
+}
+
+/// The bytes a replayed item's `deliver` frame takes (base64 of the wire plus the fields): what
+/// a chunk reserves from the budget.
+fn frame_bytes(item: &PulledItem) -> usize {
+    item.wire
+        .len()
+        .saturating_add(2)
+        .saturating_div(3)
+        .saturating_mul(4)
+        .saturating_add(item.item_id.len() + item.sender_pubkey.len() + item.kind.len() + 160)
 }
 
 /// What one client text frame asks for.
 enum Asked {
-    Resume { epoch: String, after: i64 },
+    Resume {
+        epoch: String,
+        after: i64,
+    },
     Pong(u64),
+    /// An `error` answer (counted against [`BAD_FRAME_BURST`] / [`BAD_FRAME_EVERY`]).
     Answer(String),
     Close(u16),
+}
+
+/// The allowance of answered bad frames: a token bucket of [`BAD_FRAME_BURST`] refilled one per
+/// [`BAD_FRAME_EVERY`].
+#[derive(Debug)]
+struct Allowance {
+    tokens: u32,
+    since: Instant,
+}
+
+impl Allowance {
+    fn new(now: Instant) -> Self {
+        Allowance {
+            tokens: BAD_FRAME_BURST,
+            since: now,
+        }
+    }
+
+    /// Takes one answer; false when the client is over the rate.
+    fn take(&mut self, now: Instant) -> bool {
+        let every = BAD_FRAME_EVERY.as_millis().max(1);
+        let refill = now.saturating_duration_since(self.since).as_millis() / every;
+        if refill > 0 {
+            let refill = u32::try_from(refill).unwrap_or(u32::MAX);
+            self.tokens = self.tokens.saturating_add(refill).min(BAD_FRAME_BURST);
+            self.since = if self.tokens == BAD_FRAME_BURST {
+                now
+            } else {
+                self.since + BAD_FRAME_EVERY * refill
+            };
+        }
+        if self.tokens == 0 {
+            return false;
+        }
+        self.tokens -= 1;
+        true
+    }
+}
+
+/// Pings sent and not answered yet, oldest first: `(id, sent at)`.
+#[derive(Debug, Default)]
+struct Pings {
+    outstanding: VecDeque<(u64, Instant)>,
+}
+
+impl Pings {
+    /// A fresh random id (not guessable from earlier ones), remembered with `now`.
+    fn send(&mut self, now: Instant) -> u64 {
+        let id = rand::random::<u64>() >> 11; // stays exact as a JSON number (53 bits)
+        if self.outstanding.len() >= MAX_OUTSTANDING_PINGS {
+            // The oldest keeps the deadline; the newest is replaced.
+            self.outstanding.pop_back();
+        }
+        self.outstanding.push_back((id, now));
+        id
+    }
+
+    /// A pong for `id`: that ping and every older one are answered (a client answers in
+    /// order). An unknown id changes nothing.
+    fn answer(&mut self, id: u64) {
+        if let Some(pos) = self.outstanding.iter().position(|(p, _)| *p == id) {
+            self.outstanding.drain(..=pos);
+        }
+    }
+
+    /// When the oldest unanswered ping times out.
+    fn deadline(&self, timeout: Duration) -> Option<Instant> {
+        self.outstanding.front().map(|(_, at)| *at + timeout)
+    }
 }
 
 /// Reads one client text frame (`docs/relay-stream.md` "Frames").
@@ -116,27 +246,88 @@ fn read_frame(text: &str) -> Asked {
         Err(_) => {
             // Only a short, printable type is echoed back.
             let shown: String = kind.chars().take(64).filter(|c| !c.is_control()).collect();
+            tracing::debug!(frame_type = %shown, "push stream: unknown client frame");
             Asked::Answer(frame_text(&ServerFrame::Error {
                 reason: "unknown_frame".into(),
                 frame_type: Some(shown),
-                detail: None,
+                detail: Some("the relay reads resume and pong frames only".into()),
             }))
         }
     }
 }
 
-/// Whether a read error is a client frame over the size limit.
-fn is_oversize(e: axum::Error) -> bool {
+/// How a read error ends the stream: a client frame over the size limit closes with
+/// [`close::OVERSIZE`], invalid UTF-8 in a text frame or a WebSocket protocol violation with
+/// [`close::POLICY`]; anything else (the socket failed) without a close.
+fn read_error_end(e: axum::Error) -> Ended {
     let inner = e.into_inner();
-    matches!(
-        inner.downcast_ref::<tungstenite::Error>(),
-        Some(tungstenite::Error::Capacity(_))
-    )
+    match inner.downcast_ref::<tungstenite::Error>() {
+        Some(tungstenite::Error::Capacity(_)) => Ended::Closed(close::OVERSIZE),
+        Some(tungstenite::Error::Utf8(_) | tungstenite::Error::Protocol(_)) => {
+            Ended::Closed(close::POLICY)
+        }
+        _ => Ended::Gone,
+    }
+}
+
+/// Reads the replay's next chunk after `after` (at most `limit` items, `max_bytes` wire bytes).
+async fn read_chunk(
+    params: &ConnParams,
+    key: &str,
+    after: i64,
+    limit: i64,
+    max_bytes: u64,
+) -> Result<PullPage, u16> {
+    let store = params.store.clone();
+    let req = PullRequest {
+        target_pubkey: key.to_owned(),
+        after,
+        limit: limit.max(1),
+        max_bytes: max_bytes.max(1),
+    };
+    match tokio::task::spawn_blocking(move || store.pull(req)).await {
+        Ok(Ok(page)) => Ok(page),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "push stream replay could not read the store");
+            Err(close::OVERLOAD)
+        }
+        Err(_) => Err(close::OVERLOAD),
+    }
+}
+
+/// Takes `page` as the replay's next chunk: items up to the first one whose frame would not fit
+/// the socket ([`ConnParams::max_frame_bytes`]; the replay ends before it, a pull carries it),
+/// their frame bytes reserved from the budget (`Err(1013)` when they cannot be had).
+fn take_chunk(
+    hub: &Hub,
+    params: &ConnParams,
+    replay: &mut Replay,
+    page: PullPage,
+) -> Result<(), u16> {
+    replay.head_seq = page.head_seq;
+    replay.more = page.more;
+    let mut reserve = 0usize;
+    for item in page.items {
+        let n = frame_bytes(&item);
+        if n > params.max_frame_bytes {
+            replay.last = true;
+            break;
+        }
+        reserve = reserve.saturating_add(n);
+        replay.chunk.push_back(item);
+    }
+    if !hub.reserve_bytes(reserve) {
+        replay.chunk.clear();
+        return Err(close::OVERLOAD);
+    }
+    replay.reserved = reserve;
+    Ok(())
 }
 
 /// Runs the stream until it closes; `reg` is dropped at the end (unregistering the stream and
 /// returning its queued bytes to the budget). `hold` is kept alive exactly as long (the
-/// connection's slot among `max_connections`).
+/// connection's slot among `max_connections`, and its count among the running streams that
+/// shutdown waits for).
 pub async fn run<H: Send>(
     socket: WebSocket,
     reg: Registration,
@@ -148,9 +339,8 @@ pub async fn run<H: Send>(
     let (mut sink, mut rx) = socket.split();
     let mut ping = tokio::time::interval_at(Instant::now() + params.ping_every, params.ping_every);
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut ping_id: u64 = 0;
-    // The first unanswered ping: its id and when it was sent.
-    let mut unanswered: Option<(u64, Instant)> = None;
+    let mut pings = Pings::default();
+    let mut allowance = Allowance::new(Instant::now());
     let mut control: VecDeque<String> = VecDeque::new();
     let mut replay = Replay::default();
     // Live frames up to this seq were sent by the replay (or the client has them).
@@ -179,26 +369,22 @@ pub async fn run<H: Send>(
                 ),
             );
         }
-        if let Some((_, since)) = unanswered {
-            let due = since + params.pong_timeout;
+        if let Some(due) = pings.deadline(params.pong_timeout) {
             if now >= due {
                 break Ended::Closed(close::POLICY);
             }
             deadline = Some(deadline.map_or(due, |d| d.min(due)));
         }
-        if control.len() > MAX_CONTROL_FRAMES {
-            break Ended::Closed(close::POLICY);
-        }
-        let replaying = !replay.items.is_empty() || replay.complete.is_some();
-        let has_out = !control.is_empty() || replaying || stream.has_frames();
+        let has_out =
+            !control.is_empty() || replay.active || stream.has_frames() || stream.has_epoch();
+        // While the answers wait (the client does not read them), nothing more is read.
+        let may_read = control.len() < MAX_CONTROL_FRAMES && !(has_out && just_read);
         tokio::select! {
             biased;
-            () = stream.wake.notified() => {}
             _ = ping.tick() => {
-                ping_id += 1;
-                control.push_back(frame_text(&ServerFrame::Ping { id: ping_id }));
-                if unanswered.is_none() {
-                    unanswered = Some((ping_id, Instant::now()));
+                let id = pings.send(Instant::now());
+                if control.len() < MAX_CONTROL_FRAMES {
+                    control.push_back(frame_text(&ServerFrame::Ping { id }));
                 }
             }
             () = async {
@@ -207,63 +393,70 @@ pub async fn run<H: Send>(
                     None => std::future::pending().await,
                 }
             }, if deadline.is_some() => {}
-            read = rx.next(), if !(has_out && just_read) => { just_read = true; match read {
+            read = rx.next(), if may_read => { just_read = true; match read {
                 None => break Ended::Gone,
-                Some(Err(e)) => {
-                    if is_oversize(e) {
-                        break Ended::Closed(close::OVERSIZE);
-                    }
-                    break Ended::Gone;
-                }
+                Some(Err(e)) => break read_error_end(e),
                 Some(Ok(Message::Binary(_))) => break Ended::Closed(close::POLICY),
                 Some(Ok(Message::Close(_))) => break Ended::Gone,
                 // Protocol-level pings are answered by the WebSocket layer.
                 Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
                 Some(Ok(Message::Text(text))) => match read_frame(text.as_str()) {
                     Asked::Close(code) => break Ended::Closed(code),
-                    Asked::Answer(frame) => control.push_back(frame),
-                    Asked::Pong(id) => {
-                        if let Some((first, _)) = unanswered {
-                            if id >= first && id <= ping_id {
-                                unanswered = (id < ping_id).then(|| (id + 1, Instant::now()));
-                            }
+                    Asked::Answer(frame) => {
+                        if !allowance.take(Instant::now()) {
+                            break Ended::Closed(close::POLICY);
                         }
+                        control.push_back(frame);
                     }
+                    Asked::Pong(id) => pings.answer(id),
                     Asked::Resume { epoch, after } => {
+                        let refused = if replay.active {
+                            Some("a replay is running: resume again after its resume_complete")
+                        } else if after < 0 {
+                            Some("after must be 0 or more")
+                        } else {
+                            None
+                        };
+                        if let Some(detail) = refused {
+                            if !allowance.take(Instant::now()) {
+                                break Ended::Closed(close::POLICY);
+                            }
+                            control.push_back(frame_text(&ServerFrame::Error {
+                                reason: "bad_frame".into(),
+                                frame_type: Some("resume".into()),
+                                detail: Some(detail.into()),
+                            }));
+                            continue;
+                        }
                         // Live first, then the page: an item committed in between is in the
                         // queue or in the page (or both: the queue skips what the page sent).
                         hub.reset(&stream, true);
-                        let after = after.max(0);
-                        let store = params.store.clone();
-                        let req = PullRequest {
-                            target_pubkey: stream.key.clone(),
+                        skip_through = i64::MAX;
+                        let page = match read_chunk(
+                            &params,
+                            &stream.key,
                             after,
-                            limit: max_pull,
-                            max_bytes: params.max_pull_bytes,
-                        };
-                        let page = match tokio::task::spawn_blocking(move || store.pull(req)).await {
-                            Ok(Ok(page)) => page,
-                            Ok(Err(e)) => {
-                                tracing::warn!(error = %e, "push stream replay could not read the store");
-                                break Ended::Closed(close::OVERLOAD);
-                            }
-                            Err(_) => break Ended::Closed(close::OVERLOAD),
+                            max_pull,
+                            params.max_pull_bytes.min(REPLAY_CHUNK_BYTES),
+                        )
+                        .await
+                        {
+                            Ok(page) => page,
+                            Err(code) => break Ended::Closed(code),
                         };
                         if !epoch.is_empty() && epoch != page.epoch {
                             hub.reset(&stream, false);
-                            replay = Replay::default();
-                            skip_through = i64::MAX;
                             control.push_back(frame_text(&ServerFrame::Epoch { epoch: page.epoch }));
                         } else {
-                            skip_through = page.last_seq;
                             replay = Replay {
-                                complete: Some(frame_text(&ServerFrame::ResumeComplete {
-                                    replayed: page.items.len() as u64,
-                                    head_seq: page.head_seq,
-                                })),
-                                items: page.items.into(),
+                                active: true,
+                                epoch: page.epoch.clone(),
                                 prev_seq: after,
+                                ..Replay::default()
                             };
+                            if let Err(code) = take_chunk(&hub, &params, &mut replay, page) {
+                                break Ended::Closed(code);
+                            }
                         }
                     }
                 },
@@ -282,16 +475,31 @@ pub async fn run<H: Send>(
                     dirty = false;
                     continue;
                 }
-                let Some(text) = next_frame(&hub, &stream, &mut control, &mut replay, skip_through) else {
-                    continue;
+                let next = next_frame(
+                    &hub,
+                    &stream,
+                    &params,
+                    max_pull,
+                    &mut control,
+                    &mut replay,
+                    &mut skip_through,
+                )
+                .await;
+                let text = match next {
+                    Ok(Some(text)) => text,
+                    Ok(None) => continue,
+                    Err(code) => break Ended::Closed(code),
                 };
                 if sink.start_send_unpin(Message::Text(Utf8Bytes::from(text))).is_err() {
                     break Ended::Gone;
                 }
                 dirty = true;
             }
+            // Last: a burst of publishes never keeps the branches above from being polled.
+            () = stream.wake.notified() => {}
         }
     };
+    hub.release_bytes(std::mem::take(&mut replay.reserved));
     match ended {
         Ended::Closed(code) => {
             hub.count_close(code);
@@ -316,22 +524,62 @@ pub async fn run<H: Send>(
     ended
 }
 
-/// The next frame to write: control frames (ping, error, epoch) first, then the replay and its
-/// `resume_complete`, then the live queue (skipping seqs the replay sent).
-fn next_frame(
-    hub: &super::hub::Hub,
-    stream: &super::hub::Stream,
+/// The next frame to write: control frames (ping, error, epoch answers) first, then an `epoch`
+/// announced by the hub (it ends a running replay: the client resumes in the new epoch), then
+/// the replay (reading its next chunk once the previous one was written) and its
+/// `resume_complete`, then the live queue (skipping seqs the replay sent). `Err(code)`: close.
+async fn next_frame(
+    hub: &Hub,
+    stream: &Stream,
+    params: &ConnParams,
+    max_pull: i64,
     control: &mut VecDeque<String>,
     replay: &mut Replay,
-    skip_through: i64,
-) -> Option<String> {
+    skip_through: &mut i64,
+) -> Result<Option<String>, u16> {
     if let Some(c) = control.pop_front() {
-        return Some(c);
+        return Ok(Some(c));
     }
-    if let Some(item) = replay.items.pop_front() {
+    if let Some(epoch) = hub.take_epoch(stream) {
+        hub.release_bytes(std::mem::take(&mut replay.reserved));
+        *replay = Replay::default();
+        *skip_through = i64::MAX;
+        return Ok(Some(epoch));
+    }
+    if !replay.active {
+        while let Some(f) = hub.pop(stream) {
+            if f.marker || f.seq > *skip_through {
+                return Ok(Some(f.text));
+            }
+        }
+        return Ok(None);
+    }
+    let max_items = u64::try_from(max_pull).unwrap_or(1);
+    if replay.chunk.is_empty()
+        && !replay.last
+        && replay.more
+        && replay.sent < max_items
+        && replay.sent_bytes < params.max_pull_bytes
+    {
+        let left_items = i64::try_from(max_items - replay.sent).unwrap_or(1);
+        let left_bytes = (params.max_pull_bytes - replay.sent_bytes).min(REPLAY_CHUNK_BYTES);
+        let page = read_chunk(params, &stream.key, replay.prev_seq, left_items, left_bytes).await?;
+        if page.epoch != replay.epoch {
+            // The epoch changed under the replay: the hub announces it; stop here.
+            replay.more = false;
+        } else {
+            take_chunk(hub, params, replay, page)?;
+        }
+    }
+    if let Some(item) = replay.chunk.pop_front() {
+        let n = frame_bytes(&item);
+        replay.reserved = replay.reserved.saturating_sub(n);
+        hub.release_bytes(n);
         let prev = replay.prev_seq;
         replay.prev_seq = item.seq;
-        return Some(frame_text(&ServerFrame::Deliver {
+        replay.sent += 1;
+        replay.sent_bytes = replay.sent_bytes.saturating_add(item.wire.len() as u64);
+        return Ok(Some(frame_text(&ServerFrame::Deliver {
             seq: item.seq,
             prev_seq: prev,
             kind: item.kind,
@@ -339,17 +587,16 @@ fn next_frame(
             sender_pubkey: item.sender_pubkey,
             wire_b64: agentmbx_protocol::b64::encode(&item.wire),
             replay: true,
-        }));
+        })));
     }
-    if let Some(done) = replay.complete.take() {
-        return Some(done);
-    }
-    while let Some(f) = hub.pop(stream) {
-        if f.marker || f.seq > skip_through {
-            return Some(f.text);
-        }
-    }
-    None
+    // The replay ended: its bound, the head, or an item too large for a frame (a pull carries
+    // it). Live frames up to the last replayed seq are not sent again.
+    replay.active = false;
+    *skip_through = replay.prev_seq;
+    Ok(Some(frame_text(&ServerFrame::ResumeComplete {
+        replayed: replay.sent,
+        head_seq: replay.head_seq,
+    })))
 }
 
 /// The close frame's reason text for `code`.

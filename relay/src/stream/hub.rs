@@ -78,6 +78,13 @@ struct Queue {
     live: bool,
     /// A `lagged` marker was queued: drop live frames until the next `resume`.
     lagged: bool,
+    /// The stream's registration was dropped: nothing is queued any more (no bytes of the
+    /// budget can be left behind).
+    closed: bool,
+    /// An `epoch` frame announced by [`Hub::announce_epoch`], written before anything but the
+    /// control answers; it ends a running replay. Not counted in the budget (one short frame
+    /// per stream, replaced, never accumulated).
+    epoch: Option<String>,
 }
 
 /// One open stream, shared by the hub (publishers, close requests) and its connection loop.
@@ -126,9 +133,29 @@ impl Stream {
         !self.lock().frames.is_empty()
     }
 
+    /// Whether an announced `epoch` frame waits.
+    pub fn has_epoch(&self) -> bool {
+        self.lock().epoch.is_some()
+    }
+
     /// Bytes of frames queued.
     pub fn queued_bytes(&self) -> usize {
         self.lock().bytes
+    }
+}
+
+/// One stream connection counted as running from before its `101` answer until its loop ends
+/// (or the upgrade never completes): [`Hub::all_ended`] waits for it, so a stream answered just
+/// as shutdown starts still gets its 1001.
+#[derive(Debug)]
+pub struct Running {
+    hub: Arc<Hub>,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.hub.running.fetch_sub(1, Ordering::AcqRel);
+        self.hub.ended.notify_waiters();
     }
 }
 
@@ -207,7 +234,6 @@ impl Hub {
             wake: tokio::sync::Notify::new(),
             close: AtomicU16::new(0),
         });
-        self.running.fetch_add(1, Ordering::AcqRel);
         self.counters.opened.fetch_add(1, Ordering::Relaxed);
         let old = self.map().insert(key.to_owned(), stream.clone());
         if let Some(old) = old {
@@ -222,25 +248,40 @@ impl Hub {
         }
     }
 
-    /// Publishes a committed item to `target`'s stream, if one is open and live. Never waits.
+    /// Counts a stream connection as running (before its `101`); the guard moves into the
+    /// connection loop and ends the count when dropped.
+    pub fn start_running(self: &Arc<Self>) -> Running {
+        self.running.fetch_add(1, Ordering::AcqRel);
+        Running { hub: self.clone() }
+    }
+
+    /// Publishes a committed item to `target`'s stream, if one is open and live. Never waits;
+    /// an item whose frame cannot fit the queue is `lagged` without encoding it.
     pub fn publish(&self, target: &str, item: &LiveItem) {
         let Some(stream) = self.map().get(target).cloned() else {
             return;
         };
-        {
+        let too_large = {
             let q = stream.lock();
-            if !q.live || q.lagged {
+            if q.closed || !q.live || q.lagged {
                 return;
             }
-        }
+            // The frame's length before encoding it: base64 of the wire plus the fields.
+            let encoded = item.wire.len().saturating_add(2) / 3 * 4;
+            encoded.saturating_add(q.bytes) > STREAM_QUEUE_BYTES
+        };
         // The frame is built outside the lock (base64 of the wire).
-        let text = item.frame();
+        let text = if too_large {
+            String::new()
+        } else {
+            item.frame()
+        };
         let n = text.len();
         let mut q = stream.lock();
-        if !q.live || q.lagged {
+        if q.closed || !q.live || q.lagged {
             return;
         }
-        if q.bytes.saturating_add(n) > STREAM_QUEUE_BYTES || !self.reserve(n) {
+        if too_large || q.bytes.saturating_add(n) > STREAM_QUEUE_BYTES || !self.reserve(n) {
             q.lagged = true;
             let marker = frame_text(&ServerFrame::Lagged { from_seq: item.seq });
             // The marker is a few dozen bytes: counted, never refused.
@@ -275,6 +316,17 @@ impl Hub {
             .is_ok()
     }
 
+    /// Takes `n` bytes from the relay-wide budget for a replay chunk; false when they do not
+    /// fit (the stream closes with 1013).
+    pub fn reserve_bytes(&self, n: usize) -> bool {
+        self.reserve(n)
+    }
+
+    /// Returns `n` bytes taken by [`Hub::reserve_bytes`].
+    pub fn release_bytes(&self, n: usize) {
+        self.release(n);
+    }
+
     fn release(&self, n: usize) {
         let _ = self
             .budget_used
@@ -284,14 +336,18 @@ impl Hub {
     }
 
     /// Empties `stream`'s queue and sets whether it is live (a `resume` with the current epoch:
-    /// true; a stale epoch: false). Clears the lagged state.
+    /// true, which also drops an announced `epoch` frame the `resume` makes moot; a stale
+    /// epoch: false). Clears the lagged state.
     pub fn reset(&self, stream: &Stream, live: bool) {
         let mut q = stream.lock();
         let freed = q.bytes;
         q.frames.clear();
         q.bytes = 0;
-        q.live = live;
+        q.live = live && !q.closed;
         q.lagged = false;
+        if live {
+            q.epoch = None;
+        }
         drop(q);
         self.release(freed);
     }
@@ -307,25 +363,34 @@ impl Hub {
     }
 
     /// Tells every stream the relay's epoch changed: its queue is emptied, it stops being live
-    /// and `epoch {epoch}` is queued; the client runs spec §5's new-epoch handling and resumes.
+    /// and `epoch {epoch}` waits in its epoch slot (written before the replay, which it ends);
+    /// the client runs spec §5's new-epoch handling and resumes. A stream whose registration
+    /// was dropped meanwhile is skipped.
     pub fn announce_epoch(&self, epoch: &str) {
         let all: Vec<Arc<Stream>> = self.map().values().cloned().collect();
         let text = frame_text(&ServerFrame::Epoch {
             epoch: epoch.to_owned(),
         });
         for s in all {
-            self.reset(&s, false);
             let mut q = s.lock();
-            self.budget_used.fetch_add(text.len(), Ordering::AcqRel);
-            q.bytes += text.len();
-            q.frames.push_back(Queued {
-                seq: 0,
-                marker: true,
-                text: text.clone(),
-            });
+            if q.closed {
+                continue;
+            }
+            let freed = q.bytes;
+            q.frames.clear();
+            q.bytes = 0;
+            q.live = false;
+            q.lagged = false;
+            q.epoch = Some(text.clone());
             drop(q);
+            self.release(freed);
             s.wake.notify_one();
         }
+    }
+
+    /// The announced `epoch` frame of `stream`, if one waits.
+    pub fn take_epoch(&self, stream: &Stream) -> Option<String> {
+        stream.lock().epoch.take()
     }
 
     /// Asks `key`'s stream to close with `code`; true when there was one.
@@ -463,9 +528,8 @@ impl Drop for Registration {
                 map.remove(&self.stream.key);
             }
         }
+        self.stream.lock().closed = true;
         self.hub.reset(&self.stream, false);
-        self.hub.running.fetch_sub(1, Ordering::AcqRel);
-        self.hub.ended.notify_waiters();
     }
 }
 
@@ -508,7 +572,6 @@ mod tests {
         assert_eq!(hub.budget_used(), 0);
         drop(reg);
         assert_eq!(hub.open(), 0);
-        assert_eq!(hub.running(), 0);
     }
 
     #[test]

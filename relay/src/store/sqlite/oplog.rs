@@ -95,7 +95,16 @@ impl OperationsStore for SqliteStore {
         now_ms: i64,
         signer: Arc<dyn crate::store::NoticeSigner>,
     ) -> Result<crate::store::SweepReport, StoreError> {
-        sweep::sweep(self, now_ms, signer)
+        sweep::sweep(self, now_ms, signer, &mut |_| {})
+    }
+
+    fn sweep_notify(
+        &self,
+        now_ms: i64,
+        signer: Arc<dyn crate::store::NoticeSigner>,
+        committed: &mut dyn FnMut(&[crate::store::StoredNotice]),
+    ) -> Result<crate::store::SweepReport, StoreError> {
+        sweep::sweep(self, now_ms, signer, committed)
     }
 
     fn ops(&self, limit: i64) -> Result<Vec<OpRecord>, StoreError> {

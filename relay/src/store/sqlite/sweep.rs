@@ -79,11 +79,13 @@ pub(crate) const NOTICE_KIND: &str = "expired";
 /// `items.sender_host` of an expiry notice.
 const NOTICE_SENDER_HOST: &str = "relay";
 
-/// [`OperationsStore::sweep`] (module docs).
+/// [`OperationsStore::sweep_notify`] (module docs): `committed` gets each batch's notices once
+/// that batch committed.
 pub(super) fn sweep(
     store: &SqliteStore,
     now_ms: i64,
     signer: Arc<dyn NoticeSigner>,
+    committed: &mut dyn FnMut(&[StoredNotice]),
 ) -> Result<SweepReport, StoreError> {
     let relay = store.relay_pubkey()?;
     if signer.relay_pubkey() != relay {
@@ -100,13 +102,17 @@ pub(super) fn sweep(
         })?;
         report.batches += 1;
         let full = batch.expired_items >= SWEEP_BATCH as u64;
-        add(&mut report, &batch);
+        committed(&batch.stored);
+        add(&mut report, batch);
         if !full {
             all_full = false;
             break;
         }
     }
+    // The counts only: the notices' wire bytes stay in `report`.
+    let stored = std::mem::take(&mut report.stored);
     let totals = report.clone();
+    report.stored = stored;
     let last = store.submit(JobKind::Other, move |c, limits| {
         finish(c, limits, now_ms, all_full, &totals)
     })?;
@@ -116,8 +122,8 @@ pub(super) fn sweep(
     Ok(report)
 }
 
-/// Adds one batch's counts to the sweep's.
-fn add(total: &mut SweepReport, batch: &SweepReport) {
+/// Adds one batch's counts to the sweep's, and moves its notices there.
+fn add(total: &mut SweepReport, batch: SweepReport) {
     total.expired_items += batch.expired_items;
     total.expired_envelopes += batch.expired_envelopes;
     total.expired_receipts += batch.expired_receipts;
@@ -127,7 +133,7 @@ fn add(total: &mut SweepReport, batch: &SweepReport) {
     total.notices_not_enrolled += batch.notices_not_enrolled;
     total.notices_over_cap += batch.notices_over_cap;
     total.notices_already_sent += batch.notices_already_sent;
-    total.stored.extend(batch.stored.iter().cloned());
+    total.stored.extend(batch.stored);
 }
 
 /// One expired item, as the batch reads it.

@@ -554,3 +554,30 @@ fn receipts_and_notices_expire_silently() {
     assert!(f.pull(&alpha).items.is_empty());
     assert!(f.pull(&f.relay_pub()).items.is_empty());
 }
+
+#[test]
+fn each_batch_hands_over_its_notices_once_it_committed() {
+    let f = Fixture::new();
+    let (alpha, beta) = f.alpha_and_beta();
+    let n = SWEEP_BATCH + 1;
+    for i in 0..n {
+        f.push(&alpha, T0, &format!("m{i}"), &beta, b"sealed");
+    }
+    let mut handed: Vec<Vec<i64>> = Vec::new();
+    let report = f
+        .store
+        .sweep_notify(T0 + RET, f.signer(), &mut |notices| {
+            handed.push(notices.iter().map(|x| x.seq).collect());
+        })
+        .expect("sweep");
+    assert_eq!(report.batches, 2);
+    assert_eq!(
+        handed.iter().map(Vec::len).collect::<Vec<_>>(),
+        vec![SWEEP_BATCH, 1],
+        "one call per committed batch"
+    );
+    let all: Vec<i64> = handed.concat();
+    let stored: Vec<i64> = report.stored.iter().map(|x| x.seq).collect();
+    assert_eq!(all, stored);
+    assert_eq!(report.notices, n as u64, "every notice is queued");
+}
