@@ -323,6 +323,10 @@ pub(super) struct Turn {
 pub(super) struct Position {
     pub(super) epoch: String,
     pub(super) through: i64,
+    /// The `after` of the `resume` whose replay is running (sent, its `resume_complete` not
+    /// yet read; `None`: no replay runs). The relay answers a second `resume` during a replay
+    /// with `bad_frame`, so none is sent until then.
+    pub(super) resumed: Option<i64>,
 }
 
 /// Serves an open stream until it ends: sends `resume`, then handles frames, sends (`wake`),
@@ -342,6 +346,9 @@ pub async fn serve(
     if let Err(end) = send(&mut ws, &resume(&pos)).await {
         return end;
     }
+    pos.resumed = Some(pos.through);
+    // A `resume` asked for while a replay ran: sent once its `resume_complete` arrived.
+    let mut resume_owed = false;
     // The pass that preceded the stream pulled.
     let mut last_pull = tokio::time::Instant::now();
     let mut due_row = next_due(client).await;
@@ -435,8 +442,9 @@ pub async fn serve(
                     if epoch != pos.epoch {
                         turn.resume = true;
                     }
+                    let resumed = pos.resumed;
                     pos = match at(client, &epoch).await {
-                        Ok(p) => p,
+                        Ok(p) => Position { resumed, ..p },
                         Err(e) => return End::Failed(e),
                     };
                 }
@@ -444,10 +452,13 @@ pub async fn serve(
             }
             due_row = next_due(client).await;
         }
-        if turn.resume {
+        resume_owed |= turn.resume;
+        if resume_owed && pos.resumed.is_none() {
             if let Err(end) = send(&mut ws, &resume(&pos)).await {
                 return end;
             }
+            pos.resumed = Some(pos.through);
+            resume_owed = false;
         }
     }
 }
@@ -475,6 +486,7 @@ pub(super) async fn at(client: &RelayClient, epoch: &str) -> Result<Position, Re
     Ok(Position {
         epoch: epoch.to_string(),
         through: client.position(epoch).await?,
+        resumed: None,
     })
 }
 
@@ -570,7 +582,7 @@ async fn frame(
     let frame: ServerFrame = match serde_json::from_str(text.as_str()) {
         Ok(f) => f,
         Err(_) => {
-            tracing::debug!(relay = %client.url, "stream frame of an unknown type or shape ignored");
+            unreadable(client, text.as_str(), turn);
             return Ok(());
         }
     };
@@ -578,6 +590,29 @@ async fn frame(
         send(ws, &reply).await?;
     }
     Ok(())
+}
+
+/// The server frame types whose loss can hide mail: one of them that does not parse asks for a
+/// pull (and a new `resume`, as after `lagged`).
+const MAIL_FRAMES: [&str; 4] = ["deliver", "lagged", "epoch", "resume_complete"];
+
+/// A text frame that is not a [`ServerFrame`]: one of an unknown type is ignored (logged at
+/// debug); one of a type in [`MAIL_FRAMES`] without its fields is logged at warn and a pull
+/// and a `resume` follow, so no item it may have carried is lost.
+pub(super) fn unreadable(client: &RelayClient, text: &str, turn: &mut Turn) {
+    let kind = serde_json::from_str::<serde_json::Value>(text)
+        .ok()
+        .and_then(|v| v.get("type")?.as_str().map(str::to_owned));
+    match kind {
+        Some(k) if MAIL_FRAMES.contains(&k.as_str()) => {
+            tracing::warn!(relay = %client.url, frame_type = %k, "a stream frame of the relay could not be read: pulling");
+            turn.pull = true;
+            turn.resume = true;
+        }
+        _ => {
+            tracing::debug!(relay = %client.url, "stream frame of an unknown type or shape ignored");
+        }
+    }
 }
 
 /// Handles one frame of the relay at `pos` (module docs): stores a `deliver` that fits (moving
@@ -625,10 +660,13 @@ pub(super) async fn handle(
             }
         },
         ServerFrame::ResumeComplete { replayed, head_seq } => {
+            // Compared with the `after` of the resume answered: a pull since then may have
+            // moved received-through beyond the head the relay saw.
+            let after = pos.resumed.take().unwrap_or(pos.through);
             if head_seq > pos.through {
                 tracing::debug!(relay = %client.url, replayed, head_seq, through = pos.through, "the replay stopped below the head: pulling");
                 turn.pull = true;
-            } else if head_seq < pos.through {
+            } else if head_seq < after {
                 // The relay went back in time (spec §5 rewind): the same rule as a pull page's
                 // head_seq below received-through.
                 client
@@ -662,8 +700,10 @@ pub(super) async fn handle(
             turn.resume = true;
         }
         ServerFrame::Lagged { from_seq } => {
+            // No live frame follows until the next `resume`: pull, then resume.
             tracing::debug!(relay = %client.url, from_seq, "the relay dropped live frames: pulling");
             turn.pull = true;
+            turn.resume = true;
         }
         ServerFrame::Error {
             reason, frame_type, ..
