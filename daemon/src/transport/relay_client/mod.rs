@@ -580,7 +580,7 @@ async fn run_loop(
         // backoff; it runs until it ends, then this loop goes on as after a pass.
         let outcome = match outcome {
             Ok(session) if client.stream && ctl.due() => {
-                match stream_turn(&client, &mut ctl, &session, &wake, &mut shutdown).await {
+                match stream_turn(&mut client, &mut ctl, &session, &wake, &mut shutdown).await {
                     Some(r) => r,
                     None => return,
                 }
@@ -737,7 +737,7 @@ impl StreamCtl {
 /// when it is tried again (module [`stream`]). Returns the outcome the loop handles as a pass's
 /// (`Ok` when the stream merely ended), or `None` at shutdown.
 async fn stream_turn(
-    client: &RelayClient,
+    client: &mut RelayClient,
     ctl: &mut StreamCtl,
     session: &session::Session,
     wake: &tokio::sync::Notify,

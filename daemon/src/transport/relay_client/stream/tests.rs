@@ -300,3 +300,22 @@ async fn an_epoch_frame_runs_the_new_epoch_handling_and_asks_for_a_pass_and_a_re
     assert!(turn.pull && turn.push && turn.resume, "{turn:?}");
     assert_eq!(s.audits("relay.epoch_changed").len(), 1);
 }
+
+#[test]
+fn the_reader_answers_pings_and_forwards_every_other_message() {
+    use tokio_tungstenite::tungstenite::Message;
+    assert_eq!(
+        ping_id(&Message::text(r#"{"type":"ping","id":42}"#)),
+        Some(42)
+    );
+    assert_eq!(
+        ping_id(&Message::text(r#"{"type":"lagged","from_seq":3}"#)),
+        None
+    );
+    assert_eq!(ping_id(&Message::text(r#"{"type":"ping"}"#)), None, "no id");
+    assert_eq!(
+        ping_id(&Message::Ping(vec![1].into())),
+        None,
+        "the library's own"
+    );
+}
