@@ -18,7 +18,10 @@ use crate::helper::{wait_for, POLL};
 const HOUR_MS: &str = "3600000";
 
 /// What the daemon logs once its push stream is open.
-const STREAM_OPEN: &str = "push stream open";
+const STREAM_OPEN: &str = "relay stream open";
+
+/// What the daemon logs (at warn) for each relay pass that failed.
+const PASS_FAILED: &str = "relay pass failed";
 
 /// How long mail may take over the stream here: far below the hour a pull would take, with room
 /// for a loaded test machine.
@@ -161,8 +164,22 @@ fn the_stream_reconnects_after_a_relay_restart_and_nothing_is_lost_or_stored_twi
             .all(|id| mesh.b.messages_with_id(id) == 1)
             .then_some(())
     });
+    let down = Instant::now();
     mesh.relay.kill();
     ids.extend((0..3).map(|i| send_to_bob(&mesh, &format!("during {i}"))));
+    // While the relay is down, B's failed passes back off (1 s doubling): a handful, never a
+    // spin.
+    let failed = |host: &Host| host.log().matches(PASS_FAILED).count();
+    let before = failed(&mesh.b);
+    wait_for("B's passes failing while the relay is down", || {
+        (failed(&mesh.b) >= before + 2).then_some(())
+    });
+    let (count, secs) = (failed(&mesh.b) - before, down.elapsed().as_secs() as usize);
+    assert!(
+        count <= 3 + secs,
+        "{count} failed passes in {secs} s while the relay was down: {}",
+        mesh.b.log()
+    );
     mesh.relay.launch(None);
     ids.extend((0..3).map(|i| send_to_bob(&mesh, &format!("after {i}"))));
     // A's retries wait out its outbox backoff; B reconnects within its pass backoff (≤ 10 s).
@@ -174,6 +191,12 @@ fn the_stream_reconnects_after_a_relay_restart_and_nothing_is_lost_or_stored_twi
     wait_for("B's stream open again", || {
         (mesh.b.log().matches(STREAM_OPEN).count() >= 2).then_some(())
     });
+    // The reopened stream carries mail (B pulls hourly).
+    let late = send_to_bob(&mesh, "after the reopen");
+    within(STREAM_BOUND, "mail over the reopened stream", || {
+        (mesh.b.messages_with_id(&late) == 1).then_some(())
+    });
+    ids.push(late);
     mesh.wait_queue_drained(&mesh.b);
     assert_each_once(&mesh.b, &ids);
     for id in &ids {

@@ -580,7 +580,7 @@ async fn run_loop(
         // backoff; it runs until it ends, then this loop goes on as after a pass.
         let outcome = match outcome {
             Ok(session) if client.stream && ctl.due() => {
-                match stream_turn(&client, &mut ctl, &session, &wake, &mut shutdown).await {
+                match stream_turn(&mut client, &mut ctl, &session, &wake, &mut shutdown).await {
                     Some(r) => r,
                     None => return,
                 }
@@ -611,7 +611,10 @@ async fn run_loop(
                 let until_due = next_due.map_or(pull_interval, |t| {
                     Duration::from_millis((t - now).max(0) as u64)
                 });
-                until_due.min(pull_interval)
+                // Polling while the stream waits for its backoff: wake up for its next
+                // attempt. Only this outcome's wait, and only while that attempt lies ahead:
+                // an error's or a refusal's backoff is never shortened.
+                stream_cap(until_due.min(pull_interval), &ctl, client.stream)
             }
             // Logged once per served key when it was recorded (session::check_relay_key).
             Err(RelayError::KeyMismatch { .. }) => {
@@ -656,13 +659,6 @@ async fn run_loop(
                 Duration::from_millis((500u64 << failures.min(7)).min(MAX_RETRY_DELAY_MS))
             }
         };
-        // Polling while the stream waits for its backoff: wake up for its next attempt.
-        let delay = match ctl.not_before {
-            Some(t) if client.stream => {
-                delay.min(t.saturating_duration_since(tokio::time::Instant::now()))
-            }
-            _ => delay,
-        };
         // Stamps the loop's liveness while it waits.
         let stop = crate::liveness::waiting(async {
             tokio::select! {
@@ -675,6 +671,23 @@ async fn run_loop(
         if stop {
             return;
         }
+    }
+}
+
+/// The wait after a pass that succeeded, `delay`, cut to the stream's next attempt when the
+/// stream is on (`stream`) and that attempt (`ctl.not_before`) lies in the future; otherwise
+/// `delay`. Never applied to an error's or a refusal's backoff.
+fn stream_cap(delay: Duration, ctl: &StreamCtl, stream: bool) -> Duration {
+    match ctl.not_before {
+        Some(t) if stream => {
+            let left = t.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                delay
+            } else {
+                delay.min(left)
+            }
+        }
+        _ => delay,
     }
 }
 
@@ -724,7 +737,7 @@ impl StreamCtl {
 /// when it is tried again (module [`stream`]). Returns the outcome the loop handles as a pass's
 /// (`Ok` when the stream merely ended), or `None` at shutdown.
 async fn stream_turn(
-    client: &RelayClient,
+    client: &mut RelayClient,
     ctl: &mut StreamCtl,
     session: &session::Session,
     wake: &tokio::sync::Notify,
@@ -758,7 +771,7 @@ async fn stream_turn(
             });
         }
     };
-    tracing::info!(relay = %client.url, "push stream open: mail arrives as it is pushed");
+    tracing::info!(relay = %client.url, "relay stream open");
     client
         .note_stream(stream::StreamState::Up, None, ctl.replaced)
         .await;

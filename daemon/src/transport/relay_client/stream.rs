@@ -29,7 +29,8 @@
 
 use std::time::Duration;
 
-use futures_util::{FutureExt, SinkExt, StreamExt};
+use futures_util::stream::{SplitSink, SplitStream};
+use futures_util::{SinkExt, StreamExt};
 use serde::{Deserialize, Serialize};
 use tokio_tungstenite::tungstenite::handshake::client::generate_key;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
@@ -85,6 +86,14 @@ pub const REPLACED_MIN: Duration = Duration::from_secs(30);
 
 /// Longest wait after a 4409 `replaced` close (10 min).
 pub const REPLACED_MAX: Duration = Duration::from_secs(600);
+
+/// Messages the stream's reader task may hold for the task that stores them (64); past it the
+/// stream is reopened (the pass before it pulls what was not stored).
+pub const FORWARD_QUEUE: usize = 64;
+
+/// A write to the stream (`resume`, `pong`, the close at shutdown) not done within this
+/// (10 s) ends it: the connection takes no bytes.
+pub const SEND_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// WebSocket read buffer of the stream (bytes): 8 KiB, enough for an idle stream's pings; a
 /// larger frame grows it while it is read.
@@ -323,91 +332,121 @@ pub(super) struct Turn {
 pub(super) struct Position {
     pub(super) epoch: String,
     pub(super) through: i64,
+    /// The `after` of the `resume` whose replay is running (sent, its `resume_complete` not
+    /// yet read; `None`: no replay runs). The relay answers a second `resume` during a replay
+    /// with `bad_frame`, so none is sent until then.
+    pub(super) resumed: Option<i64>,
+}
+
+/// The writing half of an open stream, shared by [`serve`] and its reader task (which
+/// answers pings).
+type Sink = std::sync::Arc<tokio::sync::Mutex<SplitSink<Ws, Message>>>;
+
+/// What the reader task of [`serve`] hands to it.
+enum Incoming {
+    /// A message other than a ping (pings are answered by the reader).
+    Msg(Message),
+    /// The stream ended: closed or broken, silent for [`SILENCE_LIMIT`], a pong not written
+    /// within [`SEND_TIMEOUT`], or more than [`FORWARD_QUEUE`] messages waiting.
+    End(End),
+}
+
+/// Aborts the reader task when [`serve`] returns, whichever way.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Serves an open stream until it ends: sends `resume`, then handles frames, sends (`wake`),
-/// due rows, the safety-net pull and `shutdown` (module docs). `session` is the pass that
+/// due rows, the store check, the safety-net pull and `shutdown` (module docs). A reader task
+/// reads the connection all the time, answers each `ping` at once and forwards the other
+/// messages (at most [`FORWARD_QUEUE`] waiting), so a long pass neither leaves a ping
+/// unanswered nor stops the reading; this task handles the forwarded frames and the passes one
+/// at a time, so they never race on received-through. Before each pass the relay key pin is
+/// read again (`relay set --key` applies while the stream lives). `session` is the pass that
 /// preceded the opening (it pulled). Returns how it ended; the caller reconnects.
 pub async fn serve(
-    client: &RelayClient,
-    mut ws: Ws,
+    client: &mut RelayClient,
+    ws: Ws,
     session: &Session,
     wake: &tokio::sync::Notify,
     shutdown: &mut tokio::sync::watch::Receiver<bool>,
 ) -> End {
+    let (write, read) = ws.split();
+    let sink: Sink = std::sync::Arc::new(tokio::sync::Mutex::new(write));
+    let (tx, mut rx) = tokio::sync::mpsc::channel(FORWARD_QUEUE);
+    let _reader = AbortOnDrop(tokio::spawn(read_loop(read, sink.clone(), tx)));
     let mut pos = match start(client, session).await {
         Ok(p) => p,
         Err(e) => return End::Failed(e),
     };
-    if let Err(end) = send(&mut ws, &resume(&pos)).await {
+    if let Err(end) = send(&sink, &resume(&pos)).await {
         return end;
     }
+    pos.resumed = Some(pos.through);
+    // A `resume` asked for while a replay ran: sent once its `resume_complete` arrived.
+    let mut resume_owed = false;
     // The pass that preceded the stream pulled.
     let mut last_pull = tokio::time::Instant::now();
     let mut due_row = next_due(client).await;
-    let mut version = store_check(client).await.0;
+    let mut version = data_version(client).await;
     let mut next_check = tokio::time::Instant::now() + STORE_CHECK_EVERY;
-    let mut heard = tokio::time::Instant::now();
     loop {
         let safety = last_pull + SAFETY_PULL_EVERY;
         let due = due_row.map_or(safety, |d| d.min(safety));
         let mut turn = Turn::default();
         let event = crate::liveness::waiting(async {
-            // Biased: a waiting frame is read before the silence bound is judged.
             tokio::select! {
                 biased;
                 _ = shutdown.changed() => Event::Stop,
-                m = ws.next() => Event::Message(m),
-                _ = wake.notified() => Event::Tick,
-                _ = tokio::time::sleep_until(due) => Event::Tick,
-                _ = tokio::time::sleep_until(next_check) => Event::Tick,
-                _ = tokio::time::sleep_until(heard + SILENCE_LIMIT) => Event::Silent,
+                m = rx.recv() => Event::Incoming(m),
+                _ = wake.notified() => Event::Wake,
+                _ = tokio::time::sleep_until(due) => Event::Due,
+                _ = tokio::time::sleep_until(next_check) => Event::Check,
             }
         })
         .await;
         crate::liveness::progress();
         match event {
             Event::Stop => {
-                let _ = ws
-                    .close(Some(CloseFrame {
-                        code: CloseCode::Normal,
-                        reason: "daemon stopping".into(),
-                    }))
-                    .await;
+                let close = Message::Close(Some(CloseFrame {
+                    code: CloseCode::Normal,
+                    reason: "daemon stopping".into(),
+                }));
+                let _ = tokio::time::timeout(SEND_TIMEOUT, async {
+                    sink.lock().await.send(close).await
+                })
+                .await;
                 return End::Shutdown;
             }
-            Event::Silent => {
-                return End::Closed {
-                    code: None,
-                    reason: format!("nothing from the relay for {} s", SILENCE_LIMIT.as_secs()),
-                }
-            }
-            Event::Message(m) => {
-                heard = tokio::time::Instant::now();
-                if let Err(end) = frame(client, &mut ws, m, &mut pos, &mut turn).await {
+            Event::Incoming(m) => {
+                if let Err(end) = incoming(client, &sink, m, &mut pos, &mut turn).await {
                     return end;
                 }
                 // The run of frames already waiting, before one ack for all of them.
-                while let Some(m) = ws.next().now_or_never() {
-                    if let Err(end) = frame(client, &mut ws, m, &mut pos, &mut turn).await {
+                while let Ok(m) = rx.try_recv() {
+                    if let Err(end) = incoming(client, &sink, Some(m), &mut pos, &mut turn).await {
                         return end;
                     }
                 }
             }
-            Event::Tick => {
-                let now = tokio::time::Instant::now();
-                turn.pull = now >= safety;
-                if now >= next_check {
-                    // Another process's commit, or a row the LAN handed over to the relay
-                    // since the last pass: a pass; else nothing to do.
-                    next_check = now + STORE_CHECK_EVERY;
-                    let (v, due) = store_check(client).await;
-                    due_row = due;
-                    turn.push = turn.pull || v != version || due_row.is_some_and(|d| d <= now);
+            // A send: always a pass (the daemon's own commit does not move data_version).
+            Event::Wake => turn.push = true,
+            // A due row, or the safety net.
+            Event::Due => {
+                turn.pull = tokio::time::Instant::now() >= safety;
+                turn.push = true;
+            }
+            Event::Check => {
+                // Another process's commit (a pairing by the CLI, a pin): a pass.
+                next_check = tokio::time::Instant::now() + STORE_CHECK_EVERY;
+                let v = data_version(client).await;
+                turn.push = v.is_some() && v != version;
+                if v.is_some() {
                     version = v;
-                } else {
-                    // A send, a due row, or the safety net.
-                    turn.push = true;
                 }
             }
         }
@@ -423,6 +462,9 @@ pub async fn serve(
             }
         }
         if turn.pull || turn.push {
+            if let Err(e) = client.reload_pin().await {
+                return End::Failed(e);
+            }
             match super::pass_session(client, turn.pull).await {
                 Ok(s) => {
                     if turn.pull {
@@ -435,8 +477,9 @@ pub async fn serve(
                     if epoch != pos.epoch {
                         turn.resume = true;
                     }
+                    let resumed = pos.resumed;
                     pos = match at(client, &epoch).await {
-                        Ok(p) => p,
+                        Ok(p) => Position { resumed, ..p },
                         Err(e) => return End::Failed(e),
                     };
                 }
@@ -444,10 +487,13 @@ pub async fn serve(
             }
             due_row = next_due(client).await;
         }
-        if turn.resume {
-            if let Err(end) = send(&mut ws, &resume(&pos)).await {
+        resume_owed |= turn.resume;
+        if resume_owed && pos.resumed.is_none() {
+            if let Err(end) = send(&sink, &resume(&pos)).await {
                 return end;
             }
+            pos.resumed = Some(pos.through);
+            resume_owed = false;
         }
     }
 }
@@ -456,12 +502,77 @@ pub async fn serve(
 enum Event {
     /// The daemon stops.
     Stop,
-    /// A message of the stream, its end (`None`) or its error.
-    Message(Option<Result<Message, tokio_tungstenite::tungstenite::Error>>),
-    /// A send, a due row, the store check or the safety net.
-    Tick,
-    /// Nothing from the relay for [`SILENCE_LIMIT`].
-    Silent,
+    /// What the reader task forwarded (`None`: it is gone).
+    Incoming(Option<Incoming>),
+    /// A send (the relay loop's wake).
+    Wake,
+    /// A row due for the relay, or the safety-net pull.
+    Due,
+    /// The store check ([`STORE_CHECK_EVERY`]).
+    Check,
+}
+
+/// The reader task of [`serve`]: reads the connection, answers each `ping` with its `pong`
+/// at once, and forwards every other message to `tx`. Ends after forwarding a close, or with
+/// [`Incoming::End`] when the connection ends or breaks, nothing arrived for
+/// [`SILENCE_LIMIT`], a pong could not be written, or `tx` is full ([`FORWARD_QUEUE`]: the
+/// stream is reopened and the pass before it pulls what was not stored).
+async fn read_loop(mut read: SplitStream<Ws>, sink: Sink, tx: tokio::sync::mpsc::Sender<Incoming>) {
+    let closed = |reason: String| End::Closed { code: None, reason };
+    loop {
+        let msg = match tokio::time::timeout(SILENCE_LIMIT, read.next()).await {
+            Err(_) => {
+                let why = format!("nothing from the relay for {} s", SILENCE_LIMIT.as_secs());
+                let _ = tx.send(Incoming::End(closed(why))).await;
+                return;
+            }
+            Ok(None) => {
+                let _ = tx
+                    .send(Incoming::End(closed("the connection ended".into())))
+                    .await;
+                return;
+            }
+            Ok(Some(Err(e))) => {
+                let why = format!("stream broken: {e}");
+                let _ = tx.send(Incoming::End(closed(why))).await;
+                return;
+            }
+            Ok(Some(Ok(m))) => m,
+        };
+        if let Some(id) = ping_id(&msg) {
+            if let Err(end) = send(&sink, &ClientFrame::Pong { id }).await {
+                let _ = tx.send(Incoming::End(end)).await;
+                return;
+            }
+            continue;
+        }
+        let close = matches!(msg, Message::Close(_));
+        match tx.try_send(Incoming::Msg(msg)) {
+            Ok(()) => {}
+            Err(tokio::sync::mpsc::error::TrySendError::Full(_)) => {
+                let why = format!(
+                    "more than {FORWARD_QUEUE} stream frames waited to be stored; reopening (a pull carries them)"
+                );
+                let _ = tx.send(Incoming::End(closed(why))).await;
+                return;
+            }
+            Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => return,
+        }
+        if close {
+            return;
+        }
+    }
+}
+
+/// The id of a `ping` text frame (small: the length is checked before parsing).
+fn ping_id(msg: &Message) -> Option<u64> {
+    match msg {
+        Message::Text(t) if t.len() <= 128 => match serde_json::from_str(t.as_str()) {
+            Ok(ServerFrame::Ping { id }) => Some(id),
+            _ => None,
+        },
+        _ => None,
+    }
 }
 
 /// The position to resume from after the pass that preceded the stream.
@@ -475,6 +586,7 @@ pub(super) async fn at(client: &RelayClient, epoch: &str) -> Result<Position, Re
     Ok(Position {
         epoch: epoch.to_string(),
         through: client.position(epoch).await?,
+        resumed: None,
     })
 }
 
@@ -485,22 +597,14 @@ fn resume(pos: &Position) -> ClientFrame {
     }
 }
 
-/// SQLite's `data_version` of the store's connection (it changes when another connection,
-/// another process, committed; `None` when it cannot be read, and the next check tries again)
-/// and when the next row or receipt is due for the relay, in one trip to the store.
-async fn store_check(client: &RelayClient) -> (Option<i64>, Option<tokio::time::Instant>) {
-    let now = client.clock.now_ms();
-    let read = client
+/// SQLite's `data_version` of the store's connection: it changes when another connection
+/// (another process) committed; `None` when it cannot be read (the next check tries again).
+async fn data_version(client: &RelayClient) -> Option<i64> {
+    client
         .mailbox
-        .run(move |c| {
-            let version: i64 = c.query_row("PRAGMA data_version", [], |r| r.get(0))?;
-            Ok((version, due_at(c, now)?))
-        })
-        .await;
-    match read {
-        Ok((v, at)) => (Some(v), at.map(|at| instant_of(at, now))),
-        Err(_) => (None, None),
-    }
+        .run(|c| Ok(c.query_row("PRAGMA data_version", [], |r| r.get::<_, i64>(0))?))
+        .await
+        .ok()
 }
 
 fn due_at(c: &rusqlite::Connection, now: i64) -> Result<Option<i64>, crate::mailbox::MailboxError> {
@@ -525,22 +629,35 @@ async fn next_due(client: &RelayClient) -> Option<tokio::time::Instant> {
     Some(instant_of(at, now))
 }
 
-async fn send(ws: &mut Ws, frame: &ClientFrame) -> Result<(), End> {
+/// Writes `frame`, waiting at most [`SEND_TIMEOUT`] (a connection that takes no bytes is
+/// broken).
+async fn send(sink: &Sink, frame: &ClientFrame) -> Result<(), End> {
     let text = serde_json::to_string(frame).map_err(|e| End::Closed {
         code: None,
         reason: format!("frame not written: {e}"),
     })?;
-    ws.send(Message::text(text)).await.map_err(|e| End::Closed {
-        code: None,
-        reason: format!("stream broken: {e}"),
+    let sent = tokio::time::timeout(SEND_TIMEOUT, async {
+        sink.lock().await.send(Message::text(text)).await
     })
+    .await;
+    match sent {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(End::Closed {
+            code: None,
+            reason: format!("stream broken: {e}"),
+        }),
+        Err(_) => Err(End::Closed {
+            code: None,
+            reason: format!("a frame not written within {} s", SEND_TIMEOUT.as_secs()),
+        }),
+    }
 }
 
-/// Handles one message of the stream (module docs).
-async fn frame(
+/// Handles what the reader task forwarded (module docs).
+async fn incoming(
     client: &RelayClient,
-    ws: &mut Ws,
-    msg: Option<Result<Message, tokio_tungstenite::tungstenite::Error>>,
+    sink: &Sink,
+    msg: Option<Incoming>,
     pos: &mut Position,
     turn: &mut Turn,
 ) -> Result<(), End> {
@@ -551,33 +668,51 @@ async fn frame(
                 reason: "the connection ended".to_string(),
             })
         }
-        Some(Err(e)) => {
-            return Err(End::Closed {
-                code: None,
-                reason: format!("stream broken: {e}"),
-            })
-        }
-        Some(Ok(Message::Text(t))) => t,
-        Some(Ok(Message::Close(c))) => {
+        Some(Incoming::End(end)) => return Err(end),
+        Some(Incoming::Msg(Message::Text(t))) => t,
+        Some(Incoming::Msg(Message::Close(c))) => {
             return Err(End::Closed {
                 code: c.as_ref().map(|c| u16::from(c.code)),
                 reason: c.map_or_else(String::new, |c| c.reason.to_string()),
             })
         }
         // Control frames are answered by the library; a binary frame is not ours.
-        Some(Ok(_)) => return Ok(()),
+        Some(Incoming::Msg(_)) => return Ok(()),
     };
     let frame: ServerFrame = match serde_json::from_str(text.as_str()) {
         Ok(f) => f,
         Err(_) => {
-            tracing::debug!(relay = %client.url, "stream frame of an unknown type or shape ignored");
+            unreadable(client, text.as_str(), turn);
             return Ok(());
         }
     };
     if let Some(reply) = handle(client, frame, pos, turn).await? {
-        send(ws, &reply).await?;
+        send(sink, &reply).await?;
     }
     Ok(())
+}
+
+/// The server frame types whose loss can hide mail: one of them that does not parse asks for a
+/// pull (and a new `resume`, as after `lagged`).
+const MAIL_FRAMES: [&str; 4] = ["deliver", "lagged", "epoch", "resume_complete"];
+
+/// A text frame that is not a [`ServerFrame`]: one of an unknown type is ignored (logged at
+/// debug); one of a type in [`MAIL_FRAMES`] without its fields is logged at warn and a pull
+/// and a `resume` follow, so no item it may have carried is lost.
+pub(super) fn unreadable(client: &RelayClient, text: &str, turn: &mut Turn) {
+    let kind = serde_json::from_str::<serde_json::Value>(text)
+        .ok()
+        .and_then(|v| v.get("type")?.as_str().map(str::to_owned));
+    match kind {
+        Some(k) if MAIL_FRAMES.contains(&k.as_str()) => {
+            tracing::warn!(relay = %client.url, frame_type = %k, "a stream frame of the relay could not be read: pulling");
+            turn.pull = true;
+            turn.resume = true;
+        }
+        _ => {
+            tracing::debug!(relay = %client.url, "stream frame of an unknown type or shape ignored");
+        }
+    }
 }
 
 /// Handles one frame of the relay at `pos` (module docs): stores a `deliver` that fits (moving
@@ -625,10 +760,13 @@ pub(super) async fn handle(
             }
         },
         ServerFrame::ResumeComplete { replayed, head_seq } => {
+            // Compared with the `after` of the resume answered: a pull since then may have
+            // moved received-through beyond the head the relay saw.
+            let after = pos.resumed.take().unwrap_or(pos.through);
             if head_seq > pos.through {
                 tracing::debug!(relay = %client.url, replayed, head_seq, through = pos.through, "the replay stopped below the head: pulling");
                 turn.pull = true;
-            } else if head_seq < pos.through {
+            } else if head_seq < after {
                 // The relay went back in time (spec §5 rewind): the same rule as a pull page's
                 // head_seq below received-through.
                 client
@@ -662,8 +800,10 @@ pub(super) async fn handle(
             turn.resume = true;
         }
         ServerFrame::Lagged { from_seq } => {
+            // No live frame follows until the next `resume`: pull, then resume.
             tracing::debug!(relay = %client.url, from_seq, "the relay dropped live frames: pulling");
             turn.pull = true;
+            turn.resume = true;
         }
         ServerFrame::Error {
             reason, frame_type, ..

@@ -233,3 +233,25 @@ async fn a_429_on_push_makes_the_loop_wait_the_given_time_before_its_next_pass()
         .expect("the loop stops on shutdown")
         .unwrap();
 }
+
+#[tokio::test]
+async fn the_stream_backoff_cuts_only_a_wait_that_lies_before_it() {
+    use super::{stream_cap, StreamCtl};
+    use std::time::Duration;
+    let delay = Duration::from_secs(10);
+    let mut ctl = StreamCtl::default();
+    assert_eq!(stream_cap(delay, &ctl, true), delay, "no attempt pending");
+    ctl.not_before = Some(tokio::time::Instant::now() - Duration::from_secs(1));
+    assert_eq!(
+        stream_cap(delay, &ctl, true),
+        delay,
+        "an attempt already due never makes the wait 0"
+    );
+    ctl.not_before = Some(tokio::time::Instant::now() + Duration::from_secs(2));
+    let cut = stream_cap(delay, &ctl, true);
+    assert!(
+        cut > Duration::ZERO && cut <= Duration::from_secs(2),
+        "{cut:?}"
+    );
+    assert_eq!(stream_cap(delay, &ctl, false), delay, "the stream is off");
+}

@@ -181,7 +181,60 @@ async fn a_ping_is_answered_and_a_replay_below_the_head_pulls() {
     )
     .await
     .unwrap();
-    assert!(turn.pull);
+    assert!(
+        turn.pull && turn.resume,
+        "no live frame follows lagged until the next resume"
+    );
+}
+
+#[tokio::test]
+async fn resume_complete_is_judged_against_the_after_of_the_resume_it_answers() {
+    let s = Setup::new(true).await;
+    s.client
+        .epoch_changed("e1", crate::mailbox::outbox::Repush::Epoch, "test")
+        .await
+        .unwrap();
+    let mut pos = at(&s.client, "e1").await.unwrap();
+    // Resumed after 50; a pull since moved received-through to 100; the relay's head was 80
+    // when it answered: no rewind, nothing to pull.
+    pos.through = 100;
+    pos.resumed = Some(50);
+    let mut turn = Turn::default();
+    let complete = |head_seq| ServerFrame::ResumeComplete {
+        replayed: 0,
+        head_seq,
+    };
+    handle(&s.client, complete(80), &mut pos, &mut turn)
+        .await
+        .unwrap();
+    assert!(!turn.pull && !turn.resume && !turn.push, "{turn:?}");
+    assert_eq!(pos.resumed, None, "the replay is over");
+    assert_eq!(pos.through, 100);
+    // A head below the resume's own `after` is a rewind (spec §5).
+    pos.resumed = Some(50);
+    handle(&s.client, complete(40), &mut pos, &mut turn)
+        .await
+        .unwrap();
+    assert!(turn.pull && turn.resume && turn.push, "{turn:?}");
+}
+
+#[tokio::test]
+async fn a_mail_frame_that_cannot_be_read_pulls_an_unknown_one_is_ignored() {
+    let s = Setup::new(true).await;
+    let mut turn = Turn::default();
+    unreadable(&s.client, r#"{"type":"news","text":"hi"}"#, &mut turn);
+    unreadable(&s.client, "not json", &mut turn);
+    assert!(!turn.pull && !turn.resume);
+    for text in [
+        r#"{"type":"deliver","seq":5,"kind":"envelope"}"#,
+        r#"{"type":"lagged"}"#,
+        r#"{"type":"epoch","epoch":7}"#,
+        r#"{"type":"resume_complete","replayed":1}"#,
+    ] {
+        let mut turn = Turn::default();
+        unreadable(&s.client, text, &mut turn);
+        assert!(turn.pull && turn.resume, "{text}");
+    }
 }
 
 #[test]
@@ -246,4 +299,23 @@ async fn an_epoch_frame_runs_the_new_epoch_handling_and_asks_for_a_pass_and_a_re
     assert_eq!((pos.epoch.as_str(), pos.through), ("e2", 0));
     assert!(turn.pull && turn.push && turn.resume, "{turn:?}");
     assert_eq!(s.audits("relay.epoch_changed").len(), 1);
+}
+
+#[test]
+fn the_reader_answers_pings_and_forwards_every_other_message() {
+    use tokio_tungstenite::tungstenite::Message;
+    assert_eq!(
+        ping_id(&Message::text(r#"{"type":"ping","id":42}"#)),
+        Some(42)
+    );
+    assert_eq!(
+        ping_id(&Message::text(r#"{"type":"lagged","from_seq":3}"#)),
+        None
+    );
+    assert_eq!(ping_id(&Message::text(r#"{"type":"ping"}"#)), None, "no id");
+    assert_eq!(
+        ping_id(&Message::Ping(vec![1].into())),
+        None,
+        "the library's own"
+    );
 }
