@@ -15,7 +15,8 @@
 //!   try (`outbox::peer_is_back`); the backoff count is kept across marks until a real LAN
 //!   delivery succeeds ([`lan_delivered`]) or the peer stays unmarked for [`STABLE_MS`].
 //! - An inbound hop from the peer proves it is alive, not that its address answers:
-//!   [`probe_soon`] brings the next probe forward; it never clears the mark.
+//!   [`alive`] brings the next probe forward (at most one probe per [`PROBE_FIRST_MS`] on that
+//!   account); it never clears the mark and never re-times rows on the relay route.
 //!
 //! SQL only: no network, no clock, no randomness (the caller passes times and the jittered
 //! probe time). It never opens a transaction: every function runs in the caller's.
@@ -276,6 +277,28 @@ pub fn probe_soon(conn: &Connection, host: &str, at: i64) -> Result<bool, Mailbo
         params![host, at],
     )?;
     Ok(n == 1)
+}
+
+/// Evidence that `host` is alive that does not prove its address answers (an inbound hop, a
+/// presence announcement, an mDNS sighting at its pinned address). For a marked peer it only
+/// brings the next probe forward to `now_ms` + [`PROBE_FIRST_MS`] at the soonest
+/// ([`probe_soon`]): however often such evidence comes, the address is probed at most once per
+/// [`PROBE_FIRST_MS`] on its account, and rows on the relay route keep their `next_at` (spec §10:
+/// the relay pass respects it). Returns `None` when the peer is not marked (the caller treats
+/// the evidence as it always did), else `Some(whether the probe moved)`. Errors: storage faults.
+pub fn alive(conn: &Connection, host: &str, now_ms: i64) -> Result<Option<bool>, MailboxError> {
+    let marked = conn
+        .query_row(
+            "SELECT lan_down_since IS NOT NULL FROM peers WHERE host = ?1",
+            [host],
+            |r| r.get::<_, bool>(0),
+        )
+        .optional()?
+        .unwrap_or(false);
+    if !marked {
+        return Ok(None);
+    }
+    Ok(Some(probe_soon(conn, host, now_ms + PROBE_FIRST_MS)?))
 }
 
 /// Marked peers whose probe is due at `now_ms` and who have an address to probe:

@@ -117,16 +117,20 @@ fn only_an_answering_address_clears_the_mark() {
         })
         .unwrap();
     assert!(s.mailbox.with(|c| due_probes(c, now)).unwrap().is_empty());
-    // The hop path: peer_is_back resets row counts, and the probe comes forward.
-    s.mailbox
-        .with(|c| {
-            outbox::peer_is_back(c, "work", now + 1)?;
-            assert!(probe_soon(c, "work", now + 1)?);
-            Ok(())
-        })
-        .unwrap();
+    // The hop path: the probe comes forward (5 s from now at the soonest).
     assert_eq!(
-        s.mailbox.with(|c| due_probes(c, now + 1)).unwrap(),
+        s.mailbox.with(|c| alive(c, "work", now + 1)).unwrap(),
+        Some(true)
+    );
+    assert!(s
+        .mailbox
+        .with(|c| due_probes(c, now + 1))
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        s.mailbox
+            .with(|c| due_probes(c, now + 1 + PROBE_FIRST_MS))
+            .unwrap(),
         vec![("work".to_string(), "127.0.0.1:1".to_string())]
     );
     assert!(
@@ -460,4 +464,41 @@ fn a_late_rejection_is_kept_not_applied_and_a_late_accept_beats_a_relay_refusal(
     let (state, via, late) = row(&failing);
     assert_eq!((state.as_str(), via.as_deref()), ("delivered", Some("lan")));
     assert!(late.is_some());
+}
+
+/// Evidence the peer is alive (a hop, presence, mDNS) brings a marked peer's probe forward at
+/// most to 5 s from now and never re-times its rows on the relay route; for an unmarked peer
+/// it leaves the caller to do as before.
+#[test]
+fn alive_evidence_brings_the_probe_forward_without_retiming_relay_rows() {
+    let (s, _lan, _failing, relay) = setup();
+    let now = T0 + 1_000;
+    assert_eq!(s.mailbox.with(|c| alive(c, "work", now)).unwrap(), None);
+    s.mailbox
+        .with(|c| {
+            let route = lan_route(c, "work")?;
+            mark_down(c, "work", DownReason::Timeout, now, now + 60_000, &route)?;
+            Ok(())
+        })
+        .unwrap();
+    let relay_next = next_at(&s, &relay);
+    assert_eq!(
+        s.mailbox.with(|c| alive(c, "work", now + 1)).unwrap(),
+        Some(true)
+    );
+    assert_eq!(peer_state(&s).probe_at, Some(now + 1 + PROBE_FIRST_MS));
+    // A burst of hops does not probe more often.
+    for i in 2..50 {
+        assert_eq!(
+            s.mailbox.with(|c| alive(c, "work", now + i)).unwrap(),
+            Some(false)
+        );
+    }
+    assert_eq!(peer_state(&s).probe_at, Some(now + 1 + PROBE_FIRST_MS));
+    assert_eq!(
+        next_at(&s, &relay),
+        relay_next,
+        "relay rows keep their backoff"
+    );
+    assert!(peer_state(&s).down_since.is_some(), "still marked");
 }
