@@ -301,6 +301,70 @@ pub fn alive(conn: &Connection, host: &str, now_ms: i64) -> Result<Option<bool>,
     Ok(Some(probe_soon(conn, host, now_ms + PROBE_FIRST_MS)?))
 }
 
+/// kv key recording that the relay refused mail for `host` with `target not enrolled`
+/// (`crate::transport::select::TARGET_NOT_ENROLLED`); its value is the target key refused.
+pub fn cannot_reach_kv(host: &str) -> String {
+    format!("relay-cannot-reach:{host}")
+}
+
+/// The relay refused mail for `host` (pinned as `target_pubkey`) with `target not enrolled`
+/// (spec §10: a row moves to the relay only once the target is enrolled): recorded for that
+/// key, and a mark is lifted so the LAN takes the peer's mail again (`outbox::back_to_lan`
+/// hands the row back). Without a relay route for the peer nothing is marked again
+/// ([`relay_route`]). Runs in the caller's transaction. Errors: storage faults.
+pub fn relay_cannot_reach(
+    conn: &Connection,
+    host: &str,
+    target_pubkey: &str,
+) -> Result<(), MailboxError> {
+    super::relay_state::kv_set(conn, &cannot_reach_kv(host), target_pubkey)?;
+    conn.execute(
+        "UPDATE peers SET lan_down_since = NULL, lan_down_reason = NULL
+         WHERE host = ?1 AND lan_down_since IS NOT NULL",
+        [host],
+    )?;
+    Ok(())
+}
+
+/// A relay accepted mail for `host`: the target is enrolled there, a recorded refusal
+/// ([`relay_cannot_reach`]) no longer holds. Errors: storage faults.
+pub fn relay_reaches(conn: &Connection, host: &str) -> Result<(), MailboxError> {
+    conn.execute("DELETE FROM kv WHERE k = ?1", [cannot_reach_kv(host)])?;
+    Ok(())
+}
+
+/// Whether a relay route exists for `host` (spec §10), given whether a relay is configured:
+/// the relay loop's last verdict (kv `relay-state:<url>`) is `ok` or `enc-ad-failed` (sending
+/// works), or not recorded yet; and no `target not enrolled` refusal is recorded for the
+/// peer's pinned key ([`relay_cannot_reach`]). Only then does the LAN race apply and a failure
+/// mark the peer. Errors: storage faults.
+pub fn relay_route(conn: &Connection, host: &str, relay: bool) -> Result<bool, MailboxError> {
+    if !relay {
+        return Ok(false);
+    }
+    let states = conn
+        .prepare("SELECT v FROM kv WHERE k LIKE 'relay-state:%'")?
+        .query_map([], |r| r.get::<_, String>(0))?
+        .collect::<Result<Vec<_>, _>>()?;
+    let usable = states.is_empty()
+        || states.iter().any(|v| {
+            serde_json::from_str::<serde_json::Value>(v)
+                .ok()
+                .and_then(|j| j.get("state").and_then(|s| s.as_str()).map(str::to_string))
+                .is_some_and(|s| s == "ok" || s == "enc-ad-failed")
+        });
+    if !usable {
+        return Ok(false);
+    }
+    let refused: bool = conn.query_row(
+        "SELECT EXISTS (SELECT 1 FROM kv k JOIN peers p ON p.host = ?1
+                        WHERE k.k = ?2 AND k.v = p.pubkey)",
+        params![host, cannot_reach_kv(host)],
+        |r| r.get(0),
+    )?;
+    Ok(!refused)
+}
+
 /// Marked peers whose probe is due at `now_ms` and who have an address to probe:
 /// `(host, addr)`.
 pub fn due_probes(conn: &Connection, now_ms: i64) -> Result<Vec<(String, String)>, MailboxError> {

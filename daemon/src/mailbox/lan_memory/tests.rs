@@ -502,3 +502,73 @@ fn alive_evidence_brings_the_probe_forward_without_retiming_relay_rows() {
     );
     assert!(peer_state(&s).down_since.is_some(), "still marked");
 }
+
+/// A relay route for the peer exists only with a relay configured and in use and no
+/// `target not enrolled` recorded for its pinned key; that refusal lifts a mark (the LAN takes
+/// the peer's mail back), and a later relay accept ends it.
+#[test]
+fn a_relay_route_needs_a_usable_relay_and_an_enrolled_target() {
+    let (s, lan, _failing, relay_row) = setup();
+    let me = testutil::identity("home");
+    let now = T0 + 1_000;
+    let route = |relay: bool| s.mailbox.with(|c| relay_route(c, "work", relay)).unwrap();
+    assert!(!route(false), "no relay configured");
+    assert!(route(true), "relay configured, its state not recorded yet");
+    let set_state = |state: &str| {
+        s.mailbox
+            .with(|c| {
+                crate::mailbox::relay_state::kv_set(
+                    c,
+                    "relay-state:https://relay.example",
+                    &format!(r#"{{"state":"{state}","at":"2026-01-01T00:00:00.000Z"}}"#),
+                )
+            })
+            .unwrap()
+    };
+    set_state("key-mismatch");
+    assert!(!route(true), "a relay not in use is no route");
+    set_state("ok");
+    assert!(route(true));
+    s.mailbox
+        .with(|c| {
+            let r = lan_route(c, "work")?;
+            assert!(mark_down(
+                c,
+                "work",
+                DownReason::Refused,
+                now,
+                now + 5_000,
+                &r
+            )?);
+            Ok(())
+        })
+        .unwrap();
+    // The relay refuses: target not enrolled.
+    let failed = s
+        .mailbox
+        .with(|c| {
+            crate::node::outbound::fail_relay_row(
+                c,
+                &me,
+                &relay_row,
+                "work",
+                "target not enrolled",
+                false,
+                true,
+                now,
+            )
+        })
+        .unwrap();
+    assert!(failed.handed_back);
+    assert!(peer_state(&s).down_since.is_none(), "the mark is lifted");
+    assert!(!route(true), "no relay route for this peer's key");
+    // The LAN takes its rows again (the handed-back row once its backoff passed).
+    let lan_rows = s
+        .mailbox
+        .with(|c| outbox::due_for_lan(c, now + 60_000, 100, true))
+        .unwrap();
+    assert!(lan_rows.iter().any(|r| r.msg_id == lan));
+    assert!(lan_rows.iter().any(|r| r.msg_id == relay_row));
+    s.mailbox.with(|c| relay_reaches(c, "work")).unwrap();
+    assert!(route(true));
+}
