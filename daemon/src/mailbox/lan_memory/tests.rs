@@ -572,3 +572,46 @@ fn a_relay_route_needs_a_usable_relay_and_an_enrolled_target() {
     s.mailbox.with(|c| relay_reaches(c, "work")).unwrap();
     assert!(route(true));
 }
+
+/// Rows of a peer with a LAN call open are left out inside the query: a busy peer's backlog
+/// never fills the pass's limit and starves another peer; so are its receipts.
+#[test]
+fn a_busy_peer_never_fills_the_limit_of_a_pass() {
+    let (s, lan, failing, _relay) = setup();
+    let me = testutil::identity("home");
+    s.add_peer(&testutil::identity("play"), true);
+    s.mailbox
+        .with(|c| {
+            c.execute(
+                "UPDATE peers SET addr = '127.0.0.1:2' WHERE host = 'play'",
+                [],
+            )?;
+            Ok(())
+        })
+        .unwrap();
+    let other = "01KDVDNA3VG2MH8KWSQRCWJZ9Z";
+    s.send(&me, "alice", &["bob@play"], "s", other, T0 + 10)
+        .unwrap();
+    let now = T0 + 10_000;
+    let ids = |ex: &[String]| {
+        s.mailbox
+            .with(|c| outbox::due_for_lan_except(c, now, 2, true, ex))
+            .unwrap()
+            .into_iter()
+            .map(|r| r.msg_id)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        ids(&[]),
+        vec![lan.clone(), failing.clone()],
+        "the busy peer fills the limit"
+    );
+    assert_eq!(ids(&["work".to_string()]), vec![other.to_string()]);
+    let receipts = s
+        .mailbox
+        .with(|c| {
+            crate::mailbox::receipts::due_for_lan_except(c, now, 10, true, &["work".to_string()])
+        })
+        .unwrap();
+    assert!(receipts.iter().all(|r| r.host != "work"));
+}

@@ -384,16 +384,19 @@ impl LanDelivery {
         let relay = self
             .relay_configured
             .load(std::sync::atomic::Ordering::Acquire);
+        let busy = self.inflight.hosts();
+        let ex = busy.clone();
         let (rows, due_receipts) = self
             .mailbox
             .run(move |c| {
                 receipts::expire(c, now)?;
                 Ok((
-                    outbox::due_for_lan(c, now, MAX_ROWS_PER_PASS, relay)?,
-                    receipts::due_for_lan(c, now, MAX_RECEIPTS_PER_PASS, relay)?,
+                    outbox::due_for_lan_except(c, now, MAX_ROWS_PER_PASS, relay, &ex)?,
+                    receipts::due_for_lan_except(c, now, MAX_RECEIPTS_PER_PASS, relay, &ex)?,
                 ))
             })
             .await?;
+        // A call may have opened meanwhile: its host is left out too.
         let busy = self.inflight.hosts();
         let mut by_host: BTreeMap<String, Vec<outbox::Row>> = BTreeMap::new();
         for r in rows.into_iter().filter(|r| !busy.contains(&r.host)) {
