@@ -273,6 +273,7 @@ pub async fn run(
         instance: instance.clone(),
         lan: Default::default(),
         rates: crate::api::rate::ApiRates::new(&config.api_rate),
+        relay_configured: Arc::new(config.relay.is_some().into()),
     });
     let relay = config.relay.clone();
     // The running config, re-read when config.toml changes (crate::config_watch).
@@ -357,6 +358,7 @@ pub async fn run(
         lan::deliver::LanDelivery::new(client.clone(), mailbox.clone(), relay_configured);
     delivery.failpoints = failpoints.clone();
     delivery.relay_wake = relay_wake.clone();
+    delivery.relay_configured = state.relay_configured.clone();
     let relay_flag = delivery.relay_configured.clone();
     let deliver_task = tokio::spawn(lan::deliver::run(delivery, lan_wake, stop_rx.clone()));
     let rotate_task = tokio::spawn(lan::rotate_announce::run(

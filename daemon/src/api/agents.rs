@@ -154,6 +154,7 @@ mod tests {
             instance: Default::default(),
             lan: Default::default(),
             rates: Default::default(),
+            relay_configured: Default::default(),
         });
         let body = |text: &'static str| -> Result<ApiJson<RegisterRequest>, ApiError> {
             Ok(ApiJson {

@@ -94,6 +94,10 @@ pub struct AppState {
     pub lan: std::sync::OnceLock<crate::transport::lan::client::LanClient>,
     /// The per-(agent, class) rate tables ([`rate`]; `[api_rate]` in `config.toml`).
     pub rates: rate::ApiRates,
+    /// Whether a relay is configured now: the flag the LAN delivery loop reads at each pass
+    /// (set as `[relay]` comes and goes in `config.toml`); `agentmbx sent` names the relay
+    /// route only while it is set.
+    pub relay_configured: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Checks an agent name given as `as` (NAME_RE): 400 with the rule otherwise, so a typo such as

@@ -56,11 +56,14 @@ pub async fn get(
     }
     let host = state.ident.host.to_string();
     let now = state.clock.now_ms();
+    let relay = state
+        .relay_configured
+        .load(std::sync::atomic::Ordering::Acquire);
     let page = state
         .mailbox
         .run(move |c| {
             let mut page = receipts::sent_page(c, &q.as_agent, &host, q.cursor.as_deref(), limit)?;
-            annotate_routes(c, &mut page, now)?;
+            annotate_routes(c, &mut page, now, relay)?;
             Ok(page)
         })
         .await?;
@@ -68,21 +71,16 @@ pub async fn get(
 }
 
 /// Fills `RecipientState::route` (for `queued` and `repush` remote recipients) and
-/// `RecipientState::late_lan_verdict` on a sent page at `now_ms`. "A relay is in use" is
-/// read from the relay loop's kv `relay-state:<url>` records. Errors: storage faults.
+/// `RecipientState::late_lan_verdict` on a sent page at `now_ms`; `relay`: a relay is
+/// configured now (the daemon's live flag, [`crate::api::AppState::relay_configured`]), never
+/// inferred from what an earlier relay left in the store. Errors: storage faults.
 fn annotate_routes(
     conn: &Connection,
     page: &mut SentPage,
     now_ms: i64,
+    relay: bool,
 ) -> Result<(), MailboxError> {
-    let relay_in_use = conn
-        .query_row(
-            "SELECT 1 FROM kv WHERE k LIKE 'relay-state:%' LIMIT 1",
-            [],
-            |_| Ok(()),
-        )
-        .optional()?
-        .is_some();
+    let relay_in_use = relay;
     for m in &mut page.messages {
         for r in &mut m.recipients {
             if r.state == "queued" || r.state == "repush" {
@@ -156,6 +154,7 @@ mod tests {
             instance: Default::default(),
             lan: Default::default(),
             rates: Default::default(),
+            relay_configured: Default::default(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
@@ -209,5 +208,67 @@ mod tests {
         );
         assert!(recipients[0].get("last_error").is_none(), "{body}");
         task.abort();
+    }
+
+    /// The route of a queued recipient follows the daemon's live relay flag, not what an earlier
+    /// relay left in the store; a late LAN verdict is shown.
+    #[test]
+    fn routes_follow_the_live_relay_flag_and_late_verdicts_are_shown() {
+        use crate::mailbox::lan_memory::{self, DownReason};
+        let store = testutil::store();
+        let me = testutil::identity("home");
+        store.add_peer(&testutil::identity("work"), true);
+        let id = "01KDVDNA3VG2MH8KWSQRCWJZ0S";
+        store
+            .send(&me, "alice", &["bob@work"], "s", id, T0)
+            .unwrap();
+        store
+            .mailbox
+            .with(|c| {
+                c.execute(
+                    "UPDATE peers SET addr = '127.0.0.1:1' WHERE host = 'work'",
+                    [],
+                )?;
+                c.execute(
+                    "UPDATE outbox SET late_lan_verdict = 'rejected:too big' WHERE msg_id = ?1",
+                    [id],
+                )?;
+                // A relay that was configured once left its state behind.
+                crate::mailbox::relay_state::kv_set(
+                    c,
+                    "relay-state:https://relay.example",
+                    r#"{"state":"ok","at":"2026-01-01T00:00:00.000Z"}"#,
+                )?;
+                let route = lan_memory::lan_route(c, "work")?;
+                lan_memory::mark_down(c, "work", DownReason::Refused, T0, T0 + 5_000, &route)?;
+                Ok(())
+            })
+            .unwrap();
+        let page = |relay: bool| {
+            store
+                .mailbox
+                .with(|c| {
+                    let mut page = super::receipts::sent_page(c, "alice", "home", None, 10)?;
+                    super::annotate_routes(c, &mut page, T0 + 1_000, relay)?;
+                    Ok(page)
+                })
+                .unwrap()
+        };
+        let off = page(false);
+        let r = &off.messages[0].recipients[0];
+        let route = r.route.as_deref().unwrap_or_default();
+        assert!(route.starts_with("lan (unreachable since"), "{route}");
+        assert!(route.ends_with("no relay configured)"), "{route}");
+        assert_eq!(r.late_lan_verdict.as_deref(), Some("rejected:too big"));
+        let on = page(true);
+        let route = on.messages[0].recipients[0]
+            .route
+            .clone()
+            .unwrap_or_default();
+        assert!(
+            route.starts_with("relay (LAN unreachable since")
+                && route.ends_with("next LAN probe in 4 s)"),
+            "{route}"
+        );
     }
 }

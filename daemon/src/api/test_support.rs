@@ -68,6 +68,7 @@ impl Api {
             instance: instance.clone(),
             lan: Default::default(),
             rates: super::rate::ApiRates::new(&rates),
+            relay_configured: Default::default(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());

@@ -15,7 +15,8 @@
 //!   try (`outbox::peer_is_back`); the backoff count is kept across marks until a real LAN
 //!   delivery succeeds ([`lan_delivered`]) or the peer stays unmarked for [`STABLE_MS`].
 //! - An inbound hop from the peer proves it is alive, not that its address answers:
-//!   [`probe_soon`] brings the next probe forward; it never clears the mark.
+//!   [`alive`] brings the next probe forward (at most one probe per [`PROBE_FIRST_MS`] on that
+//!   account); it never clears the mark and never re-times rows on the relay route.
 //!
 //! SQL only: no network, no clock, no randomness (the caller passes times and the jittered
 //! probe time). It never opens a transaction: every function runs in the caller's.
@@ -276,6 +277,92 @@ pub fn probe_soon(conn: &Connection, host: &str, at: i64) -> Result<bool, Mailbo
         params![host, at],
     )?;
     Ok(n == 1)
+}
+
+/// Evidence that `host` is alive that does not prove its address answers (an inbound hop, a
+/// presence announcement, an mDNS sighting at its pinned address). For a marked peer it only
+/// brings the next probe forward to `now_ms` + [`PROBE_FIRST_MS`] at the soonest
+/// ([`probe_soon`]): however often such evidence comes, the address is probed at most once per
+/// [`PROBE_FIRST_MS`] on its account, and rows on the relay route keep their `next_at` (spec §10:
+/// the relay pass respects it). Returns `None` when the peer is not marked (the caller treats
+/// the evidence as it always did), else `Some(whether the probe moved)`. Errors: storage faults.
+pub fn alive(conn: &Connection, host: &str, now_ms: i64) -> Result<Option<bool>, MailboxError> {
+    let marked = conn
+        .query_row(
+            "SELECT lan_down_since IS NOT NULL FROM peers WHERE host = ?1",
+            [host],
+            |r| r.get::<_, bool>(0),
+        )
+        .optional()?
+        .unwrap_or(false);
+    if !marked {
+        return Ok(None);
+    }
+    Ok(Some(probe_soon(conn, host, now_ms + PROBE_FIRST_MS)?))
+}
+
+/// kv key recording that the relay refused mail for `host` with `target not enrolled`
+/// (`crate::transport::select::TARGET_NOT_ENROLLED`); its value is the target key refused.
+pub fn cannot_reach_kv(host: &str) -> String {
+    format!("relay-cannot-reach:{host}")
+}
+
+/// The relay refused mail for `host` (pinned as `target_pubkey`) with `target not enrolled`
+/// (spec §10: a row moves to the relay only once the target is enrolled): recorded for that
+/// key, and a mark is lifted so the LAN takes the peer's mail again (`outbox::back_to_lan`
+/// hands the row back). Without a relay route for the peer nothing is marked again
+/// ([`relay_route`]). Runs in the caller's transaction. Errors: storage faults.
+pub fn relay_cannot_reach(
+    conn: &Connection,
+    host: &str,
+    target_pubkey: &str,
+) -> Result<(), MailboxError> {
+    super::relay_state::kv_set(conn, &cannot_reach_kv(host), target_pubkey)?;
+    conn.execute(
+        "UPDATE peers SET lan_down_since = NULL, lan_down_reason = NULL
+         WHERE host = ?1 AND lan_down_since IS NOT NULL",
+        [host],
+    )?;
+    Ok(())
+}
+
+/// A relay accepted mail for `host`: the target is enrolled there, a recorded refusal
+/// ([`relay_cannot_reach`]) no longer holds. Errors: storage faults.
+pub fn relay_reaches(conn: &Connection, host: &str) -> Result<(), MailboxError> {
+    conn.execute("DELETE FROM kv WHERE k = ?1", [cannot_reach_kv(host)])?;
+    Ok(())
+}
+
+/// Whether a relay route exists for `host` (spec §10), given whether a relay is configured:
+/// the relay loop's last verdict (kv `relay-state:<url>`) is `ok` or `enc-ad-failed` (sending
+/// works), or not recorded yet; and no `target not enrolled` refusal is recorded for the
+/// peer's pinned key ([`relay_cannot_reach`]). Only then does the LAN race apply and a failure
+/// mark the peer. Errors: storage faults.
+pub fn relay_route(conn: &Connection, host: &str, relay: bool) -> Result<bool, MailboxError> {
+    if !relay {
+        return Ok(false);
+    }
+    let states = conn
+        .prepare("SELECT v FROM kv WHERE k LIKE 'relay-state:%'")?
+        .query_map([], |r| r.get::<_, String>(0))?
+        .collect::<Result<Vec<_>, _>>()?;
+    let usable = states.is_empty()
+        || states.iter().any(|v| {
+            serde_json::from_str::<serde_json::Value>(v)
+                .ok()
+                .and_then(|j| j.get("state").and_then(|s| s.as_str()).map(str::to_string))
+                .is_some_and(|s| s == "ok" || s == "enc-ad-failed")
+        });
+    if !usable {
+        return Ok(false);
+    }
+    let refused: bool = conn.query_row(
+        "SELECT EXISTS (SELECT 1 FROM kv k JOIN peers p ON p.host = ?1
+                        WHERE k.k = ?2 AND k.v = p.pubkey)",
+        params![host, cannot_reach_kv(host)],
+        |r| r.get(0),
+    )?;
+    Ok(!refused)
 }
 
 /// Marked peers whose probe is due at `now_ms` and who have an address to probe:

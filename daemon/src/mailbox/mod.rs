@@ -184,16 +184,35 @@ pub(crate) fn select_due<T>(
     relay_configured: bool,
     map: fn(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
 ) -> Result<Vec<T>, MailboxError> {
+    select_due_except(conn, sql, now_ms, limit, relay_configured, None, map)
+}
+
+/// [`select_due`] for an `sql` that also uses `:ex` (a JSON array of peer handles to leave
+/// out, e.g. `host NOT IN (SELECT value FROM json_each(:ex))`) when `exclude` is given.
+pub(crate) fn select_due_except<T>(
+    conn: &Connection,
+    sql: &str,
+    now_ms: i64,
+    limit: usize,
+    relay_configured: bool,
+    exclude: Option<&[String]>,
+    map: fn(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+) -> Result<Vec<T>, MailboxError> {
     let mut st = conn.prepare(sql)?;
+    let limit = limit as i64;
+    let t = lane::LAN_FAILURES_BEFORE_RELAY;
+    let ex = exclude.map(|e| serde_json::to_string(e).unwrap_or_else(|_| "[]".into()));
+    let mut params: Vec<(&str, &dyn rusqlite::ToSql)> = vec![
+        (":now", &now_ms),
+        (":limit", &limit),
+        (":t", &t),
+        (":r", &relay_configured),
+    ];
+    if let Some(ex) = &ex {
+        params.push((":ex", ex));
+    }
     let rows = st
-        .query_map(
-            rusqlite::named_params! {
-                ":now": now_ms, ":limit": limit as i64,
-                ":t": lane::LAN_FAILURES_BEFORE_RELAY,
-                ":r": relay_configured,
-            },
-            map,
-        )?
+        .query_map(params.as_slice(), map)?
         .collect::<Result<Vec<_>, _>>()?;
     Ok(rows)
 }

@@ -229,14 +229,36 @@ pub fn due_for_lan(
     limit: usize,
     relay_configured: bool,
 ) -> Result<Vec<Row>, MailboxError> {
+    due_for_lan_except(conn, now_ms, limit, relay_configured, &[])
+}
+
+/// [`due_for_lan`] leaving out the rows of the peers in `exclude` (a LAN call to them is still
+/// open) inside the query, so a busy peer's backlog never fills the `limit` and starves the
+/// others.
+pub fn due_for_lan_except(
+    conn: &Connection,
+    now_ms: i64,
+    limit: usize,
+    relay_configured: bool,
+    exclude: &[String],
+) -> Result<Vec<Row>, MailboxError> {
     let sql = format!(
         "SELECT {COLS} FROM outbox o JOIN peers p ON p.host = o.host
          WHERE o.state IN {SENDABLE_SQL} AND {} AND {}
+           AND o.host NOT IN (SELECT value FROM json_each(:ex))
          ORDER BY o.rowid LIMIT :limit",
         row_due_sql(),
         lan_sql()
     );
-    super::select_due(conn, &sql, now_ms, limit, relay_configured, row)
+    super::select_due_except(
+        conn,
+        &sql,
+        now_ms,
+        limit,
+        relay_configured,
+        Some(exclude),
+        row,
+    )
 }
 
 /// `pending` and `repush` rows due at `now_ms` that the relay takes (spec §10): every due row

@@ -126,13 +126,34 @@ pub fn due_for_lan(
     limit: usize,
     relay_configured: bool,
 ) -> Result<Vec<Row>, MailboxError> {
+    due_for_lan_except(conn, now_ms, limit, relay_configured, &[])
+}
+
+/// [`due_for_lan`] leaving out the receipts owed to the peers in `exclude` (a LAN call to them
+/// is still open) inside the query, so a busy peer never fills the `limit`.
+pub fn due_for_lan_except(
+    conn: &Connection,
+    now_ms: i64,
+    limit: usize,
+    relay_configured: bool,
+    exclude: &[String],
+) -> Result<Vec<Row>, MailboxError> {
     let sql = format!(
         "SELECT {COLS} FROM receipt_outbox r JOIN peers p ON p.host = r.host
-         WHERE {} AND {} ORDER BY r.seq LIMIT :limit",
+         WHERE {} AND {} AND r.host NOT IN (SELECT value FROM json_each(:ex))
+         ORDER BY r.seq LIMIT :limit",
         receipt_due_sql(),
         lan_sql()
     );
-    super::select_due(conn, &sql, now_ms, limit, relay_configured, row)
+    super::select_due_except(
+        conn,
+        &sql,
+        now_ms,
+        limit,
+        relay_configured,
+        Some(exclude),
+        row,
+    )
 }
 
 /// Due receipts the relay takes: the peer is pinned (its key is the target) and the LAN failed

@@ -326,8 +326,10 @@ pub fn fail_lan_receipts(
 
 /// A verified relay accept of row `msg_id` → `host` ([`outbox::settle_accepted`]: the row is
 /// `relay-accepted` with the relay, epoch, seq, accept record and signature of `a`, keeping a
-/// first accept time and deadline). One statement, no explicit transaction. Returns whether
-/// the row changed (false: it was no longer `pending` or `repush`). Errors: storage faults.
+/// first accept time and deadline), and a recorded `target not enrolled` refusal for the
+/// peer no longer holds ([`lan_memory::relay_reaches`]). No explicit transaction (run it in
+/// one when the two must go together). Returns whether the row changed (false: it was no
+/// longer `pending` or `repush`). Errors: storage faults.
 pub fn settle_relay_accept(
     conn: &Connection,
     msg_id: &str,
@@ -335,7 +337,11 @@ pub fn settle_relay_accept(
     a: &outbox::Accepted<'_>,
     now_ms: i64,
 ) -> Result<bool, MailboxError> {
-    outbox::settle_accepted(conn, msg_id, host, a, now_ms)
+    let changed = outbox::settle_accepted(conn, msg_id, host, a, now_ms)?;
+    if changed {
+        lan_memory::relay_reaches(conn, host)?;
+    }
+    Ok(changed)
 }
 
 /// A receipt push the relay did not answer (a network or server error): each of `seqs` is
@@ -367,8 +373,9 @@ pub struct RelayFailed {
 /// ([`alert::outbox_undelivered`], [`outbox::gave_up_reason`]); a retried row with `to_lan`
 /// (the relay cannot reach its target, `crate::transport::select::relay_cannot_reach`) is
 /// retargeted if its peer rotated away from its key ([`outbox::follow_rotations`]) and handed
-/// back to the LAN ([`outbox::back_to_lan`]). Errors: storage faults (nothing is committed
-/// then).
+/// back to the LAN ([`outbox::back_to_lan`]); the refusal is recorded for the peer's key and a
+/// LAN mark of the peer is lifted ([`lan_memory::relay_cannot_reach`]: no relay route, so the
+/// LAN keeps the peer's mail). Errors: storage faults (nothing is committed then).
 #[allow(clippy::too_many_arguments)]
 pub fn fail_relay_row(
     conn: &mut Connection,
@@ -392,6 +399,16 @@ pub fn fail_relay_row(
             alert::outbox_undelivered(&tx, ident, msg_id, host, &why, now_ms)?;
         }
         outbox::Failure::Retry if to_lan => {
+            let target: Option<String> = tx
+                .query_row(
+                    "SELECT target_pubkey FROM outbox WHERE msg_id = ?1 AND host = ?2",
+                    rusqlite::params![msg_id, host],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            if let Some(target) = target {
+                lan_memory::relay_cannot_reach(&tx, host, &target)?;
+            }
             retargeted = outbox::follow_rotations(&tx, Some(msg_id), now_ms)?;
             handed_back = outbox::back_to_lan(&tx, msg_id, host)?;
         }

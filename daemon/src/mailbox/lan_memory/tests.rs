@@ -117,16 +117,20 @@ fn only_an_answering_address_clears_the_mark() {
         })
         .unwrap();
     assert!(s.mailbox.with(|c| due_probes(c, now)).unwrap().is_empty());
-    // The hop path: peer_is_back resets row counts, and the probe comes forward.
-    s.mailbox
-        .with(|c| {
-            outbox::peer_is_back(c, "work", now + 1)?;
-            assert!(probe_soon(c, "work", now + 1)?);
-            Ok(())
-        })
-        .unwrap();
+    // The hop path: the probe comes forward (5 s from now at the soonest).
     assert_eq!(
-        s.mailbox.with(|c| due_probes(c, now + 1)).unwrap(),
+        s.mailbox.with(|c| alive(c, "work", now + 1)).unwrap(),
+        Some(true)
+    );
+    assert!(s
+        .mailbox
+        .with(|c| due_probes(c, now + 1))
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        s.mailbox
+            .with(|c| due_probes(c, now + 1 + PROBE_FIRST_MS))
+            .unwrap(),
         vec![("work".to_string(), "127.0.0.1:1".to_string())]
     );
     assert!(
@@ -460,4 +464,154 @@ fn a_late_rejection_is_kept_not_applied_and_a_late_accept_beats_a_relay_refusal(
     let (state, via, late) = row(&failing);
     assert_eq!((state.as_str(), via.as_deref()), ("delivered", Some("lan")));
     assert!(late.is_some());
+}
+
+/// Evidence the peer is alive (a hop, presence, mDNS) brings a marked peer's probe forward at
+/// most to 5 s from now and never re-times its rows on the relay route; for an unmarked peer
+/// it leaves the caller to do as before.
+#[test]
+fn alive_evidence_brings_the_probe_forward_without_retiming_relay_rows() {
+    let (s, _lan, _failing, relay) = setup();
+    let now = T0 + 1_000;
+    assert_eq!(s.mailbox.with(|c| alive(c, "work", now)).unwrap(), None);
+    s.mailbox
+        .with(|c| {
+            let route = lan_route(c, "work")?;
+            mark_down(c, "work", DownReason::Timeout, now, now + 60_000, &route)?;
+            Ok(())
+        })
+        .unwrap();
+    let relay_next = next_at(&s, &relay);
+    assert_eq!(
+        s.mailbox.with(|c| alive(c, "work", now + 1)).unwrap(),
+        Some(true)
+    );
+    assert_eq!(peer_state(&s).probe_at, Some(now + 1 + PROBE_FIRST_MS));
+    // A burst of hops does not probe more often.
+    for i in 2..50 {
+        assert_eq!(
+            s.mailbox.with(|c| alive(c, "work", now + i)).unwrap(),
+            Some(false)
+        );
+    }
+    assert_eq!(peer_state(&s).probe_at, Some(now + 1 + PROBE_FIRST_MS));
+    assert_eq!(
+        next_at(&s, &relay),
+        relay_next,
+        "relay rows keep their backoff"
+    );
+    assert!(peer_state(&s).down_since.is_some(), "still marked");
+}
+
+/// A relay route for the peer exists only with a relay configured and in use and no
+/// `target not enrolled` recorded for its pinned key; that refusal lifts a mark (the LAN takes
+/// the peer's mail back), and a later relay accept ends it.
+#[test]
+fn a_relay_route_needs_a_usable_relay_and_an_enrolled_target() {
+    let (s, lan, _failing, relay_row) = setup();
+    let me = testutil::identity("home");
+    let now = T0 + 1_000;
+    let route = |relay: bool| s.mailbox.with(|c| relay_route(c, "work", relay)).unwrap();
+    assert!(!route(false), "no relay configured");
+    assert!(route(true), "relay configured, its state not recorded yet");
+    let set_state = |state: &str| {
+        s.mailbox
+            .with(|c| {
+                crate::mailbox::relay_state::kv_set(
+                    c,
+                    "relay-state:https://relay.example",
+                    &format!(r#"{{"state":"{state}","at":"2026-01-01T00:00:00.000Z"}}"#),
+                )
+            })
+            .unwrap()
+    };
+    set_state("key-mismatch");
+    assert!(!route(true), "a relay not in use is no route");
+    set_state("ok");
+    assert!(route(true));
+    s.mailbox
+        .with(|c| {
+            let r = lan_route(c, "work")?;
+            assert!(mark_down(
+                c,
+                "work",
+                DownReason::Refused,
+                now,
+                now + 5_000,
+                &r
+            )?);
+            Ok(())
+        })
+        .unwrap();
+    // The relay refuses: target not enrolled.
+    let failed = s
+        .mailbox
+        .with(|c| {
+            crate::node::outbound::fail_relay_row(
+                c,
+                &me,
+                &relay_row,
+                "work",
+                "target not enrolled",
+                false,
+                true,
+                now,
+            )
+        })
+        .unwrap();
+    assert!(failed.handed_back);
+    assert!(peer_state(&s).down_since.is_none(), "the mark is lifted");
+    assert!(!route(true), "no relay route for this peer's key");
+    // The LAN takes its rows again (the handed-back row once its backoff passed).
+    let lan_rows = s
+        .mailbox
+        .with(|c| outbox::due_for_lan(c, now + 60_000, 100, true))
+        .unwrap();
+    assert!(lan_rows.iter().any(|r| r.msg_id == lan));
+    assert!(lan_rows.iter().any(|r| r.msg_id == relay_row));
+    s.mailbox.with(|c| relay_reaches(c, "work")).unwrap();
+    assert!(route(true));
+}
+
+/// Rows of a peer with a LAN call open are left out inside the query: a busy peer's backlog
+/// never fills the pass's limit and starves another peer; so are its receipts.
+#[test]
+fn a_busy_peer_never_fills_the_limit_of_a_pass() {
+    let (s, lan, failing, _relay) = setup();
+    let me = testutil::identity("home");
+    s.add_peer(&testutil::identity("play"), true);
+    s.mailbox
+        .with(|c| {
+            c.execute(
+                "UPDATE peers SET addr = '127.0.0.1:2' WHERE host = 'play'",
+                [],
+            )?;
+            Ok(())
+        })
+        .unwrap();
+    let other = "01KDVDNA3VG2MH8KWSQRCWJZ9Z";
+    s.send(&me, "alice", &["bob@play"], "s", other, T0 + 10)
+        .unwrap();
+    let now = T0 + 10_000;
+    let ids = |ex: &[String]| {
+        s.mailbox
+            .with(|c| outbox::due_for_lan_except(c, now, 2, true, ex))
+            .unwrap()
+            .into_iter()
+            .map(|r| r.msg_id)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        ids(&[]),
+        vec![lan.clone(), failing.clone()],
+        "the busy peer fills the limit"
+    );
+    assert_eq!(ids(&["work".to_string()]), vec![other.to_string()]);
+    let receipts = s
+        .mailbox
+        .with(|c| {
+            crate::mailbox::receipts::due_for_lan_except(c, now, 10, true, &["work".to_string()])
+        })
+        .unwrap();
+    assert!(receipts.iter().all(|r| r.host != "work"));
 }

@@ -338,12 +338,34 @@ impl LanDelivery {
 
     /// How a failed attempt bears on the peer's LAN memory: `down` as found, a relay
     /// configured or not, the first probe jittered ([`lan_memory::probe_delay_ms`]).
-    fn verdict(&self, down: Option<DownReason>, local: bool) -> outbound::LanVerdict {
+    fn verdict(&self, down: Option<DownReason>, local: bool, relay: bool) -> outbound::LanVerdict {
         outbound::LanVerdict {
             down,
-            relay_configured: self.relay(),
+            relay_configured: relay,
             local,
             probe_at: self.now() + lan_memory::probe_delay_ms(0, rand::random::<f64>()),
+        }
+    }
+
+    /// Whether a relay route exists for `host` now ([`lan_memory::relay_route`]: a relay
+    /// configured, in use, and no `target not enrolled` recorded for the peer's key): only then
+    /// is a LAN attempt raced and a failure a mark. A storage fault reads as no route (the LAN's
+    /// own timeouts stand, nothing is marked).
+    async fn relay_route(&self, host: &str) -> bool {
+        let (relay, h) = (self.relay(), host.to_string());
+        if !relay {
+            return false;
+        }
+        match self
+            .mailbox
+            .run(move |c| lan_memory::relay_route(c, &h, relay))
+            .await
+        {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(peer = %host, error = %e, "cannot read the relay route");
+                false
+            }
         }
     }
 
@@ -362,16 +384,19 @@ impl LanDelivery {
         let relay = self
             .relay_configured
             .load(std::sync::atomic::Ordering::Acquire);
+        let busy = self.inflight.hosts();
+        let ex = busy.clone();
         let (rows, due_receipts) = self
             .mailbox
             .run(move |c| {
                 receipts::expire(c, now)?;
                 Ok((
-                    outbox::due_for_lan(c, now, MAX_ROWS_PER_PASS, relay)?,
-                    receipts::due_for_lan(c, now, MAX_RECEIPTS_PER_PASS, relay)?,
+                    outbox::due_for_lan_except(c, now, MAX_ROWS_PER_PASS, relay, &ex)?,
+                    receipts::due_for_lan_except(c, now, MAX_RECEIPTS_PER_PASS, relay, &ex)?,
                 ))
             })
             .await?;
+        // A call may have opened meanwhile: its host is left out too.
         let busy = self.inflight.hosts();
         let mut by_host: BTreeMap<String, Vec<outbox::Row>> = BTreeMap::new();
         for r in rows.into_iter().filter(|r| !busy.contains(&r.host)) {
@@ -620,7 +645,7 @@ impl LanDelivery {
         }
         liveness::progress();
         let fetch = self.client.get_enc_key(addr, peer);
-        let fetched = if self.relay() {
+        let fetched = if self.relay_route(&peer.host).await {
             match tokio::time::timeout(self.race, fetch).await {
                 Ok(r) => r,
                 Err(_) => Err(race_lost(self.race)),
@@ -817,7 +842,7 @@ impl LanDelivery {
         batch: &[outbox::Row],
         wires: Vec<Vec<u8>>,
     ) -> Raced<Vec<super::client::EnvelopeResult>> {
-        if !self.relay() {
+        if !self.relay_route(host).await {
             return Raced::Answer(paced(host, || self.client.post_envelopes(addr, &wires)).await);
         }
         let window = race_window(
@@ -934,7 +959,7 @@ impl LanDelivery {
             error.to_string(),
             self.now(),
         );
-        let verdict = self.verdict(down, local);
+        let verdict = self.verdict(down, local, self.relay_route(host).await);
         let failed = self
             .mailbox
             .run(move |c| outbound::fail_lan_rows(c, &ident, &h, &ids, &e, verdict, now))
@@ -985,7 +1010,7 @@ impl LanDelivery {
             .await?;
         let seqs: Vec<i64> = wires.iter().map(|w| w.0).collect();
         let bytes: Vec<Vec<u8>> = wires.into_iter().map(|w| w.1).collect();
-        let relay = self.relay();
+        let relay = self.relay_route(host).await;
         let window = race_window(self.race, bytes.iter().map(Vec::len).sum());
         // With a relay each attempt is raced on its own, never the pauses after a 429. A
         // receipt attempt that loses the race is dropped, not detached: its receipts go via
@@ -1023,7 +1048,7 @@ impl LanDelivery {
                 tracing::warn!(peer = %host, error = %e, unsupported, "delivery receipts not sent");
                 let err = e.to_string();
                 let down = down_reason(&e);
-                let verdict = self.verdict(down, false);
+                let verdict = self.verdict(down, false, relay);
                 let h = host.to_string();
                 let marked = self
                     .mailbox

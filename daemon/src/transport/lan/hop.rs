@@ -227,12 +227,13 @@ async fn verified(
         .run(move |conn| {
             let tx = conn.transaction()?;
             peers::seen(&tx, &host, now)?;
-            let mut due = outbox::peer_is_back(&tx, &host, now)?;
             // Alive, but its address is not proven to answer: a marked peer stays on the relay
-            // and its address is probed soon (mailbox::lan_memory).
-            if crate::mailbox::lan_memory::probe_soon(&tx, &host, now)? {
-                due += 1;
-            }
+            // (its rows keep their relay backoff) and its address is probed soon
+            // (mailbox::lan_memory).
+            let due = match crate::mailbox::lan_memory::alive(&tx, &host, now)? {
+                None => outbox::peer_is_back(&tx, &host, now)?,
+                Some(moved) => usize::from(moved),
+            };
             if let Some(addr) = &learn {
                 relay_state::kv_set(&tx, &last_seen_key(&host), addr)?;
             }

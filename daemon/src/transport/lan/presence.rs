@@ -597,7 +597,7 @@ pub async fn accept_presence(
             )?;
             let peer = peers::by_name(&tx, &host_s)?;
             // A presence announcement: probe a marked address now (mailbox::lan_memory).
-            let probe = crate::mailbox::lan_memory::probe_soon(&tx, &host_s, now)?;
+            let probe = crate::mailbox::lan_memory::alive(&tx, &host_s, now)? == Some(true);
             let go = match &peer {
                 Some(p) => {
                     should_move(&tx, &host_s, p.addr.as_deref(), Some(&addrs))?
@@ -718,7 +718,7 @@ pub async fn consider_mdns(
             {
                 // Sighted at its pinned address: probe it now if it is marked LAN down
                 // (mailbox::lan_memory); the probe's answer clears the mark.
-                if crate::mailbox::lan_memory::probe_soon(conn, &host_s, now)? {
+                if crate::mailbox::lan_memory::alive(conn, &host_s, now)? == Some(true) {
                     return Ok(Some(None));
                 }
                 return Ok(None);
@@ -845,6 +845,13 @@ pub async fn set_addr_by_owner(
                 // Unproven (forced), or already the pinned address: no heal to record.
                 peers::set_addr(&tx, &host_s, &addr_s, Via::Cli.as_str())?;
                 outbox::peer_is_back(&tx, &host_s, now)?;
+                if verified {
+                    // Its signed status answered there: the address answers, the mark clears.
+                    crate::mailbox::lan_memory::clear(&tx, &host_s, now)?;
+                } else {
+                    // Set without proof: probe it now.
+                    crate::mailbox::lan_memory::probe_soon(&tx, &host_s, now)?;
+                }
             }
             tx.commit()?;
             Ok(Ok(()))

@@ -165,3 +165,58 @@ async fn plain_server() -> (String, tokio::task::JoinHandle<()>) {
     });
     (addr, task)
 }
+
+/// The owner setting the address already pinned: verified, the LAN mark clears (its signed
+/// status answered there); forced while it does not answer, the mark stays and the address is
+/// probed now.
+#[tokio::test]
+async fn the_owner_setting_the_pinned_address_again_clears_or_probes_the_mark() {
+    use crate::mailbox::lan_memory::{self, DownReason};
+    crate::install_tls_provider();
+    let clock = testutil::clock();
+    let a = node("alpha", &clock, None).await;
+    let b = node("beta", &clock, None).await;
+    let live = a.addr.to_string();
+    b.pin(&a, &live);
+    let mark = |now: i64| {
+        b.store
+            .mailbox
+            .with(|c| {
+                let route = lan_memory::lan_route(c, "alpha")?;
+                lan_memory::mark_down(c, "alpha", DownReason::Timeout, now, now + 60_000, &route)
+            })
+            .unwrap()
+    };
+    let state = || {
+        b.store
+            .mailbox
+            .with(|c| lan_memory::get(c, "alpha"))
+            .unwrap()
+            .unwrap()
+    };
+    assert!(mark(T0));
+    assert!(
+        owner_sets(&b, "alpha", &live, false)
+            .await
+            .unwrap()
+            .verified
+    );
+    assert_eq!(
+        state().down_since,
+        None,
+        "verified at the pinned address: cleared"
+    );
+
+    // A pinned address that does not answer, forced again: unproven.
+    let dead = dead_addr();
+    b.pin(&a, &dead);
+    let now = agentmbx_protocol::clock::Clock::now_ms(&*clock);
+    assert!(mark(now));
+    assert!(!owner_sets(&b, "alpha", &dead, true).await.unwrap().verified);
+    let st = state();
+    assert_eq!(
+        (st.down_since, st.probe_at),
+        (Some(now), Some(now)),
+        "forced: probed now"
+    );
+}
