@@ -441,7 +441,7 @@ async fn run(n: usize) -> Res<()> {
     );
     println!(
         "BENCH {}",
-        json!({"id": "relay-stream-rss", "label": "relay RSS growth per idle push stream",
+        json!({"id": "relay_streams_kib_per_stream", "label": "relay RSS growth per idle push stream",
                "unit": "KiB/stream", "median": per, "min": per, "max": per, "runs": 1,
                "extra": {"streams": n, "rss_before_kib": before, "rss_after_kib": after,
                          "rss_idle_kib": idle, "open_s": opened_in.as_secs_f64(),
@@ -468,7 +468,7 @@ async fn run(n: usize) -> Res<()> {
     );
     println!(
         "BENCH {}",
-        json!({"id": "relay-stream-shutdown", "label": "relay exit on SIGTERM with every stream open",
+        json!({"id": "relay_streams_shutdown_ms", "label": "relay exit on SIGTERM with every stream open",
                "unit": "ms", "median": stop_ms, "min": stop_ms, "max": stop_ms, "runs": 1,
                "extra": {"streams": n + WARM_UP}})
     );
