@@ -153,26 +153,26 @@ impl InFlight {
         }
     }
 
+    /// The counts; a panic elsewhere while holding the lock leaves them consistent (each
+    /// change is one map operation), so a poisoned lock is taken as it is.
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, usize>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     fn count_in(&self, host: &str) {
-        if let Ok(mut m) = self.0.lock() {
-            *m.entry(host.to_string()).or_default() += 1;
-        }
+        *self.map().entry(host.to_string()).or_default() += 1;
     }
 
     /// The peers with a call open now.
     pub fn hosts(&self) -> Vec<String> {
-        self.0
-            .lock()
-            .map(|m| m.keys().cloned().collect())
-            .unwrap_or_default()
+        self.map().keys().cloned().collect()
     }
 
     /// Open calls to `host`.
     pub fn count(&self, host: &str) -> usize {
-        self.0
-            .lock()
-            .map(|m| m.get(host).copied().unwrap_or(0))
-            .unwrap_or(0)
+        self.map().get(host).copied().unwrap_or(0)
     }
 }
 
@@ -184,7 +184,8 @@ struct InFlightGuard {
 
 impl Drop for InFlightGuard {
     fn drop(&mut self) {
-        if let Ok(mut m) = self.map.0.lock() {
+        {
+            let mut m = self.map.map();
             if let Some(n) = m.get_mut(&self.host) {
                 *n = n.saturating_sub(1);
                 if *n == 0 {
