@@ -737,7 +737,8 @@ impl LanDelivery {
     }
 
     /// Posts sealed rows in batches; the first failed batch fails it and every later row of
-    /// the host in this pass.
+    /// the host in this pass, except after a lost race: then only the batch sent counts an
+    /// attempt (the mark hands the later ones to the relay).
     async fn send_sealed(
         &self,
         host: &str,
@@ -764,9 +765,10 @@ impl LanDelivery {
                         self.race.as_millis()
                     );
                     tracing::warn!(peer = %host, addr, error = %e, "LAN delivery hangs");
-                    let rest = &rows[range.start..];
+                    // Only the batch that was sent counts a LAN attempt; the later ones were
+                    // never sent, and the mark switches them to the relay with the rest.
                     counts.add(
-                        self.fail_rows(host, rest, &e, Some(DownReason::Timeout), false)
+                        self.fail_rows(host, batch, &e, Some(DownReason::Timeout), false)
                             .await?,
                     );
                     break;
