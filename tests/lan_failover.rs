@@ -147,9 +147,9 @@ fn serve(mut client: TcpStream, mode: Arc<Mutex<Mode>>) {
         };
         let now = mode.lock().expect("mode lock").clone();
         let target = match now {
-            // Never answers: the bytes are read and dropped, the connection stays open.
-            Mode::Hang if upstream.is_none() => continue,
-            Mode::Hang => None,
+            // Never answers: the bytes are read and dropped, the connection stays open (a
+            // pooled connection that forwarded before included).
+            Mode::Hang => continue,
             Mode::Pass(t) => Some(t),
             Mode::DelayEnvelopes(t, d) => {
                 if buf[..n].starts_with(b"POST /v2/envelopes") {
@@ -247,21 +247,34 @@ fn a_refusing_lan_address_sends_every_row_to_the_relay_after_one_attempt() {
     assert_eq!(log_lines(&mesh.a, MARKED), 1);
 }
 
-/// B's LAN address accepts and never answers: one hang marks it (the 2 s race), the first
-/// message goes through the relay within a few seconds, the queued and later rows never try
-/// the LAN.
+/// B's LAN address accepts and never answers: one hang marks it (the 2 s race on the envelope
+/// POST: A already has B's enc key from a first message over the LAN), the first message goes
+/// through the relay within about 3 s, the queued and later rows never try the LAN.
 #[test]
 fn a_hung_lan_address_costs_one_race_and_the_first_message_arrives_within_seconds() {
     let stand_in = StandIn::start(Mode::Hang);
     let mesh = mesh_with_b_at(stand_in.addr);
+    // A first message over the LAN while the address answers: A pins B's enc key, so the next
+    // attempt is the envelope POST itself.
+    stand_in.set(Mode::Pass(mesh.b.lan_addr()));
+    let m0 = send_to_bob(&mesh, "over the LAN");
+    wait_stored_once(&mesh, std::slice::from_ref(&m0));
+    wait_delivered_via(&mesh.a, std::slice::from_ref(&m0), "lan");
+    assert_eq!(lan_attempts(&mesh.a), 0, "{}", mesh.a.log());
+    stand_in.set(Mode::Hang);
     let started = Instant::now();
     let first = send_to_bob(&mesh, "first");
     wait_stored_once(&mesh, std::slice::from_ref(&first));
     let took = started.elapsed();
     eprintln!("hung: first message stored at B after {took:?}");
     assert!(
-        took < Duration::from_secs(6),
+        took < Duration::from_millis(4_500),
         "the first message took {took:?}"
+    );
+    assert!(
+        mesh.a.log().contains("LAN delivery hangs"),
+        "the envelope POST lost the race: {}",
+        mesh.a.log()
     );
     let more: Vec<String> = (0..12)
         .map(|i| send_to_bob(&mesh, &format!("more {i}")))
@@ -306,17 +319,33 @@ fn a_late_lan_answer_stores_once_and_the_lan_comes_back_when_it_answers() {
     wait_for("m2 delivered", || {
         (row_route(&mesh.a, &m2).0 == "delivered").then_some(())
     });
-    let late: Option<String> = mesh
+    let settled = |host: &Host| -> (String, Option<String>, Option<i64>, Option<String>) {
+        host.db()
+            .query_row(
+                "SELECT state, via, settled_at, late_lan_verdict FROM outbox WHERE msg_id = ?1",
+                [&m2],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+            )
+            .expect("row")
+    };
+    let first_settled = settled(&mesh.a);
+    assert_eq!(first_settled.3, None, "the late answer agreed");
+    // Both paths have arrived at B: its relay queue is drained (the relay copy pulled and
+    // dropped as a duplicate), and the message is stored once.
+    mesh.wait_queue_drained(&mesh.b);
+    assert_eq!(mesh.b.messages_with_id(&m2), 1);
+    // The row settled once: the second path changed nothing, and no alert went to the sender.
+    assert_eq!(settled(&mesh.a), first_settled);
+    let alerts: i64 = mesh
         .a
         .db()
         .query_row(
-            "SELECT late_lan_verdict FROM outbox WHERE msg_id = ?1",
-            [&m2],
+            "SELECT COUNT(*) FROM messages WHERE kind = 'alert'",
+            [],
             |r| r.get(0),
         )
-        .expect("row");
-    assert_eq!(late, None, "the late answer agreed");
-    assert_eq!(mesh.b.messages_with_id(&m2), 1);
+        .expect("alerts");
+    assert_eq!(alerts, 0, "no alert for a row that settled once");
     // The address answers promptly again: a probe clears the mark, new rows go over the LAN.
     stand_in.set(Mode::Pass(b_lan));
     wait_for("a probe to find B's address answering again", || {

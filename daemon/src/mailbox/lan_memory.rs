@@ -92,7 +92,7 @@ fn state_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<LanState> {
     })
 }
 
-/// The LAN state of peer `host`, or `None` when it is not a peer.
+/// The LAN state of peer `host`, or `None` when it is not a peer. Errors: storage faults.
 pub fn get(conn: &Connection, host: &str) -> Result<Option<LanState>, MailboxError> {
     Ok(conn
         .query_row(
@@ -103,7 +103,7 @@ pub fn get(conn: &Connection, host: &str) -> Result<Option<LanState>, MailboxErr
         .optional()?)
 }
 
-/// The LAN state of every peer, by handle.
+/// The LAN state of every peer, by handle. Errors: storage faults.
 pub fn all(conn: &Connection) -> Result<Vec<LanState>, MailboxError> {
     let mut st = conn.prepare(&format!("SELECT {COLS} FROM peers ORDER BY host"))?;
     let rows = st
@@ -366,7 +366,7 @@ pub fn relay_route(conn: &Connection, host: &str, relay: bool) -> Result<bool, M
 }
 
 /// Marked peers whose probe is due at `now_ms` and who have an address to probe:
-/// `(host, addr)`.
+/// `(host, addr)`. Errors: storage faults.
 pub fn due_probes(conn: &Connection, now_ms: i64) -> Result<Vec<(String, String)>, MailboxError> {
     let mut st = conn.prepare(
         "SELECT host, addr FROM peers
@@ -380,7 +380,8 @@ pub fn due_probes(conn: &Connection, now_ms: i64) -> Result<Vec<(String, String)
     Ok(rows)
 }
 
-/// The earliest probe time (ms) of a marked peer with an address, if any.
+/// The earliest probe time (ms) of a marked peer with an address, if any. Errors: storage
+/// faults.
 pub fn next_probe_at(conn: &Connection) -> Result<Option<i64>, MailboxError> {
     Ok(conn.query_row(
         "SELECT MIN(COALESCE(lan_probe_at, 0)) FROM peers

@@ -415,14 +415,16 @@ pub struct RecipientState {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub relay: Option<String>,
     /// `queued` and `repush` remote recipients only: the route their host's mail takes now and
-    /// why (spec §10): `lan`, or `relay (LAN unreachable
-    /// since <ISO ms> (<reason>), next LAN probe in <n> s)`, or `relay (no LAN address)`;
-    /// "relay" only when a relay is in use. Set by the API (`GET /v1/sent`).
+    /// why (spec §10): `lan`, or `relay (LAN unreachable since <ISO ms> (<reason>), next LAN
+    /// probe in <n> s)`, or `relay (no LAN address)`; "relay" only while a relay is configured
+    /// (else `lan (unreachable since <ISO ms> (<reason>); no relay configured)`). Set by the API
+    /// (`GET /v1/sent`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub route: Option<String>,
-    /// A LAN verdict that came back after a relay settled the row and disagreed with it (e.g.
-    /// `rejected:<why>` after the relay accepted): shown, never applied. Set by the API
-    /// (`GET /v1/sent`).
+    /// A LAN verdict that came back after the LAN race gave up on its call (the row went to
+    /// the relay) and that was not applied: a `rejected:<why>` (never applied late, whether the
+    /// relay had settled the row yet or not), or a note that a late LAN accept settled a row the
+    /// relay had refused. Set by the API (`GET /v1/sent`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub late_lan_verdict: Option<String>,
 }

@@ -18,10 +18,12 @@
 //! finds the address answering again. The per-row count below still applies while the peer is
 //! not marked.
 //!
-//! A verified LAN hop from the peer brings `lan_failures` of its waiting rows back below the
-//! threshold (`outbox::peer_is_back`), so new and waiting rows go over the LAN again; a row whose
-//! LAN attempt then fails once more goes back to the relay (one LAN try per sign of life, so a
-//! peer that reaches us while we cannot reach it never keeps mail off the relay).
+//! A verified LAN hop from a peer that is not marked brings `lan_failures` of its waiting rows
+//! back below the threshold (`outbox::peer_is_back`), so new and waiting rows go over the LAN
+//! again; a row whose LAN attempt then fails once more goes back to the relay (one LAN try per
+//! sign of life, so a peer that reaches us while we cannot reach it never keeps mail off the
+//! relay). For a marked peer a hop only brings the probe of its address forward
+//! (`crate::mailbox::lan_memory::alive`); the mark holds until the address answers.
 //!
 //! Spec §10 moves a row to the relay only once "the target is enrolled". A relay refusal that
 //! shows it is not ([`relay_cannot_reach`]: `rejected:target not enrolled`), or a relay with no

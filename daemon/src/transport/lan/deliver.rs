@@ -30,20 +30,22 @@
 //! transaction itself: every write after an attempt is a named step of
 //! [`crate::node::outbound`].
 //!
-//! Per-peer LAN memory (spec §10, `crate::mailbox::lan_memory`): a failure that shows the
-//! address does not answer (refused, no route, or — with a relay configured — no connection and
-//! answer within [`LAN_RACE`]) marks the peer in the transaction that records the failure, and
-//! its rows and receipts go to the relay at once. A raced call that did not answer in time goes
-//! on detached; its peer is skipped while it is open ([`InFlight`]) and its verdicts are applied
-//! late ([`crate::node::outbound::settle_late_lan_batch`]). A pass waits at most [`PASS_WAIT`]
-//! for its hosts' work; what still runs then goes on detached, counted in flight for its host, so
-//! one peer's slow answer never holds the attempts to the others. Each pass starts the due
-//! probes of marked addresses ([`LanDelivery::start_probes`]), detached as well.
+//! Per-peer LAN memory (spec §10, `crate::mailbox::lan_memory`): while a relay route exists for
+//! the peer, a failure that shows the address does not answer (no connection: refused, no
+//! route, connect timeout; or no connection and answer within [`LAN_RACE`], per attempt)
+//! marks the peer in the transaction that records the failure, and its rows and receipts go to
+//! the relay at once. A raced call that did not answer in time goes on detached; its peer is
+//! skipped while it is open ([`InFlight`]) and its verdicts are applied late
+//! ([`crate::node::outbound::settle_late_lan_batch`]). The loop's pass
+//! ([`LanDelivery::pass_detached`]) starts each host's work as its own task, counted in flight
+//! for its host, and never waits for it, so one peer's slow answer never holds the attempts to
+//! the others. Each pass starts the due probes of marked addresses
+//! ([`LanDelivery::start_probes`]), detached as well.
 //!
 //! The loop ([`run`]) wakes on its `Notify` (new mail, a peer that is back, a detached call or
 //! probe that ended) or at the earliest `next_at` of what it takes (peers with a call open left
-//! out, never sooner than [`INFLIGHT_FLOOR_MS`] while one is), never on a fast fixed tick. It never decides by itself what the
-//! relay does, and never trusts a delivery answer for more than the peer's word (0.5.x F5).
+//! out, never sooner than [`INFLIGHT_FLOOR_MS`] while one is), never on a fast fixed tick. It
+//! never decides by itself what the relay does, and never trusts a delivery answer for more than the peer's word (0.5.x F5).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -102,9 +104,6 @@ pub const LAN_RACE: Duration = Duration::from_secs(2);
 /// Body bytes per second the LAN race allows on top of [`LAN_RACE`] (1 MiB/s), so a large
 /// batch to a slow but alive peer is not taken for a hang.
 pub const UPLOAD_ALLOWANCE_BYTES_PER_S: u64 = 1024 * 1024;
-/// Longest a pass waits for its hosts' calls: one still running then goes on detached (its
-/// host skipped while it runs), so a slow peer never holds the attempts to the others.
-pub const PASS_WAIT: Duration = Duration::from_secs(4);
 /// Shortest sleep of the loop while LAN calls are still open (ms), so it never spins.
 pub const INFLIGHT_FLOOR_MS: i64 = 50;
 
@@ -151,48 +150,29 @@ impl InFlight {
             map: self.clone(),
             host: host.to_string(),
             wake,
-            raise: None,
         }
     }
 
-    /// As [`Self::enter`] for a pass's own work on `host`: the drop raises `wake` only once
-    /// the pass gave up waiting for it (`detached` set), so a pass that waited for all of its
-    /// work does not wake the loop again.
-    fn enter_for_pass(
-        &self,
-        host: &str,
-        wake: &Arc<tokio::sync::Notify>,
-        detached: &Arc<std::sync::atomic::AtomicBool>,
-    ) -> InFlightGuard {
-        self.count_in(host);
-        InFlightGuard {
-            map: self.clone(),
-            host: host.to_string(),
-            wake: wake.clone(),
-            raise: Some(detached.clone()),
-        }
+    /// The counts; a panic elsewhere while holding the lock leaves them consistent (each
+    /// change is one map operation), so a poisoned lock is taken as it is.
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, usize>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn count_in(&self, host: &str) {
-        if let Ok(mut m) = self.0.lock() {
-            *m.entry(host.to_string()).or_default() += 1;
-        }
+        *self.map().entry(host.to_string()).or_default() += 1;
     }
 
     /// The peers with a call open now.
     pub fn hosts(&self) -> Vec<String> {
-        self.0
-            .lock()
-            .map(|m| m.keys().cloned().collect())
-            .unwrap_or_default()
+        self.map().keys().cloned().collect()
     }
 
     /// Open calls to `host`.
     pub fn count(&self, host: &str) -> usize {
-        self.0
-            .lock()
-            .map(|m| m.get(host).copied().unwrap_or(0))
-            .unwrap_or(0)
+        self.map().get(host).copied().unwrap_or(0)
     }
 }
 
@@ -200,13 +180,12 @@ struct InFlightGuard {
     map: InFlight,
     host: String,
     wake: Arc<tokio::sync::Notify>,
-    /// Raise `wake` on drop only when this is set (`None`: always).
-    raise: Option<Arc<std::sync::atomic::AtomicBool>>,
 }
 
 impl Drop for InFlightGuard {
     fn drop(&mut self) {
-        if let Ok(mut m) = self.map.0.lock() {
+        {
+            let mut m = self.map.map();
             if let Some(n) = m.get_mut(&self.host) {
                 *n = n.saturating_sub(1);
                 if *n == 0 {
@@ -214,13 +193,7 @@ impl Drop for InFlightGuard {
                 }
             }
         }
-        let raise = self
-            .raise
-            .as_ref()
-            .is_none_or(|d| d.load(std::sync::atomic::Ordering::Acquire));
-        if raise {
-            self.wake.notify_one();
-        }
+        self.wake.notify_one();
     }
 }
 
@@ -376,10 +349,60 @@ impl LanDelivery {
         self.relay_wake.notify_one();
     }
 
-    /// One pass over due rows and due receipts, hosts in parallel, then the 72 h sweep
-    /// ([`Self::give_up_stale`]). Errors: storage faults (network failures are recorded on the
-    /// rows, not returned).
+    /// One pass over due rows and due receipts, hosts in parallel, waiting for every host's
+    /// work (tests and one-shot callers; the loop uses [`Self::pass_detached`]), then the due
+    /// probes, the 72 h sweep ([`Self::give_up_stale`]) and the deadline rule. Errors: storage
+    /// faults (network failures are recorded on the rows, not returned).
     pub async fn pass(&self) -> Result<PassCounts, MailboxError> {
+        let launched = self.launch().await?;
+        let mut counts = PassCounts::default();
+        let mut first_error = None;
+        for h in launched {
+            match h.await {
+                Ok(Ok(c)) => counts.add(c),
+                Ok(Err(e)) => {
+                    first_error.get_or_insert(e);
+                }
+                Err(_) => {
+                    first_error.get_or_insert(MailboxError::Task);
+                }
+            }
+        }
+        if let Some(e) = first_error {
+            return Err(e);
+        }
+        counts.gave_up += self.after_launch().await?;
+        Ok(counts)
+    }
+
+    /// The loop's pass: each host's work is started detached (counted in flight for its host,
+    /// its end wakes the loop) and never waited for, so no peer's attempt waits on another
+    /// peer's slow answer; then the due probes, the 72 h sweep and the deadline rule. A row whose
+    /// attempt is still under way when the sweep ends it at 72 h is still settled `delivered` by
+    /// a later LAN accept (`outbox::delivered_lan`). Errors: storage faults of the selection
+    /// and the sweep (a host's own storage fault is logged by its task).
+    pub async fn pass_detached(&self) -> Result<(), MailboxError> {
+        drop(self.launch().await?);
+        self.after_launch().await?;
+        Ok(())
+    }
+
+    /// Due probes, the 72 h sweep and the deadline rule, after a pass started its hosts' work.
+    /// Returns the rows the sweep ended.
+    async fn after_launch(&self) -> Result<usize, MailboxError> {
+        self.start_probes().await?;
+        let gave_up = self.give_up_stale().await?;
+        crate::node::settle::settle_pass(&self.mailbox, self.client.ident.clone(), self.now())
+            .await?;
+        Ok(gave_up)
+    }
+
+    /// Selects the due rows and receipts the LAN takes (peers with a call open left out) and
+    /// starts each host's work as its own task, counted in flight for its host until it ends
+    /// (the end wakes the loop). Returns the tasks' handles (dropping them detaches the work).
+    async fn launch(
+        &self,
+    ) -> Result<Vec<tokio::task::JoinHandle<Result<PassCounts, MailboxError>>>, MailboxError> {
         let now = self.now();
         let relay = self
             .relay_configured
@@ -409,69 +432,32 @@ impl LanDelivery {
                 list.push(r);
             }
         }
-        // Each host's work is a call in flight while it runs; one still running after
-        // PASS_WAIT goes on detached (its own steps settle its rows), its host skipped until it
-        // ends, so no peer's next attempt waits on another peer's slow answer.
-        let detached = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let mut tasks = tokio::task::JoinSet::new();
+        let mut launched = Vec::new();
         for (host, rows) in by_host {
             let this = self.clone();
-            let guard = self
-                .inflight
-                .enter_for_pass(&host, &self.self_wake, &detached);
-            tasks.spawn(liveness::inherit(async move {
+            let guard = self.inflight.enter(&host, self.self_wake.clone());
+            launched.push(tokio::spawn(liveness::inherit(async move {
                 let _guard = guard;
-                this.deliver_host(&host, rows).await
-            }));
+                let r = this.deliver_host(&host, rows).await;
+                if let Err(e) = &r {
+                    tracing::warn!(peer = %host, error = %e, "LAN delivery failed in the mailbox");
+                }
+                r
+            })));
         }
         for (host, rows) in receipts_by_host {
             let this = self.clone();
-            let guard = self
-                .inflight
-                .enter_for_pass(&host, &self.self_wake, &detached);
-            tasks.spawn(liveness::inherit(async move {
+            let guard = self.inflight.enter(&host, self.self_wake.clone());
+            launched.push(tokio::spawn(liveness::inherit(async move {
                 let _guard = guard;
-                this.flush_receipts(&host, rows).await
-            }));
-        }
-        let mut counts = PassCounts::default();
-        let mut first_error = None;
-        let deadline = tokio::time::sleep(PASS_WAIT);
-        tokio::pin!(deadline);
-        loop {
-            let done = tokio::select! {
-                done = tasks.join_next() => done,
-                _ = &mut deadline => {
-                    detached.store(true, std::sync::atomic::Ordering::Release);
-                    tokio::spawn(async move {
-                        while let Some(done) = tasks.join_next().await {
-                            if let Ok(Err(e)) = done {
-                                tracing::warn!(error = %e, "a detached LAN delivery failed in the mailbox");
-                            }
-                        }
-                    });
-                    break;
+                let r = this.flush_receipts(&host, rows).await;
+                if let Err(e) = &r {
+                    tracing::warn!(peer = %host, error = %e, "LAN receipts failed in the mailbox");
                 }
-            };
-            let Some(done) = done else { break };
-            match done {
-                Ok(Ok(c)) => counts.add(c),
-                Ok(Err(e)) => {
-                    first_error.get_or_insert(e);
-                }
-                Err(_) => {
-                    first_error.get_or_insert(MailboxError::Task);
-                }
-            }
+                r
+            })));
         }
-        if let Some(e) = first_error {
-            return Err(e);
-        }
-        self.start_probes().await?;
-        counts.gave_up += self.give_up_stale().await?;
-        crate::node::settle::settle_pass(&self.mailbox, self.client.ident.clone(), self.now())
-            .await?;
-        Ok(counts)
+        Ok(launched)
     }
 
     /// The 72 h sweep (`wire.md` §4 "Outbox client"): ends every pending row no relay ever
@@ -751,7 +737,8 @@ impl LanDelivery {
     }
 
     /// Posts sealed rows in batches; the first failed batch fails it and every later row of
-    /// the host in this pass.
+    /// the host in this pass, except after a lost race: then only the batch sent counts an
+    /// attempt (the mark hands the later ones to the relay).
     async fn send_sealed(
         &self,
         host: &str,
@@ -778,9 +765,10 @@ impl LanDelivery {
                         self.race.as_millis()
                     );
                     tracing::warn!(peer = %host, addr, error = %e, "LAN delivery hangs");
-                    let rest = &rows[range.start..];
+                    // Only the batch that was sent counts a LAN attempt; the later ones were
+                    // never sent, and the mark switches them to the relay with the rest.
                     counts.add(
-                        self.fail_rows(host, rest, &e, Some(DownReason::Timeout), false)
+                        self.fail_rows(host, batch, &e, Some(DownReason::Timeout), false)
                             .await?,
                     );
                     break;
@@ -1127,8 +1115,8 @@ async fn run_loop(
         }
         liveness::progress();
         delivery.failpoints.hang_point("lan:deliver-pass").await;
-        let delay = match delivery.pass().await {
-            Ok(_) => {
+        let delay = match delivery.pass_detached().await {
+            Ok(()) => {
                 failures = 0;
                 match delivery.next_due().await {
                     Ok(Some(t)) => Duration::from_millis(

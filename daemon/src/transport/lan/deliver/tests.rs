@@ -603,3 +603,76 @@ fn only_connect_failures_and_the_race_mark_at_once() {
         assert_eq!(down_reason(&after_connect), None, "{after_connect:?}");
     }
 }
+
+/// Open calls are counted per peer: two open calls to one peer keep it busy until both end.
+#[test]
+fn in_flight_calls_are_counted_per_peer() {
+    let inflight = InFlight::default();
+    let wake = Arc::new(tokio::sync::Notify::new());
+    let first = inflight.enter("work", wake.clone());
+    let second = inflight.enter("work", wake.clone());
+    assert_eq!(
+        (inflight.count("work"), inflight.hosts()),
+        (2, vec!["work".to_string()])
+    );
+    drop(first);
+    assert_eq!(inflight.count("work"), 1, "one call still open");
+    assert_eq!(inflight.hosts(), vec!["work".to_string()]);
+    drop(second);
+    assert_eq!(inflight.count("work"), 0);
+    assert!(inflight.hosts().is_empty());
+}
+
+/// The loop's pass never waits for a peer's call: a peer whose address accepts and never
+/// answers (no relay: no race, the client's 15 s stand) is skipped while its call is open,
+/// another peer's mail is delivered meanwhile, and the next due time leaves the busy peer out
+/// (never sooner than the floor while a call is open).
+#[tokio::test]
+async fn a_hung_peer_never_holds_the_pass_or_another_peer() {
+    let clock = testutil::clock();
+    let home = Host::new("home", clock.clone());
+    let mut work = Host::new("work", clock.clone());
+    work.serve().await;
+    let play = testutil::identity("play");
+    // Accepts connections (the kernel's backlog) and never answers; kept open for the test.
+    let hung = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hung_addr = hung.local_addr().unwrap().to_string();
+    home.pin(&work.ident, true, work.addr.as_deref());
+    work.pin(&home.ident, true, None);
+    home.pin(&play, true, Some(&hung_addr));
+    home.send("01KDVDNA3VG2MH8KWSQRCWJZ0S", &["bob@work"]);
+    home.send("01KDVDNA3VG2MH8KWSQRCWJZ0T", &["xy@play"]);
+    let delivery = home.delivery(false);
+    tokio::time::timeout(Duration::from_secs(2), delivery.pass_detached())
+        .await
+        .expect("the pass does not wait for the hung peer")
+        .unwrap();
+    // Wait (with a deadline) for the answering peer's delivery.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while home.row("01KDVDNA3VG2MH8KWSQRCWJZ0S", "work").state != "delivered" {
+        let row = home.row("01KDVDNA3VG2MH8KWSQRCWJZ0S", "work");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "work never got its mail: {row:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        delivery.inflight.count("play"),
+        1,
+        "the hung call is still open"
+    );
+    assert_eq!(
+        home.row("01KDVDNA3VG2MH8KWSQRCWJZ0T", "play").state,
+        "pending"
+    );
+    // The hung peer's row is due, but left out while its call is open.
+    assert_eq!(delivery.next_due().await.unwrap(), None);
+    // Another due row: due now, but never sooner than the floor while a call is open.
+    home.send("01KDVDNA3VG2MH8KWSQRCWJZ0V", &["bob@work"]);
+    assert_eq!(
+        delivery.next_due().await.unwrap(),
+        Some(clock.now_ms() + INFLIGHT_FLOOR_MS)
+    );
+    drop(hung);
+}
