@@ -21,9 +21,8 @@
 //!   hand-back to the LAN), [`settle_receipt_push`] (what the relay answered for a batch of
 //!   receipts) and [`fail_receipt_push`] (a receipt push failed as a whole).
 //!
-//! Two relay steps are one statement each and run without an explicit transaction, as they
-//! always have: [`settle_relay_accept`] (one `UPDATE`) and [`fail_receipt_push`] (one `UPDATE`
-//! per receipt, each its own autocommit). The LAN delivery (`transport::lan::deliver`) and the
+//! One relay step is one statement per receipt and runs without an explicit transaction, as it
+//! always has: [`fail_receipt_push`] (one `UPDATE` per receipt, each its own autocommit). The LAN delivery (`transport::lan::deliver`) and the
 //! relay push (`transport::relay_client::push`) open no store transaction themselves: they call
 //! these steps (and, for the relay's enc-key rollback guard,
 //! `crate::transport::relay_client::state::accept_enc_ad`). Transactions still opened under
@@ -327,20 +326,22 @@ pub fn fail_lan_receipts(
 /// A verified relay accept of row `msg_id` → `host` ([`outbox::settle_accepted`]: the row is
 /// `relay-accepted` with the relay, epoch, seq, accept record and signature of `a`, keeping a
 /// first accept time and deadline), and a recorded `target not enrolled` refusal for the
-/// peer no longer holds ([`lan_memory::relay_reaches`]). No explicit transaction (run it in
-/// one when the two must go together). Returns whether the row changed (false: it was no
-/// longer `pending` or `repush`). Errors: storage faults.
+/// peer no longer holds ([`lan_memory::relay_reaches`]), in one transaction. Returns whether
+/// the row changed (false: it was no longer `pending` or `repush`). Errors: storage faults
+/// (nothing is committed then).
 pub fn settle_relay_accept(
-    conn: &Connection,
+    conn: &mut Connection,
     msg_id: &str,
     host: &str,
     a: &outbox::Accepted<'_>,
     now_ms: i64,
 ) -> Result<bool, MailboxError> {
-    let changed = outbox::settle_accepted(conn, msg_id, host, a, now_ms)?;
+    let tx = conn.transaction()?;
+    let changed = outbox::settle_accepted(&tx, msg_id, host, a, now_ms)?;
     if changed {
-        lan_memory::relay_reaches(conn, host)?;
+        lan_memory::relay_reaches(&tx, host)?;
     }
+    tx.commit()?;
     Ok(changed)
 }
 
