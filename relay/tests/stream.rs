@@ -1211,3 +1211,80 @@ async fn a_store_error_in_the_second_read_closes_with_overload_not_auth() {
     let mut ws = upgrade(&relay, &bob, &n).await.expect("authenticated");
     assert_eq!(ws.closed().await, close::OVERLOAD);
 }
+
+#[tokio::test]
+async fn a_resume_from_a_key_denied_without_a_close_request_is_closed_with_4403() {
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    // Not live yet (no resume): the item waits in the queue.
+    let mut ws = open(&relay, &bob).await;
+    push_one(&relay, &alice, &bob, "queued for bob").await;
+    // The deny entry commits without reaching the stream (as when the admin request that made
+    // it was dropped after its commit): the next resume reads it and gets no replay.
+    deny(&relay, "host", &bob.key.public().fingerprint()).await;
+    assert_eq!(relay.state.streams.open(), 1);
+    ws.resume("", 0).await;
+    loop {
+        let next = tokio::time::timeout(WAIT, ws.0.next())
+            .await
+            .expect("the close within the deadline");
+        match next {
+            Some(Ok(Message::Close(Some(f)))) => {
+                assert_eq!(u16::from(f.code), close::AUTH);
+                break;
+            }
+            Some(Ok(Message::Text(t))) => {
+                let f: Value = serde_json::from_str(t.as_str()).expect("a JSON frame");
+                assert_ne!(f["type"], "deliver", "a denied key read its queue: {f}");
+            }
+            Some(Ok(_)) => {}
+            other => panic!("expected the close, got {other:?}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn an_idle_stream_of_a_key_denied_without_a_close_request_is_closed_with_4403() {
+    let relay = Relay::start().await;
+    let (_alice, bob) = pair(&relay).await;
+    // A ping every 50 ms: the key is read again every few pings.
+    relay.state.streams.set_timers(50, 10_000);
+    let mut ws = live(&relay, &bob).await;
+    deny(&relay, "host", &bob.key.public().fingerprint()).await;
+    assert_eq!(ws.closed().await, close::AUTH);
+}
+
+#[tokio::test]
+async fn an_epoch_rotation_announces_the_epoch_it_committed_without_reading_it_again() {
+    let (relay, store) = Relay::start_failing_with_config(agentmbx_relay::config::RelayConfig {
+        admin_token: Some(agentmbx_relay::config::AdminToken::new(ADMIN).expect("token")),
+        ..Default::default()
+    })
+    .await;
+    let (_alice, bob) = pair(&relay).await;
+    let old = relay.epoch().await;
+    let mut ws = open(&relay, &bob).await;
+    ws.resume(&old, 0).await;
+    ws.replay().await;
+    // Reading the epoch alone fails from now on: the announcement uses the rotation's result.
+    store.fail_epoch_reads();
+    let headers = vec![
+        ("content-type".to_owned(), "application/json".to_owned()),
+        ("authorization".to_owned(), format!("Bearer {ADMIN}")),
+    ];
+    let r = relay
+        .send(
+            "POST",
+            "/v2/relay/admin/rotate-epoch",
+            &headers,
+            b"{}".to_vec(),
+        )
+        .await;
+    r.assert_ok();
+    let new = r.json["to"].as_str().expect("the receipt's new epoch");
+    assert_ne!(new, old);
+    assert_eq!(
+        non_ping(&mut ws).await,
+        json!({"type": "epoch", "epoch": new})
+    );
+}

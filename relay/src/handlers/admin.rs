@@ -206,9 +206,15 @@ pub async fn revoke(
 ) -> Result<Json<Value>, Refusal> {
     let b: RevokeBody = guarded_body(&state, req).await?;
     let (store, now) = (state.store.clone(), state.clock.now_ms());
-    let r = run(move || admin::revoke(store.as_ref(), &b.host, now)).await?;
-    // Committed: the key's push stream, if one is open, closes (4403).
-    state.streams.close_key(&r.host.host_pubkey, close::AUTH);
+    let streams = state.streams.clone();
+    let r = run(move || {
+        let r = admin::revoke(store.as_ref(), &b.host, now)?;
+        // Committed: the key's push stream, if one is open, closes (4403). Here, on the
+        // blocking thread, so that it happens even when this request is dropped meanwhile.
+        streams.close_key(&r.host.host_pubkey, close::AUTH);
+        Ok(r)
+    })
+    .await?;
     Ok(Json(
         json!({"ok": true, "newly_revoked": r.newly_revoked, "host": r.host}),
     ))
@@ -229,21 +235,25 @@ pub async fn deny(State(state): State<SharedRelay>, req: Request) -> Result<Json
     let b: DenyBody = guarded_body(&state, req).await?;
     let k = kind(b.kind.as_deref())?;
     let (store, now) = (state.store.clone(), state.clock.now_ms());
-    let e = run(move || admin::deny(store.as_ref(), &b.target, k, b.until_ms, now)).await?;
-    // Committed: close the push streams the entry matches (by its kind), 4403.
-    if e.is_active(now) {
-        let n = match e.kind {
-            DenyKind::Host => state
-                .streams
-                .close_where(close::AUTH, |s| s.fingerprint == e.value),
-            DenyKind::Client => state
-                .streams
-                .close_where(close::AUTH, |s| s.client_id.as_deref() == Some(&e.value)),
-        };
-        if n > 0 {
-            tracing::info!(streams = n, "push streams closed by a deny entry");
+    let streams = state.streams.clone();
+    let e = run(move || {
+        let e = admin::deny(store.as_ref(), &b.target, k, b.until_ms, now)?;
+        // Committed: close the push streams the entry matches (by its kind), 4403. Here, on
+        // the blocking thread, so that it happens even when this request is dropped meanwhile.
+        if e.is_active(now) {
+            let n = match e.kind {
+                DenyKind::Host => streams.close_where(close::AUTH, |s| s.fingerprint == e.value),
+                DenyKind::Client => {
+                    streams.close_where(close::AUTH, |s| s.client_id.as_deref() == Some(&e.value))
+                }
+            };
+            if n > 0 {
+                tracing::info!(streams = n, "push streams closed by a deny entry");
+            }
         }
-    }
+        Ok(e)
+    })
+    .await?;
     Ok(Json(
         json!({"ok": true, "entry": admin::DenyView::of(&e, now)}),
     ))
@@ -296,20 +306,22 @@ pub async fn rotate_epoch(
     let RotateEpochBody {} = guarded_body(&state, req).await?;
     let (store, now) = (state.store.clone(), state.clock.now_ms());
     let store_db = state.store_db.clone();
+    let streams = state.streams.clone();
     let receipt = run(move || {
-        crate::ops::rotate_epoch(
+        // One rotation at a time from commit to announcement: announced in commit order.
+        let _turn = streams.epoch_turn();
+        crate::ops::rotate_epoch_then(
             store.as_ref(),
             &store_db,
             crate::ops::RotatedBy::Operator,
             now,
+            // Committed: every open stream hears the new epoch (the rotation's own `to`) and
+            // resumes in it; here, so that it happens even when this request is dropped.
+            |rotation| streams.announce_epoch(&rotation.to),
         )
         .map_err(AdminError::from)
     })
     .await?;
-    // Committed: every open stream hears the new epoch and resumes in it.
-    if let Ok(epoch) = state.store.epoch() {
-        state.streams.announce_epoch(&epoch);
-    }
     Ok(Json(receipt))
 }
 

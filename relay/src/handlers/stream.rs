@@ -137,9 +137,7 @@ async fn upgrade(state: SharedRelay, req: Request) -> Result<Response, Response>
         let store = state.store.clone();
         let (k, fp, client, now) = (key, fingerprint, client_id, state.clock.now_ms());
         let still = blocking(move || {
-            let live = store.enrolment(&k)?.is_some_and(|e| !e.is_revoked());
-            let denied = store.denied(&fp, client.as_deref(), now)?.is_some();
-            Ok(live && !denied)
+            crate::stream::key_may_stream(store.as_ref(), &k, &fp, client.as_deref(), now)
         })
         .await;
         match still {
