@@ -356,6 +356,7 @@ pub async fn run(
     let mut delivery =
         lan::deliver::LanDelivery::new(client.clone(), mailbox.clone(), relay_configured);
     delivery.failpoints = failpoints.clone();
+    delivery.relay_wake = Some(relay_wake.clone());
     let relay_flag = delivery.relay_configured.clone();
     let deliver_task = tokio::spawn(lan::deliver::run(delivery, lan_wake, stop_rx.clone()));
     let rotate_task = tokio::spawn(lan::rotate_announce::run(

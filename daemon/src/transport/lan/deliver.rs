@@ -143,6 +143,11 @@ pub struct LanDelivery {
     /// The failpoints the loop hits (`lan:deliver-pass`): the daemon's own set; [`Self::new`]
     /// gives the process's ([`agentmbx_protocol::failpoint::Failpoints::from_env`]).
     pub failpoints: agentmbx_protocol::failpoint::Failpoints,
+    /// The relay loop's wake: notified after a pass in which a row or receipt failed on the
+    /// LAN while a relay is configured (after two failures the relay takes the row,
+    /// [`crate::transport::select`]), so the relay loop sees it now rather than at its next
+    /// check. `None` in [`Self::new`]; the daemon sets it.
+    pub relay_wake: Option<Arc<tokio::sync::Notify>>,
 }
 
 impl LanDelivery {
@@ -153,6 +158,7 @@ impl LanDelivery {
             mailbox,
             relay_configured: Arc::new(relay_configured.into()),
             failpoints: agentmbx_protocol::failpoint::Failpoints::from_env(),
+            relay_wake: None,
         }
     }
 
@@ -193,6 +199,7 @@ impl LanDelivery {
                 list.push(r);
             }
         }
+        let receipts_due: usize = receipts_by_host.values().map(Vec::len).sum();
         let mut tasks = tokio::task::JoinSet::new();
         for (host, rows) in by_host {
             let this = self.clone();
@@ -217,6 +224,12 @@ impl LanDelivery {
                 Err(_) => {
                     first_error.get_or_insert(MailboxError::Task);
                 }
+            }
+        }
+        // A LAN failure moves a row (or receipt) toward the relay: let its loop look now.
+        if relay && (counts.failed > 0 || counts.receipts_sent < receipts_due) {
+            if let Some(w) = &self.relay_wake {
+                w.notify_one();
             }
         }
         if let Some(e) = first_error {
