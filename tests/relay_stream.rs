@@ -296,3 +296,17 @@ fn with_the_stream_off_the_daemon_polls_and_doctor_says_it_is_disabled() {
         "{check}"
     );
 }
+
+#[test]
+fn doctor_does_not_say_up_from_the_last_run_while_the_relay_is_down() {
+    let mut mesh = streaming_mesh();
+    mesh.b.stop();
+    mesh.relay.kill();
+    start_hourly(&mut mesh.b, &[]);
+    let summary = wait_for("doctor to stop reporting the last run's stream", || {
+        let check = doctor_stream(&mesh.b);
+        let summary = check["summary"].as_str().unwrap_or_default().to_string();
+        (!summary.starts_with("up since")).then_some(summary)
+    });
+    assert!(summary.starts_with("reconnecting"), "{summary}");
+}

@@ -319,3 +319,15 @@ fn the_reader_answers_pings_and_forwards_every_other_message() {
         "the library's own"
     );
 }
+
+#[test]
+fn only_a_401_bad_nonce_asks_for_a_fresh_nonce() {
+    use crate::transport::relay_client::status_error;
+    let body = |code: &str| format!(r#"{{"error":"refused","code":"{code}"}}"#);
+    assert!(bad_nonce(&status_error(401, body("BAD_NONCE").as_bytes())));
+    assert!(!bad_nonce(&status_error(
+        401,
+        body("NOT_ENROLLED").as_bytes()
+    )));
+    assert!(!bad_nonce(&status_error(400, body("BAD_NONCE").as_bytes())));
+}
