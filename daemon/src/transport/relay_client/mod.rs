@@ -807,6 +807,10 @@ async fn stream_turn(
     if opened.elapsed() >= stream::STABLE_AFTER {
         ctl.failures = 0;
     }
+    // Up for a whole replacement run's window: the next 4409 starts the backoff over.
+    if opened.elapsed().as_millis() >= crate::instance::REPLACED_WINDOW_MS as u128 {
+        ctl.replaced = 0;
+    }
     match end {
         stream::End::Shutdown => None,
         stream::End::Failed(e) => {
