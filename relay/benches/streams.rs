@@ -196,7 +196,13 @@ fn seed(dir: &Path, key: &HostKey, hosts: &[Host]) -> Res<()> {
     Ok(())
 }
 
-async fn start(bin: &Path, dir: &Path, key: &HostKey, http: &reqwest::Client) -> Res<Relay> {
+async fn start(
+    bin: &Path,
+    dir: &Path,
+    key: &HostKey,
+    admin: &str,
+    http: &reqwest::Client,
+) -> Res<Relay> {
     let port = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
         l.local_addr().map_err(|e| e.to_string())?.port()
@@ -209,6 +215,7 @@ async fn start(bin: &Path, dir: &Path, key: &HostKey, http: &reqwest::Client) ->
         .arg("--store-dir")
         .arg(dir)
         .env("MBX_RELAY_KEY", key.seed_b64_secret())
+        .env(agentmbx_relay::config::ADMIN_TOKEN_ENV, admin)
         .env("MBX_LOG", "warn")
         .env_remove("PORT")
         .env_remove("MBX_RELAY_DIR")
@@ -299,12 +306,35 @@ async fn open(http: &reqwest::Client, base: &str, addr: &str, host: &Host) -> Re
     }
 }
 
-/// Opens one stream per host, [`CONCURRENCY`] at a time.
+/// Keeps `ws` open like a daemon would: reads every frame and answers each `ping` with its
+/// `pong`, so the relay's pong deadline never closes it. Returns the close code the relay
+/// sent (`None` when the stream ended without one).
+async fn hold(mut ws: Socket) -> Option<u16> {
+    while let Some(Ok(msg)) = ws.next().await {
+        match msg {
+            Message::Text(t) => {
+                let f: serde_json::Value = serde_json::from_str(t.as_str()).unwrap_or_default();
+                if f["type"] == "ping" {
+                    let pong = json!({"type": "pong", "id": f["id"]}).to_string();
+                    if ws.send(Message::Text(pong.into())).await.is_err() {
+                        return None;
+                    }
+                }
+            }
+            Message::Close(frame) => return frame.map(|f| u16::from(f.code)),
+            _ => {}
+        }
+    }
+    None
+}
+
+/// Opens one stream per host, [`CONCURRENCY`] at a time; each is then held by its own reader
+/// task ([`hold`]).
 async fn open_all(
     http: &reqwest::Client,
     relay: &Relay,
     hosts: &'static [Host],
-) -> Res<Vec<Socket>> {
+) -> Res<Vec<tokio::task::JoinHandle<Option<u16>>>> {
     let mut out = Vec::with_capacity(hosts.len());
     for chunk in hosts.chunks(CONCURRENCY) {
         let mut set = tokio::task::JoinSet::new();
@@ -313,10 +343,34 @@ async fn open_all(
             set.spawn(async move { open(&http, &base, &addr, h).await });
         }
         while let Some(r) = set.join_next().await {
-            out.push(r.map_err(|e| e.to_string())??);
+            out.push(tokio::spawn(hold(r.map_err(|e| e.to_string())??)));
         }
     }
     Ok(out)
+}
+
+/// Waits until the relay's admin stats count `want` open streams (at most 120 s).
+async fn wait_open(http: &reqwest::Client, relay: &Relay, admin: &str, want: usize) -> Res<()> {
+    let until = Instant::now() + Duration::from_secs(120);
+    loop {
+        let stats: serde_json::Value = http
+            .get(format!("{}/v2/relay/admin/stats", relay.base))
+            .bearer_auth(admin)
+            .send()
+            .await
+            .map_err(|e| e.to_string())?
+            .json()
+            .await
+            .map_err(|e| e.to_string())?;
+        let open = stats["streams"]["open"].as_u64();
+        if open == Some(want as u64) {
+            return Ok(());
+        }
+        if Instant::now() > until {
+            return Err(format!("{open:?} streams open, {want} expected"));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 async fn run(n: usize) -> Res<()> {
@@ -358,22 +412,25 @@ async fn run(n: usize) -> Res<()> {
         hosts.len(),
         t.elapsed().as_secs_f64()
     );
+    // No kept-alive connections: only the streams hold connections when RSS is read.
     let http = reqwest::Client::builder()
         .no_proxy()
-        .pool_max_idle_per_host(CONCURRENCY)
+        .pool_max_idle_per_host(0)
         .timeout(Duration::from_secs(60))
         .build()
         .map_err(|e| e.to_string())?;
-    let mut relay = start(&bin, &dir, &key, &http).await?;
+    // The admin token (stats): a fresh random value for this run only.
+    let admin = HostKey::generate().public().to_b64();
+    let mut relay = start(&bin, &dir, &key, &admin, &http).await?;
     let idle = rss_kib(relay.pid)?;
     let warm = open_all(&http, &relay, &hosts[..WARM_UP]).await?;
-    // Let the HTTP client's kept-alive info connections time out (the relay's 5 s idle).
-    tokio::time::sleep(Duration::from_secs(6)).await;
+    wait_open(&http, &relay, &admin, WARM_UP).await?;
     let before = rss_kib(relay.pid)?;
     let t = Instant::now();
     let streams = open_all(&http, &relay, &hosts[WARM_UP..]).await?;
     let opened_in = t.elapsed();
-    tokio::time::sleep(Duration::from_secs(6)).await;
+    // Every stream still open (its reader answers the pings) when RSS is read.
+    wait_open(&http, &relay, &admin, n + WARM_UP).await?;
     let after = rss_kib(relay.pid)?;
     let per = (after.saturating_sub(before)) as f64 / n as f64;
     eprintln!(
@@ -415,8 +472,16 @@ async fn run(n: usize) -> Res<()> {
                "unit": "ms", "median": stop_ms, "min": stop_ms, "max": stop_ms, "runs": 1,
                "extra": {"streams": n + WARM_UP}})
     );
-    drop(streams);
-    drop(warm);
+    let mut going_away = 0usize;
+    for h in warm.into_iter().chain(streams) {
+        if h.await.map_err(|e| e.to_string())? == Some(1001) {
+            going_away += 1;
+        }
+    }
+    eprintln!(
+        "bench streams: {going_away} of {} streams closed with 1001",
+        n + WARM_UP
+    );
     Ok(())
 }
 

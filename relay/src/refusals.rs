@@ -192,11 +192,14 @@ pub enum AuthRefusal {
     BadEnrolSignature,
     /// 401 `BAD_SIGNATURE`: a sender list not signed by the target.
     BadListSignature,
+    /// 401 `BAD_NONCE`: a push stream upgrade whose nonce is missing, unknown, used, expired or
+    /// another key's (`docs/relay-stream.md`).
+    BadNonce,
 }
 
 impl AuthRefusal {
     /// Every reason.
-    pub const ALL: [AuthRefusal; 16] = [
+    pub const ALL: [AuthRefusal; 17] = [
         Self::MissingHeader,
         Self::BadTimestamp,
         Self::BadKey,
@@ -213,6 +216,7 @@ impl AuthRefusal {
         Self::AuthorityDenied,
         Self::BadEnrolSignature,
         Self::BadListSignature,
+        Self::BadNonce,
     ];
 
     /// The stable key in `refused.auth`.
@@ -234,6 +238,7 @@ impl AuthRefusal {
             Self::AuthorityDenied => "authority_denied",
             Self::BadEnrolSignature => "bad_enrol_signature",
             Self::BadListSignature => "bad_list_signature",
+            Self::BadNonce => "bad_nonce",
         }
     }
 }

@@ -1364,3 +1364,29 @@ async fn a_push_stream_closes_when_its_account_token_expires_and_on_a_client_id_
     sa.send(json!({"type": "pong", "id": 0})).await;
     assert_eq!(sa.closed().await, close::TOKEN_EXPIRED);
 }
+
+#[tokio::test]
+async fn a_push_stream_closes_at_its_token_deadline_with_no_client_frame() {
+    use crate::stream::{nonce, upgrade_with};
+    use agentmbx_protocol::stream::close;
+    let ed = SigningKey::ed("ed-1");
+    let jwks = JwksServer::start(&[&ed]).await;
+    let relay = Relay::start_with_config(account_config(&jwks)).await;
+    let a = CloudHost::new("alpha");
+    let ta = ed.sign(&a.claims(&relay, "acct-1"));
+    enrol_ok(&relay, &a, &ta).await;
+    // A token that expires within 2 s of the relay clock.
+    let mut claims = a.claims(&relay, "acct-1");
+    claims["exp"] = json!(relay.now() / 1000 + 2);
+    let short = ed.sign(&claims);
+    let n = nonce(&relay, &a.host).await;
+    let mut sa = upgrade_with(&relay, &a.host, &n, &bearer(&short))
+        .await
+        .unwrap();
+    sa.resume("", 0).await;
+    sa.replay().await;
+    // The relay clock passes exp; the client sends nothing: the loop's own deadline (at most
+    // 2 s of real time) finds the token expired.
+    relay.clock.advance(3 * 1_000);
+    assert_eq!(sa.closed().await, close::TOKEN_EXPIRED);
+}

@@ -461,6 +461,9 @@ async fn a_nonce_is_single_use_bound_to_its_key_and_expires() {
         .err()
         .expect("refused")
         .assert(401, "BAD_NONCE");
+    // Each refusal counted (unknown, missing, used, another key's, expired).
+    use agentmbx_relay::refusals::AuthRefusal;
+    assert_eq!(relay.state.refused.auths(AuthRefusal::BadNonce), 5);
 }
 
 #[tokio::test]
@@ -1135,4 +1138,118 @@ async fn a_text_frame_that_is_not_utf8_closes_with_policy() {
     let bad = Frame::message(vec![b'{', 0xff, 0xfe, b'}'], OpCode::Data(Data::Text), true);
     ws.0.send(Message::Frame(bad)).await.expect("send");
     assert_eq!(ws.closed().await, close::POLICY);
+}
+
+#[tokio::test]
+async fn a_client_close_is_answered_with_a_close_frame() {
+    let relay = Relay::start().await;
+    let (_alice, bob) = pair(&relay).await;
+    let mut ws = live(&relay, &bob).await;
+    ws.0.send(Message::Close(Some(
+        tokio_tungstenite::tungstenite::protocol::CloseFrame {
+            code: 1000.into(),
+            reason: "bye".into(),
+        },
+    )))
+    .await
+    .expect("send the close");
+    // The relay's reply to the close reaches the client (then the stream ends).
+    assert_eq!(ws.closed().await, 1000);
+    until("the stream is unregistered", || {
+        relay.state.streams.running() == 0
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn two_streams_opened_at_once_for_one_key_leave_exactly_one() {
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    let (n1, n2) = (nonce(&relay, &bob).await, nonce(&relay, &bob).await);
+    let (a, b) = tokio::join!(upgrade(&relay, &bob, &n1), upgrade(&relay, &bob, &n2));
+    let (mut a, mut b) = (a.expect("first opens"), b.expect("second opens"));
+    until("one stream left for the key", || {
+        relay.state.streams.open() == 1 && relay.state.streams.running() == 1
+    })
+    .await;
+    // One of the two was replaced (4409); the other is live after its resume.
+    a.resume("", 0).await;
+    b.resume("", 0).await;
+    let (mut alive, code) = tokio::select! {
+        code = a.closed() => (b, code),
+        code = b.closed() => (a, code),
+    };
+    assert_eq!(code, close::REPLACED);
+    alive.replay().await;
+    let (id, _) = push_one(&relay, &alice, &bob, "to the survivor").await;
+    assert_eq!(non_ping(&mut alive).await["item_id"], id.as_str());
+}
+
+#[tokio::test]
+async fn a_revocation_between_the_authentication_and_the_registration_closes_the_stream() {
+    use crate::helper::ReadHook;
+    let (relay, store) = Relay::start_failing().await;
+    let (_alice, bob) = pair(&relay).await;
+    let n = nonce(&relay, &bob).await;
+    // The upgrade's authentication reads the enrolment (live); the revocation commits right
+    // before the next read, the one after the registration. The revoke never went through the
+    // handler, so only that second read can close the stream.
+    store.on_enrolment_read(&bob.pubkey(), 2, ReadHook::Revoke(relay.now()));
+    let mut ws = upgrade(&relay, &bob, &n)
+        .await
+        .expect("authenticated before the revoke");
+    assert_eq!(ws.closed().await, close::AUTH);
+}
+
+#[tokio::test]
+async fn a_store_error_in_the_second_read_closes_with_overload_not_auth() {
+    use crate::helper::ReadHook;
+    let (relay, store) = Relay::start_failing().await;
+    let (_alice, bob) = pair(&relay).await;
+    let n = nonce(&relay, &bob).await;
+    store.on_enrolment_read(&bob.pubkey(), 2, ReadHook::Fail);
+    let mut ws = upgrade(&relay, &bob, &n).await.expect("authenticated");
+    assert_eq!(ws.closed().await, close::OVERLOAD);
+}
+
+#[tokio::test]
+async fn a_resume_from_a_key_denied_without_a_close_request_is_closed_with_4403() {
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    // Not live yet (no resume): the item waits in the queue.
+    let mut ws = open(&relay, &bob).await;
+    push_one(&relay, &alice, &bob, "queued for bob").await;
+    // The deny entry commits without reaching the stream (as when the admin request that made
+    // it was dropped after its commit): the next resume reads it and gets no replay.
+    deny(&relay, "host", &bob.key.public().fingerprint()).await;
+    assert_eq!(relay.state.streams.open(), 1);
+    ws.resume("", 0).await;
+    loop {
+        let next = tokio::time::timeout(WAIT, ws.0.next())
+            .await
+            .expect("the close within the deadline");
+        match next {
+            Some(Ok(Message::Close(Some(f)))) => {
+                assert_eq!(u16::from(f.code), close::AUTH);
+                break;
+            }
+            Some(Ok(Message::Text(t))) => {
+                let f: Value = serde_json::from_str(t.as_str()).expect("a JSON frame");
+                assert_ne!(f["type"], "deliver", "a denied key read its queue: {f}");
+            }
+            Some(Ok(_)) => {}
+            other => panic!("expected the close, got {other:?}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn an_idle_stream_of_a_key_denied_without_a_close_request_is_closed_with_4403() {
+    let relay = Relay::start().await;
+    let (_alice, bob) = pair(&relay).await;
+    // A ping every 50 ms: the key is read again every few pings.
+    relay.state.streams.set_timers(50, 10_000);
+    let mut ws = live(&relay, &bob).await;
+    deny(&relay, "host", &bob.key.public().fingerprint()).await;
+    assert_eq!(ws.closed().await, close::AUTH);
 }

@@ -42,6 +42,7 @@
 //! | `admin_token` | 401 `ADMIN_TOKEN` on an admin route |
 //! | `no_challenge`, `bad_enrol_signature`, `authority_denied` | `POST /v1/relay/enrol`: 401 `NO_CHALLENGE`, 401 `BAD_SIGNATURE`, 403 `DENIED` by the enrolment authority (an enrolment of a revoked or deny-listed key counts as `revoked`, `denied`) |
 //! | `bad_list_signature` | `POST /v2/relay/senders`: 401 `BAD_SIGNATURE` |
+//! | `bad_nonce` | `GET /v2/relay/stream`: 401 `BAD_NONCE` |
 //!
 //! `backup-receipt` exists because `relay backup` copies the store from its own process (a
 //! read-only connection, allowed while the relay serves) but only the relay may write its
@@ -205,9 +206,15 @@ pub async fn revoke(
 ) -> Result<Json<Value>, Refusal> {
     let b: RevokeBody = guarded_body(&state, req).await?;
     let (store, now) = (state.store.clone(), state.clock.now_ms());
-    let r = run(move || admin::revoke(store.as_ref(), &b.host, now)).await?;
-    // Committed: the key's push stream, if one is open, closes (4403).
-    state.streams.close_key(&r.host.host_pubkey, close::AUTH);
+    let streams = state.streams.clone();
+    let r = run(move || {
+        let r = admin::revoke(store.as_ref(), &b.host, now)?;
+        // Committed: the key's push stream, if one is open, closes (4403). Here, on the
+        // blocking thread, so that it happens even when this request is dropped meanwhile.
+        streams.close_key(&r.host.host_pubkey, close::AUTH);
+        Ok(r)
+    })
+    .await?;
     Ok(Json(
         json!({"ok": true, "newly_revoked": r.newly_revoked, "host": r.host}),
     ))
@@ -228,21 +235,25 @@ pub async fn deny(State(state): State<SharedRelay>, req: Request) -> Result<Json
     let b: DenyBody = guarded_body(&state, req).await?;
     let k = kind(b.kind.as_deref())?;
     let (store, now) = (state.store.clone(), state.clock.now_ms());
-    let e = run(move || admin::deny(store.as_ref(), &b.target, k, b.until_ms, now)).await?;
-    // Committed: close the push streams the entry matches (by its kind), 4403.
-    if e.is_active(now) {
-        let n = match e.kind {
-            DenyKind::Host => state
-                .streams
-                .close_where(close::AUTH, |s| s.fingerprint == e.value),
-            DenyKind::Client => state
-                .streams
-                .close_where(close::AUTH, |s| s.client_id.as_deref() == Some(&e.value)),
-        };
-        if n > 0 {
-            tracing::info!(streams = n, "push streams closed by a deny entry");
+    let streams = state.streams.clone();
+    let e = run(move || {
+        let e = admin::deny(store.as_ref(), &b.target, k, b.until_ms, now)?;
+        // Committed: close the push streams the entry matches (by its kind), 4403. Here, on
+        // the blocking thread, so that it happens even when this request is dropped meanwhile.
+        if e.is_active(now) {
+            let n = match e.kind {
+                DenyKind::Host => streams.close_where(close::AUTH, |s| s.fingerprint == e.value),
+                DenyKind::Client => {
+                    streams.close_where(close::AUTH, |s| s.client_id.as_deref() == Some(&e.value))
+                }
+            };
+            if n > 0 {
+                tracing::info!(streams = n, "push streams closed by a deny entry");
+            }
         }
-    }
+        Ok(e)
+    })
+    .await?;
     Ok(Json(
         json!({"ok": true, "entry": admin::DenyView::of(&e, now)}),
     ))

@@ -126,13 +126,20 @@ pub async fn post(State(state): State<SharedRelay>, req: Request) -> Result<Json
     };
     let store = state.store.clone();
     let old_pubkey = req.old_pubkey.clone();
-    match blocking(move || store.rotate(req)).await? {
-        RotateOutcome::Rotated { moved } => {
+    let streams = state.streams.clone();
+    let outcome = blocking(move || {
+        let outcome = store.rotate(req)?;
+        if let RotateOutcome::Rotated { .. } = outcome {
             // Committed: the old key's push stream closes (4403); the host opens one with its
-            // new key.
-            state
-                .streams
-                .close_key(&old_pubkey, agentmbx_protocol::stream::close::AUTH);
+            // new key. Here, on the blocking thread, so that it happens even when this request
+            // is dropped meanwhile.
+            streams.close_key(&old_pubkey, agentmbx_protocol::stream::close::AUTH);
+        }
+        Ok(outcome)
+    })
+    .await?;
+    match outcome {
+        RotateOutcome::Rotated { moved } => {
             tracing::info!(
                 old = %old_key.fingerprint(),
                 new = %new_key.fingerprint(),

@@ -69,18 +69,25 @@ async fn upgrade(state: SharedRelay, req: Request) -> Result<Response, Response>
             )
             .into_response()
         })?;
-    let Query(q) = Query::<HashMap<String, String>>::try_from_uri(&parts.uri)
-        .map_err(|_| bad_nonce().into_response())?;
-    let nonce = q
-        .get(NONCE_PARAM)
-        .ok_or_else(|| bad_nonce().into_response())?;
+    let refuse = |why: &str| {
+        tracing::debug!(reason = why, "push stream refused: bad nonce");
+        let fp = crate::auth::parse_key(&enrolment.host_pubkey).map(|k| k.fingerprint());
+        state.refused.auth(
+            crate::refusals::AuthRefusal::BadNonce,
+            parts.method.as_str(),
+            parts.uri.path(),
+            fp.as_deref(),
+        );
+        bad_nonce().into_response()
+    };
+    let nonce = Query::<HashMap<String, String>>::try_from_uri(&parts.uri)
+        .ok()
+        .and_then(|Query(mut q)| q.remove(NONCE_PARAM))
+        .ok_or_else(|| refuse("no nonce"))?;
     state
         .nonces
-        .consume(nonce, &enrolment.host_pubkey, state.clock.now_ms())
-        .map_err(|e| {
-            tracing::debug!(reason = %e, "push stream refused: bad nonce");
-            bad_nonce().into_response()
-        })?;
+        .consume(&nonce, &enrolment.host_pubkey, state.clock.now_ms())
+        .map_err(|e| refuse(&e.to_string()))?;
     let slot = parts.extensions.get::<ConnSlot>().cloned();
     let key = enrolment.host_pubkey.clone();
     let fingerprint = crate::auth::parse_key(&key).map_or_else(String::new, |k| k.fingerprint());
@@ -130,9 +137,7 @@ async fn upgrade(state: SharedRelay, req: Request) -> Result<Response, Response>
         let store = state.store.clone();
         let (k, fp, client, now) = (key, fingerprint, client_id, state.clock.now_ms());
         let still = blocking(move || {
-            let live = store.enrolment(&k)?.is_some_and(|e| !e.is_revoked());
-            let denied = store.denied(&fp, client.as_deref(), now)?.is_some();
-            Ok(live && !denied)
+            crate::stream::key_may_stream(store.as_ref(), &k, &fp, client.as_deref(), now)
         })
         .await;
         match still {

@@ -9,7 +9,10 @@
 //! pull page after a `resume` (read in chunks of [`REPLAY_CHUNK_BYTES`], each reserved from
 //! the relay-wide budget until written), the ping (random ids) and its pong deadline (from the
 //! oldest unanswered ping), the account token's expiry, writing the queued live frames and the
-//! announced `epoch` ([`super::hub`]) and the close with its code.
+//! announced `epoch` ([`super::hub`]) and the close with its code. On every `resume` (in the
+//! same blocking call as the replay's first read) and every [`RECHECK_EVERY_PINGS`] pings it
+//! reads the key's enrolment and deny entries again ([`super::key_may_stream`]): a revoked or
+//! denied key is closed with 4403 even when the close request never reached the stream.
 //!
 //! Each iteration of the loop first looks at the control side (a close request, the token
 //! deadline, the ping, the pong deadline), then reads or writes at most one frame (after a
@@ -270,29 +273,88 @@ fn read_error_end(e: axum::Error) -> Ended {
     }
 }
 
-/// Reads the replay's next chunk after `after` (at most `limit` items, `max_bytes` wire bytes).
+/// Pings between two reads of the key's enrolment and deny entries
+/// ([`super::key_may_stream`]) on an idle stream: every 4th ping (about 100 s at the
+/// contract's timers). Every `resume` reads them too.
+pub const RECHECK_EVERY_PINGS: u64 = 4;
+
+/// What the key's re-read found: `Err(4403)` when it may no longer stream, `Err(1013)` when
+/// the store could not be read.
+fn key_check(
+    store: &dyn RelayStore,
+    key: &str,
+    fingerprint: &str,
+    client_id: Option<&str>,
+    now_ms: i64,
+) -> Result<(), u16> {
+    match super::key_may_stream(store, key, fingerprint, client_id, now_ms) {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(close::AUTH),
+        Err(e) => {
+            tracing::warn!(error = %e, "push stream: the key's status could not be read again");
+            Err(close::OVERLOAD)
+        }
+    }
+}
+
+/// Reads the key's enrolment and deny entries again, off the runtime: `Err(code)` closes.
+async fn recheck_key(params: &ConnParams, stream: &Stream) -> Result<(), u16> {
+    let store = params.store.clone();
+    let (key, fp, client) = (
+        stream.key.clone(),
+        stream.fingerprint.clone(),
+        stream.client_id.clone(),
+    );
+    let now = params.clock.now_ms();
+    tokio::task::spawn_blocking(move || {
+        key_check(store.as_ref(), &key, &fp, client.as_deref(), now)
+    })
+    .await
+    .unwrap_or(Err(close::OVERLOAD))
+}
+
+/// Reads the replay's next chunk after `after` (at most `limit` items, `max_bytes` wire bytes)
+/// for `stream`'s key. With `recheck` (a `resume`), the key's enrolment and deny entries are
+/// read first in the same blocking call: a revoked or denied key gets `Err(4403)`, not its
+/// queue.
 async fn read_chunk(
     params: &ConnParams,
-    key: &str,
+    stream: &Stream,
+    recheck: bool,
     after: i64,
     limit: i64,
     max_bytes: u64,
 ) -> Result<PullPage, u16> {
     let store = params.store.clone();
     let req = PullRequest {
-        target_pubkey: key.to_owned(),
+        target_pubkey: stream.key.clone(),
         after,
         limit: limit.max(1),
         max_bytes: max_bytes.max(1),
     };
-    match tokio::task::spawn_blocking(move || store.pull(req)).await {
-        Ok(Ok(page)) => Ok(page),
-        Ok(Err(e)) => {
-            tracing::warn!(error = %e, "push stream replay could not read the store");
-            Err(close::OVERLOAD)
+    let check = recheck.then(|| {
+        (
+            stream.fingerprint.clone(),
+            stream.client_id.clone(),
+            params.clock.now_ms(),
+        )
+    });
+    let read = tokio::task::spawn_blocking(move || {
+        if let Some((fp, client, now)) = check {
+            key_check(
+                store.as_ref(),
+                &req.target_pubkey,
+                &fp,
+                client.as_deref(),
+                now,
+            )?;
         }
-        Err(_) => Err(close::OVERLOAD),
-    }
+        store.pull(req).map_err(|e| {
+            tracing::warn!(error = %e, "push stream replay could not read the store");
+            close::OVERLOAD
+        })
+    });
+    read.await.unwrap_or(Err(close::OVERLOAD))
 }
 
 /// Takes `page` as the replay's next chunk: items up to the first one whose frame would not fit
@@ -340,6 +402,7 @@ pub async fn run<H: Send>(
     let mut ping = tokio::time::interval_at(Instant::now() + params.ping_every, params.ping_every);
     ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut pings = Pings::default();
+    let mut pings_sent: u64 = 0;
     let mut allowance = Allowance::new(Instant::now());
     let mut control: VecDeque<String> = VecDeque::new();
     let mut replay = Replay::default();
@@ -382,6 +445,13 @@ pub async fn run<H: Send>(
         tokio::select! {
             biased;
             _ = ping.tick() => {
+                pings_sent += 1;
+                if pings_sent.is_multiple_of(RECHECK_EVERY_PINGS) {
+                    // A revocation or deny whose close request never reached this stream.
+                    if let Err(code) = recheck_key(&params, &stream).await {
+                        break Ended::Closed(code);
+                    }
+                }
                 let id = pings.send(Instant::now());
                 if control.len() < MAX_CONTROL_FRAMES {
                     control.push_back(frame_text(&ServerFrame::Ping { id }));
@@ -434,7 +504,8 @@ pub async fn run<H: Send>(
                         skip_through = i64::MAX;
                         let page = match read_chunk(
                             &params,
-                            &stream.key,
+                            &stream,
+                            true,
                             after,
                             max_pull,
                             params.max_pull_bytes.min(REPLAY_CHUNK_BYTES),
@@ -563,7 +634,15 @@ async fn next_frame(
     {
         let left_items = i64::try_from(max_items - replay.sent).unwrap_or(1);
         let left_bytes = (params.max_pull_bytes - replay.sent_bytes).min(REPLAY_CHUNK_BYTES);
-        let page = read_chunk(params, &stream.key, replay.prev_seq, left_items, left_bytes).await?;
+        let page = read_chunk(
+            params,
+            stream,
+            false,
+            replay.prev_seq,
+            left_items,
+            left_bytes,
+        )
+        .await?;
         if page.epoch != replay.epoch {
             // The epoch changed under the replay: the hub announces it; stop here.
             replay.more = false;

@@ -605,6 +605,29 @@ mod tests {
     }
 
     #[test]
+    fn an_epoch_announcement_empties_the_queue_and_waits_in_its_slot() {
+        let hub = Arc::new(Hub::default());
+        let reg = hub.register("K", "fp", None);
+        hub.reset(&reg.stream, true);
+        hub.publish("K", &item(1, 1_000));
+        hub.publish("K", &item(2, 1_000));
+        assert!(hub.budget_used() > 0);
+        hub.announce_epoch("e2");
+        assert_eq!(hub.budget_used(), 0, "the dropped frames' bytes returned");
+        assert!(!reg.stream.has_frames());
+        assert!(reg.stream.has_epoch());
+        assert_eq!(
+            hub.take_epoch(&reg.stream).as_deref(),
+            Some(r#"{"type":"epoch","epoch":"e2"}"#)
+        );
+        assert!(hub.take_epoch(&reg.stream).is_none(), "sent once");
+        hub.publish("K", &item(3, 10));
+        assert!(!reg.stream.has_frames(), "not live until the next resume");
+        drop(reg);
+        assert_eq!(hub.budget_used(), 0);
+    }
+
+    #[test]
     fn a_second_stream_for_a_key_replaces_the_first() {
         let hub = Arc::new(Hub::default());
         let first = hub.register("K", "fp", None);

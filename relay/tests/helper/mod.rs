@@ -131,6 +131,7 @@ impl Relay {
             let f = Arc::new(FailingStore {
                 inner,
                 failure: std::sync::Mutex::new(None),
+                on_read: std::sync::Mutex::new(None),
             });
             *wrapped.lock().expect("slot") = Some(f.clone());
             f
@@ -744,9 +745,25 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
 pub struct FailingStore {
     inner: Arc<dyn RelayStore>,
     failure: std::sync::Mutex<Option<String>>,
+    on_read: std::sync::Mutex<Option<(String, u32, ReadHook)>>,
+}
+
+/// What [`FailingStore::on_enrolment_read`] does at the chosen read.
+#[derive(Debug, Clone, Copy)]
+pub enum ReadHook {
+    /// Revoke the key (committed) at this time, then read: a revocation that lands just
+    /// before the read.
+    Revoke(i64),
+    /// Fail the read.
+    Fail,
 }
 
 impl FailingStore {
+    /// At the `nth` read (1-based, from now) of `key`'s enrolment, do `hook` once.
+    pub fn on_enrolment_read(&self, key: &str, nth: u32, hook: ReadHook) {
+        *self.on_read.lock().expect("lock") = Some((key.to_owned(), nth, hook));
+    }
+
     /// From now on the store reports `reason` and refuses writes.
     pub fn fail(&self, reason: &str) {
         *self.failure.lock().expect("lock") = Some(reason.to_owned());
@@ -796,6 +813,33 @@ impl store::DirectoryStore for FailingStore {
         self.inner.enrol(req)
     }
     fn enrolment(&self, host_pubkey: &str) -> Result<Option<store::Enrolment>, store::StoreError> {
+        let fire = {
+            let mut hook = self.on_read.lock().expect("lock");
+            match hook.as_mut() {
+                Some((key, left, what)) if key == host_pubkey => {
+                    *left -= 1;
+                    let what = *what;
+                    if *left == 0 {
+                        *hook = None;
+                        Some(what)
+                    } else {
+                        None
+                    }
+                }
+                _ => None,
+            }
+        };
+        match fire {
+            Some(ReadHook::Revoke(now_ms)) => {
+                self.inner.revoke(host_pubkey, now_ms)?;
+            }
+            Some(ReadHook::Fail) => {
+                return Err(store::StoreError::WriterFailed {
+                    reason: "read failed".to_owned(),
+                })
+            }
+            None => {}
+        }
         self.inner.enrolment(host_pubkey)
     }
     fn live_enrolments_by_name(
