@@ -192,6 +192,26 @@ pub fn bad_nonce(e: &RelayError) -> bool {
     matches!(e, RelayError::Status { status: 401, body: Some(b), .. } if b.code == "BAD_NONCE")
 }
 
+/// Why an answer other than `101` (`status`, body `bytes`) to the stream's upgrade means the
+/// stream is not offered here, so the daemon polls and tries again in
+/// [`RETRY_STREAM_WHEN_POLLING`]: a 404 (an older relay), a 400 `NOT_UPGRADE` or any other
+/// answer to the upgrade (2xx, 3xx, 426, 501: the upgrade headers did not reach the relay, a
+/// proxy that does not pass them). `None`: an error to retry with backoff.
+pub fn not_offered(status: u16, bytes: &[u8]) -> Option<String> {
+    let code = serde_json::from_slice::<agentmbx_protocol::wire::ErrorBody>(bytes)
+        .ok()
+        .map(|b| b.code);
+    match status {
+        404 => Some("the relay does not offer the push stream (404)".to_string()),
+        s if s < 400 || matches!(s, 426 | 501) || code.as_deref() == Some("NOT_UPGRADE") => {
+            Some(format!(
+                "the upgrade to the push stream was refused (HTTP {s}; a proxy that does not pass WebSocket upgrades?)"
+            ))
+        }
+        _ => None,
+    }
+}
+
 impl RelayClient {
     /// Opens the push stream with `nonce` (`you.stream_nonce` of this pass's signed info): the
     /// signed `GET /v2/relay/stream?nonce=<nonce>` (the hop as every relay call signs it) with the
@@ -228,14 +248,11 @@ impl RelayClient {
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_owned);
             let bytes = answer::read_capped(resp, answer::MAX_ANSWER).await?;
+            if let Some(why) = not_offered(status, &bytes) {
+                return Err(OpenError::NotOffered(why));
+            }
             return Err(match status {
                 429 => OpenError::Relay(super::rate_limited(retry_after.as_deref(), &bytes)),
-                404 => OpenError::NotOffered(
-                    "the relay does not offer the push stream (404)".to_string(),
-                ),
-                s if s < 400 || matches!(s, 426 | 501) => OpenError::NotOffered(format!(
-                    "the upgrade to the push stream was refused (HTTP {s}; a proxy that does not pass WebSocket upgrades?)"
-                )),
                 _ => {
                     if let Some(account) = self.account.as_ref().filter(|_| status == 401) {
                         if super::account::refused_token(&bytes) {

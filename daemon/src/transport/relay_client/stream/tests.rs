@@ -331,3 +331,15 @@ fn only_a_401_bad_nonce_asks_for_a_fresh_nonce() {
     )));
     assert!(!bad_nonce(&status_error(400, body("BAD_NONCE").as_bytes())));
 }
+
+#[test]
+fn an_upgrade_that_did_not_reach_the_relay_means_polling() {
+    let body = |code: &str| format!(r#"{{"error":"x","code":"{code}"}}"#);
+    assert!(not_offered(404, b"").is_some(), "an older relay");
+    assert!(not_offered(400, body("NOT_UPGRADE").as_bytes()).is_some());
+    assert!(not_offered(426, body("NOT_UPGRADE").as_bytes()).is_some());
+    assert!(not_offered(200, b"<html>").is_some(), "a proxy's page");
+    assert!(not_offered(401, body("BAD_NONCE").as_bytes()).is_none());
+    assert!(not_offered(400, body("BAD_HOP").as_bytes()).is_none());
+    assert!(not_offered(503, b"").is_none());
+}
