@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::helper::mesh::{Host, Mesh};
-use crate::helper::relay_cli::relay_cli;
+use crate::helper::relay_cli::{relay_cli, ADMIN};
 use crate::helper::{wait_for, POLL};
 
 /// The pull interval of the daemons here: an hour, so a pull never carries the mail.
@@ -295,4 +295,53 @@ fn with_the_stream_off_the_daemon_polls_and_doctor_says_it_is_disabled() {
             .starts_with("disabled by config"),
         "{check}"
     );
+}
+
+#[test]
+fn doctor_does_not_say_up_from_the_last_run_while_the_relay_is_down() {
+    let mut mesh = streaming_mesh();
+    mesh.b.stop();
+    mesh.relay.kill();
+    start_hourly(&mut mesh.b, &[]);
+    let summary = wait_for("doctor to stop reporting the last run's stream", || {
+        let check = doctor_stream(&mesh.b);
+        let summary = check["summary"].as_str().unwrap_or_default().to_string();
+        (!summary.starts_with("up since")).then_some(summary)
+    });
+    assert!(summary.starts_with("reconnecting"), "{summary}");
+}
+
+#[test]
+fn an_online_epoch_rotation_reaches_the_open_stream_and_mail_after_it_arrives_once() {
+    let mut mesh = streaming_mesh();
+    // The relay again with its admin endpoint on; both daemons reopen their streams.
+    let admin = [("MBX_RELAY_ADMIN_TOKEN", ADMIN)];
+    mesh.relay.kill();
+    mesh.relay.launch_with(None, &admin);
+    for host in [&mesh.a, &mesh.b] {
+        wait_for("the stream open again", || {
+            (host.log().matches(STREAM_OPEN).count() >= 2).then_some(())
+        });
+    }
+    let mut ids = vec![send_to_bob(&mesh, "before the rotation")];
+    within(STREAM_BOUND, "the mail before the rotation at B", || {
+        (mesh.b.messages_with_id(&ids[0]) == 1).then_some(())
+    });
+
+    relay_cli(&["rotate-epoch", "--url", &mesh.relay.url()], &admin).assert_success();
+    // The open stream carries the new epoch (B pulls hourly; nothing else would tell it).
+    within(STREAM_BOUND, "B's stream announcing the new epoch", || {
+        mesh.b
+            .log()
+            .contains("the stream announced the relay's epoch")
+            .then_some(())
+    });
+    ids.extend((0..2).map(|i| send_to_bob(&mesh, &format!("after the rotation {i}"))));
+    within(STREAM_BOUND, "the mail after the rotation at B", || {
+        ids.iter()
+            .all(|id| mesh.b.messages_with_id(id) >= 1)
+            .then_some(())
+    });
+    mesh.wait_queue_drained(&mesh.b);
+    assert_each_once(&mesh.b, &ids);
 }

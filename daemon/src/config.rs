@@ -629,7 +629,7 @@ impl Config {
                 _ => {
                     return Err(ConfigError::Env {
                         var: RELAY_STREAM_ENV,
-                        message: format!("{v:?}: expected 0 or 1"),
+                        message: format!("{v:?}: expected 0 or 1 (or false/true, off/on, no/yes)"),
                     })
                 }
             };

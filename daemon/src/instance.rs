@@ -40,10 +40,16 @@ pub const HOST_KEY_CLONE: &str = "host-key-clone";
 /// [`Reason::code`] when a paired peer's key is used by two daemons (seen on the LAN server).
 pub const PEER_KEY_CLONE: &str = "peer-key-clone";
 
-/// Push-stream replacements (close 4409) within [`CONFLICT_WINDOW_MS`] that make a
+/// Push-stream replacements (close 4409) in one run ([`REPLACED_WINDOW_MS`]) that make a
 /// `host-key-clone` report: 2 (one replacement can be this daemon's own restart racing its old
 /// connection; a second within the window means another daemon keeps opening streams).
 pub const REPLACED_TO_REPORT: usize = 2;
+
+/// Two push-stream replacements (close 4409) at most this far apart belong to one run (ms:
+/// 25 min, twice the longest wait before the stream is reopened after one, 10 min plus a
+/// quarter of jitter): a clone that keeps taking the stream stays reported however long the
+/// daemon's backoff grew; a run ends after this long without a replacement.
+pub const REPLACED_WINDOW_MS: i64 = 2 * (600_000 + 600_000 / 4);
 
 /// Peers (host name and key) the LAN tracker remembers: 1,024, far above any peer list; past
 /// it the peer seen longest ago is forgotten first (a forgotten peer starts over).
@@ -87,8 +93,10 @@ struct Replaced {
     relay: String,
     /// Every replacement since the start (for `doctor`).
     total: u64,
-    /// When the recent ones happened (ms on [`Instance`]'s clock; within the window).
-    recent: Vec<i64>,
+    /// Replacements in the current run: each within [`REPLACED_WINDOW_MS`] of the previous.
+    run: usize,
+    /// When the last one happened (ms on [`Instance`]'s clock).
+    last_ms: i64,
     /// Whether the current run of replacements was already logged as a detection.
     reported: bool,
 }
@@ -99,6 +107,9 @@ struct Replaced {
 pub struct Instance {
     id: String,
     started: Instant,
+    /// How far tests moved this instance's clock ahead (ms).
+    #[cfg(test)]
+    ahead_ms: std::sync::atomic::AtomicI64,
     relay: Mutex<Option<RelayNote>>,
     replaced: Mutex<Option<Replaced>>,
     peers: Mutex<InstanceTracker<PeerKey>>,
@@ -126,6 +137,8 @@ impl Instance {
         Instance {
             id: new_instance_id(),
             started: Instant::now(),
+            #[cfg(test)]
+            ahead_ms: 0.into(),
             relay: Mutex::new(None),
             replaced: Mutex::new(None),
             peers: Mutex::new(InstanceTracker::with_window(MAX_TRACKED_PEERS, window_ms)),
@@ -139,7 +152,10 @@ impl Instance {
 
     /// Now on this instance's monotonic clock (ms since it was made).
     fn now_ms(&self) -> i64 {
-        i64::try_from(self.started.elapsed().as_millis()).unwrap_or(i64::MAX)
+        let now = i64::try_from(self.started.elapsed().as_millis()).unwrap_or(i64::MAX);
+        #[cfg(test)]
+        let now = now.saturating_add(self.ahead_ms.load(std::sync::atomic::Ordering::Relaxed));
+        now
     }
 
     /// Records what `relay` said about this host key in `you.instance_conflict` of a signed
@@ -175,7 +191,8 @@ impl Instance {
 
     /// Records that `relay` closed this daemon's push stream with 4409 `replaced`. Returns the
     /// number of replacements by that relay since the start, and whether this one made a new
-    /// detection ([`REPLACED_TO_REPORT`] within [`CONFLICT_WINDOW_MS`]; logged once at WARN).
+    /// detection ([`REPLACED_TO_REPORT`] in one run, [`REPLACED_WINDOW_MS`]; logged once at
+    /// WARN).
     pub fn note_replaced(&self, relay: &str) -> (u64, bool) {
         let now = self.now_ms();
         let mut note = lock(&self.replaced);
@@ -187,17 +204,19 @@ impl Instance {
             };
         }
         r.total += 1;
-        r.recent.retain(|t| now - *t <= CONFLICT_WINDOW_MS);
-        if r.recent.is_empty() {
+        if r.run > 0 && now - r.last_ms > REPLACED_WINDOW_MS {
+            // A stable period: a new run.
+            r.run = 0;
             r.reported = false;
         }
-        r.recent.push(now);
-        let new = r.recent.len() >= REPLACED_TO_REPORT && !r.reported;
+        r.run += 1;
+        r.last_ms = now;
+        let new = r.run >= REPLACED_TO_REPORT && !r.reported;
         if new {
             r.reported = true;
             tracing::warn!(
                 relay = %relay,
-                replaced = r.recent.len(),
+                replaced = r.run,
                 "another daemon is using this host key (a copied home, a restored backup or a cloned disk): the relay keeps replacing this daemon's push stream with another one opened with the same key, so incoming mail is split between them; see agentmbx doctor"
             );
         }
@@ -245,17 +264,13 @@ impl Instance {
         }
         let told = out.iter().any(|r| r.code == HOST_KEY_CLONE);
         if let Some(r) = lock(&self.replaced).as_ref().filter(|r| {
-            !told
-                && r.recent.len() >= REPLACED_TO_REPORT
-                && r.recent
-                    .last()
-                    .is_some_and(|t| now - *t <= CONFLICT_WINDOW_MS)
+            !told && r.run >= REPLACED_TO_REPORT && now - r.last_ms <= REPLACED_WINDOW_MS
         }) {
             out.push(Reason {
                 code: HOST_KEY_CLONE,
                 detail: format!(
-                    "another daemon is using this host key: the relay replaced this daemon's push stream {} times in 10 minutes with one opened by another daemon with the same key (a copied home, a restored backup or a cloned disk), so incoming mail is split between them; see agentmbx doctor",
-                    r.recent.len()
+                    "another daemon is using this host key: the relay replaced this daemon's push stream {} times in a row, each within 25 minutes of the previous, with one opened by another daemon with the same key (a copied home, a restored backup or a cloned disk), so incoming mail is split between them; see agentmbx doctor",
+                    r.run
                 ),
                 peer: None,
                 relay: Some(r.relay.clone()),
@@ -342,6 +357,29 @@ mod tests {
         // The relay's own word is not reported twice.
         me.note_relay("http://r", Some(conflict(5)));
         assert_eq!(me.reasons().len(), 1);
+    }
+
+    #[test]
+    fn replacements_at_the_longest_backoff_stay_reported_and_a_stable_period_ends_the_run() {
+        let me = Instance::new();
+        let r = "http://r";
+        let later = |me: &Instance, ms: i64| {
+            me.ahead_ms
+                .fetch_add(ms, std::sync::atomic::Ordering::Relaxed);
+        };
+        me.note_replaced(r);
+        assert!(me.note_replaced(r).1, "detected");
+        // The daemon's backoff has grown to 10 min + jitter: the clone still takes the stream.
+        for _ in 0..5 {
+            later(&me, 750_000);
+            me.note_replaced(r);
+            assert_eq!(me.reasons().len(), 1, "still reported");
+        }
+        // No replacement for longer than the window: the report ends, a new run starts over.
+        later(&me, REPLACED_WINDOW_MS + 1);
+        assert!(me.reasons().is_empty());
+        assert_eq!(me.note_replaced(r), (8, false), "one may be a restart");
+        assert!(me.note_replaced(r).1, "a new detection");
     }
 
     #[test]

@@ -29,8 +29,10 @@ use tokio::time::Instant;
 /// Hidden variable (ms, > 0): replaces the bound of every registered loop (tests only).
 pub const MAX_GAP_ENV: &str = "MBX_LIVENESS_MAX_GAP_MS";
 
-/// Longest pause between two stamps of an idle loop ([`waiting`]).
-pub const IDLE_STAMP_MAX: Duration = Duration::from_secs(10);
+/// Longest pause between two stamps of an idle loop ([`waiting`]): 30 s (a loop still stamps
+/// at least three times per bound, [`Beat::idle_every`]); an idle daemon wakes as rarely as it
+/// can.
+pub const IDLE_STAMP_MAX: Duration = Duration::from_secs(30);
 
 /// Shortest pause between two stamps of an idle loop: no timer of an idle daemon is faster.
 pub const IDLE_STAMP_MIN: Duration = Duration::from_secs(1);

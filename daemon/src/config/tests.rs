@@ -472,3 +472,43 @@ fn value_errors_name_the_file_the_key_and_the_line() {
         }
     }
 }
+
+#[test]
+fn the_push_stream_switch_is_read_from_the_file_and_the_env_and_checked() {
+    let (_d, paths) = home_with(None);
+    assert!(
+        Config::load_with_env(&paths, env_of(&[]))
+            .unwrap()
+            .relay_stream,
+        "on by default"
+    );
+    let (_d, off) = home_with(Some("relay_stream = false\n"));
+    assert!(
+        !Config::load_with_env(&off, env_of(&[]))
+            .unwrap()
+            .relay_stream
+    );
+    for (v, on) in [
+        ("0", false),
+        ("off", false),
+        (" No ", false),
+        ("1", true),
+        ("TRUE", true),
+    ] {
+        let c = Config::load_with_env(&paths, env_of(&[(RELAY_STREAM_ENV, v)])).unwrap();
+        assert_eq!(c.relay_stream, on, "{v:?}");
+    }
+    // The env beats the file.
+    let c = Config::load_with_env(&off, env_of(&[(RELAY_STREAM_ENV, "1")])).unwrap();
+    assert!(c.relay_stream);
+    // Empty is unset, as for every variable.
+    let c = Config::load_with_env(&off, env_of(&[(RELAY_STREAM_ENV, " ")])).unwrap();
+    assert!(!c.relay_stream);
+    for v in ["2", "disabled", "0x", "-1"] {
+        let err = Config::load_with_env(&paths, env_of(&[(RELAY_STREAM_ENV, v)])).unwrap_err();
+        assert!(err.to_string().contains(RELAY_STREAM_ENV), "{v:?}: {err}");
+    }
+    let (_d, bad) = home_with(Some("relay_stream = \"yes\"\n"));
+    let err = Config::load_with_env(&bad, env_of(&[])).unwrap_err();
+    assert!(err.to_string().contains("relay_stream"), "{err}");
+}

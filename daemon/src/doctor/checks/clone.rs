@@ -81,7 +81,7 @@ pub fn host_key_clone(f: &Facts) -> Result<Outcome, String> {
     .detail("a copy of this home runs a daemon too (a restored backup, a cloned disk or VM, a copied directory); each message goes to whichever daemon pulls it first, so each daemon misses some")
     .detail("if the copy is not needed: stop the daemon that runs on it (`agentmbx daemon uninstall`, or stop its service or process there) and remove or archive that copy of the home")
     .detail("if the copy must be a host of its own: stop its daemon, move its home away, run `agentmbx init` in a fresh home there and pair it again with its peers (a new host with its own key)")
-    .detail("the report clears within 10 minutes once only one daemon uses this host key"))
+    .detail("the report clears within 10 minutes once only one daemon uses this host key (25 minutes after the relay last replaced this daemon's push stream)"))
 }
 
 /// `peer-key-clone`: `warn` naming each paired peer whose LAN hops to this host alternate

@@ -439,8 +439,13 @@ impl LanDelivery {
             launched.push(tokio::spawn(liveness::inherit(async move {
                 let _guard = guard;
                 let r = this.deliver_host(&host, rows).await;
-                if let Err(e) = &r {
-                    tracing::warn!(peer = %host, error = %e, "LAN delivery failed in the mailbox");
+                match &r {
+                    // A LAN failure moves a row toward the relay: let its loop look now.
+                    Ok(c) if c.failed > 0 && this.relay() => this.relay_wake.notify_one(),
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(peer = %host, error = %e, "LAN delivery failed in the mailbox");
+                    }
                 }
                 r
             })));
@@ -450,9 +455,15 @@ impl LanDelivery {
             let guard = self.inflight.enter(&host, self.self_wake.clone());
             launched.push(tokio::spawn(liveness::inherit(async move {
                 let _guard = guard;
+                let sent = rows.len();
                 let r = this.flush_receipts(&host, rows).await;
-                if let Err(e) = &r {
-                    tracing::warn!(peer = %host, error = %e, "LAN receipts failed in the mailbox");
+                match &r {
+                    // Receipts the LAN did not take move toward the relay: let its loop look.
+                    Ok(c) if c.receipts_sent < sent && this.relay() => this.relay_wake.notify_one(),
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(peer = %host, error = %e, "LAN receipts failed in the mailbox");
+                    }
                 }
                 r
             })));

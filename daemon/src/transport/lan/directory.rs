@@ -26,8 +26,9 @@ use crate::transport::lan::client::LanClient;
 pub const REFRESH_INTERVAL: Duration = Duration::from_secs(300);
 
 /// How often the daemon looks for pinned peers with an address whose directory it never stored
-/// (10 s): one read of the `peers` table, no network unless there is one.
-pub const NEW_PEER_CHECK: Duration = Duration::from_secs(10);
+/// (60 s, as [`NEW_PEER_RETRY`]; an idle daemon wakes as rarely as it can): one read of the
+/// `peers` table, no network unless there is one. Until then a send to such a peer only warns.
+pub const NEW_PEER_CHECK: Duration = Duration::from_secs(60);
 
 /// How long an unreachable never-fetched peer waits before it is asked again (60 s).
 pub const NEW_PEER_RETRY: Duration = Duration::from_secs(60);

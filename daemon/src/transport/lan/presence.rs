@@ -50,8 +50,11 @@ pub const BEACON_TIMEOUT: Duration = Duration::from_secs(3);
 pub const HEAL_THROTTLE_MS: i64 = 60_000;
 /// First beacon after start (0.5.x: 2 s, so the LAN server is surely up).
 pub const FIRST_BEACON_DELAY: Duration = Duration::from_secs(2);
-/// How often this host's own addresses are compared with the last announced ones (0.5.x 10 s).
-pub const ADDR_CHECK_INTERVAL: Duration = Duration::from_secs(10);
+/// How often this host's own addresses are compared with the last announced ones (60 s, as
+/// [`LADDER_INTERVAL`]; 0.5.x: 10 s): an idle daemon wakes as rarely as it can, and a peer
+/// whose mail to this host fails runs its own failure ladder meanwhile. A restarted daemon
+/// announces itself after [`FIRST_BEACON_DELAY`].
+pub const ADDR_CHECK_INTERVAL: Duration = Duration::from_secs(60);
 /// A beacon goes out at least this often even when nothing changed (0.5.x: 5 min).
 pub const BEACON_INTERVAL: Duration = Duration::from_secs(300);
 /// How often the failure ladder runs for peers whose mail keeps failing (0.5.x: 1 min).

@@ -562,11 +562,16 @@ async fn run_loop(
 ) {
     let mut failures: u32 = 0;
     let mut ctl = StreamCtl::default();
-    if !client.stream {
-        client
-            .note_stream(stream::StreamState::Disabled, None, 0)
-            .await;
-    }
+    // The record of a previous run must not say "up" while this one has not opened a stream.
+    let first = if client.stream {
+        (
+            stream::StreamState::Reconnecting,
+            Some("starting: the stream opens after the first relay pass".to_string()),
+        )
+    } else {
+        (stream::StreamState::Disabled, None)
+    };
+    client.note_stream(first.0, first.1, 0).await;
     loop {
         if *shutdown.borrow() {
             return;
@@ -656,6 +661,15 @@ async fn run_loop(
             Err(e) => {
                 failures = failures.saturating_add(1);
                 tracing::warn!(relay = %client.url, error = %e, "relay pass failed; retrying");
+                if client.stream {
+                    client
+                        .note_stream(
+                            stream::StreamState::Reconnecting,
+                            Some(format!("the relay pass failed: {e}")),
+                            ctl.replaced,
+                        )
+                        .await;
+                }
                 Duration::from_millis((500u64 << failures.min(7)).min(MAX_RETRY_DELAY_MS))
             }
         };
@@ -754,7 +768,20 @@ async fn stream_turn(
         .await;
         return Some(Ok(()));
     };
-    let ws = match client.open_stream(nonce, &session.limits).await {
+    let mut opened = client.open_stream(nonce, &session.limits).await;
+    // The pass's nonce may have expired while it pushed and pulled: once more with a fresh one.
+    if matches!(&opened, Err(stream::OpenError::Relay(e)) if stream::bad_nonce(e)) {
+        tracing::info!(relay = %client.url, "the stream nonce was refused; opening with a fresh one");
+        opened = match client.fresh_stream_nonce().await {
+            Ok(Some(fresh)) => client.open_stream(&fresh, &session.limits).await,
+            Ok(None) => Err(stream::OpenError::NotOffered(
+                "the relay no longer offers the push stream (no stream nonce in its signed info)"
+                    .into(),
+            )),
+            Err(e) => Err(stream::OpenError::Relay(e)),
+        };
+    }
+    let ws = match opened {
         Ok(ws) => ws,
         Err(stream::OpenError::NotOffered(why)) => {
             tracing::info!(relay = %client.url, reason = %why, "push stream not available: polling");
@@ -779,6 +806,10 @@ async fn stream_turn(
     let end = stream::serve(client, ws, session, wake, shutdown).await;
     if opened.elapsed() >= stream::STABLE_AFTER {
         ctl.failures = 0;
+    }
+    // Up for a whole replacement run's window: the next 4409 starts the backoff over.
+    if opened.elapsed().as_millis() >= crate::instance::REPLACED_WINDOW_MS as u128 {
+        ctl.replaced = 0;
     }
     match end {
         stream::End::Shutdown => None,

@@ -213,6 +213,16 @@ impl RelayClient {
         }
     }
 
+    /// A fresh single-use stream nonce (`you.stream_nonce`) from a new signed info whose key
+    /// is checked against the pin, for a stream whose pass's nonce was refused (401
+    /// `BAD_NONCE`: it expired while the pass pushed and pulled). `None`: the relay gave none.
+    /// Errors: as [`Self::open_session`].
+    pub async fn fresh_stream_nonce(&self) -> Result<Option<String>, RelayError> {
+        let info = self.signed_info().await?;
+        self.check_relay_key(&info).await?;
+        Ok(info.you.and_then(|y| y.stream_nonce))
+    }
+
     async fn session_with(&self, force: Option<&'static str>) -> Result<Session, RelayError> {
         let mut info = self.signed_info().await?;
         self.check_relay_key(&info).await?;

@@ -14,10 +14,10 @@
 //!   after the commits of a run of frames, once no further frame is waiting. `resume_complete`
 //!   with a head above what was stored, `lagged` and a gap run a pull; `epoch` runs spec §5's
 //!   new-epoch handling ([`RelayClient::epoch_changed`]) and a pass, then resumes; `ping` is
-//!   answered `pong`. A send (the loop's wake), a due row or a commit by another process (seen
-//!   every [`STORE_CHECK_EVERY`] from SQLite's `data_version`: a pairing by the CLI must reach
-//!   the allowlist; the same check finds rows the LAN handed over to the relay) runs a pass
-//!   without a pull, and a pull runs at least every
+//!   answered `pong` at once by a reader task (so a long pass never leaves a ping unanswered).
+//!   A send or a row the LAN handed over (the loop's wake), a due row or a commit by another
+//!   process (seen every [`STORE_CHECK_EVERY`] from SQLite's `data_version`: a pairing by the
+//!   CLI must reach the allowlist) runs a pass without a pull, and a pull runs at least every
 //!   [`SAFETY_PULL_EVERY`]. A stream silent for [`SILENCE_LIMIT`] (no ping) is taken for
 //!   dead and reopened.
 //! - [`StreamRecord`]: what the stream does, kept in `mailbox.db` (kv `relay-stream:<url>`,
@@ -55,10 +55,11 @@ pub const SAFETY_PULL_EVERY: Duration = Duration::from_secs(300);
 
 /// While the stream is up, how often the daemon looks (locally, no request) whether another
 /// process changed `mailbox.db` (SQLite's `data_version`: e.g. `agentmbx peers add`, which the
-/// allowlist, a quarantine retry or a rotation at the relay must follow) or a row became due
-/// for the relay (handed over by the LAN): 5 s. Either runs a pass without a pull, as polling
-/// would have.
-pub const STORE_CHECK_EVERY: Duration = Duration::from_secs(5);
+/// allowlist, a quarantine retry or a rotation at the relay must follow; those commands do not
+/// talk to the running daemon): 30 s. A change runs a pass without a pull, as polling would
+/// have. Rows the LAN hands over to the relay wake the loop directly (the LAN loop's
+/// `relay_wake`), as does a send.
+pub const STORE_CHECK_EVERY: Duration = Duration::from_secs(30);
 
 /// A stream from which nothing arrived for this long is taken for dead and reopened: the relay
 /// pings every 25 s ([`agentmbx_protocol::stream::PING_EVERY_MS`]), so 60 s of silence
@@ -185,6 +186,32 @@ pub enum OpenError {
     Relay(#[from] RelayError),
 }
 
+/// Whether `e` is the relay's 401 `BAD_NONCE` to a stream opening (the nonce expired, was
+/// used, or is unknown: `docs/relay-stream.md` "Opening it").
+pub fn bad_nonce(e: &RelayError) -> bool {
+    matches!(e, RelayError::Status { status: 401, body: Some(b), .. } if b.code == "BAD_NONCE")
+}
+
+/// Why an answer other than `101` (`status`, body `bytes`) to the stream's upgrade means the
+/// stream is not offered here, so the daemon polls and tries again in
+/// [`RETRY_STREAM_WHEN_POLLING`]: a 404 (an older relay), a 400 `NOT_UPGRADE` or any other
+/// answer to the upgrade (2xx, 3xx, 426, 501: the upgrade headers did not reach the relay, a
+/// proxy that does not pass them). `None`: an error to retry with backoff.
+pub fn not_offered(status: u16, bytes: &[u8]) -> Option<String> {
+    let code = serde_json::from_slice::<agentmbx_protocol::wire::ErrorBody>(bytes)
+        .ok()
+        .map(|b| b.code);
+    match status {
+        404 => Some("the relay does not offer the push stream (404)".to_string()),
+        s if s < 400 || matches!(s, 426 | 501) || code.as_deref() == Some("NOT_UPGRADE") => {
+            Some(format!(
+                "the upgrade to the push stream was refused (HTTP {s}; a proxy that does not pass WebSocket upgrades?)"
+            ))
+        }
+        _ => None,
+    }
+}
+
 impl RelayClient {
     /// Opens the push stream with `nonce` (`you.stream_nonce` of this pass's signed info): the
     /// signed `GET /v2/relay/stream?nonce=<nonce>` (the hop as every relay call signs it) with the
@@ -221,14 +248,11 @@ impl RelayClient {
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_owned);
             let bytes = answer::read_capped(resp, answer::MAX_ANSWER).await?;
+            if let Some(why) = not_offered(status, &bytes) {
+                return Err(OpenError::NotOffered(why));
+            }
             return Err(match status {
                 429 => OpenError::Relay(super::rate_limited(retry_after.as_deref(), &bytes)),
-                404 => OpenError::NotOffered(
-                    "the relay does not offer the push stream (404)".to_string(),
-                ),
-                s if s < 400 || matches!(s, 426 | 501) => OpenError::NotOffered(format!(
-                    "the upgrade to the push stream was refused (HTTP {s}; a proxy that does not pass WebSocket upgrades?)"
-                )),
                 _ => {
                     if let Some(account) = self.account.as_ref().filter(|_| status == 401) {
                         if super::account::refused_token(&bytes) {

@@ -319,3 +319,27 @@ fn the_reader_answers_pings_and_forwards_every_other_message() {
         "the library's own"
     );
 }
+
+#[test]
+fn only_a_401_bad_nonce_asks_for_a_fresh_nonce() {
+    use crate::transport::relay_client::status_error;
+    let body = |code: &str| format!(r#"{{"error":"refused","code":"{code}"}}"#);
+    assert!(bad_nonce(&status_error(401, body("BAD_NONCE").as_bytes())));
+    assert!(!bad_nonce(&status_error(
+        401,
+        body("NOT_ENROLLED").as_bytes()
+    )));
+    assert!(!bad_nonce(&status_error(400, body("BAD_NONCE").as_bytes())));
+}
+
+#[test]
+fn an_upgrade_that_did_not_reach_the_relay_means_polling() {
+    let body = |code: &str| format!(r#"{{"error":"x","code":"{code}"}}"#);
+    assert!(not_offered(404, b"").is_some(), "an older relay");
+    assert!(not_offered(400, body("NOT_UPGRADE").as_bytes()).is_some());
+    assert!(not_offered(426, body("NOT_UPGRADE").as_bytes()).is_some());
+    assert!(not_offered(200, b"<html>").is_some(), "a proxy's page");
+    assert!(not_offered(401, body("BAD_NONCE").as_bytes()).is_none());
+    assert!(not_offered(400, body("BAD_HOP").as_bytes()).is_none());
+    assert!(not_offered(503, b"").is_none());
+}
