@@ -51,8 +51,8 @@ use agentmbx_protocol::time::iso_ms;
 
 use crate::store::maintenance::MaintenanceError;
 use crate::store::{
-    OpEntry, OpRecord, OpSigner, OpenOptions, RelayStore, SqliteMaintenance, SqliteStore,
-    StoreError, StoreLock, StoreMaintenance, DB_FILE, OPS_KEEP, SWEEP_OPS_KEEP,
+    EpochRotation, OpEntry, OpRecord, OpSigner, OpenOptions, RelayStore, SqliteMaintenance,
+    SqliteStore, StoreError, StoreLock, StoreMaintenance, DB_FILE, OPS_KEEP, SWEEP_OPS_KEEP,
 };
 
 mod restore;
@@ -298,6 +298,19 @@ pub fn rotate_epoch(
     by: RotatedBy,
     now_ms: i64,
 ) -> Result<Value, StoreError> {
+    rotate_epoch_then(store, store_db, by, now_ms, |_| {})
+}
+
+/// [`rotate_epoch`], then `committed` with the rotation (`from`, `to`) once its transaction
+/// committed (not called when it failed): a running relay announces `to` on its push streams
+/// from there, on the same thread, without reading the epoch again. Errors: the store's.
+pub fn rotate_epoch_then(
+    store: &dyn RelayStore,
+    store_db: &str,
+    by: RotatedBy,
+    now_ms: i64,
+    committed: impl FnOnce(&EpochRotation),
+) -> Result<Value, StoreError> {
     let log = OpEntry {
         at_ms: now_ms,
         op: OP_EPOCH_ROTATED.to_owned(),
@@ -306,6 +319,7 @@ pub fn rotate_epoch(
     };
     let (rotation, receipt) = store.rotate_epoch_logged(log)?;
     tracing::info!(from = %rotation.from, to = %rotation.to, by = by.as_str(), "relay epoch rotated");
+    committed(&rotation);
     Ok(receipt)
 }
 

@@ -113,21 +113,25 @@ pub async fn sweep_once(state: &SharedRelay) -> Result<SweepReport, StoreError> 
     // Each batch's notices go to their targets' push streams once that batch committed (a
     // later batch's error loses none of them).
     let report = tokio::task::spawn_blocking(move || {
-        store.sweep_notify(now, signer, &mut |notices| {
-            for n in notices {
-                hub.publish(
-                    &n.target_pubkey,
-                    &crate::stream::hub::LiveItem {
-                        seq: n.seq,
-                        prev_seq: n.prev_seq,
-                        kind: "expired".to_owned(),
-                        item_id: n.item_id.clone(),
-                        sender_pubkey: n.sender_pubkey.clone(),
-                        wire: bytes::Bytes::copy_from_slice(&n.wire),
-                    },
-                );
-            }
-        })
+        store.sweep_notify(
+            now,
+            signer,
+            Arc::new(move |notices| {
+                for n in notices {
+                    hub.publish(
+                        &n.target_pubkey,
+                        &crate::stream::hub::LiveItem {
+                            seq: n.seq,
+                            prev_seq: n.prev_seq,
+                            kind: "expired".to_owned(),
+                            item_id: n.item_id.clone(),
+                            sender_pubkey: n.sender_pubkey.clone(),
+                            wire: bytes::Bytes::copy_from_slice(&n.wire),
+                        },
+                    );
+                }
+            }),
+        )
     })
     .await
     .map_err(|_| StoreError::NotCommitted {

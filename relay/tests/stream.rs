@@ -1253,3 +1253,38 @@ async fn an_idle_stream_of_a_key_denied_without_a_close_request_is_closed_with_4
     deny(&relay, "host", &bob.key.public().fingerprint()).await;
     assert_eq!(ws.closed().await, close::AUTH);
 }
+
+#[tokio::test]
+async fn an_epoch_rotation_announces_the_epoch_it_committed_without_reading_it_again() {
+    let (relay, store) = Relay::start_failing_with_config(agentmbx_relay::config::RelayConfig {
+        admin_token: Some(agentmbx_relay::config::AdminToken::new(ADMIN).expect("token")),
+        ..Default::default()
+    })
+    .await;
+    let (_alice, bob) = pair(&relay).await;
+    let old = relay.epoch().await;
+    let mut ws = open(&relay, &bob).await;
+    ws.resume(&old, 0).await;
+    ws.replay().await;
+    // Reading the epoch alone fails from now on: the announcement uses the rotation's result.
+    store.fail_epoch_reads();
+    let headers = vec![
+        ("content-type".to_owned(), "application/json".to_owned()),
+        ("authorization".to_owned(), format!("Bearer {ADMIN}")),
+    ];
+    let r = relay
+        .send(
+            "POST",
+            "/v2/relay/admin/rotate-epoch",
+            &headers,
+            b"{}".to_vec(),
+        )
+        .await;
+    r.assert_ok();
+    let new = r.json["to"].as_str().expect("the receipt's new epoch");
+    assert_ne!(new, old);
+    assert_eq!(
+        non_ping(&mut ws).await,
+        json!({"type": "epoch", "epoch": new})
+    );
+}

@@ -306,20 +306,22 @@ pub async fn rotate_epoch(
     let RotateEpochBody {} = guarded_body(&state, req).await?;
     let (store, now) = (state.store.clone(), state.clock.now_ms());
     let store_db = state.store_db.clone();
+    let streams = state.streams.clone();
     let receipt = run(move || {
-        crate::ops::rotate_epoch(
+        // One rotation at a time from commit to announcement: announced in commit order.
+        let _turn = streams.epoch_turn();
+        crate::ops::rotate_epoch_then(
             store.as_ref(),
             &store_db,
             crate::ops::RotatedBy::Operator,
             now,
+            // Committed: every open stream hears the new epoch (the rotation's own `to`) and
+            // resumes in it; here, so that it happens even when this request is dropped.
+            |rotation| streams.announce_epoch(&rotation.to),
         )
         .map_err(AdminError::from)
     })
     .await?;
-    // Committed: every open stream hears the new epoch and resumes in it.
-    if let Ok(epoch) = state.store.epoch() {
-        state.streams.announce_epoch(&epoch);
-    }
     Ok(Json(receipt))
 }
 

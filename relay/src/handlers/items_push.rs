@@ -407,7 +407,14 @@ pub async fn post(
             batch,
             Box::new(move |r| {
                 if let Ok(outcome) = &r {
-                    publish(&hub, &sender, &outcome.items, &wires);
+                    // Committed whatever happens here: a panic while publishing costs the
+                    // live frames (the receivers pull), never the answer.
+                    let call = std::panic::AssertUnwindSafe(|| {
+                        publish(&hub, &sender, &outcome.items, &wires);
+                    });
+                    if std::panic::catch_unwind(call).is_err() {
+                        tracing::error!("publishing a committed push to the streams panicked");
+                    }
                 }
                 // The request may have gone away (client closed); nobody else to tell.
                 let _ = done.send(r);

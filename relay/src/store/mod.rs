@@ -92,8 +92,8 @@ pub use items::{
     QuotaKind, Rejection, TargetAccept,
 };
 pub use operations::{
-    sign_op_receipt, EpochRotation, ExpiryFacts, NoticeSigner, OpEntry, OpRecord, OpSigner,
-    OperationsStore, StoredNotice, SweepReport, DEDUP_GRACE_DAYS, OP_SWEEP, SWEEP_BATCH,
+    sign_op_receipt, EpochRotation, ExpiryFacts, NoticeSigner, NoticesCommitted, OpEntry, OpRecord,
+    OpSigner, OperationsStore, StoredNotice, SweepReport, DEDUP_GRACE_DAYS, OP_SWEEP, SWEEP_BATCH,
     SWEEP_MAX_BATCHES, SWEEP_MAX_PRUNE,
 };
 

@@ -3,6 +3,10 @@
 
 use super::StoreError;
 
+/// What [`OperationsStore::sweep_notify`] calls with each committed batch's expiry notices
+/// (the relay publishes them on the targets' push streams). Must not block.
+pub type NoticesCommitted = std::sync::Arc<dyn Fn(&[StoredNotice]) + Send + Sync>;
+
 /// Old and new epoch after [`OperationsStore::rotate_epoch`] (spec §5).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EpochRotation {
@@ -260,8 +264,9 @@ pub trait OperationsStore: Send + Sync + std::fmt::Debug {
 
     /// [`OperationsStore::sweep`], calling `committed` with the notices of each batch right
     /// after that batch's transaction committed, in commit order (the relay publishes them on
-    /// the targets' push streams), so a later batch's error loses none. `committed` must not
-    /// block. The default runs [`OperationsStore::sweep`] and calls `committed` once with all
+    /// the targets' push streams), so a later batch's error loses none. The SQLite store calls
+    /// it on its writer thread, before any later write's answer, so the notices are published
+    /// in commit order with the pushes. `committed` must not block. The default runs [`OperationsStore::sweep`] and calls `committed` once with all
     /// its notices when it succeeds.
     ///
     /// Errors: as [`OperationsStore::sweep`].
@@ -269,7 +274,7 @@ pub trait OperationsStore: Send + Sync + std::fmt::Debug {
         &self,
         now_ms: i64,
         signer: std::sync::Arc<dyn NoticeSigner>,
-        committed: &mut dyn FnMut(&[StoredNotice]),
+        committed: NoticesCommitted,
     ) -> Result<SweepReport, StoreError> {
         let report = self.sweep(now_ms, signer)?;
         committed(&report.stored);

@@ -184,6 +184,8 @@ pub struct Hub {
     ping_ms: AtomicU64,
     pong_ms: AtomicU64,
     counters: Counters,
+    /// Held across an epoch rotation's commit and its announcement ([`Hub::epoch_turn`]).
+    epoch_turn: Mutex<()>,
 }
 
 impl Default for Hub {
@@ -207,7 +209,18 @@ impl Hub {
             ping_ms: AtomicU64::new(agentmbx_protocol::stream::PING_EVERY_MS),
             pong_ms: AtomicU64::new(agentmbx_protocol::stream::PONG_TIMEOUT_MS),
             counters: Counters::default(),
+            epoch_turn: Mutex::new(()),
         }
+    }
+
+    /// The turn of one epoch rotation: hold it across the rotation's commit and its
+    /// [`Hub::announce_epoch`], so that two rotations announce in the order they committed
+    /// (the last `epoch` frame a stream gets names the current epoch). Blocking: take it on a
+    /// blocking thread, never on the async runtime.
+    pub fn epoch_turn(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.epoch_turn
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Stream>>> {

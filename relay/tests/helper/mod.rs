@@ -125,13 +125,19 @@ impl Relay {
     /// A relay whose store can be made to report a failure ([`FailingStore::fail`]), as the
     /// SQLite store does after a failed COMMIT.
     pub async fn start_failing() -> (Relay, Arc<FailingStore>) {
+        Relay::start_failing_with_config(RelayConfig::default()).await
+    }
+
+    /// [`Relay::start_failing`] with the given configuration.
+    pub async fn start_failing_with_config(config: RelayConfig) -> (Relay, Arc<FailingStore>) {
         let slot = Arc::new(std::sync::Mutex::new(None));
         let wrapped = slot.clone();
-        let relay = Relay::start_wrapped(RelayConfig::default(), move |inner| {
+        let relay = Relay::start_wrapped(config, move |inner| {
             let f = Arc::new(FailingStore {
                 inner,
                 failure: std::sync::Mutex::new(None),
                 on_read: std::sync::Mutex::new(None),
+                epoch_reads_fail: std::sync::atomic::AtomicBool::new(false),
             });
             *wrapped.lock().expect("slot") = Some(f.clone());
             f
@@ -746,6 +752,7 @@ pub struct FailingStore {
     inner: Arc<dyn RelayStore>,
     failure: std::sync::Mutex<Option<String>>,
     on_read: std::sync::Mutex<Option<(String, u32, ReadHook)>>,
+    epoch_reads_fail: std::sync::atomic::AtomicBool,
 }
 
 /// What [`FailingStore::on_enrolment_read`] does at the chosen read.
@@ -762,6 +769,12 @@ impl FailingStore {
     /// At the `nth` read (1-based, from now) of `key`'s enrolment, do `hook` once.
     pub fn on_enrolment_read(&self, key: &str, nth: u32, hook: ReadHook) {
         *self.on_read.lock().expect("lock") = Some((key.to_owned(), nth, hook));
+    }
+
+    /// From now on reading the epoch alone (`epoch()`) fails; rotations and pulls still work.
+    pub fn fail_epoch_reads(&self) {
+        self.epoch_reads_fail
+            .store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// From now on the store reports `reason` and refuses writes.
@@ -956,6 +969,14 @@ impl store::DirectoryStore for FailingStore {
 
 impl store::OperationsStore for FailingStore {
     fn epoch(&self) -> Result<String, store::StoreError> {
+        if self
+            .epoch_reads_fail
+            .load(std::sync::atomic::Ordering::SeqCst)
+        {
+            return Err(store::StoreError::WriterFailed {
+                reason: "epoch read failed".to_owned(),
+            });
+        }
         self.inner.epoch()
     }
     fn relay_pubkey(&self) -> Result<String, store::StoreError> {

@@ -95,14 +95,14 @@ impl OperationsStore for SqliteStore {
         now_ms: i64,
         signer: Arc<dyn crate::store::NoticeSigner>,
     ) -> Result<crate::store::SweepReport, StoreError> {
-        sweep::sweep(self, now_ms, signer, &mut |_| {})
+        sweep::sweep(self, now_ms, signer, Arc::new(|_| {}))
     }
 
     fn sweep_notify(
         &self,
         now_ms: i64,
         signer: Arc<dyn crate::store::NoticeSigner>,
-        committed: &mut dyn FnMut(&[crate::store::StoredNotice]),
+        committed: crate::store::NoticesCommitted,
     ) -> Result<crate::store::SweepReport, StoreError> {
         sweep::sweep(self, now_ms, signer, committed)
     }

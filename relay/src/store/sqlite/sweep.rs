@@ -80,12 +80,13 @@ pub(crate) const NOTICE_KIND: &str = "expired";
 const NOTICE_SENDER_HOST: &str = "relay";
 
 /// [`OperationsStore::sweep_notify`] (module docs): `committed` gets each batch's notices once
-/// that batch committed.
+/// that batch committed, on the writer thread (in commit order with every other write's
+/// callback, e.g. a push's live frames).
 pub(super) fn sweep(
     store: &SqliteStore,
     now_ms: i64,
     signer: Arc<dyn NoticeSigner>,
-    committed: &mut dyn FnMut(&[StoredNotice]),
+    committed: crate::store::NoticesCommitted,
 ) -> Result<SweepReport, StoreError> {
     let relay = store.relay_pubkey()?;
     if signer.relay_pubkey() != relay {
@@ -97,12 +98,23 @@ pub(super) fn sweep(
     let mut all_full = true;
     for _ in 0..SWEEP_MAX_BATCHES {
         let (signer, relay) = (signer.clone(), relay.clone());
-        let batch = store.submit(JobKind::Other, move |c, limits| {
-            sweep_batch(c, limits, now_ms, &relay, signer.as_ref())
-        })?;
+        let (reply_to, reply) = std::sync::mpsc::sync_channel(1);
+        let notify = committed.clone();
+        store.submit_then(
+            JobKind::Other,
+            move |c, limits| sweep_batch(c, limits, now_ms, &relay, signer.as_ref()),
+            Box::new(move |r: Result<SweepReport, StoreError>| {
+                // On the writer thread, right after the commit: before any later write's
+                // callback (a push committed next publishes after these notices).
+                if let Ok(batch) = &r {
+                    notify(&batch.stored);
+                }
+                let _ = reply_to.send(r);
+            }),
+        );
+        let batch = reply.recv().map_err(|_| StoreError::WriterStopped)??;
         report.batches += 1;
         let full = batch.expired_items >= SWEEP_BATCH as u64;
-        committed(&batch.stored);
         add(&mut report, batch);
         if !full {
             all_full = false;

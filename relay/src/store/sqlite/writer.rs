@@ -30,6 +30,20 @@ pub(super) enum JobKind {
     Other,
 }
 
+/// Calls a request's reply callback with `message`. The callback is the caller's code (a push
+/// publishes its live frames there), run on the writer thread after the COMMIT: a panic in it
+/// is caught and logged, so the writer lives on and the rest of the group still gets its
+/// replies (what committed stays committed).
+fn answer<T>(
+    reply_to: Box<dyn FnOnce(Result<T, StoreError>) + Send>,
+    message: Result<T, StoreError>,
+) {
+    let call = std::panic::AssertUnwindSafe(move || reply_to(message));
+    if std::panic::catch_unwind(call).is_err() {
+        tracing::error!("a write request's reply callback panicked; the writer goes on");
+    }
+}
+
 /// A write request as the writer sees it: apply it inside the group transaction, then reply once
 /// the group's fate is known.
 pub(super) trait WriteJob: Send {
@@ -88,17 +102,20 @@ where
             }),
         };
         // The caller may have gone away; there is nobody else to tell.
-        (self.reply_to)(message);
+        answer(self.reply_to, message);
     }
 
     fn refuse_stopped(self: Box<Self>) {
-        (self.reply_to)(Err(StoreError::WriterStopped));
+        answer(self.reply_to, Err(StoreError::WriterStopped));
     }
 
     fn refuse(self: Box<Self>, reason: &str) {
-        (self.reply_to)(Err(StoreError::WriterFailed {
-            reason: reason.to_owned(),
-        }));
+        answer(
+            self.reply_to,
+            Err(StoreError::WriterFailed {
+                reason: reason.to_owned(),
+            }),
+        );
     }
 }
 

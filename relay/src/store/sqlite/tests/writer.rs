@@ -492,3 +492,49 @@ fn requests_queued_behind_a_failed_commit_are_refused_not_applied() {
         Err(StoreError::WriterFailed { .. })
     ));
 }
+
+#[test]
+fn a_reply_callback_that_panics_after_the_commit_leaves_the_writer_and_the_group_answered() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = open(dir.path());
+    let (alpha, beta) = alpha_and_beta(&store);
+    // Hold the writer in a first group until the next two requests are queued, so both land
+    // in one group: the first one's callback panics, the second must still get its reply.
+    let (release, held) = mpsc::channel::<()>();
+    let (started_tx, started) = mpsc::channel::<()>();
+    store.submit_then(
+        JobKind::Other,
+        move |_, _| -> Result<(), StoreError> {
+            let _ = started_tx.send(());
+            held.recv().map_err(|_| StoreError::WriterStopped)
+        },
+        Box::new(|_| {}),
+    );
+    started.recv().expect("the writer runs the first request");
+    store.submit_then(
+        JobKind::Other,
+        |c, _| meta_put(c, "panicky", "written"),
+        Box::new(|_| panic!("a reply callback panics")),
+    );
+    let (after_done, after) = mpsc::channel();
+    store.submit_then(
+        JobKind::Other,
+        |c, _| meta_put(c, "after", "written"),
+        Box::new(move |r| {
+            let _ = after_done.send(r);
+        }),
+    );
+    release.send(()).expect("release the writer");
+    after
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("the rest of the group is answered")
+        .expect("and committed");
+    assert_eq!(
+        store.meta("panicky").expect("meta").as_deref(),
+        Some("written")
+    );
+    assert_eq!(store.failed(), None);
+    // The writer goes on.
+    let o = push_one(&store, &alpha, 1_000, item("m", &[(&beta, b"x")]));
+    assert_eq!(o.status, ItemStatus::Accepted);
+}

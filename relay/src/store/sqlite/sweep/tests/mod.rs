@@ -556,20 +556,35 @@ fn receipts_and_notices_expire_silently() {
 }
 
 #[test]
-fn each_batch_hands_over_its_notices_once_it_committed() {
+fn each_batch_hands_over_its_notices_once_it_committed_on_the_writer_thread() {
     let f = Fixture::new();
     let (alpha, beta) = f.alpha_and_beta();
     let n = SWEEP_BATCH + 1;
     for i in 0..n {
         f.push(&alpha, T0, &format!("m{i}"), &beta, b"sealed");
     }
-    let mut handed: Vec<Vec<i64>> = Vec::new();
+    let handed = Arc::new(std::sync::Mutex::new(Vec::<Vec<i64>>::new()));
+    let into = handed.clone();
     let report = f
         .store
-        .sweep_notify(T0 + RET, f.signer(), &mut |notices| {
-            handed.push(notices.iter().map(|x| x.seq).collect());
-        })
+        .sweep_notify(
+            T0 + RET,
+            f.signer(),
+            Arc::new(move |notices| {
+                // On the writer thread, in commit order with every other write's callback
+                // (a push's live frames), not on the sweep's caller thread.
+                assert_eq!(
+                    std::thread::current().name(),
+                    Some("relay-store-writer"),
+                    "the notices are handed over on the writer thread"
+                );
+                into.lock()
+                    .expect("lock")
+                    .push(notices.iter().map(|x| x.seq).collect());
+            }),
+        )
         .expect("sweep");
+    let handed = handed.lock().expect("lock").clone();
     assert_eq!(report.batches, 2);
     assert_eq!(
         handed.iter().map(Vec::len).collect::<Vec<_>>(),
