@@ -184,8 +184,14 @@ fn a_peer_unreachable_on_the_lan_gets_its_mail_through_the_relay_once() {
 
     let sent = a.send("alice", "bob@hostb", "via the relay", "the LAN is down");
     let id = sent["id"].as_str().expect("id").to_string();
-    if helper::poll(|| b.inbox_ids("bob").iter().any(|i| i == &id).then_some(())).is_none() {
-        panic!("DEBUG A:\n{}\nB:\n{}", a.log(), b.log());
+    // B's daemon learns of the pairing its CLI committed from its store check (every 30 s
+    // while its push stream is up), then publishes the allowlist; A's push is retried after.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(90);
+    while !b.inbox_ids("bob").iter().any(|i| i == &id) {
+        if std::time::Instant::now() >= deadline {
+            panic!("not at B within 90 s\nA:\n{}\nB:\n{}", a.log(), b.log());
+        }
+        std::thread::sleep(helper::POLL);
     }
     assert_eq!(b.messages_with_id(&id), 1);
     assert_eq!(b.deliveries_of(&id), 1);
