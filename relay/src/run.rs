@@ -291,23 +291,31 @@ pub async fn serve_prepared_until(
     served.map_err(|e| ServeError::Io(e.to_string()))
 }
 
-/// Resolves on SIGTERM or SIGINT, after telling a supervisor `STOPPING=1`.
-pub async fn shutdown_signal() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
+/// Resolves on SIGTERM or SIGINT, after telling a supervisor `STOPPING=1`. The handlers are
+/// installed when this is called, not when the future is first polled, so a signal that
+/// arrives once the relay logged its address (and before the server polls this) still stops
+/// it cleanly instead of killing it. Call it inside the runtime.
+pub fn shutdown_signal() -> impl Future<Output = ()> + Send + 'static {
+    use tokio::signal::unix::{signal, SignalKind};
+    let term = signal(SignalKind::terminate());
+    let int = signal(SignalKind::interrupt());
+    async move {
+        let wait = |s: std::io::Result<tokio::signal::unix::Signal>| async move {
+            match s {
+                Ok(mut s) => {
+                    s.recv().await;
+                }
+                Err(_) => std::future::pending::<()>().await,
             }
-            Err(_) => std::future::pending::<()>().await,
+        };
+        tokio::select! {
+            () = wait(term) => {}
+            () = wait(int) => {}
         }
-    };
-    tokio::select! {
-        _ = term => {}
-        _ = tokio::signal::ctrl_c() => {}
+        // STOPPING=1 for a Type=notify unit (no-op without NOTIFY_SOCKET).
+        let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
+        tracing::info!("shutdown requested: finishing requests in flight");
     }
-    // STOPPING=1 for a Type=notify unit (no-op without NOTIFY_SOCKET).
-    let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
-    tracing::info!("shutdown requested: finishing requests in flight");
 }
 
 /// `relay keygen`: a fresh relay key. Returns (the `MBX_RELAY_KEY=<seed>` line, fingerprint).
