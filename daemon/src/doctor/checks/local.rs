@@ -223,7 +223,7 @@ pub fn keystore(f: &Facts) -> Result<Outcome, String> {
 
 /// `outbox`: stuck pending rows, and per the configured relay the rows waiting for a receipt,
 /// to push again, expired and unconfirmed (`wire.md` §7 item 10); last, the route of each peer
-/// with mail queued or a LAN address marked as not answering ([`peer_routes`]).
+/// with mail queued or a LAN address marked as not answering (`peer_routes`).
 pub fn outbox(f: &Facts) -> Result<Outcome, String> {
     let Some(m) = &f.mailbox else {
         return Ok(Outcome::new(Status::Skip, "no mailbox.db yet"));
