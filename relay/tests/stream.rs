@@ -643,37 +643,40 @@ async fn until(what: &str, cond: impl Fn() -> bool) {
     }
 }
 
+/// A stream of `host` whose socket has a 4 KiB receive buffer, so the kernel holds little of
+/// what the relay writes while the client does not read.
+async fn open_slow(relay: &Relay, host: &Host) -> Ws {
+    let n = nonce(relay, host).await;
+    let target = format!("{STREAM_PATH}?nonce={n}");
+    let mut req = format!("ws://{}{target}", relay.addr())
+        .into_client_request()
+        .expect("request");
+    for (k, v) in host.hop_headers("GET", &target, "", relay.now()) {
+        if k != "content-type" {
+            req.headers_mut().insert(
+                axum::http::HeaderName::from_bytes(k.as_bytes()).expect("name"),
+                v.parse().expect("value"),
+            );
+        }
+    }
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(4096).expect("rcvbuf");
+    let tcp = socket
+        .connect(relay.addr().parse().expect("addr"))
+        .await
+        .expect("connect");
+    Ws(tokio_tungstenite::client_async(req, tcp)
+        .await
+        .expect("upgrade")
+        .0)
+}
+
 #[tokio::test]
 async fn a_reader_that_stops_reading_gets_lagged_and_the_queue_stays_bounded() {
     use agentmbx_protocol::stream::STREAM_QUEUE_BYTES;
     let relay = Relay::start().await;
     let (alice, bob) = pair(&relay).await;
-    // A small receive buffer, so the kernel holds little of what the relay writes.
-    let mut ws = {
-        let n = nonce(&relay, &bob).await;
-        let target = format!("{STREAM_PATH}?nonce={n}");
-        let mut req = format!("ws://{}{target}", relay.addr())
-            .into_client_request()
-            .expect("request");
-        for (k, v) in bob.hop_headers("GET", &target, "", relay.now()) {
-            if k != "content-type" {
-                req.headers_mut().insert(
-                    axum::http::HeaderName::from_bytes(k.as_bytes()).expect("name"),
-                    v.parse().expect("value"),
-                );
-            }
-        }
-        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
-        socket.set_recv_buffer_size(4096).expect("rcvbuf");
-        let tcp = socket
-            .connect(relay.addr().parse().expect("addr"))
-            .await
-            .expect("connect");
-        Ws(tokio_tungstenite::client_async(req, tcp)
-            .await
-            .expect("upgrade")
-            .0)
-    };
+    let mut ws = open_slow(&relay, &bob).await;
     ws.resume("", 0).await;
     ws.replay().await;
     // Stop reading; push far more than the queue holds (each item about 48 KiB of wire).
@@ -1287,4 +1290,120 @@ async fn an_epoch_rotation_announces_the_epoch_it_committed_without_reading_it_a
         non_ping(&mut ws).await,
         json!({"type": "epoch", "epoch": new})
     );
+}
+
+#[tokio::test]
+async fn a_long_replay_under_traffic_carries_the_live_frames_it_dropped_without_lagged() {
+    use agentmbx_protocol::stream::STREAM_QUEUE_BYTES;
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    // Two senders: each stays within the relay's per-sender rate.
+    let carol = Host::new("carol");
+    relay.enrol(&carol).await;
+    let senders = [&alice, &carol];
+    // A backlog far larger than one replay chunk and what the kernel buffers: 100 items of a
+    // 16 KiB body (sealed and signed, about 44 KB of wire bytes each), with the 20 live ones
+    // about 5.3 MB, within one pull page (8 MiB).
+    let body = "y".repeat(16 * 1024);
+    let mut pushed = Vec::new();
+    for i in 0..100 {
+        pushed.push(push_one(&relay, senders[i % 2], &bob, &body).await.1);
+    }
+    let hub = relay.state.streams.clone();
+    let mut ws = open_slow(&relay, &bob).await;
+    ws.resume("", 0).await;
+    // The replay runs: its first frame arrives. Then the client stops reading, and the replay
+    // (about 5.9 MB of frames) stalls on what the kernel buffers.
+    let first = ws.frame().await;
+    assert_eq!(
+        (first["type"].as_str(), first["seq"].as_i64()),
+        (Some("deliver"), Some(pushed[0])),
+        "{first}"
+    );
+    // Live items committed meanwhile: far more than the stream's queue holds.
+    for i in 0..20 {
+        pushed.push(push_one(&relay, senders[i % 2], &bob, &body).await.1);
+        assert!(
+            hub.budget_used() <= 2 * STREAM_QUEUE_BYTES,
+            "{}",
+            hub.budget_used()
+        );
+    }
+    let stats = hub.stats();
+    assert!(
+        stats["dropped_frames"].as_u64().expect("dropped") > 0,
+        "the queue overflowed while the replay ran: {stats}"
+    );
+    // Reading again: the replay carries every item (the page bound covers them all), in order
+    // and contiguous, then resume_complete; the dropped live frames were all replayed, so no
+    // `lagged` and nothing twice.
+    let (mut items, done) = ws.replay().await;
+    items.insert(0, first);
+    let got: Vec<i64> = items
+        .iter()
+        .map(|f| f["seq"].as_i64().expect("seq"))
+        .collect();
+    assert_eq!(got, pushed, "every item once, in order");
+    let prev = *pushed.last().expect("pushed");
+    assert_eq!(done["replayed"], 120);
+    assert_eq!(hub.stats()["lagged"], 0, "{}", hub.stats());
+    // Live after it: the next item comes once, as a live frame.
+    let (id, seq) = push_one(&relay, &carol, &bob, "after the replay").await;
+    let f = non_ping(&mut ws).await;
+    assert_eq!(
+        (f["type"].as_str(), f["item_id"].as_str()),
+        (Some("deliver"), Some(id.as_str())),
+        "{f}"
+    );
+    assert_eq!(
+        (
+            f["seq"].as_i64(),
+            f["prev_seq"].as_i64(),
+            f["replay"].as_bool()
+        ),
+        (Some(seq), Some(prev), Some(false))
+    );
+    drop(ws);
+    until("the stream's bytes return to the budget", || {
+        hub.running() == 0 && hub.budget_used() == 0
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_full_relay_budget_ends_the_replay_early_and_the_stream_stays_open() {
+    use agentmbx_protocol::stream::RELAY_STREAM_BUDGET_BYTES;
+    let relay = Relay::start().await;
+    let (alice, bob) = pair(&relay).await;
+    let mut last = 0;
+    for i in 0..3 {
+        last = push_one(&relay, &alice, &bob, &format!("m{i}")).await.1;
+    }
+    let hub = relay.state.streams.clone();
+    // Other streams hold the whole relay-wide budget.
+    let held = RELAY_STREAM_BUDGET_BYTES - hub.budget_used();
+    assert!(hub.reserve_bytes(held));
+    let mut ws = open(&relay, &bob).await;
+    ws.resume("", 0).await;
+    // No chunk can be had: the replay ends at once and names the head (the client pulls).
+    let (items, done) = ws.replay().await;
+    assert!(items.is_empty(), "{items:?}");
+    assert_eq!(
+        (done["replayed"].as_u64(), done["head_seq"].as_i64()),
+        (Some(0), Some(last))
+    );
+    // Not closed: once the budget has room, a resume replays.
+    hub.release_bytes(held);
+    ws.resume("", 0).await;
+    let (items, done) = ws.replay().await;
+    assert_eq!(items.len(), 3);
+    assert_eq!(done["replayed"], 3);
+    let (id, _) = push_one(&relay, &alice, &bob, "live").await;
+    assert_eq!(non_ping(&mut ws).await["item_id"], id.as_str());
+    assert_eq!(hub.stats()["closes"], json!({}), "{}", hub.stats());
+    drop(ws);
+    until("the stream's bytes return to the budget", || {
+        hub.running() == 0 && hub.budget_used() == 0
+    })
+    .await;
 }

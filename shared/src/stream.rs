@@ -26,11 +26,13 @@ pub const NONCE_TTL_MS: i64 = 120_000;
 pub const MAX_CLIENT_FRAME: usize = 64 * 1024;
 
 /// Bytes of frames one stream may have queued for sending: 256 KiB. Past it the relay drops
-/// live frames (never stored items) and sends [`ServerFrame::Lagged`].
+/// live frames (never stored items) and sends [`ServerFrame::Lagged`] (during a replay, only
+/// at its end and only for what the replay did not carry).
 pub const STREAM_QUEUE_BYTES: usize = 256 * 1024;
 
 /// Bytes of frames all streams of one relay process may have queued together: 64 MiB. Past it
-/// the relay drops live frames and sends [`ServerFrame::Lagged`], as for one full stream.
+/// the relay drops live frames and sends [`ServerFrame::Lagged`], as for one full stream, and
+/// a replay whose next chunk does not fit ends early with [`ServerFrame::ResumeComplete`].
 pub const RELAY_STREAM_BUDGET_BYTES: usize = 64 * 1024 * 1024;
 
 /// The relay sends [`ServerFrame::Ping`] every 25,000 ms (AgentPeer relay v1).
@@ -47,8 +49,9 @@ pub mod close {
     pub const POLICY: u16 = 1008;
     /// A client frame over [`super::MAX_CLIENT_FRAME`].
     pub const OVERSIZE: u16 = 1009;
-    /// The relay cannot serve this stream now (queue or budget full, too many streams): pull,
-    /// and reconnect with backoff.
+    /// The relay cannot serve this stream now (its store could not be read): pull, and
+    /// reconnect with backoff. A full queue or budget is not a close: it is `lagged`, or a
+    /// replay that ends early.
     pub const OVERLOAD: u16 = 1013;
     /// The account token the stream was opened under expired (spec §8): reopen with a fresh one.
     pub const TOKEN_EXPIRED: u16 = 4401;
@@ -107,8 +110,8 @@ pub enum ServerFrame {
         replay: bool,
     },
     /// The replay after a `resume` ended: `replayed` items were sent; `head_seq` is the last
-    /// seq allocated for the client. When the replay stopped at a page bound before the head,
-    /// the client pulls the rest.
+    /// seq allocated for the client. When the replay stopped before the head (a page bound, an
+    /// item too large for a frame, the relay-wide budget full), the client pulls the rest.
     ResumeComplete {
         /// Items sent by this replay.
         replayed: u64,
@@ -131,7 +134,9 @@ pub enum ServerFrame {
     /// [`ClientFrame::Resume`] again. After `lagged` the relay sends no live frame until that
     /// next `resume`.
     Lagged {
-        /// The first seq that was not sent.
+        /// No seq the client lacks is below it: the first dropped seq, or the one after the
+        /// replay's last when the replay carried the first dropped ones (it need not be a seq
+        /// that exists).
         from_seq: i64,
     },
     /// A client frame the relay could not use; the stream stays open.

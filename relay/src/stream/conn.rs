@@ -22,7 +22,8 @@
 //! starves the writes.
 //! Writing uses the sink's readiness (cancel-safe): a frame is taken from the queue only once
 //! the socket can take it, so a slow reader leaves frames in the bounded queue, where the
-//! publish path turns the overflow into `lagged`.
+//! publish path turns the overflow into `lagged` (during a replay, [`Hub::end_replay`] decides
+//! whether the replay carried it).
 //!
 //! # What it must never do
 //! Send a live frame for a seq the replay already sent, send live frames before the replay
@@ -128,7 +129,8 @@ struct Replay {
     head_seq: i64,
     /// More stored items follow the last chunk read.
     more: bool,
-    /// The replay ends after `chunk` (an item too large for a frame was met).
+    /// The replay ends after `chunk` (an item too large for a frame was met, or the relay-wide
+    /// budget could not give the chunk).
     last: bool,
 }
 
@@ -359,13 +361,19 @@ async fn read_chunk(
 
 /// Takes `page` as the replay's next chunk: items up to the first one whose frame would not fit
 /// the socket ([`ConnParams::max_frame_bytes`]; the replay ends before it, a pull carries it),
-/// their frame bytes reserved from the budget (`Err(1013)` when they cannot be had).
+/// their frame bytes reserved from the budget, and tells the hub how far the replay has read
+/// ([`Hub::replay_read`]: live frames up to there are the replay's). When the relay-wide
+/// budget cannot give them, the
+/// replay ends here (its `resume_complete` names the head, so the client pulls the rest over
+/// HTTP) instead of closing the stream: many streams resuming at once after a restart are not
+/// turned into reconnects.
 fn take_chunk(
     hub: &Hub,
+    stream: &Stream,
     params: &ConnParams,
     replay: &mut Replay,
     page: PullPage,
-) -> Result<(), u16> {
+) {
     replay.head_seq = page.head_seq;
     replay.more = page.more;
     let mut reserve = 0usize;
@@ -379,11 +387,18 @@ fn take_chunk(
         replay.chunk.push_back(item);
     }
     if !hub.reserve_bytes(reserve) {
+        tracing::debug!(
+            bytes = reserve,
+            "push stream: the relay-wide budget is full; the replay ends early and the client pulls"
+        );
         replay.chunk.clear();
-        return Err(close::OVERLOAD);
+        replay.last = true;
+        return;
     }
-    replay.reserved = reserve;
-    Ok(())
+    replay.reserved = replay.reserved.saturating_add(reserve);
+    if let Some(last) = replay.chunk.back() {
+        hub.replay_read(stream, last.seq);
+    }
 }
 
 /// Runs the stream until it closes; `reg` is dropped at the end (unregistering the stream and
@@ -525,9 +540,7 @@ pub async fn run<H: Send>(
                                 prev_seq: after,
                                 ..Replay::default()
                             };
-                            if let Err(code) = take_chunk(&hub, &params, &mut replay, page) {
-                                break Ended::Closed(code);
-                            }
+                            take_chunk(&hub, &stream, &params, &mut replay, page);
                         }
                     }
                 },
@@ -647,7 +660,7 @@ async fn next_frame(
             // The epoch changed under the replay: the hub announces it; stop here.
             replay.more = false;
         } else {
-            take_chunk(hub, params, replay, page)?;
+            take_chunk(hub, stream, params, replay, page);
         }
     }
     if let Some(item) = replay.chunk.pop_front() {
@@ -668,10 +681,12 @@ async fn next_frame(
             replay: true,
         })));
     }
-    // The replay ended: its bound, the head, or an item too large for a frame (a pull carries
-    // it). Live frames up to the last replayed seq are not sent again.
+    // The replay ended: its bound, the head, an item too large for a frame or a full budget (a
+    // pull carries the rest). Live frames up to the last replayed seq are not sent again; live
+    // frames dropped while it ran and not replayed are told with `lagged` after the queue.
     replay.active = false;
     *skip_through = replay.prev_seq;
+    hub.end_replay(stream, replay.prev_seq);
     Ok(Some(frame_text(&ServerFrame::ResumeComplete {
         replayed: replay.sent,
         head_seq: replay.head_seq,

@@ -10,7 +10,9 @@
 //! waits for a socket, so the store's writer and the push handler never block on a slow
 //! reader. When a queue ([`STREAM_QUEUE_BYTES`]) or the budget is full the live frame is
 //! dropped (never the stored item) and one `lagged {from_seq}` marker is queued instead; the
-//! stream then drops every live frame until its client sends `resume` again.
+//! stream then drops every live frame until its client sends `resume` again. While a replay
+//! runs, the marker waits for its end ([`Hub::end_replay`]): it is sent only when the replay
+//! did not carry every dropped seq.
 //!
 //! # What it must never do
 //! Touch the store or a socket, or publish a frame before the transaction that stored its item
@@ -78,6 +80,16 @@ struct Queue {
     live: bool,
     /// A `lagged` marker was queued: drop live frames until the next `resume`.
     lagged: bool,
+    /// A replay runs (from the `resume` until its `resume_complete`): a live frame that does
+    /// not fit is dropped without a marker, since the replay may still send its seq;
+    /// [`Hub::end_replay`] queues `lagged` only for what the replay did not send.
+    replaying: bool,
+    /// The first and the last seq dropped while `replaying` (every live frame after the first
+    /// drop is dropped too, so the queue never skips a seq it then sends).
+    dropped: Option<(i64, i64)>,
+    /// The running replay has read its items up to this seq ([`Hub::replay_read`]): live
+    /// frames at or below it are the replay's to send and are not queued.
+    floor: i64,
     /// The stream's registration was dropped: nothing is queued any more (no bytes of the
     /// budget can be left behind).
     closed: bool,
@@ -269,14 +281,15 @@ impl Hub {
     }
 
     /// Publishes a committed item to `target`'s stream, if one is open and live. Never waits;
-    /// an item whose frame cannot fit the queue is `lagged` without encoding it.
+    /// an item whose frame cannot fit the queue is `lagged` without encoding it (during a
+    /// replay: dropped, and [`Hub::end_replay`] decides).
     pub fn publish(&self, target: &str, item: &LiveItem) {
         let Some(stream) = self.map().get(target).cloned() else {
             return;
         };
         let too_large = {
-            let q = stream.lock();
-            if q.closed || !q.live || q.lagged {
+            let mut q = stream.lock();
+            if !self.may_queue(&mut q, item.seq) {
                 return;
             }
             // The frame's length before encoding it: base64 of the wire plus the fields.
@@ -291,22 +304,16 @@ impl Hub {
         };
         let n = text.len();
         let mut q = stream.lock();
-        if q.closed || !q.live || q.lagged {
+        if !self.may_queue(&mut q, item.seq) {
             return;
         }
         if too_large || q.bytes.saturating_add(n) > STREAM_QUEUE_BYTES || !self.reserve(n) {
-            q.lagged = true;
-            let marker = frame_text(&ServerFrame::Lagged { from_seq: item.seq });
-            // The marker is a few dozen bytes: counted, never refused.
-            self.budget_used.fetch_add(marker.len(), Ordering::AcqRel);
-            q.bytes += marker.len();
-            q.frames.push_back(Queued {
-                seq: item.seq,
-                marker: true,
-                text: marker,
-            });
-            self.counters.lagged.fetch_add(1, Ordering::Relaxed);
             self.counters.dropped_frames.fetch_add(1, Ordering::Relaxed);
+            if q.replaying {
+                q.dropped = Some((item.seq, item.seq));
+                return;
+            }
+            self.queue_lagged(&mut q, item.seq);
         } else {
             q.bytes += n;
             q.frames.push_back(Queued {
@@ -317,6 +324,87 @@ impl Hub {
         }
         drop(q);
         stream.wake.notify_one();
+    }
+
+    /// Whether a live frame for `seq` may be queued: the stream is open, live and not
+    /// `lagged`, the running replay has not read `seq` already, and no live frame was dropped
+    /// during the running replay (a later one is dropped too and noted in [`Queue::dropped`]).
+    fn may_queue(&self, q: &mut Queue, seq: i64) -> bool {
+        if q.closed || !q.live || q.lagged || seq <= q.floor {
+            return false;
+        }
+        if let Some((_, last)) = q.dropped.as_mut() {
+            *last = (*last).max(seq);
+            return false;
+        }
+        true
+    }
+
+    /// Queues the `lagged {from_seq}` marker and drops live frames until the next `resume`.
+    fn queue_lagged(&self, q: &mut Queue, from_seq: i64) {
+        q.lagged = true;
+        let marker = frame_text(&ServerFrame::Lagged { from_seq });
+        // The marker is a few dozen bytes: counted, never refused.
+        self.budget_used.fetch_add(marker.len(), Ordering::AcqRel);
+        q.bytes += marker.len();
+        q.frames.push_back(Queued {
+            seq: from_seq,
+            marker: true,
+            text: marker,
+        });
+        self.counters.lagged.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The running replay of `stream` read its items up to `through` (a chunk it will write):
+    /// queued live frames at or below it are dropped (the replay sends them) and later ones are
+    /// not queued; once every live frame dropped during the replay is at or below it, the
+    /// queue takes live frames again. Called with the last seq of each chunk read.
+    pub fn replay_read(&self, stream: &Stream, through: i64) {
+        let mut q = stream.lock();
+        let freed = Self::cover(&mut q, through);
+        drop(q);
+        self.release(freed);
+    }
+
+    /// [`Hub::replay_read`] under the lock; returns the bytes to give back to the budget.
+    fn cover(q: &mut Queue, through: i64) -> usize {
+        if !q.replaying {
+            return 0;
+        }
+        q.floor = q.floor.max(through);
+        let before = q.bytes;
+        q.frames.retain(|f| f.marker || f.seq > through);
+        q.bytes = q.frames.iter().map(|f| f.text.len()).sum();
+        if matches!(q.dropped, Some((_, last)) if last <= through) {
+            q.dropped = None;
+        }
+        before.saturating_sub(q.bytes)
+    }
+
+    /// The replay of `stream` ended (its `resume_complete` is being written) with `through`,
+    /// the last seq it sent (the `resume`'s `after` when it sent none). Live frames dropped
+    /// while it ran that it did not send are told with `lagged {from_seq}`, queued after the
+    /// live frames the queue holds; no seq the client lacks is below `from_seq` (the first
+    /// dropped seq, or `through + 1` when the replay sent the first ones). When the replay
+    /// sent every dropped seq, nothing is told.
+    pub fn end_replay(&self, stream: &Stream, through: i64) {
+        let mut q = stream.lock();
+        let freed = Self::cover(&mut q, through);
+        q.replaying = false;
+        let tell = match q.dropped.take() {
+            Some((first, _)) if !q.closed && q.live && !q.lagged => {
+                Some(first.max(through.saturating_add(1)))
+            }
+            _ => None,
+        };
+        if let Some(from_seq) = tell {
+            self.queue_lagged(&mut q, from_seq);
+        }
+        drop(q);
+        self.release(freed);
+        if tell.is_some() {
+            stream.wake.notify_one();
+        }
     }
 
     /// Takes `n` bytes from the relay-wide budget; false when they do not fit.
@@ -330,7 +418,7 @@ impl Hub {
     }
 
     /// Takes `n` bytes from the relay-wide budget for a replay chunk; false when they do not
-    /// fit (the stream closes with 1013).
+    /// fit (the replay ends there with `resume_complete` and the client pulls).
     pub fn reserve_bytes(&self, n: usize) -> bool {
         self.reserve(n)
     }
@@ -349,8 +437,8 @@ impl Hub {
     }
 
     /// Empties `stream`'s queue and sets whether it is live (a `resume` with the current epoch:
-    /// true, which also drops an announced `epoch` frame the `resume` makes moot; a stale
-    /// epoch: false). Clears the lagged state.
+    /// true, which also drops an announced `epoch` frame the `resume` makes moot, and starts
+    /// its replay; a stale epoch: false). Clears the lagged state.
     pub fn reset(&self, stream: &Stream, live: bool) {
         let mut q = stream.lock();
         let freed = q.bytes;
@@ -358,6 +446,9 @@ impl Hub {
         q.bytes = 0;
         q.live = live && !q.closed;
         q.lagged = false;
+        q.replaying = q.live;
+        q.dropped = None;
+        q.floor = 0;
         if live {
             q.epoch = None;
         }
@@ -394,6 +485,9 @@ impl Hub {
             q.bytes = 0;
             q.live = false;
             q.lagged = false;
+            q.replaying = false;
+            q.dropped = None;
+            q.floor = 0;
             q.epoch = Some(text.clone());
             drop(q);
             self.release(freed);
@@ -568,6 +662,7 @@ mod tests {
         hub.publish("K", &item(1, 10));
         assert!(!reg.stream.has_frames(), "not live before resume");
         hub.reset(&reg.stream, true);
+        hub.end_replay(&reg.stream, 0);
         for seq in 1..=100 {
             hub.publish("K", &item(seq, 10_000));
         }
@@ -587,11 +682,118 @@ mod tests {
         assert_eq!(hub.open(), 0);
     }
 
+    /// Pops every queued frame: `(seq, marker)`.
+    fn drain(hub: &Hub, stream: &Stream) -> Vec<(i64, bool)> {
+        std::iter::from_fn(|| hub.pop(stream).map(|f| (f.seq, f.marker))).collect()
+    }
+
+    #[test]
+    fn during_a_replay_an_overflow_waits_for_its_end_and_the_replay_may_cover_it() {
+        let hub = Arc::new(Hub::default());
+        let reg = hub.register("K", "fp", None);
+        hub.reset(&reg.stream, true);
+        for seq in 1..=100 {
+            hub.publish("K", &item(seq, 10_000));
+        }
+        let queued = drain(&hub, &reg.stream);
+        let fitted = i64::try_from(queued.len()).expect("len");
+        assert!(fitted > 0 && fitted < 100, "{fitted}");
+        assert!(
+            queued.iter().all(|&(_, marker)| !marker),
+            "no marker yet: {queued:?}"
+        );
+        assert_eq!(hub.stats()["lagged"], 0);
+        // The replay sent up to 100: every dropped seq was carried, nothing to tell.
+        hub.end_replay(&reg.stream, 100);
+        assert!(drain(&hub, &reg.stream).is_empty());
+        assert_eq!(hub.stats()["lagged"], 0);
+        // Live again after it.
+        hub.publish("K", &item(101, 10));
+        assert_eq!(drain(&hub, &reg.stream), vec![(101, false)]);
+        assert_eq!(hub.budget_used(), 0);
+    }
+
+    #[test]
+    fn a_replay_that_stops_below_the_dropped_seqs_ends_in_lagged_after_the_queue() {
+        let hub = Arc::new(Hub::default());
+        let reg = hub.register("K", "fp", None);
+        hub.reset(&reg.stream, true);
+        for seq in 1..=100 {
+            hub.publish("K", &item(seq, 10_000));
+        }
+        // A drop never leaves a hole: a small frame after the first drop is dropped too.
+        hub.publish("K", &item(101, 10));
+        // The replay sent up to 3: those are taken out of the queue, the rest stays in order.
+        hub.end_replay(&reg.stream, 3);
+        let frames = drain(&hub, &reg.stream);
+        let (marker, live) = frames.split_last().expect("frames");
+        let fitted = i64::try_from(live.len()).expect("len") + 3;
+        assert_eq!(live, (4..=fitted).map(|s| (s, false)).collect::<Vec<_>>());
+        assert_eq!(*marker, (fitted + 1, true), "lagged from the first drop");
+        assert_eq!(hub.stats()["lagged"], 1);
+        // Lagged: nothing more until the next resume.
+        hub.publish("K", &item(102, 10));
+        assert!(drain(&hub, &reg.stream).is_empty());
+        // A replay that ended past the first drop: lagged from the seq after it.
+        hub.reset(&reg.stream, true);
+        for seq in 200..=300 {
+            hub.publish("K", &item(seq, 10_000));
+        }
+        hub.end_replay(&reg.stream, 290);
+        assert_eq!(drain(&hub, &reg.stream).last(), Some(&(291, true)));
+        assert_eq!(hub.budget_used(), 0);
+    }
+
+    #[test]
+    fn a_chunk_read_past_every_drop_reopens_the_queue_during_the_replay() {
+        let hub = Arc::new(Hub::default());
+        let reg = hub.register("K", "fp", None);
+        hub.reset(&reg.stream, true);
+        for seq in 1..=100 {
+            hub.publish("K", &item(seq, 10_000));
+        }
+        assert!(hub.budget_used() > 0);
+        // A chunk up to 60: the queued frames (about 19 fit, all below 60) are the replay's
+        // and leave the queue; seqs above 60 were dropped and not read yet, so it still drops.
+        hub.replay_read(&reg.stream, 60);
+        assert_eq!(hub.budget_used(), 0);
+        hub.publish("K", &item(101, 10));
+        assert!(!reg.stream.has_frames());
+        // A chunk up to 101 (the replay read every dropped seq): live frames are queued again,
+        // and a late publish of a seq the replay read is not.
+        hub.replay_read(&reg.stream, 101);
+        hub.publish("K", &item(99, 10));
+        hub.publish("K", &item(102, 10));
+        hub.end_replay(&reg.stream, 101);
+        assert_eq!(drain(&hub, &reg.stream), vec![(102, false)]);
+        assert_eq!(hub.stats()["lagged"], 0);
+        assert_eq!(hub.budget_used(), 0);
+    }
+
+    #[test]
+    fn an_item_too_large_for_the_queue_during_a_replay_waits_for_its_end() {
+        let hub = Arc::new(Hub::default());
+        let reg = hub.register("K", "fp", None);
+        hub.reset(&reg.stream, true);
+        hub.publish("K", &item(7, STREAM_QUEUE_BYTES));
+        assert!(!reg.stream.has_frames());
+        // The replay stopped at 6 (e.g. its page bound): 7 is told.
+        hub.end_replay(&reg.stream, 6);
+        assert_eq!(drain(&hub, &reg.stream), vec![(7, true)]);
+        // A replay that carried it: nothing is told.
+        hub.reset(&reg.stream, true);
+        hub.publish("K", &item(8, STREAM_QUEUE_BYTES));
+        hub.end_replay(&reg.stream, 8);
+        assert!(drain(&hub, &reg.stream).is_empty());
+        assert_eq!(hub.budget_used(), 0);
+    }
+
     #[test]
     fn an_item_larger_than_the_queue_is_lagged_at_once() {
         let hub = Arc::new(Hub::default());
         let reg = hub.register("K", "fp", None);
         hub.reset(&reg.stream, true);
+        hub.end_replay(&reg.stream, 0);
         hub.publish("K", &item(7, STREAM_QUEUE_BYTES));
         let f = hub.pop(&reg.stream).expect("a frame");
         assert!(f.marker);
@@ -605,8 +807,10 @@ mod tests {
         let hub = Arc::new(Hub::with_budget(50_000));
         let a = hub.register("A", "fa", None);
         let b = hub.register("B", "fb", None);
-        hub.reset(&a.stream, true);
-        hub.reset(&b.stream, true);
+        for reg in [&a, &b] {
+            hub.reset(&reg.stream, true);
+            hub.end_replay(&reg.stream, 0);
+        }
         for seq in 1..=10 {
             hub.publish("A", &item(seq, 8_000));
             hub.publish("B", &item(seq, 8_000));
