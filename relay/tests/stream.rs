@@ -49,19 +49,19 @@ pub(crate) async fn nonce(relay: &Relay, host: &Host) -> String {
         .to_owned()
 }
 
-/// The upgrade signed by `host` at `ts_ms` with `nonce` (and `extra` headers).
-pub(crate) async fn upgrade_with(
+/// The WebSocket request for `target`, with the hop headers `host` signs for it now (and
+/// `extra` headers).
+fn signed_request(
     relay: &Relay,
     host: &Host,
-    nonce: &str,
+    target: &str,
     extra: &[(String, String)],
-) -> Result<Ws, Refused> {
-    let target = format!("{STREAM_PATH}?nonce={nonce}");
+) -> axum::http::Request<()> {
     let mut req = format!("ws://{}{target}", relay.addr())
         .into_client_request()
         .expect("a client request");
     for (k, v) in host
-        .hop_headers("GET", &target, "", relay.now())
+        .hop_headers("GET", target, "", relay.now())
         .into_iter()
         .chain(extra.iter().cloned())
     {
@@ -73,9 +73,14 @@ pub(crate) async fn upgrade_with(
             v.parse().expect("header value"),
         );
     }
-    let tcp = tokio::net::TcpStream::connect(relay.addr())
-        .await
-        .expect("connect");
+    req
+}
+
+/// Sends `req` over `tcp`: the stream (a `101`), or the relay's refusal.
+async fn handshake(
+    req: axum::http::Request<()>,
+    tcp: tokio::net::TcpStream,
+) -> Result<Ws, Refused> {
     match tokio::time::timeout(WAIT, tokio_tungstenite::client_async(req, tcp)).await {
         Err(_) => panic!("the upgrade got no answer"),
         Ok(Ok((ws, resp))) => {
@@ -94,36 +99,27 @@ pub(crate) async fn upgrade_with(
     }
 }
 
+async fn connect(relay: &Relay) -> tokio::net::TcpStream {
+    tokio::net::TcpStream::connect(relay.addr())
+        .await
+        .expect("connect")
+}
+
+/// The upgrade signed by `host` with `nonce` (and `extra` headers).
+pub(crate) async fn upgrade_with(
+    relay: &Relay,
+    host: &Host,
+    nonce: &str,
+    extra: &[(String, String)],
+) -> Result<Ws, Refused> {
+    let req = signed_request(relay, host, &format!("{STREAM_PATH}?nonce={nonce}"), extra);
+    handshake(req, connect(relay).await).await
+}
+
 /// The upgrade signed by `host` without a nonce in its path.
 async fn upgrade_missing_nonce(relay: &Relay, host: &Host) -> Result<Ws, Refused> {
-    let target = STREAM_PATH.to_owned();
-    let mut req = format!("ws://{}{target}", relay.addr())
-        .into_client_request()
-        .expect("a client request");
-    for (k, v) in host.hop_headers("GET", &target, "", relay.now()) {
-        if k != "content-type" {
-            req.headers_mut().insert(
-                axum::http::HeaderName::from_bytes(k.as_bytes()).expect("header name"),
-                v.parse().expect("header value"),
-            );
-        }
-    }
-    let tcp = tokio::net::TcpStream::connect(relay.addr())
-        .await
-        .expect("connect");
-    match tokio::time::timeout(WAIT, tokio_tungstenite::client_async(req, tcp)).await {
-        Err(_) => panic!("the upgrade got no answer"),
-        Ok(Ok((ws, _))) => Ok(Ws(ws)),
-        Ok(Err(WsError::Http(resp))) => Err(Refused {
-            status: resp.status().as_u16(),
-            body: resp
-                .body()
-                .as_ref()
-                .and_then(|b| serde_json::from_slice(b).ok())
-                .unwrap_or(Value::Null),
-        }),
-        Ok(Err(e)) => panic!("upgrade failed: {e}"),
-    }
+    let req = signed_request(relay, host, STREAM_PATH, &[]);
+    handshake(req, connect(relay).await).await
 }
 
 async fn upgrade(relay: &Relay, host: &Host, nonce: &str) -> Result<Ws, Refused> {
@@ -647,28 +643,14 @@ async fn until(what: &str, cond: impl Fn() -> bool) {
 /// what the relay writes while the client does not read.
 async fn open_slow(relay: &Relay, host: &Host) -> Ws {
     let n = nonce(relay, host).await;
-    let target = format!("{STREAM_PATH}?nonce={n}");
-    let mut req = format!("ws://{}{target}", relay.addr())
-        .into_client_request()
-        .expect("request");
-    for (k, v) in host.hop_headers("GET", &target, "", relay.now()) {
-        if k != "content-type" {
-            req.headers_mut().insert(
-                axum::http::HeaderName::from_bytes(k.as_bytes()).expect("name"),
-                v.parse().expect("value"),
-            );
-        }
-    }
+    let req = signed_request(relay, host, &format!("{STREAM_PATH}?nonce={n}"), &[]);
     let socket = tokio::net::TcpSocket::new_v4().expect("socket");
     socket.set_recv_buffer_size(4096).expect("rcvbuf");
     let tcp = socket
         .connect(relay.addr().parse().expect("addr"))
         .await
         .expect("connect");
-    Ws(tokio_tungstenite::client_async(req, tcp)
-        .await
-        .expect("upgrade")
-        .0)
+    handshake(req, tcp).await.expect("the stream opens")
 }
 
 #[tokio::test]
